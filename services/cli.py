@@ -1,0 +1,55 @@
+"""The `sagaline` command line.
+
+Each area of the project owns its sub-commands in its own module, which exposes
+``register(subparsers)``; this file only wires them together, so adding a command
+never means editing another area's code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# Modules that contribute sub-commands. Each has `register(subparsers) -> None`,
+# and every parser it adds sets `func=callable(args) -> int` as its default.
+COMMAND_MODULES: tuple[str, ...] = (
+    "services.kafka_cli",
+    "participants.cli",
+    "coordinator.cli",
+    "services.demo",
+    "services.dashboard",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sagaline",
+        description="Recoverable side effects for AI-agent tool calls, over Kafka.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue  # that area is not built yet
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 2
+    result: int = func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())
