@@ -1,0 +1,144 @@
+"""The Sagaline event contract: records, keys, receipts (and, in submodules, the
+Avro codec, topic names and signing).
+
+Example::
+
+    from schemas import SagaStarted, envelope_for
+    event = SagaStarted(
+        envelope=envelope_for(SagaStarted, saga_id="s-1", tenant_id="acme",
+                              producer="agent", now=1_700_000_000_000),
+        workflow="refund", principal="alice",
+    )
+"""
+
+from __future__ import annotations
+
+from schemas.keys import (
+    args_fingerprint,
+    canonical_json,
+    compensation_key,
+    derived_event_id,
+    fingerprint,
+    idempotency_key,
+    key_hash,
+    new_event_id,
+)
+from schemas.models import (
+    COMMAND_TYPES,
+    EVENT_TYPES,
+    RECORD_TYPES,
+    ApprovalDenied,
+    ApprovalGranted,
+    ApprovalPurpose,
+    ApprovalRequested,
+    Command,
+    CompensateStep,
+    CompensationAccepted,
+    CompensationApproval,
+    CompensationCommitted,
+    CompensationFailed,
+    CompensationRequested,
+    Envelope,
+    Event,
+    ExecuteStep,
+    FailureKind,
+    IncidentRaised,
+    IncidentResolved,
+    ReconcileResult,
+    ReconcileStep,
+    Record,
+    RetryPolicy,
+    Reversibility,
+    SagaEndRequested,
+    SagaOutcome,
+    SagaStarted,
+    SagaTerminal,
+    StepCommitted,
+    StepContract,
+    StepFailed,
+    StepIntentRecorded,
+    StepOutcomeUnknown,
+    StepReconciled,
+    StepRetryScheduled,
+    StepScheduled,
+    TerminalStatus,
+)
+from schemas.receipt import Disposition, Receipt, StepReceipt
+
+
+def envelope_for(
+    record_type: type[Record],
+    *,
+    saga_id: str,
+    tenant_id: str,
+    producer: str,
+    now: int,
+    generation: int = 1,
+    causation_id: str | None = None,
+    event_id: str | None = None,
+) -> Envelope:
+    """Build the envelope for a new record of ``record_type``."""
+    return Envelope(
+        event_id=event_id or new_event_id(),
+        saga_id=saga_id,
+        tenant_id=tenant_id,
+        type=record_type.TYPE,
+        occurred_at=now,
+        producer=producer,
+        generation=generation,
+        causation_id=causation_id,
+    )
+
+
+__all__ = [
+    "COMMAND_TYPES",
+    "EVENT_TYPES",
+    "RECORD_TYPES",
+    "ApprovalDenied",
+    "ApprovalGranted",
+    "ApprovalPurpose",
+    "ApprovalRequested",
+    "Command",
+    "CompensateStep",
+    "CompensationAccepted",
+    "CompensationApproval",
+    "CompensationCommitted",
+    "CompensationFailed",
+    "CompensationRequested",
+    "Disposition",
+    "Envelope",
+    "Event",
+    "ExecuteStep",
+    "FailureKind",
+    "IncidentRaised",
+    "IncidentResolved",
+    "Receipt",
+    "ReconcileResult",
+    "ReconcileStep",
+    "Record",
+    "RetryPolicy",
+    "Reversibility",
+    "SagaEndRequested",
+    "SagaOutcome",
+    "SagaStarted",
+    "SagaTerminal",
+    "StepCommitted",
+    "StepContract",
+    "StepFailed",
+    "StepIntentRecorded",
+    "StepOutcomeUnknown",
+    "StepReceipt",
+    "StepReconciled",
+    "StepRetryScheduled",
+    "StepScheduled",
+    "TerminalStatus",
+    "args_fingerprint",
+    "canonical_json",
+    "compensation_key",
+    "derived_event_id",
+    "envelope_for",
+    "fingerprint",
+    "idempotency_key",
+    "key_hash",
+    "new_event_id",
+]

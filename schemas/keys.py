@@ -1,0 +1,56 @@
+"""Deterministic identities: fingerprints, idempotency keys and event ids.
+
+Every party derives the same key from the same facts, so a retry, a redelivery or a
+replay lands on the same provider operation instead of creating a second one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from typing import Any
+
+import orjson
+
+_NAMESPACE = uuid.UUID("8f0b1d0e-5a6c-4c8e-9a57-5a9a11e0c0de")
+
+
+def canonical_json(value: Any) -> bytes:
+    """JSON with sorted keys and no whitespace: equal values give equal bytes."""
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+
+
+def fingerprint(data: bytes) -> str:
+    """A short, stable fingerprint of bytes (sha256, hex, 32 chars)."""
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+def args_fingerprint(args_json: bytes) -> str:
+    """Fingerprint of tool arguments, normalised so key order does not matter."""
+    return fingerprint(canonical_json(orjson.loads(args_json)))
+
+
+def idempotency_key(saga_id: str, step_id: str, tool: str, args_json: bytes) -> str:
+    """The forward key: the same saga, step, tool and arguments give the same key."""
+    material = canonical_json([saga_id, step_id, tool, orjson.loads(args_json)])
+    return "idem-" + hashlib.sha256(material).hexdigest()[:40]
+
+
+def compensation_key(forward_key: str) -> str:
+    """The compensation key derives from the forward key, so retries repeat it (R8)."""
+    return "comp-" + hashlib.sha256(b"compensate:" + forward_key.encode()).hexdigest()[:40]
+
+
+def key_hash(key: str) -> str:
+    """What a receipt shows of a key: enough to correlate, not enough to replay."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def derived_event_id(*parts: str | int) -> str:
+    """A deterministic event id, so re-deciding the same input emits the same ids
+    (replays and retries are deduplicated downstream)."""
+    return str(uuid.uuid5(_NAMESPACE, "/".join(str(p) for p in parts)))
+
+
+def new_event_id() -> str:
+    return str(uuid.uuid4())
