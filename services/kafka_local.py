@@ -1,0 +1,810 @@
+"""Run a real single-node Apache Kafka (KRaft) broker on this machine, without Docker.
+
+Why this exists: Sagaline's tests, demo and CI must talk to a *real* Kafka broker
+(transactions, consumer groups and partitioning behave in ways no fake reproduces),
+but our machines and CI have no Docker engine. They do have Java and Maven (or can
+get them from Debian), and Maven Central serves the Kafka broker itself as ordinary
+jars. So this module:
+
+1. resolves ``org.apache.kafka:kafka_2.13`` plus log4j2/slf4j with Maven into a
+   per-version cache folder, once (a marker file records success; later runs never
+   touch the network);
+2. keeps a *state dir* per broker (``~/.cache/sagaline/broker`` by default) with a
+   generated ``server.properties``, a log4j2 config, the cluster id, the chosen
+   ports, the KRaft data dir, the broker log, a pid file and a ``bootstrap`` file;
+3. formats the data dir with ``kafka.tools.StorageTool`` (first start only) and
+   starts ``kafka.Kafka`` detached, so the broker outlives the command or test
+   session that started it and is reused by the next one (a JVM start costs
+   seconds on two cores; reuse costs one metadata request);
+4. treats "running" as *pid alive, and that pid is our broker, and it answers a
+   metadata request*, so stale pid files (after ``kill -9``, a reboot, or a CI
+   machine that ended every process) are detected and the broker is simply started
+   again on the same data dir (KRaft recovers its log; the OS releases the data-dir
+   lock when the process dies).
+
+Everything that can go wrong for a user is raised as :class:`KafkaLauncherError`
+(or a subclass) with a message that says what to do.
+
+Environment:
+
+``SAGALINE_CACHE_DIR``
+    Root of the cache (default ``$XDG_CACHE_HOME/sagaline`` or ``~/.cache/sagaline``).
+    Jars go to ``<root>/kafka/<version>/libs``, the default broker to ``<root>/broker``.
+``SAGALINE_KAFKA_VERSION``
+    Pin one Kafka version instead of trying :data:`CANDIDATE_VERSIONS` in order.
+``SAGALINE_KAFKA_START_TIMEOUT``
+    Seconds to wait for the broker to answer after start (default 120).
+``SAGALINE_NO_APT``
+    Set to ``1`` to never ``apt-get install`` Java or Maven, even as root.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import fcntl
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "CANDIDATE_VERSIONS",
+    "BrokerStatus",
+    "KafkaLauncherError",
+    "MavenResolutionError",
+    "PortInUseError",
+    "StartupError",
+    "ToolMissingError",
+    "UpResult",
+    "default_cache_dir",
+    "default_state_dir",
+    "down",
+    "ensure_port_free",
+    "ensure_running",
+    "free_port",
+    "metadata_answers",
+    "new_cluster_id",
+    "render_server_properties",
+    "resolve_jars",
+    "status",
+    "up",
+]
+
+#: Kafka versions tried in order when none is pinned. 4.1.0 first (what we develop
+#: against); the others are known to be served by Maven Central here.
+CANDIDATE_VERSIONS: tuple[str, ...] = ("4.1.0", "4.1.1", "4.0.1", "4.2.0", "4.0.0")
+LOG4J_VERSION = "2.25.1"
+SLF4J_VERSION = "2.0.17"
+DEPENDENCY_PLUGIN_VERSION = "3.8.1"
+
+HOST = "127.0.0.1"
+DEFAULT_START_TIMEOUT = 120.0
+DEFAULT_STOP_TIMEOUT = 30.0
+JVM_HEAP = ("-Xms256m", "-Xmx512m")
+
+# Files inside a state dir.
+PID_FILE = "broker.pid"
+BOOTSTRAP_FILE = "bootstrap"
+CLUSTER_ID_FILE = "cluster.id"
+PORTS_FILE = "ports"
+VERSION_FILE = "kafka.version"
+LOG_FILE = "broker.log"
+LOCK_FILE = "launcher.lock"
+SERVER_PROPERTIES = "server.properties"
+LOG4J_PROPERTIES = "log4j2.properties"
+DATA_DIR = "data"
+
+
+class KafkaLauncherError(RuntimeError):
+    """Something stops the local broker from running; the message says what to do."""
+
+
+class ToolMissingError(KafkaLauncherError):
+    """Java or Maven is missing (or too old) and could not be installed."""
+
+
+class MavenResolutionError(KafkaLauncherError):
+    """Maven could not resolve the Kafka jars for any candidate version."""
+
+
+class PortInUseError(KafkaLauncherError):
+    """A port the broker must listen on is taken by another process."""
+
+
+class StartupError(KafkaLauncherError):
+    """The broker process exited, or did not answer in time, after being started."""
+
+
+@dataclass(frozen=True)
+class UpResult:
+    """What :func:`ensure_running` found or did."""
+
+    bootstrap: str
+    started: bool  # False when an already-running broker was reused
+    pid: int
+    version: str
+    state_dir: Path
+
+
+@dataclass(frozen=True)
+class BrokerStatus:
+    """A snapshot of one state dir, as reported by :func:`status`."""
+
+    running: bool
+    state_dir: Path
+    bootstrap: str | None
+    pid: int | None
+    version: str | None
+    log_file: Path
+    detail: str
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def default_cache_dir() -> Path:
+    """``$SAGALINE_CACHE_DIR``, else ``$XDG_CACHE_HOME/sagaline``, else ``~/.cache/sagaline``."""
+    env = os.environ.get("SAGALINE_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "sagaline"
+
+
+def default_state_dir() -> Path:
+    """The state dir of the shared, reused broker: ``<cache>/broker``."""
+    return default_cache_dir() / "broker"
+
+
+def _state(state_dir: Path | str | None) -> Path:
+    return Path(state_dir).expanduser().resolve() if state_dir else default_state_dir()
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+# --------------------------------------------------------------------------- tools
+
+
+def _apt_allowed() -> bool:
+    return (
+        os.geteuid() == 0
+        and shutil.which("apt-get") is not None
+        and os.environ.get("SAGALINE_NO_APT", "") not in ("1", "true", "yes")
+    )
+
+
+def _apt_install(packages: list[str]) -> str | None:
+    """Install Debian packages; return None on success, else the error output."""
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    for cmd in (
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages],
+    ):
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            return (proc.stdout + proc.stderr)[-2000:]
+    return None
+
+
+def _java_major(java: str) -> int | None:
+    proc = subprocess.run([java, "-version"], capture_output=True, text=True, check=False)
+    match = re.search(r'version "(\d+)(?:\.(\d+))?', proc.stderr + proc.stdout)
+    if not match:
+        return None
+    major = int(match.group(1))
+    return int(match.group(2) or 0) if major == 1 else major
+
+
+def ensure_tools() -> tuple[str, str]:
+    """Return paths of ``java`` (17+) and ``mvn``, installing them with apt if needed.
+
+    Installing is only attempted as root with apt-get present (CI runs as root on a
+    fresh machine); otherwise the error tells the user what to install.
+    """
+    missing = [
+        pkg
+        for tool, pkg in (("java", "openjdk-17-jre-headless"), ("mvn", "maven"))
+        if shutil.which(tool) is None
+    ]
+    if missing:
+        if not _apt_allowed():
+            raise ToolMissingError(
+                f"the local Kafka broker needs Java 17+ and Maven, but {', '.join(missing)} "
+                "is not installed. Install it (Debian/Ubuntu: "
+                f"`sudo apt-get install {' '.join(missing)}`), or point "
+                "KAFKA_BOOTSTRAP_SERVERS at a running Kafka broker."
+            )
+        err = _apt_install(missing)
+        if err is not None:
+            raise ToolMissingError(
+                f"`apt-get install {' '.join(missing)}` failed, so the local Kafka broker "
+                f"cannot run. apt said:\n{err}\nInstall Java 17+ and Maven by hand, or set "
+                "KAFKA_BOOTSTRAP_SERVERS to a running broker."
+            )
+    java, mvn = shutil.which("java"), shutil.which("mvn")
+    if java is None or mvn is None:
+        raise ToolMissingError("java/mvn still not on PATH after installing them; check PATH.")
+    major = _java_major(java)
+    if major is not None and major < 17:
+        raise ToolMissingError(
+            f"{java} is Java {major}; Kafka 4.x needs Java 17 or newer. Install "
+            "openjdk-17-jre-headless (or newer) and put it first on PATH."
+        )
+    return java, mvn
+
+
+# --------------------------------------------------------------------------- jars
+
+
+def _pom(version: str) -> str:
+    deps = [
+        ("org.apache.kafka", "kafka_2.13", version),
+        ("org.apache.logging.log4j", "log4j-core", LOG4J_VERSION),
+        ("org.apache.logging.log4j", "log4j-slf4j2-impl", LOG4J_VERSION),
+        ("org.slf4j", "slf4j-api", SLF4J_VERSION),
+    ]
+    dep_xml = "\n".join(
+        f"    <dependency><groupId>{g}</groupId><artifactId>{a}</artifactId>"
+        f"<version>{v}</version></dependency>"
+        for g, a, v in deps
+    )
+    # scala-library is deliberately not pinned: Kafka pins scala-reflect to the same
+    # version and not every scala-reflect release is served.
+    return f"""<?xml version="1.0" encoding="UTF-8"?>
+<project xmlns="http://maven.apache.org/POM/4.0.0">
+  <modelVersion>4.0.0</modelVersion>
+  <groupId>dev.sagaline</groupId>
+  <artifactId>kafka-local-libs</artifactId>
+  <version>{version}</version>
+  <packaging>pom</packaging>
+  <dependencies>
+{dep_xml}
+  </dependencies>
+  <build><plugins><plugin>
+    <groupId>org.apache.maven.plugins</groupId>
+    <artifactId>maven-dependency-plugin</artifactId>
+    <version>{DEPENDENCY_PLUGIN_VERSION}</version>
+  </plugin></plugins></build>
+</project>
+"""
+
+
+def _cached_libs(cache: Path, version: str) -> Path | None:
+    vdir = cache / "kafka" / version
+    libs = vdir / "libs"
+    if (vdir / ".resolved").exists() and (libs / f"kafka_2.13-{version}.jar").exists():
+        return libs
+    return None
+
+
+def _resolve_one(mvn: str, cache: Path, version: str) -> Path:
+    vdir = cache / "kafka" / version
+    vdir.mkdir(parents=True, exist_ok=True)
+    (vdir / "pom.xml").write_text(_pom(version))
+    tmp = vdir / "libs.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    cmd = [
+        mvn, "-B", "-q", "-f", str(vdir / "pom.xml"),
+        "dependency:copy-dependencies",
+        f"-DoutputDirectory={tmp}",
+        "-DincludeScope=runtime",
+    ]  # fmt: skip
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=1800, check=False, cwd=vdir
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise MavenResolutionError(f"Kafka {version}: mvn timed out after 30 min") from exc
+    if proc.returncode != 0 or not (tmp / f"kafka_2.13-{version}.jar").exists():
+        out = (proc.stdout + proc.stderr).strip().splitlines()
+        raise MavenResolutionError(f"Kafka {version}: " + "\n".join(out[-15:]))
+    libs = vdir / "libs"
+    shutil.rmtree(libs, ignore_errors=True)
+    tmp.rename(libs)
+    (vdir / ".resolved").write_text(f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
+    return libs
+
+
+def resolve_jars(
+    version: str | None = None, cache_dir: Path | str | None = None
+) -> tuple[str, Path]:
+    """Return ``(kafka_version, libs_dir)``, resolving with Maven only if not cached.
+
+    With no ``version`` (and no ``SAGALINE_KAFKA_VERSION``), an already-cached
+    candidate wins (so an offline machine keeps working); otherwise the candidates
+    are resolved in order until one succeeds.
+    """
+    cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    pinned = version or os.environ.get("SAGALINE_KAFKA_VERSION") or None
+    candidates = (pinned,) if pinned else CANDIDATE_VERSIONS
+    for v in candidates:
+        libs = _cached_libs(cache, v)
+        if libs is not None:
+            return v, libs
+    _, mvn = ensure_tools()
+    errors: list[str] = []
+    for v in candidates:
+        try:
+            return v, _resolve_one(mvn, cache, v)
+        except MavenResolutionError as exc:
+            errors.append(str(exc))
+    raise MavenResolutionError(
+        "Maven could not resolve the Kafka broker jars for any of "
+        f"{', '.join(candidates)} (is Maven Central reachable? try "
+        f"`mvn dependency:get -Dartifact=org.apache.kafka:kafka_2.13:{candidates[0]}`).\n"
+        + "\n---\n".join(errors)
+    )
+
+
+# --------------------------------------------------------------------------- ports
+
+
+def free_port(host: str = HOST) -> int:
+    """A TCP port on ``host`` that nothing listens on right now (chosen by the OS)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _port_free(port: int, host: str = HOST) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # SO_REUSEADDR mirrors what the JVM does, so TIME_WAIT leftovers of our own
+        # broker's previous run do not count as "taken".
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def ensure_port_free(port: int, host: str = HOST, *, what: str = "Kafka") -> None:
+    """Raise :class:`PortInUseError` if ``host:port`` cannot be bound."""
+    if not _port_free(port, host):
+        raise PortInUseError(
+            f"{what} port {host}:{port} is already in use by another process. Stop "
+            f"that process (`ss -ltnp 'sport = :{port}'` shows which), or choose "
+            "another port (or none, to let the launcher pick a free one)."
+        )
+
+
+def _accepts(host: str, port: int, timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+# --------------------------------------------------------------------------- config
+
+
+def new_cluster_id() -> str:
+    """A KRaft cluster id: 16 random bytes as 22-char unpadded base64url.
+
+    Like Kafka's own ``Uuid.randomUuid()``, ids starting with ``-`` are avoided so
+    they never look like a command-line flag to StorageTool.
+    """
+    while True:
+        cid = base64.urlsafe_b64encode(secrets.token_bytes(16)).decode().rstrip("=")
+        if not cid.startswith("-"):
+            return cid
+
+
+def render_server_properties(
+    *, port: int, controller_port: int, data_dir: Path, host: str = HOST
+) -> str:
+    """The broker+controller config for one node on loopback, sized for 2 cores."""
+    props: dict[str, Any] = {
+        # KRaft combined mode, static quorum of one voter: no --standalone needed.
+        "process.roles": "broker,controller",
+        "node.id": 1,
+        "controller.quorum.voters": f"1@{host}:{controller_port}",
+        "controller.listener.names": "CONTROLLER",
+        "listeners": f"PLAINTEXT://{host}:{port},CONTROLLER://{host}:{controller_port}",
+        "advertised.listeners": f"PLAINTEXT://{host}:{port}",
+        "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+        "inter.broker.listener.name": "PLAINTEXT",
+        "log.dirs": str(data_dir),
+        # Topics are created explicitly by the code that owns them.
+        "auto.create.topics.enable": "false",
+        "num.partitions": 1,
+        "default.replication.factor": 1,
+        "min.insync.replicas": 1,
+        # Internal topics: one partition, RF 1 (a single broker cannot do more).
+        "offsets.topic.replication.factor": 1,
+        "offsets.topic.num.partitions": 1,
+        "transaction.state.log.replication.factor": 1,
+        "transaction.state.log.min.isr": 1,
+        "transaction.state.log.num.partitions": 1,
+        "share.coordinator.state.topic.replication.factor": 1,
+        "share.coordinator.state.topic.min.isr": 1,
+        "share.coordinator.state.topic.num.partitions": 1,
+        # No 3 s wait before the first rebalance of a new group: tests start fast.
+        "group.initial.rebalance.delay.ms": 0,
+        # Cap client transaction timeouts at 2 min (librdkafka/Java default is 60 s,
+        # so default clients still work) and abort timed-out transactions of crashed
+        # producers within ~1 s of expiry instead of 10 s.
+        "transaction.max.timeout.ms": 120000,
+        "transaction.abort.timed.out.transaction.cleanup.interval.ms": 1000,
+        # Two cores: few threads.
+        "num.network.threads": 2,
+        "num.io.threads": 4,
+        "background.threads": 4,
+        "num.recovery.threads.per.data.dir": 1,
+        "num.replica.fetchers": 1,
+        "log.cleaner.threads": 1,
+    }
+    lines = ["# Generated by services/kafka_local.py; rewritten on every start."]
+    lines += [f"{k}={v}" for k, v in props.items()]
+    return "\n".join(lines) + "\n"
+
+
+LOG4J2_PROPERTIES = """\
+# Generated by services/kafka_local.py. WARN and above to the console, which the
+# launcher redirects to broker.log; plus the one INFO line that says "started".
+status = warn
+name = sagaline-kafka
+appender.console.type = Console
+appender.console.name = STDOUT
+appender.console.layout.type = PatternLayout
+appender.console.layout.pattern = [%d] %p %m (%c)%n
+rootLogger.level = WARN
+rootLogger.appenderRef.stdout.ref = STDOUT
+logger.raftserver.name = kafka.server.KafkaRaftServer
+logger.raftserver.level = INFO
+"""
+
+
+# --------------------------------------------------------------------------- process
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+
+
+def _pid_alive(pid: int) -> bool:
+    with contextlib.suppress(ChildProcessError, OSError):
+        done, _ = os.waitpid(pid, os.WNOHANG)  # reap it if it is our own child
+        if done == pid:
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _is_our_broker(pid: int, state: Path) -> bool:
+    """Pid alive *and* it is ``kafka.Kafka`` with this state dir's config.
+
+    Pids are reused after a reboot or a crash; a bare "pid exists" check would
+    mistake an unrelated process for the broker.
+    """
+    if not _pid_alive(pid):
+        return False
+    cmd = _cmdline(pid)
+    if not cmd:  # no /proc (not Linux): trust the pid
+        return True
+    return "kafka.Kafka" in cmd and str(state / SERVER_PROPERTIES) in cmd
+
+
+def _read_pid(state: Path) -> int | None:
+    text = _read(state / PID_FILE)
+    return int(text) if text and text.isdigit() else None
+
+
+def _log_tail(state: Path, lines: int = 40) -> str:
+    try:
+        text = (state / LOG_FILE).read_text(errors="replace")
+    except FileNotFoundError:
+        return "(no broker log yet)"
+    tail = text.strip().splitlines()[-lines:]
+    return "\n".join(tail) if tail else "(broker log is empty)"
+
+
+def metadata_answers(bootstrap: str, timeout: float = 5.0) -> bool:
+    """True if a broker at ``bootstrap`` answers a metadata request within ``timeout``."""
+    from confluent_kafka.admin import AdminClient
+
+    conf: dict[str, Any] = {
+        "bootstrap.servers": bootstrap,
+        "socket.connection.setup.timeout.ms": max(1000, int(timeout * 1000)),
+        "log_level": 0,  # a probe: connection-refused chatter is expected
+        "error_cb": lambda _err: None,
+    }
+    client = AdminClient(conf)
+    try:
+        md = client.list_topics(timeout=timeout)
+    except Exception:
+        return False
+    return bool(md.brokers)
+
+
+@contextlib.contextmanager
+def _locked(state: Path) -> Iterator[None]:
+    """Serialize up/down across processes (parallel test runs, two shells)."""
+    state.mkdir(parents=True, exist_ok=True)
+    with open(state / LOCK_FILE, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _choose_ports(state: Path, port: int | None, controller_port: int | None) -> tuple[int, int]:
+    """Explicit ports must be free (else :class:`PortInUseError`); remembered ports are
+    reused when free, so the bootstrap address stays stable across restarts; otherwise
+    the OS picks free ones."""
+    saved = (_read(state / PORTS_FILE) or "").split()
+    saved_port = int(saved[0]) if len(saved) == 2 and saved[0].isdigit() else None
+    saved_cport = int(saved[1]) if len(saved) == 2 and saved[1].isdigit() else None
+    env_port = os.environ.get("SAGALINE_KAFKA_PORT")
+    if port is None and env_port:
+        port = int(env_port)
+
+    def pick(explicit: int | None, remembered: int | None, what: str, avoid: int) -> int:
+        if explicit is not None:
+            ensure_port_free(explicit, what=what)
+            return explicit
+        if remembered is not None and remembered != avoid and _port_free(remembered):
+            return remembered
+        while True:
+            candidate = free_port()
+            if candidate != avoid:
+                return candidate
+
+    p = pick(port, saved_port, "Kafka", avoid=-1)
+    c = pick(controller_port, saved_cport, "Kafka controller", avoid=p)
+    if p == c:
+        raise PortInUseError(f"broker and controller ports must differ (both {p}).")
+    (state / PORTS_FILE).write_text(f"{p} {c}\n")
+    return p, c
+
+
+def _format(java: str, libs: Path, state: Path) -> None:
+    data = state / DATA_DIR
+    meta = data / "meta.properties"
+    if meta.exists():
+        # Already formatted: keep its cluster id (the data dir is what matters).
+        found = re.search(r"^cluster\.id=(\S+)$", meta.read_text(), re.M)
+        if found:
+            (state / CLUSTER_ID_FILE).write_text(found.group(1) + "\n")
+        return
+    cluster_id = _read(state / CLUSTER_ID_FILE) or new_cluster_id()
+    (state / CLUSTER_ID_FILE).write_text(cluster_id + "\n")
+    cmd = [
+        java, *JVM_HEAP, f"-Dlog4j2.configurationFile={state / LOG4J_PROPERTIES}",
+        "-cp", f"{libs}/*", "kafka.tools.StorageTool", "format",
+        "-c", str(state / SERVER_PROPERTIES), "-t", cluster_id, "-g",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    if proc.returncode != 0:
+        raise StartupError(
+            f"kafka.tools.StorageTool format failed (exit {proc.returncode}) for "
+            f"{data}:\n{(proc.stdout + proc.stderr).strip()[-3000:]}\n"
+            f"If the data dir is corrupt, remove {data} and run again."
+        )
+
+
+def _spawn(java: str, libs: Path, state: Path) -> int:
+    """Start the broker detached and return its pid.
+
+    A throw-away ``sh`` backgrounds java in a new session and prints its pid, then
+    exits; java is re-parented to init. So the broker is not our child: it outlives
+    us, leaves no zombie, and no ``Popen`` object warns about it at exit.
+    """
+    cmd = [
+        java, *JVM_HEAP, "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20",
+        "-XX:+ExitOnOutOfMemoryError", "-Djava.awt.headless=true",
+        f"-Dlog4j2.configurationFile={state / LOG4J_PROPERTIES}",
+        f"-Dkafka.logs.dir={state}",
+        "-cp", f"{libs}/*", "kafka.Kafka", str(state / SERVER_PROPERTIES),
+    ]  # fmt: skip
+    log = state / LOG_FILE
+    with open(log, "a") as fh:
+        fh.write(f"\n===== sagaline: starting broker at {time.strftime('%F %T')} =====\n")
+    proc = subprocess.run(
+        ["sh", "-c", 'LOG="$1"; shift; "$@" </dev/null >>"$LOG" 2>&1 & echo $!', "sh",
+         str(log), *cmd],
+        capture_output=True, text=True, start_new_session=True, cwd=state, check=False,
+        timeout=30,
+    )  # fmt: skip
+    pid_text = proc.stdout.strip()
+    if proc.returncode != 0 or not pid_text.isdigit():
+        raise StartupError(f"could not start java: {proc.stderr.strip() or pid_text}")
+    return int(pid_text)
+
+
+def _wait_ready(state: Path, pid: int, bootstrap: str, port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _pid_alive(pid):
+            tail = _log_tail(state)
+            if "Address already in use" in tail:
+                raise PortInUseError(
+                    f"the broker could not bind its ports (another process took them). "
+                    f"Run `sagaline kafka up` again to pick free ones.\n{tail}"
+                )
+            raise StartupError(
+                f"the Kafka broker (pid {pid}) exited during start-up. "
+                f"Last lines of {state / LOG_FILE}:\n{tail}"
+            )
+        if _accepts(HOST, port) and metadata_answers(bootstrap, timeout=2.0):
+            return
+        time.sleep(0.25)
+    raise StartupError(
+        f"the Kafka broker (pid {pid}) did not answer a metadata request on {bootstrap} "
+        f"within {timeout:.0f}s (raise SAGALINE_KAFKA_START_TIMEOUT if this machine is "
+        f"slow). Last lines of {state / LOG_FILE}:\n{_log_tail(state)}"
+    )
+
+
+def _terminate(pid: int, timeout: float) -> None:
+    """SIGTERM (clean KRaft shutdown), then SIGKILL after ``timeout`` seconds."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _pid_alive(pid):
+            return
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _pid_alive(pid):
+        time.sleep(0.1)
+
+
+def _start_timeout(timeout: float | None) -> float:
+    if timeout is not None:
+        return timeout
+    env = os.environ.get("SAGALINE_KAFKA_START_TIMEOUT")
+    return float(env) if env else DEFAULT_START_TIMEOUT
+
+
+# --------------------------------------------------------------------------- API
+
+
+def ensure_running(
+    state_dir: Path | str | None = None,
+    *,
+    port: int | None = None,
+    controller_port: int | None = None,
+    version: str | None = None,
+    timeout: float | None = None,
+) -> UpResult:
+    """Reuse the broker of ``state_dir`` if it is running and answers; else start it.
+
+    ``port``/``controller_port`` fix the ports (a taken one raises
+    :class:`PortInUseError`); by default the ports remembered in the state dir are
+    reused, or free ones are picked on first start. Blocks until the broker answers a
+    metadata request, or raises :class:`StartupError` quoting the broker log.
+    """
+    state = _state(state_dir)
+    wait = _start_timeout(timeout)
+    with _locked(state):
+        pid = _read_pid(state)
+        bootstrap = _read(state / BOOTSTRAP_FILE)
+        recorded_version = _read(state / VERSION_FILE)
+        if pid is not None and bootstrap and _is_our_broker(pid, state):
+            wanted_port = port or (int(os.environ.get("SAGALINE_KAFKA_PORT") or 0) or None)
+            if wanted_port is not None and bootstrap != f"{HOST}:{wanted_port}":
+                raise PortInUseError(
+                    f"the local broker already runs on {bootstrap} (pid {pid}), not on port "
+                    f"{wanted_port}. Use {bootstrap}, or stop it first with "
+                    "`sagaline kafka down`."
+                )
+            running_port = int(bootstrap.rpartition(":")[2])
+            try:
+                _wait_ready(state, pid, bootstrap, running_port, min(wait, 60.0))
+                return UpResult(bootstrap, False, pid, recorded_version or "?", state)
+            except StartupError:
+                _terminate(pid, DEFAULT_STOP_TIMEOUT)  # alive but deaf: restart it
+        # Not running (or stale pid file): start it.
+        (state / PID_FILE).unlink(missing_ok=True)
+        (state / BOOTSTRAP_FILE).unlink(missing_ok=True)
+        java, _ = ensure_tools()
+        kafka_version, libs = resolve_jars(version or recorded_version)
+        p, c = _choose_ports(state, port, controller_port)
+        data = state / DATA_DIR
+        (state / SERVER_PROPERTIES).write_text(
+            render_server_properties(port=p, controller_port=c, data_dir=data)
+        )
+        (state / LOG4J_PROPERTIES).write_text(LOG4J2_PROPERTIES)
+        (state / VERSION_FILE).write_text(kafka_version + "\n")
+        _format(java, libs, state)
+        bootstrap = f"{HOST}:{p}"
+        pid = _spawn(java, libs, state)
+        (state / PID_FILE).write_text(f"{pid}\n")
+        try:
+            _wait_ready(state, pid, bootstrap, p, wait)
+        except KafkaLauncherError:
+            _terminate(pid, 5.0)
+            (state / PID_FILE).unlink(missing_ok=True)
+            raise
+        (state / BOOTSTRAP_FILE).write_text(bootstrap + "\n")
+        return UpResult(bootstrap, True, pid, kafka_version, state)
+
+
+def up(
+    state_dir: Path | str | None = None,
+    *,
+    port: int | None = None,
+    controller_port: int | None = None,
+    version: str | None = None,
+    timeout: float | None = None,
+) -> str:
+    """Make sure the local broker runs and return its bootstrap (``127.0.0.1:PORT``)."""
+    return ensure_running(
+        state_dir, port=port, controller_port=controller_port, version=version, timeout=timeout
+    ).bootstrap
+
+
+def down(state_dir: Path | str | None = None, *, timeout: float = DEFAULT_STOP_TIMEOUT) -> bool:
+    """Stop the broker of ``state_dir``: SIGTERM, wait, SIGKILL after ``timeout``.
+
+    Returns True if a running broker was stopped. Data and ports are kept, so the
+    next :func:`up` resumes with the same topics on the same address.
+    """
+    state = _state(state_dir)
+    if not state.exists():
+        return False
+    with _locked(state):
+        pid = _read_pid(state)
+        stopped = False
+        if pid is not None and _is_our_broker(pid, state):
+            _terminate(pid, timeout)
+            stopped = True
+        (state / PID_FILE).unlink(missing_ok=True)
+        (state / BOOTSTRAP_FILE).unlink(missing_ok=True)
+        return stopped
+
+
+def status(state_dir: Path | str | None = None, *, timeout: float = 5.0) -> BrokerStatus:
+    """Report whether the broker of ``state_dir`` runs and answers (does not start it)."""
+    state = _state(state_dir)
+    pid = _read_pid(state)
+    bootstrap = _read(state / BOOTSTRAP_FILE)
+    version = _read(state / VERSION_FILE)
+    log = state / LOG_FILE
+
+    def result(running: bool, detail: str) -> BrokerStatus:
+        return BrokerStatus(running, state, bootstrap, pid, version, log, detail)
+
+    if pid is None:
+        return result(False, "not running (no pid file)")
+    if not _is_our_broker(pid, state):
+        return result(False, f"not running (stale pid file: {pid} is not our broker)")
+    if not bootstrap:
+        return result(False, f"pid {pid} alive but not ready yet (no bootstrap file)")
+    if not metadata_answers(bootstrap, timeout=timeout):
+        return result(False, f"pid {pid} alive but {bootstrap} does not answer metadata")
+    return result(True, f"running: pid {pid}, Kafka {version or '?'}, {bootstrap}")
