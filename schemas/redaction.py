@@ -1,0 +1,164 @@
+"""Redaction of secret tool arguments before they reach a topic.
+
+A tool's argument schema marks secret fields with :data:`Secret` (or
+``Annotated[T, SECRET]``; pydantic's ``SecretStr``/``SecretBytes`` count too).
+:func:`secret_paths` lists them as dotted paths (``*`` = every list item or dict
+value), and :func:`redact` replaces each secret value with
+``"[redacted sha256:<first 12 hex>]"``: the ledger can still tell two values apart
+(or match one a person holds) but never holds the clear value.
+
+Example::
+
+    class Charge(BaseModel):
+        amount: int
+        card: Annotated[str, SECRET]
+
+    args_json = redacted_json({"amount": 5, "card": "4111..."}, secret_paths(Charge))
+"""
+
+from __future__ import annotations
+
+import hashlib
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from typing import Annotated, Any, Final, TypeVar
+
+from pydantic import BaseModel, SecretBytes, SecretStr
+
+from schemas.keys import canonical_json
+
+T = TypeVar("T")
+
+
+class _SecretMarker:
+    """Metadata marker: the annotated field holds a secret."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "SECRET"
+
+
+SECRET: Final = _SecretMarker()
+"""Put in ``Annotated[..., SECRET]`` to mark any field secret."""
+
+Secret = Annotated[str, SECRET]
+"""A secret string argument (the common case)."""
+
+REDACTED_PREFIX = "[redacted "
+
+
+def redaction_marker(value: Any) -> str:
+    """What replaces a secret: a short sha256 of the clear value, for correlation."""
+    if isinstance(value, SecretStr | SecretBytes):
+        value = value.get_secret_value()
+    if isinstance(value, str):
+        data = value.encode("utf-8")
+    elif isinstance(value, bytes):
+        data = value
+    else:
+        data = canonical_json(value)
+    return f"{REDACTED_PREFIX}sha256:{hashlib.sha256(data).hexdigest()[:12]}]"
+
+
+def is_redacted(value: Any) -> bool:
+    return isinstance(value, str) and value.startswith(REDACTED_PREFIX) and value.endswith("]")
+
+
+def secret_paths(model: type[BaseModel]) -> tuple[str, ...]:
+    """Dotted paths of every secret field of ``model``, nested models included."""
+    paths: list[str] = []
+    _walk_model(model, "", paths, set())
+    return tuple(paths)
+
+
+def _walk_model(model: type[BaseModel], prefix: str, out: list[str], stack: set[type]) -> None:
+    if model in stack:  # recursive model: its secrets are already listed at this level
+        return
+    stack = stack | {model}
+    for name, info in model.model_fields.items():
+        path = f"{prefix}{name}"
+        if any(isinstance(m, _SecretMarker) for m in info.metadata):
+            out.append(path)
+            continue
+        _walk_type(info.annotation, path, out, stack)
+
+
+def _walk_type(tp: Any, path: str, out: list[str], stack: set[type]) -> None:
+    origin = typing.get_origin(tp)
+    if origin is Annotated:
+        base, *meta = typing.get_args(tp)
+        if any(isinstance(m, _SecretMarker) for m in meta):
+            out.append(path)
+            return
+        _walk_type(base, path, out, stack)
+    elif origin in (typing.Union, types.UnionType):
+        before = len(out)
+        for branch in typing.get_args(tp):
+            _walk_type(branch, path, out, stack)
+        # Two branches may list the same path.
+        out[before:] = list(dict.fromkeys(out[before:]))
+    elif origin in (list, tuple, set, frozenset, typing.Sequence, typing.MutableSequence):
+        for item in typing.get_args(tp):
+            if item is not Ellipsis:
+                _walk_type(item, f"{path}.*", out, stack)
+    elif origin in (dict, typing.Mapping, typing.MutableMapping):
+        args = typing.get_args(tp)
+        if len(args) == 2:
+            _walk_type(args[1], f"{path}.*", out, stack)
+    elif tp in (SecretStr, SecretBytes):
+        out.append(path)
+    elif isinstance(tp, type) and issubclass(tp, BaseModel):
+        _walk_model(tp, f"{path}.", out, stack)
+
+
+def redact(args: Mapping[str, Any], secret_paths: Iterable[str]) -> dict[str, Any]:
+    """A copy of ``args`` with the value at every secret path replaced by its marker.
+
+    Paths that are absent (an optional field left out) are skipped; already-redacted
+    values are left alone, so redacting twice changes nothing.
+    """
+    result: Any = dict(args)
+    for path in secret_paths:
+        result = _redact_at(result, path.split("."))
+    return dict(result)
+
+
+def _redact_at(node: Any, parts: list[str]) -> Any:
+    if not parts:
+        return node if is_redacted(node) else redaction_marker(node)
+    head, rest = parts[0], parts[1:]
+    if isinstance(node, Mapping):
+        if head == "*":
+            return {k: _redact_at(v, rest) for k, v in node.items()}
+        if head not in node:
+            return node
+        copy = dict(node)
+        copy[head] = _redact_at(node[head], rest)
+        return copy
+    if isinstance(node, list | tuple):
+        if head == "*":
+            return [_redact_at(v, rest) for v in node]
+        if head.isdigit() and int(head) < len(node):
+            items = list(node)
+            items[int(head)] = _redact_at(items[int(head)], rest)
+            return items
+    return node
+
+
+def redacted_json(args: Mapping[str, Any], secret_paths: Iterable[str]) -> bytes:
+    """Canonical JSON of ``redact(args, secret_paths)``: what goes into a record's
+    ``args`` bytes (``StepScheduled``, ``ExecuteStep``, ...)."""
+    return canonical_json(redact(args, secret_paths))
+
+
+__all__ = [
+    "SECRET",
+    "Secret",
+    "is_redacted",
+    "redact",
+    "redacted_json",
+    "redaction_marker",
+    "secret_paths",
+]

@@ -1,0 +1,79 @@
+"""The one configuration object of every Sagaline process.
+
+Defaults run the local demo; deployments override through environment variables:
+
+=============================  ====================  ==========================
+variable                       field                 default
+=============================  ====================  ==========================
+``KAFKA_BOOTSTRAP_SERVERS``    ``bootstrap``         ``None`` (the local broker)
+``SAGALINE_TOPIC_PREFIX``      ``topic_prefix``      ``""``
+``SAGALINE_PARTITIONS``        ``partitions``        ``6``
+``SAGALINE_HMAC_KEY``          ``hmac_key``          unset (no signing)
+``SAGALINE_HMAC_KEY_ID``       ``hmac_key_id``       ``"k1"``
+``SAGALINE_TENANT_ID``         ``tenant_id``         ``"default"``
+``SAGALINE_STATE_DIR``         ``state_dir``         ``".sagaline"``
+=============================  ====================  ==========================
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from schemas.signing import Signer
+from schemas.topics import DEFAULT_PARTITIONS, TopicNames
+
+
+class SettingsError(ValueError):
+    """An environment variable holds a value Sagaline cannot use."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Process configuration. ``bootstrap=None`` means "the project's local broker"
+    (started by ``sagaline kafka up``); the key is never shown in its repr."""
+
+    bootstrap: str | None = None
+    topic_prefix: str = ""
+    partitions: int = DEFAULT_PARTITIONS
+    hmac_key: bytes | None = field(default=None, repr=False)
+    hmac_key_id: str = "k1"
+    tenant_id: str = "default"
+    state_dir: Path = Path(".sagaline")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        """Read the variables above (from ``os.environ`` unless ``env`` is given)."""
+        env = os.environ if env is None else env
+        raw_partitions = env.get("SAGALINE_PARTITIONS", str(DEFAULT_PARTITIONS))
+        try:
+            partitions = int(raw_partitions)
+        except ValueError:
+            raise SettingsError(
+                f"SAGALINE_PARTITIONS={raw_partitions!r} is not an integer"
+            ) from None
+        if partitions < 1:
+            raise SettingsError(f"SAGALINE_PARTITIONS={partitions} must be at least 1")
+        key = env.get("SAGALINE_HMAC_KEY") or None
+        return cls(
+            bootstrap=env.get("KAFKA_BOOTSTRAP_SERVERS") or None,
+            topic_prefix=env.get("SAGALINE_TOPIC_PREFIX", ""),
+            partitions=partitions,
+            hmac_key=key.encode("utf-8") if key else None,
+            hmac_key_id=env.get("SAGALINE_HMAC_KEY_ID") or "k1",
+            tenant_id=env.get("SAGALINE_TENANT_ID") or "default",
+            state_dir=Path(env.get("SAGALINE_STATE_DIR") or ".sagaline"),
+        )
+
+    @property
+    def topics(self) -> TopicNames:
+        return TopicNames(self.topic_prefix)
+
+    def signer(self) -> Signer:
+        """The signer for this process's key (a no-op signer when none is set)."""
+        return Signer(self.hmac_key, key_id=self.hmac_key_id)
+
+
+__all__ = ["Settings", "SettingsError"]
