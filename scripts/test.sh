@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Lint, type-check and test Sagaline against a real Kafka broker.
+#
+#   scripts/test.sh                         # everything
+#   scripts/test.sh tests/test_kafka_local.py -x   # args go to pytest
+#
+# Steps: scripts/bootstrap.sh (venv, deps, Java/Maven); `sagaline kafka up` unless
+# KAFKA_BOOTSTRAP_SERVERS is already set (first run resolves the Kafka jars with
+# Maven and starts the broker; later runs reuse it); then ruff, mypy and pytest.
+# All three run even if one fails, so one run shows every problem; the exit code is
+# non-zero if any failed, or if pytest collected no tests (exit 5). With CI=true
+# the broker this script started is stopped at the end.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+# shellcheck source=scripts/bootstrap.sh
+source scripts/bootstrap.sh || { echo "test.sh: bootstrap failed" >&2; exit 1; }
+
+started_broker=0
+stop_broker() {
+    if [ "$started_broker" = 1 ] && { [ "${CI:-}" = "true" ] || [ "${SAGALINE_STOP_BROKER:-}" = "1" ]; }; then
+        sagaline kafka down >&2 || true
+    fi
+}
+trap stop_broker EXIT
+
+if [ -z "${KAFKA_BOOTSTRAP_SERVERS:-}" ]; then
+    start=$SECONDS
+    if ! up_out="$(sagaline kafka up)"; then
+        echo "test.sh: could not start the local Kafka broker (see above)" >&2
+        exit 1
+    fi
+    started_broker=1
+    KAFKA_BOOTSTRAP_SERVERS="$(printf '%s\n' "$up_out" | tail -n1)"
+    export KAFKA_BOOTSTRAP_SERVERS
+    echo "test.sh: Kafka at $KAFKA_BOOTSTRAP_SERVERS ($((SECONDS - start))s)" >&2
+else
+    echo "test.sh: using KAFKA_BOOTSTRAP_SERVERS=$KAFKA_BOOTSTRAP_SERVERS" >&2
+fi
+
+failed=()
+
+echo "== ruff check ." >&2
+ruff check . || failed+=(ruff)
+
+echo "== mypy (strict)" >&2
+mypy || failed+=(mypy)
+
+echo "== pytest $*" >&2
+pytest "$@"
+rc=$?
+if [ "$rc" = 5 ]; then
+    echo "test.sh: pytest collected no tests; that counts as a failure" >&2
+    failed+=("pytest(no tests)")
+elif [ "$rc" != 0 ]; then
+    failed+=("pytest(exit $rc)")
+fi
+
+if [ "${#failed[@]}" -gt 0 ]; then
+    echo "test.sh: FAILED: ${failed[*]}" >&2
+    exit 1
+fi
+echo "test.sh: all checks passed" >&2
