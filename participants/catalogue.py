@@ -1,0 +1,883 @@
+"""The catalogue: ``wrap()`` turns participant objects into checked tool specs.
+
+A ``ToolSpec`` is everything the rest of Sagaline needs to know about one tool: its
+argument schema (for the model and for validation), its contract (snapshotted into
+the ledger for the coordinator), and handles to call the tool, its compensation, its
+lookup and its verification, sync or async.
+
+``wrap()`` checks every declaration before anything runs and raises one
+``CatalogueError`` that lists every problem (R4): a typo in ``by=`` fails on boot,
+not during a refund.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+import inspect
+import re
+import types
+import typing
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import pydantic
+from pydantic import BaseModel, ConfigDict
+
+from participants.declarations import (
+    BusinessRejection,
+    CompensableDeclaration,
+    CompensationContext,
+    LookupResult,
+    ToolDeclaration,
+    compensable_declaration,
+    tool_declaration,
+)
+from participants.errors import (
+    CatalogueError,
+    CatalogueProblem,
+    ContractViolation,
+    InvalidArgumentsError,
+    NotDeclaredError,
+    UnknownToolError,
+)
+from schemas.models import CompensationApproval, RetryPolicy, Reversibility, StepContract
+from schemas.redaction import redact, secret_paths
+
+__all__ = ["Catalogue", "ToolKind", "ToolSpec", "wrap"]
+
+# LLM tool-calling APIs accept these names; Kafka topics accept these participant names.
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_PARTICIPANT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+
+
+class ToolKind(StrEnum):
+    """How a tool's effect can be recovered, as the plan check and tables show it."""
+
+    READ_ONLY = "READ_ONLY"
+    REVERSIBLE = "REVERSIBLE"
+    COMPENSATABLE = "COMPENSATABLE"
+    IRREVERSIBLE = "IRREVERSIBLE"
+
+
+@dataclass(frozen=True, eq=False)
+class ToolSpec:
+    """One checked tool of a catalogue. Built by ``wrap()``, never by hand."""
+
+    name: str
+    description: str
+    participant: str
+    method_name: str
+    func: Callable[..., Any]
+    args_model: type[BaseModel]
+    reversibility: Reversibility
+    compensation: str | None
+    compensation_func: Callable[..., Any] | None
+    compensation_takes_context: bool
+    lookup_name: str | None
+    lookup_func: Callable[[str], Any] | None
+    verify_name: str | None
+    verify_func: Callable[[CompensationContext], Any] | None
+    read_only: bool
+    pivot: bool
+    resources: tuple[str, ...]
+    reversal_window_ms: int | None
+    compensation_approval: CompensationApproval
+    retry: RetryPolicy
+    compensation_retry: RetryPolicy
+    non_retryable: tuple[type[BaseException], ...]
+    owner: str
+    deadline_ms: int
+    secret_fields: tuple[str, ...]
+    operation_id: str | Callable[[Any], str | None] | None
+
+    # ------------------------------------------------------------------ describing
+
+    @property
+    def kind(self) -> ToolKind:
+        if self.read_only:
+            return ToolKind.READ_ONLY
+        return ToolKind(self.reversibility.value)
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.func)
+
+    def contract(self, participant: str | None = None) -> StepContract:
+        """The snapshot the coordinator decides from (recorded in ``StepScheduled``).
+
+        ``participant`` overrides the catalogue's name, for a tool served under
+        another command topic.
+        """
+        return StepContract(
+            tool=self.name,
+            participant=participant or self.participant,
+            reversibility=self.reversibility,
+            compensation=self.compensation,
+            read_only=self.read_only,
+            pivot=self.pivot,
+            has_lookup=self.lookup_func is not None,
+            has_verify=self.verify_func is not None,
+            resources=list(self.resources),
+            reversal_window_ms=self.reversal_window_ms,
+            compensation_approval=self.compensation_approval,
+            retry=self.retry,
+            compensation_retry=self.compensation_retry,
+            deadline_ms=self.deadline_ms,
+            owner=self.owner,
+        )
+
+    def input_schema(self) -> dict[str, Any]:
+        """JSON Schema of the arguments (an object with one property per parameter)."""
+        schema = self.args_model.model_json_schema()
+        schema.pop("title", None)
+        return schema
+
+    def definition(self) -> dict[str, Any]:
+        """The tool as an LLM tool-calling API takes it."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "input_schema": self.input_schema(),
+        }
+
+    # ------------------------------------------------------------------- arguments
+
+    def validate_args(self, args: Mapping[str, Any]) -> dict[str, Any]:
+        """Validate ``args`` against the schema; returns the keyword arguments to call
+        the tool with. Raises ``InvalidArgumentsError`` (the tool is not called)."""
+        try:
+            model = self.args_model.model_validate(dict(args))
+        except pydantic.ValidationError as exc:
+            raise InvalidArgumentsError(self.name, _short_errors(exc)) from exc
+        return {field: getattr(model, field) for field in type(model).model_fields}
+
+    @property
+    def secret_paths(self) -> tuple[str, ...]:
+        """Argument paths never written in clear: ``@tool(secret_fields=...)`` plus
+        fields typed ``schemas.redaction.Secret`` (or ``SecretStr``)."""
+        return tuple(dict.fromkeys((*self.secret_fields, *secret_paths(self.args_model))))
+
+    def redact(self, args: Mapping[str, Any]) -> dict[str, Any]:
+        """``args`` with every secret replaced by its redaction marker, for the ledger."""
+        return redact(args, self.secret_paths)
+
+    def is_business_rejection(self, error: BaseException) -> bool:
+        """Whether ``error`` is a business rejection, never retried (R9)."""
+        return isinstance(error, (BusinessRejection, *self.non_retryable))
+
+    def provider_operation_id(self, result: Any) -> str | None:
+        """The provider's operation id in a tool's result, as declared by
+        ``@tool(operation_id=...)``; by default a ``str`` result is the id."""
+        if self.operation_id is None:
+            return result if isinstance(result, str) else None
+        if callable(self.operation_id):
+            found = self.operation_id(result)
+        elif isinstance(result, Mapping):
+            found = result.get(self.operation_id)
+        else:
+            found = getattr(result, self.operation_id, None)
+        return None if found is None else str(found)
+
+    # -------------------------------------------------------------------- calling
+
+    def invoke(self, args: Mapping[str, Any]) -> Any:
+        """Validate ``args`` and call the tool; an async tool runs in a fresh event
+        loop (use ``ainvoke`` from inside one)."""
+        kwargs = self.validate_args(args)
+        return _call_sync(self.name, self.func, **kwargs)
+
+    async def ainvoke(self, args: Mapping[str, Any]) -> Any:
+        """Validate ``args`` and call the tool; a sync tool runs in a worker thread so
+        a deadline can still be enforced around it."""
+        kwargs = self.validate_args(args)
+        return await _call_async(self.func, **kwargs)
+
+    def compensate(self, ctx: CompensationContext) -> Any:
+        """Run the declared compensation. It may return ``Accepted(operation_id)``
+        when the provider finishes asynchronously (R12)."""
+        comp, args = self._compensation_call(ctx)
+        return _call_sync(self.name, comp, *args)
+
+    async def acompensate(self, ctx: CompensationContext) -> Any:
+        comp, args = self._compensation_call(ctx)
+        return await _call_async(comp, *args)
+
+    def lookup(self, idempotency_key: str) -> LookupResult:
+        """Find the operation of ``idempotency_key`` (R11). ``None`` means not found."""
+        return self._lookup_result(_call_sync(self.name, self._lookup_func(), idempotency_key))
+
+    async def alookup(self, idempotency_key: str) -> LookupResult:
+        return self._lookup_result(await _call_async(self._lookup_func(), idempotency_key))
+
+    def verify(self, ctx: CompensationContext) -> bool:
+        """Check the business state after the compensation (R12)."""
+        return self._verify_result(_call_sync(self.name, self._verify_func(), ctx))
+
+    async def averify(self, ctx: CompensationContext) -> bool:
+        return self._verify_result(await _call_async(self._verify_func(), ctx))
+
+    def _compensation_call(
+        self, ctx: CompensationContext
+    ) -> tuple[Callable[..., Any], tuple[CompensationContext, ...]]:
+        comp = self.compensation_func
+        if comp is None:
+            raise NotDeclaredError(
+                f"tool {self.name!r} declares no compensation"
+                f" ({self.kind.value}); there is nothing to run"
+            )
+        return comp, ((ctx,) if self.compensation_takes_context else ())
+
+    def _lookup_func(self) -> Callable[[str], Any]:
+        if self.lookup_func is None:
+            raise NotDeclaredError(
+                f"tool {self.name!r} declares no lookup; an unknown outcome needs a person (R11)"
+            )
+        return self.lookup_func
+
+    def _verify_func(self) -> Callable[[CompensationContext], Any]:
+        if self.verify_func is None:
+            raise NotDeclaredError(f"tool {self.name!r} declares no verification")
+        return self.verify_func
+
+    def _lookup_result(self, found: Any) -> LookupResult:
+        if found is None:
+            return LookupResult.not_found()
+        if isinstance(found, LookupResult):
+            return found
+        raise ContractViolation(
+            f"lookup {self.lookup_name!r} of tool {self.name!r} returned"
+            f" {type(found).__name__}; return LookupResult.committed(...),"
+            " LookupResult.pending() or None"
+        )
+
+    def _verify_result(self, ok: Any) -> bool:
+        if isinstance(ok, bool):
+            return ok
+        raise ContractViolation(
+            f"verify {self.verify_name!r} of tool {self.name!r} returned"
+            f" {type(ok).__name__}; return True or False"
+        )
+
+
+class Catalogue(Mapping[str, ToolSpec]):
+    """The checked tools of one participant, by name (iteration yields names)."""
+
+    def __init__(self, name: str, specs: Mapping[str, ToolSpec], participants: tuple[object, ...]):
+        self.name = name
+        self._specs = dict(specs)
+        self.participants = participants
+
+    def __getitem__(self, name: str) -> ToolSpec:
+        try:
+            return self._specs[name]
+        except KeyError:
+            close = difflib.get_close_matches(name, list(self._specs), n=1)
+            raise UnknownToolError(
+                name, self.name, self._specs, close[0] if close else ""
+            ) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def __repr__(self) -> str:
+        return f"Catalogue({self.name!r}, tools={list(self._specs)})"
+
+    def tool_definitions(self) -> list[dict[str, Any]]:
+        """Every tool as an LLM tool-calling API takes it: name, description,
+        input_schema."""
+        return [spec.definition() for spec in self._specs.values()]
+
+    def contracts(self) -> dict[str, StepContract]:
+        return {name: spec.contract() for name, spec in self._specs.items()}
+
+
+# ---------------------------------------------------------------------------- wrap
+
+
+def wrap(*participants: object, name: str | None = None) -> Catalogue:
+    """Build the catalogue of ``participants`` and check every declaration.
+
+    Each participant is an object (usually an instance of a class) whose methods
+    carry ``@tool``; compensations, lookups and verifications are found by name on
+    the same object. ``name`` is the participant name (its command topic is
+    ``sagaline.commands.<name>``); by default it is derived from the first object's
+    class name. Raises ``CatalogueError`` listing every problem.
+    """
+    problems: list[CatalogueProblem] = []
+    catalogue_name = name if name is not None else _default_name(participants)
+    if not participants:
+        problems.append(
+            CatalogueProblem(
+                "wrap()", "no participant objects given; call wrap(YourService(), name=...)"
+            )
+        )
+    if not _PARTICIPANT_NAME.match(catalogue_name):
+        problems.append(
+            CatalogueProblem(
+                "wrap()",
+                f"participant name {catalogue_name!r} cannot be part of a Kafka topic name;"
+                " use letters, digits, '.', '_' or '-'",
+            )
+        )
+
+    specs: dict[str, ToolSpec] = {}
+    owners: dict[str, list[str]] = {}
+    for obj in participants:
+        inspector = _Inspector(obj, catalogue_name, problems)
+        for spec in inspector.specs():
+            specs.setdefault(spec.name, spec)
+        for tool_name, method in inspector.declared:
+            owners.setdefault(tool_name, []).append(f"{inspector.label}.{method}")
+
+    for tool_name, where in owners.items():
+        if len(where) > 1:
+            problems.append(
+                CatalogueProblem(
+                    tool_name,
+                    f"tool name {tool_name!r} is declared {len(where)} times"
+                    f" ({', '.join(where)}); tool names must be unique in a catalogue:"
+                    " rename one with @tool(name=...)",
+                )
+            )
+
+    if problems:
+        raise CatalogueError(problems, catalogue=catalogue_name)
+    return Catalogue(catalogue_name, specs, participants)
+
+
+def _default_name(participants: tuple[object, ...]) -> str:
+    if not participants:
+        return "participant"
+    first = participants[0]
+    if isinstance(first, types.ModuleType):
+        base = first.__name__.rsplit(".", 1)[-1]
+    else:
+        base = (first if inspect.isclass(first) else type(first)).__name__
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", base).lower()
+
+
+def _label(obj: object) -> str:
+    if isinstance(obj, types.ModuleType):
+        return obj.__name__
+    return (obj if inspect.isclass(obj) else type(obj)).__name__
+
+
+class _Inspector:
+    """Finds and checks the declarations of one participant object."""
+
+    def __init__(self, obj: object, participant: str, problems: list[CatalogueProblem]):
+        self.obj = obj
+        self.participant = participant
+        self.problems = problems
+        self.label = _label(obj)
+        self.declared: list[tuple[str, str]] = []  # (tool name, method), valid or not
+
+    def problem(self, subject: str, message: str) -> None:
+        self.problems.append(CatalogueProblem(subject, message))
+
+    def specs(self) -> list[ToolSpec]:
+        if inspect.isclass(self.obj):
+            self.problem(
+                self.label,
+                f"wrap() was given the class {self.label}, not an instance;"
+                f" pass {self.label}() so its tools are bound to an object",
+            )
+            return []
+        found: list[ToolSpec] = []
+        any_tool = False
+        for attr in sorted(self._callable_names()):
+            target = self._function(attr)
+            decl = tool_declaration(target)
+            comp = compensable_declaration(target)
+            if decl is None:
+                if comp is not None:
+                    self.problem(
+                        attr,
+                        f"method {self.label}.{attr} has @compensable but no @tool;"
+                        " add @tool(description=...) or remove @compensable",
+                    )
+                continue
+            any_tool = True
+            spec = self._spec(attr, target, decl, comp)
+            if spec is not None:
+                found.append(spec)
+        if not any_tool:
+            self.problem(
+                self.label,
+                f"{self.label} has no method decorated with @tool; decorate its tools"
+                " or leave it out of wrap()",
+            )
+        return found
+
+    # ------------------------------------------------------------------ finding
+
+    def _callable_names(self) -> list[str]:
+        names = []
+        for attr in dir(self.obj):
+            if attr.startswith("__"):
+                continue
+            if callable(self._function(attr)):
+                names.append(attr)
+        return names
+
+    def _function(self, attr: str) -> Any:
+        """The undecorated function behind ``attr``, without running descriptors."""
+        try:
+            raw = inspect.getattr_static(self.obj, attr)
+        except AttributeError:
+            return None
+        if isinstance(raw, (staticmethod, classmethod)):
+            return raw.__func__
+        return raw
+
+    def _bound(self, attr: str) -> Callable[..., Any] | None:
+        if not callable(self._function(attr)):
+            return None
+        bound = getattr(self.obj, attr)
+        return bound if callable(bound) else None
+
+    def _missing(self, tool_name: str, what: str, method: str, declared_as: str) -> None:
+        close = difflib.get_close_matches(method, self._callable_names(), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else f"; add a method {method}() to it"
+        self.problem(
+            tool_name,
+            f"{declared_as} names the {what} method {method!r}, but {self.label} has no"
+            f" method {method!r}{hint}",
+        )
+
+    # ------------------------------------------------------------------ checking
+
+    def _spec(
+        self,
+        attr: str,
+        target: Any,
+        decl: ToolDeclaration,
+        comp: CompensableDeclaration | None,
+    ) -> ToolSpec | None:
+        before = len(self.problems)
+        tool_name = decl.name or attr
+        self.declared.append((tool_name, attr))
+        func = self._bound(attr)
+        assert func is not None  # _callable_names only lists callables
+
+        if not _TOOL_NAME.match(tool_name):
+            self.problem(
+                tool_name,
+                f"tool name {tool_name!r} is not accepted by LLM tool-calling APIs;"
+                " use 1-64 letters, digits, '_' or '-' (set @tool(name=...))",
+            )
+        description = decl.description or _first_paragraph(inspect.getdoc(target))
+        if not description:
+            self.problem(
+                tool_name,
+                "has no description; pass @tool(description=...) or write a docstring,"
+                " the model chooses tools by it",
+            )
+        args_model = self._args_model(tool_name, target, func)
+
+        reversibility = comp.reversibility if comp else Reversibility.COMPENSATABLE
+        compensation_name, compensation_func, takes_context = self._compensation(
+            tool_name, attr, decl, comp
+        )
+        lookup_func = self._lookup(tool_name, decl.lookup)
+        verify_func = self._verify(tool_name, decl.verify, compensation_name)
+        self._contract_fields(tool_name, decl, args_model)
+
+        if len(self.problems) > before or args_model is None:
+            return None
+        return ToolSpec(
+            name=tool_name,
+            description=description or "",
+            participant=self.participant,
+            method_name=attr,
+            func=func,
+            args_model=args_model,
+            reversibility=Reversibility.REVERSIBLE if decl.read_only else reversibility,
+            compensation=compensation_name,
+            compensation_func=compensation_func,
+            compensation_takes_context=takes_context,
+            lookup_name=decl.lookup,
+            lookup_func=lookup_func,
+            verify_name=decl.verify,
+            verify_func=verify_func,
+            read_only=decl.read_only,
+            pivot=decl.pivot,
+            resources=decl.resources,
+            reversal_window_ms=decl.reversal_window_ms,
+            compensation_approval=CompensationApproval(decl.compensation_approval),
+            retry=decl.retry,
+            compensation_retry=decl.compensation_retry,
+            non_retryable=decl.non_retryable,
+            owner=decl.owner,
+            deadline_ms=decl.deadline_ms,
+            secret_fields=decl.secret_fields,
+            operation_id=decl.operation_id,
+        )
+
+    def _args_model(
+        self, tool_name: str, target: Any, func: Callable[..., Any]
+    ) -> type[BaseModel] | None:
+        try:
+            hints = typing.get_type_hints(target, include_extras=True)
+        except Exception as exc:  # NameError, TypeError: an annotation that won't resolve
+            self.problem(
+                tool_name,
+                f"the type hints of {self.label}.{_name(target)} cannot be resolved ({exc});"
+                " import the types they name at module level",
+            )
+            return None
+        fields: dict[str, Any] = {}
+        for param in inspect.signature(func).parameters.values():
+            if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD, param.POSITIONAL_ONLY):
+                self.problem(
+                    tool_name,
+                    f"parameter {param.name!r} is {param.kind.description}; a tool's"
+                    " arguments must be named parameters so they have a JSON schema",
+                )
+                continue
+            annotation = hints.get(param.name, Any)
+            default = ... if param.default is param.empty else param.default
+            fields[param.name] = (annotation, default)
+        try:
+            return pydantic.create_model(
+                f"{_camel(tool_name)}Args",
+                __config__=ConfigDict(extra="forbid", arbitrary_types_allowed=False),
+                **fields,
+            )
+        except Exception as exc:  # pydantic's schema errors name the field
+            self.problem(
+                tool_name,
+                f"cannot build an argument schema from its type hints ({exc});"
+                " use JSON-compatible types (str, int, float, bool, lists, dicts,"
+                " pydantic models)",
+            )
+            return None
+
+    def _compensation(
+        self,
+        tool_name: str,
+        attr: str,
+        decl: ToolDeclaration,
+        comp: CompensableDeclaration | None,
+    ) -> tuple[str | None, Callable[..., Any] | None, bool]:
+        none: tuple[str | None, Callable[..., Any] | None, bool] = (None, None, False)
+        if decl.read_only:
+            if comp is not None:
+                self.problem(
+                    tool_name,
+                    "is read_only but declares @compensable; a read-only tool has no"
+                    " effect to undo: remove @compensable or read_only=True",
+                )
+            if decl.pivot:
+                self.problem(
+                    tool_name,
+                    "is read_only and pivot; the pivot is the write after which the saga"
+                    " only goes forward (R6): remove pivot=True or read_only=True",
+                )
+            return none
+        if comp is None:
+            self.problem(
+                tool_name,
+                "is a write tool with no declared compensation (R4); add"
+                ' @compensable(by="<method that undoes it>"),'
+                " @compensable(reversibility=Reversibility.IRREVERSIBLE) if no undo"
+                " exists, or @tool(read_only=True) if it changes nothing",
+            )
+            return none
+        if comp.by is None:
+            if comp.reversibility is not Reversibility.IRREVERSIBLE:
+                self.problem(
+                    tool_name,
+                    f"declares @compensable(reversibility={comp.reversibility.value})"
+                    " without by=; name the method that undoes it, e.g."
+                    ' @compensable(by="undo_...") or declare it IRREVERSIBLE',
+                )
+            return none
+        declared_as = f'@compensable(by="{comp.by}")'
+        target = self._function(comp.by)
+        if not callable(target):
+            self._missing(tool_name, "compensation", comp.by, declared_as)
+            return none
+        if comp.by == attr:
+            self.problem(
+                tool_name, f"{declared_as} names the tool itself; name the method that undoes it"
+            )
+            return none
+        bound = self._bound(comp.by)
+        assert bound is not None
+        takes_context = self._check_context_signature(
+            tool_name, "compensation", comp.by, target, bound, allow_none=True
+        )
+        return comp.by, bound, bool(takes_context)
+
+    def _lookup(self, tool_name: str, method: str | None) -> Callable[[str], Any] | None:
+        if method is None:
+            return None
+        declared_as = f'@tool(lookup="{method}")'
+        target = self._function(method)
+        if not callable(target):
+            self._missing(tool_name, "lookup", method, declared_as)
+            return None
+        bound = self._bound(method)
+        assert bound is not None
+        wanted = "one argument, the idempotency key (key: str) -> LookupResult | None"
+        hints = self._hints(tool_name, "lookup", method, target)
+        required = self._required_positional(tool_name, "lookup", method, bound, wanted)
+        if required is None:
+            return None
+        if len(required) != 1:
+            self.problem(
+                tool_name,
+                f"lookup method {method!r} takes {len(required)} arguments; it must take {wanted}",
+            )
+            return None
+        param_hint = hints.get(required[0].name)
+        if param_hint is not None and param_hint is not str:
+            self.problem(
+                tool_name,
+                f"lookup method {method!r} takes {required[0].name}: {_type_name(param_hint)};"
+                f" it must take {wanted}",
+            )
+            return None
+        returns = hints.get("return")
+        if returns is not None and not _allows(returns, LookupResult):
+            self.problem(
+                tool_name,
+                f"lookup method {method!r} returns {_type_name(returns)}; it must return"
+                " LookupResult | None",
+            )
+            return None
+        return bound
+
+    def _verify(
+        self, tool_name: str, method: str | None, compensation_name: str | None
+    ) -> Callable[[CompensationContext], Any] | None:
+        if method is None:
+            return None
+        declared_as = f'@tool(verify="{method}")'
+        target = self._function(method)
+        if not callable(target):
+            self._missing(tool_name, "verify", method, declared_as)
+            return None
+        if compensation_name is None:
+            self.problem(
+                tool_name,
+                f"{declared_as} is declared but the tool has no compensation to verify;"
+                " remove verify= or declare @compensable(by=...)",
+            )
+            return None
+        bound = self._bound(method)
+        assert bound is not None
+        takes = self._check_context_signature(
+            tool_name, "verify", method, target, bound, allow_none=False
+        )
+        if takes is None:
+            return None
+        returns = self._hints(tool_name, "verify", method, target).get("return")
+        if returns is not None and returns is not bool:
+            self.problem(
+                tool_name,
+                f"verify method {method!r} returns {_type_name(returns)}; it must return bool",
+            )
+            return None
+        return bound
+
+    def _check_context_signature(
+        self,
+        tool_name: str,
+        role: str,
+        method: str,
+        target: Any,
+        bound: Callable[..., Any],
+        *,
+        allow_none: bool,
+    ) -> bool | None:
+        """Whether the method takes a CompensationContext; None when its signature
+        is wrong (a problem has been recorded)."""
+        wanted = (
+            "no argument or one CompensationContext"
+            if allow_none
+            else "one CompensationContext (ctx: CompensationContext) -> bool"
+        )
+        required = self._required_positional(tool_name, role, method, bound, wanted)
+        if required is None:
+            return None
+        if len(required) > 1 or (not allow_none and len(required) == 0):
+            self.problem(
+                tool_name,
+                f"{role} method {method!r} takes {len(required)} arguments"
+                f" ({', '.join(p.name for p in required) or 'none'}); it must take {wanted}",
+            )
+            return None
+        if not required:
+            return False
+        hint = self._hints(tool_name, role, method, target).get(required[0].name)
+        if hint is not None and hint is not CompensationContext:
+            self.problem(
+                tool_name,
+                f"{role} method {method!r} takes {required[0].name}: {_type_name(hint)};"
+                f" it must take {wanted}",
+            )
+            return None
+        return True
+
+    def _required_positional(
+        self, tool_name: str, role: str, method: str, bound: Callable[..., Any], wanted: str
+    ) -> list[inspect.Parameter] | None:
+        try:
+            params = list(inspect.signature(bound).parameters.values())
+        except (TypeError, ValueError):
+            self.problem(tool_name, f"{role} method {method!r} has no inspectable signature")
+            return None
+        required = []
+        for p in params:
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is not p.empty:
+                continue
+            if p.kind is p.KEYWORD_ONLY:
+                self.problem(
+                    tool_name,
+                    f"{role} method {method!r} has a required keyword-only argument"
+                    f" {p.name!r}; it must take {wanted}",
+                )
+                return None
+            required.append(p)
+        return required
+
+    def _hints(self, tool_name: str, role: str, method: str, target: Any) -> dict[str, Any]:
+        try:
+            return typing.get_type_hints(target)
+        except Exception as exc:
+            self.problem(
+                tool_name,
+                f"the type hints of {role} method {method!r} cannot be resolved ({exc})",
+            )
+            return {}
+
+    def _contract_fields(
+        self, tool_name: str, decl: ToolDeclaration, args_model: type[BaseModel] | None
+    ) -> None:
+        if decl.deadline_ms <= 0:
+            self.problem(tool_name, f"deadline must be positive, got {decl.deadline_ms} ms")
+        if decl.reversal_window_ms is not None:
+            if decl.reversal_window_ms <= 0:
+                self.problem(
+                    tool_name,
+                    f"reversal_window must be positive, got {decl.reversal_window_ms} ms",
+                )
+            if decl.read_only:
+                self.problem(
+                    tool_name,
+                    "is read_only but declares a reversal_window; there is nothing to"
+                    " reverse: remove reversal_window",
+                )
+        for exc_type in decl.non_retryable:
+            if not (inspect.isclass(exc_type) and issubclass(exc_type, BaseException)):
+                self.problem(
+                    tool_name,
+                    f"non_retryable must list exception classes, got {exc_type!r}",
+                )
+        for resource in decl.resources:
+            if not isinstance(resource, str) or not resource:
+                self.problem(tool_name, f"resources must be non-empty strings, got {resource!r}")
+        if not decl.owner:
+            self.problem(tool_name, "owner is empty; name who is handed this tool's incidents (R8)")
+        if args_model is not None:
+            for secret in decl.secret_fields:
+                if secret not in args_model.model_fields:
+                    close = difflib.get_close_matches(secret, list(args_model.model_fields), n=1)
+                    hint = f"; did you mean {close[0]!r}?" if close else ""
+                    self.problem(
+                        tool_name,
+                        f"secret_fields names {secret!r}, which is not an argument of the"
+                        f" tool{hint}",
+                    )
+        if decl.operation_id is not None and not (
+            isinstance(decl.operation_id, str) or callable(decl.operation_id)
+        ):
+            self.problem(
+                tool_name,
+                "operation_id must be a key/attribute name or a callable(result) -> str",
+            )
+
+
+# ------------------------------------------------------------------------ helpers
+
+
+def _call_sync(tool_name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn``; if it is async, run it to completion in a fresh event loop."""
+    result = fn(*args, **kwargs)
+    if not inspect.isawaitable(result):
+        return result
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(_await(result))
+    _close(result)
+    raise RuntimeError(
+        f"tool {tool_name!r} is async and an event loop is already running in this"
+        " thread; use the async API (ainvoke, acompensate, alookup, averify)"
+    )
+
+
+async def _call_async(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Await ``fn``; a sync ``fn`` runs in a worker thread so it does not block the
+    loop and a deadline around it still fires (the thread's outcome is then unknown)."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args, **kwargs)
+    result = await asyncio.to_thread(fn, *args, **kwargs)
+    if inspect.isawaitable(result):
+        return await result
+    return result
+
+
+async def _await(awaitable: Awaitable[Any]) -> Any:
+    return await awaitable
+
+
+def _close(awaitable: object) -> None:
+    close = getattr(awaitable, "close", None)
+    if callable(close):
+        close()  # no "coroutine was never awaited" warning
+
+
+def _short_errors(exc: pydantic.ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(arguments)"
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def _first_paragraph(doc: str | None) -> str:
+    if not doc:
+        return ""
+    return " ".join(doc.strip().split("\n\n", 1)[0].split())
+
+
+def _camel(name: str) -> str:
+    return "".join(part[:1].upper() + part[1:] for part in re.split(r"[_\-]+", name) if part)
+
+
+def _name(obj: Any) -> str:
+    return str(getattr(obj, "__name__", repr(obj)))
+
+
+def _type_name(hint: Any) -> str:
+    if inspect.isclass(hint):
+        return hint.__name__
+    return str(hint).replace("typing.", "")
+
+
+def _allows(hint: Any, cls: type) -> bool:
+    """Whether a return annotation admits ``cls`` (directly, in a union, or Any)."""
+    if hint is Any or hint is cls:
+        return True
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_allows(arg, cls) for arg in typing.get_args(hint))
+    return False

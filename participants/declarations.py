@@ -1,0 +1,282 @@
+"""Declarations: the Python twin of seed 000's ``@Tool``, ``@Compensable`` and
+``@Compensation``, plus the rest of a tool's contract (seed 004).
+
+The decorators only *record* what a method declares, as an attribute on the function,
+and return the function unchanged. Nothing is checked here: ``wrap()`` checks every
+declaration of a participant at once and reports every problem in one error, which
+is what a person fixing a deploy wants. Because each decorator writes its own
+attribute, their order does not matter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from schemas.keys import compensation_key as derive_compensation_key
+from schemas.models import CompensationApproval, ReconcileResult, RetryPolicy, Reversibility
+
+__all__ = [
+    "DEFAULT_COMPENSATION_RETRY",
+    "Accepted",
+    "BusinessRejection",
+    "CompensableDeclaration",
+    "CompensationApproval",
+    "CompensationContext",
+    "LookupResult",
+    "ReconcileResult",
+    "RetryPolicy",
+    "Reversibility",
+    "ToolDeclaration",
+    "compensable",
+    "compensation",
+    "tool",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+TOOL_ATTR = "__sagaline_tool__"
+COMPENSABLE_ATTR = "__sagaline_compensable__"
+COMPENSATION_ATTR = "__sagaline_compensation__"
+
+DEFAULT_COMPENSATION_RETRY = RetryPolicy(
+    max_attempts=8, initial_backoff_ms=200, max_backoff_ms=10_000
+)
+"""Compensations are the last line of defence: retried harder than forward steps (R8)."""
+
+Duration = timedelta | float | int
+"""A duration: a ``timedelta`` or a number of seconds."""
+
+
+def _duration_s(value: Duration) -> float:
+    return value.total_seconds() if isinstance(value, timedelta) else float(value)
+
+
+def _to_ms(value: Duration | None) -> int | None:
+    return None if value is None else round(_duration_s(value) * 1000)
+
+
+class BusinessRejection(Exception):
+    """The provider said no for a business reason ("credit limit exceeded").
+
+    It would fail the same way forever, so it is never retried and the saga starts
+    compensating at once (R9). Subclass it for your own rejections, or list other
+    exception types in ``@tool(non_retryable=...)``.
+    """
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """Returned by a compensation that the provider accepted but has not finished.
+
+    The step is not compensated until the completion receipt for ``operation_id``
+    arrives (R12); a cancellation accepted is not yet a released reservation.
+    """
+
+    operation_id: str
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """What a ``lookup`` found for an idempotency key (R11).
+
+    Return ``LookupResult.committed(result)`` when the operation happened,
+    ``LookupResult.pending()`` when the provider has not settled it yet, and ``None``
+    (or ``LookupResult.not_found()``) when no such operation exists.
+    """
+
+    status: ReconcileResult
+    result: Any = None
+    provider_operation_id: str | None = None
+
+    @classmethod
+    def committed(cls, result: Any, provider_operation_id: str | None = None) -> LookupResult:
+        return cls(ReconcileResult.COMMITTED, result, provider_operation_id)
+
+    @classmethod
+    def not_found(cls) -> LookupResult:
+        return cls(ReconcileResult.NOT_FOUND)
+
+    @classmethod
+    def pending(cls) -> LookupResult:
+        return cls(ReconcileResult.PENDING)
+
+
+@dataclass(frozen=True)
+class CompensationContext:
+    """Passed to a compensation so it knows what to undo (seed 000).
+
+    ``input`` is the exact JSON arguments the tool was called with and ``result`` what
+    it returned, usually the handle the undo needs. ``compensation_key`` is derived
+    from ``idempotency_key`` so a retried compensation repeats the same provider
+    operation (R8); pass it to the provider as its idempotency key.
+    """
+
+    saga_id: str
+    tool_name: str
+    input: dict[str, Any]
+    result: Any
+    idempotency_key: str
+    compensation_key: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.compensation_key:
+            object.__setattr__(
+                self, "compensation_key", derive_compensation_key(self.idempotency_key)
+            )
+
+
+@dataclass(frozen=True)
+class ToolDeclaration:
+    """What ``@tool`` recorded. Durations are already in milliseconds."""
+
+    description: str | None
+    name: str | None
+    read_only: bool
+    pivot: bool
+    lookup: str | None
+    verify: str | None
+    resources: tuple[str, ...]
+    reversal_window_ms: int | None
+    compensation_approval: CompensationApproval
+    retry: RetryPolicy
+    compensation_retry: RetryPolicy
+    non_retryable: tuple[Any, ...]
+    owner: str
+    deadline_ms: int
+    secret_fields: tuple[str, ...]
+    operation_id: str | Callable[[Any], str | None] | None
+
+
+@dataclass(frozen=True)
+class CompensableDeclaration:
+    """What ``@compensable`` recorded."""
+
+    by: str | None
+    reversibility: Reversibility
+
+
+def tool(
+    *,
+    description: str | None = None,
+    name: str | None = None,
+    read_only: bool = False,
+    pivot: bool = False,
+    lookup: str | None = None,
+    verify: str | None = None,
+    resources: Sequence[str] = (),
+    reversal_window: Duration | None = None,
+    compensation_approval: CompensationApproval = CompensationApproval.INHERIT,
+    retry: RetryPolicy | None = None,
+    compensation_retry: RetryPolicy | None = None,
+    non_retryable: Sequence[type[BaseException]] = (),
+    owner: str = "operations",
+    deadline: Duration = 10.0,
+    secret_fields: Sequence[str] = (),
+    operation_id: str | Callable[[Any], str | None] | None = None,
+) -> Callable[[F], F]:
+    """Declare a method as a tool an agent may call.
+
+    - ``description``: what the model reads; defaults to the docstring's first
+      paragraph.
+    - ``name``: the tool name; defaults to the method name.
+    - ``read_only``: the tool changes nothing, so needs no compensation.
+    - ``pivot``: once this commits the saga goes forward only (R6).
+    - ``lookup``: name of a method ``(idempotency_key: str) -> LookupResult | None``
+      that finds an operation whose outcome is unknown (R11).
+    - ``verify``: name of a method ``(ctx: CompensationContext) -> bool`` that checks
+      the business state after the compensation (R12).
+    - ``resources``: what the tool touches; compensations on a shared resource are
+      serialized (R2).
+    - ``reversal_window``: how long the effect can be undone (``timedelta`` or
+      seconds); past it a compensation becomes an incident (R13).
+    - ``compensation_approval``: whether undoing needs the forward approval, a new
+      one, or none (R13).
+    - ``retry`` / ``compensation_retry``: bounded backoff for the forward step and
+      the (more generous) compensation (R8).
+    - ``non_retryable``: exception types that are business rejections (R9), besides
+      ``BusinessRejection``.
+    - ``owner``: who is handed the problem when recovery runs out (R8).
+    - ``deadline``: how long a call may take before its outcome is unknown (R11).
+    - ``secret_fields``: argument names redacted before they reach the ledger.
+    - ``operation_id``: how to read the provider operation id from the result: a key
+      or attribute name, or a callable; by default a ``str`` result is the id.
+    """
+
+    declaration = ToolDeclaration(
+        description=description,
+        name=name,
+        read_only=read_only,
+        pivot=pivot,
+        lookup=lookup,
+        verify=verify,
+        resources=tuple(resources),
+        reversal_window_ms=_to_ms(reversal_window),
+        compensation_approval=compensation_approval,
+        retry=retry if retry is not None else RetryPolicy(),
+        compensation_retry=(
+            compensation_retry if compensation_retry is not None else DEFAULT_COMPENSATION_RETRY
+        ),
+        non_retryable=tuple(non_retryable),
+        owner=owner,
+        deadline_ms=round(_duration_s(deadline) * 1000),
+        secret_fields=tuple(secret_fields),
+        operation_id=operation_id,
+    )
+
+    def mark(func: F) -> F:
+        setattr(func, TOOL_ATTR, declaration)
+        return func
+
+    return mark
+
+
+def compensable(
+    by: str | None = None,
+    *,
+    reversibility: Reversibility = Reversibility.COMPENSATABLE,
+) -> Callable[[F], F]:
+    """Declare how a tool's effect is undone (seed 000 ``@Compensable``).
+
+    ``by`` names the compensation method in the same class (or participant object).
+    It is required unless ``reversibility`` is IRREVERSIBLE; an IRREVERSIBLE tool may
+    still name one, as a correction (a follow-up message), not an undo.
+    """
+
+    declaration = CompensableDeclaration(by=by, reversibility=Reversibility(reversibility))
+
+    def mark(func: F) -> F:
+        setattr(func, COMPENSABLE_ATTR, declaration)
+        return func
+
+    return mark
+
+
+def compensation(func: F) -> F:
+    """Mark a method as a compensation (seed 000 ``@Compensation``).
+
+    Documentation only: binding is by the name given in ``@compensable(by=...)``.
+    The marker makes the pairing greppable; omitting it changes nothing.
+    """
+
+    setattr(func, COMPENSATION_ATTR, True)
+    return func
+
+
+def tool_declaration(func: object) -> ToolDeclaration | None:
+    """The ``@tool`` declaration recorded on ``func``, if any."""
+    found = getattr(func, TOOL_ATTR, None)
+    return found if isinstance(found, ToolDeclaration) else None
+
+
+def compensable_declaration(func: object) -> CompensableDeclaration | None:
+    """The ``@compensable`` declaration recorded on ``func``, if any."""
+    found = getattr(func, COMPENSABLE_ATTR, None)
+    return found if isinstance(found, CompensableDeclaration) else None
+
+
+def is_compensation(func: object) -> bool:
+    """Whether ``func`` carries the ``@compensation`` marker."""
+    return getattr(func, COMPENSATION_ATTR, False) is True
