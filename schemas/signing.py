@@ -22,7 +22,11 @@ from schemas.errors import BadSignature, MissingSignature
 SIG_HEADER = "sagaline-sig"
 KID_HEADER = "sagaline-kid"
 
-HeaderList = Sequence[tuple[str, bytes | str | None]]
+HeaderList = Sequence[tuple[str, bytes | str | None]] | dict[str, bytes | str | None]
+"""Headers as confluent-kafka hands them over (its stubs allow a list or a dict)."""
+
+Headers = list[tuple[str, str | bytes | None]]
+"""Headers as confluent-kafka's ``produce`` takes them."""
 
 
 def _material(key: bytes | None, value: bytes) -> bytes:
@@ -34,7 +38,8 @@ def _material(key: bytes | None, value: bytes) -> bytes:
 def header_value(headers: HeaderList | None, name: str) -> bytes | None:
     """The last value of header ``name`` (confluent-kafka gives ``None`` or a list)."""
     found: bytes | None = None
-    for h_name, h_value in headers or ():
+    pairs = headers.items() if isinstance(headers, dict) else headers or ()
+    for h_name, h_value in pairs:
         if h_name == name:
             found = h_value.encode() if isinstance(h_value, str) else h_value
     return found
@@ -71,7 +76,7 @@ class Signer:
             raise ValueError("Signer has no key configured; set SAGALINE_HMAC_KEY to sign")
         return hmac.new(self._key, _material(key, value), hashlib.sha256).digest()
 
-    def headers(self, key: bytes | None, value: bytes) -> list[tuple[str, bytes]]:
+    def headers(self, key: bytes | None, value: bytes) -> Headers:
         """Headers to send with (key, value): empty when no key is configured."""
         if self._key is None:
             return []

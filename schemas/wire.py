@@ -26,11 +26,10 @@ from typing import Any, TypeVar, overload
 from schemas.codec import decode, encode
 from schemas.errors import MalformedRecord
 from schemas.models import Record
-from schemas.signing import HeaderList, Signer, header_value
+from schemas.signing import HeaderList, Headers, Signer, header_value
 
 R = TypeVar("R", bound=Record)
 
-Headers = list[tuple[str, bytes]]
 
 DLQ_REASON = "sagaline-dlq-reason"
 DLQ_DETAIL = "sagaline-dlq-detail"
@@ -131,21 +130,21 @@ def dlq_message(
     headers: HeaderList | None,
     reason: str,
     detail: str,
-    source_topic: str,
-    partition: int,
-    offset: int,
+    source_topic: str | None,
+    partition: int | None,
+    offset: int | None,
 ) -> tuple[bytes | None, bytes | None, Headers]:
     """The DLQ copy of a rejected message: key and value byte-for-byte as received,
     the original headers, plus why and where from (``sagaline-dlq-*`` headers)."""
     kept: Headers = [
         (name, v.encode() if isinstance(v, str) else v)
-        for name, v in headers or ()
+        for name, v in (headers.items() if isinstance(headers, dict) else headers or ())
         if v is not None and name not in _DLQ_HEADERS
     ]
     kept += [
         (DLQ_REASON, reason.encode("utf-8")),
         (DLQ_DETAIL, detail[:_MAX_DETAIL].encode("utf-8", "replace")),
-        (DLQ_TOPIC, source_topic.encode("utf-8")),
+        (DLQ_TOPIC, (source_topic or "").encode("utf-8")),
         (DLQ_PARTITION, str(partition).encode("ascii")),
         (DLQ_OFFSET, str(offset).encode("ascii")),
     ]

@@ -15,7 +15,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 from schemas.errors import CodecError
 from schemas.models import Record
 from schemas.partitioning import partition_for
-from schemas.signing import Signer
+from schemas.signing import HeaderList, Signer
 from schemas.wire import consumer_config, from_message
 
 
@@ -43,7 +43,7 @@ def partition_count(consumer: Consumer, topic: str) -> int:
 
 def read_partitions(
     bootstrap: str, topic: str, partitions: list[int] | None = None
-) -> Iterator[tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]]:
+) -> Iterator[tuple[bytes | None, bytes | None, HeaderList | None]]:
     """Yield (key, value, headers) of committed records from the start to the current
     end of the given partitions (all of them when None)."""
     consumer = _reader(bootstrap)
@@ -70,7 +70,7 @@ def read_partitions(
                     remaining.discard(msg.partition())
                     continue
                 raise KafkaException(err)
-            yield msg.key(), msg.value(), list(msg.headers() or [])
+            yield msg.key(), msg.value(), msg.headers()
     finally:
         consumer.close()
 

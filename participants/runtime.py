@@ -1,0 +1,524 @@
+"""The participant runtime: serves one catalogue over its Kafka command topic.
+
+For every command on ``sagaline.commands.<participant>`` it
+
+* ExecuteStep: appends ``StepIntentRecorded`` and waits for the broker's ack before
+  the tool runs (R10); runs the tool under its deadline with the idempotency key in
+  :func:`participants.context.current_call`; appends ``StepCommitted``,
+  ``StepFailed`` (business rejection or transient, R9) or ``StepOutcomeUnknown`` when
+  the deadline passed (R11);
+* CompensateStep: runs the declared compensation with its ``CompensationContext``
+  and the compensation key; appends ``CompensationCommitted`` (verified where a
+  verification is declared), ``CompensationAccepted`` for asynchronous ones (then
+  polls the verification until the completion is confirmed, R12), or
+  ``CompensationFailed``;
+* ReconcileStep: looks the operation up by idempotency key and appends
+  ``StepReconciled``; with no lookup declared it raises an incident, never guesses.
+
+Redelivered commands never run a tool or a compensation twice: a SQLite journal of
+handled command ids survives restarts. A command found *started but unfinished* after
+a crash is reported as an unknown outcome and reconciled, because the tool may or may
+not have acted.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import signal
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any, TypeVar
+
+import orjson
+from confluent_kafka import Consumer, KafkaError, Message, Producer
+
+from participants.catalogue import Catalogue, ToolSpec
+from participants.context import CallContext, call_context
+from participants.declarations import Accepted, CompensationContext
+from participants.errors import InvalidArgumentsError
+from schemas import (
+    CompensateStep,
+    CompensationAccepted,
+    CompensationCommitted,
+    CompensationFailed,
+    ExecuteStep,
+    FailureKind,
+    IncidentRaised,
+    ReconcileResult,
+    ReconcileStep,
+    Record,
+    StepCommitted,
+    StepFailed,
+    StepIntentRecorded,
+    StepOutcomeUnknown,
+    StepReconciled,
+    args_fingerprint,
+    derived_event_id,
+    envelope_for,
+    fingerprint,
+)
+from schemas.errors import CodecError
+from schemas.settings import Settings
+from schemas.topics import ensure_topics
+from schemas.wire import consumer_config, dlq_message, from_message, producer_config, to_message
+from services.metrics import ParticipantMetrics
+
+log = logging.getLogger("sagaline.participant")
+
+Clock = Callable[[], int]
+R = TypeVar("R", bound=Record)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _json(value: Any) -> bytes:
+    return orjson.dumps(value, default=_jsonable)
+
+
+def _jsonable(value: Any) -> Any:
+    dump = getattr(value, "model_dump", None)
+    if callable(dump):
+        return dump(mode="json")
+    if hasattr(value, "__dataclass_fields__"):
+        return {k: getattr(value, k) for k in value.__dataclass_fields__}
+    raise TypeError(f"tool result of type {type(value).__name__} is not JSON-serializable")
+
+
+class CommandJournal:
+    """Durable record of handled commands (SQLite), so a redelivery is recognised.
+
+    States: ``started`` (the tool may have run), ``done`` (outcome stored, re-sent on
+    redelivery), ``accepted`` (an async compensation awaiting its completion).
+    """
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._lock = threading.Lock()
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS handled (command_id TEXT PRIMARY KEY, "
+                "state TEXT NOT NULL, command BLOB, outcome BLOB, at INTEGER NOT NULL)"
+            )
+
+    def get(self, command_id: str) -> tuple[str, bytes | None] | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT state, outcome FROM handled WHERE command_id = ?", (command_id,)
+            ).fetchone()
+        return None if row is None else (str(row[0]), row[1])
+
+    def mark(
+        self, command_id: str, state: str, *, command: bytes | None = None,
+        outcome: bytes | None = None,
+    ) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO handled (command_id, state, command, outcome, at) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT(command_id) DO UPDATE SET "
+                "state = excluded.state, outcome = COALESCE(excluded.outcome, outcome), "
+                "command = COALESCE(excluded.command, command), at = excluded.at",
+                (command_id, state, command, outcome, _now_ms()),
+            )
+
+    def accepted(self) -> list[tuple[str, bytes]]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT command_id, command FROM handled WHERE state = 'accepted'"
+            ).fetchall()
+        return [(str(r[0]), bytes(r[1])) for r in rows]
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    record: Record
+    state: str = "done"
+
+
+class CommandHandler:
+    """Decides and runs what one command asks; Kafka-free, so tests can drive it.
+
+    ``append(record)`` must return only once the broker acknowledged the record.
+    """
+
+    def __init__(
+        self,
+        catalogue: Catalogue,
+        participant: str,
+        journal: CommandJournal,
+        append: Callable[[Record], None],
+        *,
+        clock: Clock = _now_ms,
+        workers: int = 8,
+        verify_poll_ms: int = 200,
+        verify_timeout_ms: int = 60_000,
+        metrics: ParticipantMetrics | None = None,
+    ) -> None:
+        self.catalogue = catalogue
+        self.participant = participant
+        self.journal = journal
+        self._append = append
+        self._clock = clock
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix=f"{participant}-tool"
+        )
+        self._verify_poll_ms = verify_poll_ms
+        self._verify_timeout_ms = verify_timeout_ms
+        self._metrics = metrics
+        self._stopping = threading.Event()
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ dispatch
+
+    def handle(self, command: Record) -> None:
+        seen = self.journal.get(command.event_id)
+        if seen is not None and seen[0] in ("done", "accepted") and seen[1] is not None:
+            # A redelivery: the work is done; re-send its outcome (same event id, so
+            # the coordinator deduplicates) in case the first send was lost.
+            if self._metrics is not None:
+                self._metrics.duplicate_prevented()
+            from schemas.codec import decode
+
+            self._append(decode(seen[1]))
+            return
+        if isinstance(command, ExecuteStep):
+            outcome = self._execute(command, restarted=seen is not None)
+        elif isinstance(command, CompensateStep):
+            outcome = self._compensate(command)
+        elif isinstance(command, ReconcileStep):
+            outcome = self._reconcile(command)
+        else:
+            raise TypeError(f"{command.TYPE} is not a participant command")
+        from schemas.codec import encode
+
+        self.journal.mark(command.event_id, outcome.state, outcome=encode(outcome.record))
+        self._append(outcome.record)
+        if self._metrics is not None:
+            self._metrics.observe_output(outcome.record)
+
+    # --------------------------------------------------------------- execute step
+
+    def _execute(self, cmd: ExecuteStep, *, restarted: bool) -> _Outcome:
+        spec = self.catalogue[cmd.tool]
+        if restarted:
+            # Started before a crash and never finished: it may have acted (R11).
+            return _Outcome(
+                self._record(StepOutcomeUnknown, cmd, "outcome", step_id=cmd.step_id,
+                             tool=cmd.tool, idempotency_key=cmd.idempotency_key,
+                             attempt=cmd.attempt,
+                             reason="the participant restarted while the tool was running")
+            )
+        self._append(
+            self._record(StepIntentRecorded, cmd, "intent", step_id=cmd.step_id,
+                         tool=cmd.tool, idempotency_key=cmd.idempotency_key,
+                         args_fingerprint=args_fingerprint(cmd.args), attempt=cmd.attempt,
+                         principal=cmd.principal)
+        )
+        self.journal.mark(cmd.event_id, "started", command=_command_bytes(cmd))
+        ctx = CallContext(cmd.saga_id, cmd.step_id, cmd.tool, cmd.idempotency_key,
+                          cmd.attempt, cmd.principal)
+        common: dict[str, Any] = {"step_id": cmd.step_id, "tool": cmd.tool,
+                                  "idempotency_key": cmd.idempotency_key,
+                                  "attempt": cmd.attempt}
+        try:
+            args = orjson.loads(cmd.args)
+            result = self._run(ctx, lambda: spec.invoke(args), cmd.deadline_ms)
+        except concurrent.futures.TimeoutError:
+            return _Outcome(self._record(
+                StepOutcomeUnknown, cmd, "outcome", **common,
+                reason=f"no answer within the {cmd.deadline_ms} ms deadline"))
+        except InvalidArgumentsError as exc:
+            return _Outcome(self._failed(cmd, common, FailureKind.BUSINESS_REJECTION, exc))
+        except Exception as exc:
+            kind = (FailureKind.BUSINESS_REJECTION if spec.is_business_rejection(exc)
+                    else FailureKind.TRANSIENT)
+            return _Outcome(self._failed(cmd, common, kind, exc))
+        body = _json(result)
+        return _Outcome(self._record(
+            StepCommitted, cmd, "outcome", **common,
+            provider_operation_id=spec.provider_operation_id(result), result=body,
+            response_fingerprint=fingerprint(body)))
+
+    def _failed(
+        self, cmd: ExecuteStep, common: dict[str, Any], kind: FailureKind, exc: BaseException
+    ) -> StepFailed:
+        return self._record(StepFailed, cmd, "outcome", **common, kind=kind,
+                            error_type=type(exc).__name__, message=str(exc)[:2000])
+
+    # ----------------------------------------------------------- compensate step
+
+    def _compensate(self, cmd: CompensateStep) -> _Outcome:
+        spec = self.catalogue[cmd.tool]
+        self.journal.mark(cmd.event_id, "started", command=_command_bytes(cmd))
+        ctx = _compensation_context(cmd)
+        call = CallContext(cmd.saga_id, cmd.step_id, cmd.tool, cmd.idempotency_key,
+                           cmd.attempt, compensation_key=cmd.compensation_key)
+        common: dict[str, Any] = {"step_id": cmd.step_id,
+                                  "compensation_key": cmd.compensation_key,
+                                  "attempt": cmd.attempt}
+        try:
+            result = self._run(call, lambda: spec.compensate(ctx), spec.deadline_ms)
+            if isinstance(result, Accepted):
+                return _Outcome(self._record(
+                    CompensationAccepted, cmd, "outcome", **common,
+                    provider_operation_id=result.operation_id), state="accepted")
+            verified = (self._run(call, lambda: spec.verify(ctx), spec.deadline_ms)
+                        if spec.verify_func is not None else None)
+        except concurrent.futures.TimeoutError:
+            return _Outcome(self._record(
+                CompensationFailed, cmd, "outcome", **common, kind=FailureKind.TRANSIENT,
+                error_type="DeadlineExceeded",
+                message=f"compensation gave no answer within {spec.deadline_ms} ms"))
+        except Exception as exc:
+            kind = (FailureKind.BUSINESS_REJECTION if spec.is_business_rejection(exc)
+                    else FailureKind.TRANSIENT)
+            return _Outcome(self._record(
+                CompensationFailed, cmd, "outcome", **common, kind=kind,
+                error_type=type(exc).__name__, message=str(exc)[:2000]))
+        return _Outcome(self._record(
+            CompensationCommitted, cmd, "outcome", **common,
+            provider_operation_id=spec.provider_operation_id(result),
+            result=_json(result), verified=verified))
+
+    def confirm_accepted(self, command_id: str, command: bytes) -> None:
+        """Poll the verification of an accepted compensation until it passes (R12).
+
+        Runs on a background thread; resumed for every ``accepted`` journal row when
+        the runtime starts, so a restart does not forget a pending completion.
+        """
+        from schemas.codec import decode, encode
+
+        cmd = decode(command, CompensateStep)
+        spec = self.catalogue[cmd.tool]
+        ctx = _compensation_context(cmd)
+        call = CallContext(cmd.saga_id, cmd.step_id, cmd.tool, cmd.idempotency_key,
+                           cmd.attempt, compensation_key=cmd.compensation_key)
+        deadline = self._clock() + self._verify_timeout_ms
+        verified = False
+        while not self._stopping.is_set() and self._clock() < deadline:
+            if spec.verify_func is None:
+                verified = True
+                break
+            try:
+                verified = bool(self._run(call, lambda: spec.verify(ctx), spec.deadline_ms))
+            except Exception:
+                log.exception("verification of %s failed; retrying", cmd.compensation_key)
+            if verified:
+                break
+            self._stopping.wait(self._verify_poll_ms / 1000)
+        if self._stopping.is_set():
+            return  # resumed on the next start
+        record = self._record(
+            CompensationCommitted, cmd, "completion", step_id=cmd.step_id,
+            compensation_key=cmd.compensation_key, attempt=cmd.attempt,
+            verified=verified if spec.verify_func is not None else None)
+        self._append(record)
+        self.journal.mark(command_id, "done", outcome=encode(record))
+
+    # ------------------------------------------------------------ reconcile step
+
+    def _reconcile(self, cmd: ReconcileStep) -> _Outcome:
+        spec = self.catalogue[cmd.tool]
+        if spec.lookup_func is None:
+            return _Outcome(self._record(
+                IncidentRaised, cmd, "outcome",
+                incident_id=derived_event_id(cmd.event_id, "incident"),
+                kind="unknown-outcome-no-lookup", step_id=cmd.step_id, tool=cmd.tool,
+                inconsistency=(f"{cmd.tool} may or may not have acted (key "
+                               f"{cmd.idempotency_key}) and declares no lookup"),
+                resources=list(spec.resources),
+                effect="unknown: check the provider by the idempotency key",
+                owner=spec.owner))
+        call = CallContext(cmd.saga_id, cmd.step_id, cmd.tool, cmd.idempotency_key,
+                           cmd.attempt)
+        common: dict[str, Any] = {"step_id": cmd.step_id, "tool": cmd.tool,
+                                  "idempotency_key": cmd.idempotency_key,
+                                  "attempt": cmd.attempt}
+        try:
+            found = self._run(call, lambda: spec.lookup(cmd.idempotency_key), spec.deadline_ms)
+        except Exception as exc:
+            log.warning("lookup of %s failed (%s): reporting PENDING", cmd.idempotency_key, exc)
+            return _Outcome(self._record(StepReconciled, cmd, "outcome", **common,
+                                         outcome=ReconcileResult.PENDING))
+        if found.status is ReconcileResult.COMMITTED:
+            body = _json(found.result)
+            return _Outcome(self._record(
+                StepReconciled, cmd, "outcome", **common, outcome=found.status,
+                provider_operation_id=(found.provider_operation_id
+                                       or spec.provider_operation_id(found.result)),
+                result=body, response_fingerprint=fingerprint(body)))
+        return _Outcome(self._record(StepReconciled, cmd, "outcome", **common,
+                                     outcome=found.status))
+
+    # ------------------------------------------------------------------- helpers
+
+    def _run(self, ctx: CallContext, fn: Callable[[], Any], deadline_ms: int) -> Any:
+        def call() -> Any:
+            with call_context(ctx):
+                return fn()
+
+        future = self._pool.submit(call)
+        return future.result(timeout=deadline_ms / 1000)
+
+    def _record(self, cls: type[R], cmd: Record, purpose: str, **fields: Any) -> R:
+        env = envelope_for(
+            cls, saga_id=cmd.saga_id, tenant_id=cmd.envelope.tenant_id,
+            producer=self.participant, now=self._clock(),
+            generation=cmd.envelope.generation, causation_id=cmd.event_id,
+            event_id=derived_event_id(cmd.event_id, purpose),
+        )
+        return cls(envelope=env, **fields)
+
+
+def _command_bytes(cmd: Record) -> bytes:
+    from schemas.codec import encode
+
+    return encode(cmd)
+
+
+def _compensation_context(cmd: CompensateStep) -> CompensationContext:
+    return CompensationContext(
+        saga_id=cmd.saga_id, tool_name=cmd.tool, input=orjson.loads(cmd.args),
+        result=orjson.loads(cmd.result), idempotency_key=cmd.idempotency_key,
+        compensation_key=cmd.compensation_key,
+    )
+
+
+class ParticipantRuntime:
+    """The Kafka loop around :class:`CommandHandler` for one participant."""
+
+    def __init__(
+        self,
+        catalogue: Catalogue,
+        settings: Settings,
+        bootstrap: str,
+        *,
+        participant: str | None = None,
+        state_dir: Path | None = None,
+        metrics: ParticipantMetrics | None = None,
+    ) -> None:
+        self.participant = participant or catalogue.name
+        self.settings = settings
+        self.bootstrap = bootstrap
+        self.topics = settings.topics
+        self.signer = settings.signer()
+        self.metrics = metrics or ParticipantMetrics(self.participant)
+        state = state_dir or settings.state_dir / self.participant
+        self.journal = CommandJournal(state / "commands.sqlite")
+        self._producer = Producer(producer_config(bootstrap))
+        self.handler = CommandHandler(catalogue, self.participant, self.journal, self._append,
+                                      metrics=self.metrics)
+        self._running = threading.Event()
+        self._background: list[threading.Thread] = []
+        for spec in catalogue.values():
+            _check_served(spec, self.participant)
+
+    def _append(self, record: Record) -> None:
+        key, value, headers = to_message(record, self.signer)
+        topic = self.topics.events
+        errors: list[KafkaError] = []
+
+        def on_delivery(err: KafkaError | None, _msg: Message) -> None:
+            if err is not None:
+                errors.append(err)
+
+        self._producer.produce(topic, key=key, value=value, headers=headers,
+                               on_delivery=on_delivery)
+        # Wait for the broker's acknowledgement: the intent must be durable before the
+        # tool runs (R10), and an outcome before the command's offset is committed.
+        remaining = self._producer.flush(30)
+        if remaining or errors:
+            raise RuntimeError(f"could not append {record.TYPE} to {topic}: {errors or 'timeout'}")
+
+    def install_signal_handlers(self) -> None:
+        def _stop(signum: int, frame: FrameType | None) -> None:
+            self.stop()
+
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
+
+    def stop(self) -> None:
+        self._running.clear()
+
+    def run(self, *, ready: threading.Event | None = None) -> None:
+        ensure_topics(self.bootstrap, self.topics, [self.participant], self.settings.partitions)
+        consumer = Consumer(consumer_config(
+            self.bootstrap, f"{self.topics.prefix}sagaline-participant-{self.participant}"))
+        consumer.subscribe([self.topics.commands(self.participant)])
+        self._running.set()
+        for command_id, command in self.journal.accepted():
+            self._confirm_in_background(command_id, command)
+        log.info("participant %s serving %s", self.participant,
+                 self.topics.commands(self.participant))
+        if ready is not None:
+            ready.set()
+        try:
+            while self._running.is_set():
+                msg = consumer.poll(0.2)
+                if msg is None:
+                    continue
+                if msg.error() is not None:
+                    log.warning("consumer error: %s", msg.error())
+                    continue
+                self._process(msg)
+                consumer.commit(message=msg, asynchronous=False)
+        finally:
+            self.handler.close()
+            consumer.close()
+            self._producer.flush(10)
+            self.journal.close()
+
+    def _process(self, msg: Message) -> None:
+        try:
+            command = from_message(msg.key(), msg.value(), msg.headers(), self.signer)
+            if not isinstance(command, (ExecuteStep, CompensateStep, ReconcileStep)):
+                raise _NotACommand(f"{command.TYPE} is not a participant command")
+        except (CodecError, _NotACommand) as exc:
+            reason = exc.reason if isinstance(exc, CodecError) else "not-a-command"
+            key, value, headers = dlq_message(
+                msg.key(), msg.value(), msg.headers(), reason, str(exc),
+                msg.topic(), msg.partition(), msg.offset())
+            self._producer.produce(self.topics.dlq, key=key, value=value, headers=headers)
+            self._producer.flush(30)
+            self.metrics.dlq(reason)
+            return
+        self.metrics.observe_record(command)
+        self.handler.handle(command)
+        if isinstance(command, CompensateStep):
+            seen = self.journal.get(command.event_id)
+            if seen is not None and seen[0] == "accepted":
+                self._confirm_in_background(command.event_id, _command_bytes(command))
+
+    def _confirm_in_background(self, command_id: str, command: bytes) -> None:
+        thread = threading.Thread(
+            target=self.handler.confirm_accepted, args=(command_id, command),
+            name=f"{self.participant}-confirm", daemon=True)
+        thread.start()
+        self._background.append(thread)
+
+
+class _NotACommand(Exception):
+    pass
+
+
+def _check_served(spec: ToolSpec, participant: str) -> None:
+    if spec.participant != participant:
+        log.info("tool %s (declared by %s) is served as participant %s",
+                 spec.name, spec.participant, participant)
