@@ -1,0 +1,200 @@
+"""Signing and redaction: a record is provably ours, and a secret never reaches a
+topic in clear (issue 2; R16 for the typed errors that route to the DLQ)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import orjson
+import pytest
+from pydantic import BaseModel, SecretStr
+
+from schemas.codec import encode
+from schemas.errors import BadSignature, MissingSignature
+from schemas.examples import example_records
+from schemas.keys import args_fingerprint
+from schemas.models import StepScheduled
+from schemas.redaction import (
+    SECRET,
+    Secret,
+    is_redacted,
+    redact,
+    redacted_json,
+    redaction_marker,
+    secret_paths,
+)
+from schemas.settings import Settings
+from schemas.signing import KID_HEADER, SIG_HEADER, Signer
+from schemas.wire import from_message, to_message
+
+KEY = b"a-long-random-test-secret"
+
+
+def _message() -> tuple[bytes, bytes]:
+    record = example_records(saga_id="saga-1")[0]
+    return record.saga_id.encode(), encode(record)
+
+
+# ------------------------------------------------------------------- signing
+
+
+def test_signed_record_verifies() -> None:
+    signer = Signer(KEY)
+    key, value = _message()
+    signer.verify(key, value, signer.headers(key, value))
+
+
+def test_signature_travels_in_sig_and_kid_headers() -> None:
+    key, value = _message()
+    headers = dict(Signer(KEY, key_id="k7").headers(key, value))
+    assert headers[KID_HEADER] == b"k7"
+    assert len(bytes.fromhex(headers[SIG_HEADER].decode())) == 32
+
+
+def test_altered_value_is_a_bad_signature() -> None:
+    signer = Signer(KEY)
+    key, value = _message()
+    headers = signer.headers(key, value)
+    tampered = value[:-1] + bytes([value[-1] ^ 1])
+    with pytest.raises(BadSignature, match="mismatch") as err:
+        signer.verify(key, tampered, headers)
+    assert err.value.reason == "bad-signature"
+
+
+def test_value_moved_to_another_saga_is_a_bad_signature() -> None:
+    signer = Signer(KEY)
+    key, value = _message()
+    headers = signer.headers(key, value)
+    with pytest.raises(BadSignature, match="saga-2"):
+        signer.verify(b"saga-2", value, headers)
+
+
+def test_record_signed_with_another_secret_is_a_bad_signature() -> None:
+    key, value = _message()
+    headers = Signer(b"another-secret").headers(key, value)
+    with pytest.raises(BadSignature):
+        Signer(KEY).verify(key, value, headers)
+
+
+def test_record_signed_under_another_key_id_is_a_bad_signature_naming_both() -> None:
+    key, value = _message()
+    headers = Signer(KEY, key_id="old").headers(key, value)
+    with pytest.raises(BadSignature, match=r"'old'.*'k1'"):
+        Signer(KEY, key_id="k1").verify(key, value, headers)
+
+
+def test_unsigned_record_is_missing_a_signature_when_a_key_is_configured() -> None:
+    key, value = _message()
+    with pytest.raises(MissingSignature, match=SIG_HEADER) as err:
+        Signer(KEY).verify(key, value, None)
+    assert err.value.reason == "missing-signature"
+
+
+def test_without_a_key_nothing_is_signed_and_everything_verifies() -> None:
+    signer = Signer(None)
+    key, value = _message()
+    assert signer.headers(key, value) == []
+    signer.verify(key, value, [])
+    assert not signer.enabled
+
+
+def test_non_hex_signature_is_a_bad_signature() -> None:
+    key, value = _message()
+    with pytest.raises(BadSignature, match="not hex"):
+        Signer(KEY).verify(key, value, [(SIG_HEADER, b"zz")])
+
+
+def test_key_never_appears_in_reprs() -> None:
+    settings = Settings(hmac_key=KEY)
+    shown = repr(Signer(KEY)) + repr(settings) + str(settings) + repr(settings.signer())
+    assert KEY.decode() not in shown
+    assert "hmac_key=" not in repr(settings)
+
+
+def test_from_message_verifies_before_decoding() -> None:
+    record = example_records(saga_id="saga-1")[3]
+    signer = Signer(KEY)
+    key, value, headers = to_message(record, signer)
+    assert from_message(key, value, headers, signer) == record
+    with pytest.raises(MissingSignature):
+        from_message(key, value, [], signer)
+
+
+# ----------------------------------------------------------------- redaction
+
+
+class Card(BaseModel):
+    number: Secret
+    cvv: Annotated[int, SECRET]
+    holder: str
+
+
+class ChargeArgs(BaseModel):
+    amount_cents: int
+    card: Card
+    backup_cards: list[Card] = []
+    api_token: SecretStr | None = None
+    labels: dict[str, str] = {}
+
+
+def test_secret_paths_lists_marked_fields_of_nested_models_and_lists() -> None:
+    assert secret_paths(ChargeArgs) == (
+        "card.number",
+        "card.cvv",
+        "backup_cards.*.number",
+        "backup_cards.*.cvv",
+        "api_token",
+    )
+
+
+def test_redact_replaces_secrets_with_a_short_hash_and_keeps_the_rest() -> None:
+    args = {
+        "amount_cents": 1999,
+        "card": {"number": "4111111111111111", "cvv": 123, "holder": "Ada"},
+        "backup_cards": [{"number": "5500000000000004", "cvv": 999, "holder": "Ada"}],
+        "api_token": "tok_live_abc",
+    }
+    redacted = redact(args, secret_paths(ChargeArgs))
+    assert redacted["amount_cents"] == 1999
+    assert redacted["card"]["holder"] == "Ada"
+    assert redacted["card"]["number"] == redaction_marker("4111111111111111")
+    assert redacted["card"]["number"].startswith("[redacted sha256:")
+    assert len(redacted["card"]["number"]) == len("[redacted sha256:]") + 12
+    assert is_redacted(redacted["backup_cards"][0]["cvv"])
+    assert is_redacted(redacted["api_token"])
+    assert args["card"]["number"] == "4111111111111111", "the input is not mutated"
+
+
+def test_redaction_is_idempotent_and_skips_absent_paths() -> None:
+    args = {"amount_cents": 5, "card": {"number": "4111", "cvv": 1, "holder": "x"}}
+    once = redact(args, secret_paths(ChargeArgs))
+    assert redact(once, secret_paths(ChargeArgs)) == once
+    assert "api_token" not in once
+
+
+def test_equal_secrets_redact_equally_so_the_ledger_can_correlate() -> None:
+    assert redaction_marker("4111") == redaction_marker("4111")
+    assert redaction_marker("4111") != redaction_marker("4112")
+
+
+def test_secret_never_appears_in_the_encoded_step_scheduled() -> None:
+    card_number = "4111111111111111"
+    token = "tok_live_d34db33f"
+    args = {
+        "amount_cents": 1999,
+        "card": {"number": card_number, "cvv": 737, "holder": "Ada"},
+        "api_token": token,
+    }
+    args_json = redacted_json(args, secret_paths(ChargeArgs))
+    template = next(r for r in example_records() if isinstance(r, StepScheduled))
+    record = template.model_copy(
+        update={"args": args_json, "args_fingerprint": args_fingerprint(args_json)}
+    )
+
+    wire_bytes = encode(record)
+
+    assert card_number.encode() not in wire_bytes
+    assert token.encode() not in wire_bytes
+    assert b"737" not in wire_bytes
+    assert b"Ada" in wire_bytes, "non-secret arguments are kept"
+    assert orjson.loads(record.args)["card"]["number"] == redaction_marker(card_number)
