@@ -119,7 +119,11 @@ class CommandJournal:
         return None if row is None else (str(row[0]), row[1])
 
     def mark(
-        self, command_id: str, state: str, *, command: bytes | None = None,
+        self,
+        command_id: str,
+        state: str,
+        *,
+        command: bytes | None = None,
         outcome: bytes | None = None,
     ) -> None:
         with self._lock:
@@ -220,47 +224,87 @@ class CommandHandler:
         if restarted:
             # Started before a crash and never finished: it may have acted (R11).
             return _Outcome(
-                self._record(StepOutcomeUnknown, cmd, "outcome", step_id=cmd.step_id,
-                             tool=cmd.tool, idempotency_key=cmd.idempotency_key,
-                             attempt=cmd.attempt,
-                             reason="the participant restarted while the tool was running")
+                self._record(
+                    StepOutcomeUnknown,
+                    cmd,
+                    "outcome",
+                    step_id=cmd.step_id,
+                    tool=cmd.tool,
+                    idempotency_key=cmd.idempotency_key,
+                    attempt=cmd.attempt,
+                    reason="the participant restarted while the tool was running",
+                )
             )
         self._append(
-            self._record(StepIntentRecorded, cmd, "intent", step_id=cmd.step_id,
-                         tool=cmd.tool, idempotency_key=cmd.idempotency_key,
-                         args_fingerprint=args_fingerprint(cmd.args), attempt=cmd.attempt,
-                         principal=cmd.principal)
+            self._record(
+                StepIntentRecorded,
+                cmd,
+                "intent",
+                step_id=cmd.step_id,
+                tool=cmd.tool,
+                idempotency_key=cmd.idempotency_key,
+                args_fingerprint=args_fingerprint(cmd.args),
+                attempt=cmd.attempt,
+                principal=cmd.principal,
+            )
         )
         self.journal.mark(cmd.event_id, "started", command=_command_bytes(cmd))
-        ctx = CallContext(cmd.saga_id, cmd.step_id, cmd.tool, cmd.idempotency_key,
-                          cmd.attempt, cmd.principal)
-        common: dict[str, Any] = {"step_id": cmd.step_id, "tool": cmd.tool,
-                                  "idempotency_key": cmd.idempotency_key,
-                                  "attempt": cmd.attempt}
+        ctx = CallContext(
+            cmd.saga_id, cmd.step_id, cmd.tool, cmd.idempotency_key, cmd.attempt, cmd.principal
+        )
+        common: dict[str, Any] = {
+            "step_id": cmd.step_id,
+            "tool": cmd.tool,
+            "idempotency_key": cmd.idempotency_key,
+            "attempt": cmd.attempt,
+        }
         try:
             args = orjson.loads(cmd.args)
             result = self._run(ctx, lambda: spec.invoke(args), cmd.deadline_ms)
         except concurrent.futures.TimeoutError:
-            return _Outcome(self._record(
-                StepOutcomeUnknown, cmd, "outcome", **common,
-                reason=f"no answer within the {cmd.deadline_ms} ms deadline"))
+            return _Outcome(
+                self._record(
+                    StepOutcomeUnknown,
+                    cmd,
+                    "outcome",
+                    **common,
+                    reason=f"no answer within the {cmd.deadline_ms} ms deadline",
+                )
+            )
         except InvalidArgumentsError as exc:
             return _Outcome(self._failed(cmd, common, FailureKind.BUSINESS_REJECTION, exc))
         except Exception as exc:
-            kind = (FailureKind.BUSINESS_REJECTION if spec.is_business_rejection(exc)
-                    else FailureKind.TRANSIENT)
+            kind = (
+                FailureKind.BUSINESS_REJECTION
+                if spec.is_business_rejection(exc)
+                else FailureKind.TRANSIENT
+            )
             return _Outcome(self._failed(cmd, common, kind, exc))
         body = _json(result)
-        return _Outcome(self._record(
-            StepCommitted, cmd, "outcome", **common,
-            provider_operation_id=spec.provider_operation_id(result), result=body,
-            response_fingerprint=fingerprint(body)))
+        return _Outcome(
+            self._record(
+                StepCommitted,
+                cmd,
+                "outcome",
+                **common,
+                provider_operation_id=spec.provider_operation_id(result),
+                result=body,
+                response_fingerprint=fingerprint(body),
+            )
+        )
 
     def _failed(
         self, cmd: ExecuteStep, common: dict[str, Any], kind: FailureKind, exc: BaseException
     ) -> StepFailed:
-        return self._record(StepFailed, cmd, "outcome", **common, kind=kind,
-                            error_type=type(exc).__name__, message=str(exc)[:2000])
+        return self._record(
+            StepFailed,
+            cmd,
+            "outcome",
+            **common,
+            kind=kind,
+            error_type=type(exc).__name__,
+            message=str(exc)[:2000],
+        )
 
     # ----------------------------------------------------------- compensate step
 
@@ -268,34 +312,77 @@ class CommandHandler:
         spec = self.catalogue[cmd.tool]
         self.journal.mark(cmd.event_id, "started", command=_command_bytes(cmd))
         ctx = _compensation_context(cmd)
-        call = CallContext(cmd.saga_id, cmd.step_id, cmd.tool, cmd.idempotency_key,
-                           cmd.attempt, compensation_key=cmd.compensation_key)
-        common: dict[str, Any] = {"step_id": cmd.step_id,
-                                  "compensation_key": cmd.compensation_key,
-                                  "attempt": cmd.attempt}
+        call = CallContext(
+            cmd.saga_id,
+            cmd.step_id,
+            cmd.tool,
+            cmd.idempotency_key,
+            cmd.attempt,
+            compensation_key=cmd.compensation_key,
+        )
+        common: dict[str, Any] = {
+            "step_id": cmd.step_id,
+            "compensation_key": cmd.compensation_key,
+            "attempt": cmd.attempt,
+        }
         try:
             result = self._run(call, lambda: spec.compensate(ctx), spec.deadline_ms)
             if isinstance(result, Accepted):
-                return _Outcome(self._record(
-                    CompensationAccepted, cmd, "outcome", **common,
-                    provider_operation_id=result.operation_id), state="accepted")
-            verified = (self._run(call, lambda: spec.verify(ctx), spec.deadline_ms)
-                        if spec.verify_func is not None else None)
+                return _Outcome(
+                    self._record(
+                        CompensationAccepted,
+                        cmd,
+                        "outcome",
+                        **common,
+                        provider_operation_id=result.operation_id,
+                    ),
+                    state="accepted",
+                )
+            verified = (
+                self._run(call, lambda: spec.verify(ctx), spec.deadline_ms)
+                if spec.verify_func is not None
+                else None
+            )
         except concurrent.futures.TimeoutError:
-            return _Outcome(self._record(
-                CompensationFailed, cmd, "outcome", **common, kind=FailureKind.TRANSIENT,
-                error_type="DeadlineExceeded",
-                message=f"compensation gave no answer within {spec.deadline_ms} ms"))
+            return _Outcome(
+                self._record(
+                    CompensationFailed,
+                    cmd,
+                    "outcome",
+                    **common,
+                    kind=FailureKind.TRANSIENT,
+                    error_type="DeadlineExceeded",
+                    message=f"compensation gave no answer within {spec.deadline_ms} ms",
+                )
+            )
         except Exception as exc:
-            kind = (FailureKind.BUSINESS_REJECTION if spec.is_business_rejection(exc)
-                    else FailureKind.TRANSIENT)
-            return _Outcome(self._record(
-                CompensationFailed, cmd, "outcome", **common, kind=kind,
-                error_type=type(exc).__name__, message=str(exc)[:2000]))
-        return _Outcome(self._record(
-            CompensationCommitted, cmd, "outcome", **common,
-            provider_operation_id=spec.provider_operation_id(result),
-            result=_json(result), verified=verified))
+            kind = (
+                FailureKind.BUSINESS_REJECTION
+                if spec.is_business_rejection(exc)
+                else FailureKind.TRANSIENT
+            )
+            return _Outcome(
+                self._record(
+                    CompensationFailed,
+                    cmd,
+                    "outcome",
+                    **common,
+                    kind=kind,
+                    error_type=type(exc).__name__,
+                    message=str(exc)[:2000],
+                )
+            )
+        return _Outcome(
+            self._record(
+                CompensationCommitted,
+                cmd,
+                "outcome",
+                **common,
+                provider_operation_id=spec.provider_operation_id(result),
+                result=_json(result),
+                verified=verified,
+            )
+        )
 
     def confirm_accepted(self, command_id: str, command: bytes) -> None:
         """Poll the verification of an accepted compensation until it passes (R12).
@@ -308,8 +395,14 @@ class CommandHandler:
         cmd = decode(command, CompensateStep)
         spec = self.catalogue[cmd.tool]
         ctx = _compensation_context(cmd)
-        call = CallContext(cmd.saga_id, cmd.step_id, cmd.tool, cmd.idempotency_key,
-                           cmd.attempt, compensation_key=cmd.compensation_key)
+        call = CallContext(
+            cmd.saga_id,
+            cmd.step_id,
+            cmd.tool,
+            cmd.idempotency_key,
+            cmd.attempt,
+            compensation_key=cmd.compensation_key,
+        )
         deadline = self._clock() + self._verify_timeout_ms
         verified = False
         while not self._stopping.is_set() and self._clock() < deadline:
@@ -326,9 +419,14 @@ class CommandHandler:
         if self._stopping.is_set():
             return  # resumed on the next start
         record = self._record(
-            CompensationCommitted, cmd, "completion", step_id=cmd.step_id,
-            compensation_key=cmd.compensation_key, attempt=cmd.attempt,
-            verified=verified if spec.verify_func is not None else None)
+            CompensationCommitted,
+            cmd,
+            "completion",
+            step_id=cmd.step_id,
+            compensation_key=cmd.compensation_key,
+            attempt=cmd.attempt,
+            verified=verified if spec.verify_func is not None else None,
+        )
         self._append(record)
         self.journal.mark(command_id, "done", outcome=encode(record))
 
@@ -337,35 +435,59 @@ class CommandHandler:
     def _reconcile(self, cmd: ReconcileStep) -> _Outcome:
         spec = self.catalogue[cmd.tool]
         if spec.lookup_func is None:
-            return _Outcome(self._record(
-                IncidentRaised, cmd, "outcome",
-                incident_id=derived_event_id(cmd.event_id, "incident"),
-                kind="unknown-outcome-no-lookup", step_id=cmd.step_id, tool=cmd.tool,
-                inconsistency=(f"{cmd.tool} may or may not have acted (key "
-                               f"{cmd.idempotency_key}) and declares no lookup"),
-                resources=list(spec.resources),
-                effect="unknown: check the provider by the idempotency key",
-                owner=spec.owner))
-        call = CallContext(cmd.saga_id, cmd.step_id, cmd.tool, cmd.idempotency_key,
-                           cmd.attempt)
-        common: dict[str, Any] = {"step_id": cmd.step_id, "tool": cmd.tool,
-                                  "idempotency_key": cmd.idempotency_key,
-                                  "attempt": cmd.attempt}
+            return _Outcome(
+                self._record(
+                    IncidentRaised,
+                    cmd,
+                    "outcome",
+                    incident_id=derived_event_id(cmd.event_id, "incident"),
+                    kind="unknown-outcome-no-lookup",
+                    step_id=cmd.step_id,
+                    tool=cmd.tool,
+                    inconsistency=(
+                        f"{cmd.tool} may or may not have acted (key "
+                        f"{cmd.idempotency_key}) and declares no lookup"
+                    ),
+                    resources=list(spec.resources),
+                    effect="unknown: check the provider by the idempotency key",
+                    owner=spec.owner,
+                )
+            )
+        call = CallContext(cmd.saga_id, cmd.step_id, cmd.tool, cmd.idempotency_key, cmd.attempt)
+        common: dict[str, Any] = {
+            "step_id": cmd.step_id,
+            "tool": cmd.tool,
+            "idempotency_key": cmd.idempotency_key,
+            "attempt": cmd.attempt,
+        }
         try:
             found = self._run(call, lambda: spec.lookup(cmd.idempotency_key), spec.deadline_ms)
         except Exception as exc:
             log.warning("lookup of %s failed (%s): reporting PENDING", cmd.idempotency_key, exc)
-            return _Outcome(self._record(StepReconciled, cmd, "outcome", **common,
-                                         outcome=ReconcileResult.PENDING))
+            return _Outcome(
+                self._record(
+                    StepReconciled, cmd, "outcome", **common, outcome=ReconcileResult.PENDING
+                )
+            )
         if found.status is ReconcileResult.COMMITTED:
             body = _json(found.result)
-            return _Outcome(self._record(
-                StepReconciled, cmd, "outcome", **common, outcome=found.status,
-                provider_operation_id=(found.provider_operation_id
-                                       or spec.provider_operation_id(found.result)),
-                result=body, response_fingerprint=fingerprint(body)))
-        return _Outcome(self._record(StepReconciled, cmd, "outcome", **common,
-                                     outcome=found.status))
+            return _Outcome(
+                self._record(
+                    StepReconciled,
+                    cmd,
+                    "outcome",
+                    **common,
+                    outcome=found.status,
+                    provider_operation_id=(
+                        found.provider_operation_id or spec.provider_operation_id(found.result)
+                    ),
+                    result=body,
+                    response_fingerprint=fingerprint(body),
+                )
+            )
+        return _Outcome(
+            self._record(StepReconciled, cmd, "outcome", **common, outcome=found.status)
+        )
 
     # ------------------------------------------------------------------- helpers
 
@@ -379,9 +501,13 @@ class CommandHandler:
 
     def _record(self, cls: type[R], cmd: Record, purpose: str, **fields: Any) -> R:
         env = envelope_for(
-            cls, saga_id=cmd.saga_id, tenant_id=cmd.envelope.tenant_id,
-            producer=self.participant, now=self._clock(),
-            generation=cmd.envelope.generation, causation_id=cmd.event_id,
+            cls,
+            saga_id=cmd.saga_id,
+            tenant_id=cmd.envelope.tenant_id,
+            producer=self.participant,
+            now=self._clock(),
+            generation=cmd.envelope.generation,
+            causation_id=cmd.event_id,
             event_id=derived_event_id(cmd.event_id, purpose),
         )
         return cls(envelope=env, **fields)
@@ -395,8 +521,11 @@ def _command_bytes(cmd: Record) -> bytes:
 
 def _compensation_context(cmd: CompensateStep) -> CompensationContext:
     return CompensationContext(
-        saga_id=cmd.saga_id, tool_name=cmd.tool, input=orjson.loads(cmd.args),
-        result=orjson.loads(cmd.result), idempotency_key=cmd.idempotency_key,
+        saga_id=cmd.saga_id,
+        tool_name=cmd.tool,
+        input=orjson.loads(cmd.args),
+        result=orjson.loads(cmd.result),
+        idempotency_key=cmd.idempotency_key,
         compensation_key=cmd.compensation_key,
     )
 
@@ -423,12 +552,26 @@ class ParticipantRuntime:
         state = state_dir or settings.state_dir / self.participant
         self.journal = CommandJournal(state / "commands.sqlite")
         self._producer = Producer(producer_config(bootstrap))
-        self.handler = CommandHandler(catalogue, self.participant, self.journal, self._append,
-                                      metrics=self.metrics)
+        self.handler = CommandHandler(
+            catalogue, self.participant, self.journal, self._append, metrics=self.metrics
+        )
         self._running = threading.Event()
         self._background: list[threading.Thread] = []
         for spec in catalogue.values():
             _check_served(spec, self.participant)
+
+    def publish_catalogue(self) -> None:
+        """Publish every tool's contract and definition on the compacted catalogue
+        topic, so agents can call the tools by name."""
+        for spec in self.handler.catalogue.values():
+            entry = {
+                "participant": self.participant,
+                "contract": spec.contract(self.participant).model_dump(mode="json"),
+                "definition": spec.definition(),
+            }
+            self._producer.produce(self.topics.catalogue, key=spec.name.encode(),
+                                   value=orjson.dumps(entry))
+        self._producer.flush(30)
 
     def _append(self, record: Record) -> None:
         key, value, headers = to_message(record, self.signer)
@@ -439,8 +582,9 @@ class ParticipantRuntime:
             if err is not None:
                 errors.append(err)
 
-        self._producer.produce(topic, key=key, value=value, headers=headers,
-                               on_delivery=on_delivery)
+        self._producer.produce(
+            topic, key=key, value=value, headers=headers, on_delivery=on_delivery
+        )
         # Wait for the broker's acknowledgement: the intent must be durable before the
         # tool runs (R10), and an outcome before the command's offset is committed.
         remaining = self._producer.flush(30)
@@ -459,14 +603,19 @@ class ParticipantRuntime:
 
     def run(self, *, ready: threading.Event | None = None) -> None:
         ensure_topics(self.bootstrap, self.topics, [self.participant], self.settings.partitions)
-        consumer = Consumer(consumer_config(
-            self.bootstrap, f"{self.topics.prefix}sagaline-participant-{self.participant}"))
+        consumer = Consumer(
+            consumer_config(
+                self.bootstrap, f"{self.topics.prefix}sagaline-participant-{self.participant}"
+            )
+        )
         consumer.subscribe([self.topics.commands(self.participant)])
+        self.publish_catalogue()
         self._running.set()
         for command_id, command in self.journal.accepted():
             self._confirm_in_background(command_id, command)
-        log.info("participant %s serving %s", self.participant,
-                 self.topics.commands(self.participant))
+        log.info(
+            "participant %s serving %s", self.participant, self.topics.commands(self.participant)
+        )
         if ready is not None:
             ready.set()
         try:
@@ -493,8 +642,15 @@ class ParticipantRuntime:
         except (CodecError, _NotACommand) as exc:
             reason = exc.reason if isinstance(exc, CodecError) else "not-a-command"
             key, value, headers = dlq_message(
-                msg.key(), msg.value(), msg.headers(), reason, str(exc),
-                msg.topic(), msg.partition(), msg.offset())
+                msg.key(),
+                msg.value(),
+                msg.headers(),
+                reason,
+                str(exc),
+                msg.topic(),
+                msg.partition(),
+                msg.offset(),
+            )
             self._producer.produce(self.topics.dlq, key=key, value=value, headers=headers)
             self._producer.flush(30)
             self.metrics.dlq(reason)
@@ -508,8 +664,11 @@ class ParticipantRuntime:
 
     def _confirm_in_background(self, command_id: str, command: bytes) -> None:
         thread = threading.Thread(
-            target=self.handler.confirm_accepted, args=(command_id, command),
-            name=f"{self.participant}-confirm", daemon=True)
+            target=self.handler.confirm_accepted,
+            args=(command_id, command),
+            name=f"{self.participant}-confirm",
+            daemon=True,
+        )
         thread.start()
         self._background.append(thread)
 
@@ -520,5 +679,9 @@ class _NotACommand(Exception):
 
 def _check_served(spec: ToolSpec, participant: str) -> None:
     if spec.participant != participant:
-        log.info("tool %s (declared by %s) is served as participant %s",
-                 spec.name, spec.participant, participant)
+        log.info(
+            "tool %s (declared by %s) is served as participant %s",
+            spec.name,
+            spec.participant,
+            participant,
+        )

@@ -73,6 +73,15 @@ class TopicNames:
         """Records that could not be decoded, verified or validated, with the reason."""
         return f"{self.prefix}sagaline.dlq"
 
+    @property
+    def catalogue(self) -> str:
+        """Tool contracts published by participant runtimes (compacted, key = tool).
+
+        Agents resolve a remote tool by name from here: its contract (what the
+        coordinator needs) and its JSON Schema definition (what a model is shown).
+        """
+        return f"{self.prefix}sagaline.catalogue"
+
     def commands(self, participant: str) -> str:
         """The command topic of one participant."""
         if not participant or any(c in participant for c in " /\\"):
@@ -98,6 +107,7 @@ def topic_specs(
         TopicSpec(names.terminal, partitions, COMPACTED_CONFIG, True),
         TopicSpec(names.incidents, partitions, INCIDENTS_CONFIG, True),
         TopicSpec(names.dlq, partitions, DLQ_CONFIG, False),
+        TopicSpec(names.catalogue, 1, COMPACTED_CONFIG, False),
     ]
     specs += [
         TopicSpec(names.commands(p), partitions, COMMANDS_CONFIG, True)

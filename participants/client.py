@@ -1,0 +1,514 @@
+"""The agent-side saga client: start a saga, call tools, end it.
+
+Example::
+
+    client = SagaClient(Settings.from_env(), bootstrap)
+    with client.saga(workflow="refund", principal="agent:atlas") as saga:
+        hold = saga.call("place_hold", order_id="o-1", sku="sku-9", quantity=1)
+        saga.call("issue_credit", order_id="o-1", amount_cents=4000)
+    # left normally: completion requested; left by an exception: abort requested,
+    # which makes the coordinator compensate what committed.
+
+A call is never run by the client itself: it appends ``StepScheduled`` (with the
+tool's contract from the catalogue), the coordinator dispatches ``ExecuteStep`` to
+the participant, and the client waits for the outcome on ``sagaline.events``. Local
+tools (a catalogue passed as ``local=``) are served by an embedded participant
+runtime, so they take exactly the same path and are compensated the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from types import TracebackType
+from typing import Any, TypeVar
+
+import orjson
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+
+from participants.catalogue import Catalogue, ToolSpec
+from schemas import (
+    ApprovalDenied,
+    ApprovalRequested,
+    CompensationRequested,
+    IncidentRaised,
+    ReconcileResult,
+    Record,
+    SagaEndRequested,
+    SagaOutcome,
+    SagaStarted,
+    SagaTerminal,
+    StepCommitted,
+    StepContract,
+    StepFailed,
+    StepOutcomeUnknown,
+    StepReconciled,
+    StepScheduled,
+    args_fingerprint,
+    canonical_json,
+    envelope_for,
+)
+from schemas.errors import CodecError
+from schemas.models import FailureKind
+from schemas.receipt import Receipt
+from schemas.settings import Settings
+from schemas.wire import consumer_config, from_message, producer_config, to_message
+from services.ledger import read_partitions
+
+log = logging.getLogger("sagaline.client")
+
+R = TypeVar("R", bound=Record)
+
+
+# ---------------------------------------------------------------------- errors
+
+
+class SagaCallError(Exception):
+    """Base of what a tool call can end in, other than a result."""
+
+    def __init__(self, message: str, *, saga_id: str, step_id: str, tool: str) -> None:
+        super().__init__(message)
+        self.saga_id = saga_id
+        self.step_id = step_id
+        self.tool = tool
+
+
+class BusinessRejected(SagaCallError):
+    """The provider said no for a business reason; not retried (R9)."""
+
+
+class StepFailedError(SagaCallError):
+    """Transient failures used up the tool's retry policy."""
+
+
+class OutcomeUnknown(SagaCallError):
+    """The call timed out and reconciliation has not settled it yet (R11)."""
+
+
+class ApprovalPending(SagaCallError):
+    """An IRREVERSIBLE step waits for a person's approval (R7)."""
+
+    def __init__(self, message: str, *, saga_id: str, step_id: str, tool: str,
+                 approval_id: str) -> None:
+        super().__init__(message, saga_id=saga_id, step_id=step_id, tool=tool)
+        self.approval_id = approval_id
+
+
+class ApprovalDeniedError(SagaCallError):
+    """A person denied the approval: a business rejection (R7)."""
+
+
+class StepEscalated(SagaCallError):
+    """The step was handed to a person by an incident."""
+
+
+class SagaUnwinding(SagaCallError):
+    """The saga is compensating or already terminal: no further steps run."""
+
+
+class UnknownTool(LookupError):
+    """No local or published catalogue declares the tool."""
+
+
+# -------------------------------------------------------------------- listener
+
+
+class _Ledger:
+    """Records of the sagas this client follows, fed by one background consumer."""
+
+    def __init__(self) -> None:
+        self._records: dict[str, list[Record]] = {}
+        self._cond = threading.Condition()
+
+    def follow(self, saga_id: str) -> None:
+        with self._cond:
+            self._records.setdefault(saga_id, [])
+
+    def forget(self, saga_id: str) -> None:
+        with self._cond:
+            self._records.pop(saga_id, None)
+
+    def add(self, record: Record) -> None:
+        with self._cond:
+            records = self._records.get(record.saga_id)
+            if records is not None:
+                records.append(record)
+                self._cond.notify_all()
+
+    def wait_for(
+        self, saga_id: str, check: Callable[[Record], Any], timeout_s: float
+    ) -> Any:
+        """Scan the saga's records (old and new) until ``check`` returns non-None."""
+        deadline = time.monotonic() + timeout_s
+        seen = 0
+        with self._cond:
+            while True:
+                records = self._records.get(saga_id, [])
+                for record in records[seen:]:
+                    found = check(record)
+                    if found is not None:
+                        return found
+                seen = len(records)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+
+
+# ---------------------------------------------------------------------- client
+
+
+class SagaClient:
+    """One per agent process: a producer, a listener and the known tool contracts."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        bootstrap: str,
+        *,
+        producer_name: str = "agent",
+        local: Catalogue | None = None,
+        contracts: Mapping[str, StepContract] | None = None,
+        call_timeout_s: float = 60.0,
+    ) -> None:
+        self.settings = settings
+        self.bootstrap = bootstrap
+        self.topics = settings.topics
+        self.signer = settings.signer()
+        self.producer_name = producer_name
+        self.call_timeout_s = call_timeout_s
+        self._producer = Producer(producer_config(bootstrap))
+        self._ledger = _Ledger()
+        self._contracts: dict[str, StepContract] = dict(contracts or {})
+        self._local = local
+        self._stop = threading.Event()
+        self._listener: threading.Thread | None = None
+        self._local_runtime: Any = None
+        self._local_thread: threading.Thread | None = None
+        if local is not None:
+            self._contracts.update(local.contracts())
+
+    # -------------------------------------------------------------- lifecycle
+
+    def start(self) -> SagaClient:
+        """Start listening (from the current end of the ledger) and, for a local
+        catalogue, the embedded participant runtime."""
+        positions = self._end_positions()
+        ready = threading.Event()
+        self._listener = threading.Thread(
+            target=self._listen, args=(positions, ready), name="saga-client", daemon=True
+        )
+        self._listener.start()
+        ready.wait(30)
+        if self._local is not None:
+            from participants.runtime import ParticipantRuntime
+
+            runtime = ParticipantRuntime(self._local, self.settings, self.bootstrap)
+            up = threading.Event()
+            self._local_runtime = runtime
+            self._local_thread = threading.Thread(
+                target=runtime.run, kwargs={"ready": up}, name="local-tools", daemon=True
+            )
+            self._local_thread.start()
+            up.wait(60)
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._local_runtime is not None:
+            self._local_runtime.stop()
+        for thread in (self._listener, self._local_thread):
+            if thread is not None:
+                thread.join(10)
+        self._producer.flush(10)
+
+    def __enter__(self) -> SagaClient:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def refresh_catalogue(self) -> int:
+        """Load the contracts participants published on ``sagaline.catalogue``."""
+        count = 0
+        for key, value, _headers in read_partitions(self.bootstrap, self.topics.catalogue):
+            if key is None or value is None:
+                continue
+            entry = orjson.loads(value)
+            self._contracts.setdefault(key.decode(), StepContract.model_validate(entry["contract"]))
+            count += 1
+        return count
+
+    def contract(self, tool: str) -> StepContract:
+        if tool not in self._contracts:
+            self.refresh_catalogue()
+        try:
+            return self._contracts[tool]
+        except KeyError:
+            raise UnknownTool(
+                f"no participant declares a tool named {tool!r}: known tools are "
+                f"{sorted(self._contracts)}; start its participant (it publishes its "
+                "catalogue) or pass local=wrap(...)"
+            ) from None
+
+    def saga(
+        self,
+        workflow: str,
+        principal: str,
+        *,
+        saga_id: str | None = None,
+        tenant_id: str | None = None,
+        workflow_version: str = "1",
+        policy_version: str = "1",
+        continue_on_compensation_failure: bool = False,
+    ) -> Saga:
+        """A saga to use as ``with client.saga(...) as saga:`` (or ``async with``)."""
+        return Saga(
+            self,
+            saga_id=saga_id or f"saga-{uuid.uuid4().hex[:16]}",
+            tenant_id=tenant_id or self.settings.tenant_id,
+            workflow=workflow,
+            principal=principal,
+            workflow_version=workflow_version,
+            policy_version=policy_version,
+            continue_on_compensation_failure=continue_on_compensation_failure,
+        )
+
+    # ---------------------------------------------------------------- internals
+
+    def append(self, record: Record) -> None:
+        """Produce to the ledger and wait for the broker's acknowledgement."""
+        key, value, headers = to_message(record, self.signer)
+        errors: list[KafkaError] = []
+        self._producer.produce(
+            self.topics.events, key=key, value=value, headers=headers,
+            on_delivery=lambda err, _msg: errors.append(err) if err is not None else None,
+        )
+        if self._producer.flush(30) or errors:
+            raise RuntimeError(f"could not append {record.TYPE}: {errors or 'timeout'}")
+
+    def _end_positions(self) -> list[TopicPartition]:
+        probe = Consumer(consumer_config(self.bootstrap, f"probe-{uuid.uuid4().hex[:8]}"))
+        try:
+            topic = self.topics.events
+            meta = probe.list_topics(topic, timeout=30).topics[topic]
+            out = []
+            for n in meta.partitions:
+                _low, high = probe.get_watermark_offsets(TopicPartition(topic, n), timeout=30)
+                out.append(TopicPartition(topic, n, high))
+            return out
+        finally:
+            probe.close()
+
+    def _listen(self, positions: list[TopicPartition], ready: threading.Event) -> None:
+        consumer = Consumer(
+            consumer_config(self.bootstrap, f"{self.topics.prefix}agent-{uuid.uuid4().hex[:8]}")
+        )
+        consumer.assign(positions)
+        ready.set()
+        try:
+            while not self._stop.is_set():
+                for msg in consumer.consume(500, 0.1):
+                    if msg.error() is not None:
+                        continue
+                    try:
+                        record = from_message(msg.key(), msg.value(), msg.headers(), self.signer)
+                    except CodecError:
+                        continue  # the coordinator routes it to the DLQ
+                    self._ledger.add(record)
+        finally:
+            consumer.close()
+
+
+class Saga:
+    """One saga, as the agent sees it. Leaving the block ends it (complete or abort)."""
+
+    def __init__(
+        self,
+        client: SagaClient,
+        *,
+        saga_id: str,
+        tenant_id: str,
+        workflow: str,
+        principal: str,
+        workflow_version: str,
+        policy_version: str,
+        continue_on_compensation_failure: bool,
+    ) -> None:
+        self.client = client
+        self.saga_id = saga_id
+        self.tenant_id = tenant_id
+        self.workflow = workflow
+        self.principal = principal
+        self._start = SagaStarted(
+            envelope=self._envelope(SagaStarted),
+            workflow=workflow,
+            workflow_version=workflow_version,
+            policy_version=policy_version,
+            principal=principal,
+            continue_on_compensation_failure=continue_on_compensation_failure,
+        )
+        self._steps = itertools.count(1)
+        self.results: dict[str, Any] = {}
+
+    def _envelope(self, cls: type[Record]) -> Any:
+        return envelope_for(
+            cls, saga_id=self.saga_id, tenant_id=self.tenant_id,
+            producer=self.client.producer_name, now=int(time.time() * 1000),
+        )
+
+    # ------------------------------------------------------------------ sync
+
+    def __enter__(self) -> Saga:
+        self.client._ledger.follow(self.saga_id)
+        self.client.append(self._start)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.end(SagaOutcome.COMPLETE)
+        else:
+            self.end(SagaOutcome.ABORT, reason=f"{type(exc).__name__}: {exc}")
+
+    def end(self, outcome: SagaOutcome, reason: str = "") -> None:
+        self.client.append(
+            SagaEndRequested(envelope=self._envelope(SagaEndRequested), outcome=outcome,
+                             reason=reason[:2000])
+        )
+
+    def call(
+        self,
+        tool: str | ToolSpec | Callable[..., Any],
+        /,
+        *,
+        step_id: str | None = None,
+        depends_on: list[str] | None = None,
+        timeout_s: float | None = None,
+        **args: Any,
+    ) -> Any:
+        """Run one tool as the next step and return its result.
+
+        ``depends_on`` lists explicit step ids (a DAG, R2); left out, the step depends
+        on the step before it. Raises a :class:`SagaCallError` subclass when the
+        step does not commit.
+        """
+        name = _tool_name(tool)
+        contract = self.client.contract(name)
+        step = step_id or f"{next(self._steps):02d}-{name}"
+        body = canonical_json(args)
+        self.client.append(
+            StepScheduled(
+                envelope=self._envelope(StepScheduled), step_id=step, args=body,
+                args_fingerprint=args_fingerprint(body), depends_on=depends_on,
+                contract=contract,
+            )
+        )
+        result = self._await_step(step, contract, timeout_s or self.client.call_timeout_s)
+        self.results[step] = result
+        return result
+
+    def wait(self, timeout_s: float = 60.0) -> Receipt:
+        """Wait for the terminal record and return its receipt."""
+        found = self.client._ledger.wait_for(
+            self.saga_id, lambda r: r if isinstance(r, SagaTerminal) else None, timeout_s
+        )
+        if found is None:
+            raise TimeoutError(f"saga {self.saga_id} is not terminal after {timeout_s} s")
+        return Receipt.from_json(found.receipt)
+
+    # ----------------------------------------------------------------- async
+
+    async def __aenter__(self) -> Saga:
+        return await asyncio.to_thread(self.__enter__)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await asyncio.to_thread(self.__exit__, exc_type, exc, tb)
+
+    async def acall(self, tool: str | ToolSpec | Callable[..., Any], /, **kwargs: Any) -> Any:
+        return await asyncio.to_thread(lambda: self.call(tool, **kwargs))
+
+    async def await_terminal(self, timeout_s: float = 60.0) -> Receipt:
+        return await asyncio.to_thread(self.wait, timeout_s)
+
+    # -------------------------------------------------------------- outcomes
+
+    def _await_step(self, step: str, contract: StepContract, timeout_s: float) -> Any:
+        where = {"saga_id": self.saga_id, "step_id": step, "tool": contract.tool}
+        state: dict[str, Any] = {"unknown": False, "approval": None}
+
+        def check(record: Record) -> Any:
+            if isinstance(record, (StepCommitted,)) and record.step_id == step:
+                return ("ok", orjson.loads(record.result))
+            if (isinstance(record, StepReconciled) and record.step_id == step
+                    and record.outcome is ReconcileResult.COMMITTED):
+                return ("ok", orjson.loads(record.result or b"null"))
+            if isinstance(record, StepFailed) and record.step_id == step:
+                if record.kind is FailureKind.BUSINESS_REJECTION:
+                    return ("err", BusinessRejected(
+                        f"{contract.tool} rejected: {record.message}", **where))
+                if record.attempt >= contract.retry.max_attempts:
+                    return ("err", StepFailedError(
+                        f"{contract.tool} failed {record.attempt} times: {record.message}",
+                        **where))
+            if isinstance(record, StepOutcomeUnknown) and record.step_id == step:
+                state["unknown"] = True
+            if isinstance(record, ApprovalRequested) and record.step_id == step:
+                state["approval"] = record.approval_id
+            if isinstance(record, ApprovalDenied) and record.step_id == step:
+                return ("err", ApprovalDeniedError(
+                    f"approval for {contract.tool} denied by {record.denied_by}: "
+                    f"{record.reason}", **where))
+            if isinstance(record, IncidentRaised) and record.step_id == step:
+                return ("err", StepEscalated(
+                    f"{contract.tool} escalated to {record.owner}: {record.inconsistency}",
+                    **where))
+            if isinstance(record, (CompensationRequested, SagaTerminal)):
+                return ("err", SagaUnwinding(
+                    f"saga {self.saga_id} is unwinding; {contract.tool} will not run",
+                    **where))
+            return None
+
+        found = self.client._ledger.wait_for(self.saga_id, check, timeout_s)
+        if found is None:
+            if state["approval"] is not None:
+                raise ApprovalPending(
+                    f"{contract.tool} waits for approval {state['approval']} "
+                    "(sagaline approve SAGA STEP)", approval_id=state["approval"], **where)
+            if state["unknown"]:
+                raise OutcomeUnknown(
+                    f"{contract.tool} timed out and is not reconciled yet", **where)
+            raise OutcomeUnknown(f"no outcome for {contract.tool} within {timeout_s} s",
+                                 **where)
+        kind, value = found
+        if kind == "err":
+            raise value
+        return value
+
+
+def _tool_name(tool: str | ToolSpec | Callable[..., Any]) -> str:
+    if isinstance(tool, str):
+        return tool
+    if isinstance(tool, ToolSpec):
+        return tool.name
+    from participants.declarations import tool_declaration
+
+    declared = tool_declaration(getattr(tool, "__func__", tool))
+    if declared is not None and getattr(declared, "name", None):
+        return str(declared.name)
+    return str(getattr(tool, "__name__", tool))
+
