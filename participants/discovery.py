@@ -1,0 +1,121 @@
+"""Finding a participant's catalogue from a ``MODULE[:ATTR]`` reference.
+
+Used by ``sagaline catalogue check`` and ``sagaline plan check`` (and by anything
+else that starts a participant by name), so they all read a module the same way.
+
+The rule, in order:
+
+1. ``MODULE:ATTR``: the attribute (dotted paths allowed) is a ``Catalogue`` (used as
+   is), a list or tuple of participant objects, or one participant object.
+2. ``MODULE`` alone: a module-level ``CATALOGUE`` or ``catalogue`` that is a
+   ``Catalogue``; else a module-level ``PARTICIPANTS`` list; else every module-level
+   object whose class has a method decorated with ``@tool``, in definition order.
+
+Objects are wrapped with ``name=`` the given name, else the module's
+``PARTICIPANT_NAME``, else the default of ``wrap()``. A module that calls ``wrap()``
+at import time and fails raises its ``CatalogueError`` here, unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+import types
+from typing import Any
+
+from participants.catalogue import Catalogue, wrap
+from participants.declarations import tool_declaration
+from participants.errors import CatalogueError, SagalineParticipantError
+
+__all__ = ["DiscoveryError", "load_catalogue"]
+
+
+class DiscoveryError(SagalineParticipantError):
+    """The module could not be imported, or holds nothing to wrap."""
+
+
+def load_catalogue(reference: str, *, name: str | None = None) -> Catalogue:
+    """The catalogue that ``reference`` (``MODULE[:ATTR]``) points at."""
+    module_name, _, attr = reference.partition(":")
+    module = _import(module_name)
+    wrap_name = name or _module_name_setting(module)
+    if attr:
+        return _from_value(_attribute(module, attr), f"{module_name}:{attr}", wrap_name)
+
+    for candidate in ("CATALOGUE", "catalogue"):
+        value = getattr(module, candidate, None)
+        if isinstance(value, Catalogue):
+            return value
+    participants = getattr(module, "PARTICIPANTS", None)
+    if participants is not None:
+        return _from_value(participants, f"{module_name}.PARTICIPANTS", wrap_name)
+    found = [v for k, v in vars(module).items() if not k.startswith("_") and _has_tools(v)]
+    if not found:
+        raise DiscoveryError(
+            f"module {module_name!r} holds no participant: define CATALOGUE = wrap(...),"
+            " PARTICIPANTS = [YourService(), ...], or a module-level instance of a class"
+            " with @tool methods, or name one with MODULE:ATTR"
+        )
+    return wrap(*found, name=wrap_name)
+
+
+def _import(module_name: str) -> types.ModuleType:
+    # Like `python -m`, look in the working directory first: a service's own module
+    # is usually not installed.
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        return importlib.import_module(module_name)
+    except CatalogueError:
+        raise
+    except ModuleNotFoundError as exc:
+        raise DiscoveryError(
+            f"cannot import {module_name!r}: {exc}; run from the directory that holds it"
+            " or install its package"
+        ) from exc
+    except Exception as exc:
+        raise DiscoveryError(
+            f"importing {module_name!r} failed: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _attribute(module: types.ModuleType, attr: str) -> Any:
+    value: Any = module
+    for part in attr.split("."):
+        try:
+            value = getattr(value, part)
+        except AttributeError:
+            raise DiscoveryError(f"module {module.__name__!r} has no attribute {attr!r}") from None
+    return value
+
+
+def _from_value(value: Any, where: str, name: str | None) -> Catalogue:
+    if isinstance(value, Catalogue):
+        return value
+    if isinstance(value, (list, tuple)):
+        return wrap(*value, name=name)
+    if inspect.isclass(value) or isinstance(value, types.ModuleType) or _has_tools(value):
+        return wrap(value, name=name)  # wrap() explains what is wrong with a class
+    raise DiscoveryError(
+        f"{where} is a {type(value).__name__}, not a Catalogue, a participant object"
+        " or a list of them"
+    )
+
+
+def _module_name_setting(module: types.ModuleType) -> str | None:
+    value = getattr(module, "PARTICIPANT_NAME", None)
+    return value if isinstance(value, str) else None
+
+
+def _has_tools(value: Any) -> bool:
+    """Whether ``value`` is an instance whose class has a ``@tool`` method."""
+    if inspect.isclass(value) or isinstance(value, types.ModuleType) or callable(value):
+        return False
+    return any(
+        tool_declaration(getattr(member, "__func__", member)) is not None
+        for klass in inspect.getmro(type(value))
+        for member in vars(klass).values()
+    )
