@@ -9,6 +9,7 @@ A ``prefix`` isolates a test run or a tenant deployment (``"t-1a2b."`` gives
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -164,19 +165,30 @@ def ensure_topics(
             if getattr(err, "code", lambda: None)() == KafkaError.TOPIC_ALREADY_EXISTS:
                 continue
             raise TopicSetupError(f"cannot create topic {name!r} on {bootstrap}: {exc}") from exc
-    metadata = admin.list_topics(timeout=timeout_s)
-    for spec in specs:
-        topic = metadata.topics.get(spec.name)
-        if topic is None or topic.error is not None:
+    # Metadata propagates asynchronously after CreateTopics: poll until every topic
+    # is visible with all its partitions, then check the co-partitioning.
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metadata = admin.list_topics(timeout=timeout_s)
+        missing = [
+            s.name
+            for s in specs
+            if (t := metadata.topics.get(s.name)) is None or t.error is not None or not t.partitions
+        ]
+        if not missing:
+            break
+        if time.monotonic() > deadline:
             raise TopicSetupError(
-                f"topic {spec.name!r} is not visible on {bootstrap} after creation: "
-                f"{getattr(topic, 'error', 'missing')}"
+                f"topics {missing} are not visible on {bootstrap} {timeout_s:.0f} s after creation"
             )
-        if spec.co_partitioned and len(topic.partitions) != spec.partitions:
+        time.sleep(0.1)
+    for spec in specs:
+        actual = len(metadata.topics[spec.name].partitions)
+        if spec.co_partitioned and actual != spec.partitions:
             raise TopicSetupError(
-                f"topic {spec.name!r} has {len(topic.partitions)} partitions, expected "
+                f"topic {spec.name!r} has {actual} partitions, expected "
                 f"{spec.partitions}: co-partitioned topics must match; recreate it or set "
-                f"SAGALINE_PARTITIONS={len(topic.partitions)}"
+                f"SAGALINE_PARTITIONS={actual}"
             )
     return sorted(created)
 
