@@ -93,8 +93,9 @@ class OutcomeUnknown(SagaCallError):
 class ApprovalPending(SagaCallError):
     """An IRREVERSIBLE step waits for a person's approval (R7)."""
 
-    def __init__(self, message: str, *, saga_id: str, step_id: str, tool: str,
-                 approval_id: str) -> None:
+    def __init__(
+        self, message: str, *, saga_id: str, step_id: str, tool: str, approval_id: str
+    ) -> None:
         super().__init__(message, saga_id=saga_id, step_id=step_id, tool=tool)
         self.approval_id = approval_id
 
@@ -140,9 +141,7 @@ class _Ledger:
                 records.append(record)
                 self._cond.notify_all()
 
-    def wait_for(
-        self, saga_id: str, check: Callable[[Record], Any], timeout_s: float
-    ) -> Any:
+    def wait_for(self, saga_id: str, check: Callable[[Record], Any], timeout_s: float) -> Any:
         """Scan the saga's records (old and new) until ``check`` returns non-None."""
         deadline = time.monotonic() + timeout_s
         seen = 0
@@ -286,7 +285,10 @@ class SagaClient:
         key, value, headers = to_message(record, self.signer)
         errors: list[KafkaError] = []
         self._producer.produce(
-            self.topics.events, key=key, value=value, headers=headers,
+            self.topics.events,
+            key=key,
+            value=value,
+            headers=headers,
             on_delivery=lambda err, _msg: errors.append(err) if err is not None else None,
         )
         if self._producer.flush(30) or errors:
@@ -358,8 +360,11 @@ class Saga:
 
     def _envelope(self, cls: type[Record]) -> Any:
         return envelope_for(
-            cls, saga_id=self.saga_id, tenant_id=self.tenant_id,
-            producer=self.client.producer_name, now=int(time.time() * 1000),
+            cls,
+            saga_id=self.saga_id,
+            tenant_id=self.tenant_id,
+            producer=self.client.producer_name,
+            now=int(time.time() * 1000),
         )
 
     # ------------------------------------------------------------------ sync
@@ -382,8 +387,9 @@ class Saga:
 
     def end(self, outcome: SagaOutcome, reason: str = "") -> None:
         self.client.append(
-            SagaEndRequested(envelope=self._envelope(SagaEndRequested), outcome=outcome,
-                             reason=reason[:2000])
+            SagaEndRequested(
+                envelope=self._envelope(SagaEndRequested), outcome=outcome, reason=reason[:2000]
+            )
         )
 
     def call(
@@ -408,8 +414,11 @@ class Saga:
         body = canonical_json(args)
         self.client.append(
             StepScheduled(
-                envelope=self._envelope(StepScheduled), step_id=step, args=body,
-                args_fingerprint=args_fingerprint(body), depends_on=depends_on,
+                envelope=self._envelope(StepScheduled),
+                step_id=step,
+                args=body,
+                args_fingerprint=args_fingerprint(body),
+                depends_on=depends_on,
                 contract=contract,
             )
         )
@@ -454,33 +463,54 @@ class Saga:
         def check(record: Record) -> Any:
             if isinstance(record, (StepCommitted,)) and record.step_id == step:
                 return ("ok", orjson.loads(record.result))
-            if (isinstance(record, StepReconciled) and record.step_id == step
-                    and record.outcome is ReconcileResult.COMMITTED):
+            if (
+                isinstance(record, StepReconciled)
+                and record.step_id == step
+                and record.outcome is ReconcileResult.COMMITTED
+            ):
                 return ("ok", orjson.loads(record.result or b"null"))
             if isinstance(record, StepFailed) and record.step_id == step:
                 if record.kind is FailureKind.BUSINESS_REJECTION:
-                    return ("err", BusinessRejected(
-                        f"{contract.tool} rejected: {record.message}", **where))
+                    return (
+                        "err",
+                        BusinessRejected(f"{contract.tool} rejected: {record.message}", **where),
+                    )
                 if record.attempt >= contract.retry.max_attempts:
-                    return ("err", StepFailedError(
-                        f"{contract.tool} failed {record.attempt} times: {record.message}",
-                        **where))
+                    return (
+                        "err",
+                        StepFailedError(
+                            f"{contract.tool} failed {record.attempt} times: {record.message}",
+                            **where,
+                        ),
+                    )
             if isinstance(record, StepOutcomeUnknown) and record.step_id == step:
                 state["unknown"] = True
             if isinstance(record, ApprovalRequested) and record.step_id == step:
                 state["approval"] = record.approval_id
             if isinstance(record, ApprovalDenied) and record.step_id == step:
-                return ("err", ApprovalDeniedError(
-                    f"approval for {contract.tool} denied by {record.denied_by}: "
-                    f"{record.reason}", **where))
+                return (
+                    "err",
+                    ApprovalDeniedError(
+                        f"approval for {contract.tool} denied by {record.denied_by}: "
+                        f"{record.reason}",
+                        **where,
+                    ),
+                )
             if isinstance(record, IncidentRaised) and record.step_id == step:
-                return ("err", StepEscalated(
-                    f"{contract.tool} escalated to {record.owner}: {record.inconsistency}",
-                    **where))
+                return (
+                    "err",
+                    StepEscalated(
+                        f"{contract.tool} escalated to {record.owner}: {record.inconsistency}",
+                        **where,
+                    ),
+                )
             if isinstance(record, (CompensationRequested, SagaTerminal)):
-                return ("err", SagaUnwinding(
-                    f"saga {self.saga_id} is unwinding; {contract.tool} will not run",
-                    **where))
+                return (
+                    "err",
+                    SagaUnwinding(
+                        f"saga {self.saga_id} is unwinding; {contract.tool} will not run", **where
+                    ),
+                )
             return None
 
         found = self.client._ledger.wait_for(self.saga_id, check, timeout_s)
@@ -488,12 +518,15 @@ class Saga:
             if state["approval"] is not None:
                 raise ApprovalPending(
                     f"{contract.tool} waits for approval {state['approval']} "
-                    "(sagaline approve SAGA STEP)", approval_id=state["approval"], **where)
+                    "(sagaline approve SAGA STEP)",
+                    approval_id=state["approval"],
+                    **where,
+                )
             if state["unknown"]:
                 raise OutcomeUnknown(
-                    f"{contract.tool} timed out and is not reconciled yet", **where)
-            raise OutcomeUnknown(f"no outcome for {contract.tool} within {timeout_s} s",
-                                 **where)
+                    f"{contract.tool} timed out and is not reconciled yet", **where
+                )
+            raise OutcomeUnknown(f"no outcome for {contract.tool} within {timeout_s} s", **where)
         kind, value = found
         if kind == "err":
             raise value
@@ -511,4 +544,3 @@ def _tool_name(tool: str | ToolSpec | Callable[..., Any]) -> str:
     if declared is not None and getattr(declared, "name", None):
         return str(declared.name)
     return str(getattr(tool, "__name__", tool))
-

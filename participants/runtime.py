@@ -569,8 +569,9 @@ class ParticipantRuntime:
                 "contract": spec.contract(self.participant).model_dump(mode="json"),
                 "definition": spec.definition(),
             }
-            self._producer.produce(self.topics.catalogue, key=spec.name.encode(),
-                                   value=orjson.dumps(entry))
+            self._producer.produce(
+                self.topics.catalogue, key=spec.name.encode(), value=orjson.dumps(entry)
+            )
         self._producer.flush(30)
 
     def _append(self, record: Record) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 # and every parser it adds sets `func=callable(args) -> int` as its default.
 COMMAND_MODULES: tuple[str, ...] = (
     "services.kafka_cli",
+    "services.serve",
     "participants.cli",
     "coordinator.cli",
     "services.demo",

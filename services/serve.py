@@ -1,0 +1,90 @@
+"""``sagaline topics create`` and ``sagaline participant run``: deployable processes.
+
+``participant run NAME`` serves one catalogue over Kafka. NAME is a participant of
+the refund example (``services.refund``), or ``--catalogue module:attr`` names any
+object that is a ``Catalogue`` or a zero-argument factory returning one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import Any
+
+from participants.catalogue import Catalogue
+from participants.runtime import ParticipantRuntime
+from schemas.settings import Settings
+from schemas.topics import TopicSetupError, ensure_topics
+from services.broker import resolve_bootstrap
+from services.metrics import ParticipantMetrics, start_metrics_server
+
+log = logging.getLogger("sagaline.serve")
+
+
+def _settings_and_bootstrap() -> tuple[Settings, str]:
+    settings = Settings.from_env()
+    return settings, settings.bootstrap or resolve_bootstrap()
+
+
+def _cmd_topics_create(args: argparse.Namespace) -> int:
+    settings, bootstrap = _settings_and_bootstrap()
+    participants = [p for p in args.participants.split(",") if p]
+    try:
+        created = ensure_topics(bootstrap, settings.topics, participants, settings.partitions)
+    except TopicSetupError as exc:
+        print(f"sagaline topics create: {exc}", file=sys.stderr)
+        return 1
+    for name in created:
+        print(f"created {name}")
+    print(f"topics ready on {bootstrap} ({len(created)} created)")
+    return 0
+
+
+def load_catalogue(name: str, spec: str | None, settings: Settings) -> Catalogue:
+    """The catalogue to serve: ``module:attr`` when given, else the refund example's."""
+    if spec:
+        module_name, _, attr = spec.partition(":")
+        target: Any = getattr(importlib.import_module(module_name), attr or "catalogue")
+        catalogue = target() if callable(target) and not isinstance(target, Catalogue) else target
+        if not isinstance(catalogue, Catalogue):
+            raise TypeError(f"{spec} is not a Catalogue (got {type(catalogue).__name__})")
+        return catalogue
+    from services.refund import build_catalogue
+    from services.refund.faults import FaultPlan
+
+    return build_catalogue(name, settings.state_dir / name, FaultPlan.from_env())
+
+
+def _cmd_participant_run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    settings, bootstrap = _settings_and_bootstrap()
+    catalogue = load_catalogue(args.name, args.catalogue, settings)
+    metrics = ParticipantMetrics(args.name)
+    if args.metrics_port:
+        start_metrics_server(args.metrics_port, metrics)
+    runtime = ParticipantRuntime(
+        catalogue, settings, bootstrap, participant=args.name, metrics=metrics
+    )
+    runtime.install_signal_handlers()
+    runtime.run()
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    topics = subparsers.add_parser("topics", help="create the Sagaline topics")
+    topics_sub = topics.add_subparsers(dest="topics_command", required=True)
+    create = topics_sub.add_parser("create", help="create every missing topic (idempotent)")
+    create.add_argument(
+        "--participants", default="", help="comma-separated participants (command topics)"
+    )
+    create.set_defaults(func=_cmd_topics_create)
+
+    participant = subparsers.add_parser("participant", help="run a participant service")
+    participant_sub = participant.add_subparsers(dest="participant_command", required=True)
+    run = participant_sub.add_parser("run", help="serve a catalogue on its command topic")
+    run.add_argument("name", help="participant name (its command topic)")
+    run.add_argument("--catalogue", help="module:attr of a Catalogue (default: refund example)")
+    run.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
+    run.set_defaults(func=_cmd_participant_run)
