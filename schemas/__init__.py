@@ -142,3 +142,61 @@ __all__ = [
     "key_hash",
     "new_event_id",
 ]
+
+# The wire side of the contract: codec, errors, signing, redaction, topics, settings.
+# (Imported after the records above; these modules depend on them.)
+from schemas.codec import Codec, decode, encode  # noqa: E402
+from schemas.errors import (  # noqa: E402
+    BadSignature,
+    CodecError,
+    InvalidRecord,
+    MalformedRecord,
+    MissingSignature,
+    SchemaMismatch,
+    SignatureError,
+    UnknownFingerprint,
+)
+from schemas.redaction import SECRET, Secret, redact, redacted_json, secret_paths  # noqa: E402
+from schemas.registry import SchemaRegistry, default_registry  # noqa: E402
+from schemas.settings import Settings, SettingsError  # noqa: E402
+from schemas.signing import Signer  # noqa: E402
+from schemas.topics import TopicNames, TopicSetupError, ensure_topics  # noqa: E402
+from schemas.wire import (  # noqa: E402
+    consumer_config,
+    dlq_message,
+    from_message,
+    producer_config,
+    to_message,
+)
+
+__all__ += [
+    "SECRET",
+    "BadSignature",
+    "Codec",
+    "CodecError",
+    "InvalidRecord",
+    "MalformedRecord",
+    "MissingSignature",
+    "SchemaMismatch",
+    "SchemaRegistry",
+    "Secret",
+    "Settings",
+    "SettingsError",
+    "SignatureError",
+    "Signer",
+    "TopicNames",
+    "TopicSetupError",
+    "UnknownFingerprint",
+    "consumer_config",
+    "decode",
+    "default_registry",
+    "dlq_message",
+    "encode",
+    "ensure_topics",
+    "from_message",
+    "producer_config",
+    "redact",
+    "redacted_json",
+    "secret_paths",
+    "to_message",
+]
