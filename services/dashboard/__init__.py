@@ -1,0 +1,92 @@
+"""The operators' dashboard: sagas by status, timelines, receipts, actions, measures.
+
+It follows ``sagaline.events``, ``sagaline.terminal`` and ``sagaline.incidents`` from
+the beginning into an in-memory view (so a restart loses nothing), serves pages from
+that view, and turns an operator's approve / deny / resolve into records on the
+ledger through :mod:`services.operator_actions` (the CLI's path too).
+
+Example::
+
+    dashboard = Dashboard.from_settings(Settings.from_env())
+    dashboard.serve(port=8088)           # blocks; or build dashboard.app for tests
+
+    $ sagaline dashboard --port 8088
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from schemas.settings import Settings
+from services.dashboard.app import create_app
+from services.dashboard.consumer import LedgerFollower
+from services.dashboard.view import DashboardState, SagaFilter, SagaStatus, SagaView
+from services.operator_actions import OperatorChannel
+
+DEFAULT_PORT = 8088
+
+
+class Dashboard:
+    """One dashboard process: state, Kafka follower, operator channel and the ASGI app."""
+
+    def __init__(self, bootstrap: str, settings: Settings) -> None:
+        self.settings = settings
+        self.state = DashboardState()
+        self.follower = LedgerFollower(bootstrap, settings.topics, settings.signer(), self.state)
+        self.channel = OperatorChannel(bootstrap, settings.topics, settings.signer())
+        self.app = create_app(self.state, self.channel, self.follower)
+
+    @classmethod
+    def from_settings(cls, settings: Settings, bootstrap: str | None = None) -> Dashboard:
+        """``bootstrap`` overrides; else the settings', else the project's local broker."""
+        bootstrap = bootstrap or settings.bootstrap
+        if bootstrap is None:
+            from services.broker import resolve_bootstrap
+
+            bootstrap = resolve_bootstrap()
+        return cls(bootstrap, settings)
+
+    def serve(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> None:
+        """Run the HTTP server until interrupted (the follower runs with the app)."""
+        import uvicorn
+
+        uvicorn.run(self.app, host=host, port=port, log_level="info")
+
+
+def _run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    dashboard = Dashboard.from_settings(Settings.from_env(), args.bootstrap)
+    print(f"sagaline dashboard on http://{args.host}:{args.port}/", flush=True)
+    dashboard.serve(args.host, args.port)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``sagaline dashboard``."""
+    parser = subparsers.add_parser(
+        "dashboard",
+        help="serve the operators' dashboard (sagas, timelines, receipts, approvals)",
+        description="Serve the operators' dashboard. Reads the topics from the beginning "
+        "on start; configuration from the environment (KAFKA_BOOTSTRAP_SERVERS, "
+        "SAGALINE_TOPIC_PREFIX, SAGALINE_HMAC_KEY).",
+    )
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port (8088)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1)")
+    parser.add_argument(
+        "--bootstrap", default=None, help="Kafka bootstrap servers (overrides the environment)"
+    )
+    parser.set_defaults(func=_run)
+
+
+__all__ = [
+    "DEFAULT_PORT",
+    "Dashboard",
+    "DashboardState",
+    "LedgerFollower",
+    "SagaFilter",
+    "SagaStatus",
+    "SagaView",
+    "create_app",
+    "register",
+]

@@ -1,0 +1,644 @@
+"""The dashboard's pages: a small Starlette app over a :class:`DashboardState`.
+
+Server-rendered HTML; live regions (``data-live``) re-fetch their fragment every two
+seconds with a few lines of vanilla JS, and skip the swap while an operator is typing
+in them. Approve / deny / resolve post a form whose ``operator`` field is required,
+and go through :mod:`services.operator_actions`, the same path as the CLI: a record on
+``sagaline.events``, never a side door into a service.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+from urllib.parse import quote, urlencode
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from starlette.routing import Route
+
+from schemas.models import ApprovalRequested, IncidentRaised
+from services import operator_actions
+from services.dashboard.consumer import LedgerFollower
+from services.dashboard.timeline import render_timeline_svg
+from services.dashboard.view import DashboardState, SagaFilter, SagaStatus, SagaView
+from services.metrics import HistogramSummary, MeasuresSnapshot
+from services.receipts_view import format_duration, format_ms, render_receipt_html
+
+_e = html.escape
+
+_STATUS_COLOUR = {
+    SagaStatus.RUNNING: "#1565c0",
+    SagaStatus.AWAITING_APPROVAL: "#f9a825",
+    SagaStatus.UNKNOWN_OUTCOME: "#6a1b9a",
+    SagaStatus.COMPENSATING: "#ef6c00",
+    SagaStatus.COMPLETED: "#2e7d32",
+    SagaStatus.COMPENSATED: "#00838f",
+    SagaStatus.ESCALATED: "#c62828",
+}
+
+_CSS = """
+body{font:14px/1.45 system-ui,sans-serif;margin:0;color:#212121;background:#f5f7f8}
+header{background:#263238;color:#fff;padding:10px 20px;display:flex;gap:24px;align-items:center}
+header a{color:#cfd8dc;text-decoration:none} header h1{font-size:17px;margin:0}
+main{padding:16px 20px;max-width:1180px}
+.card{background:#fff;border:1px solid #dde3e6;border-radius:6px;padding:12px 16px;margin:0 0 16px}
+h2{font-size:16px;margin:0 0 10px} h3{font-size:14px;margin:10px 0 4px}
+table{border-collapse:collapse;width:100%} th,td{text-align:left;padding:4px 8px;
+border-bottom:1px solid #eceff1;vertical-align:top} th{font-weight:600;color:#455a64}
+.pill{display:inline-block;border-radius:10px;padding:1px 9px;color:#fff;font-size:12px;
+white-space:nowrap}
+.counts{display:flex;flex-wrap:wrap;gap:8px}
+.counts a{display:block;text-decoration:none;color:#fff;border-radius:6px;padding:6px 12px;
+min-width:92px}
+.counts a.sel{outline:3px solid #263238}
+.counts b{display:block;font-size:20px}
+form.inline{display:flex;flex-wrap:wrap;gap:6px;align-items:center;margin-top:6px}
+input,select,button{font:inherit;padding:3px 6px}
+button{border:1px solid #90a4ae;border-radius:4px;background:#eceff1;cursor:pointer}
+button.grant{background:#2e7d32;color:#fff;border-color:#1b5e20}
+button.deny{background:#c62828;color:#fff;border-color:#8e0000}
+.notice{background:#e8f5e9;border:1px solid #a5d6a7;padding:8px 12px;border-radius:6px;
+margin-bottom:12px}
+.error{background:#fdecea;border-color:#ef9a9a}
+.muted{color:#78909c} code{font-size:12px}
+.measures{display:grid;grid-template-columns:repeat(auto-fill,minmax(250px,1fr));gap:10px}
+.measure{border:1px solid #eceff1;border-radius:6px;padding:8px 10px}
+.measure h3{margin:0 0 4px;font-size:13px;color:#455a64} .measure .v{font-size:18px}
+.timeline-wrap{overflow-x:auto}
+.receipt .headline{font-weight:600;font-size:15px}
+.receipt .section-pending h3{color:#c62828} .receipt .section-irreversible h3{color:#ad1457}
+.receipt .section-undone h3{color:#00838f} .receipt table.facts{width:auto}
+.receipt details{display:inline} .receipt ul.details{color:#546e7a;font-size:12px}
+"""
+
+_JS = """
+(function(){
+  const KEY='sagaline.operator';
+  function prefill(root){
+    root.querySelectorAll('input[name=operator]').forEach(function(i){
+      if(!i.value){i.value=localStorage.getItem(KEY)||'';}
+      i.dataset.prefill=i.value;
+      i.addEventListener('change',function(){localStorage.setItem(KEY,i.value);});
+    });
+  }
+  function busy(el){
+    if(el.contains(document.activeElement)&&document.activeElement!==document.body)return true;
+    return Array.from(el.querySelectorAll('input,textarea')).some(function(i){
+      return i.type!=='hidden'&&i.value!==(i.dataset.prefill||'');});
+  }
+  async function refresh(){
+    for(const el of document.querySelectorAll('[data-live]')){
+      if(busy(el))continue;
+      try{const r=await fetch(el.dataset.live,{cache:'no-store'});
+        if(r.ok){el.innerHTML=await r.text();prefill(el);}}catch(e){}
+    }
+  }
+  prefill(document);
+  setInterval(refresh,2000);
+})();
+"""
+
+
+def _pill(status: SagaStatus) -> str:
+    return (
+        f'<span class="pill status-{status.slug}" '
+        f'style="background:{_STATUS_COLOUR[status]}">{_e(status.value)}</span>'
+    )
+
+
+def _page(title: str, body: str, notice: str | None = None, error: bool = False) -> HTMLResponse:
+    note = ""
+    if notice:
+        note = f'<div class="notice{" error" if error else ""}" role="status">{_e(notice)}</div>'
+    return HTMLResponse(
+        "<!doctype html><html><head><meta charset=utf-8>"
+        f"<title>{_e(title)} · Sagaline</title><style>{_CSS}</style></head><body>"
+        '<header><h1>Sagaline · operations</h1><a href="/">Sagas</a>'
+        '<a href="/#actions">Approvals &amp; incidents</a><a href="/#measures">Measures</a>'
+        '<a href="/metrics">/metrics</a></header>'
+        f"<main>{note}{body}</main><script>{_JS}</script></body></html>",
+        status_code=400 if error else 200,
+    )
+
+
+def _filter_from(request: Request) -> SagaFilter:
+    q = request.query_params
+    status = None
+    if q.get("status"):
+        status = next((s for s in SagaStatus if s.slug == q["status"]), None)
+    return SagaFilter(
+        tenant=q.get("tenant") or None,
+        workflow=q.get("workflow") or None,
+        tool=q.get("tool") or None,
+        status=status,
+    )
+
+
+def _query(flt: SagaFilter, **override: str | None) -> str:
+    params = {
+        "tenant": flt.tenant,
+        "workflow": flt.workflow,
+        "tool": flt.tool,
+        "status": flt.status.slug if flt.status else None,
+    }
+    params.update(override)
+    return urlencode({k: v for k, v in params.items() if v})
+
+
+def _age(ms: int, now: int) -> str:
+    return format_duration(max(now - ms, 0)) + " ago"
+
+
+# ----------------------------------------------------------------- fragments
+
+
+def _counts_html(state: DashboardState, flt: SagaFilter) -> str:
+    counts = state.counts(flt)
+    links = []
+    for status, n in counts.items():
+        selected = " sel" if flt.status is status else ""
+        target = None if flt.status is status else status.slug
+        links.append(
+            f'<a class="count status-{status.slug}{selected}" data-status="{status.slug}" '
+            f'href="/?{_query(flt, status=target)}" style="background:{_STATUS_COLOUR[status]}">'
+            f'<b class="n">{n}</b>{_e(status.value)}</a>'
+        )
+    return f'<div class="counts">{"".join(links)}</div>'
+
+
+def _sagas_html(state: DashboardState, flt: SagaFilter, now: int) -> str:
+    sagas = state.select(flt)
+    if not sagas:
+        return '<p class="muted">No sagas match.</p>'
+    rows = []
+    for s in sagas[:500]:
+        tools = ", ".join(sorted(s.tools - {"?"}))
+        rows.append(
+            f'<tr class="saga" data-saga="{_e(s.saga_id)}" data-status="{s.status.slug}">'
+            f'<td><a href="/sagas/{quote(s.saga_id)}">{_e(s.saga_id)}</a></td>'
+            f"<td>{_pill(s.status)}</td><td>{_e(s.tenant_id)}</td><td>{_e(s.workflow)}</td>"
+            f"<td>{_e(tools)}</td><td>{len(s.steps)}</td>"
+            f"<td>{_e(_age(s.last_at, now))}</td></tr>"
+        )
+    more = f'<p class="muted">{len(sagas) - 500} more not shown.</p>' if len(sagas) > 500 else ""
+    return (
+        "<table><thead><tr><th>saga</th><th>status</th><th>tenant</th><th>workflow</th>"
+        "<th>tools</th><th>steps</th><th>last activity</th></tr></thead>"
+        f"<tbody>{''.join(rows)}</tbody></table>{more}"
+    )
+
+
+def _approval_html(saga: SagaView, req: ApprovalRequested, now: int, back: str) -> str:
+    step = saga.steps.get(req.step_id)
+    tool = step.tool if step else "?"
+    expired = req.expires_at < now
+    expiry = (
+        f'<b style="color:#c62828">expired {format_duration(now - req.expires_at)} ago</b>'
+        if expired
+        else f"expires in {format_duration(req.expires_at - now)}"
+    )
+    base = f"/approvals/{quote(saga.saga_id)}/{quote(req.approval_id)}"
+    return (
+        f'<li class="approval" data-approval="{_e(req.approval_id)}" '
+        f'data-saga="{_e(saga.saga_id)}"><b>{_e(tool)}</b> '
+        f"({_e(req.purpose.value.lower())}) in saga "
+        f'<a href="/sagas/{quote(saga.saga_id)}">{_e(saga.saga_id)}</a> · principal '
+        f"{_e(req.principal)} · scope {_e(req.scope)} · arguments "
+        f"<code>{_e(req.args_fingerprint[:12])}</code> · {expiry}"
+        f'<form class="inline" method="post" action="{base}/grant">'
+        f'<input type="hidden" name="next" value="{_e(back)}">'
+        '<input name="operator" placeholder="your name (required)" required '
+        'aria-label="operator">'
+        '<input name="reason" placeholder="reason (for a denial)" aria-label="reason">'
+        f'<button class="grant" type="submit" id="approve-{_e(req.approval_id)}">Approve</button>'
+        f'<button class="deny" type="submit" formaction="{base}/deny" '
+        f'id="deny-{_e(req.approval_id)}">Deny</button></form></li>'
+    )
+
+
+def _incident_html(saga: SagaView, inc: IncidentRaised, back: str) -> str:
+    where = f" on {', '.join(inc.resources)}" if inc.resources else ""
+    if "unknown" in inc.kind.lower():
+        resolution = (
+            '<select name="resolution" aria-label="resolution" required>'
+            '<option value="">did it happen?</option>'
+            '<option value="COMMITTED">COMMITTED: the effect happened</option>'
+            '<option value="NOT_FOUND">NOT_FOUND: it did not happen</option></select>'
+        )
+    else:
+        resolution = (
+            '<input name="resolution" placeholder="what you did (required)" required '
+            'aria-label="resolution">'
+        )
+    action = f"/incidents/{quote(saga.saga_id)}/{quote(inc.incident_id)}/resolve"
+    return (
+        f'<li class="incident" data-incident="{_e(inc.incident_id)}">'
+        f"<b>{_e(inc.kind)}</b> in saga "
+        f'<a href="/sagas/{quote(saga.saga_id)}">{_e(saga.saga_id)}</a>'
+        f"{' step ' + _e(inc.step_id) if inc.step_id else ''} · owner <b>{_e(inc.owner)}</b>"
+        f"<br>{_e(inc.inconsistency)}{_e(where)}. Still changed: {_e(inc.effect)}."
+        f'<form class="inline" method="post" action="{action}">'
+        f'<input type="hidden" name="next" value="{_e(back)}">'
+        '<input name="operator" placeholder="your name (required)" required '
+        f'aria-label="operator">{resolution}'
+        '<input name="note" placeholder="note" aria-label="note">'
+        f'<button type="submit" id="resolve-{_e(inc.incident_id)}">Resolve</button></form></li>'
+    )
+
+
+def _actions_html(state: DashboardState, now: int, saga_id: str | None = None) -> str:
+    back = f"/sagas/{quote(saga_id)}" if saga_id else "/"
+    approvals = [
+        _approval_html(s, a, now, back)
+        for s, a in state.pending_approvals()
+        if saga_id is None or s.saga_id == saga_id
+    ]
+    incidents = [
+        _incident_html(s, i, back)
+        for s, i in state.open_incidents()
+        if saga_id is None or s.saga_id == saga_id
+    ]
+    return (
+        f"<h3>Pending approvals ({len(approvals)})</h3>"
+        + (f'<ul class="approvals">{"".join(approvals)}</ul>' if approvals else "")
+        + ('<p class="muted">None.</p>' if not approvals else "")
+        + f"<h3>Open incidents ({len(incidents)})</h3>"
+        + (f'<ul class="incidents">{"".join(incidents)}</ul>' if incidents else "")
+        + ('<p class="muted">None.</p>' if not incidents else "")
+    )
+
+
+def _hist(h: dict[str, HistogramSummary]) -> str:
+    if not h:
+        return '<span class="muted">no observations</span>'
+    parts = []
+    for label, s in sorted(h.items()):
+        mean = s.mean_seconds
+        shown = format_duration(int(mean * 1000)) if mean is not None else "-"
+        parts.append(f"{_e(label)}: mean {shown} over {s.count}")
+    return "<br>".join(parts)
+
+
+def _measures_html(m: MeasuresSnapshot, state: DashboardState) -> str:
+    success = m.compensation_success_by_tool()
+    comp = (
+        "<br>".join(
+            f"{_e(tool)}: {ok}/{total} ({100 * ok // total}%)"
+            for tool, (ok, total) in sorted(success.items())
+            if total
+        )
+        or '<span class="muted">none yet</span>'
+    )
+    remaining = (
+        "<br>".join(
+            f"{_e(t)}: {cents / 100:,.2f}"
+            for t, cents in sorted(m.remaining_effect_cents.items())
+            if cents
+        )
+        or "0.00"
+    )
+    manual = sum(m.manual_interventions.values())
+    manual_detail = ", ".join(
+        f"{k.replace('_', ' ')} {v}" for k, v in sorted(m.manual_interventions.items())
+    )
+    cards = [
+        ("Time in unknown state (by tool)", _hist(m.time_in_unknown), "time-in-unknown"),
+        ("Time to acceptable recovery", _hist(m.time_to_recovery), "time-to-recovery"),
+        ("Compensation success by tool", comp, "compensation-success"),
+        (
+            "Duplicates prevented",
+            f'<span class="v">{state.ledger_duplicates}</span> duplicate records in the ledger',
+            "duplicates",
+        ),
+        (
+            "Manual interventions",
+            f'<span class="v">{manual}</span> {_e(manual_detail)}',
+            "manual",
+        ),
+        ("Expired reversal windows", f'<span class="v">{m.expired_windows}</span>', "expired"),
+        ("Remaining economic effect (by tenant)", remaining, "remaining"),
+        ("Disclosure latency (failure → terminal)", _hist(m.disclosure_latency), "disclosure"),
+    ]
+    return (
+        '<div class="measures">'
+        + "".join(
+            f'<div class="measure" data-measure="{key}"><h3>{_e(title)}</h3>{value}</div>'
+            for title, value, key in cards
+        )
+        + "</div>"
+    )
+
+
+def _overview_fragment(state: DashboardState, flt: SagaFilter, now: int) -> str:
+    return (
+        f'<div class="card"><h2>Sagas by status</h2>{_counts_html(state, flt)}</div>'
+        f'<div class="card"><h2>Sagas</h2>{_sagas_html(state, flt, now)}</div>'
+    )
+
+
+def _filter_form(state: DashboardState, flt: SagaFilter) -> str:
+    facets = state.facets()
+    selects = []
+    for name, options in facets.items():
+        current = getattr(flt, name)
+        opts = [f'<option value="">any {name}</option>'] + [
+            f"<option{' selected' if o == current else ''}>{_e(o)}</option>" for o in options
+        ]
+        selects.append(f'<select name="{name}" aria-label="{name}">{"".join(opts)}</select>')
+    status = f'<input type="hidden" name="status" value="{flt.status.slug}">' if flt.status else ""
+    return (
+        f'<form class="inline filters" method="get" action="/">{"".join(selects)}{status}'
+        '<button type="submit">Filter</button> <a href="/">clear</a></form>'
+    )
+
+
+def _saga_fragment(saga: SagaView, now: int) -> str:
+    facts = [
+        ("status", _pill(saga.status)),
+        ("tenant", _e(saga.tenant_id)),
+        ("workflow", _e(saga.workflow)),
+        ("principal", _e(saga.principal)),
+        ("generation", str(saga.generation)),
+        ("started", _e(format_ms(saga.started_at))),
+        ("ended", _e(format_ms(saga.terminal_at))),
+        ("records", str(saga.record_count)),
+    ]
+    rows = "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in facts)
+    steps = "".join(
+        f'<tr data-step="{_e(s.step_id)}"><td>{_e(s.step_id)}</td><td>{_e(s.tool)}</td>'
+        f"<td>{_e(s.participant)}</td><td>{_e(s.reversibility.value.lower())}"
+        f"{' · pivot' if s.pivot else ''}</td><td>{_e(s.state)}</td><td>{s.attempts}</td>"
+        f"<td>{_e(s.compensation or '-')}</td></tr>"
+        for s in saga.steps.values()
+    )
+    if saga.receipt is not None:
+        receipt = render_receipt_html(saga.receipt)
+    elif saga.receipt_error:
+        receipt = f'<p class="notice error">{_e(saga.receipt_error)}</p>'
+    else:
+        receipt = '<p class="muted">No receipt yet: the saga has not ended.</p>'
+    return (
+        f'<div class="card"><table class="facts" style="width:auto">{rows}</table></div>'
+        f'<div class="card"><h2>Timeline</h2><div class="timeline-wrap">'
+        f"{render_timeline_svg(saga, now)}</div></div>"
+        f'<div class="card" id="actions"><h2>Needs a person</h2>'
+        f"{_actions_html_for(saga, now)}</div>"
+        f'<div class="card"><h2>Receipt</h2>{receipt}</div>'
+        '<div class="card"><h2>Steps</h2><table><thead><tr><th>step</th><th>tool</th>'
+        "<th>participant</th><th>reversibility</th><th>state</th><th>attempts</th>"
+        f"<th>compensation</th></tr></thead><tbody>{steps}</tbody></table></div>"
+    )
+
+
+def _actions_html_for(saga: SagaView, now: int) -> str:
+    back = f"/sagas/{quote(saga.saga_id)}"
+    approvals = [
+        _approval_html(saga, a, now, back)
+        for a in saga.pending_approvals.values()
+        if saga.terminal_status is None
+    ]
+    incidents = [_incident_html(saga, i, back) for i in saga.open_incidents.values()]
+    if not approvals and not incidents:
+        return '<p class="muted">Nothing pending.</p>'
+    return (
+        f'<ul class="approvals">{"".join(approvals)}</ul><ul class="incidents">'
+        + "".join(incidents)
+        + "</ul>"
+    )
+
+
+# --------------------------------------------------------------------- the app
+
+
+def create_app(
+    state: DashboardState,
+    channel: operator_actions.OperatorChannel | None = None,
+    follower: LedgerFollower | None = None,
+    clock: Callable[[], int] | None = None,
+) -> Starlette:
+    """The dashboard ASGI app. ``channel`` publishes operator decisions (None: the
+    action buttons answer 503); ``follower`` is started and stopped with the app."""
+    now_ms = clock or (lambda: int(time.time() * 1000))
+
+    async def overview(request: Request) -> Response:
+        flt = _filter_from(request)
+        now = now_ms()
+        live = f"/fragment/overview?{_query(flt)}"
+        body = (
+            f'<div class="card">{_filter_form(state, flt)}</div>'
+            f'<div data-live="{_e(live)}">{_overview_fragment(state, flt, now)}</div>'
+            '<div class="card" id="actions"><h2>Needs a person</h2>'
+            f'<div data-live="/fragment/actions">{_actions_html(state, now)}</div></div>'
+            '<div class="card" id="measures"><h2>Measures (seed 004)</h2>'
+            f'<div data-live="/fragment/measures">'
+            f"{_measures_html(state.metrics.snapshot(), state)}</div></div>"
+        )
+        return _page("Sagas", body, request.query_params.get("notice"))
+
+    async def overview_fragment(request: Request) -> Response:
+        return HTMLResponse(_overview_fragment(state, _filter_from(request), now_ms()))
+
+    async def actions_fragment(request: Request) -> Response:
+        return HTMLResponse(_actions_html(state, now_ms()))
+
+    async def measures_fragment(request: Request) -> Response:
+        return HTMLResponse(_measures_html(state.metrics.snapshot(), state))
+
+    def _saga_or_404(saga_id: str) -> SagaView | None:
+        with state.lock:
+            return state.sagas.get(saga_id)
+
+    async def saga_page(request: Request) -> Response:
+        saga_id = request.path_params["saga_id"]
+        with state.lock:
+            saga = _saga_or_404(saga_id)
+            if saga is None:
+                return _page(
+                    "Unknown saga",
+                    f'<p>No saga {_e(saga_id)} in the ledger (yet). <a href="/">All sagas</a></p>',
+                )
+            fragment = _saga_fragment(saga, now_ms())
+        body = (
+            f"<h2>Saga <code>{_e(saga_id)}</code></h2>"
+            f'<div data-live="/fragment/saga/{quote(saga_id)}">{fragment}</div>'
+        )
+        return _page(f"Saga {saga_id}", body, request.query_params.get("notice"))
+
+    async def saga_fragment(request: Request) -> Response:
+        with state.lock:
+            saga = _saga_or_404(request.path_params["saga_id"])
+            if saga is None:
+                return HTMLResponse("", status_code=404)
+            return HTMLResponse(_saga_fragment(saga, now_ms()))
+
+    async def timeline_svg(request: Request) -> Response:
+        with state.lock:
+            saga = _saga_or_404(request.path_params["saga_id"])
+            if saga is None:
+                return Response("no such saga", status_code=404)
+            svg = render_timeline_svg(saga, now_ms())
+        return Response(svg, media_type="image/svg+xml")
+
+    async def _decide(
+        request: Request, perform: Callable[[dict[str, str], SagaView], str]
+    ) -> Response:
+        form = {k: str(v) for k, v in (await request.form()).items()}
+        back = form.get("next") or "/"
+        if not back.startswith("/"):
+            back = "/"
+        saga = _saga_or_404(request.path_params["saga_id"])
+        if saga is None:
+            return _page("Unknown saga", "<p>No such saga.</p>", "no such saga", error=True)
+        if not form.get("operator", "").strip():
+            return _page(
+                "Operator required",
+                f'<p><a href="{_e(back)}">Back</a></p>',
+                "Say who you are: the operator field is required for every decision.",
+                error=True,
+            )
+        if channel is None:
+            return _page("Read-only", "", "this dashboard is read-only (no producer)", True)
+        try:
+            notice = await run_in_threadpool(perform, form, saga)
+        except operator_actions.OperatorActionError as exc:
+            return _page("Not recorded", f'<p><a href="{_e(back)}">Back</a></p>', str(exc), True)
+        sep = "&" if "?" in back else "?"
+        return RedirectResponse(f"{back}{sep}{urlencode({'notice': notice})}", status_code=303)
+
+    def _request_for(saga: SagaView, approval_id: str) -> ApprovalRequested:
+        with state.lock:
+            req = saga.pending_approvals.get(approval_id)
+        if req is None:
+            raise operator_actions.UnknownRequest(
+                f"approval {approval_id} of saga {saga.saga_id} is not pending (already "
+                "decided, or the saga ended): nothing was recorded"
+            )
+        return req
+
+    async def grant(request: Request) -> Response:
+        approval_id = request.path_params["approval_id"]
+
+        def perform(form: dict[str, str], saga: SagaView) -> str:
+            assert channel is not None
+            req = _request_for(saga, approval_id)
+            rec = operator_actions.grant_approval(
+                channel, req, operator=form["operator"], via="dashboard"
+            )
+            return f"Approval {approval_id} granted by {rec.granted_by} (recorded on Kafka)."
+
+        return await _decide(request, perform)
+
+    async def deny(request: Request) -> Response:
+        approval_id = request.path_params["approval_id"]
+
+        def perform(form: dict[str, str], saga: SagaView) -> str:
+            assert channel is not None
+            req = _request_for(saga, approval_id)
+            rec = operator_actions.deny_approval(
+                channel,
+                req,
+                operator=form["operator"],
+                reason=form.get("reason", ""),
+                via="dashboard",
+            )
+            return f"Approval {approval_id} denied by {rec.denied_by} (recorded on Kafka)."
+
+        return await _decide(request, perform)
+
+    async def resolve(request: Request) -> Response:
+        incident_id = request.path_params["incident_id"]
+
+        def perform(form: dict[str, str], saga: SagaView) -> str:
+            assert channel is not None
+            with state.lock:
+                incident = saga.open_incidents.get(incident_id)
+            if incident is None:
+                raise operator_actions.UnknownRequest(
+                    f"incident {incident_id} of saga {saga.saga_id} is not open: nothing "
+                    "was recorded"
+                )
+            rec = operator_actions.resolve_incident(
+                channel,
+                incident,
+                operator=form["operator"],
+                resolution=form.get("resolution", ""),
+                note=form.get("note", ""),
+                via="dashboard",
+            )
+            return f"Incident {incident_id} resolved by {rec.resolved_by} (recorded on Kafka)."
+
+        return await _decide(request, perform)
+
+    async def api_state(request: Request) -> Response:
+        flt = _filter_from(request)
+        with state.lock:
+            payload: dict[str, Any] = {
+                "caught_up": follower.caught_up.is_set() if follower else True,
+                "records_applied": state.records_applied,
+                "ledger_duplicates": state.ledger_duplicates,
+                "counts": {s.slug: n for s, n in state.counts(flt).items()},
+                "sagas": [
+                    {
+                        "saga_id": s.saga_id,
+                        "status": s.status.slug,
+                        "tenant": s.tenant_id,
+                        "workflow": s.workflow,
+                        "tools": sorted(s.tools),
+                        "steps": len(s.steps),
+                        "records": s.record_count,
+                    }
+                    for s in state.select(flt)
+                ],
+                "pending_approvals": [
+                    {"saga_id": s.saga_id, "approval_id": a.approval_id, "step_id": a.step_id}
+                    for s, a in state.pending_approvals()
+                ],
+                "open_incidents": [
+                    {"saga_id": s.saga_id, "incident_id": i.incident_id, "kind": i.kind}
+                    for s, i in state.open_incidents()
+                ],
+            }
+        return JSONResponse(payload)
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def healthz(request: Request) -> Response:
+        ready = follower.caught_up.is_set() if follower else True
+        return JSONResponse({"caught_up": ready}, status_code=200 if ready else 503)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if follower is not None:
+            follower.start()
+        try:
+            yield
+        finally:
+            if follower is not None:
+                follower.stop()
+
+    return Starlette(
+        routes=[
+            Route("/", overview),
+            Route("/fragment/overview", overview_fragment),
+            Route("/fragment/actions", actions_fragment),
+            Route("/fragment/measures", measures_fragment),
+            Route("/sagas/{saga_id}", saga_page),
+            Route("/sagas/{saga_id}/timeline.svg", timeline_svg),
+            Route("/fragment/saga/{saga_id}", saga_fragment),
+            Route("/approvals/{saga_id}/{approval_id}/grant", grant, methods=["POST"]),
+            Route("/approvals/{saga_id}/{approval_id}/deny", deny, methods=["POST"]),
+            Route("/incidents/{saga_id}/{incident_id}/resolve", resolve, methods=["POST"]),
+            Route("/api/state", api_state),
+            Route("/metrics", metrics),
+            Route("/healthz", healthz),
+        ],
+        lifespan=lifespan,
+    )

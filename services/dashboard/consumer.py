@@ -1,0 +1,162 @@
+"""The dashboard's Kafka side: follow the three topics from their beginning, forever.
+
+No consumer group state is kept: partitions are assigned manually from offset 0 on
+every start, so a restarted dashboard rebuilds exactly the view it had (R5). New
+topics and partitions (a fresh deployment, more partitions) are picked up by a
+periodic metadata refresh.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
+
+from schemas.errors import CodecError
+from schemas.signing import HeaderList, Signer
+from schemas.topics import TopicNames
+from schemas.wire import consumer_config, from_message
+from services.dashboard.view import DashboardState
+
+log = logging.getLogger("sagaline.dashboard")
+
+_REFRESH_S = 1.0
+
+
+class LedgerFollower:
+    """Reads ``events``, ``terminal`` and ``incidents`` into a :class:`DashboardState`
+    on a daemon thread. ``caught_up`` is set once everything that existed at start has
+    been read (what a restart test or a readiness probe waits for)."""
+
+    def __init__(
+        self, bootstrap: str, topics: TopicNames, signer: Signer, state: DashboardState
+    ) -> None:
+        self.bootstrap = bootstrap
+        self.topics = topics
+        self.signer = signer
+        self.state = state
+        self.caught_up = threading.Event()
+        self.rejected = 0  # records that failed verification/decoding (the coordinator DLQs them)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._assigned: set[tuple[str, int]] = set()
+        self._targets: dict[tuple[str, int], int] = {}
+        self._targets_fixed = False
+
+    @property
+    def topic_names(self) -> list[str]:
+        return [self.topics.events, self.topics.terminal, self.topics.incidents]
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="dashboard-ledger", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    # ---------------------------------------------------------------- the loop
+
+    def _run(self) -> None:
+        group = f"{self.topics.prefix}sagaline-dashboard-{uuid.uuid4().hex[:12]}"
+        consumer = Consumer(
+            consumer_config(
+                self.bootstrap,
+                group,
+                **{"topic.metadata.refresh.interval.ms": 5000, "allow.auto.create.topics": False},
+            )
+        )
+        next_refresh = 0.0
+        try:
+            while not self._stop.is_set():
+                if time.monotonic() >= next_refresh:
+                    self._refresh(consumer)
+                    next_refresh = time.monotonic() + _REFRESH_S
+                if not self._assigned:
+                    self._stop.wait(0.2)
+                    continue
+                messages = consumer.consume(500, 0.2)
+                for msg in messages:
+                    if msg.error() is not None:
+                        continue
+                    self._apply(msg.topic() or "", msg.key(), msg.value(), msg.headers())
+                self._check_caught_up(consumer)
+        except Exception:  # keep the page up and say so in the log; restart rebuilds
+            log.exception("dashboard ledger follower stopped")
+            raise
+        finally:
+            consumer.close()
+
+    def _apply(
+        self,
+        topic: str,
+        key: bytes | None,
+        value: bytes | None,
+        headers: HeaderList | None,
+    ) -> None:
+        if value is None:
+            return  # a tombstone on a compacted topic
+        try:
+            record = from_message(key, value, headers, self.signer)
+        except CodecError as exc:
+            self.rejected += 1
+            log.debug("skipping a record on %s the codec rejects: %s", topic, exc)
+            return
+        self.state.apply(record, from_ledger=topic == self.topics.events)
+
+    def _refresh(self, consumer: Consumer) -> None:
+        """Assign partitions we do not follow yet (from the beginning); update lag."""
+        try:
+            metadata = consumer.list_topics(timeout=5)
+        except KafkaException as exc:
+            log.warning("cannot read topic metadata from %s: %s", self.bootstrap, exc)
+            return
+        new: list[TopicPartition] = []
+        for name in self.topic_names:
+            topic = metadata.topics.get(name)
+            if topic is None or topic.error is not None:
+                continue
+            for number in topic.partitions:
+                if (name, number) not in self._assigned:
+                    new.append(TopicPartition(name, number, OFFSET_BEGINNING))
+        for tp in new:
+            _low, high = consumer.get_watermark_offsets(
+                TopicPartition(tp.topic, tp.partition), timeout=5
+            )
+            if not self._targets_fixed:
+                self._targets[(tp.topic, tp.partition)] = high
+        if new:
+            consumer.incremental_assign(new)
+            self._assigned.update((tp.topic, tp.partition) for tp in new)
+        self._targets_fixed = True
+        self._report_lag(consumer)
+
+    def _report_lag(self, consumer: Consumer) -> None:
+        if not self._assigned:
+            return
+        positions = consumer.position([TopicPartition(t, p) for t, p in sorted(self._assigned)])
+        for tp in positions:
+            try:
+                _low, high = consumer.get_watermark_offsets(
+                    TopicPartition(tp.topic, tp.partition), timeout=2
+                )
+            except KafkaException:
+                continue
+            position = tp.offset if tp.offset >= 0 else 0
+            self.state.metrics.set_consumer_lag(tp.topic, tp.partition, high - position)
+
+    def _check_caught_up(self, consumer: Consumer) -> None:
+        if self.caught_up.is_set():
+            return
+        pending = {k: v for k, v in self._targets.items() if v > 0}
+        if pending:
+            positions = consumer.position([TopicPartition(t, p) for t, p in pending])
+            for tp in positions:
+                if tp.offset < pending[(tp.topic, tp.partition)]:
+                    return
+        self.caught_up.set()
+        log.info("dashboard caught up: %d records applied", self.state.records_applied)

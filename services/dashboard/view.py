@@ -1,0 +1,498 @@
+"""The dashboard's in-memory view: a pure fold of ledger records into per-saga views.
+
+No I/O here. The Kafka thread (:mod:`services.dashboard.consumer`) feeds every record
+of ``sagaline.events``, ``sagaline.terminal`` and ``sagaline.incidents`` to
+:meth:`DashboardState.apply`; pages read snapshots. Because the view is only a fold of
+the log (R5), a restarted dashboard re-reads the topics from the beginning and ends up
+with the same view.
+
+Records of one saga reach us over three topics in no guaranteed interleaving, and the
+same record (same ``event_id``) appears on two of them (the coordinator writes every
+terminal record and incident to ``sagaline.events`` too), so the fold deduplicates by
+event id and tolerates any order between topics.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from schemas.models import (
+    ApprovalDenied,
+    ApprovalGranted,
+    ApprovalPurpose,
+    ApprovalRequested,
+    CompensationAccepted,
+    CompensationCommitted,
+    CompensationFailed,
+    CompensationRequested,
+    IncidentRaised,
+    IncidentResolved,
+    ReconcileResult,
+    Record,
+    Reversibility,
+    SagaEndRequested,
+    SagaOutcome,
+    SagaStarted,
+    SagaTerminal,
+    StepCommitted,
+    StepFailed,
+    StepIntentRecorded,
+    StepOutcomeUnknown,
+    StepReconciled,
+    StepRetryScheduled,
+    StepScheduled,
+    TerminalStatus,
+)
+from schemas.receipt import Receipt
+from services.metrics import SagalineMetrics, amount_cents
+
+
+class SagaStatus(enum.StrEnum):
+    """What an operator needs to know first about a saga, in the order they act on it."""
+
+    RUNNING = "running"
+    AWAITING_APPROVAL = "awaiting approval"
+    UNKNOWN_OUTCOME = "unknown outcome"
+    COMPENSATING = "compensating"
+    COMPLETED = "completed"
+    COMPENSATED = "compensated"
+    ESCALATED = "escalated"
+
+    @property
+    def slug(self) -> str:
+        return self.name.lower()
+
+
+_TERMINAL = {
+    TerminalStatus.COMPLETED: SagaStatus.COMPLETED,
+    TerminalStatus.COMPENSATED: SagaStatus.COMPENSATED,
+    TerminalStatus.ESCALATED: SagaStatus.ESCALATED,
+}
+
+
+class SpanKind(enum.StrEnum):
+    APPROVAL = "approval"
+    ATTEMPT = "attempt"
+    RETRY_WAIT = "retry-wait"
+    UNKNOWN = "unknown"
+    COMPENSATION = "compensation"
+
+
+@dataclass
+class Span:
+    """A stretch of time in one step's life, drawn as one bar of the timeline."""
+
+    kind: SpanKind
+    start: int
+    end: int | None = None
+    outcome: str = "pending"
+    label: str = ""
+    ref: str = ""  # approval id / attempt number, to find the span to close
+
+
+@dataclass
+class StepView:
+    step_id: str
+    tool: str = "?"
+    participant: str = "?"
+    reversibility: Reversibility = Reversibility.COMPENSATABLE
+    pivot: bool = False
+    read_only: bool = False
+    compensation: str | None = None
+    scheduled_at: int | None = None
+    committed_at: int | None = None
+    state: str = "scheduled"
+    attempts: int = 0
+    amount_cents: int | None = None
+    incident_id: str | None = None
+    spans: list[Span] = field(default_factory=list)
+
+    def open_span(self, kind: SpanKind, ref: str | None = None) -> Span | None:
+        for span in reversed(self.spans):
+            if span.kind is kind and span.end is None and (ref is None or span.ref == ref):
+                return span
+        return None
+
+    def close(self, kind: SpanKind, at: int, outcome: str, ref: str | None = None) -> None:
+        span = self.open_span(kind, ref)
+        if span is not None:
+            span.end = max(at, span.start)
+            span.outcome = outcome
+
+
+@dataclass
+class SagaView:
+    saga_id: str
+    tenant_id: str
+    workflow: str = "?"
+    principal: str = "?"
+    generation: int = 1
+    started_at: int | None = None
+    last_at: int = 0
+    steps: dict[str, StepView] = field(default_factory=dict)
+    end_requested: SagaOutcome | None = None
+    end_reason: str = ""
+    failure_at: int | None = None
+    compensating_since: int | None = None
+    terminal_status: TerminalStatus | None = None
+    terminal_at: int | None = None
+    receipt: Receipt | None = None
+    receipt_error: str | None = None
+    pending_approvals: dict[str, ApprovalRequested] = field(default_factory=dict)
+    open_incidents: dict[str, IncidentRaised] = field(default_factory=dict)
+    resolved_incidents: dict[str, IncidentResolved] = field(default_factory=dict)
+    record_count: int = 0
+
+    @property
+    def status(self) -> SagaStatus:
+        if self.terminal_status is not None:
+            return _TERMINAL[self.terminal_status]
+        if any(s.state == "unknown" for s in self.steps.values()):
+            return SagaStatus.UNKNOWN_OUTCOME
+        if self.pending_approvals:
+            return SagaStatus.AWAITING_APPROVAL
+        if self.compensating_since is not None:
+            return SagaStatus.COMPENSATING
+        return SagaStatus.RUNNING
+
+    @property
+    def tools(self) -> set[str]:
+        return {s.tool for s in self.steps.values()}
+
+    @property
+    def pivot_at(self) -> int | None:
+        """When the pivot committed: from then on the saga only goes forward (R6)."""
+        times = [s.committed_at for s in self.steps.values() if s.pivot and s.committed_at]
+        return min(times) if times else None
+
+    @property
+    def ended_at(self) -> int | None:
+        return self.terminal_at
+
+    def step(self, step_id: str, tool: str | None = None) -> StepView:
+        view = self.steps.get(step_id)
+        if view is None:
+            view = self.steps[step_id] = StepView(step_id=step_id)
+        if tool and view.tool == "?":
+            view.tool = tool
+        return view
+
+
+@dataclass(frozen=True)
+class SagaFilter:
+    tenant: str | None = None
+    workflow: str | None = None
+    tool: str | None = None
+    status: SagaStatus | None = None
+
+    def matches(self, saga: SagaView) -> bool:
+        return (
+            (not self.tenant or saga.tenant_id == self.tenant)
+            and (not self.workflow or saga.workflow == self.workflow)
+            and (not self.tool or self.tool in saga.tools)
+            and (self.status is None or saga.status is self.status)
+        )
+
+
+class DashboardState:
+    """Every saga the dashboard has seen, folded from the ledger; thread-safe.
+
+    ``lock`` guards the whole state: the Kafka thread holds it while applying a batch,
+    page handlers while reading.
+    """
+
+    def __init__(self, metrics: SagalineMetrics | None = None) -> None:
+        self.lock = threading.RLock()
+        self.metrics = metrics or SagalineMetrics("dashboard")
+        self.sagas: dict[str, SagaView] = {}
+        self._seen: set[str] = set()
+        self._seen_on_ledger: set[str] = set()
+        self.ledger_duplicates = 0
+        self.stale_records = 0
+        self.records_applied = 0
+
+    # ---------------------------------------------------------------- applying
+
+    def apply_all(self, records: Iterable[tuple[Record, bool]]) -> None:
+        with self.lock:
+            for record, from_ledger in records:
+                self.apply(record, from_ledger=from_ledger)
+
+    def apply(self, record: Record, *, from_ledger: bool = True) -> bool:
+        """Fold one record; ``from_ledger`` is True for ``sagaline.events``. Returns False
+        for a record already applied (a duplicate) or of a superseded generation."""
+        with self.lock:
+            event_id = record.event_id
+            if from_ledger:
+                if event_id in self._seen_on_ledger:
+                    # The same fact twice in the ledger: consumers deduplicate it (R15).
+                    self.ledger_duplicates += 1
+                    self.metrics.duplicate_prevented()
+                    return False
+                self._seen_on_ledger.add(event_id)
+            if event_id in self._seen:
+                return False
+            self._seen.add(event_id)
+            saga = self._saga_for(record)
+            if saga is None:
+                self.stale_records += 1
+                return False
+            self.records_applied += 1
+            saga.record_count += 1
+            saga.last_at = max(saga.last_at, record.envelope.occurred_at)
+            _fold(saga, record)
+            self.metrics.observe_record(record)
+            return True
+
+    def _saga_for(self, record: Record) -> SagaView | None:
+        env = record.envelope
+        saga = self.sagas.get(env.saga_id)
+        if saga is None:
+            saga = self.sagas[env.saga_id] = SagaView(
+                saga_id=env.saga_id, tenant_id=env.tenant_id, generation=env.generation
+            )
+            return saga
+        if env.generation < saga.generation:
+            return None  # a superseded run: history, not the current saga (R15)
+        if env.generation > saga.generation:
+            if isinstance(record, SagaStarted):
+                # A new run of the saga replaces the old one's view.
+                saga = self.sagas[env.saga_id] = SagaView(
+                    saga_id=env.saga_id, tenant_id=env.tenant_id, generation=env.generation
+                )
+            else:
+                saga.generation = env.generation
+        return saga
+
+    # ----------------------------------------------------------------- reading
+
+    def select(self, flt: SagaFilter = SagaFilter()) -> list[SagaView]:
+        """Matching sagas, most recent activity first."""
+        with self.lock:
+            found = [s for s in self.sagas.values() if flt.matches(s)]
+        return sorted(found, key=lambda s: (-s.last_at, s.saga_id))
+
+    def counts(self, flt: SagaFilter = SagaFilter()) -> dict[SagaStatus, int]:
+        """Sagas per status (every status present, zero when none)."""
+        unfiltered = SagaFilter(flt.tenant, flt.workflow, flt.tool, None)
+        out = dict.fromkeys(SagaStatus, 0)
+        with self.lock:
+            for saga in self.sagas.values():
+                if unfiltered.matches(saga):
+                    out[saga.status] += 1
+        return out
+
+    def pending_approvals(self) -> list[tuple[SagaView, ApprovalRequested]]:
+        with self.lock:
+            return sorted(
+                (
+                    (s, a)
+                    for s in self.sagas.values()
+                    if s.terminal_status is None
+                    for a in s.pending_approvals.values()
+                ),
+                key=lambda pair: pair[1].envelope.occurred_at,
+            )
+
+    def open_incidents(self) -> list[tuple[SagaView, IncidentRaised]]:
+        with self.lock:
+            return sorted(
+                ((s, i) for s in self.sagas.values() for i in s.open_incidents.values()),
+                key=lambda pair: pair[1].envelope.occurred_at,
+            )
+
+    def facets(self) -> dict[str, list[str]]:
+        """The tenants, workflows and tools seen, for the filter drop-downs."""
+        with self.lock:
+            sagas = list(self.sagas.values())
+            return {
+                "tenant": sorted({s.tenant_id for s in sagas}),
+                "workflow": sorted({s.workflow for s in sagas}),
+                "tool": sorted({t for s in sagas for t in s.tools}),
+            }
+
+
+# -------------------------------------------------------------------- the fold
+
+
+def _first_failure(saga: SagaView, at: int) -> None:
+    if saga.failure_at is None or at < saga.failure_at:
+        saga.failure_at = at
+
+
+def _fold(saga: SagaView, record: Record) -> None:
+    at = record.envelope.occurred_at
+    if isinstance(record, SagaStarted):
+        saga.workflow = record.workflow
+        saga.principal = record.principal
+        saga.tenant_id = record.envelope.tenant_id
+        saga.started_at = at
+    elif isinstance(record, StepScheduled):
+        step = saga.step(record.step_id)
+        c = record.contract
+        step.tool, step.participant = c.tool, c.participant
+        step.reversibility, step.pivot, step.read_only = c.reversibility, c.pivot, c.read_only
+        step.compensation = c.compensation
+        step.scheduled_at = at
+        step.amount_cents = amount_cents(record.args)
+    elif isinstance(record, ApprovalRequested):
+        step = saga.step(record.step_id)
+        saga.pending_approvals[record.approval_id] = record
+        if record.purpose is ApprovalPurpose.FORWARD:
+            step.state = "awaiting approval"
+        step.spans.append(
+            Span(
+                SpanKind.APPROVAL,
+                at,
+                label=f"{record.purpose.value.lower()} approval requested",
+                ref=record.approval_id,
+            )
+        )
+    elif isinstance(record, ApprovalGranted):
+        step = saga.step(record.step_id)
+        saga.pending_approvals.pop(record.approval_id, None)
+        _close_approval(step, record.approval_id, at, f"granted by {record.granted_by}")
+        if step.state == "awaiting approval":
+            step.state = "approved"
+    elif isinstance(record, ApprovalDenied):
+        step = saga.step(record.step_id)
+        saga.pending_approvals.pop(record.approval_id, None)
+        _close_approval(step, record.approval_id, at, f"denied by {record.denied_by}")
+        step.state = "denied"
+        _first_failure(saga, at)
+    elif isinstance(record, StepIntentRecorded):
+        step = saga.step(record.step_id, record.tool)
+        step.attempts = max(step.attempts, record.attempt)
+        step.state = "running"
+        step.close(SpanKind.RETRY_WAIT, at, "retried")
+        step.spans.append(
+            Span(SpanKind.ATTEMPT, at, label=f"attempt {record.attempt}", ref=str(record.attempt))
+        )
+    elif isinstance(record, StepCommitted):
+        step = saga.step(record.step_id, record.tool)
+        step.close(SpanKind.ATTEMPT, at, "committed")
+        step.close(SpanKind.UNKNOWN, at, "committed")
+        step.committed_at = step.committed_at or at
+        step.state = "committed"
+    elif isinstance(record, StepFailed):
+        step = saga.step(record.step_id, record.tool)
+        outcome = "rejected" if record.kind.value == "BUSINESS_REJECTION" else "failed"
+        step.close(SpanKind.ATTEMPT, at, outcome)
+        step.close(SpanKind.UNKNOWN, at, outcome)
+        step.state = "failed"
+        _first_failure(saga, at)
+    elif isinstance(record, StepOutcomeUnknown):
+        step = saga.step(record.step_id, record.tool)
+        step.close(SpanKind.ATTEMPT, at, "timed out")
+        if step.open_span(SpanKind.UNKNOWN) is None:
+            step.spans.append(Span(SpanKind.UNKNOWN, at, label="outcome unknown"))
+        step.state = "unknown"
+        _first_failure(saga, at)
+    elif isinstance(record, StepReconciled):
+        step = saga.step(record.step_id, record.tool)
+        if record.outcome is ReconcileResult.COMMITTED:
+            step.close(SpanKind.UNKNOWN, at, "reconciled: committed")
+            step.committed_at = step.committed_at or at
+            step.state = "committed"
+        elif record.outcome is ReconcileResult.NOT_FOUND:
+            step.close(SpanKind.UNKNOWN, at, "reconciled: not found")
+            step.state = "failed"
+    elif isinstance(record, StepRetryScheduled):
+        step = saga.step(record.step_id)
+        kind = "compensation retry" if record.purpose is ApprovalPurpose.COMPENSATION else "retry"
+        step.spans.append(
+            Span(
+                SpanKind.RETRY_WAIT,
+                at,
+                end=max(record.due_at, at),
+                outcome="scheduled",
+                label=f"{kind} {record.attempt} due",
+            )
+        )
+    elif isinstance(record, SagaEndRequested):
+        saga.end_requested = record.outcome
+        saga.end_reason = record.reason
+        if record.outcome is SagaOutcome.ABORT:
+            _first_failure(saga, at)
+    elif isinstance(record, CompensationRequested):
+        step = saga.step(record.step_id, record.tool)
+        step.compensation = step.compensation or record.compensation
+        if saga.compensating_since is None:
+            saga.compensating_since = at
+        step.state = "compensating"
+        if step.open_span(SpanKind.COMPENSATION) is None:
+            step.spans.append(
+                Span(
+                    SpanKind.COMPENSATION,
+                    at,
+                    label=f"{record.compensation} #{record.attempt}",
+                )
+            )
+    elif isinstance(record, CompensationAccepted):
+        step = saga.step(record.step_id)
+        span = step.open_span(SpanKind.COMPENSATION)
+        if span is not None:
+            span.outcome = "accepted, awaiting completion"
+    elif isinstance(record, CompensationCommitted):
+        step = saga.step(record.step_id)
+        if record.verified is False:
+            step.close(SpanKind.COMPENSATION, at, "verification failed")
+            step.state = "compensation failed"
+        else:
+            step.close(SpanKind.COMPENSATION, at, "verified" if record.verified else "compensated")
+            step.state = "compensated"
+    elif isinstance(record, CompensationFailed):
+        step = saga.step(record.step_id)
+        step.close(SpanKind.COMPENSATION, at, "failed")
+        step.state = "compensation failed"
+    elif isinstance(record, IncidentRaised):
+        _first_failure(saga, at)
+        if record.incident_id not in saga.resolved_incidents:
+            saga.open_incidents[record.incident_id] = record
+        if record.step_id is not None:
+            saga.step(record.step_id, record.tool).incident_id = record.incident_id
+    elif isinstance(record, IncidentResolved):
+        saga.resolved_incidents[record.incident_id] = record
+        incident = saga.open_incidents.pop(record.incident_id, None)
+        if incident is not None and incident.step_id is not None:
+            step = saga.step(incident.step_id)
+            if record.resolution in ("COMMITTED", "NOT_FOUND") and step.state == "unknown":
+                step.close(SpanKind.UNKNOWN, at, f"resolved by {record.resolved_by}")
+                step.state = "committed" if record.resolution == "COMMITTED" else "failed"
+                if record.resolution == "COMMITTED":
+                    step.committed_at = step.committed_at or at
+    elif isinstance(record, SagaTerminal):
+        saga.terminal_status = record.status
+        saga.terminal_at = at
+        saga.pending_approvals.clear()
+        try:
+            saga.receipt = Receipt.from_json(record.receipt)
+        except ValueError as exc:
+            saga.receipt_error = f"the receipt could not be read: {exc}"
+            return
+        receipt = saga.receipt
+        if saga.started_at is None:
+            # Only the terminal topic survived (events expired): take what the receipt says.
+            saga.started_at = receipt.started_at
+            saga.workflow, saga.principal = receipt.workflow, receipt.principal
+            for sr in receipt.steps:
+                step = saga.step(sr.step_id, sr.tool)
+                step.participant, step.reversibility = sr.participant, sr.reversibility
+                step.pivot, step.read_only, step.compensation = (
+                    sr.pivot,
+                    sr.read_only,
+                    sr.compensation,
+                )
+                step.committed_at = sr.committed_at
+                step.state = sr.disposition.value.lower().replace("_", " ")
+
+
+def _close_approval(step: StepView, approval_id: str, at: int, outcome: str) -> None:
+    span = step.open_span(SpanKind.APPROVAL, approval_id)
+    if span is not None:
+        span.end = max(at, span.start)
+        span.outcome = outcome
+        span.label = outcome
