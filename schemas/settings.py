@@ -25,6 +25,17 @@ from pathlib import Path
 from schemas.signing import Signer
 from schemas.topics import DEFAULT_PARTITIONS, TopicNames
 
+ENV_VARS: tuple[str, ...] = (
+    "KAFKA_BOOTSTRAP_SERVERS",
+    "SAGALINE_TOPIC_PREFIX",
+    "SAGALINE_PARTITIONS",
+    "SAGALINE_HMAC_KEY",
+    "SAGALINE_HMAC_KEY_ID",
+    "SAGALINE_TENANT_ID",
+    "SAGALINE_STATE_DIR",
+)
+"""Every environment variable :meth:`Settings.from_env` reads."""
+
 
 class SettingsError(ValueError):
     """An environment variable holds a value Sagaline cannot use."""
@@ -76,4 +87,4 @@ class Settings:
         return Signer(self.hmac_key, key_id=self.hmac_key_id)
 
 
-__all__ = ["Settings", "SettingsError"]
+__all__ = ["ENV_VARS", "Settings", "SettingsError"]

@@ -157,3 +157,14 @@ def test_dlq_message_keeps_key_value_and_headers_byte_for_byte_and_adds_the_reas
         2,
         41,
     )
+
+
+def test_env_vars_lists_exactly_what_from_env_reads() -> None:
+    """ENV_VARS is the documented list; a variable outside it changes nothing."""
+    from schemas.settings import ENV_VARS
+
+    every = {name: "1" for name in ENV_VARS} | {"SAGALINE_TOPIC_PREFIX": "p."}
+    assert Settings.from_env(every) != Settings.from_env({})
+    for name in ENV_VARS:
+        assert Settings.from_env({name: "7"}) != Settings.from_env({}), name
+    assert Settings.from_env({"SAGALINE_NOT_A_SETTING": "x"}) == Settings.from_env({})
