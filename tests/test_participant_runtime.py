@@ -1,0 +1,290 @@
+"""The participant runtime against the real broker: commands in, ledger records out.
+
+These drive a runtime directly with commands (as the coordinator would), so each
+behaviour of the runtime is checked on its own: R10 intent before effect, R11 unknown
+outcome then reconciliation, deduplication across restarts, compensation context.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from confluent_kafka import Producer
+
+from participants import (
+    CompensationContext,
+    LookupResult,
+    compensable,
+    tool,
+    wrap,
+)
+from participants.context import current_call
+from participants.runtime import ParticipantRuntime
+from schemas import (
+    CompensateStep,
+    CompensationCommitted,
+    ExecuteStep,
+    ReconcileResult,
+    ReconcileStep,
+    Record,
+    StepCommitted,
+    StepIntentRecorded,
+    StepOutcomeUnknown,
+    StepReconciled,
+    canonical_json,
+    compensation_key,
+    derived_event_id,
+    envelope_for,
+    idempotency_key,
+)
+from schemas.settings import Settings
+from schemas.topics import ensure_topics
+from schemas.wire import producer_config, to_message
+from services.ledger import saga_records
+
+pytestmark = pytest.mark.kafka
+
+PARTICIPANT = "shop"
+
+
+class Shop:
+    """A provider with real (in-memory) state that honours idempotency keys."""
+
+    def __init__(self, intent_seen: Callable[[str], bool]) -> None:
+        self._intent_seen = intent_seen
+        self.effects: list[tuple[str, Any]] = []
+        self.reservations: dict[str, str] = {}
+        self.slow_s = 0.0
+        self.lock = threading.Lock()
+
+    @tool(description="Reserve stock", lookup="find_reservation", deadline=1.0)
+    @compensable(by="release")
+    def reserve(self, sku: str, quantity: int) -> dict[str, str]:
+        key = current_call().idempotency_key
+        with self.lock:
+            # What the world saw: was the intent already durable on the broker?
+            self.effects.append(("reserve", {"key": key, "intent_durable": self._intent_seen(key)}))
+            reservation = self.reservations.setdefault(key, f"res-{len(self.reservations) + 1}")
+        if self.slow_s:
+            time.sleep(self.slow_s)  # commits, then answers after the deadline
+        return {"reservation": reservation, "sku": sku}
+
+    def release(self, ctx: CompensationContext) -> None:
+        with self.lock:
+            self.effects.append(("release", {"input": ctx.input, "result": ctx.result}))
+
+    def find_reservation(self, key: str) -> LookupResult | None:
+        found = self.reservations.get(key)
+        if found is None:
+            return None
+        return LookupResult.committed({"reservation": found}, provider_operation_id=found)
+
+    def count(self, kind: str) -> int:
+        return sum(1 for k, _ in self.effects if k == kind)
+
+
+class Harness:
+    def __init__(self, bootstrap: str, prefix: str, state_dir: Path) -> None:
+        self.bootstrap = bootstrap
+        self.settings = Settings(
+            bootstrap=bootstrap, topic_prefix=prefix, partitions=1, state_dir=state_dir
+        )
+        ensure_topics(bootstrap, self.settings.topics, [PARTICIPANT], 1)
+        self.shop = Shop(self.intent_seen)
+        self.catalogue = wrap(self.shop, name=PARTICIPANT)
+        self.producer = Producer(producer_config(bootstrap))
+        self.saga_id = f"saga-{prefix.strip('.')}"
+        self.runtime: ParticipantRuntime | None = None
+        self.thread: threading.Thread | None = None
+
+    def intent_seen(self, key: str) -> bool:
+        return any(
+            isinstance(r, StepIntentRecorded) and r.idempotency_key == key for r in self.records()
+        )
+
+    def records(self) -> list[Record]:
+        return saga_records(
+            self.bootstrap, self.settings.topics.events, self.saga_id, self.settings.signer()
+        )
+
+    def start(self) -> None:
+        self.runtime = ParticipantRuntime(
+            self.catalogue, self.settings, self.bootstrap, participant=PARTICIPANT
+        )
+        ready = threading.Event()
+        self.thread = threading.Thread(
+            target=self.runtime.run, kwargs={"ready": ready}, daemon=True
+        )
+        self.thread.start()
+        assert ready.wait(60), "participant runtime did not start"
+
+    def stop(self) -> None:
+        assert self.runtime is not None and self.thread is not None
+        self.runtime.stop()
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+    def send(self, command: Record) -> None:
+        key, value, headers = to_message(command, self.settings.signer())
+        self.producer.produce(
+            self.settings.topics.commands(PARTICIPANT), key=key, value=value, headers=headers
+        )
+        assert self.producer.flush(30) == 0
+
+    def execute(self, step_id: str, args: dict[str, Any], attempt: int = 1) -> ExecuteStep:
+        body = canonical_json(args)
+        return ExecuteStep(
+            envelope=self._envelope(ExecuteStep, f"exec/{step_id}/{attempt}"),
+            step_id=step_id,
+            tool="reserve",
+            args=body,
+            idempotency_key=idempotency_key(self.saga_id, step_id, "reserve", body),
+            attempt=attempt,
+            deadline_ms=1000,
+            principal="agent",
+        )
+
+    def _envelope(self, cls: type[Record], seed: str) -> Any:
+        return envelope_for(
+            cls,
+            saga_id=self.saga_id,
+            tenant_id="t",
+            producer="coordinator",
+            now=int(time.time() * 1000),
+            event_id=derived_event_id(self.saga_id, seed),
+        )
+
+    def wait_for(
+        self, check: Callable[[list[Record]], bool], timeout_s: float = 30
+    ) -> list[Record]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            records = self.records()
+            if check(records):
+                return records
+            time.sleep(0.2)  # polling the broker for a condition, with a deadline
+        raise AssertionError(f"condition not met within {timeout_s} s: {self.records()}")
+
+
+@pytest.fixture
+def harness(kafka_bootstrap: str, unique_prefix: str, tmp_path: Path) -> Iterator[Harness]:
+    h = Harness(kafka_bootstrap, unique_prefix, tmp_path)
+    h.start()
+    yield h
+    if h.thread is not None and h.thread.is_alive():
+        h.stop()
+
+
+def _of(records: list[Record], cls: type[Any]) -> list[Any]:
+    return [r for r in records if isinstance(r, cls)]
+
+
+def test_intent_is_acknowledged_before_the_side_effect_R10(harness: Harness) -> None:
+    harness.send(harness.execute("s1", {"sku": "a", "quantity": 1}))
+    records = harness.wait_for(lambda rs: bool(_of(rs, StepCommitted)))
+    assert harness.shop.effects == [
+        (
+            "reserve",
+            {"key": _of(records, StepIntentRecorded)[0].idempotency_key, "intent_durable": True},
+        )
+    ]
+    types = [r.TYPE for r in records]
+    assert types.index("StepIntentRecorded") < types.index("StepCommitted")
+
+
+def test_commit_after_deadline_is_unknown_then_reconciled_without_rerun_R11(
+    harness: Harness,
+) -> None:
+    harness.shop.slow_s = 2.0  # the deadline is 1 s: it commits, then answers late
+    command = harness.execute("s1", {"sku": "a", "quantity": 1})
+    harness.send(command)
+    harness.wait_for(lambda rs: bool(_of(rs, StepOutcomeUnknown)))
+    harness.send(
+        ReconcileStep(
+            envelope=harness._envelope(ReconcileStep, "reconcile/s1"),
+            step_id="s1",
+            tool="reserve",
+            idempotency_key=command.idempotency_key,
+            attempt=1,
+        )
+    )
+    records = harness.wait_for(lambda rs: bool(_of(rs, StepReconciled)))
+    reconciled = _of(records, StepReconciled)[0]
+    assert reconciled.outcome is ReconcileResult.COMMITTED
+    assert orjson.loads(reconciled.result or b"null") == {"reservation": "res-1"}
+    assert harness.shop.count("reserve") == 1
+    assert not _of(records, StepCommitted)
+
+
+def test_the_same_command_twice_runs_the_tool_once_even_across_a_restart_R15(
+    harness: Harness,
+) -> None:
+    command = harness.execute("s1", {"sku": "a", "quantity": 2})
+    harness.send(command)
+    harness.send(command)
+    harness.wait_for(lambda rs: len(_of(rs, StepCommitted)) >= 1)
+    harness.stop()
+    harness.send(command)  # redelivered while the participant is down
+    harness.start()
+    # The restarted runtime answers the redelivery from its journal: the outcome is
+    # re-sent with the same event id, and the tool is not called again.
+    harness.wait_for(lambda rs: len(_of(rs, StepCommitted)) >= 3)
+    records = harness.records()
+    assert harness.shop.count("reserve") == 1
+    assert len({r.event_id for r in _of(records, StepCommitted)}) == 1
+
+
+def test_the_same_compensation_twice_compensates_once_across_a_restart_R8(
+    harness: Harness,
+) -> None:
+    forward = harness.execute("s1", {"sku": "a", "quantity": 1})
+    harness.send(forward)
+    committed = _of(harness.wait_for(lambda rs: bool(_of(rs, StepCommitted))), StepCommitted)[0]
+    compensate = CompensateStep(
+        envelope=harness._envelope(CompensateStep, "compensate/s1/1"),
+        step_id="s1",
+        tool="reserve",
+        compensation="release",
+        args=forward.args,
+        result=committed.result,
+        idempotency_key=forward.idempotency_key,
+        compensation_key=compensation_key(forward.idempotency_key),
+        attempt=1,
+    )
+    harness.send(compensate)
+    harness.send(compensate)
+    harness.wait_for(lambda rs: len(_of(rs, CompensationCommitted)) >= 1)
+    harness.stop()
+    harness.send(compensate)
+    harness.start()
+    harness.wait_for(lambda rs: len(_of(rs, CompensationCommitted)) >= 3)
+    assert harness.shop.count("release") == 1
+
+
+def test_a_compensation_receives_exactly_the_input_and_the_result(harness: Harness) -> None:
+    args = {"sku": "sku-9", "quantity": 3}
+    forward = harness.execute("s1", args)
+    harness.send(forward)
+    committed = _of(harness.wait_for(lambda rs: bool(_of(rs, StepCommitted))), StepCommitted)[0]
+    harness.send(
+        CompensateStep(
+            envelope=harness._envelope(CompensateStep, "compensate/s1/1"),
+            step_id="s1",
+            tool="reserve",
+            compensation="release",
+            args=forward.args,
+            result=committed.result,
+            idempotency_key=forward.idempotency_key,
+            compensation_key=compensation_key(forward.idempotency_key),
+            attempt=1,
+        )
+    )
+    harness.wait_for(lambda rs: bool(_of(rs, CompensationCommitted)))
+    released = [v for k, v in harness.shop.effects if k == "release"]
+    assert released == [{"input": args, "result": {"reservation": "res-1", "sku": "sku-9"}}]
