@@ -1,0 +1,265 @@
+"""Declarations: the Python twin of seed 000 (@tool, @compensable, @compensation,
+CompensationContext), and how a declared tool is called (sync or async)."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import pytest
+
+from participants import (
+    Accepted,
+    BusinessRejection,
+    CompensationContext,
+    LookupResult,
+    ReconcileResult,
+    Reversibility,
+    compensable,
+    compensation,
+    tool,
+    wrap,
+)
+from schemas import compensation_key
+
+
+class Inventory:
+    """Seed 000's reserveInventory / releaseInventory, recording what it was given."""
+
+    def __init__(self) -> None:
+        self.released: list[CompensationContext] = []
+
+    @tool(description="Reserve inventory")
+    @compensable(by="release_inventory")
+    def reserve_inventory(self, sku: str, qty: int = 1) -> dict[str, object]:
+        return {"reservation_id": "res-8891", "sku": sku, "qty": qty}
+
+    @compensation
+    def release_inventory(self, ctx: CompensationContext) -> None:
+        self.released.append(ctx)
+
+    @compensable(by="release_inventory")
+    @tool(description="Reserve inventory, decorators the other way round")
+    def reserve_inventory_reversed(self, sku: str) -> str:
+        return "res-1"
+
+
+def test_decorator_order_does_not_matter() -> None:
+    catalogue = wrap(Inventory(), name="inventory")
+    above = catalogue["reserve_inventory"].contract()
+    below = catalogue["reserve_inventory_reversed"].contract()
+    assert (above.compensation, above.reversibility) == ("release_inventory", "COMPENSATABLE")
+    assert (below.compensation, below.reversibility) == ("release_inventory", "COMPENSATABLE")
+
+
+def test_compensable_defaults_to_compensatable() -> None:
+    """Seed 000: reversibility() default COMPENSATABLE."""
+    spec = wrap(Inventory(), name="inventory")["reserve_inventory"]
+    assert spec.reversibility is Reversibility.COMPENSATABLE
+
+
+def test_decorators_return_the_function_unchanged() -> None:
+    """The tool stays an ordinary method: callable directly, in a unit test."""
+    assert Inventory().reserve_inventory("sku-1") == {
+        "reservation_id": "res-8891",
+        "sku": "sku-1",
+        "qty": 1,
+    }
+
+
+def test_compensation_receives_exactly_the_input_and_the_result() -> None:
+    """Seed 000 CompensationContext: input() is the exact JSON arguments, result() what
+    the tool returned."""
+    inventory = Inventory()
+    spec = wrap(inventory, name="inventory")["reserve_inventory"]
+    args = {"sku": "sku-42", "qty": 3}
+    result = spec.invoke(args)
+
+    spec.compensate(
+        CompensationContext(
+            saga_id="saga-1",
+            tool_name=spec.name,
+            input=args,
+            result=result,
+            idempotency_key="idem-1",
+        )
+    )
+
+    [ctx] = inventory.released
+    assert ctx.input == {"sku": "sku-42", "qty": 3}
+    assert ctx.result == {"reservation_id": "res-8891", "sku": "sku-42", "qty": 3}
+    assert (ctx.saga_id, ctx.tool_name) == ("saga-1", "reserve_inventory")
+
+
+def test_compensation_key_derives_from_the_idempotency_key_when_not_given() -> None:
+    """R8: the compensation key derives from the forward key, so retries repeat it."""
+    ctx = CompensationContext("s", "t", {}, None, idempotency_key="idem-7")
+    assert ctx.compensation_key == compensation_key("idem-7")
+
+
+def test_a_compensation_may_take_no_argument() -> None:
+    calls: list[str] = []
+
+    class Hold:
+        @tool(description="Place a hold")
+        @compensable(by="release")
+        def place(self) -> str:
+            return "hold-1"
+
+        def release(self) -> None:
+            calls.append("released")
+
+    spec = wrap(Hold(), name="hold")["place"]
+    spec.compensate(CompensationContext("s", "place", {}, "hold-1", "idem-1"))
+    assert calls == ["released"]
+
+
+class AsyncPayments:
+    def __init__(self) -> None:
+        self.voided: list[object] = []
+
+    @tool(description="Authorize a payment", lookup="find", verify="is_voided")
+    @compensable(by="void")
+    async def authorize(self, amount_cents: int) -> str:
+        await asyncio.sleep(0)
+        return f"auth-{amount_cents}"
+
+    async def void(self, ctx: CompensationContext) -> Accepted:
+        self.voided.append(ctx.result)
+        return Accepted("void-op-1")
+
+    async def find(self, idempotency_key: str) -> LookupResult | None:
+        return LookupResult.committed("auth-5", "auth-5") if idempotency_key == "k" else None
+
+    async def is_voided(self, ctx: CompensationContext) -> bool:
+        return ctx.result in self.voided
+
+
+def test_an_async_tool_runs_from_sync_code() -> None:
+    spec = wrap(AsyncPayments(), name="payments")["authorize"]
+    assert spec.is_async
+    assert spec.invoke({"amount_cents": 5}) == "auth-5"
+
+
+def test_an_async_tool_runs_from_async_code() -> None:
+    spec = wrap(AsyncPayments(), name="payments")["authorize"]
+    assert asyncio.run(spec.ainvoke({"amount_cents": 7})) == "auth-7"
+
+
+def test_a_sync_tool_runs_from_async_code() -> None:
+    spec = wrap(Inventory(), name="inventory")["reserve_inventory_reversed"]
+    assert asyncio.run(spec.ainvoke({"sku": "a"})) == "res-1"
+
+
+def test_sync_invoke_of_an_async_tool_inside_a_running_loop_says_to_use_ainvoke() -> None:
+    spec = wrap(AsyncPayments(), name="payments")["authorize"]
+
+    async def inside_loop() -> None:
+        spec.invoke({"amount_cents": 1})
+
+    with pytest.raises(RuntimeError, match="ainvoke"):
+        asyncio.run(inside_loop())
+
+
+def test_async_compensation_lookup_and_verify() -> None:
+    """R11 lookup by key, R12 accepted-asynchronously and verification, all async."""
+    payments = AsyncPayments()
+    spec = wrap(payments, name="payments")["authorize"]
+    ctx = CompensationContext("s", "authorize", {"amount_cents": 5}, "auth-5", "k")
+
+    assert spec.compensate(ctx) == Accepted("void-op-1")
+    assert spec.verify(ctx) is True
+    assert spec.lookup("k") == LookupResult(ReconcileResult.COMMITTED, "auth-5", "auth-5")
+    assert spec.lookup("other").status is ReconcileResult.NOT_FOUND
+    assert asyncio.run(spec.alookup("k")).status is ReconcileResult.COMMITTED
+    assert asyncio.run(spec.averify(ctx)) is True
+
+
+def test_business_rejection_and_declared_types_are_non_retryable() -> None:
+    """R9: business rejections are never retried."""
+
+    class LimitExceeded(Exception):
+        pass
+
+    class Card:
+        @tool(description="Charge", non_retryable=(LimitExceeded,))
+        @compensable(by="refund")
+        def charge(self) -> str:
+            return "ch-1"
+
+        def refund(self) -> None:
+            pass
+
+    spec = wrap(Card(), name="card")["charge"]
+    assert spec.is_business_rejection(BusinessRejection("no"))
+    assert spec.is_business_rejection(LimitExceeded())
+    assert not spec.is_business_rejection(TimeoutError())
+
+
+def test_durations_accept_timedelta_or_seconds() -> None:
+    """R11 deadline and R13 reversal window, recorded in milliseconds."""
+
+    class Booking:
+        @tool(description="Book", deadline=2.5, reversal_window=timedelta(hours=1))
+        @compensable(by="cancel")
+        def book(self) -> str:
+            return "b-1"
+
+        def cancel(self) -> None:
+            pass
+
+    contract = wrap(Booking(), name="booking")["book"].contract()
+    assert contract.deadline_ms == 2_500
+    assert contract.reversal_window_ms == 3_600_000
+
+
+def test_irreversible_tool_may_name_a_correction() -> None:
+    """An IRREVERSIBLE tool may still name by=: a correction, not an undo."""
+
+    class Mail:
+        @tool(description="Email the customer")
+        @compensable(by="send_correction", reversibility=Reversibility.IRREVERSIBLE)
+        def send_email(self, to: str) -> str:
+            return "mail-1"
+
+        def send_correction(self, ctx: CompensationContext) -> None:
+            pass
+
+    contract = wrap(Mail(), name="mail")["send_email"].contract()
+    assert (contract.reversibility, contract.compensation) == (
+        Reversibility.IRREVERSIBLE,
+        "send_correction",
+    )
+
+
+def test_description_defaults_to_the_docstring() -> None:
+    class Notes:
+        @tool(read_only=True)
+        def read_note(self, note_id: str) -> str:
+            """Read a note by id.
+
+            Longer text the model does not need.
+            """
+            return ""
+
+    assert wrap(Notes(), name="notes")["read_note"].description == "Read a note by id."
+
+
+def test_provider_operation_id_from_a_declared_key_or_a_string_result() -> None:
+    class Credits:
+        @tool(description="Issue a credit", operation_id="credit_id")
+        @compensable(by="void")
+        def issue(self) -> dict[str, str]:
+            return {"credit_id": "cr-9"}
+
+        @tool(description="Hold")
+        @compensable(by="void")
+        def hold(self) -> str:
+            return "hold-3"
+
+        def void(self) -> None:
+            pass
+
+    catalogue = wrap(Credits(), name="credits")
+    assert catalogue["issue"].provider_operation_id({"credit_id": "cr-9"}) == "cr-9"
+    assert catalogue["hold"].provider_operation_id("hold-3") == "hold-3"
