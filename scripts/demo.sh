@@ -16,7 +16,7 @@ cd "$ROOT"
 source scripts/bootstrap.sh
 
 if [ -z "${KAFKA_BOOTSTRAP_SERVERS:-}" ]; then
-    KAFKA_BOOTSTRAP_SERVERS="$(sagaline kafka up | tail -n1)"
+    KAFKA_BOOTSTRAP_SERVERS="$(python -m services.kafka_cli up | tail -n1)"
     export KAFKA_BOOTSTRAP_SERVERS
 fi
 echo "demo.sh: Kafka at $KAFKA_BOOTSTRAP_SERVERS" >&2

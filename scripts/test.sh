@@ -4,7 +4,8 @@
 #   scripts/test.sh                         # everything
 #   scripts/test.sh tests/test_kafka_local.py -x   # args go to pytest
 #
-# Steps: scripts/bootstrap.sh (venv, deps, Java/Maven); `sagaline kafka up` unless
+# Steps: scripts/bootstrap.sh (venv, deps, Java/Maven); `sagaline kafka up` (run as
+# `python -m services.kafka_cli up`, which needs no other area's CLI code) unless
 # KAFKA_BOOTSTRAP_SERVERS is already set (first run resolves the Kafka jars with
 # Maven and starts the broker; later runs reuse it); then ruff, mypy and pytest.
 # All three run even if one fails, so one run shows every problem; the exit code is
@@ -21,14 +22,14 @@ source scripts/bootstrap.sh || { echo "test.sh: bootstrap failed" >&2; exit 1; }
 started_broker=0
 stop_broker() {
     if [ "$started_broker" = 1 ] && { [ "${CI:-}" = "true" ] || [ "${SAGALINE_STOP_BROKER:-}" = "1" ]; }; then
-        sagaline kafka down >&2 || true
+        python -m services.kafka_cli down >&2 || true
     fi
 }
 trap stop_broker EXIT
 
 if [ -z "${KAFKA_BOOTSTRAP_SERVERS:-}" ]; then
     start=$SECONDS
-    if ! up_out="$(sagaline kafka up)"; then
+    if ! up_out="$(python -m services.kafka_cli up)"; then
         echo "test.sh: could not start the local Kafka broker (see above)" >&2
         exit 1
     fi

@@ -92,3 +92,18 @@ def register(subparsers: Any) -> None:
     p_status = sub.add_parser("status", help="exit 0 if the broker runs and answers, else 1")
     state_arg(p_status)
     p_status.set_defaults(func=_cmd_status)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m services.kafka_cli up|down|status``: the same commands without the
+    rest of the ``sagaline`` CLI, so scripts that only need the broker do not depend
+    on every other area's commands importing cleanly."""
+    parser = argparse.ArgumentParser(prog="sagaline")
+    register(parser.add_subparsers(dest="command", metavar="COMMAND"))
+    args = parser.parse_args(["kafka", *(sys.argv[1:] if argv is None else argv)])
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -443,6 +443,12 @@ def render_server_properties(
         # producers within ~1 s of expiry instead of 10 s.
         "transaction.max.timeout.ms": 120000,
         "transaction.abort.timed.out.transaction.cleanup.interval.ms": 1000,
+        # After a SIGKILL the restarted broker is refused (DUPLICATE_BROKER_REGISTRATION)
+        # until the dead incarnation's session expires: 9 s by default. 5 s (five
+        # missed 1 s heartbeats) keeps restarts in fault tests quick without fencing a
+        # live broker on a busy 2-core machine.
+        "broker.session.timeout.ms": 5000,
+        "broker.heartbeat.interval.ms": 1000,
         # Two cores: few threads.
         "num.network.threads": 2,
         "num.io.threads": 4,
@@ -652,6 +658,12 @@ def _wait_ready(state: Path, pid: int, bootstrap: str, port: int, timeout: float
                 raise PortInUseError(
                     f"the broker could not bind its ports (another process took them). "
                     f"Run `sagaline kafka up` again to pick free ones.\n{tail}"
+                )
+            if "Failed to acquire lock" in tail:
+                raise StartupError(
+                    f"another Kafka process is using {state / DATA_DIR} (one this launcher "
+                    f"did not start, or whose pid file was lost). Find it with "
+                    f"`pgrep -af {state / SERVER_PROPERTIES}`, stop it, and run again.\n{tail}"
                 )
             raise StartupError(
                 f"the Kafka broker (pid {pid}) exited during start-up. "
