@@ -1,0 +1,375 @@
+"""The dashboard's pure parts: the ledger fold, the timeline picture, the receipt words,
+the metrics derived from the ledger, and the operator-decision records.
+
+No broker here: these are folds and renderers of records built from the contract.
+"""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+import pytest
+from dashboard_scenarios import (
+    ALL,
+    awaiting_approval,
+    compensated,
+    completed,
+    escalated,
+    running,
+    unknown_outcome,
+)
+from starlette.testclient import TestClient
+
+from schemas import ApprovalRequested, IncidentRaised, Receipt, SagaStarted, SagaTerminal
+from services.dashboard.app import create_app
+from services.dashboard.timeline import render_timeline_svg
+from services.dashboard.view import DashboardState, SagaFilter, SagaStatus
+from services.metrics import CoordinatorMetrics, SagalineMetrics
+from services.operator_actions import (
+    MissingOperatorIdentity,
+    OperatorActionError,
+    approval_denied,
+    approval_granted,
+    incident_resolved,
+)
+from services.receipts_view import describe_receipt, render_receipt_html, render_receipt_text
+
+EXPECTED = {
+    "completed": SagaStatus.COMPLETED,
+    "compensated": SagaStatus.COMPENSATED,
+    "escalated": SagaStatus.ESCALATED,
+    "awaiting_approval": SagaStatus.AWAITING_APPROVAL,
+    "unknown_outcome": SagaStatus.UNKNOWN_OUTCOME,
+    "running": SagaStatus.RUNNING,
+    "compensating": SagaStatus.COMPENSATING,
+}
+
+
+def _state(*names: str) -> DashboardState:
+    state = DashboardState(SagalineMetrics("dashboard"))
+    for name in names or tuple(ALL):
+        for record in ALL[name]().records:
+            state.apply(record)
+    return state
+
+
+def _receipt(script_records: list[object]) -> Receipt:
+    terminal = next(r for r in script_records if isinstance(r, SagaTerminal))
+    return Receipt.from_json(terminal.receipt)
+
+
+# ------------------------------------------------------------------- the fold
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_each_saga_gets_the_status_its_ledger_implies(name: str) -> None:
+    """R14: terminal records decide; otherwise unknown > approval > compensating > running."""
+    state = _state(name)
+    (saga,) = state.sagas.values()
+    assert saga.status is EXPECTED[name]
+
+
+def test_counts_have_one_saga_per_status_and_every_status_listed() -> None:
+    counts = _state().counts()
+    assert counts == dict.fromkeys(SagaStatus, 1)
+
+
+def test_a_duplicate_ledger_record_changes_nothing_and_is_counted() -> None:
+    """R15: the same event twice in the ledger is folded once."""
+    records = compensated().records
+    state = DashboardState()
+    for record in [*records[:5], records[4], *records[5:]]:
+        state.apply(record)
+    saga = state.sagas["s-compensated"]
+    assert saga.record_count == len(records)
+    assert state.ledger_duplicates == 1
+    assert saga.status is SagaStatus.COMPENSATED
+
+
+def test_the_same_record_on_the_terminal_topic_and_the_ledger_is_not_a_duplicate() -> None:
+    records = completed().records
+    state = DashboardState()
+    state.apply(records[-1], from_ledger=False)  # sagaline.terminal read first
+    for record in records:
+        state.apply(record)
+    assert state.ledger_duplicates == 0
+    assert state.sagas["s-completed"].status is SagaStatus.COMPLETED
+    assert state.sagas["s-completed"].workflow == "refund"
+
+
+def test_a_terminal_record_alone_is_enough_to_show_the_saga() -> None:
+    """When the ledger has expired, the compacted terminal topic still tells the story."""
+    state = DashboardState()
+    state.apply(escalated().records[-1], from_ledger=False)
+    saga = state.sagas["s-escalated"]
+    assert saga.status is SagaStatus.ESCALATED
+    assert [s.tool for s in saga.steps.values()] == [
+        "place_hold",
+        "restock_inventory",
+        "issue_credit",
+    ]
+
+
+def test_records_of_a_superseded_generation_are_ignored() -> None:
+    """R15: a stale generation does not overwrite the current run."""
+    script = running()
+    state = DashboardState()
+    newer = script.records[0].model_copy(
+        update={"envelope": script.records[0].envelope.model_copy(
+            update={"generation": 2, "event_id": "gen2-start"})}
+    )  # fmt: skip
+    assert isinstance(newer, SagaStarted)
+    state.apply(newer)
+    for record in script.records[1:]:
+        state.apply(record)
+    assert state.stale_records == len(script.records) - 1
+    assert state.sagas["s-running"].steps == {}
+
+
+def test_filters_by_tenant_workflow_and_tool() -> None:
+    state = _state()
+    by_tenant = {s.saga_id for s in state.select(SagaFilter(tenant="globex"))}
+    assert by_tenant == {"s-compensated", "s-unknown"}
+    by_workflow = {s.saga_id for s in state.select(SagaFilter(workflow="notify"))}
+    assert by_workflow == {"s-awaiting", "s-compensating"}
+    by_tool = {s.saga_id for s in state.select(SagaFilter(tool="send_email"))}
+    assert by_tool == {"s-completed", "s-awaiting"}
+
+
+def test_pending_approvals_and_open_incidents_are_listed_until_decided() -> None:
+    state = _state()
+    assert [(s.saga_id, a.step_id) for s, a in state.pending_approvals()] == [("s-awaiting", "2")]
+    assert {s.saga_id for s, _ in state.open_incidents()} == {"s-escalated", "s-unknown"}
+
+    _, request = state.pending_approvals()[0]
+    state.apply(approval_granted(request, operator="bob", now=request.expires_at - 1))
+    assert state.pending_approvals() == []
+    assert state.sagas["s-awaiting"].status is SagaStatus.RUNNING
+
+
+def test_resolving_an_unknown_outcome_settles_the_step() -> None:
+    """R11: a person saying COMMITTED ends the unknown state."""
+    state = _state("unknown_outcome")
+    saga, incident = state.open_incidents()[0]
+    state.apply(
+        incident_resolved(
+            incident, operator="carol", resolution="committed", now=saga.last_at + 5_000
+        )
+    )
+    assert saga.steps["2"].state == "committed"
+    assert saga.status is SagaStatus.RUNNING
+    assert state.open_incidents() == []
+
+
+# ------------------------------------------------------------------ timeline
+
+
+def test_timeline_is_wellformed_svg_with_the_pivot_line_after_the_pivot_commits() -> None:
+    """R6 / seed 003: the picture splits reversible from forward-only at the pivot."""
+    state = _state("completed")
+    saga = state.sagas["s-completed"]
+    svg = render_timeline_svg(saga, now=saga.last_at)
+    root = ET.fromstring(svg)
+    ns = "{http://www.w3.org/2000/svg}"
+    assert root.tag == f"{ns}svg"
+    pivot = [e for e in root.iter(f"{ns}line") if e.get("class") == "pivot-line"]
+    assert len(pivot) == 1
+    assert "PIVOT: issue_credit committed" in svg
+    assert root.find(f".//{ns}rect[@class='zone-irreversible']") is not None
+
+
+def test_timeline_without_a_committed_pivot_is_all_reversible_zone() -> None:
+    saga = _state("compensated").sagas["s-compensated"]
+    svg = render_timeline_svg(saga, now=saga.last_at)
+    assert "pivot-line" not in svg
+    assert "zone-reversible" in svg
+
+
+def test_timeline_draws_retries_compensations_and_approvals() -> None:
+    state = _state("compensated", "completed")
+    comp = render_timeline_svg(state.sagas["s-compensated"], now=0)
+    assert comp.count('class="span span-compensation') == 2
+    assert comp.count('class="span span-retry-wait') == 1
+    assert "release_hold #1: verified" in comp  # verified compensation (R12)
+    done = render_timeline_svg(state.sagas["s-completed"], now=0)
+    assert "granted by lead@ops" in done
+
+
+# ------------------------------------------------------------------- receipts
+
+
+def test_receipt_text_says_what_was_undone_and_verified() -> None:
+    """R12/R14: a compensated receipt tells what was undone, and which undo was verified."""
+    text = render_receipt_text(_receipt(compensated().records))
+    assert "was compensated: every effect it made was undone" in text
+    assert "place_hold (step 1): undone and verified." in text
+    assert "restock_inventory (step 2): undone (the tool declares no verification)." in text
+    assert "issue_credit (step 3) never took effect" in text
+
+
+def test_receipt_text_names_the_owner_of_what_is_still_pending() -> None:
+    """R8: what is inconsistent, where, and whose it is."""
+    text = render_receipt_text(_receipt(escalated().records))
+    assert "Pending: needs a person:" in text
+    assert "restock_inventory (step 2) is still in effect and needs inventory-team" in text
+    assert "3 units still in stock" in text
+
+
+def test_receipt_calls_an_irreversible_effect_not_undoable() -> None:
+    story = describe_receipt(_receipt(completed().records))
+    irreversible = next(s for s in story.sections if s.key == "irreversible")
+    assert [i.text.split(" ")[0] for i in irreversible.items] == ["send_email"]
+
+
+def test_receipt_html_tells_the_same_story_escaped() -> None:
+    receipt = _receipt(escalated().records).model_copy(update={"workflow": "<refund>"})
+    page = render_receipt_html(receipt)
+    assert "&lt;refund&gt;" in page and "<refund>" not in page
+    for section in describe_receipt(receipt).sections:
+        assert f"section-{section.key}" in page
+
+
+# -------------------------------------------------------------------- metrics
+
+
+def _fed(*names: str) -> SagalineMetrics:
+    metrics = CoordinatorMetrics()
+    for name in names:
+        for record in ALL[name]().records:
+            metrics.observe_record(record)
+    return metrics
+
+
+def test_compensation_outcomes_by_tool_match_the_receipts() -> None:
+    snap = _fed("compensated", "escalated").snapshot()
+    assert snap.compensation_outcomes == {
+        ("place_hold", "succeeded"): 2,
+        ("restock_inventory", "succeeded"): 1,
+        ("restock_inventory", "failed"): 1,
+    }
+    assert snap.compensation_success_by_tool() == {
+        "place_hold": (2, 2),
+        "restock_inventory": (1, 2),
+    }
+
+
+def test_a_record_observed_twice_is_measured_once() -> None:
+    """R15: an echo of our own output or a redelivery does not double the measures."""
+    metrics = _fed("compensated")
+    for record in compensated().records:
+        metrics.observe_output(record)
+    assert sum(metrics.snapshot().compensation_outcomes.values()) == 2
+
+
+def test_remaining_effect_counts_escalated_amounts_until_resolved() -> None:
+    metrics = _fed("escalated")
+    assert metrics.snapshot().remaining_effect_cents == {"acme": 2_500}
+    incident = next(r for r in escalated().records if isinstance(r, IncidentRaised))
+    metrics.observe_record(
+        incident_resolved(
+            incident,
+            operator="dan",
+            resolution="restocked by hand",
+            now=incident.envelope.occurred_at + 60_000,
+        )
+    )
+    snap = metrics.snapshot()
+    assert snap.remaining_effect_cents == {"acme": 0}
+    assert snap.manual_interventions == {"incident_resolved": 1}
+    assert snap.time_to_recovery["ESCALATED"].count == 1
+
+
+def test_unknown_time_manual_interventions_and_disclosure_latency() -> None:
+    metrics = _fed("unknown_outcome", "completed", "compensated")
+    saga_records = unknown_outcome().records
+    incident = next(r for r in saga_records if isinstance(r, IncidentRaised))
+    unknown_at = saga_records[-2].envelope.occurred_at
+    metrics.observe_record(
+        incident_resolved(incident, operator="eve", resolution="NOT_FOUND", now=unknown_at + 90_000)
+    )
+    snap = metrics.snapshot()
+    assert snap.time_in_unknown["restock_inventory"].count == 1
+    assert snap.time_in_unknown["restock_inventory"].sum_seconds == pytest.approx(90.0)
+    assert snap.manual_interventions == {"approval_granted": 1, "incident_resolved": 1}
+    assert snap.disclosure_latency["COMPENSATED"].count == 1
+    assert "COMPLETED" not in snap.disclosure_latency  # nothing failed, nothing to disclose
+
+
+def test_each_metrics_object_has_its_own_registry() -> None:
+    a, b = _fed("compensated"), CoordinatorMetrics()
+    b.duplicate_prevented()
+    assert a.snapshot().duplicates_prevented == {}
+    assert b.snapshot().duplicates_prevented == {"coordinator": 1}
+
+
+# ----------------------------------------------------------- operator records
+
+
+def _request() -> ApprovalRequested:
+    return next(r for r in awaiting_approval().records if isinstance(r, ApprovalRequested))
+
+
+def test_a_grant_is_bound_to_exactly_what_was_requested() -> None:
+    """R7: principal, step, fingerprint, scope and expiry copied from the request."""
+    req = _request()
+    grant = approval_granted(req, operator="  alice@ops ", now=req.envelope.occurred_at + 10)
+    assert grant.granted_by == "alice@ops"
+    for name in ("step_id", "approval_id", "purpose", "principal", "args_fingerprint", "scope",
+                 "expires_at"):  # fmt: skip
+        assert getattr(grant, name) == getattr(req, name)
+    assert grant.envelope.causation_id == req.event_id
+    assert grant.envelope.saga_id == req.saga_id
+
+
+def test_a_double_click_produces_the_same_event_id() -> None:
+    """R15: a repeated decision deduplicates downstream."""
+    req = _request()
+    first = approval_granted(req, operator="alice", now=1)
+    second = approval_granted(req, operator="alice", now=2)
+    assert first.event_id == second.event_id
+
+
+@pytest.mark.parametrize("who", ["", "   "])
+def test_a_decision_without_an_operator_is_refused(who: str) -> None:
+    req = _request()
+    with pytest.raises(MissingOperatorIdentity, match="operator identity is required"):
+        approval_granted(req, operator=who, now=1)
+    with pytest.raises(MissingOperatorIdentity):
+        approval_denied(req, operator=who, reason="no", now=1)
+
+
+def test_an_unknown_outcome_incident_needs_committed_or_not_found() -> None:
+    """R11: a free-text answer cannot settle whether an effect happened."""
+    incident = next(r for r in unknown_outcome().records if isinstance(r, IncidentRaised))
+    with pytest.raises(OperatorActionError, match=r"COMMITTED.*NOT_FOUND"):
+        incident_resolved(incident, operator="x", resolution="looked fine", now=1)
+
+
+# ----------------------------------------------------------------- the pages
+
+
+def test_overview_page_lists_every_saga_with_its_status() -> None:
+    client = TestClient(create_app(_state(), clock=lambda: 1_760_000_100_000))
+    page = client.get("/").text
+    for name, status in EXPECTED.items():
+        saga_id = ALL[name]().saga_id
+        assert f'data-saga="{saga_id}" data-status="{status.slug}"' in page
+    state = client.get("/api/state").json()
+    assert state["counts"] == {s.slug: 1 for s in SagaStatus}
+
+
+def test_saga_page_shows_timeline_and_receipt() -> None:
+    client = TestClient(create_app(_state(), clock=lambda: 1_760_000_100_000))
+    page = client.get("/sagas/s-escalated").text
+    assert "<svg" in page and "receipt-escalated" in page
+    assert client.get("/sagas/nope").status_code == 200  # a friendly page, not a stack trace
+
+
+def test_posting_a_decision_without_operator_is_refused_with_a_reason() -> None:
+    client = TestClient(create_app(_state()))
+    response = client.post(
+        "/approvals/s-awaiting/apr-s-awaiting-2/grant", data={"operator": " "},
+        follow_redirects=False,
+    )  # fmt: skip
+    assert response.status_code == 400
+    assert "operator field is required" in response.text
