@@ -22,6 +22,12 @@ from services.refund.errors import (
 from services.refund.faults import FaultInjector
 
 
+def world(catalogue: Catalogue) -> Any:
+    """The provider behind a catalogue's participant, to check the world."""
+    participant: Any = catalogue.participants[0]
+    return participant.provider
+
+
 def run(catalogue: Catalogue, tool: str, key: str, **args: Any) -> Any:
     with call_context(CallContext("saga-1", "s1", tool, key)):
         return catalogue[tool].invoke(args)
@@ -50,7 +56,7 @@ def test_reject_raises_a_business_rejection_and_makes_no_effect(tmp_path: Path) 
     with pytest.raises(InjectedRejection, match="no stock") as raised:
         run(catalogue, "place_hold", "k-1", **HOLD)
     assert catalogue["place_hold"].is_business_rejection(raised.value)
-    assert catalogue.participants[0].provider.holds() == []
+    assert world(catalogue).holds() == []
 
 
 def test_transient_fails_n_times_per_key_then_commits_once(tmp_path: Path) -> None:
@@ -60,7 +66,7 @@ def test_transient_fails_n_times_per_key_then_commits_once(tmp_path: Path) -> No
         with pytest.raises(InjectedTransientFailure):
             run(catalogue, "issue_credit", "k-1", order_id="o-1", amount_cents=100)
     credit = run(catalogue, "issue_credit", "k-1", order_id="o-1", amount_cents=100)
-    assert catalogue.participants[0].provider.credits()[0].credit_id == credit["credit_id"]
+    assert world(catalogue).credits()[0].credit_id == credit["credit_id"]
     with pytest.raises(InjectedTransientFailure):  # a new key has its own count
         run(catalogue, "issue_credit", "k-2", order_id="o-2", amount_cents=100)
 
@@ -87,7 +93,7 @@ def test_commit_then_timeout_commits_then_outlasts_the_deadline_and_lookup_finds
     started = time.monotonic()  # the retry (same key) returns at once
     assert run(catalogue, "issue_credit", "k-1", order_id="o-1", amount_cents=100) == result
     assert time.monotonic() - started < deadline_s
-    assert len(catalogue.participants[0].provider.credits()) == 1
+    assert len(world(catalogue).credits()) == 1
 
 
 def test_slow_delays_the_call(tmp_path: Path) -> None:
@@ -105,7 +111,7 @@ def test_throttle_refuses_calls_over_the_rate(tmp_path: Path) -> None:
         run(catalogue, "close_ticket", f"k-{i}", ticket_id=f"T-{i}")
     with pytest.raises(Throttled):
         run(catalogue, "close_ticket", "k-9", ticket_id="T-9")
-    assert len(catalogue.participants[0].provider.tickets()) == 3
+    assert len(world(catalogue).tickets()) == 3
 
 
 def test_a_compensation_can_fail_n_times_then_succeed(tmp_path: Path) -> None:
@@ -117,7 +123,7 @@ def test_a_compensation_can_fail_n_times_then_succeed(tmp_path: Path) -> None:
         with pytest.raises(InjectedTransientFailure):
             compensate(catalogue, "place_hold", "k-1", HOLD, hold)
     compensate(catalogue, "place_hold", "k-1", HOLD, hold)
-    assert [h.status for h in catalogue.participants[0].provider.holds()] == ["released"]
+    assert [h.status for h in world(catalogue).holds()] == ["released"]
 
 
 def test_a_compensation_can_always_fail(tmp_path: Path) -> None:
@@ -128,7 +134,7 @@ def test_a_compensation_can_always_fail(tmp_path: Path) -> None:
     for _ in range(10):
         with pytest.raises(InjectedTransientFailure):
             compensate(catalogue, "place_hold", "k-1", HOLD, hold)
-    assert [h.status for h in catalogue.participants[0].provider.holds()] == ["active"]
+    assert [h.status for h in world(catalogue).holds()] == ["active"]
 
 
 def test_where_limits_a_rule_to_calls_with_matching_arguments(tmp_path: Path) -> None:

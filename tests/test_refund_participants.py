@@ -17,6 +17,12 @@ from services.refund import PARTICIPANTS, build_catalogue, build_participant
 from services.refund.errors import PolicyRejection
 
 
+def world(catalogue: Catalogue) -> Any:
+    """The provider behind a catalogue's participant, to check the world."""
+    participant: Any = catalogue.participants[0]
+    return participant.provider
+
+
 def run(catalogue: Catalogue, tool: str, key: str, **args: Any) -> Any:
     ctx = CallContext(saga_id="saga-1", step_id="s1", tool=tool, idempotency_key=key)
     with call_context(ctx):
@@ -68,13 +74,13 @@ def test_a_tool_returns_its_identifier_and_a_retry_returns_the_same(tmp_path: Pa
     again = run(catalogue, "place_hold", "k-1", order_id="o-1", sku="sku-1", quantity=1)
     assert first == again
     assert catalogue["place_hold"].provider_operation_id(first) == first["hold_id"]
-    assert len(catalogue.participants[0].provider.holds()) == 1
+    assert len(world(catalogue).holds()) == 1
 
 
 def test_release_hold_releases_the_hold_named_in_ctx_result(tmp_path: Path) -> None:
     """Seed 000: the compensation targets what the tool returned."""
     catalogue = build_catalogue("inventory", tmp_path)
-    provider = catalogue.participants[0].provider
+    provider = world(catalogue)
     args = {"order_id": "o-1", "sku": "sku-1", "quantity": 1}
     keep = run(catalogue, "place_hold", "k-keep", **{**args, "order_id": "o-2"})
     undo = run(catalogue, "place_hold", "k-undo", **args)
@@ -89,7 +95,7 @@ def test_release_hold_releases_the_hold_named_in_ctx_result(tmp_path: Path) -> N
 
 def test_remove_from_inventory_undoes_the_restock_in_ctx_result(tmp_path: Path) -> None:
     catalogue = build_catalogue("inventory", tmp_path)
-    provider = catalogue.participants[0].provider
+    provider = world(catalogue)
     args = {"order_id": "o-1", "sku": "sku-9", "quantity": 2}
     restock = run(catalogue, "return_to_inventory", "k-1", **args)
     assert provider.on_hand("sku-9") == 2
@@ -111,7 +117,7 @@ def test_issue_credit_lookup_reports_committed_with_the_credit(tmp_path: Path) -
 
 def test_send_correction_follows_up_the_message_in_ctx_result(tmp_path: Path) -> None:
     catalogue = build_catalogue("mailer", tmp_path)
-    provider = catalogue.participants[0].provider
+    provider = world(catalogue)
     args = {"order_id": "o-1", "credit_id": "credit-1", "text": "Refunded."}
     sent = run(catalogue, "send_reply", "k-1", **args)
     compensate(catalogue, "send_reply", "k-1", args, sent)
@@ -124,7 +130,7 @@ def test_reopen_ticket_reopens_the_ticket_in_ctx_result(tmp_path: Path) -> None:
     catalogue = build_catalogue("tickets", tmp_path)
     closed = run(catalogue, "close_ticket", "k-1", ticket_id="T-1")
     compensate(catalogue, "close_ticket", "k-1", {"ticket_id": "T-1"}, closed)
-    assert catalogue.participants[0].provider.status("T-1") == "reopened"
+    assert world(catalogue).status("T-1") == "reopened"
 
 
 def test_validate_refund_over_the_limit_is_a_business_rejection(tmp_path: Path) -> None:
