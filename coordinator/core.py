@@ -1,0 +1,1576 @@
+"""The pure decision core of the coordinator: no Kafka, no clock, no randomness.
+
+``decide(state, record, now)`` folds one ledger record into a saga's state and says
+what to emit; ``tick(state, now)`` fires the timers that are due. Both return a
+``Decision``: the new state and a list of ``Output`` records, each naming where it
+goes. The Kafka shell only routes outputs and persists state; every rule (R1-R3,
+R6-R9, R11-R15) is decided here, deterministically, so it can be tested without a
+broker and replayed from the log (R5).
+
+Example::
+
+    d = decide(None, saga_started, now=1_000)
+    d = decide(d.state, step_scheduled, now=1_010)
+    for out in d.outputs:
+        if out.destination is Destination.COMMAND:
+            produce(f"sagaline.commands.{out.participant}", out.record)
+    when = d.state.next_due_at()   # call tick(d.state, when) then
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import orjson
+
+from coordinator import graph
+from coordinator.receipts import build_receipt, disposition
+from coordinator.state import (
+    COMPENSATION_ACTIVE,
+    COMPENSATION_FINAL,
+    FORWARD_IN_FLIGHT,
+    NEVER_COMMITTED,
+    PendingApproval,
+    RejectionNote,
+    SagaState,
+    SagaStatus,
+    StepState,
+    StepStatus,
+    TimerPurpose,
+)
+from schemas.keys import compensation_key, derived_event_id, idempotency_key, key_hash
+from schemas.models import (
+    COMMAND_TYPES,
+    ApprovalDenied,
+    ApprovalGranted,
+    ApprovalPurpose,
+    ApprovalRequested,
+    CompensateStep,
+    CompensationAccepted,
+    CompensationApproval,
+    CompensationCommitted,
+    CompensationFailed,
+    CompensationRequested,
+    Envelope,
+    ExecuteStep,
+    FailureKind,
+    IncidentRaised,
+    IncidentResolved,
+    ReconcileResult,
+    ReconcileStep,
+    Record,
+    RetryPolicy,
+    Reversibility,
+    SagaEndRequested,
+    SagaOutcome,
+    SagaStarted,
+    SagaTerminal,
+    StepCommitted,
+    StepFailed,
+    StepIntentRecorded,
+    StepOutcomeUnknown,
+    StepReconciled,
+    StepRetryScheduled,
+    StepScheduled,
+    TerminalStatus,
+)
+from schemas.receipt import ApprovalRecord, Disposition, IncidentRecord
+
+__all__ = [
+    "COORDINATOR_PRODUCER",
+    "DEFAULT_POLICY",
+    "CorePolicy",
+    "CorrelationError",
+    "Decision",
+    "Destination",
+    "Output",
+    "RejectReason",
+    "SagaState",
+    "decide",
+    "fold",
+    "record_time",
+    "retry_delay_ms",
+    "tick",
+]
+
+COORDINATOR_PRODUCER = "sagaline-coordinator"
+"""``envelope.producer`` of every record the core emits. Records carrying it that come
+back on ``sagaline.events`` are the coordinator's own echo and change nothing."""
+
+
+# ----------------------------------------------------------------------- outputs
+
+
+class Destination(enum.StrEnum):
+    """Where an output goes; the shell maps kinds to topics."""
+
+    EVENT = "EVENT"  # sagaline.events
+    COMMAND = "COMMAND"  # sagaline.commands.<participant>
+    TERMINAL = "TERMINAL"  # sagaline.terminal, and appended to sagaline.events
+    INCIDENT = "INCIDENT"  # sagaline.incidents, and appended to sagaline.events
+    REJECTED = "REJECTED"  # sagaline.dlq, with reason and detail
+
+
+class RejectReason(enum.StrEnum):
+    """Reason codes of rejected records (the DLQ ``reason``)."""
+
+    STALE_GENERATION = "stale-generation"
+    UNKNOWN_SAGA = "unknown-saga"
+    UNKNOWN_STEP = "unknown-step"
+    INVALID_TRANSITION = "invalid-transition"
+    INVALID_DEPENDENCY = "invalid-dependency"
+    INVALID_ARGUMENTS = "invalid-arguments"
+    DUPLICATE_STEP = "duplicate-step"
+    APPROVAL_MISMATCH = "approval-mismatch"
+    NOT_AN_EVENT = "not-an-event"
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    """One record to produce. ``participant`` is set for commands; ``reason`` and
+    ``detail`` for rejections (``record`` is then the rejected input)."""
+
+    destination: Destination
+    record: Record
+    participant: str | None = None
+    reason: str | None = None
+    detail: str = ""
+
+    @property
+    def appends_to_events(self) -> bool:
+        """EVENT, TERMINAL and INCIDENT outputs all belong on the ledger."""
+        return self.destination in (Destination.EVENT, Destination.TERMINAL, Destination.INCIDENT)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The result of one ``decide`` or ``tick``.
+
+    ``changed`` is False when ``state`` is the very object passed in (a duplicate,
+    an echo, nothing due): the shell need not write the changelog then.
+    """
+
+    state: SagaState | None
+    outputs: list[Output] = field(default_factory=list)
+    changed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class CorePolicy:
+    """Knobs of the core that are not part of a tool's contract."""
+
+    dedup_memory: int = 512  # event ids remembered per saga
+    rejection_memory: int = 8  # recent rejections kept in state (the count is exact)
+    approval_ttl_ms: int = 24 * 3600 * 1000  # how long an approval request stays open
+    reconcile_rounds: int = 10  # PENDING lookups before a person is asked (R11)
+    reconcile_backoff: RetryPolicy = field(
+        default_factory=lambda: RetryPolicy(
+            max_attempts=10, initial_backoff_ms=500, max_backoff_ms=60_000
+        )
+    )
+
+
+DEFAULT_POLICY = CorePolicy()
+
+
+class CorrelationError(ValueError):
+    """The shell passed a record to the state of another saga (a routing bug)."""
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def retry_delay_ms(policy: RetryPolicy, failed_attempt: int, *salt: str | int) -> int:
+    """Bounded exponential backoff with deterministic "equal jitter".
+
+    The delay after attempt ``n`` is in ``[base/2, base]`` with
+    ``base = min(max_backoff, initial * 2**(n-1))``; the point in that range is a hash
+    of ``salt`` (saga, step, purpose, attempt), so replays compute the same timer.
+    """
+    exponent = min(max(failed_attempt - 1, 0), 40)
+    base = max(1, min(policy.max_backoff_ms, policy.initial_backoff_ms << exponent))
+    half = base // 2
+    digest = hashlib.sha256("/".join(str(p) for p in salt).encode()).digest()
+    return half + int.from_bytes(digest[:8], "big") % (base - half + 1)
+
+
+def _is_own(record: Record) -> bool:
+    return record.envelope.producer == COORDINATOR_PRODUCER
+
+
+_COORDINATOR_ONLY = (ApprovalRequested, StepRetryScheduled, CompensationRequested, SagaTerminal)
+_UNKNOWN_OUTCOME = "unknown-outcome"
+
+
+class _Ctx:
+    """One decision in progress: the private copy of the state and the outputs."""
+
+    def __init__(self, state: SagaState, now: int, cause: str | None, policy: CorePolicy):
+        self.s = state
+        self.now = now
+        self.cause = cause
+        self.policy = policy
+        self.out: list[Output] = []
+
+    # -- emitting
+
+    def envelope(self, record_type: type[Record], event_id: str) -> Envelope:
+        s = self.s
+        return Envelope(
+            event_id=event_id,
+            saga_id=s.saga_id,
+            tenant_id=s.tenant_id,
+            type=record_type.TYPE,
+            occurred_at=self.now,
+            producer=COORDINATOR_PRODUCER,
+            generation=s.generation,
+            causation_id=self.cause,
+        )
+
+    def event_id(self, *parts: str | int) -> str:
+        return derived_event_id(self.s.saga_id, *parts)
+
+    def emit(self, record: Record, kind: Destination = Destination.EVENT) -> None:
+        # Our own events come back on sagaline.events: remember them as seen.
+        self.remember(record.event_id)
+        self.out.append(Output(kind, record))
+
+    def command(self, record: Record, participant: str) -> None:
+        self.out.append(Output(Destination.COMMAND, record, participant=participant))
+
+    def remember(self, event_id: str) -> None:
+        seen = self.s.seen
+        seen.append(event_id)
+        excess = len(seen) - self.policy.dedup_memory
+        if excess > 0:
+            del seen[:excess]
+
+    def reject(self, record: Record, reason: RejectReason, detail: str) -> None:
+        s = self.s
+        s.rejected_count += 1
+        s.recent_rejections.append(
+            RejectionNote(
+                event_id=record.event_id,
+                type=record.envelope.type,
+                reason=reason.value,
+                detail=detail,
+                at=self.now,
+            )
+        )
+        excess = len(s.recent_rejections) - self.policy.rejection_memory
+        if excess > 0:
+            del s.recent_rejections[:excess]
+        self.out.append(Output(Destination.REJECTED, record, reason=reason.value, detail=detail))
+
+
+def _rejection(record: Record, reason: RejectReason, detail: str) -> Output:
+    return Output(Destination.REJECTED, record, reason=reason.value, detail=detail)
+
+
+# ------------------------------------------------------------------- public API
+
+
+def decide(
+    state: SagaState | None,
+    record: Record,
+    now: int,
+    policy: CorePolicy = DEFAULT_POLICY,
+) -> Decision:
+    """Fold one record of ``sagaline.events`` into its saga's state.
+
+    ``state`` is None for a saga the coordinator has never seen; ``now`` is the
+    processing time in epoch ms (used for timers and emitted envelopes only).
+    """
+    if state is None:
+        return _decide_new(record, now, policy)
+    if record.saga_id != state.saga_id:
+        raise CorrelationError(
+            f"record {record.event_id} belongs to saga {record.saga_id!r} but was decided "
+            f"against the state of saga {state.saga_id!r}; route records by saga id"
+        )
+    if record.event_id in state.seen:
+        return Decision(state)  # a duplicate changes nothing (R15)
+    own = _is_own(record)
+    stale = record.envelope.generation < state.generation
+    if own or (state.is_terminal and not stale):
+        return Decision(state)  # our echo, or a late record for an ended saga
+    ctx = _Ctx(state.model_copy(deep=True), now, record.event_id, policy)
+    ctx.remember(record.event_id)
+    if stale:
+        ctx.reject(
+            record,
+            RejectReason.STALE_GENERATION,
+            f"{record.envelope.type} has generation {record.envelope.generation} but saga "
+            f"{state.saga_id} is at generation {state.generation}",
+        )
+    else:
+        _apply(ctx, record)
+        _advance(ctx)
+    return Decision(ctx.s, ctx.out, True)
+
+
+def tick(state: SagaState, now: int, policy: CorePolicy = DEFAULT_POLICY) -> Decision:
+    """Fire every timer of ``state`` that is due at ``now`` (retries, re-reconciles,
+    approval expiry, reversal windows), then move the saga on."""
+    if state.is_terminal:
+        return Decision(state)
+    due = sorted(
+        (at, step.index, purpose.value, step.step_id)
+        for step in state.steps.values()
+        for purpose, at in step.timers.items()
+        if at <= now
+    )
+    if not due:
+        return Decision(state)
+    ctx = _Ctx(state.model_copy(deep=True), now, None, policy)
+    for at, _index, purpose_value, step_id in due:
+        step = ctx.s.steps[step_id]
+        purpose = TimerPurpose(purpose_value)
+        if step.timers.get(purpose) != at:
+            continue  # an earlier timer in this tick already moved the step
+        del step.timers[purpose]
+        _fire(ctx, step, purpose)
+    _advance(ctx)
+    return Decision(ctx.s, ctx.out, True)
+
+
+def record_time(record: Record) -> int:
+    """The default clock for ``fold``: when the record says it happened."""
+    return record.envelope.occurred_at
+
+
+def fold(
+    records: Iterable[Record],
+    now_fn: Callable[[Record], int] = record_time,
+    policy: CorePolicy = DEFAULT_POLICY,
+) -> dict[str, SagaState]:
+    """Rebuild coordinator state from a log (R5).
+
+    Before each record its saga's due timers are fired at ``now_fn(record)``, as the
+    live shell would have; the outputs are dropped (they are already in the log, and
+    the coordinator's own records are no-ops when they come by).
+    """
+    states: dict[str, SagaState] = {}
+    for record in records:
+        now = now_fn(record)
+        state = states.get(record.saga_id)
+        if state is not None:
+            state = _state_of(tick(state, now, policy))
+        decision = decide(state, record, now, policy)
+        if decision.state is not None:
+            states[record.saga_id] = decision.state
+    return states
+
+
+def _state_of(decision: Decision) -> SagaState:
+    if decision.state is None:  # pragma: no cover - tick always returns a state
+        raise RuntimeError("tick returned no state")
+    return decision.state
+
+
+# --------------------------------------------------------------- new sagas
+
+
+def _decide_new(record: Record, now: int, policy: CorePolicy) -> Decision:
+    if isinstance(record, SagaStarted):
+        state = SagaState(
+            saga_id=record.saga_id,
+            tenant_id=record.envelope.tenant_id,
+            generation=record.envelope.generation,
+            workflow=record.workflow,
+            workflow_version=record.workflow_version,
+            policy_version=record.policy_version,
+            sdk_version=record.sdk_version,
+            principal=record.principal,
+            continue_on_compensation_failure=record.continue_on_compensation_failure,
+            started_at=record.envelope.occurred_at,
+        )
+        ctx = _Ctx(state, now, record.event_id, policy)
+        ctx.remember(record.event_id)
+        _advance(ctx)
+        return Decision(state, ctx.out, True)
+    if _is_own(record):
+        return Decision(None)  # e.g. the echo of a SagaTerminal after state was dropped
+    if isinstance(record, COMMAND_TYPES):
+        return Decision(None, [_not_an_event(record)])
+    return Decision(
+        None,
+        [
+            _rejection(
+                record,
+                RejectReason.UNKNOWN_SAGA,
+                f"{record.envelope.type} for saga {record.saga_id}, which has no SagaStarted "
+                "(or has ended and its state was dropped)",
+            )
+        ],
+    )
+
+
+def _not_an_event(record: Record) -> Output:
+    return _rejection(
+        record,
+        RejectReason.NOT_AN_EVENT,
+        f"{record.envelope.type} is a command; commands belong on sagaline.commands.*",
+    )
+
+
+# --------------------------------------------------------------- record handlers
+
+
+def _apply(ctx: _Ctx, record: Record) -> None:
+    match record:
+        case SagaStarted():
+            _on_saga_started(ctx, record)
+        case StepScheduled():
+            _on_step_scheduled(ctx, record)
+        case ApprovalGranted():
+            _on_approval_granted(ctx, record)
+        case ApprovalDenied():
+            _on_approval_denied(ctx, record)
+        case StepIntentRecorded():
+            _on_intent(ctx, record)
+        case StepCommitted():
+            _on_committed(ctx, record)
+        case StepFailed():
+            _on_failed(ctx, record)
+        case StepOutcomeUnknown():
+            _on_outcome_unknown(ctx, record)
+        case StepReconciled():
+            _on_reconciled(ctx, record)
+        case SagaEndRequested():
+            _on_end_requested(ctx, record)
+        case CompensationAccepted():
+            _on_compensation_accepted(ctx, record)
+        case CompensationCommitted():
+            _on_compensation_committed(ctx, record)
+        case CompensationFailed():
+            _on_compensation_failed(ctx, record)
+        case IncidentRaised():
+            _on_incident_raised(ctx, record)
+        case IncidentResolved():
+            _on_incident_resolved(ctx, record)
+        case _ if isinstance(record, _COORDINATOR_ONLY):
+            ctx.reject(
+                record,
+                RejectReason.INVALID_TRANSITION,
+                f"only the coordinator writes {record.envelope.type}; this one came from "
+                f"{record.envelope.producer!r}",
+            )
+        case _:
+            ctx.reject(
+                record,
+                RejectReason.NOT_AN_EVENT,
+                f"{record.envelope.type} is a command; commands belong on sagaline.commands.*",
+            )
+
+
+def _step(ctx: _Ctx, record: Record, step_id: str) -> StepState | None:
+    step = ctx.s.steps.get(step_id)
+    if step is None:
+        ctx.reject(
+            record,
+            RejectReason.UNKNOWN_STEP,
+            f"{record.envelope.type} names step {step_id!r}, which saga {ctx.s.saga_id} "
+            "never scheduled",
+        )
+    return step
+
+
+def _never_dispatched(ctx: _Ctx, record: Record, step: StepState) -> None:
+    ctx.reject(
+        record,
+        RejectReason.INVALID_TRANSITION,
+        f"{record.envelope.type} for step {step.step_id}, which was never dispatched "
+        f"(it is {step.status.value})",
+    )
+
+
+def _on_saga_started(ctx: _Ctx, r: SagaStarted) -> None:
+    s = ctx.s
+    if r.envelope.generation <= s.generation:
+        ctx.reject(
+            r,
+            RejectReason.INVALID_TRANSITION,
+            f"saga {s.saga_id} already started at generation {s.generation}",
+        )
+        return
+    # A new run of the same saga supersedes the old one: its records are now stale,
+    # so the in-flight commands are re-issued under the new generation (same keys).
+    s.generation = r.envelope.generation
+    for step in s.steps.values():
+        if step.status in (StepStatus.DISPATCHED, StepStatus.INTENT_RECORDED):
+            _execute_command(ctx, step)
+        elif step.status is StepStatus.RECONCILING and TimerPurpose.RECONCILE_RETRY not in (
+            step.timers
+        ):
+            _reconcile_command(ctx, step)
+        elif step.status in (StepStatus.COMPENSATING, StepStatus.COMPENSATION_ACCEPTED):
+            _compensate_command(ctx, step)
+
+
+def _on_step_scheduled(ctx: _Ctx, r: StepScheduled) -> None:
+    s = ctx.s
+    existing = s.steps.get(r.step_id)
+    if existing is not None:
+        if (
+            existing.args_fingerprint != r.args_fingerprint
+            or existing.contract.tool != r.contract.tool
+        ):
+            ctx.reject(
+                r,
+                RejectReason.DUPLICATE_STEP,
+                f"step {r.step_id} is already scheduled with tool {existing.contract.tool} and "
+                f"arguments {existing.args_fingerprint}; a step id is used once per saga",
+            )
+        return  # the same step scheduled again: idempotent
+    if s.end_requested is not None:
+        ctx.reject(
+            r,
+            RejectReason.INVALID_TRANSITION,
+            f"step {r.step_id} scheduled after the agent asked to {s.end_requested.value}",
+        )
+        return
+    explicit = r.depends_on is not None
+    if r.depends_on is not None:
+        missing = [d for d in r.depends_on if d not in s.steps]
+        if missing:
+            ctx.reject(
+                r,
+                RejectReason.INVALID_DEPENDENCY,
+                f"step {r.step_id} depends on {missing}, which are not scheduled in saga "
+                f"{s.saga_id}; schedule dependencies first",
+            )
+            return
+        depends_on = list(dict.fromkeys(r.depends_on))
+    else:
+        depends_on = [next(reversed(s.steps))] if s.steps else []
+    try:
+        key = idempotency_key(s.saga_id, r.step_id, r.contract.tool, r.args)
+    except orjson.JSONDecodeError as exc:
+        ctx.reject(
+            r, RejectReason.INVALID_ARGUMENTS, f"args of step {r.step_id} are not JSON: {exc}"
+        )
+        return
+    step = StepState(
+        step_id=r.step_id,
+        index=len(s.steps),
+        contract=r.contract,
+        args=r.args,
+        args_fingerprint=r.args_fingerprint,
+        depends_on=depends_on,
+        explicit=explicit,
+        scheduled_at=r.envelope.occurred_at,
+        idempotency_key=key,
+    )
+    if s.status is SagaStatus.COMPENSATING:
+        step.status = StepStatus.CANCELLED
+        step.note = "scheduled after the saga began compensating; never dispatched"
+    s.steps[r.step_id] = step
+
+
+def _awaiting(step: StepState, purpose: ApprovalPurpose) -> PendingApproval | None:
+    wanted = (
+        StepStatus.AWAITING_APPROVAL
+        if purpose is ApprovalPurpose.FORWARD
+        else StepStatus.AWAITING_COMPENSATION_APPROVAL
+    )
+    if step.status is wanted and step.approval is not None:
+        return step.approval
+    return None
+
+
+def _log_approval(
+    ctx: _Ctx, step: StepState, purpose: ApprovalPurpose, decision: str, by: str, fp: str
+) -> None:
+    ctx.s.approvals.append(
+        ApprovalRecord(
+            step_id=step.step_id,
+            purpose=purpose.value,
+            decision=decision,
+            by=by,
+            principal=ctx.s.principal,
+            args_fingerprint=fp,
+            at=ctx.now,
+        )
+    )
+
+
+def _on_approval_granted(ctx: _Ctx, r: ApprovalGranted) -> None:
+    s = ctx.s
+    step = _step(ctx, r, r.step_id)
+    if step is None:
+        return
+    pending = _awaiting(step, r.purpose)
+    if pending is None:
+        ctx.reject(
+            r,
+            RejectReason.INVALID_TRANSITION,
+            f"step {step.step_id} is not awaiting a {r.purpose.value} approval "
+            f"(it is {step.status.value})",
+        )
+        return
+    # R7: bound to principal, saga (by key), step, fingerprint, scope and expiry.
+    at = r.envelope.occurred_at
+    problems = []
+    if r.approval_id != pending.approval_id:
+        problems.append(
+            f"approval id {r.approval_id} is not the one requested ({pending.approval_id})"
+        )
+    if r.principal != s.principal:
+        problems.append(f"principal {r.principal!r} is not the saga's ({s.principal!r})")
+    if r.args_fingerprint != pending.args_fingerprint:
+        problems.append(
+            f"arguments {r.args_fingerprint} differ from the step's ({pending.args_fingerprint})"
+        )
+    if r.scope != pending.scope:
+        problems.append(f"scope {r.scope!r} is not {pending.scope!r}")
+    expired = at > r.expires_at or at > pending.expires_at
+    if expired:
+        problems.append(f"granted at {at}, after expiry {min(r.expires_at, pending.expires_at)}")
+    if problems:
+        decision = "EXPIRED" if expired and len(problems) == 1 else "REJECTED_MISMATCH"
+        _log_approval(ctx, step, r.purpose, decision, r.granted_by, r.args_fingerprint)
+        ctx.reject(r, RejectReason.APPROVAL_MISMATCH, "; ".join(problems))
+        return
+    _log_approval(ctx, step, r.purpose, "GRANTED", r.granted_by, r.args_fingerprint)
+    step.approval = None
+    step.timers.pop(TimerPurpose.APPROVAL_EXPIRY, None)
+    if r.purpose is ApprovalPurpose.FORWARD:
+        step.approval_id = r.approval_id
+        if _forward_allowed(s):
+            _dispatch(ctx, step, 1)
+        else:
+            _cancel(step, "approved after the saga stopped going forward; never dispatched")
+    else:
+        _send_compensation(ctx, step, 1)
+
+
+def _on_approval_denied(ctx: _Ctx, r: ApprovalDenied) -> None:
+    step = _step(ctx, r, r.step_id)
+    if step is None:
+        return
+    pending = _awaiting(step, r.purpose)
+    if pending is None or pending.approval_id != r.approval_id:
+        ctx.reject(
+            r,
+            RejectReason.APPROVAL_MISMATCH,
+            f"denial {r.approval_id} does not match a pending {r.purpose.value} approval of "
+            f"step {step.step_id} (it is {step.status.value})",
+        )
+        return
+    _log_approval(ctx, step, r.purpose, "DENIED", r.denied_by, pending.args_fingerprint)
+    step.approval = None
+    step.timers.pop(TimerPurpose.APPROVAL_EXPIRY, None)
+    why = f"approval denied by {r.denied_by}: {r.reason}"
+    if r.purpose is ApprovalPurpose.FORWARD:
+        step.observation = "DENIED"
+        step.last_error = why
+        _forward_failed_finally(ctx, step, why)  # a denial is a business rejection (R7, R9)
+    else:
+        _compensation_failed_finally(ctx, step, "compensation-denied", why)
+
+
+def _on_intent(ctx: _Ctx, r: StepIntentRecorded) -> None:
+    step = _step(ctx, r, r.step_id)
+    if step is None:
+        return
+    if step.attempt == 0:
+        _never_dispatched(ctx, r, step)
+        return
+    if step.intent_at is None:
+        step.intent_at = r.envelope.occurred_at
+    if step.status is StepStatus.DISPATCHED and r.attempt == step.attempt:
+        step.status = StepStatus.INTENT_RECORDED
+        step.observation = "INTENT_RECORDED"
+
+
+_COMMITTABLE = frozenset(
+    {
+        StepStatus.DISPATCHED,
+        StepStatus.INTENT_RECORDED,
+        StepStatus.RETRY_WAIT,
+        StepStatus.RECONCILING,
+        StepStatus.UNKNOWN,
+        StepStatus.FAILED,
+        StepStatus.CANCELLED,
+    }
+)
+
+
+def _on_committed(ctx: _Ctx, r: StepCommitted) -> None:
+    step = _step(ctx, r, r.step_id)
+    if step is None:
+        return
+    if step.attempt == 0:
+        _never_dispatched(ctx, r, step)
+        return
+    late_after_escalation = step.status is StepStatus.ESCALATED and step.committed_at is None
+    if step.status in _COMMITTABLE or late_after_escalation:
+        # The ledger is the truth: a commit we did not expect still happened.
+        _commit(
+            ctx,
+            step,
+            r.envelope.occurred_at,
+            r.provider_operation_id,
+            r.result,
+            r.response_fingerprint,
+            "COMMITTED",
+        )
+
+
+def _on_failed(ctx: _Ctx, r: StepFailed) -> None:
+    step = _step(ctx, r, r.step_id)
+    if step is None:
+        return
+    if step.attempt == 0:
+        _never_dispatched(ctx, r, step)
+        return
+    if step.status in (StepStatus.DISPATCHED, StepStatus.INTENT_RECORDED) and (
+        r.attempt == step.attempt
+    ):
+        step.observation = "FAILED"
+        step.last_error = f"{r.kind.value}: {r.error_type}: {r.message}"
+        _after_attempt_failed(ctx, step, r.kind, step.last_error)
+    # otherwise a superseded attempt: the current one decides
+
+
+def _on_outcome_unknown(ctx: _Ctx, r: StepOutcomeUnknown) -> None:
+    step = _step(ctx, r, r.step_id)
+    if step is None:
+        return
+    if step.attempt == 0:
+        _never_dispatched(ctx, r, step)
+        return
+    if step.status not in (StepStatus.DISPATCHED, StepStatus.INTENT_RECORDED) or (
+        r.attempt != step.attempt
+    ):
+        return
+    step.observation = "UNKNOWN"
+    step.last_error = r.reason
+    if step.contract.has_lookup:
+        step.status = StepStatus.RECONCILING
+        step.reconcile_round = 1
+        _reconcile_command(ctx, step)
+    else:
+        _ask_person_to_settle(ctx, step, r.reason)
+
+
+def _on_reconciled(ctx: _Ctx, r: StepReconciled) -> None:
+    step = _step(ctx, r, r.step_id)
+    if step is None:
+        return
+    if step.attempt == 0:
+        _never_dispatched(ctx, r, step)
+        return
+    if step.status not in (StepStatus.RECONCILING, StepStatus.UNKNOWN):
+        return  # already settled
+    if r.outcome is ReconcileResult.COMMITTED:
+        _commit(
+            ctx,
+            step,
+            r.envelope.occurred_at,
+            r.provider_operation_id,
+            r.result if r.result is not None else b"null",
+            r.response_fingerprint or "",
+            "RECONCILED_COMMITTED",
+        )
+    elif r.outcome is ReconcileResult.NOT_FOUND:
+        step.timers.pop(TimerPurpose.RECONCILE_RETRY, None)
+        step.observation = "RECONCILED_NOT_FOUND"
+        _resolve_unknown_incidents(ctx, step, "NOT_FOUND (reconciled by lookup)")
+        _after_attempt_failed(ctx, step, FailureKind.TRANSIENT, "not found by reconciliation")
+    elif step.status is StepStatus.RECONCILING and TimerPurpose.RECONCILE_RETRY not in step.timers:
+        if step.reconcile_round < ctx.policy.reconcile_rounds:
+            delay = retry_delay_ms(
+                ctx.policy.reconcile_backoff,
+                step.reconcile_round,
+                ctx.s.saga_id,
+                step.step_id,
+                "reconcile",
+                step.attempt,
+                step.reconcile_round,
+            )
+            step.timers[TimerPurpose.RECONCILE_RETRY] = ctx.now + delay
+        else:
+            _ask_person_to_settle(ctx, step, f"still PENDING after {step.reconcile_round} lookups")
+
+
+def _on_end_requested(ctx: _Ctx, r: SagaEndRequested) -> None:
+    s = ctx.s
+    if s.end_requested is not None:
+        if s.end_requested is not r.outcome:
+            ctx.reject(
+                r,
+                RejectReason.INVALID_TRANSITION,
+                f"the agent already asked to {s.end_requested.value}; {r.outcome.value} ignored",
+            )
+        return
+    s.end_requested = r.outcome
+    s.end_reason = r.reason or r.outcome.value
+    if r.outcome is SagaOutcome.ABORT and not s.compensation_reason:
+        s.compensation_reason = f"aborted by the agent: {r.reason or 'no reason given'}"
+
+
+def _on_compensation_accepted(ctx: _Ctx, r: CompensationAccepted) -> None:
+    step = _step(ctx, r, r.step_id)
+    if step is None:
+        return
+    if step.compensation_attempt == 0:
+        _no_compensation_requested(ctx, r, step)
+        return
+    if step.status is StepStatus.COMPENSATING and r.attempt == step.compensation_attempt:
+        step.status = StepStatus.COMPENSATION_ACCEPTED  # not done until committed (R12)
+        step.compensation_provider_operation_id = r.provider_operation_id
+
+
+def _on_compensation_committed(ctx: _Ctx, r: CompensationCommitted) -> None:
+    step = _step(ctx, r, r.step_id)
+    if step is None:
+        return
+    if step.compensation_attempt == 0:
+        _no_compensation_requested(ctx, r, step)
+        return
+    if step.status not in (
+        StepStatus.COMPENSATING,
+        StepStatus.COMPENSATION_ACCEPTED,
+        StepStatus.COMPENSATION_RETRY_WAIT,
+    ):
+        return
+    if r.provider_operation_id is not None:
+        step.compensation_provider_operation_id = r.provider_operation_id
+    # R12: a declared verification must pass; verified=False is a failure.
+    if r.verified is False or (step.contract.has_verify and r.verified is None):
+        step.verification = "FAILED"
+        _compensation_failed_finally(
+            ctx,
+            step,
+            "compensation-not-verified",
+            f"compensation {step.contract.compensation} ran but its verification "
+            + ("failed" if r.verified is False else "was not reported"),
+            raise_incident=not step.window_expired,
+        )
+        return
+    step.verification = "PASSED" if r.verified else "NOT_DECLARED"
+    step.status = StepStatus.COMPENSATED
+    for purpose in (TimerPurpose.COMPENSATION_RETRY, TimerPurpose.REVERSAL_WINDOW):
+        step.timers.pop(purpose, None)
+
+
+def _on_compensation_failed(ctx: _Ctx, r: CompensationFailed) -> None:
+    step = _step(ctx, r, r.step_id)
+    if step is None:
+        return
+    if step.compensation_attempt == 0:
+        _no_compensation_requested(ctx, r, step)
+        return
+    if step.status not in (StepStatus.COMPENSATING, StepStatus.COMPENSATION_ACCEPTED) or (
+        r.attempt != step.compensation_attempt
+    ):
+        return
+    step.last_error = f"{r.kind.value}: {r.error_type}: {r.message}"
+    policy = step.contract.compensation_retry
+    if (
+        r.kind is FailureKind.TRANSIENT
+        and step.compensation_attempt < policy.max_attempts
+        and not step.window_expired
+    ):
+        due = ctx.now + retry_delay_ms(
+            policy,
+            step.compensation_attempt,
+            ctx.s.saga_id,
+            step.step_id,
+            "compensation",
+            step.compensation_attempt,
+        )
+        step.status = StepStatus.COMPENSATION_RETRY_WAIT
+        step.timers[TimerPurpose.COMPENSATION_RETRY] = due
+        _retry_scheduled(
+            ctx, step, ApprovalPurpose.COMPENSATION, step.compensation_attempt + 1, due
+        )
+        return
+    attempts = step.compensation_attempt
+    _compensation_failed_finally(
+        ctx,
+        step,
+        "compensation-failed",
+        f"compensation {step.contract.compensation} failed after {attempts} "
+        f"attempt{'s' if attempts != 1 else ''}: {step.last_error}",
+        raise_incident=not step.window_expired,
+    )
+
+
+def _no_compensation_requested(ctx: _Ctx, r: Record, step: StepState) -> None:
+    ctx.reject(
+        r,
+        RejectReason.INVALID_TRANSITION,
+        f"{r.envelope.type} for step {step.step_id}, whose compensation was never requested "
+        f"(it is {step.status.value})",
+    )
+
+
+def _on_incident_raised(ctx: _Ctx, r: IncidentRaised) -> None:
+    s = ctx.s
+    if s.incident(r.incident_id) is not None:
+        return
+    s.incidents.append(
+        IncidentRecord(
+            incident_id=r.incident_id,
+            kind=r.kind,
+            step_id=r.step_id,
+            inconsistency=r.inconsistency,
+            resources=list(r.resources),
+            effect=r.effect,
+            owner=r.owner,
+        )
+    )
+    step = s.steps.get(r.step_id) if r.step_id is not None else None
+    if step is not None and step.incident_id is None and r.kind == _UNKNOWN_OUTCOME:
+        step.incident_id = r.incident_id
+
+
+def _on_incident_resolved(ctx: _Ctx, r: IncidentResolved) -> None:
+    s = ctx.s
+    incident = s.incident(r.incident_id)
+    if incident is None:
+        ctx.reject(
+            r,
+            RejectReason.INVALID_TRANSITION,
+            f"no incident {r.incident_id} in saga {s.saga_id}",
+        )
+        return
+    if incident.resolved:
+        return
+    step = s.steps.get(incident.step_id) if incident.step_id is not None else None
+    unsettled = step is not None and step.status in (StepStatus.UNKNOWN, StepStatus.RECONCILING)
+    if incident.kind != _UNKNOWN_OUTCOME or step is None or not unsettled:
+        _mark_resolved(ctx, incident.incident_id, f"{r.resolution} (by {r.resolved_by})")
+        return
+    resolution = r.resolution.strip().upper()
+    if resolution == ReconcileResult.COMMITTED.value:
+        _commit(ctx, step, r.envelope.occurred_at, None, b"null", "", "RESOLVED_COMMITTED")
+        _mark_resolved(ctx, incident.incident_id, f"COMMITTED (by {r.resolved_by})")
+    elif resolution == ReconcileResult.NOT_FOUND.value:
+        step.timers.pop(TimerPurpose.RECONCILE_RETRY, None)
+        step.observation = "RESOLVED_NOT_FOUND"
+        _resolve_unknown_incidents(ctx, step, f"NOT_FOUND (by {r.resolved_by})")
+        _after_attempt_failed(
+            ctx, step, FailureKind.TRANSIENT, f"not found (settled by {r.resolved_by})"
+        )
+    else:
+        ctx.reject(
+            r,
+            RejectReason.INVALID_TRANSITION,
+            f"incident {incident.incident_id} is about an unknown outcome; resolve it with "
+            f"COMMITTED or NOT_FOUND, not {r.resolution!r}",
+        )
+
+
+# --------------------------------------------------------------- transitions
+
+
+def _forward_allowed(s: SagaState) -> bool:
+    """New forward work may start: running, and not an abort waiting on a pivot."""
+    if s.status is not SagaStatus.RUNNING:
+        return False
+    return not (s.end_requested is SagaOutcome.ABORT and s.pivot_committed is None)
+
+
+def _cancel(step: StepState, note: str) -> None:
+    step.status = StepStatus.CANCELLED
+    step.approval = None
+    step.note = note
+    for purpose in (TimerPurpose.FORWARD_RETRY, TimerPurpose.APPROVAL_EXPIRY):
+        step.timers.pop(purpose, None)
+
+
+def _commit(
+    ctx: _Ctx,
+    step: StepState,
+    at: int,
+    provider_operation_id: str | None,
+    result: bytes,
+    response_fingerprint: str,
+    observation: str,
+) -> None:
+    s = ctx.s
+    step.status = StepStatus.COMMITTED
+    step.committed_at = at
+    step.provider_operation_id = provider_operation_id
+    step.result = result
+    step.response_fingerprint = response_fingerprint
+    step.observation = observation
+    for purpose in (TimerPurpose.FORWARD_RETRY, TimerPurpose.RECONCILE_RETRY):
+        step.timers.pop(purpose, None)
+    if step.contract.reversal_window_ms is not None:
+        step.reversal_deadline = at + step.contract.reversal_window_ms
+    _resolve_unknown_incidents(ctx, step, "COMMITTED (observed in the ledger)")
+    if step.contract.pivot and s.pivot_committed is None and s.status is SagaStatus.RUNNING:
+        s.pivot_committed = step.step_id  # R6: from here on the saga only goes forward
+
+
+def _after_attempt_failed(ctx: _Ctx, step: StepState, kind: FailureKind, why: str) -> None:
+    """A forward attempt did not take effect: retry (same key) or give up (R8, R9)."""
+    policy = step.contract.retry
+    if (
+        kind is FailureKind.TRANSIENT
+        and step.attempt < policy.max_attempts
+        and _forward_allowed(ctx.s)
+    ):
+        due = ctx.now + retry_delay_ms(
+            policy, step.attempt, ctx.s.saga_id, step.step_id, "forward", step.attempt
+        )
+        step.status = StepStatus.RETRY_WAIT
+        step.timers[TimerPurpose.FORWARD_RETRY] = due
+        _retry_scheduled(ctx, step, ApprovalPurpose.FORWARD, step.attempt + 1, due)
+        return
+    if kind is FailureKind.TRANSIENT and step.attempt >= policy.max_attempts:
+        why = f"{why} (after {step.attempt} attempts)"
+    _forward_failed_finally(ctx, step, why)
+
+
+def _forward_failed_finally(ctx: _Ctx, step: StepState, why: str) -> None:
+    s = ctx.s
+    for purpose in (TimerPurpose.FORWARD_RETRY, TimerPurpose.APPROVAL_EXPIRY):
+        step.timers.pop(purpose, None)
+    step.note = why
+    if s.pivot_committed is not None and s.status is SagaStatus.RUNNING:
+        # R6: past the pivot we never compensate; a failed obligation goes to a person.
+        step.status = StepStatus.ESCALATED
+        _raise_incident(
+            ctx,
+            "forward-failed-after-pivot",
+            step,
+            f"{step.contract.tool} (step {step.step_id}) could not complete after the pivot "
+            f"{s.pivot_committed} committed: {why}",
+            f"the pivot's effect stands and {step.contract.tool} is still owed; it did not "
+            "take effect",
+        )
+        return
+    step.status = StepStatus.FAILED
+    if s.status is SagaStatus.RUNNING and not s.compensation_reason:
+        s.compensation_reason = f"step {step.step_id} failed: {why}"
+
+
+def _ask_person_to_settle(ctx: _Ctx, step: StepState, why: str) -> None:
+    """R11 with no lookup (or lookups exhausted): a person says COMMITTED or NOT_FOUND."""
+    step.status = StepStatus.UNKNOWN
+    step.timers.pop(TimerPurpose.RECONCILE_RETRY, None)
+    for incident in ctx.s.open_incidents():
+        if incident.kind == _UNKNOWN_OUTCOME and incident.step_id == step.step_id:
+            step.incident_id = incident.incident_id  # the participant already asked
+            return
+    _raise_incident(
+        ctx,
+        _UNKNOWN_OUTCOME,
+        step,
+        f"{step.contract.tool} (step {step.step_id}, attempt {step.attempt}) may or may not "
+        f"have taken effect: {why}. Resolve with COMMITTED or NOT_FOUND",
+        f"unknown: look up the operation with idempotency key hash "
+        f"{key_hash(step.idempotency_key)}",
+    )
+
+
+def _resolve_unknown_incidents(ctx: _Ctx, step: StepState, resolution: str) -> None:
+    for incident in ctx.s.open_incidents():
+        if incident.kind == _UNKNOWN_OUTCOME and incident.step_id == step.step_id:
+            _mark_resolved(ctx, incident.incident_id, resolution)
+
+
+def _mark_resolved(ctx: _Ctx, incident_id: str, resolution: str) -> None:
+    incidents = ctx.s.incidents
+    for i, incident in enumerate(incidents):
+        if incident.incident_id == incident_id:
+            incidents[i] = incident.model_copy(update={"resolved": True, "resolution": resolution})
+
+
+def _raise_incident(
+    ctx: _Ctx, kind: str, step: StepState | None, inconsistency: str, effect: str
+) -> str:
+    s = ctx.s
+    step_id = step.step_id if step is not None else None
+    incident_id = "inc-" + ctx.event_id("incident", kind, step_id or "-", len(s.incidents))
+    resources = list(step.contract.resources) if step is not None else []
+    owner = step.contract.owner if step is not None else "operations"
+    s.incidents.append(
+        IncidentRecord(
+            incident_id=incident_id,
+            kind=kind,
+            step_id=step_id,
+            inconsistency=inconsistency,
+            resources=resources,
+            effect=effect,
+            owner=owner,
+        )
+    )
+    if step is not None:
+        step.incident_id = incident_id
+    ctx.emit(
+        IncidentRaised(
+            envelope=ctx.envelope(IncidentRaised, ctx.event_id("IncidentRaised", incident_id)),
+            incident_id=incident_id,
+            kind=kind,
+            step_id=step_id,
+            tool=step.contract.tool if step is not None else None,
+            inconsistency=inconsistency,
+            resources=resources,
+            effect=effect,
+            owner=owner,
+        ),
+        Destination.INCIDENT,
+    )
+    return incident_id
+
+
+def _effect(step: StepState) -> str:
+    op = step.provider_operation_id or "unknown"
+    return f"{step.contract.tool} effect remains in the world (provider operation {op})"
+
+
+def _compensation_failed_finally(
+    ctx: _Ctx, step: StepState, kind: str, why: str, *, raise_incident: bool = True
+) -> None:
+    """R3/R8: the compensation gave up; a person owns the remaining effect."""
+    step.status = StepStatus.COMPENSATION_FAILED
+    step.approval = None
+    step.note = why
+    for purpose in (
+        TimerPurpose.COMPENSATION_RETRY,
+        TimerPurpose.REVERSAL_WINDOW,
+        TimerPurpose.APPROVAL_EXPIRY,
+    ):
+        step.timers.pop(purpose, None)
+    if raise_incident:
+        _raise_incident(
+            ctx,
+            kind,
+            step,
+            f"{step.contract.tool} (step {step.step_id}) was not undone: {why}",
+            _effect(step),
+        )
+
+
+def _retry_scheduled(
+    ctx: _Ctx, step: StepState, purpose: ApprovalPurpose, attempt: int, due: int
+) -> None:
+    event_id = ctx.event_id(
+        ctx.s.generation, "StepRetryScheduled", step.step_id, purpose.value, attempt
+    )
+    ctx.emit(
+        StepRetryScheduled(
+            envelope=ctx.envelope(StepRetryScheduled, event_id),
+            step_id=step.step_id,
+            purpose=purpose,
+            attempt=attempt,
+            due_at=due,
+        )
+    )
+
+
+# ----------------------------------------------------------------- commands
+
+
+def _execute_command(ctx: _Ctx, step: StepState) -> None:
+    s = ctx.s
+    event_id = ctx.event_id(s.generation, "ExecuteStep", step.step_id, step.attempt)
+    ctx.command(
+        ExecuteStep(
+            envelope=ctx.envelope(ExecuteStep, event_id),
+            step_id=step.step_id,
+            tool=step.contract.tool,
+            args=step.args,
+            idempotency_key=step.idempotency_key,
+            attempt=step.attempt,
+            deadline_ms=step.contract.deadline_ms,
+            principal=s.principal,
+            approval_id=step.approval_id,
+        ),
+        step.contract.participant,
+    )
+
+
+def _dispatch(ctx: _Ctx, step: StepState, attempt: int) -> None:
+    step.attempt = attempt
+    step.status = StepStatus.DISPATCHED
+    step.observation = "DISPATCHED"
+    step.timers.pop(TimerPurpose.FORWARD_RETRY, None)
+    _execute_command(ctx, step)
+
+
+def _reconcile_command(ctx: _Ctx, step: StepState) -> None:
+    event_id = ctx.event_id(
+        ctx.s.generation, "ReconcileStep", step.step_id, step.attempt, step.reconcile_round
+    )
+    ctx.command(
+        ReconcileStep(
+            envelope=ctx.envelope(ReconcileStep, event_id),
+            step_id=step.step_id,
+            tool=step.contract.tool,
+            idempotency_key=step.idempotency_key,
+            attempt=step.attempt,
+        ),
+        step.contract.participant,
+    )
+
+
+def _compensate_command(ctx: _Ctx, step: StepState) -> None:
+    attempt = step.compensation_attempt
+    event_id = ctx.event_id(ctx.s.generation, "CompensateStep", step.step_id, attempt)
+    ctx.command(
+        CompensateStep(
+            envelope=ctx.envelope(CompensateStep, event_id),
+            step_id=step.step_id,
+            tool=step.contract.tool,
+            compensation=step.contract.compensation or "",
+            args=step.args,
+            result=step.result if step.result is not None else b"null",
+            idempotency_key=step.idempotency_key,
+            compensation_key=compensation_key(step.idempotency_key),
+            attempt=attempt,
+        ),
+        step.contract.participant,
+    )
+
+
+def _send_compensation(ctx: _Ctx, step: StepState, attempt: int) -> None:
+    step.compensation_attempt = attempt
+    step.status = StepStatus.COMPENSATING
+    step.timers.pop(TimerPurpose.COMPENSATION_RETRY, None)
+    event_id = ctx.event_id(ctx.s.generation, "CompensationRequested", step.step_id, attempt)
+    ctx.emit(
+        CompensationRequested(
+            envelope=ctx.envelope(CompensationRequested, event_id),
+            step_id=step.step_id,
+            tool=step.contract.tool,
+            compensation=step.contract.compensation or "",
+            compensation_key=compensation_key(step.idempotency_key),
+            attempt=attempt,
+        )
+    )
+    _compensate_command(ctx, step)
+
+
+def _request_approval(ctx: _Ctx, step: StepState, purpose: ApprovalPurpose) -> None:
+    s = ctx.s
+    contract = step.contract
+    action = "execute" if purpose is ApprovalPurpose.FORWARD else (contract.compensation or "")
+    scope = f"{contract.participant}/{contract.tool}:{action}"
+    approval_id = "appr-" + ctx.event_id("approval", step.step_id, purpose.value)
+    expires_at = ctx.now + ctx.policy.approval_ttl_ms
+    step.approval = PendingApproval(
+        approval_id=approval_id,
+        purpose=purpose,
+        scope=scope,
+        args_fingerprint=step.args_fingerprint,
+        requested_at=ctx.now,
+        expires_at=expires_at,
+    )
+    step.status = (
+        StepStatus.AWAITING_APPROVAL
+        if purpose is ApprovalPurpose.FORWARD
+        else StepStatus.AWAITING_COMPENSATION_APPROVAL
+    )
+    step.timers[TimerPurpose.APPROVAL_EXPIRY] = expires_at + 1  # valid through expires_at
+    ctx.emit(
+        ApprovalRequested(
+            envelope=ctx.envelope(
+                ApprovalRequested, ctx.event_id("ApprovalRequested", approval_id)
+            ),
+            step_id=step.step_id,
+            approval_id=approval_id,
+            purpose=purpose,
+            principal=s.principal,
+            args_fingerprint=step.args_fingerprint,
+            scope=scope,
+            expires_at=expires_at,
+        )
+    )
+
+
+# ------------------------------------------------------------------- timers
+
+
+def _fire(ctx: _Ctx, step: StepState, purpose: TimerPurpose) -> None:
+    s = ctx.s
+    if purpose is TimerPurpose.FORWARD_RETRY:
+        if step.status is StepStatus.RETRY_WAIT:
+            if _forward_allowed(s):
+                _dispatch(ctx, step, step.attempt + 1)  # same idempotency key (R6, R8)
+            else:
+                _cancel(step, f"retry dropped: the saga stopped going forward ({step.last_error})")
+    elif purpose is TimerPurpose.COMPENSATION_RETRY:
+        if step.status is StepStatus.COMPENSATION_RETRY_WAIT:
+            _send_compensation(ctx, step, step.compensation_attempt + 1)
+    elif purpose is TimerPurpose.RECONCILE_RETRY:
+        if step.status is StepStatus.RECONCILING:
+            step.reconcile_round += 1
+            _reconcile_command(ctx, step)
+    elif purpose is TimerPurpose.APPROVAL_EXPIRY:
+        pending = step.approval
+        if pending is None:
+            return
+        _log_approval(ctx, step, pending.purpose, "EXPIRED", "-", pending.args_fingerprint)
+        step.approval = None
+        if step.status is StepStatus.AWAITING_APPROVAL:
+            step.observation = "APPROVAL_EXPIRED"
+            _forward_failed_finally(ctx, step, f"forward approval expired at {pending.expires_at}")
+        elif step.status is StepStatus.AWAITING_COMPENSATION_APPROVAL:
+            _compensation_failed_finally(
+                ctx,
+                step,
+                "compensation-approval-expired",
+                f"compensation approval expired at {pending.expires_at}",
+            )
+    elif purpose is TimerPurpose.REVERSAL_WINDOW:
+        _expire_window(ctx, step)
+
+
+def _expire_window(ctx: _Ctx, step: StepState) -> None:
+    """R13: past the reversal window, compensation becomes an incident."""
+    step.timers.pop(TimerPurpose.REVERSAL_WINDOW, None)
+    why = (
+        f"its reversal window ({step.contract.reversal_window_ms} ms after the commit at "
+        f"{step.committed_at}) expired before the compensation committed"
+    )
+    if step.status in (
+        StepStatus.COMPENSATION_PENDING,
+        StepStatus.AWAITING_COMPENSATION_APPROVAL,
+        StepStatus.COMPENSATION_RETRY_WAIT,
+    ):
+        step.window_expired = True
+        _compensation_failed_finally(ctx, step, "reversal-window-expired", why)
+    elif step.status in (StepStatus.COMPENSATING, StepStatus.COMPENSATION_ACCEPTED):
+        # Already sent: its outcome is still recorded truthfully, but a person is told now
+        # and no further attempt is made.
+        step.window_expired = True
+        _raise_incident(
+            ctx,
+            "reversal-window-expired",
+            step,
+            f"{step.contract.tool} (step {step.step_id}) may not be undone: {why}",
+            _effect(step),
+        )
+
+
+# ------------------------------------------------------------------ advance
+
+
+def _advance(ctx: _Ctx) -> None:
+    """Move the saga as far as the facts allow: dispatch, unwind, end.
+
+    Every pass either changes a step or the saga for good, so the loop ends; the bound
+    only turns a bug into an error instead of a hang.
+    """
+    s = ctx.s
+    for _ in range(4 * len(s.steps) + 8):
+        if s.status.is_terminal:
+            return
+        changed = False
+        if s.status is SagaStatus.RUNNING:
+            changed |= _maybe_start_compensating(ctx)
+        if s.status is SagaStatus.RUNNING:
+            changed |= _dispatch_ready(ctx)
+        else:
+            changed |= _progress_unwind(ctx)
+        changed |= _maybe_end(ctx)
+        if not changed:
+            return
+    raise RuntimeError(f"coordinator core did not settle saga {s.saga_id}; this is a bug")
+
+
+def _pivot_in_flight(s: SagaState) -> bool:
+    return any(st.contract.pivot and st.status in FORWARD_IN_FLIGHT for st in s.steps.values())
+
+
+def _maybe_start_compensating(ctx: _Ctx) -> bool:
+    """Before the pivot, a final failure (R9) or an abort turns the saga around."""
+    s = ctx.s
+    if s.pivot_committed is not None:
+        return False
+    failed = any(st.status is StepStatus.FAILED for st in s.steps.values())
+    if not failed and s.end_requested is not SagaOutcome.ABORT:
+        return False
+    if _pivot_in_flight(s):
+        return False  # the pivot's outcome decides the direction (R6)
+    s.status = SagaStatus.COMPENSATING
+    for step in s.steps.values():
+        if step.status in (StepStatus.SCHEDULED, StepStatus.AWAITING_APPROVAL):
+            _cancel(step, "never dispatched: the saga began compensating")
+        elif step.status is StepStatus.RETRY_WAIT:
+            _cancel(step, f"retry dropped: the saga began compensating ({step.last_error})")
+    return True
+
+
+def _forward_prerequisites(s: SagaState, step: StepState) -> list[StepState]:
+    """Dependencies, plus the pivot barrier: a pivot waits for every earlier step and
+    every later step waits for the pivots before it (R6)."""
+    prereqs = [s.steps[d] for d in step.depends_on]
+    for other in s.steps.values():
+        if other.index == step.index:
+            continue
+        if (step.contract.pivot and other.index < step.index) or (
+            other.contract.pivot and other.index < step.index
+        ):
+            prereqs.append(other)
+    return prereqs
+
+
+def _dispatch_ready(ctx: _Ctx) -> bool:
+    s = ctx.s
+    if not _forward_allowed(s):
+        return False
+    changed = False
+    for step in s.steps.values():
+        if step.status is not StepStatus.SCHEDULED:
+            continue
+        prereqs = _forward_prerequisites(s, step)
+        blocker = next(
+            (p for p in prereqs if p.status in NEVER_COMMITTED | {StepStatus.ESCALATED}), None
+        )
+        if blocker is not None:
+            _cancel(step, f"not run: {blocker.step_id} did not complete")
+            changed = True
+        elif all(p.status is StepStatus.COMMITTED for p in prereqs):
+            irreversible = step.contract.reversibility is Reversibility.IRREVERSIBLE
+            if irreversible and not step.contract.read_only and step.approval_id is None:
+                _request_approval(ctx, step, ApprovalPurpose.FORWARD)  # R7
+            else:
+                _dispatch(ctx, step, 1)
+            changed = True
+    return changed
+
+
+def _needs_compensation(ctx: _Ctx, step: StepState) -> None:
+    if step.contract.pivot:
+        step.status = StepStatus.ESCALATED
+        _raise_incident(
+            ctx,
+            "pivot-committed-during-unwind",
+            step,
+            f"pivot {step.step_id} ({step.contract.tool}) committed after the saga began "
+            "unwinding; a pivot is never compensated automatically",
+            _effect(step),
+        )
+    elif step.contract.compensation is None:
+        step.status = StepStatus.ESCALATED
+        _raise_incident(
+            ctx,
+            "no-compensation",
+            step,
+            f"{step.contract.tool} (step {step.step_id}, {step.contract.reversibility.value}) "
+            "committed and declares no compensation",
+            _effect(step),
+        )
+    else:
+        step.status = StepStatus.COMPENSATION_PENDING
+        if step.reversal_deadline is not None:
+            step.timers[TimerPurpose.REVERSAL_WINDOW] = step.reversal_deadline
+
+
+def _progress_unwind(ctx: _Ctx) -> bool:
+    """R1-R3, R13: compensate committed steps in reverse dependency order."""
+    s = ctx.s
+    changed = False
+    for step in s.steps.values():
+        if step.status is StepStatus.COMMITTED and not step.contract.read_only:
+            _needs_compensation(ctx, step)  # R1: only what committed
+            changed = True
+        elif step.status in (StepStatus.SCHEDULED, StepStatus.AWAITING_APPROVAL):
+            _cancel(step, "never dispatched: the saga is compensating")
+            changed = True
+    for step in s.steps.values():
+        window = step.timers.get(TimerPurpose.REVERSAL_WINDOW)
+        if window is not None and window <= ctx.now:
+            _expire_window(ctx, step)
+            changed = True
+    if not s.continue_on_compensation_failure:
+        for step in reversed(s.steps.values()):
+            if step.status is not StepStatus.COMPENSATION_PENDING:
+                continue
+            holder = graph.holding_dependent(s, step)
+            if holder is not None:
+                step.status = StepStatus.HELD
+                step.timers.pop(TimerPurpose.REVERSAL_WINDOW, None)
+                step.note = f"held: {holder.step_id} depends on it explicitly and was not undone"
+                _raise_incident(
+                    ctx,
+                    "compensation-held",
+                    step,
+                    f"{step.contract.tool} (step {step.step_id}) was not compensated because "
+                    f"{holder.step_id} depends on it explicitly and its effect was not undone",
+                    _effect(step),
+                )
+                changed = True
+    if _pivot_in_flight(s):
+        return changed
+    active = [st for st in s.steps.values() if st.status in COMPENSATION_ACTIVE]
+    for step in reversed(s.steps.values()):
+        if step.status is not StepStatus.COMPENSATION_PENDING:
+            continue
+        if not graph.ready_to_compensate(s, step):
+            continue
+        if graph.resource_conflict(step, active) is not None:
+            continue  # R2: one compensation per resource at a time
+        if step.contract.compensation_approval is CompensationApproval.REQUIRE:
+            _request_approval(ctx, step, ApprovalPurpose.COMPENSATION)  # R13
+        else:
+            _send_compensation(ctx, step, 1)
+        active.append(step)
+        changed = True
+    return changed
+
+
+_SETTLED_FORWARD = frozenset(
+    {StepStatus.COMMITTED, StepStatus.ESCALATED, StepStatus.CANCELLED, StepStatus.FAILED}
+)
+
+
+def _settled_for_unwind(step: StepState) -> bool:
+    if step.status in NEVER_COMMITTED or step.status in COMPENSATION_FINAL:
+        return True
+    return step.status is StepStatus.COMMITTED and step.contract.read_only
+
+
+def _maybe_end(ctx: _Ctx) -> bool:
+    s = ctx.s
+    steps = s.steps.values()
+    if s.status is SagaStatus.COMPENSATING:
+        if not all(_settled_for_unwind(st) for st in steps):
+            return False
+    elif s.end_requested is SagaOutcome.COMPLETE or (
+        s.end_requested is SagaOutcome.ABORT and s.pivot_committed is not None
+    ):
+        if not all(st.status in _SETTLED_FORWARD for st in steps):
+            return False
+    else:
+        return False
+    _finish(ctx)
+    return True
+
+
+def _finish(ctx: _Ctx) -> None:
+    """R14: the one terminal record, with the full receipt."""
+    s = ctx.s
+    escalated = any(disposition(st) is Disposition.ESCALATED for st in s.steps.values())
+    if escalated or s.open_incidents():
+        status = TerminalStatus.ESCALATED
+    elif s.status is SagaStatus.COMPENSATING:
+        status = TerminalStatus.COMPENSATED
+    else:
+        status = TerminalStatus.COMPLETED
+    s.status = SagaStatus(status.value)
+    s.ended_at = ctx.now
+    for step in s.steps.values():
+        step.timers.clear()
+    receipt = build_receipt(s, status, ctx.now)
+    ctx.emit(
+        SagaTerminal(
+            envelope=ctx.envelope(SagaTerminal, ctx.event_id(s.generation, "SagaTerminal")),
+            status=status,
+            receipt=receipt.to_json(),
+            unresolved=list(receipt.unresolved),
+        ),
+        Destination.TERMINAL,
+    )

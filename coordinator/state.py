@@ -1,0 +1,229 @@
+"""Per-saga coordinator state: what the core remembers between two records.
+
+``SagaState`` is a fold of one saga's ledger (R5). It is serialised to the compacted
+``sagaline.coordinator.state`` changelog by the shell (``to_bytes``/``from_bytes``),
+so it holds only plain data: saga facts, steps with their life cycle, timers,
+approvals, incidents, the bounded de-duplication memory and recorded rejections.
+The rules that move it live in ``coordinator.core``; this module only describes it.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from schemas.models import ApprovalPurpose, SagaOutcome, StepContract, TerminalStatus
+from schemas.receipt import ApprovalRecord, IncidentRecord
+
+STATE_SCHEMA_VERSION = 1
+
+
+class SagaStatus(enum.StrEnum):
+    """Where a saga is: going forward, unwinding, or ended (R14)."""
+
+    RUNNING = "RUNNING"
+    COMPENSATING = "COMPENSATING"
+    COMPLETED = "COMPLETED"
+    COMPENSATED = "COMPENSATED"
+    ESCALATED = "ESCALATED"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in _TERMINAL_SAGA
+
+    def as_terminal(self) -> TerminalStatus:
+        return TerminalStatus(self.value)
+
+
+_TERMINAL_SAGA = frozenset({SagaStatus.COMPLETED, SagaStatus.COMPENSATED, SagaStatus.ESCALATED})
+
+
+class StepStatus(enum.StrEnum):
+    """One step's life cycle; see docs/coordinator.md for the transition diagram."""
+
+    # forward path
+    SCHEDULED = "SCHEDULED"  # recorded, waiting for its dependencies (or a pivot barrier)
+    AWAITING_APPROVAL = "AWAITING_APPROVAL"  # IRREVERSIBLE: forward approval requested (R7)
+    DISPATCHED = "DISPATCHED"  # ExecuteStep sent
+    INTENT_RECORDED = "INTENT_RECORDED"  # the participant appended its intent (R10)
+    RETRY_WAIT = "RETRY_WAIT"  # transient failure; forward retry timer pending
+    RECONCILING = "RECONCILING"  # outcome unknown; ReconcileStep sent or re-reconcile timer
+    UNKNOWN = "UNKNOWN"  # outcome unknown and no lookup: a person must settle it (R11)
+    COMMITTED = "COMMITTED"  # the effect exists
+    FAILED = "FAILED"  # failed finally, never committed
+    CANCELLED = "CANCELLED"  # never ran (or its retry was dropped): the saga stopped going forward
+    ESCALATED = "ESCALATED"  # handed to a person: failed after the pivot, or nothing can undo it
+    # compensation path
+    COMPENSATION_PENDING = "COMPENSATION_PENDING"  # must be undone; waiting for order/resources
+    AWAITING_COMPENSATION_APPROVAL = "AWAITING_COMPENSATION_APPROVAL"  # REQUIRE mode (R13)
+    COMPENSATING = "COMPENSATING"  # CompensateStep sent
+    COMPENSATION_RETRY_WAIT = "COMPENSATION_RETRY_WAIT"  # transient failure; retry timer pending
+    COMPENSATION_ACCEPTED = "COMPENSATION_ACCEPTED"  # accepted asynchronously: not done (R12)
+    COMPENSATED = "COMPENSATED"  # committed (and verified where declared)
+    COMPENSATION_FAILED = "COMPENSATION_FAILED"  # finally failed: incident raised (R3, R8)
+    HELD = "HELD"  # upstream of an explicit edge whose compensation failed (R3)
+
+
+FORWARD_IN_FLIGHT = frozenset(
+    {
+        StepStatus.DISPATCHED,
+        StepStatus.INTENT_RECORDED,
+        StepStatus.RECONCILING,
+        StepStatus.UNKNOWN,
+    }
+)
+"""The step may have taken effect and we do not know yet: nothing moves past it (R11)."""
+
+COMPENSATION_ACTIVE = frozenset(
+    {
+        StepStatus.AWAITING_COMPENSATION_APPROVAL,
+        StepStatus.COMPENSATING,
+        StepStatus.COMPENSATION_RETRY_WAIT,
+        StepStatus.COMPENSATION_ACCEPTED,
+    }
+)
+"""A compensation has started and not finished: it holds the step's resources (R2)."""
+
+NEVER_COMMITTED = frozenset({StepStatus.FAILED, StepStatus.CANCELLED})
+
+COMPENSATION_FINAL = frozenset(
+    {
+        StepStatus.COMPENSATED,
+        StepStatus.COMPENSATION_FAILED,
+        StepStatus.HELD,
+        StepStatus.ESCALATED,
+    }
+)
+
+
+class TimerPurpose(enum.StrEnum):
+    """Why a step has a timer; each step holds at most one timer per purpose."""
+
+    FORWARD_RETRY = "FORWARD_RETRY"
+    COMPENSATION_RETRY = "COMPENSATION_RETRY"
+    RECONCILE_RETRY = "RECONCILE_RETRY"
+    APPROVAL_EXPIRY = "APPROVAL_EXPIRY"
+    REVERSAL_WINDOW = "REVERSAL_WINDOW"
+
+
+class _StateModel(BaseModel):
+    """Mutable inside the core (it works on a private deep copy), bytes as base64."""
+
+    model_config = ConfigDict(extra="forbid", ser_json_bytes="base64", val_json_bytes="base64")
+
+
+class PendingApproval(_StateModel):
+    """The approval the coordinator asked for; a grant must match it exactly (R7)."""
+
+    approval_id: str
+    purpose: ApprovalPurpose
+    scope: str
+    args_fingerprint: str
+    requested_at: int
+    expires_at: int
+
+
+class StepState(_StateModel):
+    """Everything the core knows about one step."""
+
+    step_id: str
+    index: int  # position in scheduling order
+    contract: StepContract
+    args: bytes
+    args_fingerprint: str
+    depends_on: list[str]  # resolved: the implicit predecessor, or the explicit list
+    explicit: bool  # True when depends_on came from the agent (DAG edges, R2/R3)
+    status: StepStatus = StepStatus.SCHEDULED
+    scheduled_at: int
+    idempotency_key: str
+    attempt: int = 0  # last forward attempt dispatched
+    intent_at: int | None = None
+    committed_at: int | None = None
+    provider_operation_id: str | None = None
+    result: bytes | None = None
+    response_fingerprint: str | None = None
+    observation: str = "SCHEDULED"  # what the ledger said last about the forward path
+    last_error: str = ""
+    reconcile_round: int = 0
+    approval: PendingApproval | None = None
+    approval_id: str | None = None  # the grant that released the forward step
+    compensation_attempt: int = 0
+    compensation_provider_operation_id: str | None = None
+    verification: str | None = None  # PASSED | FAILED | NOT_DECLARED
+    reversal_deadline: int | None = None
+    window_expired: bool = False
+    timers: dict[TimerPurpose, int] = Field(default_factory=dict)
+    incident_id: str | None = None
+    note: str = ""
+
+
+class RejectionNote(_StateModel):
+    """A record the core refused (also sent to the DLQ by the shell, R15/R16)."""
+
+    event_id: str
+    type: str
+    reason: str
+    detail: str
+    at: int
+
+
+class SagaState(_StateModel):
+    """One saga, as folded from its ledger. Serialisable for the compacted changelog."""
+
+    schema_version: int = STATE_SCHEMA_VERSION
+    saga_id: str
+    tenant_id: str
+    generation: int
+    workflow: str
+    workflow_version: str
+    policy_version: str
+    sdk_version: str
+    principal: str
+    continue_on_compensation_failure: bool = False
+    started_at: int
+    status: SagaStatus = SagaStatus.RUNNING
+    pivot_committed: str | None = None  # step id of the first pivot that committed (R6)
+    end_requested: SagaOutcome | None = None
+    end_reason: str = ""
+    compensation_reason: str = ""
+    ended_at: int | None = None
+    steps: dict[str, StepState] = Field(default_factory=dict)  # in scheduling order
+    approvals: list[ApprovalRecord] = Field(default_factory=list)
+    incidents: list[IncidentRecord] = Field(default_factory=list)
+    seen: list[str] = Field(default_factory=list)  # recent event ids, oldest first
+    rejected_count: int = 0
+    recent_rejections: list[RejectionNote] = Field(default_factory=list)
+
+    # ------------------------------------------------------------------ serialisation
+
+    def to_bytes(self) -> bytes:
+        """Compact JSON for the changelog; equal states give equal bytes."""
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> SagaState:
+        return cls.model_validate_json(data)
+
+    # ------------------------------------------------------------------------ queries
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status.is_terminal
+
+    def next_due_at(self) -> int | None:
+        """The earliest timer in this saga (epoch ms), or None: when the shell should
+        call ``tick`` next. A terminal saga has no timers."""
+        if self.is_terminal:
+            return None
+        due = [at for step in self.steps.values() for at in step.timers.values()]
+        return min(due) if due else None
+
+    def open_incidents(self) -> list[IncidentRecord]:
+        return [i for i in self.incidents if not i.resolved]
+
+    def incident(self, incident_id: str) -> IncidentRecord | None:
+        for record in self.incidents:
+            if record.incident_id == incident_id:
+                return record
+        return None
