@@ -233,6 +233,9 @@ class DashboardState:
                     self.metrics.duplicate_prevented()
                     return False
                 self._seen_on_ledger.add(event_id)
+                # Measures fold the ledger only: within a saga it is in order (one
+                # partition), while the terminal/incident copies may come first.
+                self.metrics.observe_record(record)
             if event_id in self._seen:
                 return False
             self._seen.add(event_id)
@@ -244,7 +247,6 @@ class DashboardState:
             saga.record_count += 1
             saga.last_at = max(saga.last_at, record.envelope.occurred_at)
             _fold(saga, record)
-            self.metrics.observe_record(record)
             return True
 
     def _saga_for(self, record: Record) -> SagaView | None:
