@@ -19,7 +19,7 @@ WIDTH = 1100
 LABEL_W = 260
 PLOT_X0 = LABEL_W + 10
 PLOT_X1 = WIDTH - 30
-ROW_H = 40
+ROW_H = 46
 TOP = 56
 _TICK_STEPS_MS = (
     1, 2, 5, 10, 20, 50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000, 15_000, 30_000,
@@ -94,8 +94,16 @@ def _bounds(saga: SagaView, now: int) -> tuple[int, int]:
 
 
 def _bar(
-    scale: _Scale, span: Span, y: float, h: float, open_end: int, extra_class: str = ""
+    scale: _Scale,
+    span: Span,
+    y: float,
+    h: float,
+    open_end: int,
+    room: tuple[float, float] = (PLOT_X0, PLOT_X1 + 24),
 ) -> str:
+    """One span as a bar; its caption goes inside, else right or left of it within
+    ``room`` (the free stretch of the lane between its neighbours), else only in the
+    tooltip."""
     end = span.end if span.end is not None else open_end
     x0, x1 = scale.x(span.start), scale.x(end)
     w = max(x1 - x0, 3.0)
@@ -106,12 +114,14 @@ def _bar(
     still = "" if span.end is not None else " (still open)"
     title = f"{span.label or span.kind.value}: {span.outcome}{still}, {duration}"
     dash = ' stroke-dasharray="4 3"' if span.kind is SpanKind.RETRY_WAIT else ""
-    classes = f"span span-{span.kind.value} {extra_class}".strip()
+    classes = f"span span-{span.kind.value}"
     parts = [
         f'<g class="{classes}"><title>{_esc(title)}</title>',
         f'<rect x="{x0:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" rx="2" '
         f'fill="{fill}" stroke="#37474f" stroke-width="0.6"{dash}/>',
     ]
+    if span.end is None:
+        duration += " so far"
     text = duration if span.kind is not SpanKind.APPROVAL else f"{span.outcome} · {duration}"
     if span.kind is SpanKind.COMPENSATION:
         mark = "✓ " if span.outcome == "verified" else ("✗ " if "fail" in span.outcome else "")
@@ -120,17 +130,27 @@ def _bar(
     light = span.kind in (SpanKind.RETRY_WAIT, SpanKind.APPROVAL, SpanKind.UNKNOWN)
     if w >= text_w + 6:
         colour = "#212121" if light else "#ffffff"
+        halo = " halo" if light else ""
         parts.append(
-            f'<text x="{x0 + 4:.1f}" y="{y + h - 3:.1f}" class="bar-text" '
+            f'<text x="{x0 + 4:.1f}" y="{y + h - 3:.1f}" class="bar-text{halo}" '
             f'fill="{colour}">{_esc(text)}</text>'
         )
-    elif x1 + 4 + text_w < PLOT_X1 + 24:
+    elif x0 + w + 4 + text_w < room[1]:
         parts.append(
-            f'<text x="{x0 + w + 4:.1f}" y="{y + h - 3:.1f}" class="bar-text" '
+            f'<text x="{x0 + w + 4:.1f}" y="{y + h - 3:.1f}" class="bar-text halo" '
             f'fill="#37474f">{_esc(text)}</text>'
+        )
+    elif x0 - 4 - text_w > room[0]:
+        parts.append(
+            f'<text x="{x0 - 4:.1f}" y="{y + h - 3:.1f}" class="bar-text halo" '
+            f'fill="#37474f" text-anchor="end">{_esc(text)}</text>'
         )
     parts.append("</g>")
     return "".join(parts)
+
+
+def _end(span: Span, open_end: int) -> int:
+    return span.end if span.end is not None else open_end
 
 
 def _step_label(step: StepView, y: float) -> str:
@@ -146,9 +166,9 @@ def _step_label(step: StepView, y: float) -> str:
         extras.append("read-only")
     tail = f" · {' · '.join(extras)}" if extras else ""
     return (
-        f'<text x="8" y="{y + 15:.1f}" class="step-name">{_esc(step.tool)}'
+        f'<text x="8" y="{y + 20:.1f}" class="step-name">{_esc(step.tool)}'
         f"<title>step {_esc(step.step_id)} on {_esc(step.participant)}</title></text>"
-        f'<text x="8" y="{y + 31:.1f}" class="step-meta">'
+        f'<text x="8" y="{y + 36:.1f}" class="step-meta">'
         f'<tspan fill="{badge[1]}">{badge[0]}</tspan>{_esc(tail)} · {_esc(step.state)}</text>'
     )
 
@@ -160,7 +180,7 @@ def render_timeline_svg(saga: SagaView, now: int) -> str:
     steps = list(saga.steps.values())
     rows_h = max(len(steps), 1) * ROW_H
     legend_y = TOP + rows_h + 34
-    height = legend_y + 40
+    height = legend_y + 44
     open_end = saga.terminal_at if saga.terminal_at is not None else max(now, t0)
     out: list[str] = [
         f'<svg xmlns="http://www.w3.org/2000/svg" class="timeline" viewBox="0 0 {WIDTH} '
@@ -173,6 +193,7 @@ def render_timeline_svg(saga: SagaView, now: int) -> str:
         "</defs>",
         "<style>.step-name{font:600 13px sans-serif;fill:#212121}"
         ".step-meta{font:11px sans-serif;fill:#616161}.bar-text{font:11px sans-serif}"
+        ".halo{paint-order:stroke;stroke:#fff;stroke-width:3px;stroke-linejoin:round}"
         ".axis{font:11px sans-serif;fill:#616161}.zone{font:600 12px sans-serif}"
         ".marker{font:600 11px sans-serif}</style>",
     ]
@@ -219,15 +240,29 @@ def render_timeline_svg(saga: SagaView, now: int) -> str:
         if i % 2:
             out.append(f'<rect x="0" y="{y}" width="{LABEL_W}" height="{ROW_H}" fill="#fafafa"/>')
         out.append(f'<g class="step" data-step="{_esc(step.step_id)}">{_step_label(step, y)}')
-        for span in step.spans:
-            if span.kind is SpanKind.COMPENSATION:
-                out.append(_bar(scale, span, y + 22, 13, open_end))
-            else:
-                out.append(_bar(scale, span, y + 4, 15, open_end))
+        lanes = (
+            ([sp for sp in step.spans if sp.kind is not SpanKind.COMPENSATION], y + 11, 15.0),
+            ([sp for sp in step.spans if sp.kind is SpanKind.COMPENSATION], y + 29, 13.0),
+        )
+        for lane, lane_y, lane_h in lanes:
+            lane.sort(key=lambda sp: sp.start)
+            for j, span in enumerate(lane):
+                left = scale.x(_end(lane[j - 1], open_end)) + 4 if j else float(PLOT_X0)
+                right = scale.x(lane[j + 1].start) - 4 if j + 1 < len(lane) else PLOT_X1 + 24
+                out.append(_bar(scale, span, lane_y, lane_h, open_end, (left, right)))
+        for at, kind in step.incidents:
+            x = scale.x(at)
+            out.append(
+                f'<g class="incident-marker"><title>incident raised: {_esc(kind)} at '
+                f'{_rel(at - t0)}</title><path d="M{x:.1f},{y + 0.5:.1f} l6,10 l-12,0 z" '
+                'fill="#c62828" stroke="#fff" stroke-width="0.8"/>'
+                f'<text x="{x:.1f}" y="{y + 9.5:.1f}" text-anchor="middle" fill="#fff" '
+                'style="font:700 8px sans-serif">!</text></g>'
+            )
         if step.committed_at is not None:
             x = scale.x(step.committed_at)
             out.append(
-                f'<circle cx="{x:.1f}" cy="{y + 11.5}" r="3.5" fill="#1b5e20">'
+                f'<circle cx="{x:.1f}" cy="{y + 18.5}" r="3.5" fill="#1b5e20">'
                 f"<title>committed at {_rel(step.committed_at - t0)}</title></circle>"
             )
         out.append("</g>")
@@ -259,10 +294,15 @@ def render_timeline_svg(saga: SagaView, now: int) -> str:
         ("#1565c0", "attempt running"),
         ("#2e7d32", "committed"),
         ("#c62828", "failed"),
+        ("#ad1457", "rejected / denied"),
         ("url(#hatch-unknown)", "outcome unknown"),
         ("#eeeeee", "retry backoff"),
         ("#ef6c00", "compensation (✓ verified)"),
     ]
+    out.append(
+        f'<path d="M{8:.1f},{legend_y + 28:.1f} l6,-10 l6,10 z" fill="#c62828"/>'
+        f'<text class="axis" x="26" y="{legend_y + 27}">incident raised</text>'
+    )
     x = 8.0
     for fill, name in legend:
         out.append(

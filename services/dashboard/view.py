@@ -108,6 +108,7 @@ class StepView:
     attempts: int = 0
     amount_cents: int | None = None
     incident_id: str | None = None
+    incidents: list[tuple[int, str]] = field(default_factory=list)  # (raised at, kind)
     spans: list[Span] = field(default_factory=list)
 
     def open_span(self, kind: SpanKind, ref: str | None = None) -> Span | None:
@@ -455,7 +456,9 @@ def _fold(saga: SagaView, record: Record) -> None:
         if record.incident_id not in saga.resolved_incidents:
             saga.open_incidents[record.incident_id] = record
         if record.step_id is not None:
-            saga.step(record.step_id, record.tool).incident_id = record.incident_id
+            step = saga.step(record.step_id, record.tool)
+            step.incident_id = record.incident_id
+            step.incidents.append((at, record.kind))
     elif isinstance(record, IncidentResolved):
         saga.resolved_incidents[record.incident_id] = record
         incident = saga.open_incidents.pop(record.incident_id, None)
