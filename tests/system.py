@@ -1,0 +1,122 @@
+"""A whole Sagaline system inside one test process, on the real broker.
+
+The coordinator, each participant runtime and the agent's saga client run as they do
+in production (own consumers, own producers, real transactions), in threads of the
+test process, under a topic prefix of their own. Not a test module; imported by the
+end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from confluent_kafka import Producer
+
+from coordinator.shell import Coordinator
+from participants.catalogue import Catalogue
+from participants.client import SagaClient
+from participants.runtime import ParticipantRuntime
+from schemas import Record
+from schemas.settings import Settings
+from schemas.topics import ensure_topics
+from schemas.wire import producer_config
+from services.ledger import read_partitions, saga_records
+
+
+class System:
+    def __init__(
+        self,
+        bootstrap: str,
+        prefix: str,
+        state_dir: Path,
+        catalogues: list[Catalogue],
+        *,
+        hmac_key: bytes | None = b"test-key",
+        partitions: int = 2,
+    ) -> None:
+        self.bootstrap = bootstrap
+        self.settings = Settings(
+            bootstrap=bootstrap,
+            topic_prefix=prefix,
+            partitions=partitions,
+            hmac_key=hmac_key,
+            state_dir=state_dir,
+        )
+        self.topics = self.settings.topics
+        self.catalogues = catalogues
+        ensure_topics(bootstrap, self.topics, [c.name for c in catalogues], partitions)
+        self.coordinator: Coordinator | None = None
+        self._threads: list[threading.Thread] = []
+        self._runtimes: list[ParticipantRuntime] = []
+        contracts = {}
+        for catalogue in catalogues:
+            contracts.update(catalogue.contracts())
+        self.client = SagaClient(self.settings, bootstrap, contracts=contracts, call_timeout_s=60)
+
+    def __enter__(self) -> System:
+        self.start_coordinator()
+        for catalogue in self.catalogues:
+            runtime = ParticipantRuntime(catalogue, self.settings, self.bootstrap)
+            ready = threading.Event()
+            thread = threading.Thread(target=runtime.run, kwargs={"ready": ready}, daemon=True)
+            thread.start()
+            assert ready.wait(60), f"participant {catalogue.name} did not start"
+            self._runtimes.append(runtime)
+            self._threads.append(thread)
+        self.client.start()
+        return self
+
+    def start_coordinator(self) -> None:
+        self.coordinator = Coordinator(
+            self.settings, self.bootstrap, instance_id=f"test-{uuid.uuid4().hex[:6]}"
+        )
+        thread = threading.Thread(target=self.coordinator.run, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.client.close()
+        for runtime in self._runtimes:
+            runtime.stop()
+        if self.coordinator is not None:
+            self.coordinator.stop()
+        for thread in self._threads:
+            thread.join(30)
+
+    # ------------------------------------------------------------------ reading
+
+    def records(self, saga_id: str) -> list[Record]:
+        return saga_records(self.bootstrap, self.topics.events, saga_id, self.settings.signer())
+
+    def dlq(self) -> list[tuple[bytes | None, dict[str, bytes]]]:
+        out = []
+        for key, _value, headers in read_partitions(self.bootstrap, self.topics.dlq):
+            pairs = headers.items() if isinstance(headers, dict) else headers or []
+            out.append((key, {k: v for k, v in pairs if isinstance(v, bytes)}))
+        return out
+
+    def raw_producer(self) -> Producer:
+        return Producer(producer_config(self.bootstrap))
+
+
+def wait_until(check: Callable[[], Any], timeout_s: float = 60.0, what: str = "") -> Any:
+    """Poll ``check`` until it returns something truthy (a condition with a deadline)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = check()
+        if found:
+            return found
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what or check}")
+        time.sleep(0.2)
