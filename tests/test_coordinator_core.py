@@ -1,0 +1,782 @@
+"""The pure coordinator core, rule by rule (no Kafka: decide/tick on plain records)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+from coordinator_ledger import (
+    Harness,
+    Ledger,
+    approval_requests,
+    compensates,
+    events,
+    executes,
+    fresh,
+    incidents,
+    receipt_of,
+    reconciles,
+    rejections,
+    terminal,
+)
+
+from coordinator import (
+    COORDINATOR_PRODUCER,
+    CorePolicy,
+    CorrelationError,
+    Destination,
+    SagaState,
+    compensation_order,
+    decide,
+    fold,
+    retry_delay_ms,
+    tick,
+)
+from schemas import (
+    ApprovalPurpose,
+    ApprovalRequested,
+    CompensationApproval,
+    CompensationRequested,
+    ExecuteStep,
+    FailureKind,
+    ReconcileResult,
+    RetryPolicy,
+    Reversibility,
+    SagaOutcome,
+    StepRetryScheduled,
+    TerminalStatus,
+    compensation_key,
+    key_hash,
+)
+from schemas.receipt import Disposition
+
+
+def running(*steps: str, **kw: Any) -> tuple[Ledger, Harness]:
+    """A saga whose steps (implicit chain) have all committed."""
+    ledger, h = fresh()
+    h.feed(ledger.started(**kw))
+    for step in steps:
+        h.feed(ledger.scheduled(step))
+        h.feed(ledger.committed(step))
+    return ledger, h
+
+
+# ------------------------------------------------------------------ R15 dedup
+
+
+def test_duplicate_event_changes_nothing_R15() -> None:
+    ledger, h = running("reserve")
+    scheduled = ledger.scheduled("charge")
+    h.feed(scheduled)
+    before = h.s.to_bytes()
+    decision = decide(h.state, scheduled, h.now + 5)
+    assert decision.outputs == []
+    assert decision.changed is False
+    assert decision.state is h.state
+    assert decision.state is not None and decision.state.to_bytes() == before
+
+
+def test_stale_generation_is_rejected_and_recorded_R15() -> None:
+    ledger, h = fresh(generation=2)
+    h.feed(ledger.started(), ledger.scheduled("reserve"))
+    stale = ledger.committed("reserve", generation=1)
+    out = h.feed(stale)
+    [rejected] = rejections(out)
+    assert rejected.reason == "stale-generation"
+    assert rejected.record is stale
+    assert h.status("reserve") == "DISPATCHED"
+    assert h.s.rejected_count == 1
+    assert h.s.recent_rejections[-1].reason == "stale-generation"
+    # redelivery of the same stale record is a duplicate: not rejected twice
+    assert h.feed(stale) == []
+    assert h.s.rejected_count == 1
+
+
+def test_coordinator_own_events_coming_back_are_no_ops_R15() -> None:
+    ledger, h = running("reserve")
+    out = h.feed(
+        ledger.scheduled("charge"), ledger.failed("charge", kind=FailureKind.BUSINESS_REJECTION)
+    )
+    own = [o.record for o in out if o.appends_to_events]
+    assert own, "compensating emits CompensationRequested"
+    before = h.s.to_bytes()
+    for record in own:
+        decision = decide(h.state, record, h.now)
+        assert decision.outputs == [] and decision.changed is False
+    assert h.s.to_bytes() == before
+    assert all(r.envelope.producer == COORDINATOR_PRODUCER for r in own)
+
+
+def test_redeciding_the_same_input_gives_identical_outputs_R15() -> None:
+    ledger, h = running("reserve", "charge")
+    state = h.state
+    failure = ledger.failed("charge", kind=FailureKind.BUSINESS_REJECTION)
+    first = decide(state, failure, 5_000)
+    second = decide(state, failure, 5_000)
+    assert [o.record for o in first.outputs] == [o.record for o in second.outputs]
+    assert first.state is not None and second.state is not None
+    assert first.state.to_bytes() == second.state.to_bytes()
+
+
+def test_dedup_memory_is_bounded_per_saga_R15() -> None:
+    ledger, _h = fresh()
+    policy = CorePolicy(dedup_memory=4)
+    state = decide(None, ledger.started(), 1, policy).state
+    for i in range(10):
+        state = decide(state, ledger.scheduled(f"s{i}", depends_on=[]), 2 + i, policy).state
+    assert state is not None and len(state.seen) == 4
+
+
+def test_record_for_unknown_saga_is_rejected_R16() -> None:
+    ledger = Ledger()
+    ledger.scheduled("reserve")
+    decision = decide(None, ledger.committed("reserve"), 1)
+    assert decision.state is None
+    [rejected] = decision.outputs
+    assert rejected.destination is Destination.REJECTED and rejected.reason == "unknown-saga"
+
+
+def test_record_for_terminal_saga_is_a_no_op_R14() -> None:
+    ledger, h = fresh()
+    out = h.feed(ledger.started(), ledger.end())
+    assert terminal(out) is not None
+    before = h.s.to_bytes()
+    assert h.feed(ledger.scheduled("late")) == []
+    assert h.s.to_bytes() == before
+
+
+def test_record_of_another_saga_is_a_routing_error() -> None:
+    _ledger, h = running("reserve")
+    other = Ledger("saga-2")
+    with pytest.raises(CorrelationError, match="route records by saga id"):
+        decide(h.state, other.started(), 1)
+
+
+def test_new_generation_reissues_in_flight_commands_under_it_R15() -> None:
+    ledger, h = fresh()
+    h.feed(ledger.started(), ledger.scheduled("reserve"))
+    out = h.feed(ledger.started(generation=2))
+    [command] = [r for r in (o.record for o in out) if isinstance(r, ExecuteStep)]
+    assert command.envelope.generation == 2
+    assert command.idempotency_key == ledger.key("reserve")
+    assert rejections(h.feed(ledger.committed("reserve", generation=1)))  # old run: stale
+
+
+# ------------------------------------------------------------------ forward path
+
+
+def test_scheduled_step_is_dispatched_with_its_idempotency_key() -> None:
+    ledger, h = fresh()
+    out = h.feed(ledger.started(), ledger.scheduled("reserve", participant="inventory"))
+    [cmd] = [o for o in out if o.destination is Destination.COMMAND]
+    assert cmd.participant == "inventory"
+    assert isinstance(cmd.record, ExecuteStep)
+    assert cmd.record.idempotency_key == ledger.key("reserve")
+    assert cmd.record.attempt == 1 and cmd.record.principal == "alice"
+
+
+def test_implicit_chain_waits_for_previous_step_to_commit_R2() -> None:
+    ledger, h = fresh()
+    h.feed(ledger.started(), ledger.scheduled("a"))
+    assert executes(h.feed(ledger.scheduled("b"))) == []
+    assert executes(h.feed(ledger.committed("a"))) == ["b"]
+
+
+def test_explicit_independent_steps_are_dispatched_together_R2() -> None:
+    ledger, h = fresh()
+    h.feed(ledger.started())
+    out = h.feed(ledger.scheduled("a", depends_on=[]), ledger.scheduled("b", depends_on=[]))
+    assert executes(out) == ["a", "b"]
+
+
+def test_dependency_on_unscheduled_step_is_rejected() -> None:
+    ledger, h = fresh()
+    h.feed(ledger.started())
+    [rejected] = rejections(h.feed(ledger.scheduled("b", depends_on=["nope"])))
+    assert rejected.reason == "invalid-dependency"
+    assert "b" not in h.s.steps
+
+
+def test_step_id_reused_with_other_arguments_is_rejected() -> None:
+    ledger, h = fresh()
+    h.feed(ledger.started(), ledger.scheduled("a", args={"n": 1}))
+    [rejected] = rejections(h.feed(ledger.scheduled("a", args={"n": 2})))
+    assert rejected.reason == "duplicate-step"
+
+
+# ------------------------------------------------------------------ R7 approvals
+
+
+def irreversible_pending() -> tuple[Ledger, Harness, ApprovalRequested]:
+    ledger, h = running("hold")
+    out = h.feed(ledger.scheduled("wire", reversibility=Reversibility.IRREVERSIBLE))
+    [request] = approval_requests(out)
+    return ledger, h, request
+
+
+def test_irreversible_step_waits_for_approval_before_running_R7() -> None:
+    ledger, h, request = irreversible_pending()
+    assert h.status("wire") == "AWAITING_APPROVAL"
+    assert "wire" not in executes(h.outputs)
+    out = h.feed(ledger.grant(request))
+    [cmd] = [r for r in (o.record for o in out) if isinstance(r, ExecuteStep)]
+    assert cmd.step_id == "wire" and cmd.approval_id == request.approval_id
+
+
+@pytest.mark.parametrize(
+    ("override", "why"),
+    [
+        ({"args_fingerprint": "other-args"}, "arguments"),
+        ({"principal": "mallory"}, "principal"),
+        ({"scope": "svc/other:execute"}, "scope"),
+        ({"approval_id": "appr-forged"}, "approval id"),
+    ],
+)
+def test_grant_that_does_not_match_the_request_does_not_count_R7(
+    override: dict[str, str], why: str
+) -> None:
+    ledger, h, request = irreversible_pending()
+    out = h.feed(ledger.grant(request, **override))
+    [rejected] = rejections(out)
+    assert rejected.reason == "approval-mismatch" and why in rejected.detail
+    assert executes(out) == []
+    assert h.status("wire") == "AWAITING_APPROVAL"
+    assert h.s.approvals[-1].decision == "REJECTED_MISMATCH"
+
+
+def test_grant_after_its_expiry_does_not_count_R7() -> None:
+    ledger, h, request = irreversible_pending()
+    late = ledger.grant(request, occurred_at=request.expires_at + 1)
+    out = h.feed(late)
+    assert [r.reason for r in rejections(out)] == ["approval-mismatch"]
+    assert h.s.approvals[-1].decision == "EXPIRED"
+    assert executes(out) == []
+
+
+def test_unanswered_approval_expires_and_the_saga_unwinds_R7() -> None:
+    _ledger, h, _request = irreversible_pending()
+    out = h.advance(CorePolicy().approval_ttl_ms + 10)
+    assert h.status("wire") == "FAILED"
+    assert compensates(out) == ["hold"]
+    assert h.s.approvals[-1].decision == "EXPIRED"
+
+
+def test_denial_is_a_business_rejection_not_retried_R7_R9() -> None:
+    ledger, h, request = irreversible_pending()
+    out = h.feed(ledger.deny(request))
+    assert h.status("wire") == "FAILED"
+    assert events(out, StepRetryScheduled) == []
+    assert compensates(out) == ["hold"]
+
+
+# ------------------------------------------------------------------ R8/R9 retries
+
+
+def test_transient_failure_is_retried_with_the_same_key_after_backoff_R8() -> None:
+    ledger, h = running("hold")
+    h.feed(ledger.scheduled("charge"))
+    out = h.feed(ledger.failed("charge"))
+    [retry] = events(out, StepRetryScheduled)
+    assert retry.attempt == 2 and retry.due_at > h.now
+    assert executes(h.advance(retry.due_at - h.now - 1)) == []  # not yet due
+    out = h.advance(1)
+    [cmd] = [r for r in (o.record for o in out) if isinstance(r, ExecuteStep)]
+    assert cmd.attempt == 2 and cmd.idempotency_key == ledger.key("charge")
+
+
+def test_retry_delay_is_bounded_exponential_with_deterministic_jitter_R8() -> None:
+    policy = RetryPolicy(max_attempts=10, initial_backoff_ms=100, max_backoff_ms=1_000)
+    delays = [retry_delay_ms(policy, n, "s", "a", n) for n in range(1, 8)]
+    assert delays == [retry_delay_ms(policy, n, "s", "a", n) for n in range(1, 8)]
+    for n, delay in enumerate(delays, start=1):
+        base = min(1_000, 100 * 2 ** (n - 1))
+        assert base // 2 <= delay <= base
+    assert len({retry_delay_ms(policy, 3, "s", step, 3) for step in "abcdefgh"}) > 1
+
+
+def test_business_rejection_starts_compensation_at_once_R9() -> None:
+    ledger, h = running("hold", "restock")
+    h.feed(ledger.scheduled("charge"))
+    out = h.feed(ledger.failed("charge", kind=FailureKind.BUSINESS_REJECTION))
+    assert events(out, StepRetryScheduled) == []
+    assert compensates(out) == ["restock"]
+    assert h.s.status.value == "COMPENSATING"
+
+
+def test_exhausted_forward_retries_start_compensation_R8() -> None:
+    ledger, h = running("hold")
+    h.feed(ledger.scheduled("charge", retry=RetryPolicy(max_attempts=2)))
+    h.feed(ledger.failed("charge", attempt=1))
+    h.run_timers()
+    out = h.feed(ledger.failed("charge", attempt=2))
+    assert h.status("charge") == "FAILED"
+    assert compensates(out) == ["hold"]
+
+
+def test_compensations_are_retried_with_the_generous_policy_and_the_same_key_R8() -> None:
+    ledger, h = running("hold")
+    h.feed(ledger.scheduled("charge"))
+    h.feed(ledger.failed("charge", kind=FailureKind.BUSINESS_REJECTION))
+    keys = []
+    for attempt in range(1, 8):  # default compensation_retry allows 8 attempts
+        h.feed(ledger.comp_failed("hold", attempt=attempt))
+        out = h.run_timers()
+        [req] = events(out, CompensationRequested)
+        assert req.attempt == attempt + 1
+        keys.append(req.compensation_key)
+    assert set(keys) == {compensation_key(ledger.key("hold"))}
+    assert h.status("hold") == "COMPENSATING"
+
+
+# ------------------------------------------------------------------ R11 unknown outcome
+
+
+def test_unknown_outcome_with_lookup_is_reconciled_R11() -> None:
+    ledger, h = fresh()
+    h.feed(ledger.started(), ledger.scheduled("charge", has_lookup=True))
+    out = h.feed(ledger.unknown("charge"))
+    assert reconciles(out) == ["charge"]
+    assert h.status("charge") == "RECONCILING"
+
+
+def test_nothing_moves_past_an_unknown_step_R11() -> None:
+    ledger, h = fresh()
+    h.feed(ledger.started(), ledger.scheduled("charge", has_lookup=True), ledger.scheduled("email"))
+    h.feed(ledger.unknown("charge"), ledger.end())
+    assert "email" not in executes(h.outputs)
+    assert terminal(h.outputs) is None
+    out = h.feed(ledger.reconciled("charge", ReconcileResult.COMMITTED))
+    assert executes(out) == ["email"]
+    assert h.s.steps["charge"].observation == "RECONCILED_COMMITTED"
+
+
+def test_reconciled_not_found_is_retried_with_the_same_key_R11() -> None:
+    ledger, h = fresh()
+    h.feed(ledger.started(), ledger.scheduled("charge", has_lookup=True), ledger.unknown("charge"))
+    out = h.feed(ledger.reconciled("charge", ReconcileResult.NOT_FOUND))
+    assert [r.attempt for r in events(out, StepRetryScheduled)] == [2]
+    out = h.run_timers()
+    [cmd] = [r for r in (o.record for o in out) if isinstance(r, ExecuteStep)]
+    assert cmd.attempt == 2 and cmd.idempotency_key == ledger.key("charge")
+
+
+def test_reconciled_pending_is_looked_up_again_on_a_timer_R11() -> None:
+    ledger, h = fresh()
+    h.feed(ledger.started(), ledger.scheduled("charge", has_lookup=True), ledger.unknown("charge"))
+    assert reconciles(h.feed(ledger.reconciled("charge", ReconcileResult.PENDING))) == []
+    assert h.s.next_due_at() is not None
+    assert reconciles(h.run_timers(limit=1)) == ["charge"]
+
+
+def test_reconciliation_that_stays_pending_goes_to_a_person_R11() -> None:
+    ledger, h = fresh()
+    policy_rounds = CorePolicy().reconcile_rounds
+    h.feed(ledger.started(), ledger.scheduled("charge", has_lookup=True), ledger.unknown("charge"))
+    for _ in range(policy_rounds):
+        h.feed(ledger.reconciled("charge", ReconcileResult.PENDING))
+        h.run_timers(limit=1)
+    assert h.status("charge") == "UNKNOWN"
+    [incident] = incidents(h.outputs)
+    assert incident.kind == "unknown-outcome"
+
+
+def test_unknown_outcome_without_lookup_raises_an_incident_a_person_settles_R11() -> None:
+    ledger, h = fresh()
+    h.feed(
+        ledger.started(), ledger.scheduled("charge", owner="payments"), ledger.scheduled("email")
+    )
+    out = h.feed(ledger.unknown("charge"))
+    [incident] = incidents(out)
+    assert incident.kind == "unknown-outcome" and incident.owner == "payments"
+    assert reconciles(out) == []
+    [rejected] = rejections(h.feed(ledger.resolve(incident.incident_id, "looked fine")))
+    assert "COMMITTED or NOT_FOUND" in rejected.detail
+    out = h.feed(ledger.resolve(incident.incident_id, "COMMITTED"))
+    assert executes(out) == ["email"]
+    assert h.s.incidents[0].resolved
+
+
+def test_person_resolving_not_found_retries_the_step_R11() -> None:
+    ledger, h = fresh()
+    h.feed(ledger.started(), ledger.scheduled("charge"))
+    [incident] = incidents(h.feed(ledger.unknown("charge")))
+    h.feed(ledger.resolve(incident.incident_id, "NOT_FOUND"))
+    assert h.status("charge") == "RETRY_WAIT"
+
+
+def test_participant_incident_for_unknown_outcome_is_not_duplicated_R11() -> None:
+    ledger, h = fresh()
+    h.feed(ledger.started(), ledger.scheduled("charge"))
+    h.feed(ledger.participant_incident("charge", "inc-p1"))
+    assert incidents(h.feed(ledger.unknown("charge"))) == []
+    h.feed(ledger.resolve("inc-p1", "committed"))
+    assert h.status("charge") == "COMMITTED"
+
+
+# ------------------------------------------------------------------ R1-R3 compensation
+
+
+def test_only_committed_steps_are_compensated_R1() -> None:
+    ledger, h = running("hold")
+    h.feed(ledger.scheduled("restock", depends_on=[]), ledger.scheduled("charge", depends_on=[]))
+    h.feed(ledger.failed("restock", kind=FailureKind.BUSINESS_REJECTION))
+    assert compensates(h.outputs) == ["hold"]  # independent of the failed step
+    out = h.feed(ledger.committed("charge"))  # in flight when the unwind began
+    assert compensates(out) == ["charge"]
+    assert "restock" not in compensates(h.outputs)
+
+
+def test_unwind_waits_for_in_flight_dependents_before_undoing_their_dependencies_R1_R2() -> None:
+    ledger, h = running("hold")
+    h.feed(ledger.scheduled("restock", depends_on=["hold"]))
+    h.feed(ledger.scheduled("email", depends_on=[]))
+    out = h.feed(ledger.failed("email", kind=FailureKind.BUSINESS_REJECTION))
+    assert compensates(out) == []  # restock may still commit: hold must wait
+    out = h.feed(ledger.committed("restock"))
+    assert compensates(out) == ["restock"]
+    assert compensates(h.feed(ledger.comp_committed("restock"))) == ["hold"]
+
+
+def test_plain_chain_unwinds_last_in_first_out_R2() -> None:
+    ledger, h = running("a", "b", "c")
+    h.feed(ledger.scheduled("d"))
+    order = compensates(h.feed(ledger.failed("d", kind=FailureKind.BUSINESS_REJECTION)))
+    for step in ("c", "b", "a"):
+        order += compensates(h.feed(ledger.comp_committed(step)))
+    assert order == ["c", "b", "a"]
+
+
+def test_independent_branches_compensate_together_R2() -> None:
+    ledger, h = fresh()
+    h.feed(ledger.started())
+    for step in ("flight", "hotel"):
+        h.feed(ledger.scheduled(step, depends_on=[]), ledger.committed(step))
+    h.feed(ledger.scheduled("ship", depends_on=["flight", "hotel"]), ledger.committed("ship"))
+    h.feed(ledger.scheduled("pay", depends_on=["ship"]))
+    out = h.feed(ledger.failed("pay", kind=FailureKind.BUSINESS_REJECTION))
+    assert compensates(out) == ["ship"]
+    assert compensation_order(h.s) == [["ship"], ["hotel", "flight"]]
+    assert sorted(compensates(h.feed(ledger.comp_committed("ship")))) == ["flight", "hotel"]
+
+
+def test_steps_sharing_a_resource_are_compensated_one_at_a_time_R2() -> None:
+    ledger, h = fresh()
+    h.feed(ledger.started())
+    for step in ("x", "y", "z"):
+        h.feed(ledger.scheduled(step, depends_on=[], resources=["acct:1"] if step != "z" else []))
+        h.feed(ledger.committed(step))
+    h.feed(ledger.scheduled("boom", depends_on=[]))
+    out = h.feed(ledger.failed("boom", kind=FailureKind.BUSINESS_REJECTION))
+    assert compensates(out) == ["z", "y"]
+    assert compensates(h.feed(ledger.comp_committed("z"))) == []
+    assert compensates(h.feed(ledger.comp_committed("y"))) == ["x"]
+
+
+def test_failed_compensation_raises_an_incident_and_the_unwind_continues_R3() -> None:
+    ledger, h = running("hold")
+    h.feed(
+        ledger.scheduled(
+            "restock",
+            resources=["sku:42"],
+            owner="warehouse-team",
+            compensation_retry=RetryPolicy(max_attempts=1),
+        )
+    )
+    h.feed(ledger.committed("restock"), ledger.scheduled("charge"))
+    h.feed(ledger.failed("charge", kind=FailureKind.BUSINESS_REJECTION))
+    out = h.feed(ledger.comp_failed("restock"))
+    [incident] = incidents(out)
+    assert incident.owner == "warehouse-team"
+    assert incident.resources == ["sku:42"]
+    assert incident.step_id == "restock" and "op-restock" in incident.effect
+    assert "not undone" in incident.inconsistency
+    assert compensates(out) == ["hold"]  # implicit edge: continue
+    out = h.feed(ledger.comp_committed("hold"))
+    receipt = receipt_of(out)
+    assert receipt.status is TerminalStatus.ESCALATED
+    assert receipt.unresolved == ["restock"]
+    assert receipt.owner == "warehouse-team"
+
+
+def explicit_pair(**started: Any) -> tuple[Ledger, Harness]:
+    ledger, h = fresh()
+    h.feed(ledger.started(**started))
+    h.feed(ledger.scheduled("account", depends_on=[]), ledger.committed("account"))
+    h.feed(
+        ledger.scheduled(
+            "card",
+            depends_on=["account"],
+            owner="cards",
+            compensation_retry=RetryPolicy(max_attempts=1),
+        )
+    )
+    h.feed(ledger.committed("card"))
+    h.feed(ledger.scheduled("boom", depends_on=[]))
+    h.feed(ledger.failed("boom", kind=FailureKind.BUSINESS_REJECTION))
+    return ledger, h
+
+
+def test_explicit_upstream_is_held_when_its_dependent_cannot_be_undone_R3() -> None:
+    ledger, h = explicit_pair()
+    out = h.feed(ledger.comp_failed("card"))
+    assert compensates(out) == []
+    assert h.status("account") == "HELD"
+    receipt = receipt_of(out)
+    assert receipt.status is TerminalStatus.ESCALATED
+    assert set(receipt.unresolved) == {"card", "account"}
+    held = next(s for s in receipt.steps if s.step_id == "account")
+    assert held.disposition is Disposition.ESCALATED and held.incident_id is not None
+
+
+def test_continue_on_compensation_failure_unwinds_past_explicit_edges_R3() -> None:
+    ledger, h = explicit_pair(continue_on_compensation_failure=True)
+    out = h.feed(ledger.comp_failed("card"))
+    assert compensates(out) == ["account"]
+
+
+# ------------------------------------------------------------------ R6 pivot
+
+
+def pivoted() -> tuple[Ledger, Harness]:
+    ledger, h = running("hold", "restock")
+    h.feed(ledger.scheduled("credit", pivot=True), ledger.committed("credit"))
+    return ledger, h
+
+
+def test_failure_after_the_pivot_is_retried_forward_never_compensated_R6() -> None:
+    ledger, h = pivoted()
+    h.feed(ledger.scheduled("email", retry=RetryPolicy(max_attempts=3)))
+    h.feed(ledger.failed("email"))
+    out = h.run_timers()
+    [cmd] = [r for r in (o.record for o in out) if isinstance(r, ExecuteStep)]
+    assert cmd.attempt == 2 and cmd.idempotency_key == ledger.key("email")
+    out = h.feed(ledger.committed("email", attempt=2), ledger.end())
+    assert compensates(h.outputs) == []
+    assert receipt_of(out).status is TerminalStatus.COMPLETED
+
+
+def test_exhausted_forward_work_after_the_pivot_escalates_R6() -> None:
+    ledger, h = pivoted()
+    h.feed(ledger.scheduled("email", retry=RetryPolicy(max_attempts=2), owner="support"))
+    h.feed(ledger.failed("email"))
+    h.run_timers()
+    out = h.feed(ledger.failed("email", attempt=2))
+    [incident] = incidents(out)
+    assert incident.kind == "forward-failed-after-pivot" and incident.owner == "support"
+    out = h.feed(ledger.end(SagaOutcome.ABORT))
+    receipt = receipt_of(out)
+    assert receipt.status is TerminalStatus.ESCALATED
+    assert compensates(h.outputs) == []
+    assert {s.step_id: s.disposition for s in receipt.steps}["credit"] is Disposition.RETAINED
+
+
+def test_business_rejection_after_the_pivot_escalates_without_retry_R6_R9() -> None:
+    ledger, h = pivoted()
+    h.feed(ledger.scheduled("email"))
+    out = h.feed(ledger.failed("email", kind=FailureKind.BUSINESS_REJECTION))
+    assert events(out, StepRetryScheduled) == []
+    assert h.status("email") == "ESCALATED"
+
+
+def test_pivot_waits_until_every_earlier_step_committed_R6() -> None:
+    ledger, h = fresh()
+    h.feed(ledger.started(), ledger.scheduled("a", depends_on=[]))
+    out = h.feed(ledger.scheduled("credit", depends_on=[], pivot=True))
+    assert executes(out) == []
+    assert executes(h.feed(ledger.committed("a"))) == ["credit"]
+
+
+def test_abort_while_the_pivot_is_in_flight_waits_for_its_outcome_R6() -> None:
+    ledger, h = running("hold")
+    h.feed(ledger.scheduled("credit", pivot=True))
+    assert compensates(h.feed(ledger.end(SagaOutcome.ABORT))) == []
+    out = h.feed(ledger.committed("credit"))
+    assert compensates(h.outputs) == []
+    assert receipt_of(out).status is TerminalStatus.COMPLETED
+
+
+def test_abort_before_the_pivot_compensates_R6() -> None:
+    ledger, h = running("hold")
+    h.feed(ledger.scheduled("credit", pivot=True))
+    h.feed(ledger.end(SagaOutcome.ABORT))
+    out = h.feed(ledger.failed("credit", kind=FailureKind.BUSINESS_REJECTION))
+    assert compensates(out) == ["hold"]
+
+
+# ------------------------------------------------------------------ R12 async / verification
+
+
+def failing_after(step: str, **kw: Any) -> tuple[Ledger, Harness]:
+    ledger, h = fresh()
+    h.feed(ledger.started(), ledger.scheduled(step, **kw), ledger.committed(step))
+    h.feed(ledger.scheduled("boom"), ledger.failed("boom", kind=FailureKind.BUSINESS_REJECTION))
+    return ledger, h
+
+
+def test_accepted_compensation_is_not_done_until_committed_R12() -> None:
+    ledger, h = failing_after("refund")
+    out = h.feed(ledger.comp_accepted("refund"))
+    assert terminal(out) is None and h.status("refund") == "COMPENSATION_ACCEPTED"
+    out = h.feed(ledger.comp_committed("refund"))
+    assert receipt_of(out).status is TerminalStatus.COMPENSATED
+
+
+def test_verified_false_is_a_failed_compensation_R12() -> None:
+    ledger, h = failing_after("refund", has_verify=True)
+    out = h.feed(ledger.comp_committed("refund", verified=False))
+    assert [i.kind for i in incidents(out)] == ["compensation-not-verified"]
+    receipt = receipt_of(out)
+    assert receipt.status is TerminalStatus.ESCALATED
+    assert receipt.steps[0].verification == "FAILED"
+
+
+def test_declared_verification_that_is_not_reported_does_not_count_R12() -> None:
+    ledger, h = failing_after("refund", has_verify=True)
+    out = h.feed(ledger.comp_committed("refund", verified=None))
+    assert receipt_of(out).status is TerminalStatus.ESCALATED
+
+
+def test_verified_compensation_is_recorded_in_the_receipt_R12() -> None:
+    ledger, h = failing_after("refund", has_verify=True)
+    out = h.feed(ledger.comp_committed("refund", verified=True))
+    receipt = receipt_of(out)
+    assert receipt.status is TerminalStatus.COMPENSATED
+    assert receipt.steps[0].verification == "PASSED"
+
+
+# ------------------------------------------------------------------ R13
+
+
+def test_expired_reversal_window_becomes_an_incident_R13() -> None:
+    slow_retry = RetryPolicy(max_attempts=5, initial_backoff_ms=5_000, max_backoff_ms=10_000)
+    ledger, h = failing_after("booking", reversal_window_ms=1_000, compensation_retry=slow_retry)
+    assert h.status("booking") == "COMPENSATING"
+    h.feed(ledger.comp_failed("booking"))  # transient: a retry is scheduled ...
+    window = h.s.steps["booking"].reversal_deadline
+    assert window is not None
+    out = h.advance(window - h.now)  # ... but the window closes first
+    kinds = [i.kind for i in incidents(out)]
+    assert "reversal-window-expired" in kinds
+    assert compensates(out) == []
+    assert receipt_of(out).status is TerminalStatus.ESCALATED
+
+
+def test_compensation_requiring_approval_asks_before_compensating_R13() -> None:
+    ledger, h = failing_after("refund", compensation_approval=CompensationApproval.REQUIRE)
+    [request] = approval_requests(h.outputs)
+    assert request.purpose is ApprovalPurpose.COMPENSATION
+    assert compensates(h.outputs) == []
+    out = h.feed(ledger.grant(request))
+    assert compensates(out) == ["refund"]
+
+
+def test_denied_compensation_approval_escalates_R13() -> None:
+    ledger, h = failing_after("refund", compensation_approval=CompensationApproval.REQUIRE)
+    [request] = approval_requests(h.outputs)
+    out = h.feed(ledger.deny(request))
+    assert [i.kind for i in incidents(out)] == ["compensation-denied"]
+    assert receipt_of(out).status is TerminalStatus.ESCALATED
+
+
+@pytest.mark.parametrize(
+    "mode", [CompensationApproval.INHERIT, CompensationApproval.ALWAYS_ALLOWED]
+)
+def test_inherited_or_always_allowed_compensation_runs_at_once_R13(
+    mode: CompensationApproval,
+) -> None:
+    _ledger, h = failing_after("refund", compensation_approval=mode)
+    assert compensates(h.outputs) == ["refund"]
+    assert approval_requests(h.outputs) == []
+
+
+def test_committed_step_without_compensation_escalates_by_name_R3_R14() -> None:
+    _ledger, h = failing_after("notify", compensation=None, owner="comms")
+    [incident] = incidents(h.outputs)
+    assert incident.kind == "no-compensation" and incident.owner == "comms"
+    receipt = receipt_of(h.outputs)
+    assert receipt.status is TerminalStatus.ESCALATED and receipt.unresolved == ["notify"]
+
+
+# ------------------------------------------------------------------ R14 receipt
+
+
+def test_receipt_lists_every_step_and_its_evidence_R14() -> None:
+    ledger, h = fresh()
+    h.feed(ledger.started(workflow_version="7", policy_version="3"))
+    h.feed(ledger.scheduled("lookup", read_only=True), ledger.committed("lookup"))
+    h.feed(ledger.scheduled("hold"), ledger.intent("hold"), ledger.committed("hold"))
+    h.feed(ledger.scheduled("wire", reversibility=Reversibility.IRREVERSIBLE))
+    [request] = approval_requests(h.outputs)
+    h.feed(ledger.grant(request), ledger.failed("wire", kind=FailureKind.BUSINESS_REJECTION))
+    out = h.feed(ledger.comp_committed("hold"))
+    receipt = receipt_of(out)
+    assert (receipt.workflow_version, receipt.policy_version) == ("7", "3")
+    assert receipt.principal == "alice" and receipt.status is TerminalStatus.COMPENSATED
+    by_step = {s.step_id: s for s in receipt.steps}
+    assert by_step["lookup"].disposition is Disposition.READ_ONLY
+    hold = by_step["hold"]
+    assert hold.disposition is Disposition.COMPENSATED
+    assert hold.idempotency_key_hash == key_hash(ledger.key("hold"))
+    assert hold.provider_operation_id == "op-hold" and hold.intent_at is not None
+    assert hold.compensation_attempts == 1 and hold.verification == "NOT_DECLARED"
+    assert by_step["wire"].disposition is Disposition.NOT_COMMITTED
+    assert [a.decision for a in receipt.approvals] == ["GRANTED"]
+    assert receipt.unresolved == []
+
+
+def test_terminal_record_goes_to_the_terminal_topic_and_the_ledger_R14() -> None:
+    ledger, h = fresh()
+    out = h.feed(ledger.started(), ledger.end())
+    [term] = [o for o in out if o.destination is Destination.TERMINAL]
+    assert term.appends_to_events
+    assert h.s.is_terminal and h.s.next_due_at() is None
+
+
+# ------------------------------------------------------------------ state & fold (R5)
+
+
+def test_state_round_trips_through_bytes() -> None:
+    ledger, h = running("hold")
+    h.feed(ledger.scheduled("charge"), ledger.failed("charge"))
+    data = h.s.to_bytes()
+    assert SagaState.from_bytes(data).to_bytes() == data
+    assert SagaState.from_bytes(data).steps["hold"].result == orjson.dumps({"id": "op-hold"})
+
+
+def test_next_due_at_reports_the_earliest_timer() -> None:
+    ledger, h = running("hold")
+    h.feed(ledger.scheduled("charge"))
+    out = h.feed(ledger.failed("charge"))
+    [retry] = events(out, StepRetryScheduled)
+    assert h.s.next_due_at() == retry.due_at
+    nothing = tick(h.s, retry.due_at - 1)
+    assert nothing.outputs == [] and nothing.state is h.state
+
+
+def test_fold_of_the_log_rebuilds_the_live_state_R5() -> None:
+    ledger, h = fresh()
+    h.feed(ledger.started(), ledger.scheduled("hold"), ledger.committed("hold"))
+    h.feed(ledger.scheduled("charge"), ledger.failed("charge"))
+    h.run_timers()  # the retry fires from a timer, not from a record
+    h.feed(ledger.failed("charge", attempt=2, kind=FailureKind.BUSINESS_REJECTION))
+    h.feed(ledger.comp_committed("hold"))
+    rebuilt = fold(h.log)["saga-1"]
+    assert rebuilt.to_bytes() == fold(h.log)["saga-1"].to_bytes()
+    assert rebuilt.status == h.s.status
+    assert {k: (v.status, v.attempt) for k, v in rebuilt.steps.items()} == {
+        k: (v.status, v.attempt) for k, v in h.s.steps.items()
+    }
+
+
+def test_commands_on_the_events_topic_are_rejected_R16() -> None:
+    ledger, h = fresh()
+    out = h.feed(ledger.started(), ledger.scheduled("hold"))
+    [cmd] = [o.record for o in out if o.destination is Destination.COMMAND]
+    forged = cmd.model_copy(
+        update={
+            "envelope": cmd.envelope.model_copy(update={"producer": "someone", "event_id": "x"})
+        }
+    )
+    [rejected] = rejections(h.feed(forged))
+    assert rejected.reason == "not-an-event"
