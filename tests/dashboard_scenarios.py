@@ -327,7 +327,7 @@ def unknown_outcome(saga_id: str = "s-unknown") -> SagaScript:
     tool = s.steps["2"][0]
     s.add(StepOutcomeUnknown, step_id="2", tool=tool, idempotency_key=s.key("2"), attempt=1,
           reason="deadline 10000 ms passed")  # fmt: skip
-    s.incident("2", "outcome-unknown", owner="warehouse-oncall")
+    s.incident("2", "unknown-outcome", owner="warehouse-oncall")
     return s
 
 

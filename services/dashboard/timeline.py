@@ -179,7 +179,7 @@ def render_timeline_svg(saga: SagaView, now: int) -> str:
     scale = _Scale(t0, t1)
     steps = list(saga.steps.values())
     rows_h = max(len(steps), 1) * ROW_H
-    legend_y = TOP + rows_h + 34
+    legend_y = TOP + rows_h + 50
     height = legend_y + 44
     open_end = saga.terminal_at if saga.terminal_at is not None else max(now, t0)
     out: list[str] = [
@@ -240,6 +240,17 @@ def render_timeline_svg(saga: SagaView, now: int) -> str:
         if i % 2:
             out.append(f'<rect x="0" y="{y}" width="{LABEL_W}" height="{ROW_H}" fill="#fafafa"/>')
         out.append(f'<g class="step" data-step="{_esc(step.step_id)}">{_step_label(step, y)}')
+        first = min((sp.start for sp in step.spans), default=None)
+        if step.scheduled_at is not None and first is not None and first > step.scheduled_at:
+            # Scheduled but not yet running: gated by ordering, approval or dispatch.
+            x0, x1 = scale.x(step.scheduled_at), scale.x(first)
+            out.append(
+                f'<g class="span span-waiting"><title>waiting to run: '
+                f"{format_duration(first - step.scheduled_at)}</title>"
+                f'<line x1="{x0:.1f}" y1="{y + 18.5}" x2="{x1:.1f}" y2="{y + 18.5}" '
+                'stroke="#90a4ae" stroke-width="1.5" stroke-dasharray="2 2"/>'
+                f'<circle cx="{x0:.1f}" cy="{y + 18.5}" r="2.5" fill="#90a4ae"/></g>'
+            )
         lanes = (
             ([sp for sp in step.spans if sp.kind is not SpanKind.COMPENSATION], y + 11, 15.0),
             ([sp for sp in step.spans if sp.kind is SpanKind.COMPENSATION], y + 29, 13.0),
@@ -275,7 +286,7 @@ def render_timeline_svg(saga: SagaView, now: int) -> str:
         out.append(
             f'<g class="failure-marker"><line x1="{x:.1f}" y1="{TOP - 4}" x2="{x:.1f}" '
             f'y2="{TOP + rows_h}" stroke="#c62828" stroke-dasharray="5 3"/>'
-            f'<text class="marker" x="{x + 3:.1f}" y="{TOP + rows_h + 28}" fill="#c62828">'
+            f'<text class="marker" x="{x + 3:.1f}" y="{TOP + rows_h + 42}" fill="#c62828">'
             f"first failure {_rel(saga.failure_at - t0)}</text></g>"
         )
     if saga.terminal_at is not None and saga.terminal_status is not None:
@@ -297,6 +308,7 @@ def render_timeline_svg(saga: SagaView, now: int) -> str:
         ("#ad1457", "rejected / denied"),
         ("url(#hatch-unknown)", "outcome unknown"),
         ("#eeeeee", "retry backoff"),
+        ("#90a4ae", "scheduled, waiting to run"),
         ("#ef6c00", "compensation (✓ verified)"),
     ]
     out.append(
