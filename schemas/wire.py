@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, TypeVar, overload
 
@@ -71,6 +72,31 @@ def consumer_config(bootstrap: str, group_id: str, **overrides: Any) -> dict[str
     }
     config.update(overrides)
     return config
+
+
+def watermarks(consumer: Any, tp: Any, timeout_s: float = 60.0) -> tuple[int, int]:
+    """Low and high watermarks of ``tp``, retried while the partition has no leader
+    yet (a topic created a moment ago, a broker restarting)."""
+    from confluent_kafka import KafkaError, KafkaException
+
+    retry_codes = (
+        KafkaError.NOT_LEADER_FOR_PARTITION,
+        KafkaError.LEADER_NOT_AVAILABLE,
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+        KafkaError._TRANSPORT,
+        KafkaError._TIMED_OUT,
+    )
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            low, high = consumer.get_watermark_offsets(tp, timeout=10)
+            return int(low), int(high)
+        except KafkaException as exc:
+            error = exc.args[0]
+            retriable = error.retriable() or error.code() in retry_codes
+            if not retriable or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def to_message(record: Record, signer: Signer) -> tuple[bytes, bytes, Headers]:
@@ -145,8 +171,9 @@ def dlq_message(
         (DLQ_REASON, reason.encode("utf-8")),
         (DLQ_DETAIL, detail[:_MAX_DETAIL].encode("utf-8", "replace")),
         (DLQ_TOPIC, (source_topic or "").encode("utf-8")),
-        (DLQ_PARTITION, str(partition).encode("ascii")),
-        (DLQ_OFFSET, str(offset).encode("ascii")),
+        # -1: the position is unknown (confluent-kafka's stubs allow None).
+        (DLQ_PARTITION, str(-1 if partition is None else partition).encode("ascii")),
+        (DLQ_OFFSET, str(-1 if offset is None else offset).encode("ascii")),
     ]
     return key, value, kept
 

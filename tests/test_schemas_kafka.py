@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 from confluent_kafka import Consumer, Message, Producer
-from confluent_kafka.admin import AdminClient, ConfigResource
+from confluent_kafka.admin import AdminClient, ConfigResource  # type: ignore[attr-defined]
 
 from schemas.codec import MAGIC
 from schemas.errors import CodecError

@@ -3,7 +3,7 @@ topic in clear (issue 2; R16 for the typed errors that route to the DLQ)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import orjson
 import pytest
@@ -48,7 +48,9 @@ def test_signature_travels_in_sig_and_kid_headers() -> None:
     key, value = _message()
     headers = dict(Signer(KEY, key_id="k7").headers(key, value))
     assert headers[KID_HEADER] == b"k7"
-    assert len(bytes.fromhex(headers[SIG_HEADER].decode())) == 32
+    signature = headers[SIG_HEADER]
+    assert isinstance(signature, bytes)
+    assert len(bytes.fromhex(signature.decode())) == 32
 
 
 def test_altered_value_is_a_bad_signature() -> None:
@@ -148,7 +150,7 @@ def test_secret_paths_lists_marked_fields_of_nested_models_and_lists() -> None:
 
 
 def test_redact_replaces_secrets_with_a_short_hash_and_keeps_the_rest() -> None:
-    args = {
+    args: dict[str, Any] = {
         "amount_cents": 1999,
         "card": {"number": "4111111111111111", "cvv": 123, "holder": "Ada"},
         "backup_cards": [{"number": "5500000000000004", "cvv": 999, "holder": "Ada"}],
