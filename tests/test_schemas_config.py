@@ -168,3 +168,12 @@ def test_env_vars_lists_exactly_what_from_env_reads() -> None:
     for name in ENV_VARS:
         assert Settings.from_env({name: "7"}) != Settings.from_env({}), name
     assert Settings.from_env({"SAGALINE_NOT_A_SETTING": "x"}) == Settings.from_env({})
+
+
+def test_public_surface_resolves_and_includes_the_wire_api() -> None:
+    import schemas
+
+    missing = [name for name in schemas.__all__ if not hasattr(schemas, name)]
+    assert missing == []
+    for name in ("encode", "decode", "Signer", "Settings", "TopicNames", "to_message"):
+        assert name in schemas.__all__
