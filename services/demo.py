@@ -1,0 +1,761 @@
+"""``sagaline demo`` and ``sagaline agent run``: the refund example, end to end.
+
+``sagaline demo`` is the README's main command. On one machine it
+
+1. starts (or reuses) the local Kafka broker and creates this run's topics under a
+   prefix of its own (``demo-<run id>.``), so runs never see each other;
+2. writes the seeded fault plan to a file and starts the coordinator and the five
+   refund participants as separate processes, each logging under the state dir;
+3. runs N refund sagas through the saga client from C agent threads, each agent
+   choosing its tool sequence per ticket (and fixing the badly ordered plan the plan
+   check flags, R17), while an operator thread approves the IRREVERSIBLE replies
+   through ``services.operator_actions`` -- the path a person uses (R7);
+4. draws live progress, then prints a summary from ``sagaline.terminal``, one
+   receipt for a person, and the invariant checked against each provider's own
+   SQLite file (``services.demo_invariants``);
+5. stops every process it started, also on Ctrl-C or an error.
+
+It exits 0 only when every saga is terminal and the invariant holds.
+
+``sagaline agent run`` is step 3 alone, against a system that is already running
+(docker compose): no processes, no fault plan, no provider files to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from participants.catalogue import Catalogue
+from participants.client import SagaCallError, SagaClient
+from schemas.models import Record, SagaTerminal
+from schemas.receipt import Receipt
+from schemas.settings import Settings
+from schemas.topics import DEFAULT_PARTITIONS, ensure_topics
+from services.demo_invariants import ProviderWorld, Violation, check_invariants, read_world
+from services.demo_processes import ProcessFailed, ServiceSpec, Supervisor, python_env, wait_until
+from services.demo_progress import (
+    COMPENSATING,
+    DemoOperator,
+    LedgerFollower,
+    ProgressDisplay,
+    SagaBoard,
+)
+from services.ledger import latest_by_key
+from services.operator_actions import OperatorChannel
+from services.refund import PARTICIPANTS, build_catalogue
+from services.refund.agent import (
+    TOOL_PARTICIPANTS,
+    CheckedPlan,
+    Scenario,
+    Ticket,
+    assign_scenarios,
+    checked_plan,
+    fault_plan_for,
+    generate_tickets,
+    resolve_args,
+)
+
+__all__ = ["AgentOutcome", "DemoOptions", "RefundAgent", "register", "run_demo"]
+
+DEMO_HMAC_KEY = "sagaline-demo-signing-key"
+"""Signs this run's records (every process of the run shares it); not a secret."""
+
+OPERATOR = "demo-operator"
+PRINCIPAL = "agent:atlas-refunds"
+WORKFLOW = "refund"
+
+
+# ------------------------------------------------------------------------ agent
+
+
+@dataclass(frozen=True)
+class AgentOutcome:
+    """How the agent left one saga's ``with`` block."""
+
+    ticket: Ticket
+    saga_id: str
+    ended: str  # "complete" | "abort"
+    error: str | None = None
+
+
+def declared_catalogues() -> list[Catalogue]:
+    """The refund tools' declarations, for the agent's plan check (R17).
+
+    The agent never runs a tool itself; it only needs what each tool declares, so the
+    providers behind these catalogues live in a throw-away directory.
+    """
+    with tempfile.TemporaryDirectory(prefix="sagaline-plan-") as scratch:
+        catalogues = [build_catalogue(name, Path(scratch)) for name in PARTICIPANTS]
+        for catalogue in catalogues:
+            for participant in catalogue.participants:
+                provider = getattr(participant, "provider", None)
+                if provider is not None:
+                    provider.store.close()
+        return catalogues
+
+
+class RefundAgent:
+    """Runs each ticket's checked plan as one saga, from a pool of agent threads."""
+
+    def __init__(self, client: SagaClient, *, call_timeout_s: float = 60.0, run_tag: str = ""):
+        self.client = client
+        self.call_timeout_s = call_timeout_s
+        self.run_tag = run_tag or uuid.uuid4().hex[:6]
+
+    def saga_id(self, ticket: Ticket) -> str:
+        return f"refund-{ticket.ticket_id}-{self.run_tag}"
+
+    def run_ticket(self, plan: CheckedPlan) -> AgentOutcome:
+        """One saga: the calls in order; a typed call error leaves the block by
+        exception, which requests the abort (and so the compensation)."""
+        ticket = plan.ticket
+        saga_id = self.saga_id(ticket)
+        results: dict[str, Any] = {}
+        try:
+            with self.client.saga(WORKFLOW, PRINCIPAL, saga_id=saga_id) as saga:
+                for call in plan.plan:
+                    args = resolve_args(call.args, results)
+                    results[call.tool] = saga.call(call.tool, timeout_s=self.call_timeout_s, **args)
+        except SagaCallError as exc:
+            return AgentOutcome(ticket, saga_id, "abort", f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # a broken agent still ends its saga (abort above)
+            return AgentOutcome(ticket, saga_id, "abort", f"{type(exc).__name__}: {exc}")
+        return AgentOutcome(ticket, saga_id, "complete")
+
+    def run_all(
+        self,
+        plans: Sequence[CheckedPlan],
+        concurrency: int,
+        on_start: Callable[[str], None] | None = None,
+    ) -> list[AgentOutcome]:
+        """Run every plan from ``concurrency`` daemon threads (a Ctrl-C never waits
+        for them); returns the outcomes in plan order."""
+        work: queue.Queue[tuple[int, CheckedPlan]] = queue.Queue()
+        for item in enumerate(plans):
+            work.put(item)
+        outcomes: list[AgentOutcome | None] = [None] * len(plans)
+
+        def worker() -> None:
+            while True:
+                try:
+                    index, plan = work.get_nowait()
+                except queue.Empty:
+                    return
+                if on_start is not None:
+                    on_start(self.saga_id(plan.ticket))
+                outcomes[index] = self.run_ticket(plan)
+
+        threads = [
+            threading.Thread(target=worker, name=f"agent-{i}", daemon=True)
+            for i in range(max(1, concurrency))
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(0.5)
+        return [o for o in outcomes if o is not None]
+
+
+def plan_fix_message(plans: Iterable[CheckedPlan]) -> str | None:
+    """Words for the first plan the check flagged and the agent fixed (R17)."""
+    for plan in plans:
+        if not plan.was_fixed:
+            continue
+        first = [c.tool for c in plan.first_report.calls]
+        errors = "; ".join(str(f) for f in plan.first_report.errors)
+        return (
+            f"plan check (R17) on ticket {plan.ticket.ticket_id}: the agent's first draft\n"
+            f"    {' -> '.join(first)}\n"
+            f"  was refused: {errors}\n"
+            f"  the agent fixed it before running anything:\n"
+            f"    {' -> '.join(c.tool for c in plan.plan)}"
+        )
+    return None
+
+
+def wait_for_catalogue(client: SagaClient, timeout_s: float) -> set[str]:
+    """Wait until the participants have published every refund tool; the missing ones."""
+    missing: set[str] = set(TOOL_PARTICIPANTS)
+
+    def known() -> bool:
+        client.refresh_catalogue()
+        missing.difference_update({t for t in list(missing) if _has_contract(client, t)})
+        return not missing
+
+    wait_until(known, timeout_s, interval_s=0.5)
+    return missing
+
+
+def _has_contract(client: SagaClient, tool: str) -> bool:
+    try:
+        client.contract(tool)
+    except LookupError:
+        return False
+    return True
+
+
+# ------------------------------------------------------------------------- demo
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    sagas: int = 200
+    seed: int = 7
+    concurrency: int = 16
+    partitions: int = DEFAULT_PARTITIONS
+    state_dir: Path | None = None
+    keep: bool = False
+    ui: bool = True
+    kill_service: str | None = None
+    kill_after: int = 0
+    kill_coordinator_after: int = 0
+    call_timeout_s: float = 60.0
+    timeout_s: float = 300.0
+
+
+@dataclass
+class DemoRun:
+    """Everything one run knows, for the summary."""
+
+    options: DemoOptions
+    run_id: str
+    prefix: str
+    state_dir: Path
+    bootstrap: str
+    tickets: list[Ticket]
+    scenarios: dict[str, Scenario]
+    saga_of: dict[str, str] = field(default_factory=dict)  # ticket id -> saga id
+    started_at: float = 0.0
+    ended_at: float = 0.0
+    events: list[str] = field(default_factory=list)
+
+
+class DemoFailed(RuntimeError):
+    """The run could not get going (a service did not start, Kafka unreachable)."""
+
+
+def _say(message: str = "") -> None:
+    print(message, flush=True)
+
+
+def run_demo(options: DemoOptions) -> int:
+    """Run the demo; returns the process exit code (0: terminal and consistent)."""
+    from services.broker import choose_broker
+
+    if options.kill_service and options.kill_service not in PARTICIPANTS:
+        _say(
+            f"--kill-service: no participant {options.kill_service!r}; one of {list(PARTICIPANTS)}"
+        )
+        return 2
+    choice = choose_broker()
+    run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    state_dir = (options.state_dir or Path(".sagaline") / f"demo-{run_id}").resolve()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    tickets = generate_tickets(options.sagas, options.seed)
+    run = DemoRun(
+        options=options,
+        run_id=run_id,
+        prefix=f"demo-{run_id}.",
+        state_dir=state_dir,
+        bootstrap=choice.bootstrap,
+        tickets=tickets,
+        scenarios=assign_scenarios(tickets, options.seed),
+    )
+    _say(
+        f"sagaline demo: {options.sagas} refund sagas, seed {options.seed}, "
+        f"{options.concurrency} agents"
+    )
+    _say(f"  kafka:  {choice.description}")
+    _say(f"  topics: {run.prefix}sagaline.*   state and logs: {state_dir}")
+    supervisor = Supervisor(choice.bootstrap)
+    try:
+        return _run(run, supervisor)
+    except ProcessFailed as exc:
+        _say(f"sagaline demo: {exc}")
+        return 1
+    finally:
+        if options.keep:
+            alive = {n: p.pid for n, p in supervisor.processes.items() if p.alive}
+            _say(f"--keep: left running {alive}; topic prefix {run.prefix}")
+        else:
+            codes = supervisor.stop_all()
+            unclean = {n: c for n, c in codes.items() if c not in (0, None)}
+            _say(
+                f"stopped {len(codes)} processes"
+                + (f" (exit codes {unclean})" if unclean else " cleanly")
+            )
+
+
+def _service_env(run: DemoRun, fault_file: Path) -> dict[str, str]:
+    return python_env(
+        {
+            "KAFKA_BOOTSTRAP_SERVERS": run.bootstrap,
+            "SAGALINE_TOPIC_PREFIX": run.prefix,
+            "SAGALINE_PARTITIONS": str(run.options.partitions),
+            "SAGALINE_STATE_DIR": str(run.state_dir),
+            "SAGALINE_FAULTS": f"@{fault_file}",
+            "SAGALINE_HMAC_KEY": DEMO_HMAC_KEY,
+        }
+    )
+
+
+def _start_services(run: DemoRun, supervisor: Supervisor, settings: Settings) -> None:
+    fault_file = run.state_dir / "faults.json"
+    plan = fault_plan_for(run.tickets, run.options.seed)
+    fault_file.write_text(plan.to_json())
+    env = _service_env(run, fault_file)
+    topics = settings.topics
+    names = list(PARTICIPANTS)
+    ensure_topics(run.bootstrap, topics, names, run.options.partitions)
+    logs = run.state_dir / "logs"
+    supervisor.start(
+        ServiceSpec(
+            "coordinator",
+            [
+                "coordinator",
+                "run",
+                "--instance-id",
+                "demo-coordinator",
+                "--participants",
+                ",".join(names),
+            ],
+            env,
+            logs / "coordinator.log",
+            group_id=f"{run.prefix}sagaline-coordinator",
+            input_topic=topics.events,
+        )
+    )
+    for name in names:
+        supervisor.start(
+            ServiceSpec(
+                name,
+                ["participant", "run", name],
+                env,
+                logs / f"{name}.log",
+                group_id=f"{run.prefix}sagaline-participant-{name}",
+                input_topic=topics.commands(name),
+            )
+        )
+    _say(f"  faults: {len(plan.rules)} rules written to {fault_file}")
+    _say(f"  starting coordinator + {', '.join(names)} ...")
+    started = time.monotonic()
+    supervisor.wait_ready(["coordinator", *names], timeout_s=120)
+    pids = ", ".join(f"{n} {p.pid}" for n, p in supervisor.processes.items())
+    _say(f"  ready in {time.monotonic() - started:.1f} s (pids: {pids})")
+
+
+def _fault_injector(
+    run: DemoRun, supervisor: Supervisor, board: SagaBoard, display: ProgressDisplay
+) -> threading.Thread | None:
+    """A thread that kill -9s (and restarts) a service after K terminal sagas."""
+    opts = run.options
+    jobs: list[tuple[str, int]] = []
+    if opts.kill_service and opts.kill_after > 0:
+        jobs.append((opts.kill_service, opts.kill_after))
+    if opts.kill_coordinator_after > 0:
+        jobs.append(("coordinator", opts.kill_coordinator_after))
+    if not jobs:
+        return None
+
+    def inject() -> None:
+        for name, after in sorted(jobs, key=lambda j: j[1]):
+            if not board.wait_count(after, opts.timeout_s):
+                return
+            if name == "coordinator":
+                # Aim for the middle of a compensation (issue 4's acceptance), but
+                # do not wait for one forever.
+                wait_until(lambda: board.counts()[COMPENSATING] > 0, 15.0, 0.05)
+            process = supervisor.processes[name]
+            old = process.pid
+            compensating = board.counts()[COMPENSATING]
+            process.kill9()
+            message = (
+                f"fault: kill -9 {name} (pid {old}) after {board.terminal_count()} terminal"
+                f" sagas, {compensating} compensating"
+            )
+            process.start()
+            message += f"; restarted as pid {process.pid}"
+            run.events.append(message)
+            display.log(message)
+
+    thread = threading.Thread(target=inject, name="fault-injector", daemon=True)
+    thread.start()
+    return thread
+
+
+def _run(run: DemoRun, supervisor: Supervisor) -> int:
+    opts = run.options
+    settings = Settings(
+        bootstrap=run.bootstrap,
+        topic_prefix=run.prefix,
+        partitions=opts.partitions,
+        hmac_key=DEMO_HMAC_KEY.encode(),
+        state_dir=run.state_dir,
+    )
+    plans = [checked_plan(t, declared_catalogues_cached()) for t in run.tickets]
+    fixed = plan_fix_message(plans)
+
+    _start_services(run, supervisor, settings)
+
+    board = SagaBoard()
+    operator = DemoOperator(OperatorChannel.from_settings(settings, run.bootstrap), OPERATOR)
+    follower = LedgerFollower(
+        run.bootstrap, settings.topics.events, settings.signer(), [board.apply, operator.observe]
+    )
+    live = opts.ui and sys.stdout.isatty()
+    display = ProgressDisplay(board, len(plans), live=live)
+    client = SagaClient(
+        settings, run.bootstrap, producer_name="demo-agent", call_timeout_s=opts.call_timeout_s
+    )
+    follower.start()
+    operator.start()
+    client.start()
+    try:
+        missing = wait_for_catalogue(client, 60)
+        if missing:
+            raise ProcessFailed(f"the participants never published {sorted(missing)}")
+        if fixed:
+            _say(fixed)
+        _say()
+        agent = RefundAgent(client, call_timeout_s=opts.call_timeout_s, run_tag=run.run_id[-4:])
+        run.saga_of = {t.ticket_id: agent.saga_id(t) for t in run.tickets}
+        run.started_at = time.monotonic()
+        display.start()
+        _fault_injector(run, supervisor, board, display)
+        outcomes = agent.run_all(plans, opts.concurrency)
+        all_terminal = board.wait_terminal(set(run.saga_of.values()), opts.timeout_s)
+        run.ended_at = time.monotonic()
+        display.stop()
+        crashed = supervisor.crashed()
+        if crashed:
+            _say(f"services that exited on their own: {crashed} (logs in {run.state_dir}/logs)")
+        return _summarise(run, settings, outcomes, operator, all_terminal)
+    finally:
+        display._stop.set()
+        follower.stop()
+        operator.stop()
+        client.close()
+
+
+_CATALOGUES: list[Catalogue] = []
+
+
+def declared_catalogues_cached() -> list[Catalogue]:
+    if not _CATALOGUES:
+        _CATALOGUES.extend(declared_catalogues())
+    return _CATALOGUES
+
+
+# ---------------------------------------------------------------------- summary
+
+
+def terminal_receipts(bootstrap: str, settings: Settings) -> dict[str, Receipt]:
+    """The receipt of every saga on ``sagaline.terminal`` (latest per saga)."""
+    latest = latest_by_key(bootstrap, settings.topics.terminal, settings.signer())
+    return {
+        saga: Receipt.from_json(record.receipt)
+        for saga, record in latest.items()
+        if isinstance(record, SagaTerminal)
+    }
+
+
+def _summarise(
+    run: DemoRun,
+    settings: Settings,
+    outcomes: list[AgentOutcome],
+    operator: DemoOperator,
+    all_terminal: bool,
+) -> int:
+    from services.receipts_view import render_receipt_text
+
+    receipts = terminal_receipts(run.bootstrap, settings)
+    ours = {s: receipts[s] for s in run.saga_of.values() if s in receipts}
+    statuses = Counter(r.status.value for r in ours.values())
+    elapsed = max(run.ended_at - run.started_at, 1e-9)
+    total = len(run.tickets)
+
+    _say()
+    _say("Summary")
+    _say(f"  sagas        {total} run, {len(ours)} terminal on sagaline.terminal")
+    for status in ("COMPLETED", "COMPENSATED", "ESCALATED"):
+        _say(f"  {status.lower():<12} {statuses[status]}")
+    _say(f"  time         {elapsed:.1f} s ({len(ours) / elapsed:.1f} sagas/s)")
+    _say(f"  approvals    {operator.granted} granted by {OPERATOR} (via operator_actions)")
+    aborted = sum(1 for o in outcomes if o.ended == "abort")
+    _say(f"  agents       {total - aborted} asked to complete, {aborted} aborted on a call error")
+    for event in run.events:
+        _say(f"  fault        {event}")
+
+    _say()
+    _say(_scenario_table(run, ours))
+
+    sample = _pick_receipt(run, ours)
+    if sample is not None:
+        ticket_of = {s: t for t, s in run.saga_of.items()}
+        ticket = ticket_of.get(sample.saga_id, "?")
+        scenario = run.scenarios.get(ticket)
+        _say()
+        _say(
+            f"One receipt, as a person reads it (ticket {ticket}, scenario "
+            f"{scenario.value if scenario else '?'}):"
+        )
+        _say(_indent(render_receipt_text(sample), "  "))
+
+    world = read_world(run.state_dir)
+    violations = check_invariants(ours.values(), world, expected_sagas=run.saga_of.values())
+    _say()
+    _say(_invariant_report(world, ours, violations, run.state_dir))
+    ok = all_terminal and not violations and len(ours) == total
+    _say()
+    _say(
+        "demo OK: every saga is terminal and each provider's own state agrees with the receipts"
+        if ok
+        else "demo FAILED: see above"
+    )
+    return 0 if ok else 1
+
+
+def _scenario_table(run: DemoRun, receipts: dict[str, Receipt]) -> str:
+    rows: dict[Scenario, Counter[str]] = {}
+    for ticket in run.tickets:
+        scenario = run.scenarios[ticket.ticket_id]
+        receipt = receipts.get(run.saga_of[ticket.ticket_id])
+        rows.setdefault(scenario, Counter())[
+            receipt.status.value if receipt else "NOT TERMINAL"
+        ] += 1
+    header = (
+        f"  {'scenario':<20} {'sagas':>5}  {'expected':<12} {'completed':>9} "
+        f"{'compensated':>11} {'escalated':>9}  as expected"
+    )
+    lines = [header]
+    for scenario in Scenario:
+        counts = rows.get(scenario)
+        if not counts:
+            continue
+        n = sum(counts.values())
+        expected = scenario.expected_status
+        mark = "yes" if counts[expected] == n else f"NO ({n - counts[expected]} differ)"
+        lines.append(
+            f"  {scenario.value:<20} {n:>5}  {expected:<12} {counts['COMPLETED']:>9} "
+            f"{counts['COMPENSATED']:>11} {counts['ESCALATED']:>9}  {mark}"
+        )
+    return "\n".join(lines)
+
+
+def _pick_receipt(run: DemoRun, receipts: dict[str, Receipt]) -> Receipt | None:
+    """A compensated saga that undid something, else any compensated, else any."""
+    compensated = [r for r in receipts.values() if r.status.value == "COMPENSATED"]
+    undid = [r for r in compensated if any(s.disposition.value == "COMPENSATED" for s in r.steps)]
+    for group in (undid, compensated, list(receipts.values())):
+        if group:
+            return sorted(group, key=lambda r: r.saga_id)[0]
+    return None
+
+
+def _invariant_report(
+    world: ProviderWorld, receipts: dict[str, Receipt], violations: list[Violation], where: Path
+) -> str:
+    kinds = Counter(e.kind for e in world.effects)
+    effects = ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
+    lines = [
+        "Invariant, checked against each provider's own SQLite file "
+        f"({where}/<participant>/*.sqlite3):",
+        f"  provider effects: {effects or 'none'}",
+    ]
+    if violations:
+        lines.append(f"  {len(violations)} VIOLATION(S):")
+        lines += [f"    {v}" for v in violations]
+    else:
+        lines.append(
+            f"  holds: none active in a compensated saga; credits: none voided, each one"
+            f" with a reply or an incident; {len(receipts)} receipts account for every effect"
+        )
+    return "\n".join(lines)
+
+
+def _indent(text: str, prefix: str) -> str:
+    return "\n".join(prefix + line if line else line for line in text.splitlines())
+
+
+# -------------------------------------------------------------------- agent run
+
+
+def run_agent(
+    sagas: int,
+    seed: int,
+    concurrency: int,
+    *,
+    approve: bool,
+    operator_identity: str,
+    call_timeout_s: float,
+    timeout_s: float,
+) -> int:
+    """The scripted agent alone against a running system (``sagaline agent run``)."""
+    from services.broker import resolve_bootstrap
+
+    settings = Settings.from_env()
+    bootstrap = settings.bootstrap or resolve_bootstrap()
+    tickets = generate_tickets(sagas, seed)
+    plans = [checked_plan(t, declared_catalogues_cached()) for t in tickets]
+    client = SagaClient(settings, bootstrap, producer_name="agent", call_timeout_s=call_timeout_s)
+    agent = RefundAgent(client)
+    ours = {agent.saga_id(t) for t in tickets}
+    board = SagaBoard()
+    handlers: list[Callable[[Record], None]] = [board.apply]
+    operator: DemoOperator | None = None
+    if approve:
+        operator = DemoOperator(
+            OperatorChannel.from_settings(settings, bootstrap), operator_identity
+        )
+        guard = operator
+
+        def approve_ours(record: Record) -> None:
+            if record.saga_id in ours:
+                guard.observe(record)
+
+        handlers.append(approve_ours)
+        operator.start()
+    follower = LedgerFollower(bootstrap, settings.topics.events, settings.signer(), handlers)
+    client.start()
+    follower.start()
+    started = time.monotonic()
+    try:
+        missing = wait_for_catalogue(client, 120)
+        if missing:
+            print(
+                f"sagaline agent run: no participant publishes {sorted(missing)} on "
+                f"{settings.topics.catalogue}; start the participants first",
+                file=sys.stderr,
+            )
+            return 1
+        fixed = plan_fix_message(plans)
+        if fixed:
+            print(fixed, flush=True)
+        outcomes = agent.run_all(plans, concurrency)
+        done = board.wait_terminal(ours, timeout_s)
+        terminal = board.terminal()
+        statuses = Counter(terminal[s].status.value for s in ours if s in terminal)
+        elapsed = time.monotonic() - started
+        aborted = sum(1 for o in outcomes if o.ended == "abort")
+        print(
+            f"agent: {len(tickets)} sagas in {elapsed:.1f} s; "
+            + ", ".join(f"{k.lower()} {v}" for k, v in sorted(statuses.items()))
+            + f"; {aborted} aborted by the agent"
+            + (f"; {operator.granted} approvals granted by {operator_identity}" if operator else "")
+            + ("" if done else f"; {len(ours) - len(statuses)} NOT terminal"),
+            flush=True,
+        )
+        return 0 if done else 1
+    finally:
+        follower.stop()
+        if operator is not None:
+            operator.stop()
+        client.close()
+
+
+# ------------------------------------------------------------------------- CLI
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    if (args.kill_service is None) != (args.kill_after is None):
+        print("--kill-service and --kill-after go together", file=sys.stderr)
+        return 2
+    options = DemoOptions(
+        sagas=args.sagas,
+        seed=args.seed,
+        concurrency=args.concurrency,
+        partitions=args.partitions,
+        state_dir=args.state_dir,
+        keep=args.keep,
+        ui=not args.no_ui,
+        kill_service=args.kill_service,
+        kill_after=args.kill_after or 0,
+        kill_coordinator_after=args.kill_coordinator_after or 0,
+        call_timeout_s=args.call_timeout,
+        timeout_s=args.timeout,
+    )
+    try:
+        return run_demo(options)
+    except KeyboardInterrupt:
+        print("\ninterrupted: every process the demo started has been stopped", file=sys.stderr)
+        return 130
+
+
+def _cmd_agent_run(args: argparse.Namespace) -> int:
+    with suppress(KeyboardInterrupt):
+        return run_agent(
+            args.sagas,
+            args.seed,
+            args.concurrency,
+            approve=not args.no_approve,
+            operator_identity=args.operator,
+            call_timeout_s=args.call_timeout,
+            timeout_s=args.timeout,
+        )
+    return 130
+
+
+def register(subparsers: Any) -> None:
+    demo = subparsers.add_parser(
+        "demo",
+        help="run the refund example end to end on the local Kafka",
+        description=(
+            "Start the coordinator and the refund services as processes, run N refund "
+            "sagas with a seeded mix of faults, show progress, and check each "
+            "provider's own state against the receipts. Exit 0: every saga terminal "
+            "and consistent."
+        ),
+    )
+    demo.add_argument("--sagas", type=int, default=200, help="how many sagas (200)")
+    demo.add_argument("--seed", type=int, default=7, help="tickets and faults (7)")
+    demo.add_argument("--concurrency", type=int, default=16, help="agent threads (16)")
+    demo.add_argument(
+        "--partitions", type=int, default=DEFAULT_PARTITIONS, help="partitions per topic"
+    )
+    demo.add_argument(
+        "--state-dir", type=Path, default=None, help="default: .sagaline/demo-<time>-<id>"
+    )
+    demo.add_argument("--keep", action="store_true", help="leave the processes running")
+    demo.add_argument("--no-ui", action="store_true", help="plain log lines (CI, tests)")
+    demo.add_argument("--kill-service", choices=list(PARTICIPANTS), help="participant to kill -9")
+    demo.add_argument("--kill-after", type=int, help="... after this many terminal sagas")
+    demo.add_argument(
+        "--kill-coordinator-after",
+        type=int,
+        default=0,
+        help="kill -9 the coordinator after this many terminal sagas (then restart it)",
+    )
+    demo.add_argument("--call-timeout", type=float, default=60.0, help="per tool call (s)")
+    demo.add_argument(
+        "--timeout", type=float, default=300.0, help="for every saga to end after the agents (s)"
+    )
+    demo.set_defaults(func=_cmd_demo)
+
+    agent = subparsers.add_parser("agent", help="the scripted refund agent")
+    agent_sub = agent.add_subparsers(dest="agent_command", required=True)
+    run = agent_sub.add_parser("run", help="run refund sagas against a running system")
+    run.add_argument("--sagas", type=int, default=50)
+    run.add_argument("--seed", type=int, default=7)
+    run.add_argument("--concurrency", type=int, default=8)
+    run.add_argument("--operator", default=OPERATOR, help=f"who approves the replies ({OPERATOR})")
+    run.add_argument(
+        "--no-approve",
+        action="store_true",
+        help="leave approvals to a person (sagaline approve, or the dashboard)",
+    )
+    run.add_argument("--call-timeout", type=float, default=60.0)
+    run.add_argument("--timeout", type=float, default=300.0)
+    run.set_defaults(func=_cmd_agent_run)

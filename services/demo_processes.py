@@ -1,0 +1,220 @@
+"""The processes a demo run starts, and how it knows they are ready.
+
+Every service runs as its own OS process (``python -m services.cli ...``) with its
+own log file, exactly as it would be deployed, so a ``kill -9`` in a fault test is a
+real crash: no in-process shortcut survives it. Each process gets its own session,
+so a Ctrl-C in the terminal reaches only the demo, which then stops them in order
+(SIGTERM, then SIGKILL after a timeout).
+
+Readiness is observed on the broker, not guessed from a sleep: a service is ready
+when its consumer group is stable and every partition of its input topic is
+assigned to a live member.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from confluent_kafka.admin import AdminClient
+
+__all__ = [
+    "ManagedProcess",
+    "ProcessFailed",
+    "ServiceSpec",
+    "Supervisor",
+    "group_assigned",
+    "wait_until",
+]
+
+
+class ProcessFailed(RuntimeError):
+    """A service exited on its own or never became ready; the message names its log."""
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """How to run one service: its CLI arguments, its environment and its log file."""
+
+    name: str
+    cli_args: Sequence[str]
+    env: Mapping[str, str]
+    log_path: Path
+    group_id: str | None = None  # consumer group whose assignment means "ready"
+    input_topic: str | None = None
+
+    @property
+    def argv(self) -> list[str]:
+        return [sys.executable, "-m", "services.cli", *self.cli_args]
+
+
+@dataclass
+class ManagedProcess:
+    """One running service; restartable after a kill."""
+
+    spec: ServiceSpec
+    popen: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+    _log: IO[bytes] | None = field(default=None, repr=False)
+
+    def start(self) -> None:
+        self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self._log is None:
+            self._log = self.spec.log_path.open("ab")
+        self._log.write(f"--- start #{self.starts + 1}: {' '.join(self.spec.argv)}\n".encode())
+        self._log.flush()
+        self.popen = subprocess.Popen(
+            self.spec.argv,
+            env=dict(self.spec.env),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # Ctrl-C reaches the demo only; it stops us in order
+        )
+        self.starts += 1
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def kill9(self) -> None:
+        """A crash: SIGKILL, no chance to flush or commit anything."""
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGKILL)
+            self.popen.wait()
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        """SIGTERM, then SIGKILL after ``timeout_s``; returns the exit code."""
+        if self.popen is None:
+            return None
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.send_signal(signal.SIGKILL)
+                self.popen.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return self.popen.returncode
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.spec.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+
+class Supervisor:
+    """The processes of one run: started in order, stopped in reverse, always."""
+
+    def __init__(self, bootstrap: str) -> None:
+        self.bootstrap = bootstrap
+        self.processes: dict[str, ManagedProcess] = {}
+        self._admin: AdminClient | None = None
+
+    @property
+    def admin(self) -> AdminClient:
+        if self._admin is None:
+            self._admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        return self._admin
+
+    def start(self, spec: ServiceSpec) -> ManagedProcess:
+        process = ManagedProcess(spec)
+        self.processes[spec.name] = process
+        process.start()
+        return process
+
+    def wait_ready(self, names: Sequence[str], timeout_s: float = 90.0) -> None:
+        """Block until every named service's consumer group owns all its partitions."""
+        deadline = time.monotonic() + timeout_s
+        waiting = list(names)
+        while waiting:
+            for name in list(waiting):
+                process = self.processes[name]
+                if not process.alive:
+                    raise ProcessFailed(
+                        f"{name} exited with code {process.popen and process.popen.returncode}"
+                        f" before it was ready; its log ({process.spec.log_path}) ends:\n"
+                        f"{process.log_tail()}"
+                    )
+                if self._ready(process.spec):
+                    waiting.remove(name)
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                raise ProcessFailed(
+                    f"{', '.join(waiting)} not ready after {timeout_s:.0f} s (consumer group"
+                    " not assigned); see the logs under "
+                    f"{self.processes[waiting[0]].spec.log_path.parent}"
+                )
+            time.sleep(0.25)
+
+    def _ready(self, spec: ServiceSpec) -> bool:
+        if spec.group_id is None or spec.input_topic is None:
+            return True  # nothing to observe: alive is all we can say
+        return group_assigned(self.admin, spec.group_id, spec.input_topic)
+
+    def crashed(self) -> list[str]:
+        """Names of services that exited although nobody stopped them."""
+        return [n for n, p in self.processes.items() if p.popen is not None and not p.alive]
+
+    def stop_all(self, timeout_s: float = 15.0) -> dict[str, int | None]:
+        """Stop every process (reverse start order); returns their exit codes."""
+        codes: dict[str, int | None] = {}
+        for name in reversed(list(self.processes)):
+            codes[name] = self.processes[name].stop(timeout_s)
+        return codes
+
+
+def group_assigned(admin: AdminClient, group_id: str, topic: str) -> bool:
+    """True when ``group_id`` is stable and its members own every partition of ``topic``."""
+    try:
+        meta = admin.list_topics(topic, timeout=5).topics.get(topic)
+        if meta is None or meta.error is not None or not meta.partitions:
+            return False
+        wanted = set(meta.partitions)
+        description: Any = admin.describe_consumer_groups([group_id])[group_id].result(timeout=5)
+    except Exception:  # the group does not exist yet, or the broker is busy: not ready
+        return False
+    if str(getattr(description.state, "name", description.state)).upper() != "STABLE":
+        return False
+    owned: set[int] = set()
+    for member in description.members:
+        assignment = getattr(member, "assignment", None)
+        for tp in getattr(assignment, "topic_partitions", None) or []:
+            if tp.topic == topic:
+                owned.add(tp.partition)
+    return owned >= wanted
+
+
+def wait_until(check: Any, timeout_s: float, interval_s: float = 0.2) -> bool:
+    """Poll ``check()`` until it is true or ``timeout_s`` passes; returns the last value."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if check():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval_s)
+
+
+def python_env(extra: Mapping[str, str]) -> dict[str, str]:
+    """This process's environment plus ``extra``, with unbuffered Python output."""
+    env = dict(os.environ)
+    env.update(extra)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
