@@ -45,7 +45,14 @@ from schemas import IncidentResolved
 from schemas.errors import CodecError
 from schemas.settings import Settings
 from schemas.topics import ensure_topics
-from schemas.wire import consumer_config, dlq_message, from_message, producer_config, to_message
+from schemas.wire import (
+    consumer_config,
+    dlq_message,
+    from_message,
+    producer_config,
+    to_message,
+    watermarks,
+)
 from services import metrics
 
 log = logging.getLogger("sagaline.coordinator")
@@ -340,9 +347,7 @@ class Coordinator:
         try:
             ends: dict[int, int] = {}
             for n in numbers:
-                low, high = reader.get_watermark_offsets(
-                    TopicPartition(self.topics.state, n), timeout=30
-                )
+                low, high = watermarks(reader, TopicPartition(self.topics.state, n))
                 if high > low:
                     ends[n] = high
             if not ends:

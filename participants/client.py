@@ -57,7 +57,7 @@ from schemas.errors import CodecError
 from schemas.models import FailureKind
 from schemas.receipt import Receipt
 from schemas.settings import Settings
-from schemas.wire import consumer_config, from_message, producer_config, to_message
+from schemas.wire import consumer_config, from_message, producer_config, to_message, watermarks
 from services.ledger import read_partitions
 
 log = logging.getLogger("sagaline.client")
@@ -301,7 +301,7 @@ class SagaClient:
             meta = probe.list_topics(topic, timeout=30).topics[topic]
             out = []
             for n in meta.partitions:
-                _low, high = probe.get_watermark_offsets(TopicPartition(topic, n), timeout=30)
+                _low, high = watermarks(probe, TopicPartition(topic, n))
                 out.append(TopicPartition(topic, n, high))
             return out
         finally:

@@ -16,7 +16,7 @@ from schemas.errors import CodecError
 from schemas.models import Record
 from schemas.partitioning import partition_for
 from schemas.signing import HeaderList, Signer
-from schemas.wire import consumer_config, from_message
+from schemas.wire import consumer_config, from_message, watermarks
 
 
 class TopicMissing(LookupError):
@@ -53,7 +53,7 @@ def read_partitions(
             numbers = list(range(partition_count(consumer, topic)))
         live = []
         for n in numbers:
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, n), timeout=30)
+            low, high = watermarks(consumer, TopicPartition(topic, n))
             if high > low:
                 live.append(n)
         if not live:
