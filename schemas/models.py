@@ -30,7 +30,7 @@ class _Model(BaseModel):
 # --------------------------------------------------------------------------- enums
 
 
-class Reversibility(str, enum.Enum):
+class Reversibility(enum.StrEnum):
     """How undoable a tool's effect is (seed 000)."""
 
     REVERSIBLE = "REVERSIBLE"  # a perfect undo exists
@@ -38,7 +38,7 @@ class Reversibility(str, enum.Enum):
     IRREVERSIBLE = "IRREVERSIBLE"  # no undo; suspends for human approval before it runs
 
 
-class CompensationApproval(str, enum.Enum):
+class CompensationApproval(enum.StrEnum):
     """Whether a compensation may run on the forward step's authority (R13)."""
 
     INHERIT = "INHERIT"  # the forward approval (if any) covers the compensation
@@ -46,30 +46,30 @@ class CompensationApproval(str, enum.Enum):
     ALWAYS_ALLOWED = "ALWAYS_ALLOWED"  # risk reduction: always allowed
 
 
-class ApprovalPurpose(str, enum.Enum):
+class ApprovalPurpose(enum.StrEnum):
     FORWARD = "FORWARD"
     COMPENSATION = "COMPENSATION"
 
 
-class FailureKind(str, enum.Enum):
+class FailureKind(enum.StrEnum):
     """Why an attempt failed: only transient failures are retried (R9)."""
 
     TRANSIENT = "TRANSIENT"
     BUSINESS_REJECTION = "BUSINESS_REJECTION"
 
 
-class SagaOutcome(str, enum.Enum):
+class SagaOutcome(enum.StrEnum):
     COMPLETE = "COMPLETE"
     ABORT = "ABORT"
 
 
-class ReconcileResult(str, enum.Enum):
+class ReconcileResult(enum.StrEnum):
     COMMITTED = "COMMITTED"
     NOT_FOUND = "NOT_FOUND"
     PENDING = "PENDING"
 
 
-class TerminalStatus(str, enum.Enum):
+class TerminalStatus(enum.StrEnum):
     """The only three ways a saga ends (R14)."""
 
     COMPLETED = "COMPLETED"

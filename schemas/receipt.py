@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from schemas.models import Reversibility, TerminalStatus
 
 
-class Disposition(str, enum.Enum):
+class Disposition(enum.StrEnum):
     """What became of one step's effect."""
 
     RETAINED = "RETAINED"  # committed and kept on purpose (completed saga, or past the pivot)
