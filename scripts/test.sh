@@ -41,6 +41,19 @@ else
     echo "test.sh: using KAFKA_BOOTSTRAP_SERVERS=$KAFKA_BOOTSTRAP_SERVERS" >&2
 fi
 
+# The compose file is validated by Debian's docker-compose (1.29: `config -q` checks
+# it against the Compose schema without a Docker engine).
+if ! command -v docker-compose >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "test.sh: apt-get install docker-compose (compose file validation)" >&2
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            docker-compose >/dev/null 2>&1 \
+            || { apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive \
+                 apt-get install -y -qq --no-install-recommends docker-compose >/dev/null; } \
+            || echo "test.sh: could not install docker-compose; the compose test will fail" >&2
+    fi
+fi
+
 failed=()
 
 echo "== ruff check ." >&2
