@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -173,6 +173,7 @@ class SagaClient:
         producer_name: str = "agent",
         local: Catalogue | None = None,
         contracts: Mapping[str, StepContract] | None = None,
+        catalogues: Iterable[Catalogue] = (),
         call_timeout_s: float = 60.0,
     ) -> None:
         self.settings = settings
@@ -184,13 +185,21 @@ class SagaClient:
         self._producer = Producer(producer_config(bootstrap))
         self._ledger = _Ledger()
         self._contracts: dict[str, StepContract] = dict(contracts or {})
+        self._secret_paths: dict[str, tuple[str, ...]] = {}
+        self.sealer = settings.sealer()
         self._local = local
         self._stop = threading.Event()
         self._listener: threading.Thread | None = None
         self._local_runtime: Any = None
         self._local_thread: threading.Thread | None = None
-        if local is not None:
-            self._contracts.update(local.contracts())
+        for catalogue in (*catalogues, *((local,) if local is not None else ())):
+            self._contracts.update(catalogue.contracts())
+            self._secret_paths.update({n: s.secret_paths for n, s in catalogue.items()})
+        if any(self._secret_paths.values()) and not self.sealer.enabled:
+            log.warning(
+                "tools declare secret arguments but SAGALINE_SECRET_KEY is not set: they "
+                "are redacted on the ledger and the tools receive the redaction marker"
+            )
 
     # -------------------------------------------------------------- lifecycle
 
@@ -239,7 +248,9 @@ class SagaClient:
             if key is None or value is None:
                 continue
             entry = orjson.loads(value)
-            self._contracts.setdefault(key.decode(), StepContract.model_validate(entry["contract"]))
+            name = key.decode()
+            self._contracts.setdefault(name, StepContract.model_validate(entry["contract"]))
+            self._secret_paths.setdefault(name, tuple(entry.get("secret_paths", ())))
             count += 1
         return count
 
@@ -411,7 +422,9 @@ class Saga:
         name = _tool_name(tool)
         contract = self.client.contract(name)
         step = step_id or f"{next(self._steps):02d}-{name}"
-        body = canonical_json(args)
+        # Secrets never reach the ledger in clear: sealed for the tool, or redacted.
+        secrets = self.client._secret_paths.get(name, ())
+        body = canonical_json(self.client.sealer.seal(args, secrets, self.saga_id))
         self.client.append(
             StepScheduled(
                 envelope=self._envelope(StepScheduled),

@@ -64,6 +64,7 @@ from schemas import (
     fingerprint,
 )
 from schemas.errors import CodecError
+from schemas.sealing import Sealer, SealError
 from schemas.settings import Settings
 from schemas.topics import ensure_topics
 from schemas.wire import consumer_config, dlq_message, from_message, producer_config, to_message
@@ -171,8 +172,10 @@ class CommandHandler:
         verify_poll_ms: int = 200,
         verify_timeout_ms: int = 60_000,
         metrics: ParticipantMetrics | None = None,
+        sealer: Sealer | None = None,
     ) -> None:
         self.catalogue = catalogue
+        self._sealer = sealer or Sealer(None)
         self.participant = participant
         self.journal = journal
         self._append = append
@@ -202,7 +205,9 @@ class CommandHandler:
 
             self._append(decode(seen[1]))
             return
-        if isinstance(command, ExecuteStep):
+        if command.tool not in self.catalogue:  # type: ignore[attr-defined]
+            outcome = _Outcome(self._unknown_tool(command))
+        elif isinstance(command, ExecuteStep):
             outcome = self._execute(command, restarted=seen is not None)
         elif isinstance(command, CompensateStep):
             outcome = self._compensate(command)
@@ -216,6 +221,49 @@ class CommandHandler:
         self._append(outcome.record)
         if self._metrics is not None:
             self._metrics.observe_output(outcome.record)
+
+    def _unknown_tool(self, cmd: Record) -> Record:
+        """A command for a tool this participant does not serve: a business
+        rejection (it would fail the same way forever), never a crash."""
+        tool = getattr(cmd, "tool", "?")
+        message = (
+            f"participant {self.participant} serves no tool {tool!r} "
+            f"(it serves {sorted(self.catalogue)})"
+        )
+        common: dict[str, Any] = {"step_id": getattr(cmd, "step_id", ""), "attempt": 1}
+        if isinstance(cmd, CompensateStep):
+            return self._record(
+                CompensationFailed,
+                cmd,
+                "outcome",
+                **common,
+                compensation_key=cmd.compensation_key,
+                kind=FailureKind.BUSINESS_REJECTION,
+                error_type="UnknownTool",
+                message=message,
+            )
+        if isinstance(cmd, ReconcileStep):
+            return self._record(
+                StepReconciled,
+                cmd,
+                "outcome",
+                **common,
+                tool=tool,
+                idempotency_key=cmd.idempotency_key,
+                outcome=ReconcileResult.PENDING,
+            )
+        assert isinstance(cmd, ExecuteStep)
+        return self._record(
+            StepFailed,
+            cmd,
+            "outcome",
+            **common,
+            tool=tool,
+            idempotency_key=cmd.idempotency_key,
+            kind=FailureKind.BUSINESS_REJECTION,
+            error_type="UnknownTool",
+            message=message,
+        )
 
     # --------------------------------------------------------------- execute step
 
@@ -259,7 +307,7 @@ class CommandHandler:
             "attempt": cmd.attempt,
         }
         try:
-            args = orjson.loads(cmd.args)
+            args = self._sealer.open(orjson.loads(cmd.args), spec.secret_paths, cmd.saga_id)
             result = self._run(ctx, lambda: spec.invoke(args), cmd.deadline_ms)
         except concurrent.futures.TimeoutError:
             return _Outcome(
@@ -271,7 +319,7 @@ class CommandHandler:
                     reason=f"no answer within the {cmd.deadline_ms} ms deadline",
                 )
             )
-        except InvalidArgumentsError as exc:
+        except (InvalidArgumentsError, SealError) as exc:
             return _Outcome(self._failed(cmd, common, FailureKind.BUSINESS_REJECTION, exc))
         except Exception as exc:
             kind = (
@@ -311,7 +359,6 @@ class CommandHandler:
     def _compensate(self, cmd: CompensateStep) -> _Outcome:
         spec = self.catalogue[cmd.tool]
         self.journal.mark(cmd.event_id, "started", command=_command_bytes(cmd))
-        ctx = _compensation_context(cmd)
         call = CallContext(
             cmd.saga_id,
             cmd.step_id,
@@ -326,6 +373,7 @@ class CommandHandler:
             "attempt": cmd.attempt,
         }
         try:
+            ctx = self._compensation_context(cmd, spec)
             result = self._run(call, lambda: spec.compensate(ctx), spec.deadline_ms)
             if isinstance(result, Accepted):
                 return _Outcome(
@@ -394,7 +442,7 @@ class CommandHandler:
 
         cmd = decode(command, CompensateStep)
         spec = self.catalogue[cmd.tool]
-        ctx = _compensation_context(cmd)
+        ctx = self._compensation_context(cmd, spec)
         call = CallContext(
             cmd.saga_id,
             cmd.step_id,
@@ -491,6 +539,17 @@ class CommandHandler:
 
     # ------------------------------------------------------------------- helpers
 
+    def _compensation_context(self, cmd: CompensateStep, spec: ToolSpec) -> CompensationContext:
+        """Exactly the input the tool was called with (secrets opened) and its result."""
+        return CompensationContext(
+            saga_id=cmd.saga_id,
+            tool_name=cmd.tool,
+            input=self._sealer.open(orjson.loads(cmd.args), spec.secret_paths, cmd.saga_id),
+            result=orjson.loads(cmd.result),
+            idempotency_key=cmd.idempotency_key,
+            compensation_key=cmd.compensation_key,
+        )
+
     def _run(self, ctx: CallContext, fn: Callable[[], Any], deadline_ms: int) -> Any:
         def call() -> Any:
             with call_context(ctx):
@@ -519,17 +578,6 @@ def _command_bytes(cmd: Record) -> bytes:
     return encode(cmd)
 
 
-def _compensation_context(cmd: CompensateStep) -> CompensationContext:
-    return CompensationContext(
-        saga_id=cmd.saga_id,
-        tool_name=cmd.tool,
-        input=orjson.loads(cmd.args),
-        result=orjson.loads(cmd.result),
-        idempotency_key=cmd.idempotency_key,
-        compensation_key=cmd.compensation_key,
-    )
-
-
 class ParticipantRuntime:
     """The Kafka loop around :class:`CommandHandler` for one participant."""
 
@@ -553,7 +601,12 @@ class ParticipantRuntime:
         self.journal = CommandJournal(state / "commands.sqlite")
         self._producer = Producer(producer_config(bootstrap))
         self.handler = CommandHandler(
-            catalogue, self.participant, self.journal, self._append, metrics=self.metrics
+            catalogue,
+            self.participant,
+            self.journal,
+            self._append,
+            metrics=self.metrics,
+            sealer=settings.sealer(),
         )
         self._running = threading.Event()
         self._background: list[threading.Thread] = []
@@ -568,6 +621,7 @@ class ParticipantRuntime:
                 "participant": self.participant,
                 "contract": spec.contract(self.participant).model_dump(mode="json"),
                 "definition": spec.definition(),
+                "secret_paths": list(spec.secret_paths),
             }
             self._producer.produce(
                 self.topics.catalogue, key=spec.name.encode(), value=orjson.dumps(entry)
@@ -657,7 +711,24 @@ class ParticipantRuntime:
             self.metrics.dlq(reason)
             return
         self.metrics.observe_record(command)
-        self.handler.handle(command)
+        try:
+            self.handler.handle(command)
+        except Exception as exc:  # R16: never stop the service, never lose the record
+            log.exception("handling %s %s failed", command.TYPE, command.event_id)
+            key, value, headers = dlq_message(
+                msg.key(),
+                msg.value(),
+                msg.headers(),
+                "handler-error",
+                f"{type(exc).__name__}: {exc}",
+                msg.topic(),
+                msg.partition(),
+                msg.offset(),
+            )
+            self._producer.produce(self.topics.dlq, key=key, value=value, headers=headers)
+            self._producer.flush(30)
+            self.metrics.dlq("handler-error")
+            return
         if isinstance(command, CompensateStep):
             seen = self.journal.get(command.event_id)
             if seen is not None and seen[0] == "accepted":

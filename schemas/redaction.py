@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import types
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Annotated, Any, Final, TypeVar
 
 from pydantic import BaseModel, SecretBytes, SecretStr
@@ -119,30 +119,40 @@ def redact(args: Mapping[str, Any], secret_paths: Iterable[str]) -> dict[str, An
     Paths that are absent (an optional field left out) are skipped; already-redacted
     values are left alone, so redacting twice changes nothing.
     """
+    return map_secrets(
+        args, secret_paths, lambda v: v if is_redacted(v) else redaction_marker(v)
+    )
+
+
+def map_secrets(
+    args: Mapping[str, Any], secret_paths: Iterable[str], fn: Callable[[Any], Any]
+) -> dict[str, Any]:
+    """A copy of ``args`` with ``fn`` applied to the value at every secret path (the
+    one walker behind redaction and sealing)."""
     result: Any = dict(args)
     for path in secret_paths:
-        result = _redact_at(result, path.split("."))
+        result = _map_at(result, path.split("."), fn)
     return dict(result)
 
 
-def _redact_at(node: Any, parts: list[str]) -> Any:
+def _map_at(node: Any, parts: list[str], fn: Callable[[Any], Any]) -> Any:
     if not parts:
-        return node if is_redacted(node) else redaction_marker(node)
+        return fn(node)
     head, rest = parts[0], parts[1:]
     if isinstance(node, Mapping):
         if head == "*":
-            return {k: _redact_at(v, rest) for k, v in node.items()}
+            return {k: _map_at(v, rest, fn) for k, v in node.items()}
         if head not in node:
             return node
         copy = dict(node)
-        copy[head] = _redact_at(node[head], rest)
+        copy[head] = _map_at(node[head], rest, fn)
         return copy
     if isinstance(node, list | tuple):
         if head == "*":
-            return [_redact_at(v, rest) for v in node]
+            return [_map_at(v, rest, fn) for v in node]
         if head.isdigit() and int(head) < len(node):
             items = list(node)
-            items[int(head)] = _redact_at(items[int(head)], rest)
+            items[int(head)] = _map_at(items[int(head)], rest, fn)
             return items
     return node
 
@@ -157,6 +167,7 @@ __all__ = [
     "SECRET",
     "Secret",
     "is_redacted",
+    "map_secrets",
     "redact",
     "redacted_json",
     "redaction_marker",

@@ -12,6 +12,7 @@ variable                       field                 default
 ``SAGALINE_HMAC_KEY_ID``       ``hmac_key_id``       ``"k1"``
 ``SAGALINE_TENANT_ID``         ``tenant_id``         ``"default"``
 ``SAGALINE_STATE_DIR``         ``state_dir``         ``".sagaline"``
+``SAGALINE_SECRET_KEY``        ``secret_key``        unset (secrets redacted)
 =============================  ====================  ==========================
 """
 
@@ -22,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from schemas.sealing import Sealer
 from schemas.signing import Signer
 from schemas.topics import DEFAULT_PARTITIONS, TopicNames
 
@@ -33,6 +35,7 @@ ENV_VARS: tuple[str, ...] = (
     "SAGALINE_HMAC_KEY_ID",
     "SAGALINE_TENANT_ID",
     "SAGALINE_STATE_DIR",
+    "SAGALINE_SECRET_KEY",
 )
 """Every environment variable :meth:`Settings.from_env` reads."""
 
@@ -53,6 +56,7 @@ class Settings:
     hmac_key_id: str = "k1"
     tenant_id: str = "default"
     state_dir: Path = Path(".sagaline")
+    secret_key: bytes | None = field(default=None, repr=False)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -76,11 +80,16 @@ class Settings:
             hmac_key_id=env.get("SAGALINE_HMAC_KEY_ID") or "k1",
             tenant_id=env.get("SAGALINE_TENANT_ID") or "default",
             state_dir=Path(env.get("SAGALINE_STATE_DIR") or ".sagaline"),
+            secret_key=(env.get("SAGALINE_SECRET_KEY") or "").encode("utf-8") or None,
         )
 
     @property
     def topics(self) -> TopicNames:
         return TopicNames(self.topic_prefix)
+
+    def sealer(self) -> Sealer:
+        """Seals secret tool arguments for the ledger (redacts when no key is set)."""
+        return Sealer(self.secret_key)
 
     def signer(self) -> Signer:
         """The signer for this process's key (a no-op signer when none is set)."""

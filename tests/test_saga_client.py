@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,7 @@ from participants.client import (
     UnknownTool,
 )
 from schemas import Disposition, TerminalStatus
+from services.ledger import read_partitions
 from tests.system import System
 
 pytestmark = pytest.mark.kafka
@@ -54,6 +56,17 @@ class Desk:
 
     def nothing(self) -> None:
         return None
+
+    @tool(description="Charge a card", secret_fields=("card",))
+    @compensable(by="refund_card")
+    def charge_card(self, amount: int, card: str) -> dict[str, str]:
+        with self.lock:
+            self.log.append(f"charge:{amount}:{card}")
+        return {"charge": f"ch-{amount}"}
+
+    def refund_card(self, ctx: CompensationContext) -> None:
+        with self.lock:
+            self.log.append(f"refund:{ctx.input['card']}")
 
     @tool(description="Announce publicly")
     @compensable(reversibility=Reversibility.IRREVERSIBLE)
@@ -122,3 +135,21 @@ def test_an_unknown_tool_is_a_clear_error(local: tuple[System, Desk]) -> None:
     system, _desk = local
     with pytest.raises(UnknownTool, match="no participant declares a tool named 'teleport'"):
         system.client.contract("teleport")
+
+
+def test_a_secret_argument_reaches_the_tool_but_never_a_topic_in_clear(
+    local: tuple[System, Desk],
+) -> None:
+    system, desk = local
+    card = "4111111111111111"
+    settings = dataclasses.replace(system.settings, secret_key=b"agent and desk share this")
+    client = SagaClient(settings, system.bootstrap, local=wrap(desk, name="desk2"))
+    with client:
+        with pytest.raises(BusinessRejected), client.saga("desk", "agent") as saga:
+            saga.call("charge_card", amount=500, card=card)
+            saga.call("refuse")
+        assert saga.wait(60).status is TerminalStatus.COMPENSATED
+    assert desk.log == [f"charge:500:{card}", f"refund:{card}"]
+    for topic in (system.topics.events, system.topics.commands("desk2")):
+        values = [v for _k, v, _h in read_partitions(system.bootstrap, topic) if v]
+        assert values and not any(card.encode() in v for v in values), topic

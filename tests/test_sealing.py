@@ -1,0 +1,46 @@
+"""Secret arguments are sealed for the tool and never written in clear."""
+
+from __future__ import annotations
+
+import pytest
+
+from schemas.keys import canonical_json
+from schemas.redaction import is_redacted
+from schemas.sealing import Sealer, SealError, is_sealed
+
+CARD = "4111111111111111"
+ARGS = {"amount": 500, "card": {"number": CARD, "cvv": "123"}}
+PATHS = ("card.number", "card.cvv")
+
+
+def test_sealed_arguments_open_to_the_exact_clear_values() -> None:
+    sealer = Sealer(b"shared secret")
+    sealed = sealer.seal(ARGS, PATHS, "saga-1")
+    assert is_sealed(sealed["card"]["number"]) and sealed["amount"] == 500
+    assert CARD.encode() not in canonical_json(sealed)
+    assert sealer.open(sealed, PATHS, "saga-1") == ARGS
+
+
+def test_a_sealed_value_does_not_open_in_another_saga() -> None:
+    sealer = Sealer(b"shared secret")
+    sealed = sealer.seal(ARGS, PATHS, "saga-1")
+    with pytest.raises(SealError, match="saga-2"):
+        sealer.open(sealed, PATHS, "saga-2")
+
+
+def test_a_sealed_value_does_not_open_with_another_key() -> None:
+    sealed = Sealer(b"shared secret").seal(ARGS, PATHS, "saga-1")
+    with pytest.raises(SealError, match="does not open with this key"):
+        Sealer(b"other").open(sealed, PATHS, "saga-1")
+
+
+def test_without_a_key_secrets_are_redacted_not_sent_in_clear() -> None:
+    sealed = Sealer(None).seal(ARGS, PATHS, "saga-1")
+    assert is_redacted(sealed["card"]["number"])
+    assert CARD.encode() not in canonical_json(sealed)
+
+
+def test_a_process_without_the_key_says_what_to_configure() -> None:
+    sealed = Sealer(b"k").seal(ARGS, PATHS, "saga-1")
+    with pytest.raises(SealError, match="SAGALINE_SECRET_KEY"):
+        Sealer(None).open(sealed, PATHS, "saga-1")
