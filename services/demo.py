@@ -67,7 +67,16 @@ from services.refund.agent import (
     resolve_args,
 )
 
-__all__ = ["AgentOutcome", "DemoOptions", "RefundAgent", "register", "run_demo"]
+__all__ = [
+    "AgentOutcome",
+    "DemoOptions",
+    "DemoRun",
+    "FaultEvent",
+    "RefundAgent",
+    "register",
+    "run_agent",
+    "run_demo",
+]
 
 DEMO_HMAC_KEY = "sagaline-demo-signing-key"
 """Signs this run's records (every process of the run shares it); not a secret."""
@@ -240,26 +249,42 @@ class DemoRun:
     saga_of: dict[str, str] = field(default_factory=dict)  # ticket id -> saga id
     started_at: float = 0.0
     ended_at: float = 0.0
-    events: list[str] = field(default_factory=list)
+    faults: list[FaultEvent] = field(default_factory=list)
+    receipts: dict[str, Receipt] = field(default_factory=dict)  # saga id -> receipt
+    violations: list[Violation] = field(default_factory=list)
+    stop_codes: dict[str, int | None] = field(default_factory=dict)
+    exit_code: int = 1
 
 
-class DemoFailed(RuntimeError):
-    """The run could not get going (a service did not start, Kafka unreachable)."""
+@dataclass(frozen=True)
+class FaultEvent:
+    """A process the run killed with SIGKILL and started again."""
+
+    service: str
+    old_pid: int | None
+    new_pid: int | None
+    terminal_before: int  # sagas terminal when it was killed
+    compensating: int  # sagas compensating when it was killed
+
+    def __str__(self) -> str:
+        return (
+            f"kill -9 {self.service} (pid {self.old_pid}) after {self.terminal_before} terminal"
+            f" sagas, {self.compensating} compensating; restarted as pid {self.new_pid}"
+        )
 
 
 def _say(message: str = "") -> None:
     print(message, flush=True)
 
 
-def run_demo(options: DemoOptions) -> int:
-    """Run the demo; returns the process exit code (0: terminal and consistent)."""
+def run_demo(options: DemoOptions) -> DemoRun:
+    """Run the demo; ``.exit_code`` is 0 when every saga is terminal and consistent."""
     from services.broker import choose_broker
 
     if options.kill_service and options.kill_service not in PARTICIPANTS:
-        _say(
+        raise ValueError(
             f"--kill-service: no participant {options.kill_service!r}; one of {list(PARTICIPANTS)}"
         )
-        return 2
     choice = choose_broker()
     run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
     state_dir = (options.state_dir or Path(".sagaline") / f"demo-{run_id}").resolve()
@@ -282,21 +307,22 @@ def run_demo(options: DemoOptions) -> int:
     _say(f"  topics: {run.prefix}sagaline.*   state and logs: {state_dir}")
     supervisor = Supervisor(choice.bootstrap)
     try:
-        return _run(run, supervisor)
+        run.exit_code = _run(run, supervisor)
     except ProcessFailed as exc:
         _say(f"sagaline demo: {exc}")
-        return 1
+        run.exit_code = 1
     finally:
         if options.keep:
             alive = {n: p.pid for n, p in supervisor.processes.items() if p.alive}
             _say(f"--keep: left running {alive}; topic prefix {run.prefix}")
         else:
-            codes = supervisor.stop_all()
+            codes = run.stop_codes = supervisor.stop_all()
             unclean = {n: c for n, c in codes.items() if c not in (0, None)}
             _say(
                 f"stopped {len(codes)} processes"
                 + (f" (exit codes {unclean})" if unclean else " cleanly")
             )
+    return run
 
 
 def _service_env(run: DemoRun, fault_file: Path) -> dict[str, str]:
@@ -379,17 +405,13 @@ def _fault_injector(
                 # do not wait for one forever.
                 wait_until(lambda: board.counts()[COMPENSATING] > 0, 15.0, 0.05)
             process = supervisor.processes[name]
-            old = process.pid
+            old, terminal = process.pid, board.terminal_count()
             compensating = board.counts()[COMPENSATING]
             process.kill9()
-            message = (
-                f"fault: kill -9 {name} (pid {old}) after {board.terminal_count()} terminal"
-                f" sagas, {compensating} compensating"
-            )
             process.start()
-            message += f"; restarted as pid {process.pid}"
-            run.events.append(message)
-            display.log(message)
+            event = FaultEvent(name, old, process.pid, terminal, compensating)
+            run.faults.append(event)
+            display.log(f"fault: {event}")
 
     thread = threading.Thread(target=inject, name="fault-injector", daemon=True)
     thread.start()
@@ -496,7 +518,7 @@ def _summarise(
     _say(f"  approvals    {operator.granted} granted by {OPERATOR} (via operator_actions)")
     aborted = sum(1 for o in outcomes if o.ended == "abort")
     _say(f"  agents       {total - aborted} asked to complete, {aborted} aborted on a call error")
-    for event in run.events:
+    for event in run.faults:
         _say(f"  fault        {event}")
 
     _say()
@@ -516,6 +538,7 @@ def _summarise(
 
     world = read_world(run.state_dir)
     violations = check_invariants(ours.values(), world, expected_sagas=run.saga_of.values())
+    run.receipts, run.violations = ours, violations
     _say()
     _say(_invariant_report(world, ours, violations, run.state_dir))
     ok = all_terminal and not violations and len(ours) == total
@@ -688,7 +711,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
     )
     try:
-        return run_demo(options)
+        return run_demo(options).exit_code
     except KeyboardInterrupt:
         print("\ninterrupted: every process the demo started has been stopped", file=sys.stderr)
         return 130
