@@ -385,6 +385,16 @@ class Coordinator:
     def state_of(self, saga_id: str) -> SagaState | None:
         return self._states.get(saga_id)
 
+    def positions(self) -> dict[int, int]:
+        """Next offset to read per assigned events partition (negative before the first
+        fetch). Between batches every offset below it is processed and committed, so
+        an ``until`` callback can tell when a backlog is consumed. Call it from the
+        thread running :meth:`run` (e.g. inside ``until``)."""
+        assignment = self._consumer.assignment()
+        if not assignment:
+            return {}
+        return {tp.partition: tp.offset for tp in self._consumer.position(assignment)}
+
 
 def _due(state: SagaState, now: int) -> bool:
     due_at = state.next_due_at()
