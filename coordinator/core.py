@@ -266,6 +266,12 @@ class _Ctx:
         self.out.append(Output(Destination.REJECTED, record, reason=reason.value, detail=detail))
 
 
+def _private_copy(state: SagaState) -> SagaState:
+    """The copy a decision works on. Going through the changelog encoding is several
+    times faster than a deep copy and proves on every decision that state round-trips."""
+    return SagaState.from_bytes(state.to_bytes())
+
+
 def _rejection(record: Record, reason: RejectReason, detail: str) -> Output:
     return Output(Destination.REJECTED, record, reason=reason.value, detail=detail)
 
@@ -297,7 +303,7 @@ def decide(
     stale = record.envelope.generation < state.generation
     if own or (state.is_terminal and not stale):
         return Decision(state)  # our echo, or a late record for an ended saga
-    ctx = _Ctx(state.model_copy(deep=True), now, record.event_id, policy)
+    ctx = _Ctx(_private_copy(state), now, record.event_id, policy)
     ctx.remember(record.event_id)
     if stale:
         ctx.reject(
@@ -325,14 +331,16 @@ def tick(state: SagaState, now: int, policy: CorePolicy = DEFAULT_POLICY) -> Dec
     )
     if not due:
         return Decision(state)
-    ctx = _Ctx(state.model_copy(deep=True), now, None, policy)
+    ctx = _Ctx(_private_copy(state), now, None, policy)
     for at, _index, purpose_value, step_id in due:
         step = ctx.s.steps[step_id]
         purpose = TimerPurpose(purpose_value)
         if step.timers.get(purpose) != at:
             continue  # an earlier timer in this tick already moved the step
         del step.timers[purpose]
+        ctx.now = at  # a timer's effects happen when it was due, however late the tick
         _fire(ctx, step, purpose)
+    ctx.now = now
     _advance(ctx)
     return Decision(ctx.s, ctx.out, True)
 
