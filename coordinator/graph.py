@@ -97,6 +97,16 @@ def resource_conflict(candidate: StepState, active: Iterable[StepState]) -> Step
     return None
 
 
+_STILL_TO_UNDO = frozenset(
+    {
+        StepStatus.COMMITTED,
+        StepStatus.COMPENSATION_PENDING,
+        StepStatus.AWAITING_COMPENSATION_APPROVAL,
+        StepStatus.COMPENSATING,
+    }
+)
+
+
 def compensation_order(state: SagaState) -> list[list[str]]:
     """The unwind plan as waves, if every committed step compensated successfully:
     each wave holds steps with no committed dependents left, latest first. Useful for
@@ -105,10 +115,7 @@ def compensation_order(state: SagaState) -> list[list[str]]:
     remaining = {
         s.step_id
         for s in state.steps.values()
-        if s.status
-        in {StepStatus.COMMITTED, StepStatus.COMPENSATION_PENDING}
-        | {StepStatus.AWAITING_COMPENSATION_APPROVAL, StepStatus.COMPENSATING}
-        and not s.contract.read_only
+        if s.status in _STILL_TO_UNDO and not s.contract.read_only
     }
     direct = dependents(state)
 
