@@ -25,14 +25,8 @@ from schemas import (
 )
 from schemas.receipt import Receipt
 from schemas.settings import Settings
+from services.broker import settings_and_bootstrap
 from services.ledger import TopicMissing, read_partitions, saga_records
-
-
-def _settings() -> tuple[Settings, str]:
-    from services.broker import resolve_bootstrap
-
-    settings = Settings.from_env()
-    return settings, settings.bootstrap or resolve_bootstrap()
 
 
 def _operator(args: argparse.Namespace) -> str | None:
@@ -54,7 +48,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from services.metrics import start_metrics_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    settings, bootstrap = _settings()
+    settings, bootstrap = settings_and_bootstrap()
     participants = [p for p in args.participants.split(",") if p]
     ensure_topics(bootstrap, settings.topics, participants, settings.partitions)
     coordinator = Coordinator(settings, bootstrap, instance_id=args.instance_id)
@@ -71,7 +65,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_show(args: argparse.Namespace) -> int:
     from services.receipts_view import render_receipt_text
 
-    settings, bootstrap = _settings()
+    settings, bootstrap = settings_and_bootstrap()
     try:
         records = saga_records(bootstrap, settings.topics.events, args.saga_id, settings.signer())
     except TopicMissing as exc:
@@ -138,7 +132,7 @@ def _decide(args: argparse.Namespace, *, grant: bool) -> int:
     operator = _operator(args)
     if operator is None:
         return 2
-    settings, bootstrap = _settings()
+    settings, bootstrap = settings_and_bootstrap()
     records = saga_records(bootstrap, settings.topics.events, args.saga_id, settings.signer())
     request = _pending_request(records, args.step_id)
     if request is None:
@@ -186,7 +180,7 @@ def incident_feed(
 
 
 def _cmd_incidents_list(args: argparse.Namespace) -> int:
-    settings, bootstrap = _settings()
+    settings, bootstrap = settings_and_bootstrap()
     raised, resolved = incident_feed(settings, bootstrap)
     shown = 0
     for incident_id, incident in raised.items():
@@ -210,7 +204,7 @@ def _cmd_incidents_resolve(args: argparse.Namespace) -> int:
     operator = _operator(args)
     if operator is None:
         return 2
-    settings, bootstrap = _settings()
+    settings, bootstrap = settings_and_bootstrap()
     raised, _resolved = incident_feed(settings, bootstrap)
     incident = raised.get(args.incident_id)
     if incident is None:

@@ -50,8 +50,8 @@ from schemas.wire import (
     dlq_message,
     from_message,
     producer_config,
+    read_to_end,
     to_message,
-    watermarks,
 )
 from services import metrics
 
@@ -337,44 +337,17 @@ class Coordinator:
         """Read the compacted changelog partitions to their end (R5: state is a fold)."""
         if not numbers:
             return 0
-        reader = Consumer(
-            consumer_config(
-                self.bootstrap,
-                f"{self.group_id}-restore",
-                **{"enable.partition.eof": True},
-            )
-        )
-        try:
-            ends: dict[int, int] = {}
-            for n in numbers:
-                low, high = watermarks(reader, TopicPartition(self.topics.state, n))
-                if high > low:
-                    ends[n] = high
-            if not ends:
-                return 0
-            reader.assign([TopicPartition(self.topics.state, n, OFFSET_BEGINNING) for n in ends])
-            remaining = set(ends)
-            while remaining:
-                msg = reader.poll(1.0)
-                if msg is None:
-                    continue
-                err = msg.error()
-                if err is not None:
-                    if err.code() == KafkaError._PARTITION_EOF:
-                        remaining.discard(msg.partition())
-                        continue
-                    raise KafkaException(err)
-                saga_id = (msg.key() or b"").decode()
-                value = msg.value()
-                if value is None:
-                    self._states.pop(saga_id, None)
-                    self._partition_of.pop(saga_id, None)
-                else:
-                    self._states[saga_id] = SagaState.from_bytes(value)
-                    self._partition_of[saga_id] = msg.partition() or 0
-            return sum(1 for p in self._partition_of.values() if p in ends)
-        finally:
-            reader.close()
+        group = f"{self.group_id}-restore"
+        for msg in read_to_end(self.bootstrap, self.topics.state, numbers, group):
+            saga_id = (msg.key() or b"").decode()
+            value = msg.value()
+            if value is None:
+                self._states.pop(saga_id, None)
+                self._partition_of.pop(saga_id, None)
+            else:
+                self._states[saga_id] = SagaState.from_bytes(value)
+                self._partition_of[saga_id] = msg.partition() or 0
+        return sum(1 for p in self._partition_of.values() if p in numbers)
 
     # ----------------------------------------------------------------- inspection
 

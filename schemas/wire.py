@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar, overload
 
@@ -97,6 +98,42 @@ def watermarks(consumer: Any, tp: Any, timeout_s: float = 60.0) -> tuple[int, in
             if not retriable or time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
+
+
+def read_to_end(
+    bootstrap: str, topic: str, partitions: list[int], group_id: str = "sagaline-reader"
+) -> Iterator[Any]:
+    """Yield the committed messages of ``partitions`` of ``topic`` from the start up
+    to their end as of now, then stop. The one reader behind state restore, the
+    ledger tools and ``saga show``: no group membership, no commits."""
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException
+    from confluent_kafka import TopicPartition as TP
+
+    consumer = Consumer(consumer_config(bootstrap, group_id, **{"enable.partition.eof": True}))
+    try:
+        live = [n for n in partitions if _has_records(consumer, TP(topic, n))]
+        if not live:
+            return
+        consumer.assign([TP(topic, n, OFFSET_BEGINNING) for n in live])
+        remaining = set(live)
+        while remaining:
+            msg = consumer.poll(1.0)
+            if msg is None:
+                continue
+            err = msg.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    remaining.discard(msg.partition())
+                    continue
+                raise KafkaException(err)
+            yield msg
+    finally:
+        consumer.close()
+
+
+def _has_records(consumer: Any, tp: Any) -> bool:
+    low, high = watermarks(consumer, tp)
+    return high > low
 
 
 def to_message(record: Record, signer: Signer) -> tuple[bytes, bytes, Headers]:

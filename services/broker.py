@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from schemas.settings import Settings
 from services import kafka_local
 
 __all__ = ["BrokerChoice", "choose_broker", "describe_configured", "resolve_bootstrap"]
@@ -113,3 +114,10 @@ def choose_broker() -> BrokerChoice:
 def resolve_bootstrap() -> str:
     """The bootstrap address of the broker to use (see the module docstring)."""
     return choose_broker().bootstrap
+
+
+def settings_and_bootstrap() -> tuple[Settings, str]:
+    """The process settings (from the environment) and the broker they point at:
+    theirs when set, else the one chosen above. What every command starts with."""
+    settings = Settings.from_env()
+    return settings, settings.bootstrap or resolve_bootstrap()

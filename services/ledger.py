@@ -10,13 +10,13 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import Consumer
 
 from schemas.errors import CodecError
 from schemas.models import Record
 from schemas.partitioning import partition_for
 from schemas.signing import HeaderList, Signer
-from schemas.wire import consumer_config, from_message, watermarks
+from schemas.wire import consumer_config, from_message, read_to_end
 
 
 class TopicMissing(LookupError):
@@ -46,33 +46,15 @@ def read_partitions(
 ) -> Iterator[tuple[bytes | None, bytes | None, HeaderList | None]]:
     """Yield (key, value, headers) of committed records from the start to the current
     end of the given partitions (all of them when None)."""
-    consumer = _reader(bootstrap)
-    try:
-        numbers = partitions
-        if numbers is None:
-            numbers = list(range(partition_count(consumer, topic)))
-        live = []
-        for n in numbers:
-            low, high = watermarks(consumer, TopicPartition(topic, n))
-            if high > low:
-                live.append(n)
-        if not live:
-            return
-        consumer.assign([TopicPartition(topic, n, OFFSET_BEGINNING) for n in live])
-        remaining = set(live)
-        while remaining:
-            msg = consumer.poll(1.0)
-            if msg is None:
-                continue
-            err = msg.error()
-            if err is not None:
-                if err.code() == KafkaError._PARTITION_EOF:
-                    remaining.discard(msg.partition())
-                    continue
-                raise KafkaException(err)
-            yield msg.key(), msg.value(), msg.headers()
-    finally:
-        consumer.close()
+    if partitions is None:
+        consumer = _reader(bootstrap)
+        try:
+            partitions = list(range(partition_count(consumer, topic)))
+        finally:
+            consumer.close()
+    group = f"sagaline-reader-{uuid.uuid4().hex[:8]}"
+    for msg in read_to_end(bootstrap, topic, partitions, group):
+        yield msg.key(), msg.value(), msg.headers()
 
 
 def saga_records(bootstrap: str, topic: str, saga_id: str, signer: Signer) -> list[Record]:

@@ -17,19 +17,14 @@ from participants.catalogue import Catalogue
 from participants.runtime import ParticipantRuntime
 from schemas.settings import Settings
 from schemas.topics import TopicSetupError, ensure_topics
-from services.broker import resolve_bootstrap
+from services.broker import settings_and_bootstrap
 from services.metrics import ParticipantMetrics, start_metrics_server
 
 log = logging.getLogger("sagaline.serve")
 
 
-def _settings_and_bootstrap() -> tuple[Settings, str]:
-    settings = Settings.from_env()
-    return settings, settings.bootstrap or resolve_bootstrap()
-
-
 def _cmd_topics_create(args: argparse.Namespace) -> int:
-    settings, bootstrap = _settings_and_bootstrap()
+    settings, bootstrap = settings_and_bootstrap()
     participants = [p for p in args.participants.split(",") if p]
     try:
         created = ensure_topics(bootstrap, settings.topics, participants, settings.partitions)
@@ -59,7 +54,7 @@ def load_catalogue(name: str, spec: str | None, settings: Settings) -> Catalogue
 
 def _cmd_participant_run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    settings, bootstrap = _settings_and_bootstrap()
+    settings, bootstrap = settings_and_bootstrap()
     catalogue = load_catalogue(args.name, args.catalogue, settings)
     metrics = ParticipantMetrics(args.name)
     if args.metrics_port:
