@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import queue
+import signal
 import sys
 import tempfile
 import threading
@@ -35,6 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from participants.catalogue import Catalogue
@@ -710,6 +712,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         call_timeout_s=args.call_timeout,
         timeout_s=args.timeout,
     )
+    _interrupt_on(signal.SIGINT, signal.SIGTERM)
     try:
         return run_demo(options).exit_code
     except KeyboardInterrupt:
@@ -717,7 +720,20 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return 130
 
 
+def _interrupt_on(*signals: signal.Signals) -> None:
+    """Turn these signals into KeyboardInterrupt, so the ``finally`` blocks that stop
+    the demo's processes run on Ctrl-C and on ``kill`` alike (also when the shell
+    started us with SIGINT ignored, as it does for background jobs)."""
+
+    def interrupt(signum: int, _frame: FrameType | None) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for sig in signals:
+        signal.signal(sig, interrupt)
+
+
 def _cmd_agent_run(args: argparse.Namespace) -> int:
+    _interrupt_on(signal.SIGINT, signal.SIGTERM)
     with suppress(KeyboardInterrupt):
         return run_agent(
             args.sagas,
