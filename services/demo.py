@@ -629,10 +629,9 @@ def run_agent(
     timeout_s: float,
 ) -> int:
     """The scripted agent alone against a running system (``sagaline agent run``)."""
-    from services.broker import resolve_bootstrap
+    from services.broker import settings_and_bootstrap
 
-    settings = Settings.from_env()
-    bootstrap = settings.bootstrap or resolve_bootstrap()
+    settings, bootstrap = settings_and_bootstrap()
     tickets = generate_tickets(sagas, seed)
     plans = [checked_plan(t, declared_catalogues_cached()) for t in tickets]
     client = SagaClient(settings, bootstrap, producer_name="agent", call_timeout_s=call_timeout_s)
