@@ -110,7 +110,13 @@ class Coordinator:
                 },
             )
         )
-        self._consumer = Consumer(consumer_config(bootstrap, self.group_id))
+        # Static membership: a restarted instance (same id) takes its partitions back
+        # at once instead of waiting for the dead one's session to time out.
+        self._consumer = Consumer(
+            consumer_config(
+                bootstrap, self.group_id, **{"group.instance.id": f"{self.group_id}-{instance_id}"}
+            )
+        )
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -588,10 +588,14 @@ class ParticipantRuntime:
         bootstrap: str,
         *,
         participant: str | None = None,
+        instance_id: str | None = None,
         state_dir: Path | None = None,
         metrics: ParticipantMetrics | None = None,
     ) -> None:
         self.participant = participant or catalogue.name
+        # Static group membership: a restarted process with the same instance id gets
+        # its partitions back at once. Give each replica of a participant its own id.
+        self.instance_id = instance_id or self.participant
         self.settings = settings
         self.bootstrap = bootstrap
         self.topics = settings.topics
@@ -658,9 +662,10 @@ class ParticipantRuntime:
 
     def run(self, *, ready: threading.Event | None = None) -> None:
         ensure_topics(self.bootstrap, self.topics, [self.participant], self.settings.partitions)
+        group = f"{self.topics.prefix}sagaline-participant-{self.participant}"
         consumer = Consumer(
             consumer_config(
-                self.bootstrap, f"{self.topics.prefix}sagaline-participant-{self.participant}"
+                self.bootstrap, group, **{"group.instance.id": f"{group}-{self.instance_id}"}
             )
         )
         consumer.subscribe([self.topics.commands(self.participant)])

@@ -26,13 +26,14 @@ from __future__ import annotations
 import argparse
 import queue
 import signal
+import socket
 import sys
 import tempfile
 import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -235,6 +236,7 @@ class DemoOptions:
     kill_coordinator_after: int = 0
     call_timeout_s: float = 60.0
     timeout_s: float = 300.0
+    dashboard_port: int = 0  # 0: no dashboard
 
 
 @dataclass
@@ -377,12 +379,38 @@ def _start_services(run: DemoRun, supervisor: Supervisor, settings: Settings) ->
                 input_topic=topics.commands(name),
             )
         )
+    _start_dashboard(run, supervisor, env, logs)
     _say(f"  faults: {len(plan.rules)} rules written to {fault_file}")
     _say(f"  starting coordinator + {', '.join(names)} ...")
     started = time.monotonic()
     supervisor.wait_ready(["coordinator", *names], timeout_s=120)
     pids = ", ".join(f"{n} {p.pid}" for n, p in supervisor.processes.items())
     _say(f"  ready in {time.monotonic() - started:.1f} s (pids: {pids})")
+
+
+def _start_dashboard(
+    run: DemoRun, supervisor: Supervisor, env: Mapping[str, str], logs: Path
+) -> None:
+    """The operators' dashboard over this run's topics, when a port is asked for and
+    free; the demo does not depend on it, so a busy port only skips it."""
+    port = run.options.dashboard_port
+    if not port:
+        return
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            _say(f"  dashboard: port {port} is busy; running without it (--dashboard-port)")
+            return
+    supervisor.start(
+        ServiceSpec(
+            "dashboard",
+            ["dashboard", "--host", "127.0.0.1", "--port", str(port)],
+            env,
+            logs / "dashboard.log",
+        )
+    )
+    _say(f"  dashboard: http://127.0.0.1:{port}/ (sagas, timelines, receipts, approvals)")
 
 
 def _fault_injector(
@@ -710,6 +738,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         kill_coordinator_after=args.kill_coordinator_after or 0,
         call_timeout_s=args.call_timeout,
         timeout_s=args.timeout,
+        dashboard_port=args.dashboard_port,
     )
     _interrupt_on(signal.SIGINT, signal.SIGTERM)
     try:
@@ -775,6 +804,12 @@ def register(subparsers: Any) -> None:
         type=int,
         default=0,
         help="kill -9 the coordinator after this many terminal sagas (then restart it)",
+    )
+    demo.add_argument(
+        "--dashboard-port",
+        type=int,
+        default=8088,
+        help="serve the dashboard for this run on this port (8088; 0: none)",
     )
     demo.add_argument("--call-timeout", type=float, default=60.0, help="per tool call (s)")
     demo.add_argument(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from typing import Any
 
@@ -60,7 +61,12 @@ def _cmd_participant_run(args: argparse.Namespace) -> int:
     if args.metrics_port:
         start_metrics_server(args.metrics_port, metrics)
     runtime = ParticipantRuntime(
-        catalogue, settings, bootstrap, participant=args.name, metrics=metrics
+        catalogue,
+        settings,
+        bootstrap,
+        participant=args.name,
+        instance_id=args.instance_id or args.name,
+        metrics=metrics,
     )
     runtime.install_signal_handlers()
     runtime.run()
@@ -82,4 +88,9 @@ def register(subparsers: Any) -> None:
     run.add_argument("name", help="participant name (its command topic)")
     run.add_argument("--catalogue", help="module:attr of a Catalogue (default: refund example)")
     run.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
+    run.add_argument(
+        "--instance-id",
+        default=os.environ.get("SAGALINE_INSTANCE_ID"),
+        help="distinct per replica, stable across restarts (default: the participant name)",
+    )
     run.set_defaults(func=_cmd_participant_run)
