@@ -33,16 +33,16 @@ EXPECTED = {"COMPLETED": 9, "COMPENSATED": 2, "ESCALATED": 1}  # seed 31's scena
 
 def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bootstrap: str, **kw: object) -> DemoRun:
     monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", bootstrap)
-    options = DemoOptions(
-        sagas=SAGAS,
-        seed=SEED,
-        concurrency=4,
-        partitions=3,
-        state_dir=tmp_path / "state",
-        ui=False,
-        timeout_s=150,
-        **kw,  # type: ignore[arg-type]
-    )
+    fields: dict[str, object] = {
+        "sagas": SAGAS,
+        "seed": SEED,
+        "concurrency": 4,
+        "partitions": 3,
+        "state_dir": tmp_path / "state",
+        "ui": False,
+        "timeout_s": 150,
+    }
+    options = DemoOptions(**{**fields, **kw})  # type: ignore[arg-type]
     return run_demo(options)
 
 
