@@ -49,9 +49,19 @@ class Dashboard:
 
     def serve(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> None:
         """Run the HTTP server until interrupted (the follower runs with the app)."""
+        import signal
+
         import uvicorn
 
+        # uvicorn re-raises the signal that stopped it once it has shut down; with a
+        # handler of ours in place that ends the process with 0, a clean stop.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, _exit_cleanly)
         uvicorn.run(self.app, host=host, port=port, log_level="info")
+
+
+def _exit_cleanly(signum: int, frame: object) -> None:
+    raise SystemExit(0)
 
 
 def _run(args: argparse.Namespace) -> int:
