@@ -194,6 +194,12 @@ class Coordinator:
         except CodecError as exc:
             self._reject(msg, exc.reason, str(exc))
             return
+        if isinstance(record, IncidentResolved):
+            # The operators' incident feed shows each resolution next to its incident,
+            # also for sagas that have already ended ESCALATED (the usual case).
+            self._producer.produce(
+                self.topics.incidents, key=msg.key(), value=msg.value(), headers=msg.headers()
+            )
         saga_id = record.saga_id
         pending.partitions.setdefault(saga_id, msg.partition() or 0)
         state = self._current(saga_id, pending)
@@ -208,15 +214,6 @@ class Coordinator:
         self.metrics.observe_record(record)
         if not decision.changed and record.envelope.producer != COORDINATOR_PRODUCER:
             self.metrics.duplicate_prevented()
-        if (
-            isinstance(record, IncidentResolved)
-            and decision.changed
-            and not any(o.destination is Destination.REJECTED for o in decision.outputs)
-        ):
-            # Operators' incident feed shows resolutions next to the incidents.
-            self._producer.produce(
-                self.topics.incidents, key=msg.key(), value=msg.value(), headers=msg.headers()
-            )
         self._apply(decision, saga_id, pending, msg)
 
     def _apply(

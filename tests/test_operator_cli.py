@@ -1,0 +1,184 @@
+"""The operator commands against a live system on the real broker: approve, deny,
+saga show, incidents list and resolve all go through the ledger (R7, R8, R14)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from participants import (
+    BusinessRejection,
+    CompensationContext,
+    Reversibility,
+    compensable,
+    tool,
+    wrap,
+)
+from participants.client import ApprovalDeniedError, BusinessRejected
+from schemas import ApprovalRequested, IncidentResolved, TerminalStatus
+from services.cli import main
+from services.ledger import read_partitions
+from tests.system import System, wait_until
+
+pytestmark = pytest.mark.kafka
+
+
+class Office:
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    @tool(description="Send a letter", owner="post-room")
+    @compensable(reversibility=Reversibility.IRREVERSIBLE)
+    def send_letter(self, to: str) -> str:
+        self.sent.append(to)
+        return f"letter-{to}"
+
+    @tool(description="Reserve a room", owner="facilities")
+    @compensable(by="free_room")
+    def reserve_room(self, room: str) -> str:
+        return room
+
+    def free_room(self, ctx: CompensationContext) -> None:
+        raise RuntimeError(f"room {ctx.result} is locked")
+
+    @tool(description="Always says no")
+    @compensable(by="nothing")
+    def refuse(self) -> None:
+        raise BusinessRejection("no")
+
+    def nothing(self) -> None:
+        return None
+
+
+@pytest.fixture
+def office(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[System, Office]]:
+    desk = Office()
+    catalogue = wrap(desk, name="office")
+    with System(kafka_bootstrap, unique_prefix, tmp_path, [catalogue]) as system:
+        monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
+        monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
+        monkeypatch.setenv("SAGALINE_HMAC_KEY", "test-key")
+        yield system, desk
+
+
+def _run_in_thread(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    out: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            out["result"] = fn()
+        except Exception as exc:
+            out["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def _await_request(system: System, saga_id: str) -> ApprovalRequested:
+    found: ApprovalRequested = wait_until(
+        lambda: next(
+            (r for r in system.records(saga_id) if isinstance(r, ApprovalRequested)), None
+        ),
+        what="an approval request",
+    )
+    return found
+
+
+def test_approve_on_the_cli_lets_the_irreversible_step_run_and_show_prints_the_receipt(
+    office: tuple[System, Office], capsys: pytest.CaptureFixture[str]
+) -> None:
+    system, desk = office
+    saga = system.client.saga("letters", "agent")
+
+    def agent() -> Any:
+        with saga:
+            return saga.call("send_letter", to="ada")
+
+    thread, out = _run_in_thread(agent)
+    request = _await_request(system, saga.saga_id)
+    assert main(["approve", saga.saga_id, request.step_id, "--operator", "alice"]) == 0
+    thread.join(60)
+    assert out == {"result": "letter-ada"} and desk.sent == ["ada"]
+    assert saga.wait(60).status is TerminalStatus.COMPLETED
+
+    capsys.readouterr()
+    assert main(["saga", "show", saga.saga_id]) == 0
+    text = capsys.readouterr().out
+    assert "completed" in text.lower() and "send_letter" in text and "alice" in text
+    assert main(["saga", "show", saga.saga_id, "--json"]) == 0
+    receipt = orjson.loads(capsys.readouterr().out)
+    assert receipt["status"] == "COMPLETED" and receipt["approvals"][0]["by"] == "alice"
+
+
+def test_deny_on_the_cli_is_a_business_rejection_R7(
+    office: tuple[System, Office],
+) -> None:
+    system, desk = office
+    saga = system.client.saga("letters", "agent")
+
+    def agent() -> Any:
+        with saga:
+            return saga.call("send_letter", to="bob")
+
+    thread, out = _run_in_thread(agent)
+    request = _await_request(system, saga.saga_id)
+    code = main(
+        ["deny", saga.saga_id, request.step_id, "--operator", "carol", "--reason", "wrong person"]
+    )
+    assert code == 0
+    thread.join(60)
+    assert isinstance(out.get("error"), ApprovalDeniedError)
+    assert desk.sent == []
+    assert saga.wait(60).status is TerminalStatus.COMPENSATED
+
+
+def test_an_approval_needs_an_operator_identity(
+    office: tuple[System, Office], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SAGALINE_OPERATOR", raising=False)
+    assert main(["approve", "any-saga", "any-step"]) == 2
+
+
+def test_incidents_list_and_resolve_on_the_cli_R8(
+    office: tuple[System, Office], capsys: pytest.CaptureFixture[str]
+) -> None:
+    system, _desk = office
+    with pytest.raises(BusinessRejected), system.client.saga("rooms", "agent") as saga:
+        saga.call("reserve_room", room="blue")
+        saga.call("refuse")
+    # free_room always fails: after its (generous) retries an incident names the owner.
+    receipt = saga.wait(120)
+    assert receipt.status is TerminalStatus.ESCALATED
+
+    capsys.readouterr()
+    assert main(["incidents", "list"]) == 0
+    listing = capsys.readouterr().out
+    incident_id = receipt.incidents[0].incident_id
+    assert incident_id in listing and "owner=facilities" in listing and "OPEN" in listing
+
+    code = main(
+        ["incidents", "resolve", incident_id, "--operator", "dave", "--resolution", "unlocked"]
+    )
+    assert code == 0
+    wait_until(
+        lambda: any(
+            b"IncidentResolved" in (v or b"")
+            for _k, v, _h in read_partitions(system.bootstrap, system.topics.incidents)
+        ),
+        what="the resolution on the incidents topic",
+    )
+    capsys.readouterr()
+    assert main(["incidents", "list"]) == 0
+    assert incident_id not in capsys.readouterr().out
+    assert main(["incidents", "list", "--all"]) == 0
+    assert "resolved by dave: unlocked" in capsys.readouterr().out
+    resolutions = [r for r in system.records(saga.saga_id) if isinstance(r, IncidentResolved)]
+    assert [r.resolved_by for r in resolutions] == ["dave"]
