@@ -487,13 +487,34 @@ def _step(ctx: _Ctx, record: Record, step_id: str) -> StepState | None:
     return step
 
 
-def _never_dispatched(ctx: _Ctx, record: Record, step: StepState) -> None:
-    ctx.reject(
-        record,
-        RejectReason.INVALID_TRANSITION,
-        f"{record.envelope.type} for step {step.step_id}, which was never dispatched "
-        f"(it is {step.status.value})",
-    )
+def _dispatched_step(ctx: _Ctx, record: Record, step_id: str) -> StepState | None:
+    """The step a forward outcome names, or None (recorded as rejected) when the saga
+    never scheduled it or never dispatched it."""
+    step = _step(ctx, record, step_id)
+    if step is not None and step.attempt == 0:
+        ctx.reject(
+            record,
+            RejectReason.INVALID_TRANSITION,
+            f"{record.envelope.type} for step {step.step_id}, which was never dispatched "
+            f"(it is {step.status.value})",
+        )
+        return None
+    return step
+
+
+def _compensating_step(ctx: _Ctx, record: Record, step_id: str) -> StepState | None:
+    """The step a compensation outcome names, or None (recorded as rejected) when its
+    compensation was never requested."""
+    step = _step(ctx, record, step_id)
+    if step is not None and step.compensation_attempt == 0:
+        ctx.reject(
+            record,
+            RejectReason.INVALID_TRANSITION,
+            f"{record.envelope.type} for step {step.step_id}, whose compensation was never "
+            f"requested (it is {step.status.value})",
+        )
+        return None
+    return step
 
 
 def _on_saga_started(ctx: _Ctx, r: SagaStarted) -> None:
@@ -682,11 +703,8 @@ def _on_approval_denied(ctx: _Ctx, r: ApprovalDenied) -> None:
 
 
 def _on_intent(ctx: _Ctx, r: StepIntentRecorded) -> None:
-    step = _step(ctx, r, r.step_id)
+    step = _dispatched_step(ctx, r, r.step_id)
     if step is None:
-        return
-    if step.attempt == 0:
-        _never_dispatched(ctx, r, step)
         return
     if step.intent_at is None:
         step.intent_at = r.envelope.occurred_at
@@ -709,11 +727,8 @@ _COMMITTABLE = frozenset(
 
 
 def _on_committed(ctx: _Ctx, r: StepCommitted) -> None:
-    step = _step(ctx, r, r.step_id)
+    step = _dispatched_step(ctx, r, r.step_id)
     if step is None:
-        return
-    if step.attempt == 0:
-        _never_dispatched(ctx, r, step)
         return
     late_after_escalation = step.status is StepStatus.ESCALATED and step.committed_at is None
     if step.status in _COMMITTABLE or late_after_escalation:
@@ -730,11 +745,8 @@ def _on_committed(ctx: _Ctx, r: StepCommitted) -> None:
 
 
 def _on_failed(ctx: _Ctx, r: StepFailed) -> None:
-    step = _step(ctx, r, r.step_id)
+    step = _dispatched_step(ctx, r, r.step_id)
     if step is None:
-        return
-    if step.attempt == 0:
-        _never_dispatched(ctx, r, step)
         return
     if step.status in (StepStatus.DISPATCHED, StepStatus.INTENT_RECORDED) and (
         r.attempt == step.attempt
@@ -746,11 +758,8 @@ def _on_failed(ctx: _Ctx, r: StepFailed) -> None:
 
 
 def _on_outcome_unknown(ctx: _Ctx, r: StepOutcomeUnknown) -> None:
-    step = _step(ctx, r, r.step_id)
+    step = _dispatched_step(ctx, r, r.step_id)
     if step is None:
-        return
-    if step.attempt == 0:
-        _never_dispatched(ctx, r, step)
         return
     if step.status not in (StepStatus.DISPATCHED, StepStatus.INTENT_RECORDED) or (
         r.attempt != step.attempt
@@ -767,11 +776,8 @@ def _on_outcome_unknown(ctx: _Ctx, r: StepOutcomeUnknown) -> None:
 
 
 def _on_reconciled(ctx: _Ctx, r: StepReconciled) -> None:
-    step = _step(ctx, r, r.step_id)
+    step = _dispatched_step(ctx, r, r.step_id)
     if step is None:
-        return
-    if step.attempt == 0:
-        _never_dispatched(ctx, r, step)
         return
     if step.status not in (StepStatus.RECONCILING, StepStatus.UNKNOWN):
         return  # already settled
@@ -823,11 +829,8 @@ def _on_end_requested(ctx: _Ctx, r: SagaEndRequested) -> None:
 
 
 def _on_compensation_accepted(ctx: _Ctx, r: CompensationAccepted) -> None:
-    step = _step(ctx, r, r.step_id)
+    step = _compensating_step(ctx, r, r.step_id)
     if step is None:
-        return
-    if step.compensation_attempt == 0:
-        _no_compensation_requested(ctx, r, step)
         return
     if step.status is StepStatus.COMPENSATING and r.attempt == step.compensation_attempt:
         step.status = StepStatus.COMPENSATION_ACCEPTED  # not done until committed (R12)
@@ -835,11 +838,8 @@ def _on_compensation_accepted(ctx: _Ctx, r: CompensationAccepted) -> None:
 
 
 def _on_compensation_committed(ctx: _Ctx, r: CompensationCommitted) -> None:
-    step = _step(ctx, r, r.step_id)
+    step = _compensating_step(ctx, r, r.step_id)
     if step is None:
-        return
-    if step.compensation_attempt == 0:
-        _no_compensation_requested(ctx, r, step)
         return
     if step.status not in (
         StepStatus.COMPENSATING,
@@ -868,11 +868,8 @@ def _on_compensation_committed(ctx: _Ctx, r: CompensationCommitted) -> None:
 
 
 def _on_compensation_failed(ctx: _Ctx, r: CompensationFailed) -> None:
-    step = _step(ctx, r, r.step_id)
+    step = _compensating_step(ctx, r, r.step_id)
     if step is None:
-        return
-    if step.compensation_attempt == 0:
-        _no_compensation_requested(ctx, r, step)
         return
     if step.status not in (StepStatus.COMPENSATING, StepStatus.COMPENSATION_ACCEPTED) or (
         r.attempt != step.compensation_attempt
@@ -907,15 +904,6 @@ def _on_compensation_failed(ctx: _Ctx, r: CompensationFailed) -> None:
         f"compensation {step.contract.compensation} failed after {attempts} "
         f"attempt{'s' if attempts != 1 else ''}: {step.last_error}",
         raise_incident=not step.window_expired,
-    )
-
-
-def _no_compensation_requested(ctx: _Ctx, r: Record, step: StepState) -> None:
-    ctx.reject(
-        r,
-        RejectReason.INVALID_TRANSITION,
-        f"{r.envelope.type} for step {step.step_id}, whose compensation was never requested "
-        f"(it is {step.status.value})",
     )
 
 
