@@ -58,6 +58,7 @@ from bench._common import REPO_ROOT, machine_description, markdown_table, write_
 from coordinator.core import decide
 from coordinator.shell import Coordinator
 from coordinator.state import SagaState, SagaStatus
+from sagaline.kafka import consumer_config, ensure_topics, producer_config, watermarks
 from schemas.keys import args_fingerprint, derived_event_id, fingerprint, idempotency_key
 from schemas.models import (
     CompensationRequested,
@@ -75,8 +76,7 @@ from schemas.models import (
 )
 from schemas.settings import Settings
 from schemas.signing import Signer
-from schemas.topics import ensure_topics
-from schemas.wire import consumer_config, from_message, producer_config, to_message, watermarks
+from schemas.wire import from_message, to_message
 
 PARTICIPANTS = ("payments", "inventory")
 CONTRACTS = (

@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 
+from sagaline.kafka import LedgerReader, TopicMissing, configured_broker
 from schemas import (
     ApprovalDenied,
     ApprovalGranted,
@@ -25,8 +26,6 @@ from schemas import (
 )
 from schemas.receipt import Receipt
 from schemas.settings import Settings
-from services.broker import settings_and_bootstrap
-from services.ledger import TopicMissing, read_partitions, saga_records
 
 
 def _operator(args: argparse.Namespace) -> str | None:
@@ -43,14 +42,20 @@ def _operator(args: argparse.Namespace) -> str | None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    settings, bootstrap = configured_broker("sagaline coordinator run")
     from coordinator.shell import Coordinator
-    from schemas.topics import ensure_topics
+    from sagaline.kafka import ensure_topics
     from services.metrics import start_metrics_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    settings, bootstrap = settings_and_bootstrap()
     participants = [p for p in args.participants.split(",") if p]
-    ensure_topics(bootstrap, settings.topics, participants, settings.partitions)
+    ensure_topics(
+        bootstrap,
+        settings.topics,
+        participants,
+        settings.partitions,
+        replication=settings.replication,
+    )
     coordinator = Coordinator(settings, bootstrap, instance_id=args.instance_id)
     if args.metrics_port:
         start_metrics_server(args.metrics_port, coordinator.metrics)
@@ -65,9 +70,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_show(args: argparse.Namespace) -> int:
     from services.receipts_view import render_receipt_text
 
-    settings, bootstrap = settings_and_bootstrap()
+    settings, bootstrap = configured_broker("sagaline")
     try:
-        records = saga_records(bootstrap, settings.topics.events, args.saga_id, settings.signer())
+        records = LedgerReader(bootstrap).saga_records(
+            settings.topics.events, args.saga_id, settings.signer()
+        )
     except TopicMissing as exc:
         print(str(exc), file=sys.stderr)
         return 2
@@ -132,8 +139,10 @@ def _decide(args: argparse.Namespace, *, grant: bool) -> int:
     operator = _operator(args)
     if operator is None:
         return 2
-    settings, bootstrap = settings_and_bootstrap()
-    records = saga_records(bootstrap, settings.topics.events, args.saga_id, settings.signer())
+    settings, bootstrap = configured_broker("sagaline")
+    records = LedgerReader(bootstrap).saga_records(
+        settings.topics.events, args.saga_id, settings.signer()
+    )
     request = _pending_request(records, args.step_id)
     if request is None:
         print(
@@ -167,7 +176,7 @@ def incident_feed(
     raised: dict[str, IncidentRaised] = {}
     resolved: dict[str, IncidentResolved] = {}
     signer = settings.signer()
-    for key, value, headers in read_partitions(bootstrap, settings.topics.incidents):
+    for key, value, headers in LedgerReader(bootstrap).records(settings.topics.incidents):
         try:
             record = from_message(key, value, headers, signer)
         except CodecError:
@@ -180,7 +189,7 @@ def incident_feed(
 
 
 def _cmd_incidents_list(args: argparse.Namespace) -> int:
-    settings, bootstrap = settings_and_bootstrap()
+    settings, bootstrap = configured_broker("sagaline")
     raised, resolved = incident_feed(settings, bootstrap)
     shown = 0
     for incident_id, incident in raised.items():
@@ -204,7 +213,7 @@ def _cmd_incidents_resolve(args: argparse.Namespace) -> int:
     operator = _operator(args)
     if operator is None:
         return 2
-    settings, bootstrap = settings_and_bootstrap()
+    settings, bootstrap = configured_broker("sagaline")
     raised, _resolved = incident_feed(settings, bootstrap)
     incident = raised.get(args.incident_id)
     if incident is None:
@@ -241,6 +250,12 @@ def register(subparsers: Any) -> None:
         help="comma-separated participants whose command topics to create",
     )
     run.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
+    run.add_argument(
+        "--dev-broker",
+        action="store_true",
+        help="development only: use (or start) the local broker when KAFKA_BOOTSTRAP_SERVERS "
+        "is unset",
+    )
     run.set_defaults(func=_cmd_run)
 
     saga = subparsers.add_parser("saga", help="read a saga")

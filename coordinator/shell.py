@@ -29,30 +29,25 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
-from confluent_kafka import (
+from coordinator.core import COORDINATOR_PRODUCER, Decision, Destination, Output, decide, tick
+from coordinator.state import SagaState
+from sagaline.kafka import (
     OFFSET_BEGINNING,
     Consumer,
+    DeadLetterWriter,
     KafkaError,
     KafkaException,
     Message,
-    Producer,
     TopicPartition,
+    create_consumer,
+    create_producer,
+    ensure_topics,
+    read_to_end,
 )
-
-from coordinator.core import COORDINATOR_PRODUCER, Decision, Destination, Output, decide, tick
-from coordinator.state import SagaState
 from schemas import IncidentResolved
 from schemas.errors import CodecError
 from schemas.settings import Settings
-from schemas.topics import ensure_topics
-from schemas.wire import (
-    consumer_config,
-    dlq_message,
-    from_message,
-    producer_config,
-    read_to_end,
-    to_message,
-)
+from schemas.wire import from_message, to_message
 from services import metrics
 
 log = logging.getLogger("sagaline.coordinator")
@@ -101,22 +96,20 @@ class Coordinator:
         self._known_participants: set[str] = set()
         self.metrics = metrics.CoordinatorMetrics()
 
-        self._producer = Producer(
-            producer_config(
-                bootstrap,
-                **{
-                    "transactional.id": f"{self.group_id}-{instance_id}",
-                    "transaction.timeout.ms": transaction_timeout_ms,
-                },
-            )
+        self._producer = create_producer(
+            bootstrap,
+            **{
+                "transactional.id": f"{self.group_id}-{instance_id}",
+                "transaction.timeout.ms": transaction_timeout_ms,
+            },
         )
         # Static membership: a restarted instance (same id) takes its partitions back
         # at once instead of waiting for the dead one's session to time out.
-        self._consumer = Consumer(
-            consumer_config(
-                bootstrap, self.group_id, **{"group.instance.id": f"{self.group_id}-{instance_id}"}
-            )
+        self._consumer = create_consumer(
+            bootstrap, self.group_id, **{"group.instance.id": f"{self.group_id}-{instance_id}"}
         )
+        # Inside the batch transaction: its commit acknowledges the DLQ copies too.
+        self._dead_letters = DeadLetterWriter(self._producer, self.topics.dlq, acknowledged=False)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -249,7 +242,13 @@ class Coordinator:
         """A command to a participant whose topic does not exist yet would abort every
         transaction; create it (idempotent, outside the transaction's concern)."""
         if participant not in self._known_participants:
-            ensure_topics(self.bootstrap, self.topics, [participant], self.settings.partitions)
+            ensure_topics(
+                self.bootstrap,
+                self.topics,
+                [participant],
+                self.settings.partitions,
+                replication=self.settings.replication,
+            )
             self._known_participants.add(participant)
 
     def _reject(self, msg: Message, reason: str, detail: str) -> None:
@@ -257,18 +256,7 @@ class Coordinator:
         log.warning(
             "dlq: %s at %s[%s]@%s: %s", reason, msg.topic(), msg.partition(), msg.offset(), detail
         )
-        topic = self.topics.dlq
-        key, value, headers = dlq_message(
-            msg.key(),
-            msg.value(),
-            msg.headers(),
-            reason=reason,
-            detail=detail,
-            source_topic=msg.topic(),
-            partition=msg.partition(),
-            offset=msg.offset(),
-        )
-        self._producer.produce(topic, value=value, key=key, headers=headers)
+        self._dead_letters.write(msg, reason, detail)
         self.metrics.dlq(reason)
 
     def _write_changelog(self, pending: _Pending) -> None:

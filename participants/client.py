@@ -29,9 +29,15 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import orjson
-from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
 from participants.catalogue import Catalogue, ToolSpec
+from sagaline.kafka import (
+    LedgerReader,
+    LedgerWriter,
+    TopicPartition,
+    create_consumer,
+    watermarks,
+)
 from schemas import (
     ApprovalDenied,
     ApprovalRequested,
@@ -57,8 +63,7 @@ from schemas.errors import CodecError
 from schemas.models import FailureKind
 from schemas.receipt import Receipt
 from schemas.settings import Settings
-from schemas.wire import consumer_config, from_message, producer_config, to_message, watermarks
-from services.ledger import read_partitions
+from schemas.wire import from_message
 
 log = logging.getLogger("sagaline.client")
 
@@ -182,7 +187,7 @@ class SagaClient:
         self.signer = settings.signer()
         self.producer_name = producer_name
         self.call_timeout_s = call_timeout_s
-        self._producer = Producer(producer_config(bootstrap))
+        self._writer = LedgerWriter(bootstrap, self.topics, self.signer)
         self._ledger = _Ledger()
         self._contracts: dict[str, StepContract] = dict(contracts or {})
         self._secret_paths: dict[str, tuple[str, ...]] = {}
@@ -233,7 +238,7 @@ class SagaClient:
         for thread in (self._listener, self._local_thread):
             if thread is not None:
                 thread.join(10)
-        self._producer.flush(10)
+        self._writer.close()
 
     def __enter__(self) -> SagaClient:
         return self.start()
@@ -244,7 +249,8 @@ class SagaClient:
     def refresh_catalogue(self) -> int:
         """Load the contracts participants published on ``sagaline.catalogue``."""
         count = 0
-        for key, value, _headers in read_partitions(self.bootstrap, self.topics.catalogue):
+        reader = LedgerReader(self.bootstrap)
+        for key, value, _headers in reader.records(self.topics.catalogue):
             if key is None or value is None:
                 continue
             entry = orjson.loads(value)
@@ -293,20 +299,10 @@ class SagaClient:
 
     def append(self, record: Record) -> None:
         """Produce to the ledger and wait for the broker's acknowledgement."""
-        key, value, headers = to_message(record, self.signer)
-        errors: list[KafkaError] = []
-        self._producer.produce(
-            self.topics.events,
-            key=key,
-            value=value,
-            headers=headers,
-            on_delivery=lambda err, _msg: errors.append(err) if err is not None else None,
-        )
-        if self._producer.flush(30) or errors:
-            raise RuntimeError(f"could not append {record.TYPE}: {errors or 'timeout'}")
+        self._writer.append(record)
 
     def _end_positions(self) -> list[TopicPartition]:
-        probe = Consumer(consumer_config(self.bootstrap, f"probe-{uuid.uuid4().hex[:8]}"))
+        probe = create_consumer(self.bootstrap, f"probe-{uuid.uuid4().hex[:8]}")
         try:
             topic = self.topics.events
             meta = probe.list_topics(topic, timeout=30).topics[topic]
@@ -319,8 +315,8 @@ class SagaClient:
             probe.close()
 
     def _listen(self, positions: list[TopicPartition], ready: threading.Event) -> None:
-        consumer = Consumer(
-            consumer_config(self.bootstrap, f"{self.topics.prefix}agent-{uuid.uuid4().hex[:8]}")
+        consumer = create_consumer(
+            self.bootstrap, f"{self.topics.prefix}agent-{uuid.uuid4().hex[:8]}"
         )
         consumer.assign(positions)
         ready.set()

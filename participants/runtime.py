@@ -36,12 +36,18 @@ from types import FrameType
 from typing import Any, TypeVar
 
 import orjson
-from confluent_kafka import Consumer, KafkaError, Message, Producer
 
 from participants.catalogue import Catalogue, ToolSpec
 from participants.context import CallContext, call_context
 from participants.declarations import Accepted, CompensationContext
 from participants.errors import InvalidArgumentsError
+from sagaline.kafka import (
+    DeadLetterWriter,
+    LedgerWriter,
+    Message,
+    create_consumer,
+    ensure_topics,
+)
 from schemas import (
     CompensateStep,
     CompensationAccepted,
@@ -66,8 +72,7 @@ from schemas import (
 from schemas.errors import CodecError
 from schemas.sealing import Sealer, SealError
 from schemas.settings import Settings
-from schemas.topics import ensure_topics
-from schemas.wire import consumer_config, dlq_message, from_message, producer_config, to_message
+from schemas.wire import from_message
 from services.metrics import ParticipantMetrics
 
 log = logging.getLogger("sagaline.participant")
@@ -603,7 +608,10 @@ class ParticipantRuntime:
         self.metrics = metrics or ParticipantMetrics(self.participant)
         state = state_dir or settings.state_dir / self.participant
         self.journal = CommandJournal(state / "commands.sqlite")
-        self._producer = Producer(producer_config(bootstrap))
+        self._writer = LedgerWriter(bootstrap, self.topics, self.signer)
+        self._dead_letters = DeadLetterWriter(
+            self._writer.producer, self.topics.dlq, acknowledged=True
+        )
         self.handler = CommandHandler(
             catalogue,
             self.participant,
@@ -627,28 +635,12 @@ class ParticipantRuntime:
                 "definition": spec.definition(),
                 "secret_paths": list(spec.secret_paths),
             }
-            self._producer.produce(
-                self.topics.catalogue, key=spec.name.encode(), value=orjson.dumps(entry)
-            )
-        self._producer.flush(30)
+            self._writer.write(self.topics.catalogue, spec.name.encode(), orjson.dumps(entry))
 
     def _append(self, record: Record) -> None:
-        key, value, headers = to_message(record, self.signer)
-        topic = self.topics.events
-        errors: list[KafkaError] = []
-
-        def on_delivery(err: KafkaError | None, _msg: Message) -> None:
-            if err is not None:
-                errors.append(err)
-
-        self._producer.produce(
-            topic, key=key, value=value, headers=headers, on_delivery=on_delivery
-        )
         # Wait for the broker's acknowledgement: the intent must be durable before the
         # tool runs (R10), and an outcome before the command's offset is committed.
-        remaining = self._producer.flush(30)
-        if remaining or errors:
-            raise RuntimeError(f"could not append {record.TYPE} to {topic}: {errors or 'timeout'}")
+        self._writer.append(record)
 
     def install_signal_handlers(self) -> None:
         def _stop(signum: int, frame: FrameType | None) -> None:
@@ -661,12 +653,16 @@ class ParticipantRuntime:
         self._running.clear()
 
     def run(self, *, ready: threading.Event | None = None) -> None:
-        ensure_topics(self.bootstrap, self.topics, [self.participant], self.settings.partitions)
+        ensure_topics(
+            self.bootstrap,
+            self.topics,
+            [self.participant],
+            self.settings.partitions,
+            replication=self.settings.replication,
+        )
         group = f"{self.topics.prefix}sagaline-participant-{self.participant}"
-        consumer = Consumer(
-            consumer_config(
-                self.bootstrap, group, **{"group.instance.id": f"{group}-{self.instance_id}"}
-            )
+        consumer = create_consumer(
+            self.bootstrap, group, **{"group.instance.id": f"{group}-{self.instance_id}"}
         )
         consumer.subscribe([self.topics.commands(self.participant)])
         self.publish_catalogue()
@@ -691,7 +687,7 @@ class ParticipantRuntime:
         finally:
             self.handler.close()
             consumer.close()
-            self._producer.flush(10)
+            self._writer.close()
             self.journal.close()
 
     def _process(self, msg: Message) -> None:
@@ -701,18 +697,7 @@ class ParticipantRuntime:
                 raise _NotACommand(f"{command.TYPE} is not a participant command")
         except (CodecError, _NotACommand) as exc:
             reason = exc.reason if isinstance(exc, CodecError) else "not-a-command"
-            key, value, headers = dlq_message(
-                msg.key(),
-                msg.value(),
-                msg.headers(),
-                reason,
-                str(exc),
-                msg.topic(),
-                msg.partition(),
-                msg.offset(),
-            )
-            self._producer.produce(self.topics.dlq, key=key, value=value, headers=headers)
-            self._producer.flush(30)
+            self._dead_letters.write(msg, reason, str(exc))
             self.metrics.dlq(reason)
             return
         self.metrics.observe_record(command)
@@ -720,18 +705,7 @@ class ParticipantRuntime:
             self.handler.handle(command)
         except Exception as exc:  # R16: never stop the service, never lose the record
             log.exception("handling %s %s failed", command.TYPE, command.event_id)
-            key, value, headers = dlq_message(
-                msg.key(),
-                msg.value(),
-                msg.headers(),
-                "handler-error",
-                f"{type(exc).__name__}: {exc}",
-                msg.topic(),
-                msg.partition(),
-                msg.offset(),
-            )
-            self._producer.produce(self.topics.dlq, key=key, value=value, headers=headers)
-            self._producer.flush(30)
+            self._dead_letters.write(msg, "handler-error", f"{type(exc).__name__}: {exc}")
             self.metrics.dlq("handler-error")
             return
         if isinstance(command, CompensateStep):

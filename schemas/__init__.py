@@ -160,14 +160,8 @@ from schemas.redaction import SECRET, Secret, redact, redacted_json, secret_path
 from schemas.registry import SchemaRegistry, default_registry  # noqa: E402
 from schemas.settings import Settings, SettingsError  # noqa: E402
 from schemas.signing import Signer  # noqa: E402
-from schemas.topics import TopicNames, TopicSetupError, ensure_topics  # noqa: E402
-from schemas.wire import (  # noqa: E402
-    consumer_config,
-    dlq_message,
-    from_message,
-    producer_config,
-    to_message,
-)
+from schemas.topics import Replication, TopicNames  # noqa: E402
+from schemas.wire import dlq_message, from_message, to_message  # noqa: E402
 
 __all__ += [
     "SECRET",
@@ -177,6 +171,7 @@ __all__ += [
     "InvalidRecord",
     "MalformedRecord",
     "MissingSignature",
+    "Replication",
     "SchemaMismatch",
     "SchemaRegistry",
     "Secret",
@@ -185,16 +180,12 @@ __all__ += [
     "SignatureError",
     "Signer",
     "TopicNames",
-    "TopicSetupError",
     "UnknownFingerprint",
-    "consumer_config",
     "decode",
     "default_registry",
     "dlq_message",
     "encode",
-    "ensure_topics",
     "from_message",
-    "producer_config",
     "redact",
     "redacted_json",
     "secret_paths",

@@ -14,6 +14,11 @@ variable                       field                 default
 ``SAGALINE_STATE_DIR``         ``state_dir``         ``".sagaline"``
 ``SAGALINE_SECRET_KEY``        ``secret_key``        unset (secrets redacted)
 =============================  ====================  ==========================
+
+``SAGALINE_REPLICATION_FACTOR`` (default 1) and ``SAGALINE_MIN_INSYNC_REPLICAS``
+(default: the broker's) set ``replication``, used when topics are created.
+Kafka client settings (SASL, SSL, tuning) are not here: they pass straight to
+librdkafka from ``SAGALINE_KAFKA_*`` variables (see :mod:`sagaline.kafka`).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from pathlib import Path
 
 from schemas.sealing import Sealer
 from schemas.signing import Signer
-from schemas.topics import DEFAULT_PARTITIONS, TopicNames
+from schemas.topics import DEFAULT_PARTITIONS, Replication, TopicNames
 
 ENV_VARS: tuple[str, ...] = (
     "KAFKA_BOOTSTRAP_SERVERS",
@@ -36,6 +41,8 @@ ENV_VARS: tuple[str, ...] = (
     "SAGALINE_TENANT_ID",
     "SAGALINE_STATE_DIR",
     "SAGALINE_SECRET_KEY",
+    "SAGALINE_REPLICATION_FACTOR",
+    "SAGALINE_MIN_INSYNC_REPLICAS",
 )
 """Every environment variable :meth:`Settings.from_env` reads."""
 
@@ -57,6 +64,7 @@ class Settings:
     tenant_id: str = "default"
     state_dir: Path = Path(".sagaline")
     secret_key: bytes | None = field(default=None, repr=False)
+    replication: Replication = field(default_factory=Replication)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -72,6 +80,7 @@ class Settings:
         if partitions < 1:
             raise SettingsError(f"SAGALINE_PARTITIONS={partitions} must be at least 1")
         key = env.get("SAGALINE_HMAC_KEY") or None
+        replication = _replication(env)
         return cls(
             bootstrap=env.get("KAFKA_BOOTSTRAP_SERVERS") or None,
             topic_prefix=env.get("SAGALINE_TOPIC_PREFIX", ""),
@@ -81,6 +90,7 @@ class Settings:
             tenant_id=env.get("SAGALINE_TENANT_ID") or "default",
             state_dir=Path(env.get("SAGALINE_STATE_DIR") or ".sagaline"),
             secret_key=(env.get("SAGALINE_SECRET_KEY") or "").encode("utf-8") or None,
+            replication=replication,
         )
 
     @property
@@ -94,6 +104,25 @@ class Settings:
     def signer(self) -> Signer:
         """The signer for this process's key (a no-op signer when none is set)."""
         return Signer(self.hmac_key, key_id=self.hmac_key_id)
+
+
+def _replication(env: Mapping[str, str]) -> Replication:
+    values: dict[str, int | None] = {}
+    for var, name in (
+        ("SAGALINE_REPLICATION_FACTOR", "factor"),
+        ("SAGALINE_MIN_INSYNC_REPLICAS", "min_insync"),
+    ):
+        raw = env.get(var, "").strip()
+        try:
+            values[name] = int(raw) if raw else None
+        except ValueError:
+            raise SettingsError(f"{var}={raw!r} is not an integer") from None
+    try:
+        return Replication(factor=values["factor"] or 1, min_insync=values["min_insync"])
+    except ValueError as exc:
+        raise SettingsError(
+            f"SAGALINE_REPLICATION_FACTOR / SAGALINE_MIN_INSYNC_REPLICAS: {exc}"
+        ) from None
 
 
 __all__ = ["ENV_VARS", "Settings", "SettingsError"]

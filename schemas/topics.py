@@ -9,10 +9,8 @@ A ``prefix`` isolates a test run or a tenant deployment (``"t-1a2b."`` gives
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 DEFAULT_PARTITIONS = 6
 _DAY_MS = 24 * 60 * 60 * 1000
@@ -91,6 +89,34 @@ class TopicNames:
 
 
 @dataclass(frozen=True)
+class Replication:
+    """How many copies of each topic a cluster keeps, and how many must acknowledge.
+
+    One replica suits the single-node development broker. A production cluster uses
+    ``factor=3, min_insync=2``: with producers on ``acks=all`` an acknowledged
+    record then survives the loss of any one broker (R10).
+    """
+
+    factor: int = 1
+    min_insync: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.factor < 1:
+            raise ValueError(f"replication factor {self.factor} must be at least 1")
+        if self.min_insync is not None and not 1 <= self.min_insync <= self.factor:
+            raise ValueError(
+                f"min.insync.replicas {self.min_insync} must be between 1 and the "
+                f"replication factor {self.factor}"
+            )
+
+    def topic_config(self) -> dict[str, str]:
+        """The per-topic settings (empty: the broker's default min.insync.replicas)."""
+        if self.min_insync is None:
+            return {}
+        return {"min.insync.replicas": str(self.min_insync)}
+
+
+@dataclass(frozen=True)
 class TopicSpec:
     name: str
     partitions: int
@@ -117,87 +143,10 @@ def topic_specs(
     return specs
 
 
-class TopicSetupError(RuntimeError):
-    """A topic could not be created, or exists with settings that break the design."""
-
-
-def ensure_topics(
-    bootstrap: str,
-    names: TopicNames,
-    participants: Iterable[str] = (),
-    partitions: int = DEFAULT_PARTITIONS,
-    *,
-    replication_factor: int = 1,
-    timeout_s: float = 30.0,
-) -> list[str]:
-    """Create every missing topic; existing ones are left alone (idempotent).
-
-    Raises :class:`TopicSetupError` naming the topic when creation fails for any
-    reason other than "already exists", or when a co-partitioned topic already exists
-    with a different partition count (co-partitioning would silently break).
-    Returns the names of the topics this call created.
-    """
-    from confluent_kafka import KafkaError, KafkaException
-    from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
-
-    specs = topic_specs(names, participants, partitions)
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    futures = admin.create_topics(
-        [
-            NewTopic(
-                s.name,
-                num_partitions=s.partitions,
-                replication_factor=replication_factor,
-                config=dict(s.config),
-            )
-            for s in specs
-        ],
-        operation_timeout=timeout_s,
-        request_timeout=timeout_s,
-    )
-    created: list[str] = []
-    for name, future in futures.items():
-        try:
-            future.result(timeout=timeout_s)
-            created.append(name)
-        except KafkaException as exc:
-            err: Any = exc.args[0] if exc.args else None
-            if getattr(err, "code", lambda: None)() == KafkaError.TOPIC_ALREADY_EXISTS:
-                continue
-            raise TopicSetupError(f"cannot create topic {name!r} on {bootstrap}: {exc}") from exc
-    # Metadata propagates asynchronously after CreateTopics: poll until every topic
-    # is visible with all its partitions, then check the co-partitioning.
-    deadline = time.monotonic() + timeout_s
-    while True:
-        metadata = admin.list_topics(timeout=timeout_s)
-        missing = [
-            s.name
-            for s in specs
-            if (t := metadata.topics.get(s.name)) is None or t.error is not None or not t.partitions
-        ]
-        if not missing:
-            break
-        if time.monotonic() > deadline:
-            raise TopicSetupError(
-                f"topics {missing} are not visible on {bootstrap} {timeout_s:.0f} s after creation"
-            )
-        time.sleep(0.1)
-    for spec in specs:
-        actual = len(metadata.topics[spec.name].partitions)
-        if spec.co_partitioned and actual != spec.partitions:
-            raise TopicSetupError(
-                f"topic {spec.name!r} has {actual} partitions, expected "
-                f"{spec.partitions}: co-partitioned topics must match; recreate it or set "
-                f"SAGALINE_PARTITIONS={actual}"
-            )
-    return sorted(created)
-
-
 __all__ = [
     "DEFAULT_PARTITIONS",
+    "Replication",
     "TopicNames",
-    "TopicSetupError",
     "TopicSpec",
-    "ensure_topics",
     "topic_specs",
 ]

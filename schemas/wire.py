@@ -1,29 +1,26 @@
-"""Records to Kafka messages and back: the one place every service goes through.
+"""Records to Kafka messages and back: pure framing, no I/O.
 
 A message is ``key = saga id (UTF-8)``, ``value = codec.encode(record)`` and headers
 carrying the HMAC signature (when a key is configured). Reading verifies first, then
 decodes; every failure is a :class:`~schemas.errors.CodecError` whose ``reason`` and
 message go, with the untouched original bytes, to the DLQ (R16).
 
+The transport (:mod:`sagaline.kafka`) moves these bytes; this module only says
+what they are.
+
 Example::
 
-    producer = confluent_kafka.Producer(producer_config(bootstrap))
     key, value, headers = to_message(event, signer)
-    producer.produce(topics.events, key=key, value=value, headers=headers)
-    ...
-    try:
-        record = from_message(msg.key(), msg.value(), msg.headers(), signer)
-    except CodecError as exc:
-        producer.produce(topics.dlq, *dlq_message(msg.key(), msg.value(), msg.headers(),
-                         exc.reason, str(exc), msg.topic(), msg.partition(), msg.offset()))
+    record = from_message(key, value, headers, signer)
+    # a rejected message's DLQ copy, with why and where from:
+    key, value, headers = dlq_message(key, value, headers, "bad-signature", "...",
+                                      "sagaline.events", 3, 42)
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar, overload
+from typing import TypeVar, overload
 
 from schemas.codec import decode, encode
 from schemas.errors import MalformedRecord
@@ -40,100 +37,6 @@ DLQ_PARTITION = "sagaline-dlq-partition"
 DLQ_OFFSET = "sagaline-dlq-offset"
 _DLQ_HEADERS = frozenset({DLQ_REASON, DLQ_DETAIL, DLQ_TOPIC, DLQ_PARTITION, DLQ_OFFSET})
 _MAX_DETAIL = 2000
-
-
-def producer_config(bootstrap: str, **overrides: Any) -> dict[str, Any]:
-    """Producer settings every Sagaline producer uses (override per call).
-
-    ``murmur2_random`` matches the Java client's partitioner, so a saga id maps to
-    the same partition number on every co-partitioned topic whoever produced it.
-    Idempotence and ``acks=all``: an acknowledged intent is durable (R10).
-    """
-    config: dict[str, Any] = {
-        "bootstrap.servers": bootstrap,
-        "partitioner": "murmur2_random",
-        "enable.idempotence": True,
-        "acks": "all",
-        "linger.ms": 2,
-        "compression.type": "lz4",
-    }
-    config.update(overrides)
-    return config
-
-
-def consumer_config(bootstrap: str, group_id: str, **overrides: Any) -> dict[str, Any]:
-    """Consumer settings: manual commits after processing, committed reads only
-    (so aborted coordinator transactions are never seen)."""
-    config: dict[str, Any] = {
-        "bootstrap.servers": bootstrap,
-        "group.id": group_id,
-        "enable.auto.commit": False,
-        "isolation.level": "read_committed",
-        "auto.offset.reset": "earliest",
-    }
-    config.update(overrides)
-    return config
-
-
-def watermarks(consumer: Any, tp: Any, timeout_s: float = 60.0) -> tuple[int, int]:
-    """Low and high watermarks of ``tp``, retried while the partition has no leader
-    yet (a topic created a moment ago, a broker restarting)."""
-    from confluent_kafka import KafkaError, KafkaException
-
-    retry_codes = (
-        KafkaError.NOT_LEADER_FOR_PARTITION,
-        KafkaError.LEADER_NOT_AVAILABLE,
-        KafkaError.UNKNOWN_TOPIC_OR_PART,
-        KafkaError._TRANSPORT,
-        KafkaError._TIMED_OUT,
-    )
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            low, high = consumer.get_watermark_offsets(tp, timeout=10)
-            return int(low), int(high)
-        except KafkaException as exc:
-            error = exc.args[0]
-            retriable = error.retriable() or error.code() in retry_codes
-            if not retriable or time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-
-
-def read_to_end(
-    bootstrap: str, topic: str, partitions: list[int], group_id: str = "sagaline-reader"
-) -> Iterator[Any]:
-    """Yield the committed messages of ``partitions`` of ``topic`` from the start up
-    to their end as of now, then stop. The one reader behind state restore, the
-    ledger tools and ``saga show``: no group membership, no commits."""
-    from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException
-    from confluent_kafka import TopicPartition as TP
-
-    consumer = Consumer(consumer_config(bootstrap, group_id, **{"enable.partition.eof": True}))
-    try:
-        live = [n for n in partitions if _has_records(consumer, TP(topic, n))]
-        if not live:
-            return
-        consumer.assign([TP(topic, n, OFFSET_BEGINNING) for n in live])
-        remaining = set(live)
-        while remaining:
-            msg = consumer.poll(1.0)
-            if msg is None:
-                continue
-            err = msg.error()
-            if err is not None:
-                if err.code() == KafkaError._PARTITION_EOF:
-                    remaining.discard(msg.partition())
-                    continue
-                raise KafkaException(err)
-            yield msg
-    finally:
-        consumer.close()
-
-
-def _has_records(consumer: Any, tp: Any) -> bool:
-    low, high = watermarks(consumer, tp)
-    return high > low
 
 
 def to_message(record: Record, signer: Signer) -> tuple[bytes, bytes, Headers]:
@@ -252,10 +155,8 @@ __all__ = [
     "DLQ_TOPIC",
     "DeadLetter",
     "Headers",
-    "consumer_config",
     "dlq_message",
     "from_message",
-    "producer_config",
     "read_dead_letter",
     "to_message",
 ]

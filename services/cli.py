@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
+
+from sagaline.kafka import BrokerNotConfigured, KafkaConfigError
+from schemas.settings import SettingsError
 
 # Modules that contribute sub-commands. Each has `register(subparsers) -> None`,
 # and every parser it adds sets `func=callable(args) -> int` as its default.
@@ -48,7 +52,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if func is None:
         parser.print_help()
         return 2
-    result: int = func(args)
+    if getattr(args, "dev_broker", False) and not os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
+        # Development only: the launcher is imported on this path and no other.
+        from services.broker import resolve_bootstrap
+
+        os.environ["KAFKA_BOOTSTRAP_SERVERS"] = resolve_bootstrap()
+    try:
+        result: int = func(args)
+    except (BrokerNotConfigured, KafkaConfigError, SettingsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return result
 
 

@@ -42,10 +42,11 @@ from typing import Any
 
 from participants.catalogue import Catalogue
 from participants.client import SagaCallError, SagaClient
+from sagaline.kafka import LedgerReader, ensure_topics
 from schemas.models import Record, SagaTerminal
 from schemas.receipt import Receipt
 from schemas.settings import Settings
-from schemas.topics import DEFAULT_PARTITIONS, ensure_topics
+from schemas.topics import DEFAULT_PARTITIONS
 from services.demo_invariants import ProviderWorld, Violation, check_invariants, read_world
 from services.demo_processes import ProcessFailed, ServiceSpec, Supervisor, python_env, wait_until
 from services.demo_progress import (
@@ -55,7 +56,6 @@ from services.demo_progress import (
     ProgressDisplay,
     SagaBoard,
 )
-from services.ledger import latest_by_key
 from services.operator_actions import OperatorChannel
 from services.refund import PARTICIPANTS, build_catalogue
 from services.refund.agent import (
@@ -516,7 +516,7 @@ def declared_catalogues_cached() -> list[Catalogue]:
 
 def terminal_receipts(bootstrap: str, settings: Settings) -> dict[str, Receipt]:
     """The receipt of every saga on ``sagaline.terminal`` (latest per saga)."""
-    latest = latest_by_key(bootstrap, settings.topics.terminal, settings.signer())
+    latest = LedgerReader(bootstrap).latest_by_key(settings.topics.terminal, settings.signer())
     return {
         saga: Receipt.from_json(record.receipt)
         for saga, record in latest.items()

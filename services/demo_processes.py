@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from confluent_kafka.admin import AdminClient
+from sagaline.kafka import AdminClient, create_admin
 
 __all__ = [
     "ManagedProcess",
@@ -129,7 +129,7 @@ class Supervisor:
     @property
     def admin(self) -> AdminClient:
         if self._admin is None:
-            self._admin = AdminClient({"bootstrap.servers": self.bootstrap})
+            self._admin = create_admin(self.bootstrap)
         return self._admin
 
     def start(self, spec: ServiceSpec) -> ManagedProcess:

@@ -25,8 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
-
+from sagaline.kafka import OFFSET_BEGINNING, TopicPartition, create_consumer
 from schemas.errors import CodecError
 from schemas.models import (
     ApprovalDenied,
@@ -39,7 +38,7 @@ from schemas.models import (
     SagaTerminal,
 )
 from schemas.signing import Signer
-from schemas.wire import consumer_config, from_message
+from schemas.wire import from_message
 from services.operator_actions import OperatorActionError, OperatorChannel, grant_approval
 
 __all__ = [
@@ -157,9 +156,7 @@ class LedgerFollower:
         self._thread.join(10)
 
     def _run(self) -> None:
-        consumer = Consumer(
-            consumer_config(self.bootstrap, f"demo-follower-{uuid.uuid4().hex[:8]}")
-        )
+        consumer = create_consumer(self.bootstrap, f"demo-follower-{uuid.uuid4().hex[:8]}")
         try:
             meta = consumer.list_topics(self.topic, timeout=30).topics[self.topic]
             consumer.assign(

@@ -537,15 +537,17 @@ def _log_tail(state: Path, lines: int = 40) -> str:
 
 def metadata_answers(bootstrap: str, timeout: float = 5.0) -> bool:
     """True if a broker at ``bootstrap`` answers a metadata request within ``timeout``."""
-    from confluent_kafka.admin import AdminClient
+    from sagaline.kafka import ClientConfig, create_admin
 
-    conf: dict[str, Any] = {
-        "bootstrap.servers": bootstrap,
-        "socket.connection.setup.timeout.ms": max(1000, int(timeout * 1000)),
-        "log_level": 0,  # a probe: connection-refused chatter is expected
-        "error_cb": lambda _err: None,
-    }
-    client = AdminClient(conf)
+    # The launcher's own plaintext listener: no deployment settings (SASL...) apply.
+    client = create_admin(
+        ClientConfig(bootstrap),
+        **{
+            "socket.connection.setup.timeout.ms": max(1000, int(timeout * 1000)),
+            "log_level": 0,  # a probe: connection-refused chatter is expected
+            "error_cb": lambda _err: None,
+        },
+    )
     try:
         md = client.list_topics(timeout=timeout)
     except Exception:

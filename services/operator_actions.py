@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any
 
-from confluent_kafka import KafkaError, Message, Producer
-
+from sagaline.kafka import DeliveryFailed, LedgerWriter, require_bootstrap
 from schemas.keys import derived_event_id
 from schemas.models import (
     ApprovalDenied,
@@ -38,7 +36,6 @@ from schemas.models import (
 from schemas.settings import Settings
 from schemas.signing import Signer
 from schemas.topics import TopicNames
-from schemas.wire import producer_config, to_message
 
 
 class OperatorActionError(RuntimeError):
@@ -185,42 +182,27 @@ class OperatorChannel:
     def __init__(self, bootstrap: str, topics: TopicNames, signer: Signer) -> None:
         self.topics = topics
         self.signer = signer
-        self._producer = Producer(producer_config(bootstrap))
+        self._writer = LedgerWriter(bootstrap, topics, signer)
 
     @classmethod
     def from_settings(cls, settings: Settings, bootstrap: str | None = None) -> OperatorChannel:
-        """``bootstrap`` overrides; else the settings', else the project's local broker."""
+        """``bootstrap`` overrides; else the settings' (never a broker started here)."""
         if bootstrap is None:
-            bootstrap = settings.bootstrap
-        if bootstrap is None:
-            from services.broker import resolve_bootstrap
-
-            bootstrap = resolve_bootstrap()
+            bootstrap = require_bootstrap(settings, "operator action")
         return cls(bootstrap, settings.topics, settings.signer())
 
     def publish(self, record: Record, timeout_s: float = 30.0) -> None:
         """Produce ``record`` and wait until the broker acknowledges it."""
-        key, value, headers = to_message(record, self.signer)
-        errors: list[KafkaError] = []
-        hdrs: list[tuple[str, str | bytes | None]] = list(headers)
-
-        def _delivered(err: KafkaError | None, _msg: Message) -> None:
-            if err is not None:
-                errors.append(err)
-
-        self._producer.produce(
-            self.topics.events, key=key, value=value, headers=hdrs, on_delivery=_delivered
-        )
-        remaining = self._producer.flush(timeout_s)
-        if errors or remaining:
-            problem: Any = errors[0] if errors else f"no ack within {timeout_s:.0f} s"
+        try:
+            self._writer.append(record, timeout_s=timeout_s)
+        except DeliveryFailed as exc:
             raise OperatorActionError(
-                f"could not record {record.TYPE} for saga {record.saga_id} on "
-                f"{self.topics.events}: {problem}; nothing was decided, try again"
-            )
+                f"could not record {record.TYPE} for saga {record.saga_id}: {exc}; "
+                "nothing was decided, try again"
+            ) from exc
 
     def close(self) -> None:
-        self._producer.flush(10)
+        self._writer.close()
 
 
 def grant_approval(

@@ -16,19 +16,24 @@ from typing import Any
 
 from participants.catalogue import Catalogue
 from participants.runtime import ParticipantRuntime
+from sagaline.kafka import TopicSetupError, configured_broker, ensure_topics
 from schemas.settings import Settings
-from schemas.topics import TopicSetupError, ensure_topics
-from services.broker import settings_and_bootstrap
 from services.metrics import ParticipantMetrics, start_metrics_server
 
 log = logging.getLogger("sagaline.serve")
 
 
 def _cmd_topics_create(args: argparse.Namespace) -> int:
-    settings, bootstrap = settings_and_bootstrap()
+    settings, bootstrap = configured_broker("sagaline topics create")
     participants = [p for p in args.participants.split(",") if p]
     try:
-        created = ensure_topics(bootstrap, settings.topics, participants, settings.partitions)
+        created = ensure_topics(
+            bootstrap,
+            settings.topics,
+            participants,
+            settings.partitions,
+            replication=settings.replication,
+        )
     except TopicSetupError as exc:
         print(f"sagaline topics create: {exc}", file=sys.stderr)
         return 1
@@ -55,7 +60,7 @@ def load_catalogue(name: str, spec: str | None, settings: Settings) -> Catalogue
 
 def _cmd_participant_run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    settings, bootstrap = settings_and_bootstrap()
+    settings, bootstrap = configured_broker("sagaline participant run")
     catalogue = load_catalogue(args.name, args.catalogue, settings)
     metrics = ParticipantMetrics(args.name)
     if args.metrics_port:
@@ -80,6 +85,12 @@ def register(subparsers: Any) -> None:
     create.add_argument(
         "--participants", default="", help="comma-separated participants (command topics)"
     )
+    create.add_argument(
+        "--dev-broker",
+        action="store_true",
+        help="development only: use (or start) the local broker when KAFKA_BOOTSTRAP_SERVERS "
+        "is unset",
+    )
     create.set_defaults(func=_cmd_topics_create)
 
     participant = subparsers.add_parser("participant", help="run a participant service")
@@ -92,5 +103,11 @@ def register(subparsers: Any) -> None:
         "--instance-id",
         default=os.environ.get("SAGALINE_INSTANCE_ID"),
         help="distinct per replica, stable across restarts (default: the participant name)",
+    )
+    run.add_argument(
+        "--dev-broker",
+        action="store_true",
+        help="development only: use (or start) the local broker when KAFKA_BOOTSTRAP_SERVERS "
+        "is unset",
     )
     run.set_defaults(func=_cmd_participant_run)

@@ -16,14 +16,13 @@ import sys
 import time
 import uuid
 
-from confluent_kafka import Consumer, Producer
-
+from sagaline.kafka import create_admin, create_consumer, create_producer, ensure_topics
 from schemas.errors import CodecError
 from schemas.examples import example_records
 from schemas.models import COMMAND_TYPES, Record
 from schemas.settings import Settings
-from schemas.topics import TopicNames, ensure_topics
-from schemas.wire import consumer_config, from_message, producer_config, to_message
+from schemas.topics import TopicNames
+from schemas.wire import from_message, to_message
 
 PARTICIPANT = "smoke"
 
@@ -38,9 +37,7 @@ def _bootstrap(settings: Settings) -> str:
 
 def _delete_topics(bootstrap: str, names: TopicNames) -> None:
     """Remove this run's topics so repeated smoke runs do not pile up on the broker."""
-    from confluent_kafka.admin import AdminClient
-
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin = create_admin(bootstrap)
     topics = [t for t in admin.list_topics(timeout=10).topics if t.startswith(names.prefix)]
     for future in admin.delete_topics(topics, operation_timeout=30).values():
         future.result(30)
@@ -57,7 +54,7 @@ def run(timeout_s: float = 60.0, keep_topics: bool = False) -> int:
     print(f"smoke: broker {bootstrap}, topics {names.prefix}*, signing {signer.enabled}")
 
     sent = example_records(saga_id=f"smoke-{run_id}")
-    producer = Producer(producer_config(bootstrap))
+    producer = create_producer(bootstrap)
     topics: dict[str, str] = {}
     for record in sent:
         topic = names.commands(PARTICIPANT) if isinstance(record, COMMAND_TYPES) else names.events
@@ -70,7 +67,7 @@ def run(timeout_s: float = 60.0, keep_topics: bool = False) -> int:
 
     received: dict[str, Record] = {}
     problems: list[str] = []
-    consumer = Consumer(consumer_config(bootstrap, f"{names.prefix}smoke"))
+    consumer = create_consumer(bootstrap, f"{names.prefix}smoke")
     consumer.subscribe([names.events, names.commands(PARTICIPANT)])
     deadline = time.monotonic() + timeout_s
     try:

@@ -22,11 +22,9 @@ from coordinator.shell import Coordinator
 from participants.catalogue import Catalogue
 from participants.client import SagaClient
 from participants.runtime import ParticipantRuntime
+from sagaline.kafka import LedgerReader, ensure_topics, producer_config
 from schemas import Record
 from schemas.settings import Settings
-from schemas.topics import ensure_topics
-from schemas.wire import producer_config
-from services.ledger import read_partitions, saga_records
 
 
 class System:
@@ -97,11 +95,13 @@ class System:
     # ------------------------------------------------------------------ reading
 
     def records(self, saga_id: str) -> list[Record]:
-        return saga_records(self.bootstrap, self.topics.events, saga_id, self.settings.signer())
+        return LedgerReader(self.bootstrap).saga_records(
+            self.topics.events, saga_id, self.settings.signer()
+        )
 
     def dlq(self) -> list[tuple[bytes | None, dict[str, bytes]]]:
         out = []
-        for key, _value, headers in read_partitions(self.bootstrap, self.topics.dlq):
+        for key, _value, headers in LedgerReader(self.bootstrap).records(self.topics.dlq):
             pairs = headers.items() if isinstance(headers, dict) else headers or []
             out.append((key, {k: v for k, v in pairs if isinstance(v, bytes)}))
         return out

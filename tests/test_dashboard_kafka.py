@@ -18,12 +18,11 @@ from confluent_kafka import Producer
 from dashboard_scenarios import ALL, copies_to
 from starlette.testclient import TestClient
 
+from sagaline.kafka import LedgerReader, ensure_topics, producer_config
 from schemas import ApprovalGranted, ApprovalRequested, Record
 from schemas.settings import Settings
-from schemas.topics import ensure_topics
-from schemas.wire import producer_config, to_message
+from schemas.wire import to_message
 from services.dashboard import Dashboard
-from services.ledger import saga_records
 
 pytestmark = pytest.mark.kafka
 
@@ -136,16 +135,16 @@ def test_approving_in_the_dashboard_puts_a_grant_with_the_operator_on_kafka(
         assert response.status_code == 303
 
         def grants() -> list[ApprovalGranted]:
-            records = saga_records(
-                kafka_bootstrap, ledger.topics.events, pending["saga_id"], ledger.signer()
+            records = LedgerReader(kafka_bootstrap).saga_records(
+                ledger.topics.events, pending["saga_id"], ledger.signer()
             )
             return [r for r in records if isinstance(r, ApprovalGranted)]
 
         (grant,) = _until(grants, "the ApprovalGranted on sagaline.events")
         request = next(
             r
-            for r in saga_records(
-                kafka_bootstrap, ledger.topics.events, pending["saga_id"], ledger.signer()
+            for r in LedgerReader(kafka_bootstrap).saga_records(
+                ledger.topics.events, pending["saga_id"], ledger.signer()
             )
             if isinstance(r, ApprovalRequested)
         )

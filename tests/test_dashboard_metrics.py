@@ -21,8 +21,9 @@ pytest.importorskip("coordinator.shell", reason="the coordinator's Kafka shell i
 
 from participants import BusinessRejection, CompensationContext, compensable, tool, wrap
 from participants.client import BusinessRejected
+from sagaline.kafka import producer_config
 from schemas import Disposition, StepCommitted, TerminalStatus
-from schemas.wire import producer_config, to_message
+from schemas.wire import to_message
 from services.metrics import start_metrics_server
 from tests.system import System, wait_until
 

@@ -20,9 +20,9 @@ from participants import (
     wrap,
 )
 from participants.client import ApprovalDeniedError, BusinessRejected
+from sagaline.kafka import LedgerReader
 from schemas import ApprovalRequested, IncidentResolved, TerminalStatus
 from services.cli import main
-from services.ledger import read_partitions
 from tests.system import System, wait_until
 
 pytestmark = pytest.mark.kafka
@@ -171,7 +171,7 @@ def test_incidents_list_and_resolve_on_the_cli_R8(
     wait_until(
         lambda: any(
             b"IncidentResolved" in (v or b"")
-            for _k, v, _h in read_partitions(system.bootstrap, system.topics.incidents)
+            for _k, v, _h in LedgerReader(system.bootstrap).records(system.topics.incidents)
         ),
         what="the resolution on the incidents topic",
     )

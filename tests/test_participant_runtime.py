@@ -26,6 +26,7 @@ from participants import (
 )
 from participants.context import current_call
 from participants.runtime import ParticipantRuntime
+from sagaline.kafka import LedgerReader, ensure_topics, producer_config
 from schemas import (
     CompensateStep,
     CompensationCommitted,
@@ -44,9 +45,7 @@ from schemas import (
     idempotency_key,
 )
 from schemas.settings import Settings
-from schemas.topics import ensure_topics
-from schemas.wire import producer_config, to_message
-from services.ledger import saga_records
+from schemas.wire import to_message
 
 pytestmark = pytest.mark.kafka
 
@@ -109,8 +108,8 @@ class Harness:
         )
 
     def records(self) -> list[Record]:
-        return saga_records(
-            self.bootstrap, self.settings.topics.events, self.saga_id, self.settings.signer()
+        return LedgerReader(self.bootstrap).saga_records(
+            self.settings.topics.events, self.saga_id, self.settings.signer()
         )
 
     def start(self) -> None:

@@ -24,8 +24,8 @@ from participants.client import (
     SagaClient,
     UnknownTool,
 )
+from sagaline.kafka import LedgerReader
 from schemas import Disposition, TerminalStatus
-from services.ledger import read_partitions
 from tests.system import System
 
 pytestmark = pytest.mark.kafka
@@ -151,5 +151,5 @@ def test_a_secret_argument_reaches_the_tool_but_never_a_topic_in_clear(
         assert saga.wait(60).status is TerminalStatus.COMPENSATED
     assert desk.log == [f"charge:500:{card}", f"refund:{card}"]
     for topic in (system.topics.events, system.topics.commands("desk2")):
-        values = [v for _k, v, _h in read_partitions(system.bootstrap, topic) if v]
+        values = [v for _k, v, _h in LedgerReader(system.bootstrap).records(topic) if v]
         assert values and not any(card.encode() in v for v in values), topic

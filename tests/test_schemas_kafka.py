@@ -11,20 +11,14 @@ import pytest
 from confluent_kafka import Consumer, Message, Producer
 from confluent_kafka.admin import AdminClient, ConfigResource  # type: ignore[attr-defined]
 
+from sagaline.kafka import consumer_config, ensure_topics, producer_config
 from schemas.codec import MAGIC
 from schemas.errors import CodecError
 from schemas.examples import example_records
 from schemas.models import COMMAND_TYPES, EVENT_TYPES, Record
 from schemas.signing import Signer
-from schemas.topics import TopicNames, ensure_topics
-from schemas.wire import (
-    consumer_config,
-    dlq_message,
-    from_message,
-    producer_config,
-    read_dead_letter,
-    to_message,
-)
+from schemas.topics import TopicNames
+from schemas.wire import dlq_message, from_message, read_dead_letter, to_message
 
 pytestmark = pytest.mark.kafka
 

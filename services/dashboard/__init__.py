@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from sagaline.kafka import require_bootstrap
 from schemas.settings import Settings
 from services.dashboard.app import create_app
 from services.dashboard.consumer import LedgerFollower
@@ -39,13 +40,8 @@ class Dashboard:
 
     @classmethod
     def from_settings(cls, settings: Settings, bootstrap: str | None = None) -> Dashboard:
-        """``bootstrap`` overrides; else the settings', else the project's local broker."""
-        bootstrap = bootstrap or settings.bootstrap
-        if bootstrap is None:
-            from services.broker import resolve_bootstrap
-
-            bootstrap = resolve_bootstrap()
-        return cls(bootstrap, settings)
+        """``bootstrap`` overrides; else the settings' (never a broker started here)."""
+        return cls(bootstrap or require_bootstrap(settings, "sagaline dashboard"), settings)
 
     def serve(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> None:
         """Run the HTTP server until interrupted (the follower runs with the app)."""
@@ -85,6 +81,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1)")
     parser.add_argument(
         "--bootstrap", default=None, help="Kafka bootstrap servers (overrides the environment)"
+    )
+    parser.add_argument(
+        "--dev-broker",
+        action="store_true",
+        help="development only: use (or start) the local broker when KAFKA_BOOTSTRAP_SERVERS "
+        "is unset",
     )
     parser.set_defaults(func=_run)
 

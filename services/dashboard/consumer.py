@@ -13,12 +13,17 @@ import threading
 import time
 import uuid
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
-
+from sagaline.kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaException,
+    TopicPartition,
+    create_consumer,
+)
 from schemas.errors import CodecError
 from schemas.signing import HeaderList, Signer
 from schemas.topics import TopicNames
-from schemas.wire import consumer_config, from_message
+from schemas.wire import from_message
 from services.dashboard.view import DashboardState
 
 log = logging.getLogger("sagaline.dashboard")
@@ -63,12 +68,10 @@ class LedgerFollower:
 
     def _run(self) -> None:
         group = f"{self.topics.prefix}sagaline-dashboard-{uuid.uuid4().hex[:12]}"
-        consumer = Consumer(
-            consumer_config(
-                self.bootstrap,
-                group,
-                **{"topic.metadata.refresh.interval.ms": 5000, "allow.auto.create.topics": False},
-            )
+        consumer = create_consumer(
+            self.bootstrap,
+            group,
+            **{"topic.metadata.refresh.interval.ms": 5000, "allow.auto.create.topics": False},
         )
         next_refresh = 0.0
         try:

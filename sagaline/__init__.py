@@ -1,0 +1,1 @@
+"""Sagaline: recoverable side effects for AI-agent tool calls, over Kafka."""

@@ -1,0 +1,86 @@
+"""The one layer that talks to Kafka.
+
+Everything above it (coordinator, participants, operator tools, services) gets its
+producers, consumers and admin clients here, writes the ledger through
+:class:`LedgerWriter` (each record acknowledged), dead-letters through
+:class:`DeadLetterWriter`, reads through :class:`LedgerReader`, and creates topics
+with :func:`ensure_topics`. Client settings come from the environment
+(``KAFKA_BOOTSTRAP_SERVERS``, ``SAGALINE_KAFKA_*``, ``SAGALINE_KAFKA_PROPERTIES_FILE``),
+so SASL or SSL reach every client without code changes.
+
+Example::
+
+    from sagaline.kafka import LedgerWriter, ensure_topics, require_bootstrap
+
+    bootstrap = require_bootstrap(settings, "my-service")
+    ensure_topics(bootstrap, settings.topics, ["payments"], settings.partitions,
+                  replication=settings.replication)
+    ledger = LedgerWriter(bootstrap, settings.topics, settings.signer())
+    ledger.append(record)
+
+Kafka's own types (``Message``, ``TopicPartition``...) are re-exported so the layers
+above never import the client library themselves.
+"""
+
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
+from confluent_kafka.admin import AdminClient
+
+from sagaline.kafka._clients import (
+    BrokerNotConfigured,
+    configured_broker,
+    create_admin,
+    create_consumer,
+    create_producer,
+    require_bootstrap,
+    watermarks,
+)
+from sagaline.kafka._config import (
+    ClientConfig,
+    KafkaConfigError,
+    consumer_config,
+    producer_config,
+    redacted,
+)
+from sagaline.kafka._reader import LedgerReader, TopicMissing, read_to_end
+from sagaline.kafka._topics import TopicSetupError, ensure_topics
+from sagaline.kafka._writers import DeadLetterWriter, DeliveryFailed, LedgerWriter, deliver
+
+__all__ = [
+    "OFFSET_BEGINNING",
+    "AdminClient",
+    "BrokerNotConfigured",
+    "ClientConfig",
+    "Consumer",
+    "DeadLetterWriter",
+    "DeliveryFailed",
+    "KafkaConfigError",
+    "KafkaError",
+    "KafkaException",
+    "LedgerReader",
+    "LedgerWriter",
+    "Message",
+    "Producer",
+    "TopicMissing",
+    "TopicPartition",
+    "TopicSetupError",
+    "configured_broker",
+    "consumer_config",
+    "create_admin",
+    "create_consumer",
+    "create_producer",
+    "deliver",
+    "ensure_topics",
+    "producer_config",
+    "read_to_end",
+    "redacted",
+    "require_bootstrap",
+    "watermarks",
+]

@@ -1,0 +1,79 @@
+"""Client factories: the only place that constructs a Kafka producer, consumer or admin.
+
+Each takes a bootstrap string (the rest of the settings then come from the
+environment, see :mod:`sagaline.kafka._config`) or a :class:`ClientConfig`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+from sagaline.kafka._config import BOOTSTRAP_VAR, ClientConfig, client_config
+from schemas.settings import Settings
+
+
+class BrokerNotConfigured(RuntimeError):
+    """A production command was started with no Kafka broker to talk to."""
+
+
+def require_bootstrap(settings: Settings, command: str = "this command") -> str:
+    """The configured bootstrap address; production commands never start a broker."""
+    if settings.bootstrap:
+        return settings.bootstrap
+    raise BrokerNotConfigured(
+        f"{command}: no Kafka broker configured. Set {BOOTSTRAP_VAR}=host:port (plus "
+        "SAGALINE_KAFKA_* client settings for SASL/SSL, see docs/deploying.md). For "
+        "development, start the local broker with `sagaline kafka up` and export the "
+        "address it prints, or pass --dev-broker."
+    )
+
+
+def configured_broker(command: str) -> tuple[Settings, str]:
+    """The process settings (from the environment) and the broker they name: what a
+    production command starts with. Raises :class:`BrokerNotConfigured` when none is."""
+    settings = Settings.from_env()
+    return settings, require_bootstrap(settings, command)
+
+
+def create_producer(bootstrap: str | ClientConfig, **overrides: Any) -> Producer:
+    """A producer with Sagaline's settings (``transactional.id`` etc. as overrides)."""
+    return Producer(client_config(bootstrap).producer(**overrides))
+
+
+def create_consumer(bootstrap: str | ClientConfig, group_id: str, **overrides: Any) -> Consumer:
+    """A consumer in ``group_id`` with Sagaline's settings."""
+    return Consumer(client_config(bootstrap).consumer(group_id, **overrides))
+
+
+def create_admin(bootstrap: str | ClientConfig, **overrides: Any) -> AdminClient:
+    """An admin client on the deployment's settings."""
+    return AdminClient(client_config(bootstrap).admin(**overrides))
+
+
+_RETRY_CODES = (
+    KafkaError.NOT_LEADER_FOR_PARTITION,
+    KafkaError.LEADER_NOT_AVAILABLE,
+    KafkaError.UNKNOWN_TOPIC_OR_PART,
+    KafkaError._TRANSPORT,
+    KafkaError._TIMED_OUT,
+)
+
+
+def watermarks(consumer: Consumer, tp: TopicPartition, timeout_s: float = 60.0) -> tuple[int, int]:
+    """Low and high watermarks of ``tp``, retried while the partition has no leader
+    yet (a topic created a moment ago, a broker restarting)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            low, high = consumer.get_watermark_offsets(tp, timeout=10)
+            return int(low), int(high)
+        except KafkaException as exc:
+            error = exc.args[0]
+            retriable = error.retriable() or error.code() in _RETRY_CODES
+            if not retriable or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)

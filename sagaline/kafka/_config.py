@@ -1,0 +1,180 @@
+"""Client configuration: every librdkafka setting from one place.
+
+A deployment reaches librdkafka through two sources, merged in this order (later
+wins): a Java-style properties file named by ``SAGALINE_KAFKA_PROPERTIES_FILE``, then
+environment variables ``SAGALINE_KAFKA_<NAME>``, where ``<NAME>`` is the librdkafka
+property upper-cased with dots as underscores (``SAGALINE_KAFKA_SECURITY_PROTOCOL=
+SASL_SSL`` sets ``security.protocol``). The bootstrap address has exactly one source,
+``KAFKA_BOOTSTRAP_SERVERS``.
+
+Settings the design depends on (the partitioner that co-partitions topics, producer
+idempotence and ``acks=all`` behind R10, read_committed reads behind exactly-once)
+are pinned: a source that tries to change them is refused at start-up, not ignored.
+Secret values (passwords, JAAS configs, private keys) never appear in a repr or log.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "SAGALINE_KAFKA_"
+PROPERTIES_FILE_VAR = "SAGALINE_KAFKA_PROPERTIES_FILE"
+BOOTSTRAP_VAR = "KAFKA_BOOTSTRAP_SERVERS"
+# Variables under the prefix that configure the local development broker launcher
+# (services/kafka_local.py), not clients.
+LAUNCHER_VARS = frozenset(
+    {"SAGALINE_KAFKA_VERSION", "SAGALINE_KAFKA_PORT", "SAGALINE_KAFKA_START_TIMEOUT"}
+)
+
+# Words that mark a property's value as secret (librdkafka names).
+_SECRET_MARKERS = ("password", "secret", "jaas", "key.pem", "private", "token")
+_MASK = "*****"
+
+# What every producer and consumer needs for the design to hold; not overridable.
+PINNED_PRODUCER: Mapping[str, Any] = {
+    # murmur2_random matches the Java client's partitioner, so a saga id maps to the
+    # same partition number on every co-partitioned topic whoever produced it.
+    "partitioner": "murmur2_random",
+    # Idempotence and acks=all: an acknowledged intent is durable (R10).
+    "enable.idempotence": True,
+    "acks": "all",
+}
+PINNED_CONSUMER: Mapping[str, Any] = {
+    # Commits only after processing; aborted coordinator transactions never seen.
+    "enable.auto.commit": False,
+    "isolation.level": "read_committed",
+}
+# Defaults a deployment may tune (SAGALINE_KAFKA_LINGER_MS=...).
+PRODUCER_DEFAULTS: Mapping[str, Any] = {"linger.ms": 2, "compression.type": "lz4"}
+CONSUMER_DEFAULTS: Mapping[str, Any] = {"auto.offset.reset": "earliest"}
+
+
+class KafkaConfigError(ValueError):
+    """A client setting from the environment or the properties file is unusable."""
+
+
+def is_secret(name: str) -> bool:
+    """True for properties whose value must never be shown (passwords, keys, JAAS)."""
+    lowered = name.lower()
+    return any(marker in lowered for marker in _SECRET_MARKERS)
+
+
+def redacted(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` with every secret value masked: what may be logged."""
+    return {k: (_MASK if is_secret(k) else v) for k, v in config.items()}
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """The librdkafka settings shared by every client of this process.
+
+    Build it with :meth:`from_env`; the factories in :mod:`sagaline.kafka` accept a
+    bare bootstrap string too and read the rest from the environment then.
+    """
+
+    bootstrap: str
+    settings: Mapping[str, str] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_env(cls, bootstrap: str, env: Mapping[str, str] | None = None) -> ClientConfig:
+        """The settings from the properties file and ``SAGALINE_KAFKA_*`` variables."""
+        env = os.environ if env is None else env
+        merged: dict[str, str] = {}
+        path = env.get(PROPERTIES_FILE_VAR, "").strip()
+        if path:
+            merged.update(read_properties(Path(path)))
+        for var, value in env.items():
+            if not var.startswith(ENV_PREFIX) or var in LAUNCHER_VARS | {PROPERTIES_FILE_VAR}:
+                continue
+            name = var[len(ENV_PREFIX) :].lower().replace("_", ".")
+            if not name:
+                continue
+            merged[name] = value
+        if "bootstrap.servers" in merged:
+            raise KafkaConfigError(
+                f"bootstrap.servers is set by {ENV_PREFIX}BOOTSTRAP_SERVERS or the "
+                f"properties file; set {BOOTSTRAP_VAR} instead (its one source)"
+            )
+        pinned = {**PINNED_PRODUCER, **PINNED_CONSUMER}
+        for name, value in merged.items():
+            if name in pinned and str(value).lower() != str(pinned[name]).lower():
+                raise KafkaConfigError(
+                    f"{name}={value!r} is not allowed: Sagaline needs {name}="
+                    f"{pinned[name]!r} (co-partitioning, durable intents, exactly-once); "
+                    f"remove it from {ENV_PREFIX}* / {PROPERTIES_FILE_VAR}"
+                )
+        return cls(bootstrap, merged)
+
+    def base(self) -> dict[str, Any]:
+        """``bootstrap.servers`` plus the deployment's settings (for any client)."""
+        return {"bootstrap.servers": self.bootstrap, **self.settings}
+
+    def producer(self, **overrides: Any) -> dict[str, Any]:
+        """Settings of a producer: defaults, the deployment's, the call's, the pins."""
+        return {**PRODUCER_DEFAULTS, **self.base(), **overrides, **PINNED_PRODUCER}
+
+    def consumer(self, group_id: str, **overrides: Any) -> dict[str, Any]:
+        """Settings of a consumer in ``group_id`` (manual commits, committed reads)."""
+        return {
+            **CONSUMER_DEFAULTS,
+            **self.base(),
+            "group.id": group_id,
+            **overrides,
+            **PINNED_CONSUMER,
+        }
+
+    def admin(self, **overrides: Any) -> dict[str, Any]:
+        """Settings of an admin client."""
+        return {**self.base(), **overrides}
+
+    def describe(self) -> str:
+        """One line for logs: the bootstrap and every setting, secrets masked."""
+        shown = ", ".join(f"{k}={v}" for k, v in sorted(redacted(self.settings).items()))
+        return f"{self.bootstrap}" + (f" ({shown})" if shown else "")
+
+    def __repr__(self) -> str:
+        return f"ClientConfig({self.describe()!r})"
+
+
+def read_properties(path: Path) -> dict[str, str]:
+    """A Java-style ``.properties`` file (``name=value``, ``#`` comments)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise KafkaConfigError(
+            f"{PROPERTIES_FILE_VAR}={path} cannot be read: {exc.strerror}"
+        ) from None
+    out: dict[str, str] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith(("#", "!")):
+            continue
+        name, sep, value = line.partition("=")
+        if not sep or not name.strip():
+            raise KafkaConfigError(f"{path}:{number}: expected name=value, got {line[:40]!r}")
+        out[name.strip()] = value.strip()
+    return out
+
+
+def client_config(bootstrap: str | ClientConfig) -> ClientConfig:
+    """A :class:`ClientConfig` as given, or built from the environment around a
+    bootstrap string (how most callers pass it)."""
+    if isinstance(bootstrap, ClientConfig):
+        return bootstrap
+    return ClientConfig.from_env(bootstrap)
+
+
+def producer_config(bootstrap: str | ClientConfig, **overrides: Any) -> dict[str, Any]:
+    """Every Sagaline producer's librdkafka settings (override per call)."""
+    return client_config(bootstrap).producer(**overrides)
+
+
+def consumer_config(
+    bootstrap: str | ClientConfig, group_id: str, **overrides: Any
+) -> dict[str, Any]:
+    """Every Sagaline consumer's librdkafka settings (override per call)."""
+    return client_config(bootstrap).consumer(group_id, **overrides)

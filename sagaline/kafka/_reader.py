@@ -1,0 +1,186 @@
+"""Reading the ledger without joining a consumer group: to its end, per saga, from an
+offset or a point in time.
+
+State restore, operator tools and ``saga show`` need "what does the log say, as of
+now" and never commit offsets. A saga's records all live on one partition (murmur2
+of its id), so reading one saga reads one partition.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    TopicPartition,
+)
+
+from sagaline.kafka._clients import create_consumer, watermarks
+from sagaline.kafka._config import ClientConfig, client_config
+from schemas.errors import CodecError
+from schemas.models import Record
+from schemas.partitioning import partition_for
+from schemas.signing import HeaderList, Signer
+from schemas.wire import from_message
+
+
+class TopicMissing(LookupError):
+    """The topic does not exist: usually a wrong bootstrap or topic prefix."""
+
+
+def _reader(config: ClientConfig, group_id: str | None = None) -> Consumer:
+    group = group_id or f"sagaline-reader-{uuid.uuid4().hex[:8]}"
+    return create_consumer(config, group, **{"enable.partition.eof": True})
+
+
+def partition_count(consumer: Consumer, topic: str) -> int:
+    """Partitions of ``topic``; :class:`TopicMissing` when it does not exist."""
+    meta = consumer.list_topics(topic, timeout=30).topics.get(topic)
+    if meta is None or meta.error is not None or not meta.partitions:
+        raise TopicMissing(
+            f"topic {topic!r} does not exist on this broker: check KAFKA_BOOTSTRAP_SERVERS "
+            "and SAGALINE_TOPIC_PREFIX, or create the topics (sagaline coordinator run does)"
+        )
+    return len(meta.partitions)
+
+
+def read_to_end(
+    bootstrap: str | ClientConfig,
+    topic: str,
+    partitions: list[int],
+    group_id: str = "sagaline-reader",
+    *,
+    start: dict[int, int] | None = None,
+) -> Iterator[Message]:
+    """Yield the committed messages of ``partitions`` of ``topic`` from the start (or
+    from ``start[partition]``) up to their end as of now, then stop. The one reader
+    behind state restore, the ledger tools and ``saga show``: no commits."""
+    consumer = _reader(client_config(bootstrap), group_id)
+    try:
+        begin = start or {}
+        live = []
+        for n in partitions:
+            low, high = watermarks(consumer, TopicPartition(topic, n))
+            if high > max(begin.get(n, 0), low):
+                live.append(n)
+        if not live:
+            return
+        consumer.assign([TopicPartition(topic, n, begin.get(n, OFFSET_BEGINNING)) for n in live])
+        remaining = set(live)
+        while remaining:
+            msg = consumer.poll(1.0)
+            if msg is None:
+                continue
+            err = msg.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    remaining.discard(msg.partition() or 0)
+                    continue
+                raise KafkaException(err)
+            yield msg
+    finally:
+        consumer.close()
+
+
+class LedgerReader:
+    """Reads topics up to their current end.
+
+    Example::
+
+        reader = LedgerReader(bootstrap)
+        records = reader.saga_records(topics.events, "saga-1", signer)
+        since = reader.offsets_for_time(topics.events, one_hour_ago_ms)
+        for msg in reader.read(topics.events, start=since): ...
+    """
+
+    def __init__(self, bootstrap: str | ClientConfig) -> None:
+        self.config = client_config(bootstrap)
+
+    def partition_count(self, topic: str) -> int:
+        consumer = _reader(self.config)
+        try:
+            return partition_count(consumer, topic)
+        finally:
+            consumer.close()
+
+    def end_offsets(self, topic: str) -> dict[int, int]:
+        """The next offset to be written, per partition: "now", for a listener."""
+        consumer = _reader(self.config)
+        try:
+            count = partition_count(consumer, topic)
+            return {n: watermarks(consumer, TopicPartition(topic, n))[1] for n in range(count)}
+        finally:
+            consumer.close()
+
+    def offsets_for_time(self, topic: str, timestamp_ms: int) -> dict[int, int]:
+        """Per partition, the first offset whose record is at or after ``timestamp_ms``
+        (the partition's end when none is): seek by time."""
+        consumer = _reader(self.config)
+        try:
+            count = partition_count(consumer, topic)
+            found = consumer.offsets_for_times(
+                [TopicPartition(topic, n, timestamp_ms) for n in range(count)], timeout=30
+            )
+            out: dict[int, int] = {}
+            for tp in found:
+                if tp.offset < 0:  # no record that late: start at the end
+                    tp.offset = watermarks(consumer, TopicPartition(topic, tp.partition))[1]
+                out[tp.partition] = tp.offset
+            return out
+        finally:
+            consumer.close()
+
+    def read(
+        self,
+        topic: str,
+        partitions: list[int] | None = None,
+        *,
+        start: dict[int, int] | None = None,
+    ) -> Iterator[Message]:
+        """Messages of ``partitions`` (all when None) from the start, or from the
+        offsets in ``start`` (seek by offset; see :meth:`offsets_for_time`), to now."""
+        if partitions is None:
+            partitions = sorted(start) if start else list(range(self.partition_count(topic)))
+        group = f"sagaline-reader-{uuid.uuid4().hex[:8]}"
+        yield from read_to_end(self.config, topic, partitions, group, start=start)
+
+    def records(
+        self, topic: str, partitions: list[int] | None = None
+    ) -> Iterator[tuple[bytes | None, bytes | None, HeaderList | None]]:
+        """(key, value, headers) of every committed message, from the start to now."""
+        for msg in self.read(topic, partitions):
+            yield msg.key(), msg.value(), msg.headers()
+
+    def saga_records(self, topic: str, saga_id: str, signer: Signer) -> list[Record]:
+        """Every decodable record of one saga on ``topic``, in log order."""
+        key = saga_id.encode()
+        partition = partition_for(key, self.partition_count(topic))
+        out: list[Record] = []
+        for k, value, headers in self.records(topic, [partition]):
+            if k != key or value is None:
+                continue
+            try:
+                out.append(from_message(k, value, headers, signer))
+            except CodecError:
+                continue  # the coordinator has already sent it to the DLQ
+        return out
+
+    def latest_by_key(self, topic: str, signer: Signer) -> dict[str, Record]:
+        """The latest decodable record per key of a compacted topic (e.g. terminal)."""
+        latest: dict[str, Record] = {}
+        for k, value, headers in self.records(topic):
+            if k is None:
+                continue
+            if value is None:
+                latest.pop(k.decode(), None)
+                continue
+            try:
+                latest[k.decode()] = from_message(k, value, headers, signer)
+            except CodecError:
+                continue
+        return latest

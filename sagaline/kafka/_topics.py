@@ -1,0 +1,98 @@
+"""Topic creation: every topic of a deployment, with its replication settings.
+
+What the topics are (names, partition counts, cleanup policies) is the contract's
+business (:mod:`schemas.topics`); this module only makes the broker match it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
+
+from sagaline.kafka._clients import create_admin
+from sagaline.kafka._config import ClientConfig, client_config
+from schemas.topics import DEFAULT_PARTITIONS, Replication, TopicNames, topic_specs
+
+
+class TopicSetupError(RuntimeError):
+    """A topic could not be created, or exists with settings that break the design."""
+
+
+def ensure_topics(
+    bootstrap: str | ClientConfig,
+    names: TopicNames,
+    participants: Iterable[str] = (),
+    partitions: int = DEFAULT_PARTITIONS,
+    *,
+    replication: Replication | None = None,
+    timeout_s: float = 30.0,
+) -> list[str]:
+    """Create every missing topic; existing ones are left alone (idempotent).
+
+    ``replication`` sets the replication factor and ``min.insync.replicas`` of new
+    topics (default: one replica, the broker's min.insync.replicas; a production
+    cluster passes ``settings.replication``). Raises :class:`TopicSetupError` naming
+    the topic when creation fails for any reason other than "already exists", or
+    when a co-partitioned topic already exists with a different partition count
+    (co-partitioning would silently break). Returns the names this call created.
+    """
+    config = client_config(bootstrap)
+    replication = replication or Replication()
+    specs = topic_specs(names, participants, partitions)
+    admin = create_admin(config)
+    futures = admin.create_topics(
+        [
+            NewTopic(
+                s.name,
+                num_partitions=s.partitions,
+                replication_factor=replication.factor,
+                config={**s.config, **replication.topic_config()},
+            )
+            for s in specs
+        ],
+        operation_timeout=timeout_s,
+        request_timeout=timeout_s,
+    )
+    created: list[str] = []
+    for name, future in futures.items():
+        try:
+            future.result(timeout=timeout_s)
+            created.append(name)
+        except KafkaException as exc:
+            err: Any = exc.args[0] if exc.args else None
+            if getattr(err, "code", lambda: None)() == KafkaError.TOPIC_ALREADY_EXISTS:
+                continue
+            raise TopicSetupError(
+                f"cannot create topic {name!r} on {config.bootstrap}: {exc}"
+            ) from exc
+    # Metadata propagates asynchronously after CreateTopics: poll until every topic
+    # is visible with all its partitions, then check the co-partitioning.
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metadata = admin.list_topics(timeout=timeout_s)
+        missing = [
+            s.name
+            for s in specs
+            if (t := metadata.topics.get(s.name)) is None or t.error is not None or not t.partitions
+        ]
+        if not missing:
+            break
+        if time.monotonic() > deadline:
+            raise TopicSetupError(
+                f"topics {missing} are not visible on {config.bootstrap} {timeout_s:.0f} s "
+                "after creation"
+            )
+        time.sleep(0.1)
+    for spec in specs:
+        actual = len(metadata.topics[spec.name].partitions)
+        if spec.co_partitioned and actual != spec.partitions:
+            raise TopicSetupError(
+                f"topic {spec.name!r} has {actual} partitions, expected "
+                f"{spec.partitions}: co-partitioned topics must match; recreate it or set "
+                f"SAGALINE_PARTITIONS={actual}"
+            )
+    return sorted(created)

@@ -1,0 +1,152 @@
+"""Acknowledged writes: the ledger writer and the dead-letter writer.
+
+"Acknowledged" means this record's own delivery report said the broker has it
+(``acks=all``), not that the producer's whole queue was flushed: a writer shared by
+threads waits for its record only, and a failure names the record that failed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from confluent_kafka import KafkaError, Message, Producer
+
+from sagaline.kafka._clients import create_producer
+from sagaline.kafka._config import ClientConfig
+from schemas.models import Record
+from schemas.signing import Headers, Signer
+from schemas.topics import TopicNames
+from schemas.wire import dlq_message, to_message
+
+
+class DeliveryFailed(RuntimeError):
+    """The broker did not acknowledge a record; it may or may not be in the log.
+
+    Every Sagaline record carries a deterministic event id, so writing it again is
+    safe (R15): retry, or let the command be redelivered.
+    """
+
+    def __init__(self, message: str, *, topic: str, error: KafkaError | None) -> None:
+        super().__init__(message)
+        self.topic = topic
+        self.error = error
+
+
+def deliver(
+    producer: Producer,
+    topic: str,
+    key: bytes | None,
+    value: bytes | None,
+    headers: Headers | None = None,
+    *,
+    timeout_s: float = 30.0,
+    what: str = "record",
+) -> None:
+    """Produce one record and return once the broker acknowledged it.
+
+    Raises :class:`DeliveryFailed` with the broker's error, or when no delivery
+    report arrived within ``timeout_s``.
+    """
+    done = threading.Event()
+    failure: list[KafkaError] = []
+
+    def on_delivery(err: KafkaError | None, _msg: Message) -> None:
+        if err is not None:
+            failure.append(err)
+        done.set()
+
+    producer.produce(
+        topic, key=key, value=value, headers=list(headers or ()), on_delivery=on_delivery
+    )
+    deadline = time.monotonic() + timeout_s
+    # poll() serves delivery reports (ours and other threads'); stop at ours.
+    while not done.is_set():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise DeliveryFailed(
+                f"no acknowledgement for {what} on {topic} within {timeout_s:.0f} s: is the "
+                "broker reachable (KAFKA_BOOTSTRAP_SERVERS, SAGALINE_KAFKA_* settings)?",
+                topic=topic,
+                error=None,
+            )
+        producer.poll(min(remaining, 0.1))
+    if failure:
+        raise DeliveryFailed(
+            f"the broker rejected {what} on {topic}: {failure[0]}", topic=topic, error=failure[0]
+        )
+
+
+class LedgerWriter:
+    """Appends records to ``sagaline.events``, signed, each one acknowledged.
+
+    Example::
+
+        ledger = LedgerWriter(bootstrap, settings.topics, settings.signer())
+        ledger.append(intent)        # returns once the broker has it (R10)
+    """
+
+    def __init__(self, bootstrap: str | ClientConfig, topics: TopicNames, signer: Signer) -> None:
+        self.topics = topics
+        self.signer = signer
+        self.producer = create_producer(bootstrap)
+
+    def append(self, record: Record, *, timeout_s: float = 30.0) -> None:
+        """Write ``record`` to the ledger and wait for the broker's acknowledgement."""
+        key, value, headers = to_message(record, self.signer)
+        deliver(
+            self.producer,
+            self.topics.events,
+            key,
+            value,
+            headers,
+            timeout_s=timeout_s,
+            what=f"{record.TYPE} {record.event_id} of saga {record.saga_id}",
+        )
+
+    def write(
+        self,
+        topic: str,
+        key: bytes | None,
+        value: bytes | None,
+        headers: Headers | None = None,
+        *,
+        timeout_s: float = 30.0,
+    ) -> None:
+        """Write already-framed bytes to any topic, acknowledged (catalogue, DLQ)."""
+        deliver(self.producer, topic, key, value, headers, timeout_s=timeout_s)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Deliver whatever is still queued (nothing, after acknowledged writes)."""
+        self.producer.flush(timeout_s)
+
+
+class DeadLetterWriter:
+    """Copies a rejected message to the DLQ with why and where from (R16).
+
+    ``acknowledged=True`` waits for the broker per record (a participant commits the
+    command's offset right after); ``False`` only produces, for a transactional
+    producer whose commit is the acknowledgement (the coordinator's batch).
+    """
+
+    def __init__(self, producer: Producer, topic: str, *, acknowledged: bool) -> None:
+        self.producer = producer
+        self.topic = topic
+        self.acknowledged = acknowledged
+
+    def write(self, msg: Message, reason: str, detail: str) -> None:
+        """Dead-letter ``msg`` byte-for-byte, with ``reason`` and ``detail`` headers."""
+        key, value, headers = dlq_message(
+            msg.key(),
+            msg.value(),
+            msg.headers(),
+            reason,
+            detail,
+            msg.topic(),
+            msg.partition(),
+            msg.offset(),
+        )
+        if self.acknowledged:
+            deliver(self.producer, self.topic, key, value, headers, what=f"DLQ copy ({reason})")
+        else:
+            self.producer.produce(self.topic, key=key, value=value, headers=headers)

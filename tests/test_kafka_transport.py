@@ -1,0 +1,272 @@
+"""The transport layer (sagaline.kafka): client settings from the environment, topic
+replication, the acknowledged ledger writer, the reader, the dead-letter writer."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sagaline.kafka import (
+    BrokerNotConfigured,
+    ClientConfig,
+    DeadLetterWriter,
+    DeliveryFailed,
+    KafkaConfigError,
+    LedgerReader,
+    LedgerWriter,
+    create_admin,
+    ensure_topics,
+    require_bootstrap,
+)
+from schemas import SagaStarted
+from schemas.examples import example_records
+from schemas.settings import Settings
+from schemas.signing import Signer
+from schemas.topics import Replication, TopicNames
+from schemas.wire import DLQ_REASON, read_dead_letter
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# ------------------------------------------------------------------ settings
+
+
+def test_every_librdkafka_setting_comes_from_a_prefixed_variable() -> None:
+    config = ClientConfig.from_env(
+        "b:9092",
+        {
+            "SAGALINE_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT",
+            "SAGALINE_KAFKA_SASL_MECHANISM": "PLAIN",
+            "SAGALINE_KAFKA_SASL_USERNAME": "coordinator",
+            "SAGALINE_KAFKA_LINGER_MS": "20",
+            "SAGALINE_KAFKA_VERSION": "4.1.0",  # the dev launcher's, not a client setting
+            "OTHER": "x",
+        },
+    )
+    assert config.settings == {
+        "security.protocol": "SASL_PLAINTEXT",
+        "sasl.mechanism": "PLAIN",
+        "sasl.username": "coordinator",
+        "linger.ms": "20",
+    }
+    producer = config.producer()
+    assert producer["bootstrap.servers"] == "b:9092"
+    assert producer["security.protocol"] == "SASL_PLAINTEXT"
+    assert producer["linger.ms"] == "20"
+    assert producer["partitioner"] == "murmur2_random"
+    assert config.consumer("g")["sasl.username"] == "coordinator"
+    assert config.admin()["security.protocol"] == "SASL_PLAINTEXT"
+
+
+def test_a_properties_file_is_read_and_variables_override_it(tmp_path: Path) -> None:
+    props = tmp_path / "client.properties"
+    props.write_text(
+        "# deployment settings\nsecurity.protocol=SASL_SSL\nssl.ca.location = /ca.pem\n"
+        "sasl.mechanism=PLAIN\n"
+    )
+    config = ClientConfig.from_env(
+        "b:1",
+        {
+            "SAGALINE_KAFKA_PROPERTIES_FILE": str(props),
+            "SAGALINE_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+        },
+    )
+    assert config.settings == {
+        "security.protocol": "SASL_SSL",
+        "ssl.ca.location": "/ca.pem",
+        "sasl.mechanism": "SCRAM-SHA-512",
+    }
+
+
+def test_an_unreadable_or_malformed_properties_file_is_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(KafkaConfigError, match="SAGALINE_KAFKA_PROPERTIES_FILE"):
+        ClientConfig.from_env("b:1", {"SAGALINE_KAFKA_PROPERTIES_FILE": str(tmp_path / "no")})
+    bad = tmp_path / "bad.properties"
+    bad.write_text("security.protocol\n")
+    with pytest.raises(KafkaConfigError, match=r"bad.properties:1"):
+        ClientConfig.from_env("b:1", {"SAGALINE_KAFKA_PROPERTIES_FILE": str(bad)})
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [
+        ("SAGALINE_KAFKA_PARTITIONER", "consistent_random"),
+        ("SAGALINE_KAFKA_ENABLE_IDEMPOTENCE", "false"),
+        ("SAGALINE_KAFKA_ACKS", "1"),
+        ("SAGALINE_KAFKA_ISOLATION_LEVEL", "read_uncommitted"),
+        ("SAGALINE_KAFKA_ENABLE_AUTO_COMMIT", "true"),
+    ],
+)
+def test_settings_the_design_depends_on_cannot_be_changed(var: str, value: str) -> None:
+    with pytest.raises(KafkaConfigError, match="is not allowed"):
+        ClientConfig.from_env("b:1", {var: value})
+
+
+def test_the_bootstrap_address_has_one_source() -> None:
+    with pytest.raises(KafkaConfigError, match="KAFKA_BOOTSTRAP_SERVERS"):
+        ClientConfig.from_env("b:1", {"SAGALINE_KAFKA_BOOTSTRAP_SERVERS": "other:1"})
+
+
+def test_secrets_never_appear_in_the_repr_or_the_description() -> None:
+    config = ClientConfig.from_env(
+        "b:1",
+        {
+            "SAGALINE_KAFKA_SASL_USERNAME": "payments",
+            "SAGALINE_KAFKA_SASL_PASSWORD": "hunter2-secret",
+            "SAGALINE_KAFKA_SSL_KEY_PASSWORD": "k3y-pass",
+            "SAGALINE_KAFKA_SASL_OAUTHBEARER_CLIENT_SECRET": "oauth-s3cret",
+        },
+    )
+    shown = repr(config) + config.describe() + str(config)
+    for secret in ("hunter2-secret", "k3y-pass", "oauth-s3cret"):
+        assert secret not in shown
+    assert "payments" in shown
+
+
+def test_replication_must_be_achievable() -> None:
+    assert Replication(3, 2).topic_config() == {"min.insync.replicas": "2"}
+    assert Replication().topic_config() == {}
+    with pytest.raises(ValueError, match=r"min\.insync\.replicas 3"):
+        Replication(2, 3)
+    settings = Settings.from_env(
+        {"SAGALINE_REPLICATION_FACTOR": "3", "SAGALINE_MIN_INSYNC_REPLICAS": "2"}
+    )
+    assert settings.replication == Replication(3, 2)
+
+
+# ------------------------------------------------------------- no broker set
+
+
+def test_a_production_process_without_a_broker_is_told_what_to_set() -> None:
+    with pytest.raises(BrokerNotConfigured) as caught:
+        require_bootstrap(Settings.from_env({}), "sagaline coordinator run")
+    message = str(caught.value)
+    assert "sagaline coordinator run" in message
+    assert "KAFKA_BOOTSTRAP_SERVERS" in message
+    assert "sagaline kafka up" in message
+    assert "--dev-broker" in message
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["coordinator", "run"],
+        ["participant", "run", "payments"],
+        ["topics", "create"],
+        ["dashboard"],
+        ["saga", "show", "saga-1"],
+    ],
+)
+def test_production_commands_fail_fast_without_a_broker(command: list[str]) -> None:
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(ROOT), "SAGALINE_STATE_DIR": "/nonexistent"}
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", *command],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,  # a hang (a broker being started) fails here, not a slow machine
+    )
+    assert done.returncode == 2, done.stderr
+    assert "KAFKA_BOOTSTRAP_SERVERS" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+# ------------------------------------------------------------- real broker
+
+
+@pytest.mark.kafka
+def test_topics_get_the_configured_min_insync_replicas(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    from confluent_kafka.admin import ConfigResource, ResourceType
+
+    names = TopicNames(unique_prefix)
+    ensure_topics(kafka_bootstrap, names, [], 1, replication=Replication(1, 1))
+    admin = create_admin(kafka_bootstrap)
+    resource = ConfigResource(ResourceType.TOPIC, names.events)
+    configs = admin.describe_configs([resource])[resource].result(30)
+    assert configs["min.insync.replicas"].value == "1"
+    assert configs["min.insync.replicas"].source != 5  # not the broker's default
+
+
+@pytest.mark.kafka
+def test_an_appended_record_is_acknowledged_and_read_back_per_saga(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    names = TopicNames(unique_prefix)
+    ensure_topics(kafka_bootstrap, names, [], 3)
+    signer = Signer(b"k" * 32)
+    writer = LedgerWriter(kafka_bootstrap, names, signer)
+    records = [r for r in example_records(saga_id="saga-a") if r.envelope.saga_id == "saga-a"]
+    other = example_records(saga_id="saga-b")[0]
+    for record in [*records, other]:
+        writer.append(record)
+    writer.close()
+    reader = LedgerReader(kafka_bootstrap)
+    assert reader.saga_records(names.events, "saga-a", signer) == records
+    assert reader.saga_records(names.events, "saga-b", signer) == [other]
+    assert sum(reader.end_offsets(names.events).values()) == len(records) + 1
+
+
+@pytest.mark.kafka
+def test_a_record_the_broker_does_not_take_raises_delivery_failed(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    """No topic (auto-creation is off): the delivery report is an error, raised typed."""
+    names = TopicNames(unique_prefix)  # topics never created
+    config = ClientConfig(kafka_bootstrap, {"message.timeout.ms": "1000"})
+    writer = LedgerWriter(config, names, Signer(None))
+    record = example_records(saga_id="saga-x")[0]
+    with pytest.raises(DeliveryFailed, match=r"SagaStarted .* of saga saga-x") as caught:
+        writer.append(record)
+    assert caught.value.topic == names.events
+    writer.close()
+
+
+@pytest.mark.kafka
+def test_the_reader_seeks_by_offset_and_by_time(kafka_bootstrap: str, unique_prefix: str) -> None:
+    names = TopicNames(unique_prefix)
+    ensure_topics(kafka_bootstrap, names, [], 1)
+    writer = LedgerWriter(kafka_bootstrap, names, Signer(None))
+    first = example_records(saga_id="saga-t")[0]
+    assert isinstance(first, SagaStarted)
+    writer.append(first)
+    reader = LedgerReader(kafka_bootstrap)
+    # Every record after this point in time (the broker stamps CreateTime from the
+    # producer's clock: the same host's clock).
+    cut = int(time.time() * 1000) + 1
+    while int(time.time() * 1000) <= cut:
+        pass
+    second = first.model_copy(update={"workflow": "later"})
+    writer.append(second)
+    writer.close()
+    since = reader.offsets_for_time(names.events, cut)
+    assert since == {0: 1}
+    assert [m.value() for m in reader.read(names.events, start=since)] == [
+        m.value() for m in reader.read(names.events) if m.offset() == 1
+    ]
+    assert [m.offset() for m in reader.read(names.events, start={0: 0})] == [0, 1]
+    assert list(reader.read(names.events, start=reader.end_offsets(names.events))) == []
+
+
+@pytest.mark.kafka
+def test_a_dead_letter_keeps_the_bytes_and_says_why(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    names = TopicNames(unique_prefix)
+    ensure_topics(kafka_bootstrap, names, [], 1)
+    writer = LedgerWriter(kafka_bootstrap, names, Signer(None))
+    writer.write(names.events, b"saga-z", b"\x00not avro", [("h", b"1")])
+    bad = next(LedgerReader(kafka_bootstrap).read(names.events))
+    DeadLetterWriter(writer.producer, names.dlq, acknowledged=True).write(
+        bad, "malformed", "not an Avro record"
+    )
+    [copy] = list(LedgerReader(kafka_bootstrap).read(names.dlq))
+    assert (copy.key(), copy.value()) == (b"saga-z", b"\x00not avro")
+    letter = read_dead_letter(copy.headers())
+    assert (letter.reason, letter.source_topic, letter.offset) == ("malformed", names.events, 0)
+    assert dict(copy.headers() or [])[DLQ_REASON] == b"malformed"
