@@ -12,6 +12,12 @@ The core folds each saga's ledger into ``SagaState`` and decides what to emit::
     if state is not None and (due := state.next_due_at()) is not None:
         ...                                          # call tick(state, due) then
 
+The shell runs it over Kafka (metrics are optional and come from a layer above)::
+
+    from coordinator import Coordinator
+
+    Coordinator(settings, bootstrap, instance_id="coordinator-0").run()
+
 See docs/coordinator.md for the state machine and the scheduling rules.
 """
 
@@ -34,6 +40,7 @@ from coordinator.core import (
 )
 from coordinator.graph import compensation_order
 from coordinator.receipts import build_receipt
+from coordinator.shell import Coordinator, ShellMetrics
 from coordinator.state import (
     SagaState,
     SagaStatus,
@@ -45,6 +52,7 @@ from coordinator.state import (
 __all__ = [
     "COORDINATOR_PRODUCER",
     "DEFAULT_POLICY",
+    "Coordinator",
     "CorePolicy",
     "CorrelationError",
     "Decision",
@@ -53,6 +61,7 @@ __all__ = [
     "RejectReason",
     "SagaState",
     "SagaStatus",
+    "ShellMetrics",
     "StepState",
     "StepStatus",
     "TimerPurpose",

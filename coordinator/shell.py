@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 from coordinator.core import COORDINATOR_PRODUCER, Decision, Destination, Output, decide, tick
 from coordinator.state import SagaState
@@ -44,13 +44,52 @@ from sagaline.kafka import (
     ensure_topics,
     read_to_end,
 )
-from schemas import IncidentResolved
+from schemas import IncidentResolved, Record
 from schemas.errors import CodecError
 from schemas.settings import Settings
 from schemas.wire import from_message, to_message
-from services import metrics
 
 log = logging.getLogger("sagaline.coordinator")
+
+
+class ShellMetrics(Protocol):
+    """What the shell reports. The Prometheus implementation
+    (``sagaline.ops.metrics.CoordinatorMetrics``) sits in a layer above and is passed in
+    by the process that runs the coordinator."""
+
+    def observe_record(self, record: Record) -> None: ...
+
+    def observe_output(self, output: Output) -> None: ...
+
+    def duplicate_prevented(self, count: int = 1) -> None: ...
+
+    def dlq(self, reason: str) -> None: ...
+
+    def transaction_committed(self, seconds: float, records: int) -> None: ...
+
+    def in_flight(self, sagas: int) -> None: ...
+
+
+class NoMetrics:
+    """The default: report nothing."""
+
+    def observe_record(self, record: Record) -> None:
+        pass
+
+    def observe_output(self, output: Output) -> None:
+        pass
+
+    def duplicate_prevented(self, count: int = 1) -> None:
+        pass
+
+    def dlq(self, reason: str) -> None:
+        pass
+
+    def transaction_committed(self, seconds: float, records: int) -> None:
+        pass
+
+    def in_flight(self, sagas: int) -> None:
+        pass
 
 # Records the coordinator emitted itself come back to it on the events topic; for a
 # saga whose state is already tombstoned they are history, not input.
@@ -79,6 +118,7 @@ class Coordinator:
         clock: Callable[[], int] | None = None,
         batch_size: int = 500,
         transaction_timeout_ms: int = 10_000,
+        metrics: ShellMetrics | None = None,
     ) -> None:
         self.settings = settings
         self.bootstrap = bootstrap
@@ -94,7 +134,7 @@ class Coordinator:
         self._terminated: OrderedDict[str, None] = OrderedDict()
         self._assigned: set[int] = set()
         self._known_participants: set[str] = set()
-        self.metrics = metrics.CoordinatorMetrics()
+        self.metrics: ShellMetrics = metrics or NoMetrics()
 
         self._producer = create_producer(
             bootstrap,

@@ -31,6 +31,9 @@ The Python twin of seed 000's ``reserveInventory`` / ``releaseInventory``::
     catalogue.tool_definitions()                      # JSON Schema for the model
     catalogue["reserve_inventory"].contract()         # StepContract for the ledger
 
+Serve a catalogue over Kafka with ``ParticipantRuntime(catalogue, settings,
+bootstrap).run()``; call tools from an agent with ``SagaClient`` (``participants.client``).
+
 Check a catalogue from the shell with ``sagaline catalogue check MODULE`` and a
 proposed plan with ``sagaline plan check FILE`` (``docs/writing-a-participant.md``).
 """
@@ -38,6 +41,19 @@ proposed plan with ``sagaline plan check FILE`` (``docs/writing-a-participant.md
 from __future__ import annotations
 
 from participants.catalogue import Catalogue, ToolKind, ToolSpec, wrap
+from participants.client import (
+    ApprovalDeniedError,
+    ApprovalPending,
+    BusinessRejected,
+    OutcomeUnknown,
+    Saga,
+    SagaCallError,
+    SagaClient,
+    SagaUnwinding,
+    StepEscalated,
+    StepFailedError,
+    UnknownTool,
+)
 from participants.context import CallContext, NoCallContext, call_context, current_call
 from participants.declarations import (
     Accepted,
@@ -70,9 +86,13 @@ from participants.plan import (
     Severity,
     check_plan,
 )
+from participants.runtime import ParticipantRuntime, RuntimeMetrics
 
 __all__ = [
     "Accepted",
+    "ApprovalDeniedError",
+    "ApprovalPending",
+    "BusinessRejected",
     "BusinessRejection",
     "CallClass",
     "CallContext",
@@ -88,15 +108,25 @@ __all__ = [
     "LookupResult",
     "NoCallContext",
     "NotDeclaredError",
+    "OutcomeUnknown",
+    "ParticipantRuntime",
     "PlanReport",
     "PlannedCall",
     "ReconcileResult",
     "RetryPolicy",
     "Reversibility",
+    "RuntimeMetrics",
+    "Saga",
+    "SagaCallError",
+    "SagaClient",
+    "SagaUnwinding",
     "SagalineParticipantError",
     "Severity",
+    "StepEscalated",
+    "StepFailedError",
     "ToolKind",
     "ToolSpec",
+    "UnknownTool",
     "UnknownToolError",
     "call_context",
     "check_plan",

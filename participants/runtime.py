@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import orjson
 
@@ -73,9 +73,38 @@ from schemas.errors import CodecError
 from schemas.sealing import Sealer, SealError
 from schemas.settings import Settings
 from schemas.wire import from_message
-from services.metrics import ParticipantMetrics
 
 log = logging.getLogger("sagaline.participant")
+
+
+class RuntimeMetrics(Protocol):
+    """What the runtime reports. The Prometheus implementation
+    (``sagaline.ops.metrics.ParticipantMetrics``) sits in a layer above and is passed
+    in by the process that serves the participant."""
+
+    def observe_record(self, record: Record) -> None: ...
+
+    def observe_output(self, output: Record) -> None: ...
+
+    def duplicate_prevented(self, count: int = 1) -> None: ...
+
+    def dlq(self, reason: str) -> None: ...
+
+
+class NoMetrics:
+    """The default: report nothing."""
+
+    def observe_record(self, record: Record) -> None:
+        pass
+
+    def observe_output(self, output: Record) -> None:
+        pass
+
+    def duplicate_prevented(self, count: int = 1) -> None:
+        pass
+
+    def dlq(self, reason: str) -> None:
+        pass
 
 Clock = Callable[[], int]
 R = TypeVar("R", bound=Record)
@@ -176,7 +205,7 @@ class CommandHandler:
         workers: int = 8,
         verify_poll_ms: int = 200,
         verify_timeout_ms: int = 60_000,
-        metrics: ParticipantMetrics | None = None,
+        metrics: RuntimeMetrics | None = None,
         sealer: Sealer | None = None,
     ) -> None:
         self.catalogue = catalogue
@@ -595,7 +624,7 @@ class ParticipantRuntime:
         participant: str | None = None,
         instance_id: str | None = None,
         state_dir: Path | None = None,
-        metrics: ParticipantMetrics | None = None,
+        metrics: RuntimeMetrics | None = None,
     ) -> None:
         self.participant = participant or catalogue.name
         # Static group membership: a restarted process with the same instance id gets
@@ -605,7 +634,7 @@ class ParticipantRuntime:
         self.bootstrap = bootstrap
         self.topics = settings.topics
         self.signer = settings.signer()
-        self.metrics = metrics or ParticipantMetrics(self.participant)
+        self.metrics: RuntimeMetrics = metrics or NoMetrics()
         state = state_dir or settings.state_dir / self.participant
         self.journal = CommandJournal(state / "commands.sqlite")
         self._writer = LedgerWriter(bootstrap, self.topics, self.signer)

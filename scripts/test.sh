@@ -7,10 +7,11 @@
 # Steps: scripts/bootstrap.sh (venv, deps, Java/Maven); `sagaline kafka up` (run as
 # `python -m services.kafka_cli up`, which needs no other area's CLI code) unless
 # KAFKA_BOOTSTRAP_SERVERS is already set (first run resolves the Kafka jars with
-# Maven and starts the broker; later runs reuse it); then ruff, mypy and pytest.
-# All three run even if one fails, so one run shows every problem; the exit code is
-# non-zero if any failed, or if pytest collected no tests (exit 5). With CI=true
-# the broker this script started is stopped at the end.
+# Maven and starts the broker; later runs reuse it); then ruff, mypy, the import-layer
+# contracts (lint-imports) and pytest. All of them run even if one fails, so one
+# run shows every problem; the exit code is non-zero if any failed, or if pytest
+# collected no tests (exit 5). With CI=true the broker this script started is
+# stopped at the end.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -61,6 +62,11 @@ ruff check . || failed+=(ruff)
 
 echo "== mypy (strict)" >&2
 mypy || failed+=(mypy)
+
+# Layers point down only, confluent_kafka only in sagaline/kafka, the local broker
+# launcher on no production path: contracts in pyproject.toml [tool.importlinter].
+echo "== lint-imports (layer contracts)" >&2
+lint-imports --no-cache || failed+=(lint-imports)
 
 echo "== pytest $*" >&2
 pytest "$@"

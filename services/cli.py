@@ -22,7 +22,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "services.kafka_cli",
     "services.serve",
     "participants.cli",
-    "coordinator.cli",
+    "services.coordinator_cli",
     "services.demo",
     "services.dashboard",
 )

@@ -9,7 +9,7 @@
 3. runs N refund sagas through the saga client from C agent threads, each agent
    choosing its tool sequence per ticket (and fixing the badly ordered plan the plan
    check flags, R17), while an operator thread approves the IRREVERSIBLE replies
-   through ``services.operator_actions`` -- the path a person uses (R7);
+   through ``sagaline.ops.actions`` -- the path a person uses (R7);
 4. draws live progress, then prints a summary from ``sagaline.terminal``, one
    receipt for a person, and the invariant checked against each provider's own
    SQLite file (``services.demo_invariants``);
@@ -43,6 +43,7 @@ from typing import Any
 from participants.catalogue import Catalogue
 from participants.client import SagaCallError, SagaClient
 from sagaline.kafka import LedgerReader, ensure_topics
+from sagaline.ops.actions import OperatorChannel
 from schemas.models import Record, SagaTerminal
 from schemas.receipt import Receipt
 from schemas.settings import Settings
@@ -56,7 +57,6 @@ from services.demo_progress import (
     ProgressDisplay,
     SagaBoard,
 )
-from services.operator_actions import OperatorChannel
 from services.refund import PARTICIPANTS, build_catalogue
 from services.refund.agent import (
     TOOL_PARTICIPANTS,
@@ -531,7 +531,7 @@ def _summarise(
     operator: DemoOperator,
     all_terminal: bool,
 ) -> int:
-    from services.receipts_view import render_receipt_text
+    from sagaline.ops.receipts import render_receipt_text
 
     receipts = terminal_receipts(run.bootstrap, settings)
     ours = {s: receipts[s] for s in run.saga_of.values() if s in receipts}

@@ -6,7 +6,7 @@ is unique to the run, so it sees this run only) and hands each record to
 * :class:`SagaBoard`, a fold of records into one status per saga (running, awaiting
   approval, compensating, then the terminal status), which the display draws;
 * :class:`DemoOperator`, which answers each ``ApprovalRequested`` through
-  ``services.operator_actions.grant_approval`` -- the same records a person writes
+  ``sagaline.ops.actions.grant_approval`` -- the same records a person writes
   with ``sagaline approve`` or the dashboard -- under the identity ``demo-operator``.
 
 The display redraws a progress bar and a status table in place with plain ANSI when
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from sagaline.kafka import OFFSET_BEGINNING, TopicPartition, create_consumer
+from sagaline.ops.actions import OperatorActionError, OperatorChannel, grant_approval
 from schemas.errors import CodecError
 from schemas.models import (
     ApprovalDenied,
@@ -39,7 +40,6 @@ from schemas.models import (
 )
 from schemas.signing import Signer
 from schemas.wire import from_message
-from services.operator_actions import OperatorActionError, OperatorChannel, grant_approval
 
 __all__ = [
     "STATUSES",

@@ -17,8 +17,8 @@ from typing import Any
 from participants.catalogue import Catalogue
 from participants.runtime import ParticipantRuntime
 from sagaline.kafka import TopicSetupError, configured_broker, ensure_topics
+from sagaline.ops.metrics import ParticipantMetrics, start_metrics_server
 from schemas.settings import Settings
-from services.metrics import ParticipantMetrics, start_metrics_server
 
 log = logging.getLogger("sagaline.serve")
 
@@ -62,7 +62,9 @@ def _cmd_participant_run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     settings, bootstrap = configured_broker("sagaline participant run")
     catalogue = load_catalogue(args.name, args.catalogue, settings)
-    metrics = ParticipantMetrics(args.name)
+    from services.refund import economic_effect
+
+    metrics = ParticipantMetrics(args.name, effect=economic_effect)
     if args.metrics_port:
         start_metrics_server(args.metrics_port, metrics)
     runtime = ParticipantRuntime(

@@ -23,6 +23,7 @@ from participants.catalogue import Catalogue
 from participants.client import SagaClient
 from participants.runtime import ParticipantRuntime
 from sagaline.kafka import LedgerReader, ensure_topics, producer_config
+from sagaline.ops.metrics import CoordinatorMetrics
 from schemas import Record
 from schemas.settings import Settings
 
@@ -72,7 +73,10 @@ class System:
 
     def start_coordinator(self) -> None:
         self.coordinator = Coordinator(
-            self.settings, self.bootstrap, instance_id=f"test-{uuid.uuid4().hex[:6]}"
+            self.settings,
+            self.bootstrap,
+            instance_id=f"test-{uuid.uuid4().hex[:6]}",
+            metrics=CoordinatorMetrics(),
         )
         thread = threading.Thread(target=self.coordinator.run, daemon=True)
         thread.start()

@@ -22,9 +22,9 @@ pytest.importorskip("coordinator.shell", reason="the coordinator's Kafka shell i
 from participants import BusinessRejection, CompensationContext, compensable, tool, wrap
 from participants.client import BusinessRejected
 from sagaline.kafka import producer_config
+from sagaline.ops.metrics import start_metrics_server
 from schemas import Disposition, StepCommitted, TerminalStatus
 from schemas.wire import to_message
-from services.metrics import start_metrics_server
 from tests.system import System, wait_until
 
 pytestmark = pytest.mark.kafka

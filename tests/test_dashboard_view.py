@@ -20,19 +20,20 @@ from dashboard_scenarios import (
 )
 from starlette.testclient import TestClient
 
-from schemas import ApprovalRequested, IncidentRaised, Receipt, SagaStarted, SagaTerminal
-from services.dashboard.app import create_app
-from services.dashboard.timeline import render_timeline_svg
-from services.dashboard.view import DashboardState, SagaFilter, SagaStatus
-from services.metrics import CoordinatorMetrics, SagalineMetrics
-from services.operator_actions import (
+from sagaline.ops.actions import (
     MissingOperatorIdentity,
     OperatorActionError,
     approval_denied,
     approval_granted,
     incident_resolved,
 )
-from services.receipts_view import describe_receipt, render_receipt_html, render_receipt_text
+from sagaline.ops.metrics import CoordinatorMetrics, SagalineMetrics
+from sagaline.ops.receipts import describe_receipt, render_receipt_html, render_receipt_text
+from schemas import ApprovalRequested, IncidentRaised, Receipt, SagaStarted, SagaTerminal
+from services.dashboard.app import create_app
+from services.dashboard.timeline import render_timeline_svg
+from services.dashboard.view import DashboardState, SagaFilter, SagaStatus
+from services.refund import economic_effect
 
 EXPECTED = {
     "completed": SagaStatus.COMPLETED,
@@ -233,7 +234,7 @@ def test_receipt_html_tells_the_same_story_escaped() -> None:
 
 
 def _fed(*names: str) -> SagalineMetrics:
-    metrics = CoordinatorMetrics()
+    metrics = CoordinatorMetrics(effect=economic_effect)
     for name in names:
         for record in ALL[name]().records:
             metrics.observe_record(record)
@@ -259,6 +260,14 @@ def test_a_record_observed_twice_is_measured_once() -> None:
     for record in compensated().records:
         metrics.observe_output(record)
     assert sum(metrics.snapshot().compensation_outcomes.values()) == 2
+
+
+def test_without_an_effect_measure_no_economic_effect_is_claimed() -> None:
+    """Shared metrics do not know what a tool's arguments mean: the deployable says."""
+    metrics = CoordinatorMetrics()
+    for record in escalated().records:
+        metrics.observe_record(record)
+    assert metrics.snapshot().remaining_effect_cents == {}
 
 
 def test_remaining_effect_counts_escalated_amounts_until_resolved() -> None:

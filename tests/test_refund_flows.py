@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from participants.client import BusinessRejected, Saga
+from sagaline.ops.actions import OperatorChannel, approval_granted, grant_approval
 from schemas import (
     ApprovalGranted,
     ApprovalRequested,
@@ -24,7 +25,6 @@ from schemas import (
     TerminalStatus,
 )
 from schemas.wire import DLQ_REASON, to_message
-from services.operator_actions import OperatorChannel, approval_granted, grant_approval
 from services.refund import PARTICIPANTS, FaultMode, FaultPlan, FaultRule, build_catalogue
 from tests.system import System, wait_until
 

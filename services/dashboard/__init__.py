@@ -3,7 +3,7 @@
 It follows ``sagaline.events``, ``sagaline.terminal`` and ``sagaline.incidents`` from
 the beginning into an in-memory view (so a restart loses nothing), serves pages from
 that view, and turns an operator's approve / deny / resolve into records on the
-ledger through :mod:`services.operator_actions` (the CLI's path too).
+ledger through :mod:`sagaline.ops.actions` (the CLI's path too).
 
 Example::
 
@@ -19,11 +19,12 @@ import argparse
 import logging
 
 from sagaline.kafka import require_bootstrap
+from sagaline.ops.actions import OperatorChannel
+from sagaline.ops.metrics import SagalineMetrics
 from schemas.settings import Settings
 from services.dashboard.app import create_app
 from services.dashboard.consumer import LedgerFollower
 from services.dashboard.view import DashboardState, SagaFilter, SagaStatus, SagaView
-from services.operator_actions import OperatorChannel
 
 DEFAULT_PORT = 8088
 
@@ -33,7 +34,9 @@ class Dashboard:
 
     def __init__(self, bootstrap: str, settings: Settings) -> None:
         self.settings = settings
-        self.state = DashboardState()
+        from services.refund import economic_effect
+
+        self.state = DashboardState(SagalineMetrics("dashboard", effect=economic_effect))
         self.follower = LedgerFollower(bootstrap, settings.topics, settings.signer(), self.state)
         self.channel = OperatorChannel(bootstrap, settings.topics, settings.signer())
         self.app = create_app(self.state, self.channel, self.follower)

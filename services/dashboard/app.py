@@ -3,7 +3,7 @@
 Server-rendered HTML; live regions (``data-live``) re-fetch their fragment every two
 seconds with a few lines of vanilla JS, and skip the swap while an operator is typing
 in them. Approve / deny / resolve post a form whose ``operator`` field is required,
-and go through :mod:`services.operator_actions`, the same path as the CLI: a record on
+and go through :mod:`sagaline.ops.actions`, the same path as the CLI: a record on
 ``sagaline.events``, never a side door into a service.
 """
 
@@ -23,13 +23,13 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
+from sagaline.ops import actions as operator_actions
+from sagaline.ops.metrics import HistogramSummary, MeasuresSnapshot
+from sagaline.ops.receipts import format_duration, format_ms, render_receipt_html
 from schemas.models import ApprovalRequested, IncidentRaised
-from services import operator_actions
 from services.dashboard.consumer import LedgerFollower
 from services.dashboard.timeline import render_timeline_svg
 from services.dashboard.view import DashboardState, SagaFilter, SagaStatus, SagaView
-from services.metrics import HistogramSummary, MeasuresSnapshot
-from services.receipts_view import format_duration, format_ms, render_receipt_html
 
 _e = html.escape
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import html
 
+from sagaline.ops.receipts import format_duration
 from schemas.models import Reversibility
 from services.dashboard.view import SagaView, Span, SpanKind, StepView
-from services.receipts_view import format_duration
 
 WIDTH = 1100
 LABEL_W = 260

@@ -19,6 +19,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from sagaline.ops.metrics import SagalineMetrics
 from schemas.models import (
     ApprovalDenied,
     ApprovalGranted,
@@ -47,7 +48,6 @@ from schemas.models import (
     TerminalStatus,
 )
 from schemas.receipt import Receipt
-from services.metrics import SagalineMetrics, amount_cents
 
 
 class SagaStatus(enum.StrEnum):
@@ -106,7 +106,6 @@ class StepView:
     committed_at: int | None = None
     state: str = "scheduled"
     attempts: int = 0
-    amount_cents: int | None = None
     incident_id: str | None = None
     incidents: list[tuple[int, str]] = field(default_factory=list)  # (raised at, kind)
     spans: list[Span] = field(default_factory=list)
@@ -340,7 +339,6 @@ def _fold(saga: SagaView, record: Record) -> None:
         step.reversibility, step.pivot, step.read_only = c.reversibility, c.pivot, c.read_only
         step.compensation = c.compensation
         step.scheduled_at = at
-        step.amount_cents = amount_cents(record.args)
     elif isinstance(record, ApprovalRequested):
         step = saga.step(record.step_id)
         saga.pending_approvals[record.approval_id] = record

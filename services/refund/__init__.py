@@ -17,7 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from participants.catalogue import Catalogue, wrap
+from schemas.models import StepScheduled
 from services.refund.faults import FaultInjector, FaultMode, FaultPlan, FaultRule
 from services.refund.participants import Inventory, Mailer, Payments, Policy, Tickets
 from services.refund.providers import (
@@ -42,6 +45,7 @@ __all__ = [
     "UnknownParticipantError",
     "build_catalogue",
     "build_participant",
+    "economic_effect",
 ]
 
 ParticipantFactory = Callable[[Path, FaultPlan], Any]
@@ -106,3 +110,14 @@ def build_catalogue(name: str, state_dir: Path, faults: FaultPlan | None = None)
     """The checked catalogue of participant ``name`` (``wrap()`` raises on any bad
     declaration, R4); its participant object is ``catalogue.participants[0]``."""
     return wrap(build_participant(name, state_dir, faults), name=name)
+
+
+def economic_effect(step: StepScheduled) -> int | None:
+    """The refund tools' money effect: their ``amount_cents`` argument (the measure
+    ``sagaline.ops.metrics`` is given; unreadable arguments count as none)."""
+    try:
+        args: Any = orjson.loads(step.args)
+    except orjson.JSONDecodeError:
+        return None
+    value = args.get("amount_cents") if isinstance(args, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

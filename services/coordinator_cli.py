@@ -1,6 +1,9 @@
 """Operator commands: run the coordinator, read a saga, approve, deny, resolve.
 
-Every decision goes onto the ledger through ``services.operator_actions`` (the same
+A deployable (it wires the coordinator to the operator layer, ``sagaline.ops``, and to
+the refund example's effect measure), so it lives in ``services/``.
+
+Every decision goes onto the ledger through ``sagaline.ops.actions`` (the same
 path the dashboard uses); nothing here touches a service's state directly.
 """
 
@@ -45,7 +48,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     settings, bootstrap = configured_broker("sagaline coordinator run")
     from coordinator.shell import Coordinator
     from sagaline.kafka import ensure_topics
-    from services.metrics import start_metrics_server
+    from sagaline.ops.metrics import CoordinatorMetrics, start_metrics_server
+    from services.refund import economic_effect
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     participants = [p for p in args.participants.split(",") if p]
@@ -56,9 +60,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         settings.partitions,
         replication=settings.replication,
     )
-    coordinator = Coordinator(settings, bootstrap, instance_id=args.instance_id)
+    metrics = CoordinatorMetrics(effect=economic_effect)
+    coordinator = Coordinator(settings, bootstrap, instance_id=args.instance_id, metrics=metrics)
     if args.metrics_port:
-        start_metrics_server(args.metrics_port, coordinator.metrics)
+        start_metrics_server(args.metrics_port, metrics)
     coordinator.install_signal_handlers()
     coordinator.run()
     return 0
@@ -68,7 +73,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    from services.receipts_view import render_receipt_text
+    from sagaline.ops.receipts import render_receipt_text
 
     settings, bootstrap = configured_broker("sagaline")
     try:
@@ -134,7 +139,7 @@ def _pending_request(records: list[Record], step_id: str) -> ApprovalRequested |
 
 
 def _decide(args: argparse.Namespace, *, grant: bool) -> int:
-    from services.operator_actions import OperatorChannel, deny_approval, grant_approval
+    from sagaline.ops.actions import OperatorChannel, deny_approval, grant_approval
 
     operator = _operator(args)
     if operator is None:
@@ -208,7 +213,7 @@ def _cmd_incidents_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_incidents_resolve(args: argparse.Namespace) -> int:
-    from services.operator_actions import OperatorChannel, resolve_incident
+    from sagaline.ops.actions import OperatorChannel, resolve_incident
 
     operator = _operator(args)
     if operator is None:

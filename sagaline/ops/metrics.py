@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
-import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from schemas.models import (
@@ -87,6 +87,14 @@ COMPENSATION_FAILED = "failed"
 COMPENSATION_SKIPPED = "skipped"
 
 
+EffectMeasure = Callable[[StepScheduled], "int | None"]
+"""The economic effect of a scheduled step, in cents (None: none or unknown).
+
+What a tool's arguments mean is the application's business, so shared code does not
+guess: the deployable passes the measure of its own tools (the refund example's is
+``services.refund.economic_effect``). With none, ``remaining_effect`` stays empty."""
+
+
 class OutputLike(Protocol):
     """What :meth:`SagalineMetrics.observe_output` needs of a coordinator output."""
 
@@ -104,7 +112,7 @@ class _SagaTrack:
     tenant_id: str = ""
     failure_at: int | None = None
     tools: dict[str, str] = field(default_factory=dict)  # step_id -> tool
-    amounts: dict[str, int] = field(default_factory=dict)  # step_id -> amount_cents
+    amounts: dict[str, int] = field(default_factory=dict)  # step_id -> cents (the effect measure)
     unknown_since: dict[str, int] = field(default_factory=dict)  # step_id -> ms
     incident_steps: dict[str, str] = field(default_factory=dict)  # incident_id -> step_id
     open_after_terminal: set[str] = field(default_factory=set)  # incident ids
@@ -114,8 +122,15 @@ class _SagaTrack:
 class SagalineMetrics:
     """The metrics of one process (``component`` says which), in its own registry."""
 
-    def __init__(self, component: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        component: str,
+        registry: CollectorRegistry | None = None,
+        *,
+        effect: EffectMeasure | None = None,
+    ) -> None:
         self.component = component
+        self._effect = effect
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self._lock = threading.Lock()
@@ -170,8 +185,8 @@ class SagalineMetrics:
         )
         self.remaining_effect = Gauge(
             "sagaline_remaining_economic_effect_cents",
-            "amount_cents of escalated effects still changed in the world, by tenant, until "
-            "their incident is resolved.",
+            "Economic effect (cents, by the deployment's effect measure) of escalated "
+            "effects still changed in the world, by tenant, until their incident is resolved.",
             ["tenant"],
             registry=r,
         )
@@ -361,7 +376,7 @@ class SagalineMetrics:
 
         if isinstance(record, StepScheduled):
             track.tools[record.step_id] = record.contract.tool
-            amount = amount_cents(record.args)
+            amount = self._effect(record) if self._effect is not None else None
             if amount is not None:
                 track.amounts[record.step_id] = amount
         elif isinstance(record, StepOutcomeUnknown):
@@ -468,17 +483,6 @@ def _first_failure(track: _SagaTrack, at: int) -> None:
         track.failure_at = at
 
 
-def amount_cents(args_json: bytes) -> int | None:
-    """The ``amount_cents`` argument of a tool call, when it has one (for the economic
-    effect measure); anything unreadable counts as no amount."""
-    try:
-        args: Any = orjson.loads(args_json)
-    except orjson.JSONDecodeError:
-        return None
-    value = args.get("amount_cents") if isinstance(args, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
 @dataclass(frozen=True)
 class HistogramSummary:
     count: int
@@ -517,15 +521,23 @@ class MeasuresSnapshot:
 class CoordinatorMetrics(SagalineMetrics):
     """The coordinator's metrics (component ``coordinator``)."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        super().__init__("coordinator", registry)
+    def __init__(
+        self, registry: CollectorRegistry | None = None, *, effect: EffectMeasure | None = None
+    ) -> None:
+        super().__init__("coordinator", registry, effect=effect)
 
 
 class ParticipantMetrics(SagalineMetrics):
     """A participant runtime's metrics (component ``participant:<name>``)."""
 
-    def __init__(self, participant: str, registry: CollectorRegistry | None = None) -> None:
-        super().__init__(f"participant:{participant}", registry)
+    def __init__(
+        self,
+        participant: str,
+        registry: CollectorRegistry | None = None,
+        *,
+        effect: EffectMeasure | None = None,
+    ) -> None:
+        super().__init__(f"participant:{participant}", registry, effect=effect)
 
 
 def start_metrics_server(port: int, metrics: SagalineMetrics, addr: str = "0.0.0.0") -> int:

@@ -8,7 +8,7 @@ pending, and who owns it.
 
 Example::
 
-    from services.receipts_view import render_receipt_text
+    from sagaline.ops.receipts import render_receipt_text
     print(render_receipt_text(Receipt.from_json(terminal.receipt)))
 """
 

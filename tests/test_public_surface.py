@@ -1,0 +1,162 @@
+"""The public surface of each package is its ``__init__``'s ``__all__``, on purpose.
+
+A name added or removed here is an API decision: update this list in the same change
+(and the docs). Everything else is private and free to change.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+PUBLIC: dict[str, list[str]] = {
+    "sagaline.kafka": [
+        "AdminClient",
+        "BrokerNotConfigured",
+        "ClientConfig",
+        "Consumer",
+        "DeadLetterWriter",
+        "DeliveryFailed",
+        "KafkaConfigError",
+        "KafkaError",
+        "KafkaException",
+        "LedgerReader",
+        "LedgerWriter",
+        "Message",
+        "OFFSET_BEGINNING",
+        "Producer",
+        "TopicMissing",
+        "TopicPartition",
+        "TopicSetupError",
+        "configured_broker",
+        "consumer_config",
+        "create_admin",
+        "create_consumer",
+        "create_producer",
+        "deliver",
+        "ensure_topics",
+        "producer_config",
+        "read_to_end",
+        "redacted",
+        "require_bootstrap",
+        "watermarks",
+    ],
+    "sagaline.ops": [
+        "CoordinatorMetrics",
+        "EffectMeasure",
+        "MeasuresSnapshot",
+        "MissingOperatorIdentity",
+        "OperatorActionError",
+        "OperatorChannel",
+        "ParticipantMetrics",
+        "SagalineMetrics",
+        "UnknownRequest",
+        "approval_denied",
+        "approval_granted",
+        "deny_approval",
+        "describe_receipt",
+        "find_approval_request",
+        "find_incident",
+        "format_duration",
+        "format_ms",
+        "grant_approval",
+        "incident_resolved",
+        "render_receipt_html",
+        "render_receipt_text",
+        "resolve_incident",
+        "start_metrics_server",
+    ],
+    "coordinator": [
+        "COORDINATOR_PRODUCER",
+        "Coordinator",
+        "CorePolicy",
+        "CorrelationError",
+        "DEFAULT_POLICY",
+        "Decision",
+        "Destination",
+        "Output",
+        "RejectReason",
+        "SagaState",
+        "SagaStatus",
+        "ShellMetrics",
+        "StepState",
+        "StepStatus",
+        "TimerPurpose",
+        "build_receipt",
+        "compensation_order",
+        "decide",
+        "fold",
+        "record_time",
+        "retry_delay_ms",
+        "tick",
+    ],
+    "participants": [
+        "Accepted",
+        "ApprovalDeniedError",
+        "ApprovalPending",
+        "BusinessRejected",
+        "BusinessRejection",
+        "CallClass",
+        "CallContext",
+        "Catalogue",
+        "CatalogueError",
+        "CatalogueProblem",
+        "CompensationApproval",
+        "CompensationContext",
+        "ContractViolation",
+        "Finding",
+        "FindingCode",
+        "InvalidArgumentsError",
+        "LookupResult",
+        "NoCallContext",
+        "NotDeclaredError",
+        "OutcomeUnknown",
+        "ParticipantRuntime",
+        "PlanReport",
+        "PlannedCall",
+        "ReconcileResult",
+        "RetryPolicy",
+        "Reversibility",
+        "RuntimeMetrics",
+        "Saga",
+        "SagaCallError",
+        "SagaClient",
+        "SagaUnwinding",
+        "SagalineParticipantError",
+        "Severity",
+        "StepEscalated",
+        "StepFailedError",
+        "ToolKind",
+        "ToolSpec",
+        "UnknownTool",
+        "UnknownToolError",
+        "call_context",
+        "check_plan",
+        "compensable",
+        "compensation",
+        "current_call",
+        "tool",
+        "wrap",
+    ],
+}
+
+
+@pytest.mark.parametrize("package", sorted(PUBLIC))
+def test_the_public_surface_is_exactly_what_is_pinned(package: str) -> None:
+    module = importlib.import_module(package)
+    assert sorted(module.__all__) == PUBLIC[package]
+    missing = [name for name in module.__all__ if not hasattr(module, name)]
+    assert missing == []
+
+
+def test_the_client_the_runtime_and_the_coordinator_are_public() -> None:
+    import coordinator
+    import participants
+    from coordinator.shell import Coordinator
+    from participants.client import SagaClient
+    from participants.runtime import ParticipantRuntime
+
+    assert participants.SagaClient is SagaClient
+    assert participants.ParticipantRuntime is ParticipantRuntime
+    assert coordinator.Coordinator is Coordinator
