@@ -126,6 +126,8 @@ class RejectReason(enum.StrEnum):
     DUPLICATE_STEP = "duplicate-step"
     APPROVAL_MISMATCH = "approval-mismatch"
     NOT_AN_EVENT = "not-an-event"
+    FORBIDDEN_WRITER = "forbidden-writer"
+    TENANT_MISMATCH = "tenant-mismatch"
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +168,9 @@ class CorePolicy:
     rejection_memory: int = 8  # recent rejections kept in state (the count is exact)
     approval_ttl_ms: int = 24 * 3600 * 1000  # how long an approval request stays open
     reconcile_rounds: int = 10  # PENDING lookups before a person is asked (R11)
+    # With a trust file, envelope.producer is the verified signer (schemas.trust), and
+    # the core also checks who answers a command and who drives a saga.
+    bind_writers: bool = False
     reconcile_backoff: RetryPolicy = field(
         default_factory=lambda: RetryPolicy(
             max_attempts=10, initial_backoff_ms=500, max_backoff_ms=60_000
@@ -304,6 +309,8 @@ def decide(
     if own or (state.is_terminal and not stale):
         return Decision(state)  # our echo, or a late record for an ended saga
     ctx = _Ctx(_private_copy(state), now, record.event_id, policy)
+    if _refused_writer(ctx, record):
+        return Decision(ctx.s, ctx.out, True)  # not remembered: the rightful record may follow
     ctx.remember(record.event_id)
     if stale:
         ctx.reject(
@@ -382,9 +389,76 @@ def _state_of(decision: Decision) -> SagaState:
 # --------------------------------------------------------------- new sagas
 
 
+_AGENT_DRIVEN = (StepScheduled, SagaEndRequested, SagaStarted)
+_PARTICIPANT_OUTCOMES = (
+    StepIntentRecorded,
+    StepCommitted,
+    StepFailed,
+    StepOutcomeUnknown,
+    StepReconciled,
+    CompensationAccepted,
+    CompensationCommitted,
+    CompensationFailed,
+)
+
+
+def _refused_writer(ctx: _Ctx, record: Record) -> bool:
+    """Reject (and report) a record from the wrong tenant or, with bound writers, from
+    a writer with no say over this saga; True when it was refused."""
+    s, env = ctx.s, record.envelope
+    if env.tenant_id != s.tenant_id:
+        detail = (
+            f"{env.type} {record.event_id} from {env.producer!r} is for tenant "
+            f"{env.tenant_id!r} but saga {s.saga_id} belongs to tenant {s.tenant_id!r}"
+        )
+        ctx.reject(record, RejectReason.TENANT_MISMATCH, detail)
+        _raise_incident(
+            ctx, "tenant-mismatch", None, detail, "none: the record was refused; find its writer"
+        )
+        return True
+    if not ctx.policy.bind_writers:
+        return False
+    problem = None
+    if isinstance(record, _AGENT_DRIVEN) and s.started_by and env.producer != s.started_by:
+        problem = f"saga {s.saga_id} was started by {s.started_by!r}; only it drives the saga"
+    elif isinstance(record, _PARTICIPANT_OUTCOMES):
+        step = s.steps.get(record.step_id)
+        if step is not None and env.producer != step.contract.participant:
+            problem = (
+                f"step {step.step_id} runs on participant {step.contract.participant!r}; "
+                f"{env.producer!r} may not report its outcome"
+            )
+        elif step is not None and env.causation_id not in _commands_sent(s, step):
+            problem = (
+                f"causation {env.causation_id!r} names no command sent to "
+                f"{step.contract.participant!r} for step {step.step_id}"
+            )
+    if problem is None:
+        return False
+    ctx.reject(record, RejectReason.FORBIDDEN_WRITER, f"{env.type} {record.event_id}: {problem}")
+    return True
+
+
+def _commands_sent(s: SagaState, step: StepState) -> set[str]:
+    """Event ids of every command the core can have sent for ``step`` (they are
+    derived deterministically, so the set is recomputed instead of stored)."""
+    sent: set[str] = set()
+    for gen in range(1, s.generation + 1):
+        for attempt in range(1, step.attempt + 1):
+            sent.add(derived_event_id(s.saga_id, gen, "ExecuteStep", step.step_id, attempt))
+            for rnd in range(step.reconcile_round + 1):
+                sent.add(
+                    derived_event_id(s.saga_id, gen, "ReconcileStep", step.step_id, attempt, rnd)
+                )
+        for attempt in range(1, step.compensation_attempt + 1):
+            sent.add(derived_event_id(s.saga_id, gen, "CompensateStep", step.step_id, attempt))
+    return sent
+
+
 def _decide_new(record: Record, now: int, policy: CorePolicy) -> Decision:
     if isinstance(record, SagaStarted):
         state = SagaState(
+            started_by=record.envelope.producer if policy.bind_writers else "",
             saga_id=record.saga_id,
             tenant_id=record.envelope.tenant_id,
             generation=record.envelope.generation,

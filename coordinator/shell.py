@@ -29,7 +29,15 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Protocol
 
-from coordinator.core import COORDINATOR_PRODUCER, Decision, Destination, Output, decide, tick
+from coordinator.core import (
+    COORDINATOR_PRODUCER,
+    CorePolicy,
+    Decision,
+    Destination,
+    Output,
+    decide,
+    tick,
+)
 from coordinator.state import SagaState
 from sagaline.kafka import (
     OFFSET_BEGINNING,
@@ -47,6 +55,7 @@ from sagaline.kafka import (
 from schemas import IncidentResolved, Record
 from schemas.errors import CodecError
 from schemas.settings import Settings
+from schemas.trust import IdentitySigner
 from schemas.wire import from_message, to_message
 
 log = logging.getLogger("sagaline.coordinator")
@@ -124,6 +133,8 @@ class Coordinator:
         self.bootstrap = bootstrap
         self.topics = settings.topics
         self.signer = settings.signer()
+        # Identity keys make envelope.producer the verified writer (schemas.trust).
+        self._policy = CorePolicy(bind_writers=isinstance(self.signer, IdentitySigner))
         self.instance_id = instance_id
         self.group_id = group_id or f"{settings.topic_prefix}sagaline-coordinator"
         self._clock = clock or (lambda: int(time.time() * 1000))
@@ -207,7 +218,7 @@ class Coordinator:
             for saga_id in due:
                 state = self._current(saga_id, pending)
                 if state is not None:
-                    self._apply(tick(state, now), saga_id, pending, None)
+                    self._apply(tick(state, now, self._policy), saga_id, pending, None)
             self._write_changelog(pending)
             self._producer.send_offsets_to_transaction(
                 self._consumer.position(self._consumer.assignment()),
@@ -239,7 +250,7 @@ class Coordinator:
         if state is None and saga_id in self._terminated:
             return  # history of a saga that ended here (late echo or duplicate)
         try:
-            decision = decide(state, record, now)
+            decision = decide(state, record, now, self._policy)
         except Exception as exc:  # a bug must not stop the service or lose the record
             log.exception("decide failed for %s", record.event_id)
             self._reject(msg, "apply-error", f"{type(exc).__name__}: {exc}")

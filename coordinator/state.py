@@ -180,6 +180,7 @@ class SagaState(_StateModel):
     policy_version: str
     sdk_version: str
     principal: str
+    started_by: str = ""  # the agent that wrote SagaStarted, when writers are bound
     continue_on_compensation_failure: bool = False
     started_at: int
     status: SagaStatus = SagaStatus.RUNNING

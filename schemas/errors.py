@@ -83,13 +83,42 @@ class MissingSignature(SignatureError):
     reason: ClassVar[str] = "missing-signature"
 
 
+class UnknownKey(SignatureError):
+    """A trust file is configured and the record's key id is not in it."""
+
+    reason: ClassVar[str] = "unknown-key"
+
+
+class RetiredKey(SignatureError):
+    """The record's key id is marked retired in the trust file (rotated out)."""
+
+    reason: ClassVar[str] = "retired-key"
+
+
+class ForbiddenWriter(CodecError):
+    """The signature is good, but its identity may not write this record (wrong role,
+    another participant's step, an approval in someone else's name, ...)."""
+
+    reason: ClassVar[str] = "forbidden-writer"
+
+
+class TenantMismatch(CodecError):
+    """The record's tenant is not one its writer (or this reader) may act for."""
+
+    reason: ClassVar[str] = "tenant-mismatch"
+
+
 __all__ = [
     "BadSignature",
     "CodecError",
+    "ForbiddenWriter",
     "InvalidRecord",
     "MalformedRecord",
     "MissingSignature",
+    "RetiredKey",
     "SchemaMismatch",
     "SignatureError",
+    "TenantMismatch",
     "UnknownFingerprint",
+    "UnknownKey",
 ]

@@ -9,9 +9,16 @@ plus a fingerprint of the clear value so a person can still match it.
 With no key configured, secrets are redacted instead: the tool then receives the
 redaction marker, and the agent logs that the tool will not see the value.
 
-A sealed value is ``{"$sealed": "<base64 nonce|ciphertext>", "fp": "<marker>"}``. The
-saga id and the argument path are the associated data, so a sealed value copied to
-another saga or another field does not open.
+A sealed value is ``{"$sealed": "<base64 nonce|ciphertext>", "fp": "<marker>",
+"kid": "<key id>"}``. The saga id and the argument path are the associated data, so a
+sealed value copied to another saga or another field does not open.
+
+Rotation: the AES key is derived with HKDF-SHA256 from the secret, with the key id in
+the derivation, and every sealed value names its key id. A process seals with its
+current key (``SAGALINE_SECRET_KEY`` / ``SAGALINE_SECRET_KEY_ID``) and opens with that
+key or any old one it still holds (``SAGALINE_OLD_SECRET_KEYS``), so sagas in flight
+survive a key change. Values sealed before key ids existed (no ``kid``) open with the
+current secret under the original derivation.
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ from typing import Any
 
 import orjson
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from schemas.redaction import map_secrets, redaction_marker
 
@@ -35,17 +44,43 @@ class SealError(ValueError):
     """A sealed argument cannot be opened: wrong key, tampered, or moved."""
 
 
-def derive_key(secret: str | bytes) -> bytes:
-    """A 32-byte AES key from the configured secret (any length, any text)."""
+def derive_key(secret: str | bytes, key_id: str | None = None) -> bytes:
+    """A 32-byte AES key from the configured secret (any length, any text).
+
+    With a key id: HKDF-SHA256 bound to that id. Without: the original derivation,
+    kept so values sealed before key ids still open.
+    """
     raw = secret.encode() if isinstance(secret, str) else secret
-    return hashlib.sha256(b"sagaline-seal-v1:" + raw).digest()
+    if key_id is None:
+        return hashlib.sha256(b"sagaline-seal-v1:" + raw).digest()
+    return HKDF(
+        algorithm=hashes.SHA256(),
+        length=32,
+        salt=b"sagaline-seal",
+        info=b"sagaline-seal-v2:" + key_id.encode("utf-8"),
+    ).derive(raw)
 
 
 class Sealer:
-    """Seals and opens secret arguments; ``key=None`` means redact only."""
+    """Seals and opens secret arguments; ``key=None`` means redact only.
 
-    def __init__(self, key: bytes | None) -> None:
-        self._aead = AESGCM(derive_key(key)) if key else None
+    ``old_keys`` (key id -> secret) only open values sealed before a rotation.
+    """
+
+    def __init__(
+        self,
+        key: bytes | None,
+        key_id: str = "s1",
+        old_keys: Mapping[str, bytes] | None = None,
+    ) -> None:
+        self.key_id = key_id
+        self._aead = AESGCM(derive_key(key, key_id)) if key else None
+        self._openers = {
+            kid: AESGCM(derive_key(secret, kid)) for kid, secret in (old_keys or {}).items()
+        }
+        if self._aead is not None and key:
+            self._openers[key_id] = self._aead
+            self._openers[""] = AESGCM(derive_key(key))  # sealed before key ids
 
     def __repr__(self) -> str:
         return f"Sealer(enabled={self.enabled})"
@@ -73,6 +108,7 @@ class Sealer:
                 return {
                     SEALED: base64.b64encode(nonce + box).decode("ascii"),
                     "fp": redaction_marker(value),
+                    "kid": self.key_id,
                 }
 
             out = map_secrets(out, [path], seal_one)
@@ -88,14 +124,17 @@ class Sealer:
             def open_one(value: Any, path: str = path) -> Any:
                 if not is_sealed(value):
                     return value
-                if self._aead is None:
+                kid = str(value.get("kid") or "")
+                aead = self._openers.get(kid)
+                if aead is None:
                     raise SealError(
-                        f"argument {path!r} is sealed but this process has no "
-                        "SAGALINE_SECRET_KEY: configure the same key as the agent"
+                        f"argument {path!r} is sealed under key id {kid or '(none)'!r}, "
+                        "which this process does not hold: set SAGALINE_SECRET_KEY (and "
+                        "SAGALINE_OLD_SECRET_KEYS for rotated keys) as the agent has them"
                     )
                 data = base64.b64decode(value[SEALED])
                 try:
-                    clear = self._aead.decrypt(data[:12], data[12:], _aad(saga_id, path))
+                    clear = aead.decrypt(data[:12], data[12:], _aad(saga_id, path))
                 except InvalidTag:
                     raise SealError(
                         f"argument {path!r} of saga {saga_id} does not open with this key "

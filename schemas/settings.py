@@ -13,6 +13,11 @@ variable                       field                 default
 ``SAGALINE_TENANT_ID``         ``tenant_id``         ``"default"``
 ``SAGALINE_STATE_DIR``         ``state_dir``         ``".sagaline"``
 ``SAGALINE_SECRET_KEY``        ``secret_key``        unset (secrets redacted)
+``SAGALINE_SECRET_KEY_ID``     ``secret_key_id``     ``"s1"``
+``SAGALINE_OLD_SECRET_KEYS``   ``old_secret_keys``   unset (``id=secret,...``)
+``SAGALINE_TRUST_FILE``        ``trust_file``        unset (HMAC or no signing)
+``SAGALINE_SIGNING_KEY``       ``signing_key``       unset (PEM file path)
+``SAGALINE_SIGNING_KEY_ID``    ``signing_key_id``    from the trust file
 =============================  ====================  ==========================
 
 ``SAGALINE_REPLICATION_FACTOR`` (default 1) and ``SAGALINE_MIN_INSYNC_REPLICAS``
@@ -43,6 +48,11 @@ ENV_VARS: tuple[str, ...] = (
     "SAGALINE_SECRET_KEY",
     "SAGALINE_REPLICATION_FACTOR",
     "SAGALINE_MIN_INSYNC_REPLICAS",
+    "SAGALINE_SECRET_KEY_ID",
+    "SAGALINE_OLD_SECRET_KEYS",
+    "SAGALINE_TRUST_FILE",
+    "SAGALINE_SIGNING_KEY",
+    "SAGALINE_SIGNING_KEY_ID",
 )
 """Every environment variable :meth:`Settings.from_env` reads."""
 
@@ -65,6 +75,11 @@ class Settings:
     state_dir: Path = Path(".sagaline")
     secret_key: bytes | None = field(default=None, repr=False)
     replication: Replication = field(default_factory=Replication)
+    secret_key_id: str = "s1"
+    old_secret_keys: tuple[tuple[str, bytes], ...] = field(default=(), repr=False)
+    trust_file: Path | None = None
+    signing_key: Path | None = None
+    signing_key_id: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -91,6 +106,11 @@ class Settings:
             state_dir=Path(env.get("SAGALINE_STATE_DIR") or ".sagaline"),
             secret_key=(env.get("SAGALINE_SECRET_KEY") or "").encode("utf-8") or None,
             replication=replication,
+            secret_key_id=env.get("SAGALINE_SECRET_KEY_ID") or "s1",
+            old_secret_keys=_old_secret_keys(env.get("SAGALINE_OLD_SECRET_KEYS") or ""),
+            trust_file=_path(env.get("SAGALINE_TRUST_FILE")),
+            signing_key=_path(env.get("SAGALINE_SIGNING_KEY")),
+            signing_key_id=env.get("SAGALINE_SIGNING_KEY_ID") or None,
         )
 
     @property
@@ -99,10 +119,16 @@ class Settings:
 
     def sealer(self) -> Sealer:
         """Seals secret tool arguments for the ledger (redacts when no key is set)."""
-        return Sealer(self.secret_key)
+        return Sealer(self.secret_key, self.secret_key_id, dict(self.old_secret_keys))
 
     def signer(self) -> Signer:
-        """The signer for this process's key (a no-op signer when none is set)."""
+        """The signer for this process: its Ed25519 identity when a trust file is set
+        (:mod:`schemas.trust`), else the shared HMAC key, else a no-op signer."""
+        if self.trust_file is not None:
+            from schemas.trust import IdentitySigner, TrustStore, load_private_key
+
+            private = load_private_key(self.signing_key) if self.signing_key else None
+            return IdentitySigner(TrustStore.load(self.trust_file), private, self.signing_key_id)
         return Signer(self.hmac_key, key_id=self.hmac_key_id)
 
 
@@ -123,6 +149,24 @@ def _replication(env: Mapping[str, str]) -> Replication:
         raise SettingsError(
             f"SAGALINE_REPLICATION_FACTOR / SAGALINE_MIN_INSYNC_REPLICAS: {exc}"
         ) from None
+
+
+def _path(raw: str | None) -> Path | None:
+    return Path(raw) if raw else None
+
+
+def _old_secret_keys(raw: str) -> tuple[tuple[str, bytes], ...]:
+    """``id=secret,id=secret``: sealing keys that still open, never seal."""
+    out: list[tuple[str, bytes]] = []
+    for item in filter(None, (part.strip() for part in raw.split(","))):
+        kid, sep, secret = item.partition("=")
+        if not sep or not kid or not secret:
+            raise SettingsError(
+                "SAGALINE_OLD_SECRET_KEYS must be id=secret pairs separated by commas "
+                "(the id a value was sealed under, as in SAGALINE_SECRET_KEY_ID)"
+            )
+        out.append((kid, secret.encode("utf-8")))
+    return tuple(out)
 
 
 __all__ = ["ENV_VARS", "Settings", "SettingsError"]

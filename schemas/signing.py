@@ -16,11 +16,16 @@ import hashlib
 import hmac
 import struct
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from schemas.errors import BadSignature, MissingSignature
 
+if TYPE_CHECKING:
+    from schemas.models import Record
+
 SIG_HEADER = "sagaline-sig"
 KID_HEADER = "sagaline-kid"
+ALG_HEADER = "sagaline-alg"  # "ed25519" for identity signatures (schemas.trust); absent: HMAC
 
 HeaderList = Sequence[tuple[str, bytes | str | None]] | dict[str, bytes | str | None]
 """Headers as confluent-kafka hands them over (its stubs allow a list or a dict)."""
@@ -29,7 +34,8 @@ Headers = list[tuple[str, str | bytes | None]]
 """Headers as confluent-kafka's ``produce`` takes them."""
 
 
-def _material(key: bytes | None, value: bytes) -> bytes:
+def signed_material(key: bytes | None, value: bytes) -> bytes:
+    """The bytes a signature covers: the record key and value."""
     # Length-prefix the key so (key, value) pairs cannot be re-split to collide.
     k = key or b""
     return struct.pack(">I", len(k)) + k + value
@@ -46,7 +52,10 @@ def header_value(headers: HeaderList | None, name: str) -> bytes | None:
 
 
 class Signer:
-    """Signs and verifies records with one shared secret.
+    """Signs and verifies records with one shared secret (the development mode).
+
+    The base of :class:`schemas.trust.IdentitySigner`, which signs with a per-process
+    Ed25519 key and also checks who may write what (:meth:`authorize`).
 
     Example::
 
@@ -74,7 +83,7 @@ class Signer:
         """The raw 32-byte MAC of (key, value); requires a configured key."""
         if self._key is None:
             raise ValueError("Signer has no key configured; set SAGALINE_HMAC_KEY to sign")
-        return hmac.new(self._key, _material(key, value), hashlib.sha256).digest()
+        return hmac.new(self._key, signed_material(key, value), hashlib.sha256).digest()
 
     def headers(self, key: bytes | None, value: bytes) -> Headers:
         """Headers to send with (key, value): empty when no key is configured."""
@@ -115,10 +124,15 @@ class Signer:
             )
 
 
+    def authorize(self, record: Record, headers: HeaderList | None) -> None:
+        """Raise unless the signer of ``record`` may write it. A shared key names no
+        writer, so here every verified record passes."""
+
+
 def _show(key: bytes | None) -> str:
     if key is None:
         return "<none>"
     return repr(key.decode("utf-8", "replace")[:80])
 
 
-__all__ = ["KID_HEADER", "SIG_HEADER", "Signer", "header_value"]
+__all__ = ["ALG_HEADER", "KID_HEADER", "SIG_HEADER", "Signer", "header_value", "signed_material"]

@@ -73,7 +73,8 @@ def from_message(
     signer: Signer,
     expected: type[Record] | None = None,
 ) -> Record:
-    """Verify the signature, decode, and check the key is the record's saga id.
+    """Verify the signature, decode, check the writer may write it (with a trust
+    file: :mod:`schemas.trust`), and check the key is the record's saga id.
 
     Raises a :class:`~schemas.errors.CodecError` subclass on any problem.
     """
@@ -81,6 +82,7 @@ def from_message(
         raise MalformedRecord("record has no value (a tombstone on a record topic)")
     signer.verify(key, value, headers)
     record = decode(value, expected) if expected is not None else decode(value)
+    signer.authorize(record, headers)  # who wrote it may write it (schemas.trust)
     saga_key = record.envelope.saga_id.encode("utf-8")
     if key is not None and key != saga_key:
         raise MalformedRecord(

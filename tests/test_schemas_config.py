@@ -157,12 +157,14 @@ def test_env_vars_lists_exactly_what_from_env_reads() -> None:
     """ENV_VARS is the documented list; a variable outside it changes nothing."""
     from schemas.settings import ENV_VARS
 
-    every = {name: "1" for name in ENV_VARS} | {"SAGALINE_TOPIC_PREFIX": "p."}
+    shaped = {"SAGALINE_OLD_SECRET_KEYS": "s0=7"}  # id=secret pairs
+    every = {name: "1" for name in ENV_VARS} | {"SAGALINE_TOPIC_PREFIX": "p."} | shaped
     assert Settings.from_env(every) != Settings.from_env({})
     for name in ENV_VARS:
         # min.insync.replicas 7 needs 7 replicas to be valid at all.
         base = {"SAGALINE_REPLICATION_FACTOR": "7"} if "MIN_INSYNC" in name else {}
-        assert Settings.from_env({**base, name: "7"}) != Settings.from_env(base), name
+        value = shaped.get(name, "7")
+        assert Settings.from_env({**base, name: value}) != Settings.from_env(base), name
     assert Settings.from_env({"SAGALINE_NOT_A_SETTING": "x"}) == Settings.from_env({})
 
 

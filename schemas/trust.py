@@ -1,0 +1,479 @@
+"""Identities and permissions on the ledger: who wrote a record, and may they?
+
+With a trust file configured (``SAGALINE_TRUST_FILE``), every process signs with its
+own Ed25519 key (``SAGALINE_SIGNING_KEY``, a PEM file) and every reader checks, in
+:func:`schemas.wire.from_message`, that
+
+1. the key id in header ``sagaline-kid`` is in the trust file and not retired,
+2. the Ed25519 signature in ``sagaline-sig`` covers the record key and value,
+3. the key's identity has the role allowed to write that record type
+   (:data:`PERMISSIONS`), writes under its own name (``envelope.producer``), as the
+   approver/resolver it claims to be, for a tenant it may act for, and (agents) for a
+   principal it owns.
+
+The checks that need a saga's history (a participant reports only on commands sent
+to it; an agent drives only sagas it started; a saga keeps its tenant) run in the
+coordinator core, which trusts ``envelope.producer`` because step 3 bound it to the key.
+
+The trust file (JSON, or TOML when the name ends in ``.toml``)::
+
+    {
+      "identities": {
+        "sagaline-coordinator": {"role": "coordinator"},
+        "payments": {"role": "participant", "tenants": ["acme"]},
+        "refund-agent": {"role": "agent", "principals": ["user:42"], "tenants": ["acme"]},
+        "alice": {"role": "operator"}
+      },
+      "keys": {
+        "payments.3f9a1c": {"identity": "payments", "public_key": "<base64 raw 32 bytes>"},
+        "payments.0b77e2": {"identity": "payments", "public_key": "...", "retired": true}
+      }
+    }
+
+``tenants`` omitted means every tenant; ``principals`` omitted means the identity's
+own name. ``sagaline keys new IDENTITY --role ROLE`` writes a key pair and prints its
+entry.
+"""
+
+from __future__ import annotations
+
+import base64
+import enum
+import hashlib
+import json
+import logging
+import time
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+    Ed25519PrivateKey,
+    Ed25519PublicKey,
+)
+
+from schemas.errors import (
+    BadSignature,
+    ForbiddenWriter,
+    MissingSignature,
+    RetiredKey,
+    TenantMismatch,
+    UnknownKey,
+)
+from schemas.models import (
+    ApprovalDenied,
+    ApprovalGranted,
+    IncidentResolved,
+    Record,
+    SagaStarted,
+)
+from schemas.signing import (
+    ALG_HEADER,
+    KID_HEADER,
+    SIG_HEADER,
+    HeaderList,
+    Headers,
+    Signer,
+    header_value,
+    signed_material,
+)
+
+ED25519 = "ed25519"
+RELOAD_EVERY_S = 0.5
+
+log = logging.getLogger("sagaline.trust")
+
+
+class Role(enum.StrEnum):
+    """What an identity is; its role decides which record types it may write."""
+
+    COORDINATOR = "coordinator"
+    PARTICIPANT = "participant"
+    AGENT = "agent"
+    OPERATOR = "operator"
+
+
+_OUTCOMES = frozenset(
+    {
+        "StepIntentRecorded",
+        "StepCommitted",
+        "StepFailed",
+        "StepOutcomeUnknown",
+        "StepReconciled",
+        "CompensationAccepted",
+        "CompensationCommitted",
+        "CompensationFailed",
+    }
+)
+
+PERMISSIONS: dict[Role, frozenset[str] | None] = {
+    Role.COORDINATOR: None,  # every type: commands, terminal, incidents, its ledger events
+    Role.PARTICIPANT: _OUTCOMES,
+    Role.AGENT: frozenset({"SagaStarted", "StepScheduled", "SagaEndRequested"}),
+    Role.OPERATOR: frozenset({"ApprovalGranted", "ApprovalDenied", "IncidentResolved"}),
+}
+"""Record types each role may write (``None``: all). docs/security.md mirrors it."""
+
+
+class TrustFileError(ValueError):
+    """The trust file or a key file cannot be used; the message names what to fix."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A writer on the ledger: a coordinator, a participant, an agent, an operator."""
+
+    name: str
+    role: Role
+    tenants: frozenset[str] | None = None  # None: every tenant
+    principals: frozenset[str] = frozenset()
+
+    def may_act_for(self, tenant: str) -> bool:
+        return self.tenants is None or tenant in self.tenants
+
+
+@dataclass(frozen=True)
+class TrustedKey:
+    key_id: str
+    identity: Identity
+    public_key: Ed25519PublicKey = field(repr=False)
+    retired: bool = False
+
+
+class TrustStore:
+    """Key ids -> public keys -> identities, as read from the trust file.
+
+    A store loaded from a file re-reads it when it changes (checked at most every
+    :data:`RELOAD_EVERY_S`), so retiring a key takes effect without restarts.
+    """
+
+    def __init__(
+        self,
+        identities: Mapping[str, Identity],
+        keys: Mapping[str, TrustedKey],
+        path: Path | None = None,
+    ):
+        self.identities = dict(identities)
+        self.keys = dict(keys)
+        self._path = path
+        self._stamp = _stamp(path) if path else None
+        self._checked = time.monotonic()
+
+    def refresh(self, force: bool = False) -> None:
+        """Re-read the file if it changed; a broken edit keeps the last good contents."""
+        now = time.monotonic()
+        if self._path is None or (not force and now - self._checked < RELOAD_EVERY_S):
+            return
+        self._checked = now
+        stamp = _stamp(self._path)
+        if stamp == self._stamp:
+            return
+        try:
+            fresh = TrustStore.load(self._path)
+        except TrustFileError as exc:
+            log.error("keeping the previous trust file: %s", exc)
+            return
+        self.identities, self.keys, self._stamp = fresh.identities, fresh.keys, stamp
+
+    @classmethod
+    def load(cls, path: str | Path) -> TrustStore:
+        """Read a JSON or TOML trust file; :class:`TrustFileError` says what is wrong."""
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise TrustFileError(
+                f"cannot read trust file {path}: {exc.strerror}; set SAGALINE_TRUST_FILE "
+                "to an existing file"
+            ) from None
+        try:
+            data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+        except (ValueError, tomllib.TOMLDecodeError) as exc:
+            raise TrustFileError(f"trust file {path} does not parse: {exc}") from None
+        return cls.from_mapping(data, where=str(path), path=path)
+
+    @classmethod
+    def from_mapping(
+        cls, data: Any, where: str = "trust file", path: Path | None = None
+    ) -> TrustStore:
+        if not isinstance(data, dict):
+            raise TrustFileError(f"{where}: expected an object with identities and keys")
+        identities: dict[str, Identity] = {}
+        for name, entry in (data.get("identities") or {}).items():
+            try:
+                role = Role(entry["role"])
+            except (KeyError, ValueError, TypeError):
+                raise TrustFileError(
+                    f"{where}: identity {name!r} needs a role, one of "
+                    f"{', '.join(r.value for r in Role)}"
+                ) from None
+            tenants = entry.get("tenants")
+            identities[name] = Identity(
+                name=name,
+                role=role,
+                tenants=None if tenants is None or "*" in tenants else frozenset(tenants),
+                principals=frozenset(entry.get("principals") or [name]),
+            )
+        keys: dict[str, TrustedKey] = {}
+        for kid, entry in (data.get("keys") or {}).items():
+            owner = identities.get(entry.get("identity", ""))
+            if owner is None:
+                raise TrustFileError(
+                    f"{where}: key {kid!r} names identity {entry.get('identity')!r}, which "
+                    "is not under identities"
+                )
+            try:
+                public = Ed25519PublicKey.from_public_bytes(
+                    base64.b64decode(entry["public_key"], validate=True)
+                )
+            except (KeyError, ValueError, TypeError):
+                raise TrustFileError(
+                    f"{where}: key {kid!r} needs public_key, the base64 of a raw 32-byte "
+                    "Ed25519 public key (as printed by `sagaline keys new`)"
+                ) from None
+            keys[kid] = TrustedKey(kid, owner, public, bool(entry.get("retired", False)))
+        return cls(identities, keys, path)
+
+    def key(self, key_id: str) -> TrustedKey:
+        """The live key ``key_id``; raises :class:`UnknownKey` or :class:`RetiredKey`."""
+        self.refresh()
+        found = self.keys.get(key_id)
+        if found is None:
+            raise UnknownKey(
+                f"key id {key_id!r} is not in the trust file: add its entry "
+                "(`sagaline keys new` prints it) or stop the writer"
+            )
+        if found.retired:
+            raise RetiredKey(
+                f"key id {key_id!r} of {found.identity.name!r} is retired in the trust file; "
+                "the writer must sign with its current key"
+            )
+        return found
+
+    def key_id_of(self, public_key: Ed25519PublicKey) -> str | None:
+        """The id under which ``public_key`` is listed, if any (newest entry wins)."""
+        raw = _raw(public_key)
+        found = None
+        for kid, entry in self.keys.items():
+            if _raw(entry.public_key) == raw:
+                found = kid
+        return found
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
+def _raw(public_key: Ed25519PublicKey) -> bytes:
+    return public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def authorize(writer: Identity, record: Record, reader: Identity | None = None) -> None:
+    """Raise unless ``writer`` may write ``record`` (and ``reader`` may act on it).
+
+    Stateless: the role's record types, ``envelope.producer`` is the writer's name,
+    approvers and resolvers are the writer, tenants, agent principals.
+    """
+    env = record.envelope
+    allowed = PERMISSIONS[writer.role]
+    if allowed is not None and record.TYPE not in allowed:
+        raise ForbiddenWriter(
+            f"{writer.name!r} ({writer.role.value}) may not write {record.TYPE}; "
+            f"a {writer.role.value} writes only {', '.join(sorted(allowed))}"
+        )
+    if env.producer != writer.name:
+        raise ForbiddenWriter(
+            f"{record.TYPE} claims producer {env.producer!r} but is signed by {writer.name!r}"
+        )
+    claimed = _claimed_person(record)
+    if claimed is not None and claimed != writer.name:
+        raise ForbiddenWriter(
+            f"{record.TYPE} names {claimed!r} as approver/resolver but is signed by "
+            f"{writer.name!r}: operators act only in their own name"
+        )
+    if isinstance(record, SagaStarted) and record.principal not in writer.principals:
+        raise ForbiddenWriter(
+            f"agent {writer.name!r} may not start a saga for principal {record.principal!r} "
+            f"(its principals: {', '.join(sorted(writer.principals))})"
+        )
+    if not writer.may_act_for(env.tenant_id):
+        raise TenantMismatch(
+            f"{writer.name!r} wrote {record.TYPE} for tenant {env.tenant_id!r}, outside its "
+            f"tenants {sorted(writer.tenants or ())}"
+        )
+    if reader is not None and not reader.may_act_for(env.tenant_id):
+        raise TenantMismatch(
+            f"{reader.name!r} serves tenants {sorted(reader.tenants or ())}, not "
+            f"{env.tenant_id!r}: {record.TYPE} {record.event_id} refused"
+        )
+
+
+def _claimed_person(record: Record) -> str | None:
+    if isinstance(record, ApprovalGranted):
+        return record.granted_by
+    if isinstance(record, ApprovalDenied):
+        return record.denied_by
+    if isinstance(record, IncidentResolved):
+        return record.resolved_by
+    return None
+
+
+class IdentitySigner(Signer):
+    """Signs with this process's Ed25519 key; verifies and authorizes against the trust
+    file. Without a private key it only verifies (a read-only viewer).
+
+    Example::
+
+        trust = TrustStore.load("trust.json")
+        signer = IdentitySigner(trust, load_private_key("payments.pem"))
+        key, value, headers = to_message(record, signer)   # signed as "payments"
+        from_message(key, value, headers, signer)           # verified and authorized
+    """
+
+    __slots__ = ("_private", "identity", "trust")
+
+    def __init__(
+        self,
+        trust: TrustStore,
+        private_key: Ed25519PrivateKey | None = None,
+        key_id: str | None = None,
+    ) -> None:
+        super().__init__(None, key_id=key_id or "")
+        self.trust = trust
+        self._private = private_key
+        self.identity: Identity | None = None
+        if private_key is not None:
+            kid = key_id or trust.key_id_of(private_key.public_key())
+            if kid is None or kid not in trust.keys:
+                raise TrustFileError(
+                    "this process's signing key is not in the trust file: add the entry "
+                    "`sagaline keys new` printed, or set SAGALINE_SIGNING_KEY_ID"
+                )
+            entry = trust.keys[kid]
+            if _raw(entry.public_key) != _raw(private_key.public_key()):
+                raise TrustFileError(
+                    f"key id {kid!r} in the trust file holds another public key than "
+                    "SAGALINE_SIGNING_KEY: use the matching key file or fix the entry"
+                )
+            self.key_id = kid
+            self.identity = entry.identity
+
+    @property
+    def enabled(self) -> bool:
+        return True  # with a trust file every record must verify
+
+    @property
+    def can_sign(self) -> bool:
+        """True when this process holds a key the trust file lists and has not retired."""
+        if self._private is None:
+            return False
+        self.trust.refresh(force=True)
+        entry = self.trust.keys.get(self.key_id)
+        return entry is not None and not entry.retired
+
+    def __repr__(self) -> str:
+        who = self.identity.name if self.identity else None
+        return f"IdentitySigner(identity={who!r}, key_id={self.key_id!r})"
+
+    def sign(self, key: bytes | None, value: bytes) -> bytes:
+        if self._private is None:
+            raise ValueError(
+                "this process has no signing key; set SAGALINE_SIGNING_KEY to its PEM file"
+            )
+        return self._private.sign(signed_material(key, value))
+
+    def headers(self, key: bytes | None, value: bytes) -> Headers:
+        return [
+            (SIG_HEADER, self.sign(key, value).hex().encode("ascii")),
+            (KID_HEADER, self.key_id.encode("utf-8")),
+            (ALG_HEADER, ED25519.encode("ascii")),
+        ]
+
+    def verify(self, key: bytes | None, value: bytes, headers: HeaderList | None) -> None:
+        self.writer(key, value, headers)
+
+    def writer(self, key: bytes | None, value: bytes, headers: HeaderList | None) -> Identity:
+        """The identity whose live key signed (key, value); raises a SignatureError."""
+        sig = header_value(headers, SIG_HEADER)
+        kid = header_value(headers, KID_HEADER)
+        if sig is None or kid is None:
+            raise MissingSignature(
+                "record is not signed with an identity key (no sagaline-sig/sagaline-kid) "
+                "but a trust file is configured here"
+            )
+        alg = header_value(headers, ALG_HEADER)
+        if alg != ED25519.encode():
+            raise BadSignature(
+                f"record is signed with {alg!r}, not ed25519: shared-key (HMAC) records "
+                "carry no identity and are refused when a trust file is configured"
+            )
+        entry = self.trust.key(kid.decode("utf-8", "replace"))
+        try:
+            entry.public_key.verify(bytes.fromhex(sig.decode("ascii")), signed_material(key, value))
+        except (InvalidSignature, ValueError, UnicodeDecodeError):
+            raise BadSignature(
+                f"Ed25519 signature does not verify under key {entry.key_id!r} of "
+                f"{entry.identity.name!r}: altered, moved from another saga, or forged"
+            ) from None
+        return entry.identity
+
+    def authorize(self, record: Record, headers: HeaderList | None) -> None:
+        kid = header_value(headers, KID_HEADER)
+        assert kid is not None  # verify() ran first
+        writer = self.trust.key(kid.decode("utf-8", "replace")).identity
+        authorize(writer, record, self.identity)
+
+
+def load_private_key(path: str | Path) -> Ed25519PrivateKey:
+    """An unencrypted PKCS#8 PEM Ed25519 private key (what `sagaline keys new` writes)."""
+    try:
+        key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
+    except (OSError, ValueError, TypeError) as exc:
+        raise TrustFileError(
+            f"cannot load the signing key {path}: {exc}; point SAGALINE_SIGNING_KEY at "
+            "the PEM file `sagaline keys new` wrote"
+        ) from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise TrustFileError(f"{path} is not an Ed25519 private key")
+    return key
+
+
+def new_key_pair(
+    identity: str, role: Role, key_id: str | None = None
+) -> tuple[bytes, str, dict[str, Any]]:
+    """A fresh key: ``(private PEM, key id, trust-file entries for it)``."""
+    private = Ed25519PrivateKey.generate()
+    raw = _raw(private.public_key())
+    kid = key_id or f"{identity}.{hashlib.sha256(raw).hexdigest()[:12]}"
+    pem = private.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    entry = {
+        "identities": {identity: {"role": role.value}},
+        "keys": {kid: {"identity": identity, "public_key": base64.b64encode(raw).decode()}},
+    }
+    return pem, kid, entry
+
+
+__all__ = [
+    "PERMISSIONS",
+    "Identity",
+    "IdentitySigner",
+    "Role",
+    "TrustFileError",
+    "TrustStore",
+    "TrustedKey",
+    "authorize",
+    "load_private_key",
+    "new_key_pair",
+]

@@ -1,0 +1,325 @@
+"""Identities and permissions (issue 12): who signed a record, and may they write it.
+
+No broker here: the verifier as ``from_message`` runs it, the core's writer checks,
+sealing across key rotation. The same refusals on the real broker are in
+tests/test_trust_kafka.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from coordinator.core import CorePolicy, decide
+from schemas import (
+    ApprovalGranted,
+    ApprovalPurpose,
+    ExecuteStep,
+    IncidentResolved,
+    SagaStarted,
+    SagaTerminal,
+    StepCommitted,
+    StepContract,
+    StepScheduled,
+    TerminalStatus,
+    envelope_for,
+)
+from schemas.errors import (
+    BadSignature,
+    ForbiddenWriter,
+    MissingSignature,
+    RetiredKey,
+    TenantMismatch,
+    UnknownKey,
+)
+from schemas.models import Record
+from schemas.sealing import Sealer, SealError, _aad, derive_key
+from schemas.settings import Settings
+from schemas.signing import Signer
+from schemas.trust import Role, TrustFileError, TrustStore
+from schemas.wire import from_message, to_message
+from tests.trust_kit import TrustKit
+
+NOW = 1_700_000_000_000
+
+
+@pytest.fixture
+def kit(tmp_path: Path) -> TrustKit:
+    kit = TrustKit(tmp_path)
+    kit.add("sagaline-coordinator", Role.COORDINATOR)
+    kit.add("payments", Role.PARTICIPANT, tenants=["acme"])
+    kit.add("mailer", Role.PARTICIPANT)
+    kit.add("agent", Role.AGENT, principals=["user:1"], tenants=["acme"])
+    kit.add("alice", Role.OPERATOR)
+    return kit
+
+
+def _env(t: type[Record], producer: str, tenant: str = "acme", **kw: Any) -> Any:
+    return envelope_for(t, saga_id="s-1", tenant_id=tenant, producer=producer, now=NOW, **kw)
+
+
+def _execute(producer: str, tenant: str = "acme") -> ExecuteStep:
+    return ExecuteStep(
+        envelope=_env(ExecuteStep, producer, tenant),
+        step_id="st-1",
+        tool="charge",
+        args=b"{}",
+        idempotency_key="ik",
+        attempt=1,
+        deadline_ms=1000,
+        principal="user:1",
+    )
+
+
+def _grant(producer: str, granted_by: str) -> ApprovalGranted:
+    return ApprovalGranted(
+        envelope=_env(ApprovalGranted, producer),
+        step_id="st-1",
+        approval_id="a-1",
+        purpose=ApprovalPurpose.FORWARD,
+        principal="user:1",
+        args_fingerprint="fp",
+        scope="payments/charge:execute",
+        expires_at=NOW + 1000,
+        granted_by=granted_by,
+    )
+
+
+def _terminal(producer: str) -> SagaTerminal:
+    return SagaTerminal(
+        envelope=_env(SagaTerminal, producer), status=TerminalStatus.COMPLETED, receipt=b"{}"
+    )
+
+
+def _roundtrip(kit: TrustKit, writer: str, record: Record, reader: str | None = None) -> Record:
+    key, value, headers = to_message(record, kit.signer(writer))
+    return from_message(key, value, headers, kit.signer(reader))
+
+
+def test_coordinator_commands_and_terminal_pass(kit: TrustKit) -> None:
+    for record in (_execute("sagaline-coordinator"), _terminal("sagaline-coordinator")):
+        assert _roundtrip(kit, "sagaline-coordinator", record) == record
+
+
+def test_participant_key_forging_a_command_or_terminal_is_a_forbidden_writer(kit: TrustKit) -> None:
+    for record in (_execute("mailer"), _terminal("mailer")):
+        with pytest.raises(ForbiddenWriter, match="mailer"):
+            _roundtrip(kit, "mailer", record)
+
+
+def test_participant_key_claiming_the_coordinators_name_is_a_forbidden_writer(
+    kit: TrustKit,
+) -> None:
+    with pytest.raises(ForbiddenWriter, match="claims producer 'sagaline-coordinator'"):
+        _roundtrip(kit, "mailer", _committed("sagaline-coordinator", None))
+
+
+def test_only_an_operator_grants_and_only_in_its_own_name(kit: TrustKit) -> None:
+    assert _roundtrip(kit, "alice", _grant("alice", "alice")).granted_by == "alice"
+    with pytest.raises(ForbiddenWriter, match="may not write ApprovalGranted"):
+        _roundtrip(kit, "agent", _grant("agent", "agent"))
+    with pytest.raises(ForbiddenWriter, match="operators act only in their own name"):
+        _roundtrip(kit, "alice", _grant("alice", "bob"))
+
+
+def test_agent_starts_sagas_only_for_its_principals(kit: TrustKit) -> None:
+    def started(principal: str) -> SagaStarted:
+        return SagaStarted(envelope=_env(SagaStarted, "agent"), workflow="w", principal=principal)
+
+    assert _roundtrip(kit, "agent", started("user:1"))
+    with pytest.raises(ForbiddenWriter, match="user:2"):
+        _roundtrip(kit, "agent", started("user:2"))
+
+
+def test_writer_outside_its_tenants_is_a_tenant_mismatch(kit: TrustKit) -> None:
+    resolved = IncidentResolved(
+        envelope=_env(IncidentResolved, "alice", tenant="beta"),
+        incident_id="i",
+        resolved_by="alice",
+        resolution="x",
+    )
+    assert _roundtrip(kit, "alice", resolved)  # operators without tenants: all tenants
+    scheduled = StepScheduled(
+        envelope=_env(StepScheduled, "agent", tenant="beta"),
+        step_id="st",
+        args=b"{}",
+        args_fingerprint="fp",
+        contract=StepContract(tool="charge", participant="payments"),
+    )
+    with pytest.raises(TenantMismatch, match="beta"):
+        _roundtrip(kit, "agent", scheduled)
+
+
+def test_participant_limited_to_tenants_refuses_commands_of_others(kit: TrustKit) -> None:
+    assert _roundtrip(kit, "sagaline-coordinator", _execute("sagaline-coordinator"), "payments")
+    with pytest.raises(TenantMismatch, match="payments"):
+        _roundtrip(
+            kit, "sagaline-coordinator", _execute("sagaline-coordinator", "beta"), "payments"
+        )
+
+
+def test_unknown_key_unsigned_hmac_and_tampered_records_are_refused(
+    kit: TrustKit, tmp_path: Path
+) -> None:
+    stranger = TrustKit(tmp_path / "other")
+    stranger.add("sagaline-coordinator", Role.COORDINATOR)
+    record = _execute("sagaline-coordinator")
+    key, value, headers = to_message(record, stranger.signer("sagaline-coordinator"))
+    with pytest.raises(UnknownKey):
+        from_message(key, value, headers, kit.signer())
+    key, value, headers = to_message(record, Signer(b"shared"))
+    with pytest.raises(BadSignature, match="HMAC"):
+        from_message(key, value, headers, kit.signer())
+    with pytest.raises(MissingSignature):
+        from_message(key, value, [], kit.signer())
+    key, value, headers = to_message(record, kit.signer("sagaline-coordinator"))
+    with pytest.raises(BadSignature, match="Ed25519"):
+        from_message(key, value[:-1] + bytes([value[-1] ^ 1]), headers, kit.signer())
+
+
+def test_rotation_old_key_accepted_until_retired_then_refused(kit: TrustKit) -> None:
+    reader = kit.signer()
+    old = kit.current["alice"]
+    old_message = to_message(_grant("alice", "alice"), kit.signer("alice"))
+    new = kit.add("alice", Role.OPERATOR)
+    new_message = to_message(_grant("alice", "alice"), kit.signer("alice"))
+    reader.trust.refresh(force=True)
+    assert from_message(*old_message, reader) and from_message(*new_message, reader)
+    kit.retire(old)
+    reader.trust.refresh(force=True)
+    with pytest.raises(RetiredKey, match=old):
+        from_message(*old_message, reader)
+    assert from_message(*new_message, reader)
+    assert kit.signer("alice", new).can_sign and not kit.signer("alice", old).can_sign
+
+
+def test_settings_pick_the_identity_signer_only_with_a_trust_file(kit: TrustKit) -> None:
+    base = Settings(hmac_key=b"dev")
+    assert type(base.signer()) is Signer
+    signer = kit.settings(base, "payments").signer()
+    assert signer.enabled and "payments" in repr(signer) and "BEGIN" not in repr(signer)
+
+
+def test_a_broken_trust_file_names_what_to_fix(tmp_path: Path) -> None:
+    bad = tmp_path / "t.json"
+    bad.write_text(json.dumps({"identities": {"x": {"role": "wizard"}}}))
+    with pytest.raises(TrustFileError, match="needs a role"):
+        TrustStore.load(bad)
+    with pytest.raises(TrustFileError, match="cannot read"):
+        TrustStore.load(tmp_path / "missing.json")
+
+
+# ------------------------------------------------------------------ the core's checks
+
+BOUND = CorePolicy(bind_writers=True)
+
+
+def _started(producer: str = "agent") -> Any:
+    record = SagaStarted(envelope=_env(SagaStarted, producer), workflow="w", principal="user:1")
+    return decide(None, record, NOW, BOUND).state
+
+
+def _dispatched() -> tuple[Any, ExecuteStep]:
+    state = _started()
+    scheduled = StepScheduled(
+        envelope=_env(StepScheduled, "agent"),
+        step_id="st-1",
+        args=b"{}",
+        args_fingerprint="fp",
+        contract=StepContract(tool="charge", participant="payments"),
+    )
+    decision = decide(state, scheduled, NOW, BOUND)
+    [command] = [o.record for o in decision.outputs if isinstance(o.record, ExecuteStep)]
+    assert isinstance(command, ExecuteStep)
+    return decision.state, command
+
+
+def _committed(producer: str, causation: str | None, tenant: str = "acme") -> StepCommitted:
+    return StepCommitted(
+        envelope=_env(StepCommitted, producer, tenant, causation_id=causation),
+        step_id="st-1",
+        tool="charge",
+        idempotency_key="ik",
+        attempt=1,
+        result=b"{}",
+        response_fingerprint="r",
+    )
+
+
+def _reasons(decision: Any) -> list[str]:
+    return [o.reason for o in decision.outputs if o.reason]
+
+
+def test_core_accepts_the_outcome_of_the_participant_the_command_went_to() -> None:
+    state, command = _dispatched()
+    decision = decide(state, _committed("payments", command.event_id), NOW, BOUND)
+    assert _reasons(decision) == []
+    assert decision.state is not None and decision.state.steps["st-1"].status.value == "COMMITTED"
+
+
+def test_core_refuses_an_outcome_from_another_participant_or_for_no_command() -> None:
+    state, command = _dispatched()
+    forged = _committed("mailer", command.event_id)
+    assert _reasons(decide(state, forged, NOW, BOUND)) == ["forbidden-writer"]
+    uncaused = _committed("payments", "made-up")
+    assert _reasons(decide(state, uncaused, NOW, BOUND)) == ["forbidden-writer"]
+    # Refused records are not remembered: the real one with the same id still counts.
+    after = decide(state, forged, NOW, BOUND).state
+    real = _committed("payments", command.event_id).model_copy(
+        update={"envelope": forged.envelope.model_copy(update={"producer": "payments"})}
+    )
+    assert _reasons(decide(after, real, NOW, BOUND)) == []
+
+
+def test_core_refuses_another_agent_driving_the_saga() -> None:
+    state = _started("agent")
+    scheduled = StepScheduled(
+        envelope=_env(StepScheduled, "other-agent"),
+        step_id="st-1",
+        args=b"{}",
+        args_fingerprint="fp",
+        contract=StepContract(tool="charge", participant="payments"),
+    )
+    assert _reasons(decide(state, scheduled, NOW, BOUND)) == ["forbidden-writer"]
+
+
+def test_core_refuses_a_record_of_another_tenant_and_raises_an_incident() -> None:
+    state, command = _dispatched()
+    decision = decide(state, _committed("payments", command.event_id, "beta"), NOW)
+    assert _reasons(decision) == ["tenant-mismatch"]
+    assert decision.state is not None
+    [incident] = decision.state.incidents
+    assert incident.kind == "tenant-mismatch" and "beta" in incident.inconsistency
+    assert decision.state.steps["st-1"].status.value == "DISPATCHED"
+
+
+# ------------------------------------------------------------------ sealing rotation
+
+ARGS = {"card": "4111 1111 1111 1111", "amount": 5}
+
+
+def test_sealed_values_name_their_key_id_and_open_after_rotation() -> None:
+    before = Sealer(b"old secret", "s1").seal(ARGS, ["card"], "saga-1")
+    assert before["card"]["kid"] == "s1"
+    rotated = Sealer(b"new secret", "s2", {"s1": b"old secret"})
+    assert rotated.open(before, ["card"], "saga-1") == ARGS
+    after = rotated.seal(ARGS, ["card"], "saga-1")
+    assert after["card"]["kid"] == "s2"
+    with pytest.raises(SealError, match="'s1'"):
+        Sealer(b"new secret", "s2").open(before, ["card"], "saga-1")
+
+
+def test_values_sealed_before_key_ids_still_open() -> None:
+    """A value sealed by the earlier release (no kid, SHA-256 derived key) opens."""
+    nonce = b"\x00" * 12
+    box = AESGCM(derive_key(b"secret")).encrypt(
+        nonce, orjson.dumps(ARGS["card"]), _aad("saga-1", "card")
+    )
+    old_style = {"card": {"$sealed": base64.b64encode(nonce + box).decode(), "fp": "x"}}
+    assert Sealer(b"secret", "s1").open(old_style, ["card"], "saga-1") == {"card": ARGS["card"]}

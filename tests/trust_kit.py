@@ -1,0 +1,74 @@
+"""Key pairs and a trust file for tests (not a test module).
+
+``TrustKit(tmp_path).add("payments", Role.PARTICIPANT)`` writes a key file and the
+trust entry; :meth:`TrustKit.settings` gives settings that sign as that identity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from schemas.settings import Settings
+from schemas.trust import IdentitySigner, Role, TrustStore, load_private_key, new_key_pair
+
+
+class TrustKit:
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        directory.mkdir(parents=True, exist_ok=True)
+        self.trust_file = directory / "trust.json"
+        self.data: dict[str, Any] = {"identities": {}, "keys": {}}
+        self.key_files: dict[str, Path] = {}  # key id -> PEM file
+        self.current: dict[str, str] = {}  # identity -> newest key id
+        self._write()
+
+    def add(
+        self,
+        identity: str,
+        role: Role,
+        *,
+        tenants: list[str] | None = None,
+        principals: list[str] | None = None,
+    ) -> str:
+        """A new key for ``identity`` (created with ``role`` on first use); its key id."""
+        pem, kid, entry = new_key_pair(identity, role)
+        ident = self.data["identities"].setdefault(identity, entry["identities"][identity])
+        if tenants is not None:
+            ident["tenants"] = tenants
+        if principals is not None:
+            ident["principals"] = principals
+        self.data["keys"].update(entry["keys"])
+        path = self.dir / f"{kid}.pem"
+        path.write_bytes(pem)
+        self.key_files[kid] = path
+        self.current[identity] = kid
+        self._write()
+        return kid
+
+    def retire(self, key_id: str) -> None:
+        self.data["keys"][key_id]["retired"] = True
+        self._write()
+
+    def signer(self, identity: str | None = None, key_id: str | None = None) -> IdentitySigner:
+        kid = key_id or (self.current[identity] if identity else None)
+        private = load_private_key(self.key_files[kid]) if kid else None
+        return IdentitySigner(TrustStore.load(self.trust_file), private, kid)
+
+    def settings(self, base: Settings, identity: str | None, key_id: str | None = None) -> Settings:
+        kid = key_id or (self.current[identity] if identity else None)
+        return dataclasses.replace(
+            base,
+            hmac_key=None,
+            trust_file=self.trust_file,
+            signing_key=self.key_files[kid] if kid else None,
+            signing_key_id=kid,
+        )
+
+    def _write(self) -> None:
+        # Write-then-rename: a reader never sees half a file.
+        tmp = self.trust_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2))
+        tmp.replace(self.trust_file)
