@@ -1020,7 +1020,16 @@ def _on_incident_resolved(ctx: _Ctx, r: IncidentResolved) -> None:
         return
     resolution = r.resolution.strip().upper()
     if resolution == ReconcileResult.COMMITTED.value:
-        _commit(ctx, step, r.envelope.occurred_at, None, b"null", "", "RESOLVED_COMMITTED")
+        # The operator may know what the provider did: the compensation then gets it.
+        _commit(
+            ctx,
+            step,
+            r.envelope.occurred_at,
+            r.provider_operation_id,
+            r.result if r.result is not None else b"null",
+            "",
+            "RESOLVED_COMMITTED",
+        )
         _mark_resolved(ctx, incident.incident_id, f"COMMITTED (by {r.resolved_by})")
     elif resolution == ReconcileResult.NOT_FOUND.value:
         step.timers.pop(TimerPurpose.RECONCILE_RETRY, None)
@@ -1299,6 +1308,7 @@ def _compensate_command(ctx: _Ctx, step: StepState) -> None:
             idempotency_key=step.idempotency_key,
             compensation_key=compensation_key(step.idempotency_key),
             attempt=attempt,
+            provider_operation_id=step.provider_operation_id,
         ),
         step.contract.participant,
     )

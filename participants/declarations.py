@@ -120,6 +120,9 @@ class CompensationContext:
     result: Any
     idempotency_key: str
     compensation_key: str = ""
+    # What the provider called the forward operation; also when an operator settled
+    # an unknown outcome as COMMITTED and gave it (``incidents resolve --operation-id``).
+    provider_operation_id: str | None = None
 
     def __post_init__(self) -> None:
         if not self.compensation_key:

@@ -582,6 +582,7 @@ class CommandHandler:
             result=orjson.loads(cmd.result),
             idempotency_key=cmd.idempotency_key,
             compensation_key=cmd.compensation_key,
+            provider_operation_id=cmd.provider_operation_id,
         )
 
     def _run(self, ctx: CallContext, fn: Callable[[], Any], deadline_ms: int) -> Any:

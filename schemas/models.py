@@ -353,13 +353,17 @@ class IncidentRaised(_Record):
 
 class IncidentResolved(_Record):
     """``resolution`` is free text, except for unknown-outcome incidents, where
-    ``COMMITTED`` or ``NOT_FOUND`` settles the step."""
+    ``COMMITTED`` or ``NOT_FOUND`` settles the step. A ``COMMITTED`` resolution may
+    carry the provider's operation id and the tool's result (JSON), which the step's
+    compensation then receives."""
 
     TYPE: ClassVar[str] = "IncidentResolved"
     incident_id: str
     resolved_by: str
     resolution: str
     note: str = ""
+    provider_operation_id: str | None = None
+    result: bytes | None = None
 
 
 class SagaTerminal(_Record):
@@ -400,6 +404,7 @@ class CompensateStep(_Record):
     idempotency_key: str
     compensation_key: str
     attempt: int
+    provider_operation_id: str | None = None
 
 
 class ReconcileStep(_Record):

@@ -13,32 +13,109 @@ import argparse
 import logging
 import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from sagaline.kafka import LedgerReader, TopicMissing, configured_broker
 from schemas import (
-    ApprovalDenied,
-    ApprovalGranted,
     ApprovalRequested,
     IncidentRaised,
     IncidentResolved,
     Record,
     SagaTerminal,
 )
+from schemas.partitioning import partition_for
 from schemas.receipt import Receipt
 from schemas.settings import Settings
+from schemas.signing import HeaderList, Signer
+
+if TYPE_CHECKING:
+    from coordinator.state import SagaState
 
 
-def _operator(args: argparse.Namespace) -> str | None:
-    who: str | None = args.operator or os.environ.get("SAGALINE_OPERATOR")
+def _operator(args: argparse.Namespace, signed_as: str | None = None) -> str | None:
+    """Who decides: --operator, else $SAGALINE_OPERATOR, else the operator whose key
+    this process holds."""
+    who: str | None = args.operator or os.environ.get("SAGALINE_OPERATOR") or signed_as
     if not who:
         print(
             "an operator identity is required: --operator NAME (or SAGALINE_OPERATOR)",
             file=sys.stderr,
         )
     return who
+
+
+def _key_operator(signer: Signer) -> str | None:
+    """The operator an identity key signs as (raises NoUsableKey for a key that is not
+    a live operator key); None with a shared key or none."""
+    from sagaline.ops.actions import operator_identity
+    from schemas.trust import IdentitySigner
+
+    return operator_identity(signer, True) if isinstance(signer, IdentitySigner) else None
+
+
+def _one_line_errors(func: Callable[..., int]) -> Callable[..., int]:
+    """Operator commands fail with one line that says what to do, never a traceback."""
+
+    def run(args: argparse.Namespace, **options: Any) -> int:
+        from sagaline.kafka import KafkaException
+        from sagaline.ops.actions import OperatorActionError
+        from schemas.settings import SettingsError
+        from schemas.trust import TrustFileError
+
+        try:
+            return func(args, **options)
+        except (OperatorActionError, TrustFileError, SettingsError, TopicMissing) as exc:
+            print(f"{args.command}: {exc}", file=sys.stderr)
+            return 2
+        except KafkaException as exc:
+            print(
+                f"{args.command}: the broker did not answer ({exc.args[0]}); check "
+                "KAFKA_BOOTSTRAP_SERVERS and that the broker runs, then retry",
+                file=sys.stderr,
+            )
+            return 2
+
+    return run
+
+
+def _saga_messages(
+    bootstrap: str, topic: str, saga_id: str
+) -> list[tuple[bytes, bytes, HeaderList | None]]:
+    """Every message of one saga on ``topic``, undecoded (the headers say whether the
+    ledger is signed), in log order."""
+    reader = LedgerReader(bootstrap)
+    key = saga_id.encode()
+    partition = partition_for(key, reader.partition_count(topic))
+    return [
+        (k, value, headers)
+        for k, value, headers in reader.records(topic, [partition])
+        if k == key and value is not None
+    ]
+
+
+def _decodable(
+    messages: list[tuple[bytes, bytes, HeaderList | None]], signer: Signer
+) -> list[Record]:
+    """The messages that verify and decode; the rest the coordinator sent to the DLQ."""
+    from schemas.errors import CodecError
+    from schemas.wire import from_message
+
+    out: list[Record] = []
+    for k, value, headers in messages:
+        try:
+            out.append(from_message(k, value, headers, signer))
+        except CodecError:
+            continue
+    return out
+
+
+def _signed(messages: list[tuple[bytes, bytes, HeaderList | None]]) -> bool:
+    from schemas.signing import SIG_HEADER, header_value
+
+    return any(header_value(h, SIG_HEADER) is not None for _k, _v, h in messages)
 
 
 # -------------------------------------------------------------------- run
@@ -101,9 +178,28 @@ def _cmd_show(args: argparse.Namespace) -> int:
         print(orjson.dumps([_record_json(r) for r in records], option=orjson.OPT_INDENT_2).decode())
         return 0
     print(f"saga {args.saga_id}: running ({len(records)} records so far)")
+    state = _folded(records, args.saga_id, settings)
+    refused = {n.event_id: n for n in state.recent_rejections} if state else {}
     for record in records:
-        print(f"  {record.envelope.occurred_at}  {record.TYPE:<22} {_summary(record)}")
+        note = refused.get(record.event_id)
+        mark = f"  [REFUSED {note.reason}: {note.detail}]" if note else ""
+        print(f"  {record.envelope.occurred_at}  {record.TYPE:<22} {_summary(record)}{mark}")
+    for approval in state.approvals if state else []:
+        print(
+            f"  approval of step {approval.step_id} ({approval.purpose.lower()}): "
+            f"{approval.decision} by {approval.by}"
+        )
     return 0
+
+
+def _folded(records: list[Record], saga_id: str, settings: Settings) -> SagaState | None:
+    """The saga as the coordinator sees it, folded by the coordinator's own core from
+    the same records: which grants counted, which approvals are still open."""
+    from coordinator.core import CorePolicy, fold
+    from schemas.trust import IdentitySigner
+
+    policy = CorePolicy(bind_writers=isinstance(settings.signer(), IdentitySigner))
+    return fold(records, policy=policy).get(saga_id)
 
 
 def _record_json(record: Record) -> dict[str, Any]:
@@ -125,35 +221,69 @@ def _summary(record: Record) -> str:
 # -------------------------------------------------------------- approvals
 
 
-def _pending_request(records: list[Record], step_id: str) -> ApprovalRequested | None:
-    """The newest approval request for the step that nobody has answered yet."""
-    answered = {r.approval_id for r in records if isinstance(r, (ApprovalGranted, ApprovalDenied))}
-    requests = [
-        r
-        for r in records
-        if isinstance(r, ApprovalRequested)
-        and r.step_id == step_id
-        and r.approval_id not in answered
-    ]
-    return requests[-1] if requests else None
+def _pending_request(
+    records: list[Record], state: SagaState | None, step_id: str, now: int
+) -> ApprovalRequested | str:
+    """The request the coordinator still waits on for the step, or why there is none.
+
+    Decided by the coordinator's fold, not by "some grant exists": a grant the core
+    rejected (wrong arguments, expired) leaves the approval pending.
+    """
+    step = state.steps.get(step_id) if state is not None else None
+    if state is None or step is None:
+        return f"saga {state.saga_id if state else '?'} has no step {step_id!r}"
+    pending = step.approval
+    if pending is None:
+        return (
+            f"step {step_id!r} is not awaiting approval (it is {step.status.value}); "
+            "`sagaline saga show` lists what it waits for"
+        )
+    if pending.expires_at < now:
+        return (
+            f"the approval for step {step_id!r} expired at {pending.expires_at}; the "
+            "coordinator will not accept a grant for it"
+        )
+    for record in reversed(records):
+        if isinstance(record, ApprovalRequested) and record.approval_id == pending.approval_id:
+            return record
+    return f"approval {pending.approval_id} of step {step_id!r} is not in the ledger"
 
 
+@_one_line_errors
 def _decide(args: argparse.Namespace, *, grant: bool) -> int:
-    from sagaline.ops.actions import OperatorChannel, deny_approval, grant_approval
+    import time
 
-    operator = _operator(args)
+    from sagaline.ops.actions import (
+        OperatorChannel,
+        deny_approval,
+        grant_approval,
+        operator_identity,
+    )
+
+    settings, bootstrap = configured_broker("sagaline")
+    signer = settings.signer()
+    operator = _operator(args, _key_operator(signer))
     if operator is None:
         return 2
-    settings, bootstrap = configured_broker("sagaline")
-    records = LedgerReader(bootstrap).saga_records(
-        settings.topics.events, args.saga_id, settings.signer()
-    )
-    request = _pending_request(records, args.step_id)
-    if request is None:
+    messages = _saga_messages(bootstrap, settings.topics.events, args.saga_id)
+    if not messages:
         print(
-            f"saga {args.saga_id} has no pending approval for step {args.step_id!r}",
+            f"{args.command}: no saga {args.saga_id!r} on {settings.topics.events}", file=sys.stderr
+        )
+        return 1
+    operator_identity(signer, ledger_signed=_signed(messages))  # refuses a grant that won't count
+    records = _decodable(messages, signer)
+    if not records:
+        print(
+            f"{args.command}: no record of saga {args.saga_id} verifies with this process's "
+            "key: use the key the services use (SAGALINE_HMAC_KEY or the trust file)",
             file=sys.stderr,
         )
+        return 2
+    state = _folded(records, args.saga_id, settings)
+    request = _pending_request(records, state, args.step_id, int(time.time() * 1000))
+    if isinstance(request, str):
+        print(f"{args.command}: {request}", file=sys.stderr)
         return 1
     channel = OperatorChannel.from_settings(settings, bootstrap)
     try:
@@ -212,18 +342,26 @@ def _cmd_incidents_list(args: argparse.Namespace) -> int:
     return 0
 
 
+@_one_line_errors
 def _cmd_incidents_resolve(args: argparse.Namespace) -> int:
-    from sagaline.ops.actions import OperatorChannel, resolve_incident
+    from sagaline.ops.actions import OperatorChannel, operator_identity, resolve_incident
 
-    operator = _operator(args)
+    settings, bootstrap = configured_broker("sagaline")
+    signer = settings.signer()
+    operator = _operator(args, _key_operator(signer))
     if operator is None:
         return 2
-    settings, bootstrap = configured_broker("sagaline")
     raised, _resolved = incident_feed(settings, bootstrap)
     incident = raised.get(args.incident_id)
     if incident is None:
-        print(f"no incident {args.incident_id!r} on {settings.topics.incidents}", file=sys.stderr)
+        print(
+            f"{args.command}: no incident {args.incident_id!r} on "
+            f"{settings.topics.incidents}; `sagaline incidents list` shows the open ones",
+            file=sys.stderr,
+        )
         return 1
+    messages = _saga_messages(bootstrap, settings.topics.events, incident.saga_id)
+    operator_identity(signer, ledger_signed=_signed(messages))  # refuses when it won't count
     channel = OperatorChannel.from_settings(settings, bootstrap)
     try:
         resolve_incident(
@@ -233,6 +371,8 @@ def _cmd_incidents_resolve(args: argparse.Namespace) -> int:
             resolution=args.resolution,
             note=args.note,
             via="cli",
+            operation_id=args.operation_id,
+            result_json=args.result,
         )
     finally:
         channel.close()
@@ -292,5 +432,13 @@ def register(subparsers: Any) -> None:
         help="COMMITTED / NOT_FOUND settle an unknown outcome; else free text",
     )
     resolve.add_argument("--note", default="")
+    resolve.add_argument(
+        "--operation-id",
+        help="with COMMITTED: the provider's id of the operation (the compensation gets it)",
+    )
+    resolve.add_argument(
+        "--result",
+        help="with COMMITTED: what the tool returned, as JSON (the compensation's ctx.result)",
+    )
     resolve.add_argument("--operator", help="who resolves (default: $SAGALINE_OPERATOR)")
     resolve.set_defaults(func=_cmd_incidents_resolve)

@@ -22,6 +22,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
+import orjson
+
 from sagaline.kafka import DeliveryFailed, LedgerWriter, require_bootstrap
 from schemas.keys import derived_event_id
 from schemas.models import (
@@ -36,6 +38,7 @@ from schemas.models import (
 from schemas.settings import Settings
 from schemas.signing import Signer
 from schemas.topics import TopicNames
+from schemas.trust import IdentitySigner, Role
 
 
 class OperatorActionError(RuntimeError):
@@ -48,6 +51,40 @@ class MissingOperatorIdentity(OperatorActionError, ValueError):
 
 class UnknownRequest(OperatorActionError, LookupError):
     """The approval request or incident named is not in the saga's ledger."""
+
+
+class NoUsableKey(OperatorActionError):
+    """This process holds no key the system accepts for an operator decision, so the
+    coordinator would drop the record: refuse instead of pretending it counted."""
+
+
+def operator_identity(signer: Signer, ledger_signed: bool) -> str | None:
+    """The operator a decision will be signed as (None with a shared key or none).
+
+    Raises :class:`NoUsableKey` when the record would be refused: no operator key in
+    the trust file, a retired one, or no key at all while the ledger is signed.
+    """
+    if isinstance(signer, IdentitySigner):
+        if not signer.can_sign or signer.identity is None:
+            raise NoUsableKey(
+                "no operator key the trust file accepts: set SAGALINE_SIGNING_KEY to your "
+                "operator key (`sagaline keys new NAME --role operator`, entry added to "
+                "the trust file, not retired)"
+            )
+        if signer.identity.role is not Role.OPERATOR:
+            raise NoUsableKey(
+                f"the key in SAGALINE_SIGNING_KEY is {signer.identity.name!r}'s, a "
+                f"{signer.identity.role.value}: only an operator key may approve, deny or "
+                "resolve; use your own operator key"
+            )
+        return signer.identity.name
+    if not signer.enabled and ledger_signed:
+        raise NoUsableKey(
+            "the ledger is signed but this command holds no key, so the coordinator would "
+            "drop the decision: set SAGALINE_HMAC_KEY (or SAGALINE_TRUST_FILE and "
+            "SAGALINE_SIGNING_KEY) as the services have them"
+        )
+    return None
 
 
 def _operator(operator: str) -> str:
@@ -65,7 +102,13 @@ def _now() -> int:
 
 
 def _envelope(
-    record_type: type[Record], cause: Record, action: str, ref: str, via: str, now: int
+    record_type: type[Record],
+    cause: Record,
+    action: str,
+    ref: str,
+    via: str,
+    now: int,
+    producer: str | None = None,
 ) -> Envelope:
     # A deterministic id per (action, request): a double click or a CLI retry produces
     # the same event id, which the coordinator deduplicates (R15).
@@ -75,7 +118,7 @@ def _envelope(
         tenant_id=cause.envelope.tenant_id,
         type=record_type.TYPE,
         occurred_at=now,
-        producer=f"operator:{via}",
+        producer=producer or f"operator:{via}",  # with identities: the signer's name
         generation=cause.envelope.generation,
         causation_id=cause.event_id,
     )
@@ -85,13 +128,20 @@ def _envelope(
 
 
 def approval_granted(
-    request: ApprovalRequested, *, operator: str, now: int, via: str = "cli"
+    request: ApprovalRequested,
+    *,
+    operator: str,
+    now: int,
+    via: str = "cli",
+    producer: str | None = None,
 ) -> ApprovalGranted:
     """The grant bound to exactly what was requested (principal, step, fingerprint,
     scope, expiry): a grant for anything else would not count (R7)."""
     who = _operator(operator)
     return ApprovalGranted(
-        envelope=_envelope(ApprovalGranted, request, "grant", request.approval_id, via, now),
+        envelope=_envelope(
+            ApprovalGranted, request, "grant", request.approval_id, via, now, producer
+        ),
         step_id=request.step_id,
         approval_id=request.approval_id,
         purpose=request.purpose,
@@ -104,12 +154,20 @@ def approval_granted(
 
 
 def approval_denied(
-    request: ApprovalRequested, *, operator: str, reason: str, now: int, via: str = "cli"
+    request: ApprovalRequested,
+    *,
+    operator: str,
+    reason: str,
+    now: int,
+    via: str = "cli",
+    producer: str | None = None,
 ) -> ApprovalDenied:
     """A denial is a business rejection: the saga compensates at once (R7, R9)."""
     who = _operator(operator)
     return ApprovalDenied(
-        envelope=_envelope(ApprovalDenied, request, "deny", request.approval_id, via, now),
+        envelope=_envelope(
+            ApprovalDenied, request, "deny", request.approval_id, via, now, producer
+        ),
         step_id=request.step_id,
         approval_id=request.approval_id,
         purpose=request.purpose,
@@ -126,9 +184,14 @@ def incident_resolved(
     note: str = "",
     now: int,
     via: str = "cli",
+    producer: str | None = None,
+    operation_id: str | None = None,
+    result_json: str | None = None,
 ) -> IncidentResolved:
     """For an unknown-outcome incident ``resolution`` must be COMMITTED or NOT_FOUND
-    (it settles the step, R11); otherwise it is free text."""
+    (it settles the step, R11); otherwise it is free text. A COMMITTED resolution may
+    name the provider's ``operation_id`` and the tool's result (``result_json``): the
+    step's compensation receives both in its context."""
     who = _operator(operator)
     text = resolution.strip()
     if not text:
@@ -143,12 +206,30 @@ def incident_resolved(
         )
     if text.upper() in ("COMMITTED", "NOT_FOUND"):
         text = text.upper()
+    if (operation_id or result_json is not None) and text != "COMMITTED":
+        raise OperatorActionError(
+            f"incident {incident.incident_id}: an operation id or result goes only with "
+            "resolution COMMITTED (the effect happened)"
+        )
+    result: bytes | None = None
+    if result_json is not None:
+        try:
+            result = orjson.dumps(orjson.loads(result_json))
+        except orjson.JSONDecodeError:
+            raise OperatorActionError(
+                f"incident {incident.incident_id}: --result must be JSON (what the tool "
+                f'returned, e.g. \'{{"refund_id": "r-1"}}\'), got {result_json[:60]!r}'
+            ) from None
     return IncidentResolved(
-        envelope=_envelope(IncidentResolved, incident, "resolve", incident.incident_id, via, now),
+        envelope=_envelope(
+            IncidentResolved, incident, "resolve", incident.incident_id, via, now, producer
+        ),
         incident_id=incident.incident_id,
         resolved_by=who,
         resolution=text,
         note=note,
+        provider_operation_id=operation_id or None,
+        result=result,
     )
 
 
@@ -191,6 +272,20 @@ class OperatorChannel:
             bootstrap = require_bootstrap(settings, "operator action")
         return cls(bootstrap, settings.topics, settings.signer())
 
+    def producer_for(self, operator: str, via: str) -> str | None:
+        """The producer name for ``operator``'s decision: with an identity key, the key's
+        operator, who must be the one deciding; else None (``operator:<via>``)."""
+        signer = self.signer
+        if not isinstance(signer, IdentitySigner):
+            return None
+        name = operator_identity(signer, ledger_signed=True)
+        if operator.strip() != name:
+            raise NoUsableKey(
+                f"this key signs as {name!r}, not {operator.strip()!r}: an operator decides "
+                "only in their own name (drop --operator or use their key)"
+            )
+        return name
+
     def publish(self, record: Record, timeout_s: float = 30.0) -> None:
         """Produce ``record`` and wait until the broker acknowledges it."""
         try:
@@ -214,7 +309,10 @@ def grant_approval(
     now: int | None = None,
 ) -> ApprovalGranted:
     """Record that ``operator`` approves ``request``; returns the record written."""
-    record = approval_granted(request, operator=operator, now=now or _now(), via=via)
+    producer = channel.producer_for(operator, via)
+    record = approval_granted(
+        request, operator=operator, now=now or _now(), via=via, producer=producer
+    )
     channel.publish(record)
     return record
 
@@ -229,7 +327,10 @@ def deny_approval(
     now: int | None = None,
 ) -> ApprovalDenied:
     """Record that ``operator`` denies ``request``; returns the record written."""
-    record = approval_denied(request, operator=operator, reason=reason, now=now or _now(), via=via)
+    producer = channel.producer_for(operator, via)
+    record = approval_denied(
+        request, operator=operator, reason=reason, now=now or _now(), via=via, producer=producer
+    )
     channel.publish(record)
     return record
 
@@ -243,10 +344,20 @@ def resolve_incident(
     note: str = "",
     via: str = "cli",
     now: int | None = None,
+    operation_id: str | None = None,
+    result_json: str | None = None,
 ) -> IncidentResolved:
     """Record that ``operator`` resolved ``incident``; returns the record written."""
     record = incident_resolved(
-        incident, operator=operator, resolution=resolution, note=note, now=now or _now(), via=via
+        incident,
+        operator=operator,
+        resolution=resolution,
+        note=note,
+        now=now or _now(),
+        via=via,
+        producer=channel.producer_for(operator, via),
+        operation_id=operation_id,
+        result_json=result_json,
     )
     channel.publish(record)
     return record
@@ -254,6 +365,7 @@ def resolve_incident(
 
 __all__ = [
     "MissingOperatorIdentity",
+    "NoUsableKey",
     "OperatorActionError",
     "OperatorChannel",
     "UnknownRequest",
@@ -264,5 +376,6 @@ __all__ = [
     "find_incident",
     "grant_approval",
     "incident_resolved",
+    "operator_identity",
     "resolve_incident",
 ]
