@@ -25,6 +25,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "services.coordinator_cli",
     "services.demo",
     "services.dashboard",
+    "services.keys_cli",
 )
 
 

@@ -42,7 +42,7 @@ from schemas.models import Record
 from schemas.sealing import Sealer, SealError, _aad, derive_key
 from schemas.settings import Settings
 from schemas.signing import Signer
-from schemas.trust import Role, TrustFileError, TrustStore
+from schemas.trust import IdentitySigner, Role, TrustFileError, TrustStore
 from schemas.wire import from_message, to_message
 from tests.trust_kit import TrustKit
 
@@ -323,3 +323,20 @@ def test_values_sealed_before_key_ids_still_open() -> None:
     )
     old_style = {"card": {"$sealed": base64.b64encode(nonce + box).decode(), "fp": "x"}}
     assert Sealer(b"secret", "s1").open(old_style, ["card"], "saga-1") == {"card": ARGS["card"]}
+
+
+def test_keys_new_writes_a_private_key_and_prints_a_usable_trust_entry(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.cli import main
+
+    pem = tmp_path / "alice.pem"
+    assert main(["keys", "new", "alice", "--role", "operator", "--out", str(pem)]) == 0
+    entry = json.loads(capsys.readouterr().out)
+    assert pem.stat().st_mode & 0o077 == 0 and "PRIVATE" not in json.dumps(entry)
+    trust = tmp_path / "trust.json"
+    trust.write_text(json.dumps(entry))
+    signer = Settings(trust_file=trust, signing_key=pem).signer()
+    assert isinstance(signer, IdentitySigner) and signer.identity is not None
+    assert signer.identity.name == "alice" and signer.can_sign
+    assert main(["keys", "new", "alice", "--role", "operator", "--out", str(pem)]) == 2

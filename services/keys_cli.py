@@ -1,0 +1,54 @@
+"""``sagaline keys``: make an Ed25519 identity key and print its trust-file entry.
+
+The private key goes to a file only its owner can read; the entry printed on stdout
+holds only the public key, ready to merge into the trust file (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from schemas.trust import Role, new_key_pair
+
+
+def _cmd_new(args: argparse.Namespace) -> int:
+    pem, kid, entry = new_key_pair(args.identity, Role(args.role), args.key_id)
+    ident = entry["identities"][args.identity]
+    if args.tenants:
+        ident["tenants"] = [t for t in args.tenants.split(",") if t]
+    if args.principals:
+        ident["principals"] = [p for p in args.principals.split(",") if p]
+    out = Path(args.out) if args.out else Path(f"{kid}.pem")
+    try:
+        # O_EXCL: never overwrite a key someone may still sign with.
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        print(f"keys new: {out} exists; choose another --out", file=sys.stderr)
+        return 2
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(pem)
+    print(json.dumps(entry, indent=2))
+    print(
+        f"# private key written to {out} (mode 600): give it to {args.identity} as "
+        f"SAGALINE_SIGNING_KEY; merge the entry above into the trust file",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    keys = subparsers.add_parser("keys", help="identity keys for signing records")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    new = keys_sub.add_parser("new", help="a new Ed25519 key pair and its trust entry")
+    new.add_argument("identity", help="who signs: a participant name, an operator, ...")
+    new.add_argument("--role", required=True, choices=[r.value for r in Role])
+    new.add_argument("--key-id", help="default: IDENTITY.<12 hex of the public key>")
+    new.add_argument("--tenants", help="comma-separated tenants it may act for (default: all)")
+    new.add_argument("--principals", help="agents: principals it may start sagas for")
+    new.add_argument("--out", help="private key file (default: KEY_ID.pem)")
+    new.set_defaults(func=_cmd_new)
