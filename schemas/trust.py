@@ -42,7 +42,6 @@ import enum
 import hashlib
 import json
 import logging
-import time
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -83,7 +82,6 @@ from schemas.signing import (
 )
 
 ED25519 = "ed25519"
-RELOAD_EVERY_S = 0.5
 
 log = logging.getLogger("sagaline.trust")
 
@@ -147,8 +145,9 @@ class TrustedKey:
 class TrustStore:
     """Key ids -> public keys -> identities, as read from the trust file.
 
-    A store loaded from a file re-reads it when it changes (checked at most every
-    :data:`RELOAD_EVERY_S`), so retiring a key takes effect without restarts.
+    A store loaded from a file re-reads it when it changes (a ``stat`` per lookup, far
+    cheaper than the signature check it precedes), so adding or retiring a key takes
+    effect at the next record, without restarts.
     """
 
     def __init__(
@@ -161,14 +160,11 @@ class TrustStore:
         self.keys = dict(keys)
         self._path = path
         self._stamp = _stamp(path) if path else None
-        self._checked = time.monotonic()
 
-    def refresh(self, force: bool = False) -> None:
+    def refresh(self) -> None:
         """Re-read the file if it changed; a broken edit keeps the last good contents."""
-        now = time.monotonic()
-        if self._path is None or (not force and now - self._checked < RELOAD_EVERY_S):
+        if self._path is None:
             return
-        self._checked = now
         stamp = _stamp(self._path)
         if stamp == self._stamp:
             return
@@ -264,12 +260,12 @@ class TrustStore:
         return found
 
 
-def _stamp(path: Path) -> tuple[int, int] | None:
+def _stamp(path: Path) -> tuple[int, int, int] | None:
     try:
         st = path.stat()
     except OSError:
         return None
-    return st.st_mtime_ns, st.st_size
+    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def _raw(public_key: Ed25519PublicKey) -> bytes:
@@ -287,7 +283,7 @@ def authorize(writer: Identity, record: Record, reader: Identity | None = None) 
     if allowed is not None and record.TYPE not in allowed:
         raise ForbiddenWriter(
             f"{writer.name!r} ({writer.role.value}) may not write {record.TYPE}; "
-            f"a {writer.role.value} writes only {', '.join(sorted(allowed))}"
+            f"{writer.role.value}s write only {', '.join(sorted(allowed))}"
         )
     if env.producer != writer.name:
         raise ForbiddenWriter(
@@ -375,7 +371,7 @@ class IdentitySigner(Signer):
         """True when this process holds a key the trust file lists and has not retired."""
         if self._private is None:
             return False
-        self.trust.refresh(force=True)
+        self.trust.refresh()
         entry = self.trust.keys.get(self.key_id)
         return entry is not None and not entry.retired
 

@@ -23,7 +23,7 @@ from participants.catalogue import Catalogue
 from participants.client import SagaClient
 from participants.runtime import ParticipantRuntime
 from sagaline.kafka import LedgerReader, ensure_topics, producer_config
-from sagaline.ops.metrics import CoordinatorMetrics
+from sagaline.ops.metrics import CoordinatorMetrics, ParticipantMetrics
 from schemas import Record
 from schemas.settings import Settings
 
@@ -38,7 +38,10 @@ class System:
         *,
         hmac_key: bytes | None = b"test-key",
         partitions: int = 2,
+        settings_for: Callable[[str], Settings] | None = None,
     ) -> None:
+        """``settings_for(component)`` gives a component its own settings (its own
+        identity key): components are "coordinator", "agent" and each catalogue name."""
         self.bootstrap = bootstrap
         self.settings = Settings(
             bootstrap=bootstrap,
@@ -48,6 +51,7 @@ class System:
             state_dir=state_dir,
         )
         self.topics = self.settings.topics
+        self._settings_for = settings_for or (lambda _component: self.settings)
         self.catalogues = catalogues
         ensure_topics(bootstrap, self.topics, [c.name for c in catalogues], partitions)
         self.coordinator: Coordinator | None = None
@@ -56,12 +60,19 @@ class System:
         contracts = {}
         for catalogue in catalogues:
             contracts.update(catalogue.contracts())
-        self.client = SagaClient(self.settings, bootstrap, contracts=contracts, call_timeout_s=60)
+        self.client = SagaClient(
+            self._settings_for("agent"), bootstrap, contracts=contracts, call_timeout_s=60
+        )
 
     def __enter__(self) -> System:
         self.start_coordinator()
         for catalogue in self.catalogues:
-            runtime = ParticipantRuntime(catalogue, self.settings, self.bootstrap)
+            runtime = ParticipantRuntime(
+                catalogue,
+                self._settings_for(catalogue.name),
+                self.bootstrap,
+                metrics=ParticipantMetrics(catalogue.name),
+            )
             ready = threading.Event()
             thread = threading.Thread(target=runtime.run, kwargs={"ready": ready}, daemon=True)
             thread.start()
@@ -73,7 +84,7 @@ class System:
 
     def start_coordinator(self) -> None:
         self.coordinator = Coordinator(
-            self.settings,
+            self._settings_for("coordinator"),
             self.bootstrap,
             instance_id=f"test-{uuid.uuid4().hex[:6]}",
             metrics=CoordinatorMetrics(),

@@ -1,0 +1,331 @@
+"""Identities on the real broker (issue 12): forged records are refused where they are
+read, go to the DLQ with their reason, are counted, and change no provider's state,
+while legitimate sagas finish; a key rotation during a run.
+
+Every component signs with its own Ed25519 key from a trust file (tests/trust_kit.py):
+the coordinator, the participants ``payments`` and ``mailer``, the agent, the operator
+``alice``, and ``beta-agent`` of another tenant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from participants import CompensationContext, Reversibility, compensable, tool, wrap
+from sagaline.kafka import LedgerReader
+from schemas import (
+    ApprovalGranted,
+    ApprovalRequested,
+    ExecuteStep,
+    SagaEndRequested,
+    SagaOutcome,
+    SagaTerminal,
+    StepCommitted,
+    TerminalStatus,
+    envelope_for,
+)
+from schemas.models import Record
+from schemas.settings import Settings
+from schemas.trust import Role
+from schemas.wire import DLQ_REASON, to_message
+from services.cli import main
+from tests.system import System, wait_until
+from tests.trust_kit import TrustKit
+
+pytestmark = pytest.mark.kafka
+
+TENANT = "acme"
+
+
+class Payments:
+    """A provider with state: every charge and wire that really happened."""
+
+    def __init__(self) -> None:
+        self.charges: list[int] = []
+        self.wires: list[str] = []
+
+    @tool(description="Charge a card", owner="billing")
+    @compensable(by="refund")
+    def charge(self, cents: int) -> str:
+        self.charges.append(cents)
+        return f"ch-{len(self.charges)}"
+
+    def refund(self, ctx: CompensationContext) -> None:
+        self.charges.remove(ctx.input["cents"])
+
+    @tool(description="Wire money out", owner="treasury")
+    @compensable(reversibility=Reversibility.IRREVERSIBLE)
+    def wire(self, to: str) -> str:
+        self.wires.append(to)
+        return f"wire-{to}"
+
+
+class Mailer:
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    @tool(description="Send mail", owner="comms")
+    @compensable(by="recall")
+    def send(self, to: str) -> str:
+        self.sent.append(to)
+        return f"mail-{to}"
+
+    def recall(self, ctx: CompensationContext) -> None:
+        self.sent.remove(ctx.input["to"])
+
+
+@dataclasses.dataclass
+class World:
+    system: System
+    kit: TrustKit
+    payments: Payments
+    mailer: Mailer
+
+    def reader(self) -> Any:
+        return self.kit.signer()
+
+    def records(self, saga_id: str) -> list[Record]:
+        return LedgerReader(self.system.bootstrap).saga_records(
+            self.system.topics.events, saga_id, self.reader()
+        )
+
+    def forge(self, topic: str, record: Record, identity: str, key_id: str | None = None) -> None:
+        key, value, headers = to_message(record, self.kit.signer(identity, key_id))
+        producer = self.system.raw_producer()
+        producer.produce(topic, key=key, value=value, headers=headers)
+        producer.flush(30)
+
+    def dlq_reasons(self) -> list[str]:
+        return [h.get(DLQ_REASON, b"").decode() for _k, h in self.system.dlq()]
+
+    def wait_dlq(self, reason: str, count: int) -> None:
+        wait_until(
+            lambda: self.dlq_reasons().count(reason) >= count,
+            what=f"{count} DLQ record(s) with reason {reason}",
+        )
+
+    def awaiting_approval(self, to: str) -> tuple[Any, ApprovalRequested, dict[str, Any]]:
+        saga = self.system.client.saga("treasury", "agent")
+        out: dict[str, Any] = {}
+
+        def agent() -> None:
+            try:
+                with saga:
+                    out["result"] = saga.call("wire", to=to)
+            except Exception as exc:
+                out["error"] = exc
+
+        threading.Thread(target=agent, daemon=True).start()
+        request = wait_until(
+            lambda: next(
+                (r for r in self.records(saga.saga_id) if isinstance(r, ApprovalRequested)),
+                None,
+            ),
+            what="the approval request",
+        )
+        return saga, request, out
+
+
+@pytest.fixture
+def world(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[World]:
+    kit = TrustKit(tmp_path / "keys")
+    kit.add("sagaline-coordinator", Role.COORDINATOR)
+    kit.add("payments", Role.PARTICIPANT, tenants=[TENANT])
+    kit.add("mailer", Role.PARTICIPANT)
+    kit.add("agent", Role.AGENT, tenants=[TENANT])
+    kit.add("alice", Role.OPERATOR)
+    kit.add("beta-agent", Role.AGENT, tenants=["beta"])
+    base = Settings(
+        bootstrap=kafka_bootstrap,
+        topic_prefix=unique_prefix,
+        partitions=2,
+        state_dir=tmp_path,
+        tenant_id=TENANT,
+    )
+
+    def settings_for(component: str) -> Settings:
+        identity = "sagaline-coordinator" if component == "coordinator" else component
+        return kit.settings(base, identity)
+
+    payments, mailer = Payments(), Mailer()
+    catalogues = [wrap(payments, name="payments"), wrap(mailer, name="mailer")]
+    with System(
+        kafka_bootstrap,
+        unique_prefix,
+        tmp_path,
+        catalogues,
+        hmac_key=None,
+        settings_for=settings_for,
+    ) as system:
+        monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
+        monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
+        monkeypatch.setenv("SAGALINE_TRUST_FILE", str(kit.trust_file))
+        monkeypatch.setenv("SAGALINE_SIGNING_KEY", str(kit.key_files[kit.current["alice"]]))
+        monkeypatch.delenv("SAGALINE_HMAC_KEY", raising=False)
+        monkeypatch.delenv("SAGALINE_OPERATOR", raising=False)
+        yield World(system, kit, payments, mailer)
+
+
+def _dlq_count(metrics: Any, reason: str) -> int:
+    return int(metrics.snapshot().dlq_records.get(reason, 0))
+
+
+def test_forgeries_are_refused_counted_and_change_nothing_while_legit_sagas_finish(
+    world: World,
+) -> None:
+    system = world.system
+    assert system.coordinator is not None
+    saga, request, out = world.awaiting_approval("acct-9")
+    env: dict[str, Any] = {"saga_id": saga.saga_id, "tenant_id": TENANT, "now": 1}
+
+    # 1. The mailer's key forges an ExecuteStep for payments (on payments' command topic).
+    forged_command = ExecuteStep(
+        envelope=envelope_for(ExecuteStep, producer="mailer", **env),
+        step_id=request.step_id,
+        tool="wire",
+        args=b'{"to": "mallory"}',
+        idempotency_key="forged",
+        attempt=1,
+        deadline_ms=5000,
+        principal="agent",
+    )
+    world.forge(system.topics.commands("payments"), forged_command, "mailer")
+    # 2. ... an ApprovalGranted for the irreversible wire.
+    grant = ApprovalGranted(
+        envelope=envelope_for(ApprovalGranted, producer="mailer", **env),
+        **{
+            k: getattr(request, k)
+            for k in ("step_id", "approval_id", "purpose", "principal")
+            + ("args_fingerprint", "scope", "expires_at")
+        },
+        granted_by="mailer",
+    )
+    world.forge(system.topics.events, grant, "mailer")
+    # 3. ... a SagaTerminal, on the ledger and on the terminal topic.
+    terminal = SagaTerminal(
+        envelope=envelope_for(SagaTerminal, producer="mailer", **env),
+        status=TerminalStatus.COMPLETED,
+        receipt=b"{}",
+    )
+    world.forge(system.topics.events, terminal, "mailer")
+    world.forge(system.topics.terminal, terminal, "mailer")
+    # 4. The agent's own key grants its own approval.
+    self_grant = grant.model_copy(
+        update={
+            "envelope": envelope_for(ApprovalGranted, producer="agent", **env),
+            "granted_by": "agent",
+        }
+    )
+    world.forge(system.topics.events, self_grant, "agent")
+    # 5. A record of tenant beta targets this acme saga.
+    beta = SagaEndRequested(
+        envelope=envelope_for(
+            SagaEndRequested, producer="beta-agent", saga_id=saga.saga_id, tenant_id="beta", now=1
+        ),
+        outcome=SagaOutcome.ABORT,
+    )
+    world.forge(system.topics.events, beta, "beta-agent")
+
+    world.wait_dlq("forbidden-writer", 4)  # the command, two grants, the terminal
+    world.wait_dlq("tenant-mismatch", 1)
+    payments_runtime = next(r for r in system._runtimes if r.participant == "payments")
+    assert _dlq_count(payments_runtime.metrics, "forbidden-writer") == 1
+    assert _dlq_count(system.coordinator.metrics, "forbidden-writer") == 3
+    assert _dlq_count(system.coordinator.metrics, "tenant-mismatch") == 1
+
+    # Nothing moved: no wire, the approval still pends, no terminal for the saga.
+    assert world.payments.wires == [] and world.mailer.sent == []
+    assert not any(isinstance(r, SagaTerminal) for r in world.records(saga.saga_id))
+    assert "result" not in out
+
+    # A legitimate saga finishes meanwhile, and the operator's grant counts.
+    with system.client.saga("shop", "agent") as other:
+        assert other.call("charge", cents=250) == "ch-1"
+        assert other.call("send", to="ada") == "mail-ada"
+    assert other.wait(60).status is TerminalStatus.COMPLETED
+    assert main(["approve", saga.saga_id, request.step_id]) == 0
+    receipt = saga.wait(60)
+    # The tenant-mismatch incident stays open for a person: the saga ends ESCALATED,
+    # with the wire done once, approved by alice (the key's owner, not a typed name).
+    assert receipt.status is TerminalStatus.ESCALATED
+    assert world.payments.wires == ["acct-9"] and world.payments.charges == [250]
+    assert [(a.decision, a.by) for a in receipt.approvals] == [("GRANTED", "alice")]
+    assert any("tenant" in i.inconsistency for i in receipt.incidents)
+
+
+def test_a_participant_reports_only_on_commands_sent_to_it(world: World) -> None:
+    system = world.system
+    assert system.coordinator is not None
+    saga, request, _out = world.awaiting_approval("acct-1")
+    forged = StepCommitted(
+        envelope=envelope_for(
+            StepCommitted,
+            producer="mailer",
+            saga_id=saga.saga_id,
+            tenant_id=TENANT,
+            now=1,
+            causation_id="no-such-command",
+        ),
+        step_id=request.step_id,
+        tool="wire",
+        idempotency_key="x",
+        attempt=1,
+        result=b'"wire-fake"',
+        response_fingerprint="x",
+    )
+    world.forge(system.topics.events, forged, "mailer")
+    world.wait_dlq("forbidden-writer", 1)
+    assert main(["approve", saga.saga_id, request.step_id]) == 0
+    assert saga.wait(60).status is TerminalStatus.COMPLETED
+    assert world.payments.wires == ["acct-1"]
+
+
+def test_key_rotation_during_a_run_old_key_accepted_until_retired(
+    world: World, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    kit, system = world.kit, world.system
+    old = kit.current["alice"]
+
+    def approve_with(key_id: str, to: str) -> Any:
+        saga, request, _out = world.awaiting_approval(to)
+        monkeypatch.setenv("SAGALINE_SIGNING_KEY", str(kit.key_files[key_id]))
+        assert main(["approve", saga.saga_id, request.step_id]) == 0
+        return saga.wait(60)
+
+    assert approve_with(old, "a1").status is TerminalStatus.COMPLETED
+    new = kit.add("alice", Role.OPERATOR)  # rotation: a second key, both live
+    assert approve_with(new, "a2").status is TerminalStatus.COMPLETED
+    assert approve_with(old, "a3").status is TerminalStatus.COMPLETED
+
+    kit.retire(old)
+    saga, request, _out = world.awaiting_approval("a4")
+    monkeypatch.setenv("SAGALINE_SIGNING_KEY", str(kit.key_files[old]))
+    capsys.readouterr()
+    assert main(["approve", saga.saga_id, request.step_id]) == 2  # the CLI knows first
+    assert "no operator key the trust file accepts" in capsys.readouterr().err
+    grant = ApprovalGranted(
+        envelope=envelope_for(
+            ApprovalGranted, producer="alice", saga_id=saga.saga_id, tenant_id=TENANT, now=1
+        ),
+        **{
+            k: getattr(request, k)
+            for k in ("step_id", "approval_id", "purpose", "principal")
+            + ("args_fingerprint", "scope", "expires_at")
+        },
+        granted_by="alice",
+    )
+    world.forge(system.topics.events, grant, "alice", old)  # ...and the coordinator too
+    world.wait_dlq("retired-key", 1)
+    assert world.payments.wires == ["a1", "a2", "a3"]
+    monkeypatch.setenv("SAGALINE_SIGNING_KEY", str(kit.key_files[new]))
+    assert main(["approve", saga.saga_id, request.step_id]) == 0
+    assert saga.wait(60).status is TerminalStatus.COMPLETED
+    assert world.payments.wires == ["a1", "a2", "a3", "a4"]
