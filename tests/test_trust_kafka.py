@@ -41,6 +41,15 @@ from tests.trust_kit import TrustKit
 pytestmark = pytest.mark.kafka
 
 TENANT = "acme"
+_REQUEST_FIELDS = (
+    "step_id",
+    "approval_id",
+    "purpose",
+    "principal",
+    "args_fingerprint",
+    "scope",
+    "expires_at",
+)  # what a grant repeats from its request
 
 
 class Payments:
@@ -201,11 +210,7 @@ def test_forgeries_are_refused_counted_and_change_nothing_while_legit_sagas_fini
     # 2. ... an ApprovalGranted for the irreversible wire.
     grant = ApprovalGranted(
         envelope=envelope_for(ApprovalGranted, producer="mailer", **env),
-        **{
-            k: getattr(request, k)
-            for k in ("step_id", "approval_id", "purpose", "principal")
-            + ("args_fingerprint", "scope", "expires_at")
-        },
+        **{k: getattr(request, k) for k in _REQUEST_FIELDS},
         granted_by="mailer",
     )
     world.forge(system.topics.events, grant, "mailer")
@@ -315,11 +320,7 @@ def test_key_rotation_during_a_run_old_key_accepted_until_retired(
         envelope=envelope_for(
             ApprovalGranted, producer="alice", saga_id=saga.saga_id, tenant_id=TENANT, now=1
         ),
-        **{
-            k: getattr(request, k)
-            for k in ("step_id", "approval_id", "purpose", "principal")
-            + ("args_fingerprint", "scope", "expires_at")
-        },
+        **{k: getattr(request, k) for k in _REQUEST_FIELDS},
         granted_by="alice",
     )
     world.forge(system.topics.events, grant, "alice", old)  # ...and the coordinator too
