@@ -123,7 +123,6 @@ class Signer:
                 "was altered, moved from another saga, or signed with another secret"
             )
 
-
     def authorize(self, record: Record, headers: HeaderList | None) -> None:
         """Raise unless the signer of ``record`` may write it. A shared key names no
         writer, so here every verified record passes."""
