@@ -18,6 +18,7 @@ variable                       field                 default
 ``SAGALINE_TRUST_FILE``        ``trust_file``        unset (HMAC or no signing)
 ``SAGALINE_SIGNING_KEY``       ``signing_key``       unset (PEM file path)
 ``SAGALINE_SIGNING_KEY_ID``    ``signing_key_id``    from the trust file
+``SAGALINE_METRICS_HOST``      ``metrics_host``      ``"127.0.0.1"``
 =============================  ====================  ==========================
 
 ``SAGALINE_REPLICATION_FACTOR`` (default 1) and ``SAGALINE_MIN_INSYNC_REPLICAS``
@@ -53,6 +54,7 @@ ENV_VARS: tuple[str, ...] = (
     "SAGALINE_TRUST_FILE",
     "SAGALINE_SIGNING_KEY",
     "SAGALINE_SIGNING_KEY_ID",
+    "SAGALINE_METRICS_HOST",
 )
 """Every environment variable :meth:`Settings.from_env` reads."""
 
@@ -80,6 +82,7 @@ class Settings:
     trust_file: Path | None = None
     signing_key: Path | None = None
     signing_key_id: str | None = None
+    metrics_host: str = "127.0.0.1"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -111,6 +114,7 @@ class Settings:
             trust_file=_path(env.get("SAGALINE_TRUST_FILE")),
             signing_key=_path(env.get("SAGALINE_SIGNING_KEY")),
             signing_key_id=env.get("SAGALINE_SIGNING_KEY_ID") or None,
+            metrics_host=env.get("SAGALINE_METRICS_HOST") or "127.0.0.1",
         )
 
     @property

@@ -31,13 +31,16 @@ The trust file (JSON, or TOML when the name ends in ``.toml``)::
     }
 
 ``tenants`` omitted means every tenant; ``principals`` omitted means the identity's
-own name. ``sagaline keys new IDENTITY --role ROLE`` writes a key pair and prints its
-entry.
+own name. An operator identity used by the dashboard lists ``"acts_for": ["alice",
+"bob"]`` (or ``["*"]``, every operator identity): it signs decisions of the operators
+it has authenticated, naming them as approver. ``sagaline keys new IDENTITY --role
+ROLE`` writes a key pair and prints its entry.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import enum
 import hashlib
 import json
@@ -129,6 +132,8 @@ class Identity:
     role: Role
     tenants: frozenset[str] | None = None  # None: every tenant
     principals: frozenset[str] = frozenset()
+    # Operators a gateway (the dashboard) decides for, after it authenticated them.
+    acts_for: frozenset[str] = frozenset()
 
     def may_act_for(self, tenant: str) -> bool:
         return self.tenants is None or tenant in self.tenants
@@ -214,6 +219,13 @@ class TrustStore:
                 tenants=None if tenants is None or "*" in tenants else frozenset(tenants),
                 principals=frozenset(entry.get("principals") or [name]),
             )
+        operators = {n for n, i in identities.items() if i.role is Role.OPERATOR}
+        for name, entry in (data.get("identities") or {}).items():
+            acts_for = set(entry.get("acts_for") or ())
+            if acts_for and identities[name].role is not Role.OPERATOR:
+                raise TrustFileError(f"{where}: only an operator identity may have acts_for")
+            resolved = operators if "*" in acts_for else acts_for & operators
+            identities[name] = dataclasses.replace(identities[name], acts_for=frozenset(resolved))
         keys: dict[str, TrustedKey] = {}
         for kid, entry in (data.get("keys") or {}).items():
             owner = identities.get(entry.get("identity", ""))
@@ -290,10 +302,11 @@ def authorize(writer: Identity, record: Record, reader: Identity | None = None) 
             f"{record.TYPE} claims producer {env.producer!r} but is signed by {writer.name!r}"
         )
     claimed = _claimed_person(record)
-    if claimed is not None and claimed != writer.name:
+    if claimed is not None and claimed != writer.name and claimed not in writer.acts_for:
         raise ForbiddenWriter(
             f"{record.TYPE} names {claimed!r} as approver/resolver but is signed by "
-            f"{writer.name!r}: operators act only in their own name"
+            f"{writer.name!r}: operators act only in their own name (a gateway only for "
+            "the operators in its acts_for)"
         )
     if isinstance(record, SagaStarted) and record.principal not in writer.principals:
         raise ForbiddenWriter(

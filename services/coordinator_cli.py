@@ -140,7 +140,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     metrics = CoordinatorMetrics(effect=economic_effect)
     coordinator = Coordinator(settings, bootstrap, instance_id=args.instance_id, metrics=metrics)
     if args.metrics_port:
-        start_metrics_server(args.metrics_port, metrics)
+        start_metrics_server(args.metrics_port, metrics, settings.metrics_host)
     coordinator.install_signal_handlers()
     coordinator.run()
     return 0

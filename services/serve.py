@@ -66,7 +66,7 @@ def _cmd_participant_run(args: argparse.Namespace) -> int:
 
     metrics = ParticipantMetrics(args.name, effect=economic_effect)
     if args.metrics_port:
-        start_metrics_server(args.metrics_port, metrics)
+        start_metrics_server(args.metrics_port, metrics, settings.metrics_host)
     runtime = ParticipantRuntime(
         catalogue,
         settings,

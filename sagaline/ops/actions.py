@@ -279,10 +279,12 @@ class OperatorChannel:
         if not isinstance(signer, IdentitySigner):
             return None
         name = operator_identity(signer, ledger_signed=True)
-        if operator.strip() != name:
+        assert signer.identity is not None  # operator_identity checked it
+        who = operator.strip()
+        if who != name and who not in signer.identity.acts_for:
             raise NoUsableKey(
-                f"this key signs as {name!r}, not {operator.strip()!r}: an operator decides "
-                "only in their own name (drop --operator or use their key)"
+                f"this key signs as {name!r}, not {who!r}: an operator decides only in "
+                "their own name (drop --operator or use their key)"
             )
         return name
 

@@ -540,8 +540,9 @@ class ParticipantMetrics(SagalineMetrics):
         super().__init__(f"participant:{participant}", registry, effect=effect)
 
 
-def start_metrics_server(port: int, metrics: SagalineMetrics, addr: str = "0.0.0.0") -> int:
+def start_metrics_server(port: int, metrics: SagalineMetrics, addr: str = "127.0.0.1") -> int:
     """Serve ``/metrics`` for ``metrics`` on a daemon thread; returns the bound port
-    (pass 0 for a free one)."""
+    (pass 0 for a free one). Loopback unless told otherwise (``SAGALINE_METRICS_HOST``):
+    the numbers name tools and tenants."""
     server, _thread = start_http_server(port, addr=addr, registry=metrics.registry)
     return int(server.server_address[1])

@@ -23,6 +23,7 @@ from sagaline.ops.actions import OperatorChannel
 from sagaline.ops.metrics import SagalineMetrics
 from schemas.settings import Settings
 from services.dashboard.app import create_app
+from services.dashboard.auth import OperatorAuth
 from services.dashboard.consumer import LedgerFollower
 from services.dashboard.view import DashboardState, SagaFilter, SagaStatus, SagaView
 
@@ -32,14 +33,17 @@ DEFAULT_PORT = 8088
 class Dashboard:
     """One dashboard process: state, Kafka follower, operator channel and the ASGI app."""
 
-    def __init__(self, bootstrap: str, settings: Settings) -> None:
+    def __init__(
+        self, bootstrap: str, settings: Settings, auth: OperatorAuth | None = None
+    ) -> None:
         self.settings = settings
         from services.refund import economic_effect
 
         self.state = DashboardState(SagalineMetrics("dashboard", effect=economic_effect))
         self.follower = LedgerFollower(bootstrap, settings.topics, settings.signer(), self.state)
         self.channel = OperatorChannel(bootstrap, settings.topics, settings.signer())
-        self.app = create_app(self.state, self.channel, self.follower)
+        self.auth = auth or OperatorAuth.from_env()
+        self.app = create_app(self.state, self.channel, self.follower, auth=self.auth)
 
     @classmethod
     def from_settings(cls, settings: Settings, bootstrap: str | None = None) -> Dashboard:
@@ -78,7 +82,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="serve the operators' dashboard (sagas, timelines, receipts, approvals)",
         description="Serve the operators' dashboard. Reads the topics from the beginning "
         "on start; configuration from the environment (KAFKA_BOOTSTRAP_SERVERS, "
-        "SAGALINE_TOPIC_PREFIX, SAGALINE_HMAC_KEY).",
+        "SAGALINE_TOPIC_PREFIX, SAGALINE_HMAC_KEY or SAGALINE_TRUST_FILE; operator logins: "
+        "SAGALINE_DASHBOARD_USERS or SAGALINE_DASHBOARD_PROXY_SECRET, see docs/security.md).",
     )
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port (8088)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1)")
@@ -99,6 +104,7 @@ __all__ = [
     "Dashboard",
     "DashboardState",
     "LedgerFollower",
+    "OperatorAuth",
     "SagaFilter",
     "SagaStatus",
     "SagaView",

@@ -2,9 +2,11 @@
 
 Server-rendered HTML; live regions (``data-live``) re-fetch their fragment every two
 seconds with a few lines of vanilla JS, and skip the swap while an operator is typing
-in them. Approve / deny / resolve post a form whose ``operator`` field is required,
-and go through :mod:`sagaline.ops.actions`, the same path as the CLI: a record on
-``sagaline.events``, never a side door into a service.
+in them. Approve / deny / resolve go through :mod:`sagaline.ops.actions`, the
+same path as the CLI: a record on ``sagaline.events``, never a side door into a
+service. With logins configured (:mod:`services.dashboard.auth`) the approver is the
+logged-in operator and every action carries the session's CSRF token; without, the
+form asks for a name (development mode, said on every page).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import html
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -27,6 +30,7 @@ from sagaline.ops import actions as operator_actions
 from sagaline.ops.metrics import HistogramSummary, MeasuresSnapshot
 from sagaline.ops.receipts import format_duration, format_ms, render_receipt_html
 from schemas.models import ApprovalRequested, IncidentRaised
+from services.dashboard.auth import SESSION_COOKIE, OperatorAuth
 from services.dashboard.consumer import LedgerFollower
 from services.dashboard.timeline import render_timeline_svg
 from services.dashboard.view import DashboardState, SagaFilter, SagaStatus, SagaView
@@ -106,6 +110,42 @@ _JS = """
 """
 
 
+@dataclass(frozen=True)
+class Viewer:
+    """Who is looking at a page: decides what the action forms offer."""
+
+    auth: bool = False  # logins configured
+    operator: str | None = None  # the logged-in operator
+    csrf: str | None = None
+
+    @property
+    def may_act(self) -> bool:
+        return not self.auth or self.operator is not None
+
+
+DEV = Viewer()
+
+
+def _who_html(viewer: Viewer) -> str:
+    """The form's "who decides" part: a name field (development mode), the session's
+    operator and CSRF token, or a link to log in."""
+    if not viewer.auth:
+        return (
+            '<input name="operator" placeholder="your name (required)" required '
+            'aria-label="operator">'
+        )
+    if viewer.operator is None:
+        return '<a class="login" href="/login">Log in to act</a>'
+    return (
+        f'<input type="hidden" name="csrf" value="{_e(viewer.csrf or "")}">'
+        f'<span class="as">as <b>{_e(viewer.operator)}</b></span>'
+    )
+
+
+def _off(viewer: Viewer) -> str:
+    return "" if viewer.may_act else " disabled"
+
+
 def _pill(status: SagaStatus) -> str:
     return (
         f'<span class="pill status-{status.slug}" '
@@ -113,18 +153,36 @@ def _pill(status: SagaStatus) -> str:
     )
 
 
-def _page(title: str, body: str, notice: str | None = None, error: bool = False) -> HTMLResponse:
+def _page(
+    title: str,
+    body: str,
+    notice: str | None = None,
+    error: bool = False,
+    viewer: Viewer = DEV,
+    status: int | None = None,
+) -> HTMLResponse:
     note = ""
     if notice:
         note = f'<div class="notice{" error" if error else ""}" role="status">{_e(notice)}</div>'
+    if not viewer.auth:
+        who = '<span class="muted">development mode: actions are not authenticated</span>'
+    elif viewer.operator is None:
+        who = '<a href="/login">Log in</a>'
+    else:
+        who = (
+            f'<form class="inline" method="post" action="/logout" style="margin:0">'
+            f'<input type="hidden" name="csrf" value="{_e(viewer.csrf or "")}">'
+            f'<span>signed in as <b id="who">{_e(viewer.operator)}</b></span> '
+            '<button type="submit">Log out</button></form>'
+        )
     return HTMLResponse(
         "<!doctype html><html><head><meta charset=utf-8>"
         f"<title>{_e(title)} · Sagaline</title><style>{_CSS}</style></head><body>"
         '<header><h1>Sagaline · operations</h1><a href="/">Sagas</a>'
         '<a href="/#actions">Approvals &amp; incidents</a><a href="/#measures">Measures</a>'
-        '<a href="/metrics">/metrics</a></header>'
+        f'<a href="/metrics">/metrics</a>{who}</header>'
         f"<main>{note}{body}</main><script>{_JS}</script></body></html>",
-        status_code=400 if error else 200,
+        status_code=status or (400 if error else 200),
     )
 
 
@@ -195,7 +253,9 @@ def _sagas_html(state: DashboardState, flt: SagaFilter, now: int) -> str:
     )
 
 
-def _approval_html(saga: SagaView, req: ApprovalRequested, now: int, back: str) -> str:
+def _approval_html(
+    saga: SagaView, req: ApprovalRequested, now: int, back: str, viewer: Viewer = DEV
+) -> str:
     step = saga.steps.get(req.step_id)
     tool = step.tool if step else "?"
     expired = req.expires_at < now
@@ -213,17 +273,16 @@ def _approval_html(saga: SagaView, req: ApprovalRequested, now: int, back: str) 
         f"{_e(req.principal)} · scope {_e(req.scope)} · arguments "
         f"<code>{_e(req.args_fingerprint[:12])}</code> · {expiry}"
         f'<form class="inline" method="post" action="{base}/grant">'
-        f'<input type="hidden" name="next" value="{_e(back)}">'
-        '<input name="operator" placeholder="your name (required)" required '
-        'aria-label="operator">'
+        f'<input type="hidden" name="next" value="{_e(back)}">{_who_html(viewer)}'
         '<input name="reason" placeholder="reason (for a denial)" aria-label="reason">'
-        f'<button class="grant" type="submit" id="approve-{_e(req.approval_id)}">Approve</button>'
+        f'<button class="grant" type="submit" id="approve-{_e(req.approval_id)}"'
+        f"{_off(viewer)}>Approve</button>"
         f'<button class="deny" type="submit" formaction="{base}/deny" '
-        f'id="deny-{_e(req.approval_id)}">Deny</button></form></li>'
+        f'id="deny-{_e(req.approval_id)}"{_off(viewer)}>Deny</button></form></li>'
     )
 
 
-def _incident_html(saga: SagaView, inc: IncidentRaised, back: str) -> str:
+def _incident_html(saga: SagaView, inc: IncidentRaised, back: str, viewer: Viewer = DEV) -> str:
     where = f" on {', '.join(inc.resources)}" if inc.resources else ""
     if "unknown" in inc.kind.lower():
         resolution = (
@@ -245,23 +304,24 @@ def _incident_html(saga: SagaView, inc: IncidentRaised, back: str) -> str:
         f"{' step ' + _e(inc.step_id) if inc.step_id else ''} · owner <b>{_e(inc.owner)}</b>"
         f"<br>{_e(inc.inconsistency)}{_e(where)}. Still changed: {_e(inc.effect)}."
         f'<form class="inline" method="post" action="{action}">'
-        f'<input type="hidden" name="next" value="{_e(back)}">'
-        '<input name="operator" placeholder="your name (required)" required '
-        f'aria-label="operator">{resolution}'
+        f'<input type="hidden" name="next" value="{_e(back)}">{_who_html(viewer)}{resolution}'
         '<input name="note" placeholder="note" aria-label="note">'
-        f'<button type="submit" id="resolve-{_e(inc.incident_id)}">Resolve</button></form></li>'
+        f'<button type="submit" id="resolve-{_e(inc.incident_id)}"{_off(viewer)}>Resolve'
+        "</button></form></li>"
     )
 
 
-def _actions_html(state: DashboardState, now: int, saga_id: str | None = None) -> str:
+def _actions_html(
+    state: DashboardState, now: int, saga_id: str | None = None, viewer: Viewer = DEV
+) -> str:
     back = f"/sagas/{quote(saga_id)}" if saga_id else "/"
     approvals = [
-        _approval_html(s, a, now, back)
+        _approval_html(s, a, now, back, viewer)
         for s, a in state.pending_approvals()
         if saga_id is None or s.saga_id == saga_id
     ]
     incidents = [
-        _incident_html(s, i, back)
+        _incident_html(s, i, back, viewer)
         for s, i in state.open_incidents()
         if saga_id is None or s.saga_id == saga_id
     ]
@@ -359,7 +419,7 @@ def _filter_form(state: DashboardState, flt: SagaFilter) -> str:
     )
 
 
-def _saga_fragment(saga: SagaView, now: int) -> str:
+def _saga_fragment(saga: SagaView, now: int, viewer: Viewer = DEV) -> str:
     facts = [
         ("status", _pill(saga.status)),
         ("tenant", _e(saga.tenant_id)),
@@ -389,7 +449,7 @@ def _saga_fragment(saga: SagaView, now: int) -> str:
         f'<div class="card"><h2>Timeline</h2><div class="timeline-wrap">'
         f"{render_timeline_svg(saga, now)}</div></div>"
         f'<div class="card" id="actions"><h2>Needs a person</h2>'
-        f"{_actions_html_for(saga, now)}</div>"
+        f"{_actions_html_for(saga, now, viewer)}</div>"
         f'<div class="card"><h2>Receipt</h2>{receipt}</div>'
         '<div class="card"><h2>Steps</h2><table><thead><tr><th>step</th><th>tool</th>'
         "<th>participant</th><th>reversibility</th><th>state</th><th>attempts</th>"
@@ -397,14 +457,14 @@ def _saga_fragment(saga: SagaView, now: int) -> str:
     )
 
 
-def _actions_html_for(saga: SagaView, now: int) -> str:
+def _actions_html_for(saga: SagaView, now: int, viewer: Viewer = DEV) -> str:
     back = f"/sagas/{quote(saga.saga_id)}"
     approvals = [
-        _approval_html(saga, a, now, back)
+        _approval_html(saga, a, now, back, viewer)
         for a in saga.pending_approvals.values()
         if saga.terminal_status is None
     ]
-    incidents = [_incident_html(saga, i, back) for i in saga.open_incidents.values()]
+    incidents = [_incident_html(saga, i, back, viewer) for i in saga.open_incidents.values()]
     if not approvals and not incidents:
         return '<p class="muted">Nothing pending.</p>'
     return (
@@ -422,12 +482,53 @@ def create_app(
     channel: operator_actions.OperatorChannel | None = None,
     follower: LedgerFollower | None = None,
     clock: Callable[[], int] | None = None,
+    auth: OperatorAuth | None = None,
 ) -> Starlette:
     """The dashboard ASGI app. ``channel`` publishes operator decisions (None: the
-    action buttons answer 503); ``follower`` is started and stopped with the app."""
+    action buttons answer 503); ``follower`` is started and stopped with the app;
+    ``auth`` decides who may act (None or not enabled: development mode)."""
     now_ms = clock or (lambda: int(time.time() * 1000))
+    auth = auth or OperatorAuth()
 
-    async def overview(request: Request) -> Response:
+    def _viewer(request: Request) -> tuple[Viewer, str | None]:
+        """The caller, and a fresh session token to set (proxy logins)."""
+        if not auth.enabled:
+            return DEV, None
+        session, fresh = auth.session(request.cookies.get(SESSION_COOKIE), request.headers)
+        if session is None:
+            return Viewer(auth=True), None
+        return Viewer(True, session.operator, session.csrf), fresh
+
+    def _with_session(request: Request, response: Response, token: str | None) -> Response:
+        if token is not None:
+            response.set_cookie(
+                SESSION_COOKIE,
+                token,
+                httponly=True,
+                samesite="strict",
+                secure=request.url.scheme == "https",
+                path="/",
+            )
+        return response
+
+    def viewing(
+        handler: Callable[[Request, Viewer], Any], page: bool = True
+    ) -> Callable[[Request], Any]:
+        """Reads need a login unless viewing is open (SAGALINE_DASHBOARD_READ_OPEN)."""
+
+        async def endpoint(request: Request) -> Response:
+            viewer, fresh = _viewer(request)
+            if viewer.auth and viewer.operator is None and not auth.read_open:
+                if not page:
+                    return Response("log in first", status_code=401)
+                target = urlencode({"next": request.url.path})
+                return RedirectResponse(f"/login?{target}", status_code=303)
+            response: Response = await handler(request, viewer)
+            return _with_session(request, response, fresh)
+
+        return endpoint
+
+    async def overview(request: Request, viewer: Viewer) -> Response:
         flt = _filter_from(request)
         now = now_ms()
         live = f"/fragment/overview?{_query(flt)}"
@@ -435,27 +536,28 @@ def create_app(
             f'<div class="card">{_filter_form(state, flt)}</div>'
             f'<div data-live="{_e(live)}">{_overview_fragment(state, flt, now)}</div>'
             '<div class="card" id="actions"><h2>Needs a person</h2>'
-            f'<div data-live="/fragment/actions">{_actions_html(state, now)}</div></div>'
+            f'<div data-live="/fragment/actions">{_actions_html(state, now, None, viewer)}'
+            "</div></div>"
             '<div class="card" id="measures"><h2>Measures (seed 004)</h2>'
             f'<div data-live="/fragment/measures">'
             f"{_measures_html(state.metrics.snapshot(), state)}</div></div>"
         )
-        return _page("Sagas", body, request.query_params.get("notice"))
+        return _page("Sagas", body, request.query_params.get("notice"), viewer=viewer)
 
-    async def overview_fragment(request: Request) -> Response:
+    async def overview_fragment(request: Request, viewer: Viewer) -> Response:
         return HTMLResponse(_overview_fragment(state, _filter_from(request), now_ms()))
 
-    async def actions_fragment(request: Request) -> Response:
-        return HTMLResponse(_actions_html(state, now_ms()))
+    async def actions_fragment(request: Request, viewer: Viewer) -> Response:
+        return HTMLResponse(_actions_html(state, now_ms(), None, viewer))
 
-    async def measures_fragment(request: Request) -> Response:
+    async def measures_fragment(request: Request, viewer: Viewer) -> Response:
         return HTMLResponse(_measures_html(state.metrics.snapshot(), state))
 
     def _saga_or_404(saga_id: str) -> SagaView | None:
         with state.lock:
             return state.sagas.get(saga_id)
 
-    async def saga_page(request: Request) -> Response:
+    async def saga_page(request: Request, viewer: Viewer) -> Response:
         saga_id = request.path_params["saga_id"]
         with state.lock:
             saga = _saga_or_404(saga_id)
@@ -463,22 +565,23 @@ def create_app(
                 return _page(
                     "Unknown saga",
                     f'<p>No saga {_e(saga_id)} in the ledger (yet). <a href="/">All sagas</a></p>',
+                    viewer=viewer,
                 )
-            fragment = _saga_fragment(saga, now_ms())
+            fragment = _saga_fragment(saga, now_ms(), viewer)
         body = (
             f"<h2>Saga <code>{_e(saga_id)}</code></h2>"
             f'<div data-live="/fragment/saga/{quote(saga_id)}">{fragment}</div>'
         )
-        return _page(f"Saga {saga_id}", body, request.query_params.get("notice"))
+        return _page(f"Saga {saga_id}", body, request.query_params.get("notice"), viewer=viewer)
 
-    async def saga_fragment(request: Request) -> Response:
+    async def saga_fragment(request: Request, viewer: Viewer) -> Response:
         with state.lock:
             saga = _saga_or_404(request.path_params["saga_id"])
             if saga is None:
                 return HTMLResponse("", status_code=404)
-            return HTMLResponse(_saga_fragment(saga, now_ms()))
+            return HTMLResponse(_saga_fragment(saga, now_ms(), viewer))
 
-    async def timeline_svg(request: Request) -> Response:
+    async def timeline_svg(request: Request, viewer: Viewer) -> Response:
         with state.lock:
             saga = _saga_or_404(request.path_params["saga_id"])
             if saga is None:
@@ -491,8 +594,15 @@ def create_app(
     ) -> Response:
         form = {k: str(v) for k, v in (await request.form()).items()}
         back = form.get("next") or "/"
-        if not back.startswith("/"):
+        if not back.startswith("/") or back.startswith("//"):
             back = "/"
+        viewer, _fresh = _viewer(request)
+        if viewer.auth:
+            # The approver is whoever holds the session, never what the form says.
+            refused = _refuse_unauthenticated(viewer, form.get("csrf"))
+            if refused is not None:
+                return refused
+            form["operator"] = viewer.operator or ""
         saga = _saga_or_404(request.path_params["saga_id"])
         if saga is None:
             return _page("Unknown saga", "<p>No such saga.</p>", "no such saga", error=True)
@@ -576,7 +686,72 @@ def create_app(
 
         return await _decide(request, perform)
 
-    async def api_state(request: Request) -> Response:
+    def _refuse_unauthenticated(viewer: Viewer, csrf: str | None) -> Response | None:
+        if viewer.operator is None:
+            return _page(
+                "Log in",
+                '<p><a href="/login">Log in</a></p>',
+                "Log in to act: every decision needs an authenticated operator.",
+                error=True,
+                viewer=viewer,
+                status=401,
+            )
+        if not OperatorAuth.csrf_ok(viewer.csrf, csrf):
+            return _page(
+                "Refused",
+                '<p><a href="/">Back</a></p>',
+                "The form's security token is missing or stale: reload the page and act again.",
+                error=True,
+                viewer=viewer,
+                status=403,
+            )
+        return None
+
+    async def login_page(request: Request) -> Response:
+        viewer, _fresh = _viewer(request)
+        nxt = request.query_params.get("next", "/")
+        if not auth.uses_passwords:
+            body = "<p>Operators log in through the reverse proxy in front of this dashboard.</p>"
+        else:
+            body = (
+                '<div class="card"><h2>Log in</h2><form method="post" action="/login">'
+                f'<input type="hidden" name="next" value="{_e(nxt)}">'
+                '<p><input name="name" autocomplete="username" placeholder="operator" '
+                'aria-label="operator" required></p><p><input name="password" type="password" '
+                'autocomplete="current-password" placeholder="password" aria-label="password" '
+                'required></p><button type="submit" id="login">Log in</button></form></div>'
+            )
+        return _page("Log in", body, request.query_params.get("notice"), viewer=viewer)
+
+    async def login(request: Request) -> Response:
+        form = {k: str(v) for k, v in (await request.form()).items()}
+        nxt = form.get("next") or "/"
+        if not nxt.startswith("/") or nxt.startswith("//"):
+            nxt = "/"
+        token = await run_in_threadpool(
+            auth.login, form.get("name", "").strip(), form.get("password", "")
+        )
+        if token is None:
+            return _page(
+                "Log in",
+                '<p><a href="/login">Try again</a></p>',
+                "Wrong operator name or password.",
+                error=True,
+                viewer=Viewer(auth=auth.enabled),
+                status=401,
+            )
+        return _with_session(request, RedirectResponse(nxt, status_code=303), token)
+
+    async def logout(request: Request) -> Response:
+        form = {k: str(v) for k, v in (await request.form()).items()}
+        viewer, _fresh = _viewer(request)
+        if OperatorAuth.csrf_ok(viewer.csrf, form.get("csrf")):
+            auth.logout(request.cookies.get(SESSION_COOKIE))
+        response = RedirectResponse("/", status_code=303)
+        response.delete_cookie(SESSION_COOKIE, path="/")
+        return response
+
+    async def api_state(request: Request, viewer: Viewer) -> Response:
         flt = _filter_from(request)
         with state.lock:
             payload: dict[str, Any] = {
@@ -626,17 +801,20 @@ def create_app(
 
     return Starlette(
         routes=[
-            Route("/", overview),
-            Route("/fragment/overview", overview_fragment),
-            Route("/fragment/actions", actions_fragment),
-            Route("/fragment/measures", measures_fragment),
-            Route("/sagas/{saga_id}", saga_page),
-            Route("/sagas/{saga_id}/timeline.svg", timeline_svg),
-            Route("/fragment/saga/{saga_id}", saga_fragment),
+            Route("/", viewing(overview)),
+            Route("/fragment/overview", viewing(overview_fragment, page=False)),
+            Route("/fragment/actions", viewing(actions_fragment, page=False)),
+            Route("/fragment/measures", viewing(measures_fragment, page=False)),
+            Route("/sagas/{saga_id}", viewing(saga_page)),
+            Route("/sagas/{saga_id}/timeline.svg", viewing(timeline_svg, page=False)),
+            Route("/fragment/saga/{saga_id}", viewing(saga_fragment, page=False)),
+            Route("/login", login_page),
+            Route("/login", login, methods=["POST"]),
+            Route("/logout", logout, methods=["POST"]),
             Route("/approvals/{saga_id}/{approval_id}/grant", grant, methods=["POST"]),
             Route("/approvals/{saga_id}/{approval_id}/deny", deny, methods=["POST"]),
             Route("/incidents/{saga_id}/{incident_id}/resolve", resolve, methods=["POST"]),
-            Route("/api/state", api_state),
+            Route("/api/state", viewing(api_state, page=False)),
             Route("/metrics", metrics),
             Route("/healthz", healthz),
         ],

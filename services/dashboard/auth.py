@@ -1,0 +1,183 @@
+"""Who is acting on the dashboard: operator login, sessions, CSRF tokens.
+
+Two ways to authenticate, configured by environment variables (docs/security.md):
+
+* ``SAGALINE_DASHBOARD_USERS``: a JSON file ``{"alice": "scrypt$...", ...}`` of
+  password hashes (``sagaline keys password alice`` prints one). Operators log in at
+  ``/login``.
+* ``SAGALINE_DASHBOARD_PROXY_SECRET``: a reverse proxy that has authenticated the
+  operator sends ``X-Sagaline-Operator: alice`` and ``X-Sagaline-Proxy-Secret: <the
+  secret>``; requests without the secret are anonymous.
+
+Either way the dashboard keeps a server-side session (cookie ``sagaline_session``,
+HttpOnly, SameSite=Strict) holding the operator and a CSRF token that every action
+form carries: a POST without a session, or with another token, is refused. The
+operator recorded as approver is the session's, never a form field.
+``SAGALINE_DASHBOARD_READ_OPEN=1`` lets anyone view (never act) without logging in.
+
+With neither configured the dashboard behaves as before (a free-text operator name),
+a development mode it states on every page.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+SESSION_COOKIE = "sagaline_session"
+PROXY_USER_HEADER = "x-sagaline-operator"
+PROXY_SECRET_HEADER = "x-sagaline-proxy-secret"
+SESSION_TTL_S = 8 * 3600
+
+_SCRYPT = {"n": 2**14, "r": 8, "p": 1}
+
+
+class AuthConfigError(ValueError):
+    """The dashboard's login configuration cannot be used; the message says why."""
+
+
+def hash_password(password: str, salt: bytes | None = None) -> str:
+    """``scrypt$<salt b64>$<hash b64>``: what the users file stores, never the password."""
+    salt = salt or os.urandom(16)
+    digest = hashlib.scrypt(password.encode(), salt=salt, dklen=32, **_SCRYPT)
+    return f"scrypt${base64.b64encode(salt).decode()}${base64.b64encode(digest).decode()}"
+
+
+def check_password(password: str, stored: str) -> bool:
+    try:
+        scheme, salt_b64, digest_b64 = stored.split("$")
+        salt, digest = base64.b64decode(salt_b64), base64.b64decode(digest_b64)
+    except ValueError:
+        return False
+    if scheme != "scrypt":
+        return False
+    given = hashlib.scrypt(password.encode(), salt=salt, dklen=32, **_SCRYPT)
+    return hmac.compare_digest(given, digest)
+
+
+@dataclass(frozen=True)
+class Session:
+    operator: str
+    csrf: str
+    expires: float
+    via: str  # "password" or "proxy"
+
+
+class OperatorAuth:
+    """Logins, sessions and CSRF checks for the dashboard (``enabled`` is False in the
+    development mode, where nothing is checked)."""
+
+    def __init__(
+        self,
+        users: Mapping[str, str] | None = None,
+        proxy_secret: str | None = None,
+        read_open: bool = False,
+    ) -> None:
+        self._users = dict(users or {})
+        self._proxy_secret = proxy_secret or None
+        self.read_open = read_open
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorAuth:
+        env = os.environ if env is None else env
+        users: dict[str, str] = {}
+        path = env.get("SAGALINE_DASHBOARD_USERS")
+        if path:
+            try:
+                users = json.loads(Path(path).read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                raise AuthConfigError(
+                    f"SAGALINE_DASHBOARD_USERS={path}: {exc}; it must be a JSON object of "
+                    "name -> hash (`sagaline keys password NAME` prints an entry)"
+                ) from None
+        return cls(
+            users,
+            env.get("SAGALINE_DASHBOARD_PROXY_SECRET"),
+            env.get("SAGALINE_DASHBOARD_READ_OPEN", "") in ("1", "true", "yes"),
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._users) or self._proxy_secret is not None
+
+    @property
+    def uses_passwords(self) -> bool:
+        return bool(self._users)
+
+    # ---------------------------------------------------------------- sessions
+
+    def login(self, name: str, password: str) -> str | None:
+        """A new session token for valid credentials, else None."""
+        stored = self._users.get(name)
+        # Hash anyway for an unknown name, so timing does not tell names apart.
+        ok = check_password(password, stored or hash_password("", b"\0" * 16))
+        if stored is None or not ok:
+            return None
+        return self._open(name, "password")
+
+    def _open(self, operator: str, via: str) -> str:
+        token = secrets.token_urlsafe(32)
+        expires = time.time() + SESSION_TTL_S
+        session = Session(operator, secrets.token_urlsafe(32), expires, via)
+        with self._lock:
+            self._sessions[token] = session
+        return token
+
+    def logout(self, token: str | None) -> None:
+        with self._lock:
+            self._sessions.pop(token or "", None)
+
+    def session(
+        self, token: str | None, headers: Mapping[str, str]
+    ) -> tuple[Session | None, str | None]:
+        """The caller's session and, when one was opened for a proxy-authenticated
+        operator just now, its new token (to set as the cookie)."""
+        proxied = self._proxy_operator(headers)
+        with self._lock:
+            found = self._sessions.get(token or "")
+            if found is not None and found.expires < time.time():
+                del self._sessions[token or ""]
+                found = None
+        if proxied is None:
+            # Without the proxy's headers only a password session counts.
+            return (found if found is not None and found.via == "password" else None), None
+        if found is not None and found.operator == proxied and found.via == "proxy":
+            return found, None
+        fresh = self._open(proxied, "proxy")
+        with self._lock:
+            return self._sessions[fresh], fresh
+
+    def _proxy_operator(self, headers: Mapping[str, str]) -> str | None:
+        if self._proxy_secret is None:
+            return None
+        given = headers.get(PROXY_SECRET_HEADER, "")
+        if not hmac.compare_digest(given.encode(), self._proxy_secret.encode()):
+            return None
+        return headers.get(PROXY_USER_HEADER, "").strip() or None
+
+    @staticmethod
+    def csrf_ok(expected: str | None, given: str | None) -> bool:
+        """The form's token is the session's (both present, compared in constant time)."""
+        return bool(expected and given) and hmac.compare_digest(
+            str(expected).encode(), str(given).encode()
+        )
+
+
+__all__ = [
+    "AuthConfigError",
+    "OperatorAuth",
+    "Session",
+    "check_password",
+    "hash_password",
+]
