@@ -1,7 +1,9 @@
-"""``sagaline keys``: make an Ed25519 identity key and print its trust-file entry.
+"""``sagaline keys``: make an Ed25519 identity key and print its trust-file entry;
+hash a dashboard password.
 
 The private key goes to a file only its owner can read; the entry printed on stdout
 holds only the public key, ready to merge into the trust file (docs/security.md).
+``keys password NAME`` prints ``{"NAME": "scrypt$..."}`` for SAGALINE_DASHBOARD_USERS.
 """
 
 from __future__ import annotations
@@ -41,6 +43,22 @@ def _cmd_new(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_password(args: argparse.Namespace) -> int:
+    from services.dashboard.auth import hash_password
+
+    if sys.stdin.isatty():
+        import getpass
+
+        password = getpass.getpass(f"password for {args.operator}: ")
+    else:
+        password = sys.stdin.readline().rstrip("\n")
+    if len(password) < 12:
+        print("keys password: use at least 12 characters", file=sys.stderr)
+        return 2
+    print(json.dumps({args.operator: hash_password(password)}))
+    return 0
+
+
 def register(subparsers: Any) -> None:
     keys = subparsers.add_parser("keys", help="identity keys for signing records")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
@@ -52,3 +70,9 @@ def register(subparsers: Any) -> None:
     new.add_argument("--principals", help="agents: principals it may start sagas for")
     new.add_argument("--out", help="private key file (default: KEY_ID.pem)")
     new.set_defaults(func=_cmd_new)
+    password = keys_sub.add_parser(
+        "password",
+        help="a dashboard login: the users-file entry (scrypt hash) for a password on stdin",
+    )
+    password.add_argument("operator")
+    password.set_defaults(func=_cmd_password)

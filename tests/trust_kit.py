@@ -32,6 +32,7 @@ class TrustKit:
         *,
         tenants: list[str] | None = None,
         principals: list[str] | None = None,
+        acts_for: list[str] | None = None,
     ) -> str:
         """A new key for ``identity`` (created with ``role`` on first use); its key id."""
         pem, kid, entry = new_key_pair(identity, role)
@@ -40,6 +41,8 @@ class TrustKit:
             ident["tenants"] = tenants
         if principals is not None:
             ident["principals"] = principals
+        if acts_for is not None:
+            ident["acts_for"] = acts_for
         self.data["keys"].update(entry["keys"])
         path = self.dir / f"{kid}.pem"
         path.write_bytes(pem)
