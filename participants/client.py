@@ -175,7 +175,7 @@ class SagaClient:
         settings: Settings,
         bootstrap: str,
         *,
-        producer_name: str = "agent",
+        producer_name: str | None = None,
         local: Catalogue | None = None,
         contracts: Mapping[str, StepContract] | None = None,
         catalogues: Iterable[Catalogue] = (),
@@ -185,7 +185,8 @@ class SagaClient:
         self.bootstrap = bootstrap
         self.topics = settings.topics
         self.signer = settings.signer()
-        self.producer_name = producer_name
+        # With an identity key the producer is the key's identity (readers insist).
+        self.producer_name = producer_name or self.signer.signs_as or "agent"
         self.call_timeout_s = call_timeout_s
         self._writer = LedgerWriter(bootstrap, self.topics, self.signer)
         self._ledger = _Ledger()

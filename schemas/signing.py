@@ -75,6 +75,11 @@ class Signer:
         """True when a key is configured: records are signed and must verify."""
         return self._key is not None
 
+    @property
+    def signs_as(self) -> str | None:
+        """The identity this process signs as (None: a shared key names no one)."""
+        return None
+
     def __repr__(self) -> str:
         # Never the key itself, not even a hash of it.
         return f"Signer(enabled={self.enabled}, key_id={self.key_id!r})"

@@ -388,6 +388,10 @@ class IdentitySigner(Signer):
         entry = self.trust.keys.get(self.key_id)
         return entry is not None and not entry.retired
 
+    @property
+    def signs_as(self) -> str | None:
+        return self.identity.name if self.identity else None
+
     def __repr__(self) -> str:
         who = self.identity.name if self.identity else None
         return f"IdentitySigner(identity={who!r}, key_id={self.key_id!r})"

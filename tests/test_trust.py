@@ -338,3 +338,12 @@ def test_keys_new_writes_a_private_key_and_prints_a_usable_trust_entry(
     assert isinstance(signer, IdentitySigner) and signer.identity is not None
     assert signer.identity.name == "alice" and signer.can_sign
     assert main(["keys", "new", "alice", "--role", "operator", "--out", str(pem)]) == 2
+
+
+def test_an_agent_with_an_identity_key_writes_under_its_identity(kit: TrustKit) -> None:
+    from participants.client import SagaClient
+
+    kit.add("refund-bot", Role.AGENT)
+    client = SagaClient(kit.settings(Settings(), "refund-bot"), "127.0.0.1:9")
+    assert client.producer_name == "refund-bot"
+    assert SagaClient(Settings(), "127.0.0.1:9").producer_name == "agent"
