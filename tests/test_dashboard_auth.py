@@ -9,6 +9,7 @@ import re
 
 from starlette.testclient import TestClient
 
+from sagaline.ops.metrics import SagalineMetrics
 from services.dashboard.app import create_app
 from services.dashboard.auth import (
     PROXY_SECRET_HEADER,
@@ -18,7 +19,6 @@ from services.dashboard.auth import (
     hash_password,
 )
 from services.dashboard.view import DashboardState
-from services.metrics import SagalineMetrics
 
 GRANT = "/approvals/s-1/a-1/grant"
 

@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 
 from participants import Reversibility, compensable, tool, wrap
+from sagaline.kafka import LedgerReader
 from schemas import ApprovalGranted, TerminalStatus
 from schemas.settings import Settings
 from schemas.trust import Role
 from services.dashboard import Dashboard
 from services.dashboard.auth import SESSION_COOKIE, OperatorAuth, hash_password
-from services.ledger import saga_records
 from tests.system import System, wait_until
 from tests.test_dashboard_browser import browser_page, chromium, serving
 from tests.trust_kit import TrustKit
@@ -102,8 +102,8 @@ def test_approve_needs_a_login_and_a_csrf_token_and_records_the_logged_in_operat
         threading.Thread(target=agent, daemon=True).start()
 
         def grants() -> list[ApprovalGranted]:
-            records = saga_records(
-                system.bootstrap, system.topics.events, saga.saga_id, kit.signer()
+            records = LedgerReader(system.bootstrap).saga_records(
+                system.topics.events, saga.saga_id, kit.signer()
             )
             return [r for r in records if isinstance(r, ApprovalGranted)]
 
