@@ -149,6 +149,11 @@ def test_a_rejected_grant_leaves_the_approval_pending_and_show_says_so_R7(
     assert main(["approve", saga.saga_id, request.step_id, "--operator", "alice"]) == 0
     assert saga.wait(60).status is TerminalStatus.COMPLETED
     assert out == {"result": "letter-ada"} and office.sent == ["ada"]
+    capsys.readouterr()
+    assert main(["saga", "show", saga.saga_id]) == 0
+    receipt = capsys.readouterr().out
+    assert "REJECTED grant, not matching the request (not counted) by mallory" in receipt
+    assert "granted by alice" in receipt
 
 
 def test_unknown_outcome_resolved_committed_gives_the_compensation_its_operation_id_R11(

@@ -238,11 +238,25 @@ def test_forgeries_are_refused_counted_and_change_nothing_while_legit_sagas_fini
         outcome=SagaOutcome.ABORT,
     )
     world.forge(system.topics.events, beta, "beta-agent")
+    # 6. Even the coordinator's key cannot make payments (limited to acme) act for beta.
+    other_tenant = forged_command.model_copy(
+        update={
+            "envelope": envelope_for(
+                ExecuteStep,
+                producer="sagaline-coordinator",
+                saga_id=saga.saga_id,
+                tenant_id="beta",
+                now=1,
+            )
+        }
+    )
+    world.forge(system.topics.commands("payments"), other_tenant, "sagaline-coordinator")
 
     world.wait_dlq("forbidden-writer", 4)  # the command, two grants, the terminal
-    world.wait_dlq("tenant-mismatch", 1)
+    world.wait_dlq("tenant-mismatch", 2)
     payments_runtime = next(r for r in system._runtimes if r.participant == "payments")
     assert _dlq_count(payments_runtime.metrics, "forbidden-writer") == 1
+    assert _dlq_count(payments_runtime.metrics, "tenant-mismatch") == 1
     assert _dlq_count(system.coordinator.metrics, "forbidden-writer") == 3
     assert _dlq_count(system.coordinator.metrics, "tenant-mismatch") == 1
 

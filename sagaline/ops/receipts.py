@@ -52,6 +52,15 @@ _HEADLINES = {
 }
 
 
+# A grant the coordinator refused must not read like one that counted.
+_DECISION = {
+    "GRANTED": "granted",
+    "DENIED": "denied",
+    "EXPIRED": "EXPIRED grant (not counted)",
+    "REJECTED_MISMATCH": "REJECTED grant, not matching the request (not counted)",
+}
+
+
 def format_ms(epoch_ms: int | None) -> str:
     """UTC wall time to the millisecond, or a dash."""
     if epoch_ms is None:
@@ -187,7 +196,8 @@ def describe_receipt(receipt: Receipt) -> ReceiptStory:
 
     approvals = tuple(
         Item(
-            f"{a.decision.lower()} by {a.by} for step {a.step_id} ({a.purpose.lower()}) "
+            f"{_DECISION.get(a.decision, a.decision.lower())} by {a.by} for step {a.step_id} "
+            f"({a.purpose.lower()}) "
             f"at {format_ms(a.at)}",
             (f"principal {a.principal}; arguments fingerprint {a.args_fingerprint}",),
         )
