@@ -399,6 +399,7 @@ _PARTICIPANT_OUTCOMES = (
     CompensationAccepted,
     CompensationCommitted,
     CompensationFailed,
+    IncidentRaised,  # participants raise one for a lookup they cannot do
 )
 
 
@@ -422,8 +423,10 @@ def _refused_writer(ctx: _Ctx, record: Record) -> bool:
     if isinstance(record, _AGENT_DRIVEN) and s.started_by and env.producer != s.started_by:
         problem = f"saga {s.saga_id} was started by {s.started_by!r}; only it drives the saga"
     elif isinstance(record, _PARTICIPANT_OUTCOMES):
-        step = s.steps.get(record.step_id)
-        if step is not None and env.producer != step.contract.participant:
+        step = s.steps.get(record.step_id) if record.step_id is not None else None
+        if step is None and isinstance(record, IncidentRaised):
+            problem = "an incident from a participant must name a step of this saga"
+        elif step is not None and env.producer != step.contract.participant:
             problem = (
                 f"step {step.step_id} runs on participant {step.contract.participant!r}; "
                 f"{env.producer!r} may not report its outcome"

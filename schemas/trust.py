@@ -108,6 +108,7 @@ _OUTCOMES = frozenset(
         "CompensationAccepted",
         "CompensationCommitted",
         "CompensationFailed",
+        "IncidentRaised",  # a runtime asked to look up a tool that declares no lookup
     }
 )
 

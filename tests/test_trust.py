@@ -347,3 +347,24 @@ def test_an_agent_with_an_identity_key_writes_under_its_identity(kit: TrustKit) 
     client = SagaClient(kit.settings(Settings(), "refund-bot"), "127.0.0.1:9")
     assert client.producer_name == "refund-bot"
     assert SagaClient(Settings(), "127.0.0.1:9").producer_name == "agent"
+
+
+def test_core_accepts_a_participant_incident_only_for_its_own_dispatched_step() -> None:
+    from schemas import IncidentRaised
+
+    state, command = _dispatched()
+
+    def incident(producer: str, step_id: str | None) -> IncidentRaised:
+        return IncidentRaised(
+            envelope=_env(IncidentRaised, producer, causation_id=command.event_id),
+            incident_id=f"inc-{producer}-{step_id}",
+            kind="unknown-outcome-no-lookup",
+            step_id=step_id,
+            inconsistency="may have acted",
+            effect="unknown",
+            owner="billing",
+        )
+
+    assert _reasons(decide(state, incident("payments", "st-1"), NOW, BOUND)) == []
+    assert _reasons(decide(state, incident("mailer", "st-1"), NOW, BOUND)) == ["forbidden-writer"]
+    assert _reasons(decide(state, incident("payments", None), NOW, BOUND)) == ["forbidden-writer"]
