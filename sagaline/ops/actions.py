@@ -73,7 +73,7 @@ def operator_identity(signer: Signer, ledger_signed: bool) -> str | None:
             )
         if signer.identity.role is not Role.OPERATOR:
             raise NoUsableKey(
-                f"the key in SAGALINE_SIGNING_KEY is {signer.identity.name!r}'s, a "
+                f"the key in SAGALINE_SIGNING_KEY belongs to {signer.identity.name!r}, a "
                 f"{signer.identity.role.value}: only an operator key may approve, deny or "
                 "resolve; use your own operator key"
             )
