@@ -30,6 +30,12 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"kafka: {broker.describe_configured()}"
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``secretscan`` read what every other test left on the broker:
+    they run last."""
+    items.sort(key=lambda item: item.get_closest_marker("secretscan") is not None)
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     for choice in _chosen:
         terminalreporter.write_line(f"kafka: {choice.description}")
