@@ -413,9 +413,15 @@ def _refused_writer(ctx: _Ctx, record: Record) -> bool:
             f"{env.tenant_id!r} but saga {s.saga_id} belongs to tenant {s.tenant_id!r}"
         )
         ctx.reject(record, RejectReason.TENANT_MISMATCH, detail)
-        _raise_incident(
-            ctx, "tenant-mismatch", None, detail, "none: the record was refused; find its writer"
-        )
+        # One open incident per saga is enough for a person to look; more would be spam.
+        if not any(i.kind == "tenant-mismatch" for i in s.open_incidents()):
+            _raise_incident(
+                ctx,
+                "tenant-mismatch",
+                None,
+                detail,
+                "none: the record was refused; find who wrote it",
+            )
         return True
     if not ctx.policy.bind_writers:
         return False

@@ -295,6 +295,9 @@ def test_core_refuses_a_record_of_another_tenant_and_raises_an_incident() -> Non
     [incident] = decision.state.incidents
     assert incident.kind == "tenant-mismatch" and "beta" in incident.inconsistency
     assert decision.state.steps["st-1"].status.value == "DISPATCHED"
+    again = decide(decision.state, _committed("payments", command.event_id, "gamma"), NOW)
+    assert _reasons(again) == ["tenant-mismatch"]  # refused again, but one incident is open
+    assert again.state is not None and len(again.state.incidents) == 1
 
 
 # ------------------------------------------------------------------ sealing rotation
