@@ -27,11 +27,14 @@ import pydantic
 from pydantic import BaseModel, ConfigDict
 
 from participants.declarations import (
+    DETERMINISTIC_ERRORS,
     BusinessRejection,
     CompensableDeclaration,
+    CompensationArgs,
     CompensationContext,
     LookupResult,
     ToolDeclaration,
+    TransientError,
     compensable_declaration,
     tool_declaration,
 )
@@ -76,6 +79,7 @@ class ToolSpec:
     compensation: str | None
     compensation_func: Callable[..., Any] | None
     compensation_takes_context: bool
+    compensation_args: CompensationArgs | None
     lookup_name: str | None
     lookup_func: Callable[[str], Any] | None
     verify_name: str | None
@@ -88,6 +92,7 @@ class ToolSpec:
     retry: RetryPolicy
     compensation_retry: RetryPolicy
     non_retryable: tuple[type[BaseException], ...]
+    transient: tuple[type[BaseException], ...]
     owner: str
     deadline_ms: int
     secret_fields: tuple[str, ...]
@@ -165,8 +170,14 @@ class ToolSpec:
         return redact(args, self.secret_paths)
 
     def is_business_rejection(self, error: BaseException) -> bool:
-        """Whether ``error`` is a business rejection, never retried (R9)."""
-        return isinstance(error, (BusinessRejection, *self.non_retryable))
+        """Whether ``error`` is a rejection, never retried (R9); the order is
+        documented on ``@tool``: declared rejections, declared transient types,
+        deterministic built-in errors, and everything else is transient."""
+        if isinstance(error, (BusinessRejection, *self.non_retryable)):
+            return True
+        if isinstance(error, (TransientError, *self.transient)):
+            return False
+        return isinstance(error, DETERMINISTIC_ERRORS)
 
     def provider_operation_id(self, result: Any) -> str | None:
         """The provider's operation id in a tool's result, as declared by
@@ -198,12 +209,10 @@ class ToolSpec:
     def compensate(self, ctx: CompensationContext) -> Any:
         """Run the declared compensation. It may return ``Accepted(operation_id)``
         when the provider finishes asynchronously (R12)."""
-        comp, args = self._compensation_call(ctx)
-        return _call_sync(self.name, comp, *args)
+        return _call_sync(self.name, self._compensation_call(ctx))
 
     async def acompensate(self, ctx: CompensationContext) -> Any:
-        comp, args = self._compensation_call(ctx)
-        return await _call_async(comp, *args)
+        return await _call_async(self._compensation_call(ctx))
 
     def lookup(self, idempotency_key: str) -> LookupResult:
         """Find the operation of ``idempotency_key`` (R11). ``None`` means not found."""
@@ -219,16 +228,26 @@ class ToolSpec:
     async def averify(self, ctx: CompensationContext) -> bool:
         return self._verify_result(await _call_async(self._verify_func(), ctx))
 
-    def _compensation_call(
-        self, ctx: CompensationContext
-    ) -> tuple[Callable[..., Any], tuple[CompensationContext, ...]]:
+    def _compensation_call(self, ctx: CompensationContext) -> Callable[[], Any]:
         comp = self.compensation_func
         if comp is None:
             raise NotDeclaredError(
                 f"tool {self.name!r} declares no compensation"
                 f" ({self.kind.value}); there is nothing to run"
             )
-        return comp, ((ctx,) if self.compensation_takes_context else ())
+        if self.compensation_args is not None:
+            built = self.compensation_args(ctx)
+            if not isinstance(built, Mapping):
+                raise ContractViolation(
+                    f"@compensable(args=...) of tool {self.name!r} returned"
+                    f" {type(built).__name__}; return a dict of keyword arguments for"
+                    f" {self.compensation}"
+                )
+            kwargs = dict(built)
+            return lambda: comp(**kwargs)
+        if self.compensation_takes_context:
+            return lambda: comp(ctx)
+        return comp
 
     def _lookup_func(self) -> Callable[[str], Any]:
         if self.lookup_func is None:
@@ -502,6 +521,7 @@ class _Inspector:
             compensation=compensation_name,
             compensation_func=compensation_func,
             compensation_takes_context=takes_context,
+            compensation_args=comp.args if comp is not None and compensation_func else None,
             lookup_name=decl.lookup,
             lookup_func=lookup_func,
             verify_name=decl.verify,
@@ -514,6 +534,7 @@ class _Inspector:
             retry=decl.retry,
             compensation_retry=decl.compensation_retry,
             non_retryable=decl.non_retryable,
+            transient=decl.transient,
             owner=decl.owner,
             deadline_ms=decl.deadline_ms,
             secret_fields=decl.secret_fields,
@@ -599,22 +620,79 @@ class _Inspector:
                     ' @compensable(by="undo_...") or declare it IRREVERSIBLE',
                 )
             return none
-        declared_as = f'@compensable(by="{comp.by}")'
-        target = self._function(comp.by)
-        if not callable(target):
-            self._missing(tool_name, "compensation", comp.by, declared_as)
-            return none
-        if comp.by == attr:
+        if comp.args is not None and not _takes_one_argument(comp.args):
             self.problem(
-                tool_name, f"{declared_as} names the tool itself; name the method that undoes it"
+                tool_name,
+                f"@compensable(args={_name(comp.args)}) must be a callable taking one"
+                " CompensationContext and returning the compensation's keyword arguments,"
+                ' e.g. args=lambda ctx: {"reservation_id": ctx.result["id"]}',
             )
             return none
-        bound = self._bound(comp.by)
-        assert bound is not None
+        if isinstance(comp.by, str):
+            declared_as = f'@compensable(by="{comp.by}")'
+            target = self._function(comp.by)
+            if not callable(target):
+                self._missing(tool_name, "compensation", comp.by, declared_as)
+                return none
+            if comp.by == attr:
+                self.problem(
+                    tool_name,
+                    f"{declared_as} names the tool itself; name the method that undoes it",
+                )
+                return none
+            bound = self._bound(comp.by)
+            assert bound is not None
+            label = comp.by
+        elif callable(comp.by):
+            # A plain function or a callable object (functools.partial, a class with
+            # __call__): only functions carry type hints worth checking.
+            target = comp.by if inspect.isroutine(comp.by) else None
+            bound = comp.by
+            label = _name(comp.by)
+            if getattr(comp.by, "__func__", comp.by) is getattr(
+                self._function(attr), "__func__", self._function(attr)
+            ):
+                self.problem(
+                    tool_name,
+                    f"@compensable(by={label}) is the tool itself; pass the function"
+                    " that undoes it",
+                )
+                return none
+        else:
+            self.problem(
+                tool_name,
+                f"@compensable(by={comp.by!r}) is neither a method name nor a callable;"
+                " pass the name of a method of this class or the undo function itself",
+            )
+            return none
+        if comp.args is not None:
+            if not self._accepts_keywords(tool_name, label, bound):
+                return none
+            return label, bound, False
         takes_context = self._check_context_signature(
-            tool_name, "compensation", comp.by, target, bound, allow_none=True
+            tool_name, "compensation", label, target, bound, allow_none=True
         )
-        return comp.by, bound, bool(takes_context)
+        if takes_context is None:
+            return none
+        return label, bound, takes_context
+
+    def _accepts_keywords(self, tool_name: str, label: str, func: Callable[..., Any]) -> bool:
+        """A compensation called as ``by(**args(ctx))`` must not need positional-only
+        arguments (the names ``args`` returns can only be checked when it runs)."""
+        try:
+            params = inspect.signature(func).parameters.values()
+        except (TypeError, ValueError):
+            self.problem(tool_name, f"compensation {label!r} has no inspectable signature")
+            return False
+        for p in params:
+            if p.kind is p.POSITIONAL_ONLY and p.default is p.empty:
+                self.problem(
+                    tool_name,
+                    f"compensation {label!r} has a required positional-only argument"
+                    f" {p.name!r}; with args=... it is called with keyword arguments only",
+                )
+                return False
+        return True
 
     def _lookup(self, tool_name: str, method: str | None) -> Callable[[str], Any] | None:
         if method is None:
@@ -701,7 +779,8 @@ class _Inspector:
         """Whether the method takes a CompensationContext; None when its signature
         is wrong (a problem has been recorded)."""
         wanted = (
-            "no argument or one CompensationContext"
+            "no argument or one CompensationContext (or declare"
+            " @compensable(args=lambda ctx: {...}) to call it with keyword arguments)"
             if allow_none
             else "one CompensationContext (ctx: CompensationContext) -> bool"
         )
@@ -750,6 +829,8 @@ class _Inspector:
         return required
 
     def _hints(self, tool_name: str, role: str, method: str, target: Any) -> dict[str, Any]:
+        if target is None:
+            return {}
         try:
             return typing.get_type_hints(target)
         except Exception as exc:
@@ -776,12 +857,13 @@ class _Inspector:
                     "is read_only but declares a reversal_window; there is nothing to"
                     " reverse: remove reversal_window",
                 )
-        for exc_type in decl.non_retryable:
-            if not (inspect.isclass(exc_type) and issubclass(exc_type, BaseException)):
-                self.problem(
-                    tool_name,
-                    f"non_retryable must list exception classes, got {exc_type!r}",
-                )
+        for field, types_ in (("non_retryable", decl.non_retryable), ("transient", decl.transient)):
+            for exc_type in types_:
+                if not (inspect.isclass(exc_type) and issubclass(exc_type, BaseException)):
+                    self.problem(
+                        tool_name,
+                        f"{field} must list exception classes, got {exc_type!r}",
+                    )
         for resource in decl.resources:
             if not isinstance(resource, str) or not resource:
                 self.problem(tool_name, f"resources must be non-empty strings, got {resource!r}")
@@ -872,6 +954,16 @@ def _type_name(hint: Any) -> str:
     if inspect.isclass(hint):
         return hint.__name__
     return str(hint).replace("typing.", "")
+
+
+def _takes_one_argument(fn: Any) -> bool:
+    if not callable(fn):
+        return False
+    try:
+        inspect.signature(fn).bind(None)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _allows(hint: Any, cls: type) -> bool:

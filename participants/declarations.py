@@ -10,7 +10,7 @@ attribute, their order does not matter.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -24,12 +24,14 @@ __all__ = [
     "BusinessRejection",
     "CompensableDeclaration",
     "CompensationApproval",
+    "CompensationArgs",
     "CompensationContext",
     "LookupResult",
     "ReconcileResult",
     "RetryPolicy",
     "Reversibility",
     "ToolDeclaration",
+    "TransientError",
     "compensable",
     "compensation",
     "tool",
@@ -65,6 +67,29 @@ class BusinessRejection(Exception):
     compensating at once (R9). Subclass it for your own rejections, or list other
     exception types in ``@tool(non_retryable=...)``.
     """
+
+
+class TransientError(Exception):
+    """A failure that may pass if the call is repeated (a provider briefly down).
+
+    Retried with the same idempotency key under the tool's retry policy. Subclass it,
+    or list other exception types in ``@tool(transient=...)``.
+    """
+
+
+DETERMINISTIC_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError,
+    TypeError,
+    LookupError,
+    AttributeError,
+    ArithmeticError,
+    NotImplementedError,
+    AssertionError,
+    PermissionError,
+)
+"""Built-in errors that fail the same way on every attempt (bad input, a bug, a
+refusal): treated as rejections, never retried, unless the tool lists them in
+``transient=``. Retrying them would only delay the compensation."""
 
 
 @dataclass(frozen=True)
@@ -147,18 +172,25 @@ class ToolDeclaration:
     retry: RetryPolicy
     compensation_retry: RetryPolicy
     non_retryable: tuple[Any, ...]
+    transient: tuple[Any, ...]
     owner: str
     deadline_ms: int
     secret_fields: tuple[str, ...]
     operation_id: str | Callable[[Any], str | None] | None
 
 
+CompensationArgs = Callable[[CompensationContext], Mapping[str, Any]]
+"""Builds a compensation's keyword arguments from the forward call (``ctx.input``,
+``ctx.result``, ``ctx.idempotency_key``...)."""
+
+
 @dataclass(frozen=True)
 class CompensableDeclaration:
     """What ``@compensable`` recorded."""
 
-    by: str | None
+    by: str | Callable[..., Any] | None
     reversibility: Reversibility
+    args: CompensationArgs | None = None
 
 
 def tool(
@@ -175,6 +207,7 @@ def tool(
     retry: RetryPolicy | None = None,
     compensation_retry: RetryPolicy | None = None,
     non_retryable: Sequence[type[BaseException]] = (),
+    transient: Sequence[type[BaseException]] = (),
     owner: str = "operations",
     deadline: Duration = 10.0,
     secret_fields: Sequence[str] = (),
@@ -199,8 +232,18 @@ def tool(
       one, or none (R13).
     - ``retry`` / ``compensation_retry``: bounded backoff for the forward step and
       the (more generous) compensation (R8).
-    - ``non_retryable``: exception types that are business rejections (R9), besides
-      ``BusinessRejection``.
+    - ``non_retryable``: the tool's business rejections by exception type (R9),
+      besides ``BusinessRejection``: never retried, the saga compensates at once.
+    - ``transient``: exception types worth retrying, besides ``TransientError``.
+
+    How an exception raised by the tool is classified, first match wins:
+    ``BusinessRejection`` or a ``non_retryable`` type is a rejection;
+    ``TransientError`` or a ``transient`` type is transient; a built-in error that
+    fails the same way every time (``ValueError``, ``TypeError``, ``LookupError``,
+    ``AttributeError``, ``ArithmeticError``, ``NotImplementedError``,
+    ``AssertionError``, ``PermissionError``) is a rejection; anything else
+    (``ConnectionError``, ``TimeoutError``, other ``OSError``, your own exceptions)
+    is transient and retried under ``retry``.
     - ``owner``: who is handed the problem when recovery runs out (R8).
     - ``deadline``: how long a call may take before its outcome is unknown (R11).
     - ``secret_fields``: argument names redacted before they reach the ledger.
@@ -223,6 +266,7 @@ def tool(
             compensation_retry if compensation_retry is not None else DEFAULT_COMPENSATION_RETRY
         ),
         non_retryable=tuple(non_retryable),
+        transient=tuple(transient),
         owner=owner,
         deadline_ms=round(_duration_s(deadline) * 1000),
         secret_fields=tuple(secret_fields),
@@ -237,18 +281,32 @@ def tool(
 
 
 def compensable(
-    by: str | None = None,
+    by: str | Callable[..., Any] | None = None,
     *,
+    args: CompensationArgs | None = None,
     reversibility: Reversibility = Reversibility.COMPENSATABLE,
 ) -> Callable[[F], F]:
     """Declare how a tool's effect is undone (seed 000 ``@Compensable``).
 
-    ``by`` names the compensation method in the same class (or participant object).
-    It is required unless ``reversibility`` is IRREVERSIBLE; an IRREVERSIBLE tool may
-    still name one, as a correction (a follow-up message), not an undo.
+    ``by`` is the compensation: the name of a method of the same class (or
+    participant object), or any function or callable, such as an undo function you
+    already have. It is required unless ``reversibility`` is IRREVERSIBLE; an
+    IRREVERSIBLE tool may still name one, as a correction (a follow-up message).
+
+    How the compensation is called:
+
+    - with ``args=``: ``by(**args(ctx))``, where ``args`` builds the keyword
+      arguments from the :class:`CompensationContext` of the forward call, e.g.
+      ``@compensable(by=release_seat, args=lambda ctx: {"reservation_id":
+      ctx.result["id"]})`` (``ctx.input`` holds the forward arguments);
+    - without: ``by(ctx)`` when it takes one argument, ``by()`` when it takes none.
+
+    ``wrap()`` checks at start-up that ``by`` exists and that its signature fits.
     """
 
-    declaration = CompensableDeclaration(by=by, reversibility=Reversibility(reversibility))
+    declaration = CompensableDeclaration(
+        by=by, reversibility=Reversibility(reversibility), args=args
+    )
 
     def mark(func: F) -> F:
         setattr(func, COMPENSABLE_ATTR, declaration)

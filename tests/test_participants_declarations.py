@@ -20,6 +20,8 @@ from participants import (
     tool,
     wrap,
 )
+from participants.declarations import TransientError
+from participants.errors import CatalogueError, ContractViolation
 from schemas import compensation_key
 
 
@@ -263,3 +265,136 @@ def test_provider_operation_id_from_a_declared_key_or_a_string_result() -> None:
     catalogue = wrap(Credits(), name="credits")
     assert catalogue["issue"].provider_operation_id({"credit_id": "cr-9"}) == "cr-9"
     assert catalogue["hold"].provider_operation_id("hold-3") == "hold-3"
+
+
+# ------------------------------------------------- wrapping existing functions
+
+
+RELEASED: list[str] = []
+
+
+def release_seat(reservation_id: str, reason: str = "saga compensation") -> None:
+    """An undo function that exists already, with its own signature."""
+    RELEASED.append(f"{reservation_id}:{reason}")
+
+
+def refund_payment(ctx: CompensationContext) -> str:
+    return f"refund-{ctx.result}-{ctx.input['amount']}"
+
+
+class Booking:
+    @tool(description="Reserve a seat")
+    @compensable(by=release_seat, args=lambda ctx: {"reservation_id": ctx.result["id"]})
+    def reserve_seat(self, flight: str) -> dict[str, str]:
+        return {"id": f"r-{flight}"}
+
+    @tool(description="Charge")
+    @compensable(by=refund_payment)
+    def charge(self, amount: int) -> str:
+        return "ch-1"
+
+    @tool(description="Hold a seat by method name, args built from the input")
+    @compensable(by="drop", args=lambda ctx: {"flight": ctx.input["flight"], "key": ctx.result})
+    def hold(self, flight: str) -> str:
+        return "h-1"
+
+    def drop(self, flight: str, key: str) -> str:
+        return f"dropped {flight} {key}"
+
+
+def _ctx(tool_name: str, args: dict[str, object], result: object) -> CompensationContext:
+    return CompensationContext("s-1", tool_name, args, result, "key-1")
+
+
+def test_by_takes_a_plain_function_with_args_built_from_input_and_result() -> None:
+    catalogue = wrap(Booking(), name="booking")
+    spec = catalogue["reserve_seat"]
+    assert spec.contract().compensation == "release_seat"
+    RELEASED.clear()
+    spec.compensate(_ctx("reserve_seat", {"flight": "LX1"}, {"id": "r-LX1"}))
+    assert RELEASED == ["r-LX1:saga compensation"]
+
+
+def test_by_takes_a_plain_function_of_the_context() -> None:
+    spec = wrap(Booking(), name="booking")["charge"]
+    assert spec.compensate(_ctx("charge", {"amount": 5}, "ch-1")) == "refund-ch-1-5"
+    assert asyncio.run(spec.acompensate(_ctx("charge", {"amount": 5}, "ch-1"))) == "refund-ch-1-5"
+
+
+def test_args_also_work_with_a_method_name() -> None:
+    spec = wrap(Booking(), name="booking")["hold"]
+    assert spec.compensate(_ctx("hold", {"flight": "LX2"}, "h-1")) == "dropped LX2 h-1"
+
+
+def test_a_plain_function_with_a_wrong_signature_is_refused_at_wrap_naming_both() -> None:
+    def undo(a: str, b: str) -> None:
+        pass
+
+    class Bad:
+        @tool(description="Book")
+        @compensable(by=undo)
+        def book(self) -> str:
+            return "b"
+
+    with pytest.raises(CatalogueError) as err:
+        wrap(Bad(), name="bad")
+    message = str(err.value)
+    assert "book" in message and "'undo' takes 2 arguments" in message
+    assert "args=lambda ctx" in message
+
+
+def test_args_that_is_not_a_one_argument_callable_is_refused_at_wrap() -> None:
+    class Bad:
+        @tool(description="Book")
+        @compensable(by=release_seat, args=lambda: {})  # type: ignore[arg-type]
+        def book(self) -> str:
+            return "b"
+
+    with pytest.raises(CatalogueError, match=r"book.*@compensable\(args=<lambda>\) must be"):
+        wrap(Bad(), name="bad")
+
+
+def test_by_that_is_neither_name_nor_callable_is_refused() -> None:
+    class Bad:
+        @tool(description="Book")
+        @compensable(by=42)  # type: ignore[arg-type]
+        def book(self) -> str:
+            return "b"
+
+    with pytest.raises(CatalogueError, match="neither a method name nor a callable"):
+        wrap(Bad(), name="bad")
+
+
+def test_args_returning_no_mapping_is_a_contract_violation_naming_the_tool() -> None:
+    class Odd:
+        @tool(description="Book")
+        @compensable(by=release_seat, args=lambda ctx: ctx.result)
+        def book(self) -> str:
+            return "b"
+
+    spec = wrap(Odd(), name="odd")["book"]
+    with pytest.raises(ContractViolation, match="tool 'book' returned str"):
+        spec.compensate(_ctx("book", {}, "b"))
+
+
+def test_plain_exceptions_are_classified_as_documented_R9() -> None:
+    class SoldOut(Exception):
+        pass
+
+    class Flaky(ValueError):
+        pass
+
+    class Shop:
+        @tool(description="Buy", non_retryable=(SoldOut,), transient=(Flaky,))
+        @compensable(by=release_seat, args=lambda ctx: {"reservation_id": ctx.result})
+        def buy(self) -> str:
+            return "b"
+
+    spec = wrap(Shop(), name="shop")["buy"]
+    assert spec.is_business_rejection(SoldOut())  # declared rejection
+    assert not spec.is_business_rejection(Flaky())  # declared transient wins over ValueError
+    assert not spec.is_business_rejection(TransientError())
+    for deterministic in (ValueError(), KeyError("x"), TypeError(), ZeroDivisionError()):
+        assert spec.is_business_rejection(deterministic)  # would fail the same way again
+    for transient in (ConnectionError(), TimeoutError(), OSError(), RuntimeError()):
+        assert not spec.is_business_rejection(transient)
