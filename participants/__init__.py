@@ -87,6 +87,7 @@ from participants.plan import (
     Severity,
     check_plan,
 )
+from participants.readiness import CoordinatorNotRunning
 from participants.runtime import ParticipantRuntime, RuntimeMetrics
 
 __all__ = [
@@ -103,6 +104,7 @@ __all__ = [
     "CompensationApproval",
     "CompensationContext",
     "ContractViolation",
+    "CoordinatorNotRunning",
     "Finding",
     "FindingCode",
     "InvalidArgumentsError",

@@ -323,10 +323,12 @@ def wrap(*participants: object, name: str | None = None) -> Catalogue:
     """Build the catalogue of ``participants`` and check every declaration.
 
     Each participant is an object (usually an instance of a class) whose methods
-    carry ``@tool``; compensations, lookups and verifications are found by name on
-    the same object. ``name`` is the participant name (its command topic is
-    ``sagaline.commands.<name>``); by default it is derived from the first object's
-    class name. Raises ``CatalogueError`` listing every problem.
+    carry ``@tool``, or a plain function (a tool by being passed; it needs
+    ``@compensable`` or ``@tool(read_only=True)``); compensations, lookups and
+    verifications named by a string are found on the same object. ``name`` is the
+    participant name (its command topic is ``sagaline.commands.<name>``); by default
+    it is derived from the first object's class name. Raises ``CatalogueError``
+    listing every problem.
     """
     problems: list[CatalogueProblem] = []
     catalogue_name = name if name is not None else _default_name(participants)
@@ -347,7 +349,7 @@ def wrap(*participants: object, name: str | None = None) -> Catalogue:
 
     specs: dict[str, ToolSpec] = {}
     owners: dict[str, list[str]] = {}
-    for obj in participants:
+    for obj in _group_functions(participants):
         inspector = _Inspector(obj, catalogue_name, problems)
         for spec in inspector.specs():
             specs.setdefault(spec.name, spec)
@@ -370,10 +372,44 @@ def wrap(*participants: object, name: str | None = None) -> Catalogue:
     return Catalogue(catalogue_name, specs, participants)
 
 
+def _group_functions(participants: tuple[object, ...]) -> list[object]:
+    """Plain functions given to ``wrap()`` become the methods of one participant
+    object; passing a function declares it a tool (its docstring describes it), so an
+    existing function needs only ``@compensable``. The caller's functions are copied,
+    never changed."""
+    functions = [p for p in participants if inspect.isfunction(p)]
+    if not functions:
+        return list(participants)
+    members: dict[str, Any] = {}
+    for func in functions:
+        if tool_declaration(func) is None:
+            func = _tool_copy(func)
+        members[func.__name__] = staticmethod(func)
+    holder = type("functions", (), members)()
+    return [holder, *(p for p in participants if not inspect.isfunction(p))]
+
+
+def _tool_copy(func: types.FunctionType) -> types.FunctionType:
+    from participants.declarations import tool
+
+    copy = types.FunctionType(
+        func.__code__, func.__globals__, func.__name__, func.__defaults__, func.__closure__
+    )
+    copy.__kwdefaults__ = func.__kwdefaults__
+    copy.__annotations__ = dict(func.__annotations__)
+    copy.__doc__ = func.__doc__
+    copy.__qualname__ = func.__qualname__
+    copy.__module__ = func.__module__
+    copy.__dict__.update(func.__dict__)
+    return tool()(copy)
+
+
 def _default_name(participants: tuple[object, ...]) -> str:
     if not participants:
         return "participant"
     first = participants[0]
+    if inspect.isfunction(first):
+        return "tools"
     if isinstance(first, types.ModuleType):
         base = first.__name__.rsplit(".", 1)[-1]
     else:

@@ -31,6 +31,13 @@ from typing import Any, TypeVar
 import orjson
 
 from participants.catalogue import Catalogue, ToolSpec
+from participants.readiness import (
+    CoordinatorNotRunning,
+    coordinator_group,
+    group_status,
+    no_coordinator_message,
+    require_coordinator,
+)
 from sagaline.kafka import (
     LedgerReader,
     LedgerWriter,
@@ -170,6 +177,11 @@ class _Ledger:
 class SagaClient:
     """One per agent process: a producer, a listener and the known tool contracts."""
 
+    check_coordinator = True
+    """Before the first saga, wait (briefly) for a coordinator to consume the ledger
+    and raise ``CoordinatorNotRunning`` if none does; set False to skip."""
+    _coordinator_seen = False
+
     def __init__(
         self,
         settings: Settings,
@@ -260,6 +272,13 @@ class SagaClient:
             self._secret_paths.setdefault(name, tuple(entry.get("secret_paths", ())))
             count += 1
         return count
+
+    def ensure_coordinator(self) -> None:
+        """Fail fast, saying what to start, when no coordinator consumes the ledger
+        (instead of every call waiting out its timeout). Checked once per client."""
+        if self.check_coordinator and not self._coordinator_seen:
+            require_coordinator(self.settings, self.bootstrap)
+            self._coordinator_seen = True
 
     def contract(self, tool: str) -> StepContract:
         if tool not in self._contracts:
@@ -365,6 +384,7 @@ class Saga:
         )
         self._steps = itertools.count(1)
         self.results: dict[str, Any] = {}
+        self._contracts: dict[str, StepContract] = {}
 
     def _envelope(self, cls: type[Record]) -> Any:
         return envelope_for(
@@ -378,6 +398,7 @@ class Saga:
     # ------------------------------------------------------------------ sync
 
     def __enter__(self) -> Saga:
+        self.client.ensure_coordinator()
         self.client._ledger.follow(self.saga_id)
         self.client.append(self._start)
         return self
@@ -390,6 +411,10 @@ class Saga:
     ) -> None:
         if exc is None:
             self.end(SagaOutcome.COMPLETE)
+        elif isinstance(exc, ApprovalPending):
+            # Waiting for a person is not a failure (R7): the saga stays open, the step
+            # runs once approved. Finish with resume() then end(), or abort() it.
+            log.info("saga %s left open: %s", self.saga_id, exc)
         else:
             self.end(SagaOutcome.ABORT, reason=f"{type(exc).__name__}: {exc}")
 
@@ -432,8 +457,18 @@ class Saga:
                 contract=contract,
             )
         )
+        self._contracts[step] = contract
         result = self._await_step(step, contract, timeout_s or self.client.call_timeout_s)
         self.results[step] = result
+        return result
+
+    def resume(self, step_id: str, timeout_s: float | None = None) -> Any:
+        """Wait again for a step this saga scheduled, e.g. after ``ApprovalPending``:
+        its result once approved and run, or the error it ended in."""
+        result = self._await_step(
+            step_id, self._contracts[step_id], timeout_s or self.client.call_timeout_s
+        )
+        self.results[step_id] = result
         return result
 
     def wait(self, timeout_s: float = 60.0) -> Receipt:
@@ -532,6 +567,9 @@ class Saga:
                     approval_id=state["approval"],
                     **where,
                 )
+            status = group_status(self.client.bootstrap, coordinator_group(self.client.settings))
+            if not status.consuming:
+                raise CoordinatorNotRunning(no_coordinator_message(self.client.settings, status))
             if state["unknown"]:
                 raise OutcomeUnknown(
                     f"{contract.tool} timed out and is not reconciled yet", **where

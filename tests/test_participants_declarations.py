@@ -398,3 +398,28 @@ def test_plain_exceptions_are_classified_as_documented_R9() -> None:
         assert spec.is_business_rejection(deterministic)  # would fail the same way again
     for transient in (ConnectionError(), TimeoutError(), OSError(), RuntimeError()):
         assert not spec.is_business_rejection(transient)
+
+
+def reserve_seat(flight: str) -> dict[str, str]:
+    """Reserve a seat on a flight."""
+    return {"id": f"r-{flight}"}
+
+
+def test_wrap_takes_plain_functions_and_leaves_them_unchanged() -> None:
+    reserve = compensable(by=release_seat, args=lambda ctx: {"reservation_id": ctx.result["id"]})(
+        reserve_seat
+    )
+    catalogue = wrap(reserve, name="trip")
+    spec = catalogue["reserve_seat"]
+    assert spec.description == "Reserve a seat on a flight."
+    assert spec.invoke({"flight": "LX3"}) == {"id": "r-LX3"}
+    assert spec.input_schema()["required"] == ["flight"]
+    assert getattr(reserve_seat, "__sagaline_tool__", None) is None  # the caller's function
+
+
+def test_a_plain_function_with_no_compensation_is_refused_by_name() -> None:
+    def send(to: str) -> None:
+        """Send a letter."""
+
+    with pytest.raises(CatalogueError, match="send: is a write tool with no declared compensation"):
+        wrap(send, name="post")

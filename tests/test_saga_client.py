@@ -24,8 +24,11 @@ from participants.client import (
     SagaClient,
     UnknownTool,
 )
-from sagaline.kafka import LedgerReader
-from schemas import Disposition, TerminalStatus
+from participants.readiness import CoordinatorNotRunning
+from sagaline.kafka import LedgerReader, ensure_topics
+from sagaline.ops.actions import OperatorChannel, grant_approval
+from schemas import ApprovalRequested, Disposition, SagaOutcome, TerminalStatus
+from schemas.settings import Settings
 from tests.system import System
 
 pytestmark = pytest.mark.kafka
@@ -118,17 +121,45 @@ def test_async_with_completes_the_saga(local: tuple[System, Desk]) -> None:
     assert desk.log == ["book:tue"]
 
 
-def test_an_irreversible_call_without_approval_raises_approval_pending_R7(
+def test_an_irreversible_call_without_approval_leaves_the_saga_open_R7(
     local: tuple[System, Desk],
 ) -> None:
     system, desk = local
     with pytest.raises(ApprovalPending) as err, system.client.saga("desk", "agent") as saga:
+        saga.call("book_slot", day="wed")
         saga.call("announce", text="hello", timeout_s=3)
-    assert err.value.approval_id
-    assert err.value.tool == "announce"
-    # Leaving the block by the exception aborted the saga; nothing had committed.
-    assert saga.wait(60).status is TerminalStatus.COMPENSATED
-    assert desk.log == []  # the irreversible tool never ran
+    # ApprovalPending left the block, but waiting for a person is not a failure: the
+    # saga was neither aborted nor compensated, the booking stands.
+    pending = err.value
+    assert pending.tool == "announce" and pending.approval_id
+    assert desk.log == ["book:wed"]
+    request = next(
+        r
+        for r in system.records(saga.saga_id)
+        if isinstance(r, ApprovalRequested) and r.step_id == pending.step_id
+    )
+    channel = OperatorChannel.from_settings(system.settings, system.bootstrap)
+    grant_approval(channel, request, operator="ops:alice")
+    channel.close()
+    assert saga.resume(pending.step_id) == "hello"
+    saga.end(SagaOutcome.COMPLETE)
+    assert saga.wait(60).status is TerminalStatus.COMPLETED
+    assert desk.log == ["book:wed"]
+
+
+def test_without_a_coordinator_a_saga_says_what_to_start(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    settings = Settings(
+        bootstrap=kafka_bootstrap, topic_prefix=unique_prefix, state_dir=tmp_path, partitions=1
+    )
+    ensure_topics(kafka_bootstrap, settings.topics, [], 1)
+    client = SagaClient(settings, kafka_bootstrap, local=wrap(Desk(), name="desk"))
+    with client, pytest.raises(CoordinatorNotRunning) as err, client.saga("desk", "agent"):
+        pass
+    message = str(err.value)
+    assert f"no coordinator is consuming `{settings.topics.events}`" in message
+    assert "sagaline coordinator run" in message and unique_prefix in message
 
 
 def test_an_unknown_tool_is_a_clear_error(local: tuple[System, Desk]) -> None:
