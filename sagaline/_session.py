@@ -1,0 +1,119 @@
+"""``sagaline.connect``: the client, the tools' runtime and (for development) the
+coordinator, in one ``with``.
+
+Without it a first saga means creating topics, starting a participant runtime per
+catalogue in a thread, a coordinator, and a client that knows the contracts; this
+does exactly that, against the configured broker, and stops all of it on exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from participants.catalogue import Catalogue, wrap
+from participants.client import SagaClient
+from participants.readiness import require_coordinator
+from participants.runtime import ParticipantRuntime
+from schemas.settings import Settings
+from schemas.topics import ensure_topics
+
+log = logging.getLogger("sagaline.connect")
+
+__all__ = ["connect"]
+
+_START_TIMEOUT_S = 120.0
+
+
+class StartError(RuntimeError):
+    """A runtime or the coordinator started by ``connect`` did not come up."""
+
+
+@contextmanager
+def connect(
+    *tools: Any,
+    name: str | None = None,
+    coordinator: bool = False,
+    settings: Settings | None = None,
+    bootstrap: str | None = None,
+    call_timeout_s: float = 60.0,
+) -> Iterator[SagaClient]:
+    """Serve ``tools`` and yield a started :class:`SagaClient`.
+
+    - ``tools``: none (a client of tools served elsewhere), ``Catalogue`` objects
+      (each served under its own name), and/or participant objects and plain
+      functions, wrapped together as one catalogue
+      called ``name`` (checked by ``wrap()``: a bad declaration fails here).
+    - ``coordinator``: also run a coordinator in this process. For development and
+      tests; in production run ``sagaline coordinator run`` (the client then checks
+      that one is consuming, and says what to start if not).
+    - ``settings`` / ``bootstrap``: default to the environment
+      (``SAGALINE_*``, ``KAFKA_BOOTSTRAP_SERVERS``); with no broker configured the
+      project's local development broker is used (started if needed).
+    """
+    if settings is None:
+        settings = Settings.from_env()
+    if bootstrap is None:
+        bootstrap = settings.bootstrap
+    if bootstrap is None:
+        from services.broker import resolve_bootstrap
+
+        bootstrap = resolve_bootstrap()
+    catalogues = _catalogues(tools, name)
+    ensure_topics(bootstrap, settings.topics, [c.name for c in catalogues], settings.partitions)
+
+    stoppers: list[Any] = []
+    threads: list[threading.Thread] = []
+    client: SagaClient | None = None
+    try:
+        if coordinator:
+            from coordinator.shell import Coordinator
+
+            # A stable instance id: a restarted development process takes its
+            # partitions back at once (static membership).
+            core = Coordinator(settings, bootstrap, instance_id="dev-coordinator")
+            thread = threading.Thread(target=core.run, name="sagaline-coordinator", daemon=True)
+            thread.start()
+            stoppers.append(core)
+            threads.append(thread)
+            require_coordinator(settings, bootstrap, patience_s=_START_TIMEOUT_S)
+        for catalogue in catalogues:
+            runtime = ParticipantRuntime(catalogue, settings, bootstrap)
+            ready = threading.Event()
+            thread = threading.Thread(
+                target=runtime.run,
+                kwargs={"ready": ready},
+                name=f"sagaline-participant-{catalogue.name}",
+                daemon=True,
+            )
+            thread.start()
+            stoppers.append(runtime)
+            threads.append(thread)
+            if not ready.wait(_START_TIMEOUT_S) or not thread.is_alive():
+                raise StartError(
+                    f"participant {catalogue.name!r} did not start serving"
+                    f" {settings.topics.commands(catalogue.name)} (see the log above)"
+                )
+        client = SagaClient(
+            settings, bootstrap, catalogues=catalogues, call_timeout_s=call_timeout_s
+        )
+        client.start()
+        yield client
+    finally:
+        if client is not None:
+            client.close()
+        for stopper in reversed(stoppers):
+            stopper.stop()
+        for thread in threads:
+            thread.join(30)
+
+
+def _catalogues(tools: tuple[Any, ...], name: str | None) -> list[Catalogue]:
+    ready = [t for t in tools if isinstance(t, Catalogue)]
+    loose = [t for t in tools if not isinstance(t, Catalogue)]
+    if loose:
+        ready.append(wrap(*loose, name=name))
+    return ready  # none: a client for tools that other processes serve

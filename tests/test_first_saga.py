@@ -1,0 +1,73 @@
+"""The first saga of docs/quickstart.md, run as a newcomer runs it, on the real broker;
+and the facade stays lazy (``import sagaline`` pulls in nothing else)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import sagaline
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "first_saga.py"
+
+
+@pytest.mark.kafka
+def test_first_saga_runs_and_compensates_R1(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    env = {
+        **os.environ,
+        "KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap,
+        "SAGALINE_TOPIC_PREFIX": unique_prefix,
+        "SAGALINE_PARTITIONS": "1",
+    }
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLE)],
+        cwd=tmp_path,  # as a newcomer would: from their own directory
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == (
+        "COMPENSATED [('reserve_seat', 'COMPENSATED'), ('charge_card', 'NOT_COMMITTED')]"
+        " held: set()"
+    )
+
+
+def test_first_saga_has_at_most_ten_lines_of_sagaline_code() -> None:
+    source = EXAMPLE.read_text()
+    _existing, sagaline_part = source.split("# --- Sagaline: ten lines. ---")
+    lines = [
+        line
+        for line in sagaline_part.splitlines()
+        if line.strip() and not line.strip().startswith("#")
+    ]
+    assert len(lines) <= 10, lines
+    ast.parse(source)
+
+
+def test_import_sagaline_is_lazy() -> None:
+    code = (
+        "import sys, sagaline; "
+        "heavy = [m for m in ('participants', 'confluent_kafka', 'coordinator', 'services')"
+        " if m in sys.modules]; print(heavy)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_facade_exports_the_first_saga_names() -> None:
+    from participants.client import SagaClient
+
+    assert sagaline.SagaClient is SagaClient
+    assert callable(sagaline.connect) and callable(sagaline.compensable)
+    assert isinstance(sagaline.__version__, str) and sagaline.__version__
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        _ = sagaline.nope  # type: ignore[attr-defined]
