@@ -6,10 +6,12 @@ else that starts a participant by name), so they all read a module the same way.
 The rule, in order:
 
 1. ``MODULE:ATTR``: the attribute (dotted paths allowed) is a ``Catalogue`` (used as
-   is), a list or tuple of participant objects, or one participant object.
+   is), a list or tuple of participant objects, one participant object, a tool
+   function, or a factory: a function taking no argument that returns any of these.
 2. ``MODULE`` alone: a module-level ``CATALOGUE`` or ``catalogue`` that is a
-   ``Catalogue``; else a module-level ``PARTICIPANTS`` list; else every module-level
-   object whose class has a method decorated with ``@tool``, in definition order.
+   ``Catalogue`` or a factory of one; else a module-level ``PARTICIPANTS`` list;
+   else every module-level object whose class has a method decorated with
+   ``@tool``, in definition order.
 
 Objects are wrapped with ``name=`` the given name, else the module's
 ``PARTICIPANT_NAME``, else the default of ``wrap()``. A module that calls ``wrap()``
@@ -26,7 +28,7 @@ import types
 from typing import Any
 
 from participants.catalogue import Catalogue, wrap
-from participants.declarations import tool_declaration
+from participants.declarations import compensable_declaration, tool_declaration
 from participants.errors import CatalogueError, SagalineParticipantError
 
 __all__ = ["DiscoveryError", "load_catalogue"]
@@ -48,6 +50,8 @@ def load_catalogue(reference: str, *, name: str | None = None) -> Catalogue:
         value = getattr(module, candidate, None)
         if isinstance(value, Catalogue):
             return value
+        if _is_factory(value):
+            return _from_value(value, f"{module_name}.{candidate}", wrap_name)
     participants = getattr(module, "PARTICIPANTS", None)
     if participants is not None:
         return _from_value(participants, f"{module_name}.PARTICIPANTS", wrap_name)
@@ -95,6 +99,22 @@ def _attribute(module: types.ModuleType, attr: str) -> Any:
 def _from_value(value: Any, where: str, name: str | None) -> Catalogue:
     if isinstance(value, Catalogue):
         return value
+    if _is_factory(value):
+        try:
+            inspect.signature(value).bind()
+        except TypeError:
+            raise DiscoveryError(
+                f"{where} is a function that needs arguments; a catalogue factory must take"
+                " none (or name the Catalogue, object or list itself)"
+            ) from None
+        except ValueError:
+            pass  # no signature to check: try the call
+        made = value()
+        if _is_factory(made):
+            raise DiscoveryError(f"{where}() returned another function, not a catalogue")
+        return _from_value(made, f"{where}()", name)
+    if inspect.isfunction(value):
+        return wrap(value, name=name)  # a tool function: wrap() checks its declarations
     if isinstance(value, (list, tuple)):
         return wrap(*value, name=name)
     if inspect.isclass(value) or isinstance(value, types.ModuleType) or _has_tools(value):
@@ -103,6 +123,14 @@ def _from_value(value: Any, where: str, name: str | None) -> Catalogue:
         f"{where} is a {type(value).__name__}, not a Catalogue, a participant object"
         " or a list of them"
     )
+
+
+def _is_factory(value: Any) -> bool:
+    """A function or bound method that is not itself a declared tool."""
+    if not (inspect.isfunction(value) or inspect.ismethod(value)):
+        return False
+    func = getattr(value, "__func__", value)
+    return tool_declaration(func) is None and compensable_declaration(func) is None
 
 
 def _module_name_setting(module: types.ModuleType) -> str | None:

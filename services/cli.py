@@ -26,6 +26,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "services.demo",
     "services.dashboard",
     "services.keys_cli",
+    "sagaline.cli",
 )
 
 
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sagaline",
         description="Recoverable side effects for AI-agent tool calls, over Kafka.",
     )
+    parser.add_argument("--version", action="version", version=f"sagaline {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:
@@ -44,6 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
             continue  # that area is not built yet
         module.register(subparsers)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sagaline")
+    except PackageNotFoundError:
+        return "0+unknown (not installed)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -202,6 +202,33 @@ def _folded(records: list[Record], saga_id: str, settings: Settings) -> SagaStat
     return fold(records, policy=policy).get(saga_id)
 
 
+def _cmd_wait(args: argparse.Namespace) -> int:
+    """Block until the saga is terminal, then print its receipt like ``saga show``:
+    scripts need no Kafka calls of their own. Exit 0 when terminal, 124 on timeout."""
+    import time
+
+    settings, bootstrap = configured_broker("sagaline")
+    reader = LedgerReader(bootstrap)
+    deadline = time.monotonic() + args.timeout
+    while True:
+        try:
+            records = reader.saga_records(settings.topics.events, args.saga_id, settings.signer())
+        except TopicMissing as exc:
+            print(str(exc), file=sys.stderr)
+            return 2
+        if any(isinstance(r, SagaTerminal) for r in records):
+            return _cmd_show(args)
+        if time.monotonic() >= deadline:
+            state = f"{len(records)} records so far" if records else "no records at all"
+            print(
+                f"saga {args.saga_id!r} is not terminal after {args.timeout:.0f} s ({state});"
+                f" see `sagaline saga show {args.saga_id}` and `sagaline status`",
+                file=sys.stderr,
+            )
+            return 124
+        time.sleep(1.0)
+
+
 def _record_json(record: Record) -> dict[str, Any]:
     out: dict[str, Any] = record.model_dump(mode="json")
     out["type"] = record.TYPE
@@ -409,6 +436,11 @@ def register(subparsers: Any) -> None:
     show.add_argument("saga_id")
     show.add_argument("--json", action="store_true", help="machine-readable output")
     show.set_defaults(func=_cmd_show)
+    wait = saga_sub.add_parser("wait", help="wait until the saga is terminal; print the receipt")
+    wait.add_argument("saga_id")
+    wait.add_argument("--timeout", type=float, default=300.0, help="seconds (default 300)")
+    wait.add_argument("--json", action="store_true", help="machine-readable output")
+    wait.set_defaults(func=_cmd_wait)
 
     for name, grant in (("approve", True), ("deny", False)):
         p = subparsers.add_parser(name, help=f"{name} a pending approval (R7)")

@@ -1,14 +1,15 @@
 """``sagaline topics create`` and ``sagaline participant run``: deployable processes.
 
 ``participant run NAME`` serves one catalogue over Kafka. NAME is a participant of
-the refund example (``services.refund``), or ``--catalogue module:attr`` names any
-object that is a ``Catalogue`` or a zero-argument factory returning one.
+the refund example (``services.refund``), or ``--catalogue MODULE[:ATTR]`` names its
+catalogue the way ``catalogue check`` reads it (from the working directory: a
+``Catalogue``, participant objects, or a zero-argument factory; see
+``participants.discovery``).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import sys
@@ -46,12 +47,11 @@ def _cmd_topics_create(args: argparse.Namespace) -> int:
 def load_catalogue(name: str, spec: str | None, settings: Settings) -> Catalogue:
     """The catalogue to serve: ``module:attr`` when given, else the refund example's."""
     if spec:
-        module_name, _, attr = spec.partition(":")
-        target: Any = getattr(importlib.import_module(module_name), attr or "catalogue")
-        catalogue = target() if callable(target) and not isinstance(target, Catalogue) else target
-        if not isinstance(catalogue, Catalogue):
-            raise TypeError(f"{spec} is not a Catalogue (got {type(catalogue).__name__})")
-        return catalogue
+        # The rule every command shares: imports from the working directory, takes a
+        # Catalogue, participant objects or a factory (participants.discovery).
+        from participants.discovery import load_catalogue as discover
+
+        return discover(spec, name=name)
     from services.refund import build_catalogue
     from services.refund.faults import FaultPlan
 
@@ -61,7 +61,14 @@ def load_catalogue(name: str, spec: str | None, settings: Settings) -> Catalogue
 def _cmd_participant_run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     settings, bootstrap = configured_broker("sagaline participant run")
-    catalogue = load_catalogue(args.name, args.catalogue, settings)
+    from participants.discovery import DiscoveryError
+    from participants.errors import CatalogueError
+
+    try:
+        catalogue = load_catalogue(args.name, args.catalogue, settings)
+    except (DiscoveryError, CatalogueError) as exc:
+        print(f"sagaline participant run {args.name}: {exc}", file=sys.stderr)
+        return 2
     from services.refund import economic_effect
 
     metrics = ParticipantMetrics(args.name, effect=economic_effect)

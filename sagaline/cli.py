@@ -1,0 +1,128 @@
+"""``sagaline status`` and ``sagaline mcp proxy``.
+
+Imports stay inside the commands: ``sagaline --help`` must work with only the core
+dependencies installed, and the MCP SDK is an optional extra (``sagaline[mcp]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    status = subparsers.add_parser(
+        "status",
+        help="is the coordinator and each participant consuming? (exit 1 if not)",
+        description="Reads the consumer groups of the coordinator and of every participant"
+        " that published its catalogue (plus any named with --participant) through the Kafka"
+        " admin API. Exit 0 when all consume, 1 when one does not, 2 when the broker does"
+        " not answer.",
+    )
+    status.add_argument(
+        "--participant",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a participant that must be consuming (repeatable)",
+    )
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.set_defaults(func=_cmd_status)
+
+    mcp = subparsers.add_parser("mcp", help="MCP integration (needs sagaline[mcp])")
+    mcp_sub = mcp.add_subparsers(dest="mcp_command", required=True, metavar="COMMAND")
+    proxy = mcp_sub.add_parser(
+        "proxy",
+        help="an MCP server (stdio) fronting upstream MCP servers: every write is a saga step",
+        description="Serve, over stdio, the tools of the upstream MCP servers named in"
+        " DECLARATION (YAML or JSON). Each MCP session is one saga; compensations and"
+        " lookups call the upstream servers. Refuses to start on a declaration that cannot"
+        " work. See docs/mcp-proxy.md.",
+    )
+    proxy.add_argument("declaration", type=Path, metavar="DECLARATION")
+    proxy.add_argument(
+        "--check", action="store_true", help="validate against the upstream servers and exit"
+    )
+    proxy.set_defaults(func=_cmd_mcp_proxy)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from participants.readiness import (
+        GroupStatus,
+        coordinator_group,
+        group_status,
+        participant_group,
+    )
+    from services.broker import settings_and_bootstrap
+
+    settings, bootstrap = settings_and_bootstrap()
+    try:
+        names = sorted({*_published_participants(bootstrap, settings.topics.catalogue)})
+        names = sorted({*names, *args.participant})
+        rows: list[tuple[str, GroupStatus]] = [
+            ("coordinator", group_status(bootstrap, coordinator_group(settings)))
+        ]
+        rows += [
+            (f"participant {n}", group_status(bootstrap, participant_group(settings, n)))
+            for n in names
+        ]
+    except ConnectionError as exc:
+        print(f"sagaline status: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(
+            json.dumps(
+                [
+                    {
+                        "role": role,
+                        "group": s.group,
+                        "state": s.state,
+                        "members": s.members,
+                        "consuming": s.consuming,
+                    }
+                    for role, s in rows
+                ],
+                indent=2,
+            )
+        )
+    else:
+        print(f"broker {bootstrap}, topics {settings.topics.events} ...")
+        width = max(len(role) for role, _ in rows)
+        for role, s in rows:
+            verdict = "consuming" if s.consuming else "NOT consuming"
+            print(f"  {role:<{width}}  {verdict:<13}  {s.state} ({s.members} member(s), {s.group})")
+    return 0 if all(s.consuming for _, s in rows) else 1
+
+
+def _published_participants(bootstrap: str, topic: str) -> set[str]:
+    from services.ledger import TopicMissing, read_partitions
+
+    found: set[str] = set()
+    try:
+        for _key, value, _headers in read_partitions(bootstrap, topic):
+            if value is None:
+                continue
+            try:
+                entry = json.loads(value)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and isinstance(entry.get("participant"), str):
+                found.add(entry["participant"])
+    except TopicMissing:
+        return set()  # nothing published yet
+    return found
+
+
+def _cmd_mcp_proxy(args: argparse.Namespace) -> int:
+    try:
+        from sagaline.agents import mcp_proxy
+    except ImportError as exc:
+        print(
+            f"sagaline mcp proxy needs the MCP SDK ({exc}): pip install 'sagaline[mcp]'",
+            file=sys.stderr,
+        )
+        return 2
+    return mcp_proxy.main(args.declaration, check_only=args.check)

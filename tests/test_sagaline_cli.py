@@ -1,0 +1,142 @@
+"""The newcomer's commands: ``--version``/``--help`` on core dependencies only, one way
+to name a catalogue (working directory, factories), ``status`` and ``saga wait``."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import sagaline
+from services.cli import main
+
+# Makes every optional extra unimportable, as on a machine with `pip install sagaline`.
+_CORE_ONLY = textwrap.dedent(
+    """
+    import sys
+    class _NoExtras:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in {"mcp", "agents", "langchain_core", "langgraph",
+                                      "pydantic_ai", "yaml", "openai"}:
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+            return None
+    sys.meta_path.insert(0, _NoExtras())
+    from services.cli import main
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+TOOLS_MODULE = textwrap.dedent(
+    '''
+    from sagaline import compensable, wrap
+
+    def release(reservation_id: str) -> None:
+        pass
+
+    @compensable(by=release, args=lambda ctx: {"reservation_id": ctx.result})
+    def reserve(flight: str) -> str:
+        """Reserve a seat."""
+        return "r-" + flight
+
+    def make_catalogue():
+        return wrap(reserve, name="seats")
+    '''
+)
+
+
+def _core_only(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", _CORE_ONLY, *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_version_and_help_work_with_only_the_core_dependencies() -> None:
+    version = _core_only("--version")
+    assert version.returncode == 0, version.stderr
+    assert version.stdout.strip() == f"sagaline {sagaline.__version__}"
+    helped = _core_only("--help")
+    assert helped.returncode == 0, helped.stderr
+    for command in ("status", "mcp", "saga", "participant", "catalogue"):
+        assert command in helped.stdout
+    proxy = _core_only("mcp", "proxy", "nothing.yaml")
+    assert proxy.returncode == 2
+    assert "pip install 'sagaline[mcp]'" in proxy.stderr
+
+
+def test_catalogue_check_reads_a_factory_from_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "seat_tools.py").write_text(TOOLS_MODULE)
+    monkeypatch.chdir(tmp_path)
+    assert main(["catalogue", "check", "seat_tools:make_catalogue"]) == 0
+    out = capsys.readouterr().out
+    assert "participant seats: 1 tool(s), all declarations valid" in out
+    assert "release" in out
+
+
+@pytest.mark.kafka
+def test_participant_run_status_and_saga_wait(
+    kafka_bootstrap: str,
+    unique_prefix: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    (tmp_path / "seat_tools.py").write_text(TOOLS_MODULE)
+    env = {
+        "KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap,
+        "SAGALINE_TOPIC_PREFIX": unique_prefix,
+        "SAGALINE_PARTITIONS": "1",
+        "SAGALINE_STATE_DIR": str(tmp_path / "state"),
+    }
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)
+    # Nothing runs yet: status says so and exits 1.
+    assert main(["status", "--participant", "seats"]) == 1
+    assert re.search(r"coordinator +NOT consuming", capsys.readouterr().out)
+
+    served = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "participant",
+            "run",
+            "seats",
+            "--catalogue",
+            "seat_tools:make_catalogue",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, **env, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert served.stdout is not None
+        for line in served.stdout:  # its log says when it serves
+            if "participant seats serving" in line:
+                break
+        else:
+            pytest.fail(f"participant run exited {served.wait()}")
+        with sagaline.connect(coordinator=True) as client:
+            with client.saga("trip", principal="me") as saga:
+                assert saga.call("reserve", flight="LX1") == "r-LX1"
+            assert main(["status"]) == 0
+            status = capsys.readouterr().out
+            assert re.search(r"coordinator +consuming", status)
+            assert re.search(r"participant seats +consuming", status)
+            assert main(["saga", "wait", saga.saga_id, "--timeout", "120"]) == 0
+            assert "COMPLETED" in capsys.readouterr().out
+    finally:
+        served.send_signal(signal.SIGTERM)
+        served.wait(60)
+    assert main(["saga", "wait", "saga-that-never-was", "--timeout", "0"]) == 124
+    assert "is not terminal after 0 s (no records at all)" in capsys.readouterr().err
