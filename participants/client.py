@@ -462,6 +462,30 @@ class Saga:
         self.results[step] = result
         return result
 
+    def attach(self) -> Saga:
+        """Follow this saga (already started, e.g. by a process that restarted) without
+        starting it again: new calls continue it."""
+        self.client.ensure_coordinator()
+        self.client._ledger.follow(self.saga_id)
+        return self
+
+    def approval_request(self, step_id: str, timeout_s: float) -> ApprovalRequested | None:
+        """The approval request of ``step_id`` as soon as the coordinator records it
+        (an IRREVERSIBLE step, R7); None when the step ends first or within
+        ``timeout_s`` nothing is requested."""
+
+        def check(record: Record) -> Any:
+            if getattr(record, "step_id", step_id) != step_id:
+                return None  # another step's record
+            if isinstance(record, ApprovalRequested):
+                return record
+            if isinstance(record, (StepCommitted, StepFailed, IncidentRaised, SagaTerminal)):
+                return False  # the step ended without asking
+            return None
+
+        found = self.client._ledger.wait_for(self.saga_id, check, timeout_s)
+        return found if isinstance(found, ApprovalRequested) else None
+
     def resume(self, step_id: str, timeout_s: float | None = None) -> Any:
         """Wait again for a step this saga scheduled, e.g. after ``ApprovalPending``:
         its result once approved and run, or the error it ended in."""

@@ -118,11 +118,11 @@ def _published_participants(bootstrap: str, topic: str) -> set[str]:
 
 def _cmd_mcp_proxy(args: argparse.Namespace) -> int:
     try:
-        from sagaline.agents import mcp_proxy
+        from sagaline.agents.mcp_proxy import main as proxy_main
     except ImportError as exc:
         print(
             f"sagaline mcp proxy needs the MCP SDK ({exc}): pip install 'sagaline[mcp]'",
             file=sys.stderr,
         )
         return 2
-    return mcp_proxy.main(args.declaration, check_only=args.check)
+    return proxy_main(args.declaration, check_only=args.check)

@@ -1,0 +1,7 @@
+"""Agents in their own frameworks: an MCP proxy and thin adapters over the saga client.
+
+Each module imports its framework only when used, and the frameworks are optional
+extras: ``sagaline[mcp]`` (``mcp_proxy``), ``sagaline[openai-agents]``
+(``openai_agents``), ``sagaline[langchain]`` (``langchain``), ``sagaline[pydantic-ai]``
+(``pydantic_ai``). ``docs/agents.md`` shows each.
+"""

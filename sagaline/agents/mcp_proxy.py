@@ -1,0 +1,691 @@
+"""``sagaline mcp proxy``: an MCP server in front of upstream MCP servers, where every
+write is a saga step and every undo is an upstream call.
+
+The agent connects to the proxy (stdio) as to any MCP server. The proxy
+
+* connects to the upstream servers of the declaration (stdio or streamable HTTP),
+  lists their tools and refuses to start when the declaration cannot work
+  (:mod:`sagaline.agents.declaration`);
+* serves the declared tools as a participant (:class:`ParticipantRuntime`: intent on
+  the ledger before the upstream call, a journal so no command runs twice,
+  compensations and lookups by calling upstream tools);
+* re-lists the tools to the agent with MCP annotations (``readOnlyHint``,
+  ``destructiveHint``) and the reversibility in the description, plus
+  ``saga_commit``, ``saga_abort`` and ``saga_check_plan``, and the receipt as the
+  resource ``sagaline://saga/receipt``;
+* runs one saga per MCP session: the first write starts it, a failed write aborts it
+  (the coordinator has the committed steps compensated, in reverse order), and
+  ``saga_commit`` / ``saga_abort`` end it. The open saga is remembered in the state
+  directory, so a proxy restarted mid-saga continues it;
+* asks for approval of IRREVERSIBLE calls through MCP elicitation when the client
+  supports it; otherwise it answers "awaiting approval" and leaves the saga open.
+
+Read-only tools are passed straight through: there is nothing to undo.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mcp_types as types
+from mcp import ClientSession, StdioServerParameters, stdio_client
+from mcp.server.context import ServerRequestContext
+from mcp.server.lowlevel import Server
+from mcp.server.stdio import stdio_server
+
+from participants.catalogue import Catalogue, wrap
+from participants.client import (
+    ApprovalPending,
+    Saga,
+    SagaCallError,
+    SagaClient,
+)
+from participants.context import current_call
+from participants.declarations import (
+    BusinessRejection,
+    CompensationContext,
+    LookupResult,
+    compensable,
+    tool,
+)
+from participants.errors import CatalogueError
+from participants.plan import check_plan
+from participants.runtime import ParticipantRuntime
+from sagaline.agents.declaration import (
+    Declaration,
+    DeclarationError,
+    ToolMapping,
+    UpstreamTool,
+    build_args,
+    check,
+    load_declaration,
+)
+from schemas.models import Reversibility, SagaOutcome
+from schemas.settings import Settings
+
+log = logging.getLogger("sagaline.mcp")
+
+RECEIPT_URI = "sagaline://saga/receipt"
+SAGA_TOOLS = ("saga_commit", "saga_abort", "saga_check_plan")
+
+__all__ = ["RECEIPT_URI", "McpProxy", "UpstreamRejected", "main"]
+
+
+class UpstreamRejected(BusinessRejection):
+    """The upstream tool answered with ``isError``: it said no, retrying will not help."""
+
+
+# ------------------------------------------------------------------- upstreams
+
+
+class Upstreams:
+    """Sessions with the upstream servers, owned by the proxy's event loop. The
+    participant runtime's threads call through :meth:`call_sync`."""
+
+    def __init__(self, declaration: Declaration) -> None:
+        self.declaration = declaration
+        self.sessions: dict[str, ClientSession] = {}
+        self.tools: list[UpstreamTool] = []
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def open(self, stack: AsyncExitStack) -> None:
+        self.loop = asyncio.get_running_loop()
+        for name, spec in self.declaration.upstreams.items():
+            if spec.url:
+                from mcp.client.streamable_http import streamable_http_client
+
+                streams = await stack.enter_async_context(streamable_http_client(spec.url))
+                read, write = streams[0], streams[1]
+            else:
+                assert spec.command is not None
+                params = StdioServerParameters(
+                    command=spec.command,
+                    args=list(spec.args),
+                    env={**os.environ, **(spec.env or {})},
+                    cwd=spec.cwd,
+                )
+                read, write = await stack.enter_async_context(stdio_client(params))
+            session = await stack.enter_async_context(ClientSession(read, write))
+            await session.initialize()
+            self.sessions[name] = session
+            listed = await session.list_tools()
+            for t in listed.tools:
+                hint = t.annotations.read_only_hint if t.annotations else None
+                self.tools.append(
+                    UpstreamTool(
+                        name=t.name,
+                        upstream=name,
+                        input_schema=t.input_schema,
+                        output_schema=t.output_schema,
+                        description=t.description or "",
+                        read_only_hint=hint,
+                    )
+                )
+
+    def find(self, upstream: str, name: str) -> UpstreamTool:
+        return next(t for t in self.tools if t.upstream == upstream and t.name == name)
+
+    async def call(self, upstream: str, name: str, args: Mapping[str, Any]) -> Any:
+        try:
+            result = await self.sessions[upstream].call_tool(name, dict(args))
+        except Exception as exc:  # transport or protocol: the call may be retried
+            raise ConnectionError(f"upstream {upstream!r} call {name} failed: {exc}") from exc
+        value = _result_value(result)
+        if result.is_error:
+            raise UpstreamRejected(f"{name}: {value}")
+        return value
+
+    def call_sync(self, upstream: str, name: str, args: Mapping[str, Any], timeout_s: float) -> Any:
+        assert self.loop is not None
+        future = asyncio.run_coroutine_threadsafe(self.call(upstream, name, args), self.loop)
+        return future.result(timeout_s)
+
+
+def _result_value(result: types.CallToolResult) -> Any:
+    if result.structured_content is not None:
+        return result.structured_content
+    texts = [c.text for c in result.content if isinstance(c, types.TextContent)]
+    text = "\n".join(texts)
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+# -------------------------------------------------------------------- catalogue
+
+_JSON_TYPES: dict[str, Any] = {
+    "string": str,
+    "integer": int,
+    "number": float,
+    "boolean": bool,
+    "array": list[Any],
+    "object": dict[str, Any],
+}
+
+
+def build_catalogue(declaration: Declaration, upstreams: Upstreams) -> Catalogue:
+    """One participant whose tools call upstream, checked by ``wrap()`` like any other."""
+    members: dict[str, Any] = {}
+    for name, mapping in declaration.tools.items():
+        upstream = declaration.upstream_of(name)
+        listed = upstreams.find(upstream, name)
+        forward = _forward(upstreams, upstream, listed, mapping)
+        lookup_name = None
+        if mapping.lookup is not None:
+            lookup_name = f"lookup_{name}"
+            members[lookup_name] = staticmethod(_lookup(upstreams, upstream, mapping))
+        forward = tool(
+            description=listed.description or name,
+            read_only=mapping.read_only,
+            pivot=mapping.pivot,
+            lookup=lookup_name,
+            resources=mapping.resources,
+            deadline=mapping.deadline,
+            owner=mapping.owner,
+        )(forward)
+        if not mapping.read_only:
+            undo = _compensation(upstreams, upstream, mapping) if mapping.compensation else None
+            forward = compensable(by=undo, reversibility=mapping.reversibility)(forward)
+        members[name] = staticmethod(forward)
+    holder = type("McpUpstreamTools", (), members)()
+    return wrap(holder, name=declaration.participant)
+
+
+def _forward(
+    upstreams: Upstreams, upstream: str, listed: UpstreamTool, mapping: ToolMapping
+) -> Callable[..., Any]:
+    required = set(listed.required)
+    params = []
+    annotations: dict[str, Any] = {}
+    for arg, schema in listed.properties.items():
+        if arg == mapping.idempotency_arg:
+            continue  # filled by the proxy, never by the model
+        kind = schema.get("type") if isinstance(schema, Mapping) else None
+        annotations[arg] = _JSON_TYPES.get(kind, Any) if isinstance(kind, str) else Any
+        default = inspect.Parameter.empty if arg in required else None
+        params.append(inspect.Parameter(arg, inspect.Parameter.KEYWORD_ONLY, default=default))
+
+    def call_upstream(**kwargs: Any) -> Any:
+        args = {k: v for k, v in kwargs.items() if v is not None or k in required}
+        if mapping.idempotency_arg:
+            args[mapping.idempotency_arg] = current_call().idempotency_key
+        return upstreams.call_sync(upstream, listed.name, args, mapping.deadline + 5)
+
+    call_upstream.__name__ = listed.name
+    call_upstream.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    call_upstream.__annotations__ = annotations
+    return call_upstream
+
+
+def _compensation(
+    upstreams: Upstreams, upstream: str, mapping: ToolMapping
+) -> Callable[[CompensationContext], Any]:
+    call = mapping.compensation
+    assert call is not None
+
+    def undo(ctx: CompensationContext) -> Any:
+        return upstreams.call_sync(upstream, call.tool, build_args(call.args, ctx), 60)
+
+    undo.__name__ = call.tool
+    return undo
+
+
+def _lookup(
+    upstreams: Upstreams, upstream: str, mapping: ToolMapping
+) -> Callable[[str], LookupResult | None]:
+    call = mapping.lookup
+    assert call is not None
+
+    def find(idempotency_key: str) -> LookupResult | None:
+        ctx = CompensationContext("", mapping.name, {}, None, idempotency_key)
+        try:
+            found = upstreams.call_sync(upstream, call.tool, build_args(call.args, ctx), 60)
+        except UpstreamRejected:
+            return None  # the upstream says it has no such operation
+        return None if found in (None, "", {}, []) else LookupResult.committed(found)
+
+    find.__annotations__ = {"idempotency_key": str, "return": LookupResult | None}
+    return find
+
+
+# ----------------------------------------------------------------------- sagas
+
+
+@dataclass
+class _Session:
+    """The saga of the MCP session, remembered on disk so a restart continues it."""
+
+    path: Path
+    saga: Saga | None = None
+    next_step: int = 1
+    last_receipt: str | None = None
+
+    def save(self) -> None:
+        if self.saga is None:
+            self.path.unlink(missing_ok=True)
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"saga_id": self.saga.saga_id, "next_step": self.next_step}))
+        tmp.replace(self.path)
+
+
+class McpProxy:
+    """The MCP server side: tools, saga tools, the receipt resource."""
+
+    def __init__(
+        self,
+        declaration: Declaration,
+        upstreams: Upstreams,
+        catalogue: Catalogue,
+        client: SagaClient,
+        settings: Settings,
+        *,
+        approval_wait_s: float = 600.0,
+    ) -> None:
+        self.declaration = declaration
+        self.upstreams = upstreams
+        self.catalogue = catalogue
+        self.client = client
+        self.settings = settings
+        self.approval_wait_s = approval_wait_s
+        state = settings.state_dir / declaration.participant / "mcp-session.json"
+        self.session = _Session(state)
+        self._lock = asyncio.Lock()
+        self._resume()
+
+    def _resume(self) -> None:
+        if not self.session.path.exists():
+            return
+        saved = json.loads(self.session.path.read_text())
+        self.session.saga = self._saga(saved["saga_id"]).attach()
+        self.session.next_step = int(saved["next_step"])
+        log.info("continuing saga %s after a restart", saved["saga_id"])
+
+    def _saga(self, saga_id: str | None = None) -> Saga:
+        return self.client.saga(
+            self.declaration.workflow, self.declaration.principal, saga_id=saga_id
+        )
+
+    def server(self) -> Server[Any]:
+        return Server(
+            "sagaline-mcp-proxy",
+            instructions="Every write tool is a saga step: a failed call undoes the earlier"
+            " ones. Call saga_commit when the task is done, saga_abort to undo it all.",
+            on_list_tools=self._list_tools,
+            on_call_tool=self._call_tool,
+            on_list_resources=self._list_resources,
+            on_read_resource=self._read_resource,
+        )
+
+    # -------------------------------------------------------------- listing
+
+    def tool_list(self) -> list[types.Tool]:
+        internal = self.declaration.internal_tools()
+        tools = []
+        for name, mapping in self.declaration.tools.items():
+            if name in internal:
+                continue
+            listed = self.upstreams.find(self.declaration.upstream_of(name), name)
+            schema = dict(listed.input_schema)
+            if mapping.idempotency_arg:
+                schema["properties"] = {
+                    k: v for k, v in listed.properties.items() if k != mapping.idempotency_arg
+                }
+                schema["required"] = [r for r in listed.required if r != mapping.idempotency_arg]
+            tools.append(
+                types.Tool(
+                    name=name,
+                    description=f"{listed.description} {_recovery_note(self.catalogue, name)}",
+                    input_schema=schema,
+                    output_schema=listed.output_schema,
+                    annotations=types.ToolAnnotations(
+                        read_only_hint=mapping.read_only,
+                        destructive_hint=(
+                            not mapping.read_only
+                            and mapping.reversibility is Reversibility.IRREVERSIBLE
+                        ),
+                    ),
+                )
+            )
+        tools += _saga_tools()
+        return tools
+
+    async def _list_tools(
+        self, ctx: ServerRequestContext[Any], params: types.PaginatedRequestParams | None
+    ) -> types.ListToolsResult:
+        return types.ListToolsResult(tools=self.tool_list())
+
+    async def _list_resources(
+        self, ctx: ServerRequestContext[Any], params: types.PaginatedRequestParams | None
+    ) -> types.ListResourcesResult:
+        return types.ListResourcesResult(
+            resources=[
+                types.Resource(
+                    uri=RECEIPT_URI,
+                    name="saga receipt",
+                    description="The receipt of this session's saga: every effect and what"
+                    " became of it (the ledger so far while the saga is open)",
+                    mime_type="application/json",
+                )
+            ]
+        )
+
+    async def _read_resource(
+        self, ctx: ServerRequestContext[Any], params: types.ReadResourceRequestParams
+    ) -> types.ReadResourceResult:
+        if params.uri != RECEIPT_URI:
+            raise ValueError(f"unknown resource {params.uri!r}; this proxy serves {RECEIPT_URI}")
+        if self.session.last_receipt is not None and self.session.saga is None:
+            text = self.session.last_receipt
+        elif self.session.saga is not None:
+            text = json.dumps(
+                {
+                    "saga_id": self.session.saga.saga_id,
+                    "status": "OPEN",
+                    "steps": sorted(self.session.saga.results),
+                }
+            )
+        else:
+            text = json.dumps({"status": "NO_SAGA", "note": "no write call yet"})
+        return types.ReadResourceResult(
+            contents=[
+                types.TextResourceContents(uri=RECEIPT_URI, text=text, mime_type="application/json")
+            ]
+        )
+
+    # -------------------------------------------------------------- calling
+
+    async def _call_tool(
+        self, ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
+    ) -> types.CallToolResult:
+        args = dict(params.arguments or {})
+        async with self._lock:  # one saga, one step at a time (steps are ordered)
+            if params.name == "saga_commit":
+                return await self._end(SagaOutcome.COMPLETE, "committed by the agent")
+            if params.name == "saga_abort":
+                return await self._end(SagaOutcome.ABORT, str(args.get("reason") or "aborted"))
+            if params.name == "saga_check_plan":
+                report = check_plan(args.get("calls") or [], self.catalogue)
+                return _text(report.render(), error=not report.ok)
+            mapping = self.declaration.tools.get(params.name)
+            if mapping is None or params.name in self.declaration.internal_tools():
+                return _text(f"unknown tool {params.name!r}", error=True)
+            if mapping.read_only:
+                return await self._read_only(params.name, args)
+            return await self._step(ctx, params.name, mapping, args)
+
+    async def _read_only(self, name: str, args: dict[str, Any]) -> types.CallToolResult:
+        try:
+            value = await self.upstreams.call(self.declaration.upstream_of(name), name, args)
+        except (UpstreamRejected, ConnectionError) as exc:
+            return _text(str(exc), error=True)
+        return _value(value)
+
+    async def _step(
+        self,
+        ctx: ServerRequestContext[Any],
+        name: str,
+        mapping: ToolMapping,
+        args: dict[str, Any],
+    ) -> types.CallToolResult:
+        if self.session.saga is None:
+            saga = self._saga()
+            await asyncio.to_thread(saga.__enter__)
+            self.session.saga = saga
+            self.session.next_step = 1
+        saga = self.session.saga
+        step_id = f"{self.session.next_step:02d}-{name}"
+        self.session.next_step += 1
+        self.session.save()
+        call = asyncio.ensure_future(
+            asyncio.to_thread(lambda: saga.call(name, step_id=step_id, **args))
+        )
+        if mapping.reversibility is Reversibility.IRREVERSIBLE:
+            outcome = await self._approval(ctx, saga, step_id, call)
+            if outcome is not None:
+                return outcome
+        try:
+            value = await call
+        except ApprovalPending as exc:
+            return _awaiting(saga, step_id, str(exc))
+        except SagaCallError as exc:
+            receipt = await self._finish(SagaOutcome.ABORT, f"{name} failed: {exc}")
+            return _text(
+                f"{name} failed: {exc}. The saga {saga.saga_id} was aborted and its earlier"
+                f" effects compensated (status {receipt.get('status')}); read {RECEIPT_URI}.",
+                error=True,
+            )
+        return _value(value)
+
+    async def _approval(
+        self,
+        ctx: ServerRequestContext[Any],
+        saga: Saga,
+        step_id: str,
+        call: asyncio.Future[Any],
+    ) -> types.CallToolResult | None:
+        """An IRREVERSIBLE step: ask the person through elicitation if the client can,
+        else answer "awaiting approval" (the saga stays open)."""
+        request = await asyncio.to_thread(saga.approval_request, step_id, self.approval_wait_s)
+        if request is None:
+            return None  # the step ended without asking (e.g. rejected): see its outcome
+        caps = ctx.session.client_capabilities
+        if caps is None or caps.elicitation is None:
+            _forget(call)
+            return _awaiting(saga, step_id, f"approval {request.approval_id} requested")
+        from services.operator_actions import OperatorChannel, deny_approval, grant_approval
+
+        answer = await ctx.session.elicit_form(
+            f"Approve the IRREVERSIBLE call {request.step_id} of saga {saga.saga_id}?"
+            " It cannot be undone.",
+            {
+                "type": "object",
+                "properties": {"approve": {"type": "boolean", "title": "Approve"}},
+                "required": ["approve"],
+            },
+        )
+        who = "mcp-user"
+        client_info = ctx.session.client_params.client_info if ctx.session.client_params else None
+        if client_info is not None:
+            who = f"mcp-user:{client_info.name}"
+        channel = OperatorChannel.from_settings(self.settings, self.client.bootstrap)
+        try:
+            if answer.action == "accept" and (answer.content or {}).get("approve") is True:
+                await asyncio.to_thread(grant_approval, channel, request, operator=who, via="mcp")
+                return None  # the step runs now: wait for its outcome
+            await asyncio.to_thread(
+                deny_approval,
+                channel,
+                request,
+                operator=who,
+                reason=f"elicitation {answer.action}",
+                via="mcp",
+            )
+            return None  # the denial is a business rejection: the call fails
+        finally:
+            channel.close()
+
+    async def _end(self, outcome: SagaOutcome, reason: str) -> types.CallToolResult:
+        if self.session.saga is None:
+            return _text("no saga is open: nothing was written in this session", error=False)
+        receipt = await self._finish(outcome, reason)
+        return _text(json.dumps(receipt, indent=2))
+
+    async def _finish(self, outcome: SagaOutcome, reason: str) -> dict[str, Any]:
+        saga = self.session.saga
+        assert saga is not None
+        await asyncio.to_thread(saga.end, outcome, reason)
+        receipt = await asyncio.to_thread(saga.wait, 300)
+        self.session.last_receipt = receipt.model_dump_json(indent=2)
+        self.session.saga = None
+        self.session.save()
+        result: dict[str, Any] = json.loads(self.session.last_receipt)
+        return result
+
+
+def _recovery_note(catalogue: Catalogue, name: str) -> str:
+    spec = catalogue[name]
+    if spec.read_only:
+        return "[read-only]"
+    if spec.reversibility is Reversibility.IRREVERSIBLE:
+        return "[IRREVERSIBLE: cannot be undone; asks a person for approval before it runs]"
+    return f"[{spec.reversibility.value}: undone by {spec.compensation} if the task fails]"
+
+
+def _saga_tools() -> list[types.Tool]:
+    empty: dict[str, Any] = {"type": "object", "properties": {}}
+    return [
+        types.Tool(
+            name="saga_commit",
+            description="Finish the task: keep every effect of this session. Returns the receipt.",
+            input_schema=empty,
+            annotations=types.ToolAnnotations(read_only_hint=False, destructive_hint=False),
+        ),
+        types.Tool(
+            name="saga_abort",
+            description="Give up the task: undo every effect of this session (compensations"
+            " run in reverse order). Returns the receipt.",
+            input_schema={
+                "type": "object",
+                "properties": {"reason": {"type": "string", "description": "why"}},
+            },
+            annotations=types.ToolAnnotations(read_only_hint=False, destructive_hint=True),
+        ),
+        types.Tool(
+            name="saga_check_plan",
+            description="Before acting: classify a proposed list of calls (read-only,"
+            " compensatable, irreversible) and flag risky ordering. Changes nothing.",
+            input_schema={
+                "type": "object",
+                "properties": {
+                    "calls": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "properties": {"tool": {"type": "string"}, "args": {"type": "object"}},
+                            "required": ["tool"],
+                        },
+                    }
+                },
+                "required": ["calls"],
+            },
+            annotations=types.ToolAnnotations(read_only_hint=True),
+        ),
+    ]
+
+
+def _text(text: str, *, error: bool = False) -> types.CallToolResult:
+    return types.CallToolResult(content=[types.TextContent(text=text)], is_error=error)
+
+
+def _value(value: Any) -> types.CallToolResult:
+    text = value if isinstance(value, str) else json.dumps(value)
+    structured = value if isinstance(value, dict) else None
+    return types.CallToolResult(
+        content=[types.TextContent(text=text)], structured_content=structured
+    )
+
+
+def _awaiting(saga: Saga, step_id: str, detail: str) -> types.CallToolResult:
+    return types.CallToolResult(
+        content=[
+            types.TextContent(
+                text=f"awaiting approval: step {step_id} of saga {saga.saga_id} is IRREVERSIBLE"
+                f" and waits for a person ({detail}; `sagaline approve {saga.saga_id}"
+                f" {step_id}`). The saga stays open; it runs once approved."
+            )
+        ],
+        structured_content={
+            "status": "awaiting_approval",
+            "saga_id": saga.saga_id,
+            "step_id": step_id,
+        },
+    )
+
+
+def _forget(call: asyncio.Future[Any]) -> None:
+    """The call keeps waiting in its thread; its eventual error is nobody's."""
+    call.add_done_callback(lambda f: f.exception() if not f.cancelled() else None)
+
+
+# ------------------------------------------------------------------------ main
+
+
+def main(path: Path, *, check_only: bool = False) -> int:
+    """Run the proxy on stdio until the agent disconnects. 1: the declaration cannot
+    work (every problem printed), 2: it cannot be read or a service is missing."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s %(message)s")
+    try:
+        declaration = load_declaration(path)
+    except DeclarationError as exc:
+        print(f"sagaline mcp proxy: refusing to start: {exc}", file=sys.stderr)
+        return 1
+    try:
+        return asyncio.run(_serve(declaration, check_only))
+    except (DeclarationError, CatalogueError) as exc:
+        print(f"sagaline mcp proxy: refusing to start: {exc}", file=sys.stderr)
+        return 1
+
+
+async def _serve(declaration: Declaration, check_only: bool) -> int:
+    refused: Exception | None = None
+    async with AsyncExitStack() as stack:
+        upstreams = Upstreams(declaration)
+        await upstreams.open(stack)
+        # Raised only after the upstream sessions are closed: raised inside them it
+        # would arrive wrapped in the SDK's task-group exception group.
+        try:
+            problems = check(declaration, upstreams.tools)
+            if problems:
+                raise DeclarationError(declaration.source, problems)
+            catalogue = build_catalogue(declaration, upstreams)
+        except (DeclarationError, CatalogueError) as exc:
+            refused = exc
+        else:
+            if check_only:
+                print(
+                    f"{declaration.source}: OK, {len(catalogue)} tool(s) over"
+                    f" {len(declaration.upstreams)} upstream(s)",
+                    file=sys.stderr,
+                )
+                return 0
+            await _run(declaration, upstreams, catalogue, stack)
+    if refused is not None:
+        raise refused
+    return 0
+
+
+async def _run(
+    declaration: Declaration, upstreams: Upstreams, catalogue: Catalogue, stack: AsyncExitStack
+) -> None:
+    from services.broker import settings_and_bootstrap
+
+    settings, bootstrap = settings_and_bootstrap()
+    runtime = ParticipantRuntime(catalogue, settings, bootstrap)
+    ready = threading.Event()
+    thread = threading.Thread(target=runtime.run, kwargs={"ready": ready}, daemon=True)
+    thread.start()
+    stack.callback(thread.join, 30)
+    stack.callback(runtime.stop)
+    if not await asyncio.to_thread(ready.wait, 120):
+        raise RuntimeError(f"the participant runtime of {declaration.participant} did not start")
+    client = SagaClient(settings, bootstrap, catalogues=[catalogue])
+    await asyncio.to_thread(client.start)
+    stack.callback(client.close)
+    proxy = McpProxy(declaration, upstreams, catalogue, client, settings)
+    server = proxy.server()
+    async with stdio_server() as (read, write):
+        await server.run(read, write, server.create_initialization_options())
