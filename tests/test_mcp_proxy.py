@@ -1,0 +1,357 @@
+"""``sagaline mcp proxy`` on the real broker, driven by the ``mcp`` SDK's own client
+session over stdio, in front of a real upstream MCP server (tests/mcp_upstream.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("mcp")
+
+import mcp_types as types
+from mcp import ClientSession, StdioServerParameters, stdio_client
+
+from coordinator.shell import Coordinator
+from sagaline.agents.declaration import (
+    DeclarationError,
+    UpstreamTool,
+    check,
+    parse_declaration,
+)
+from schemas import ApprovalRequested
+from schemas.settings import Settings
+from schemas.topics import ensure_topics
+from services.ledger import saga_records
+from services.operator_actions import OperatorChannel, grant_approval
+
+ROOT = Path(__file__).resolve().parents[1]
+UPSTREAM = ROOT / "tests" / "mcp_upstream.py"
+RECEIPT = "sagaline://saga/receipt"
+
+
+def _declaration(tmp_path: Path) -> Path:
+    text = (ROOT / "tests" / "fixtures" / "mcp_desk.yaml").read_text()
+    text = text.replace("command: python", f"command: {sys.executable}")
+    text = text.replace("args: [tests/mcp_upstream.py]", f"args: [{UPSTREAM}]")
+    path = tmp_path / "desk.yaml"
+    path.write_text(text)
+    return path
+
+
+class World:
+    """The coordinator (in this process), the environment of the proxy, the desk."""
+
+    def __init__(self, bootstrap: str, prefix: str, tmp_path: Path) -> None:
+        self.settings = Settings(
+            bootstrap=bootstrap, topic_prefix=prefix, partitions=1, state_dir=tmp_path / "state"
+        )
+        self.bootstrap = bootstrap
+        self.desk = tmp_path / "desk.json"
+        self.declaration = _declaration(tmp_path)
+        self.env = {
+            **os.environ,
+            "KAFKA_BOOTSTRAP_SERVERS": bootstrap,
+            "SAGALINE_TOPIC_PREFIX": prefix,
+            "SAGALINE_PARTITIONS": "1",
+            "SAGALINE_STATE_DIR": str(tmp_path / "state"),
+            "DESK_STATE": str(self.desk),
+            "PYTHONPATH": str(ROOT),
+        }
+
+    def state(self) -> dict[str, Any]:
+        loaded: dict[str, Any] = json.loads(self.desk.read_text())
+        return loaded
+
+    def log(self) -> list[str]:
+        return [tool for tool, _args in self.state()["log"]]
+
+    @asynccontextmanager
+    async def proxy(self, *, elicit: Any = None) -> AsyncIterator[ClientSession]:
+        params = StdioServerParameters(
+            command=sys.executable,
+            args=["-m", "services.cli", "mcp", "proxy", str(self.declaration)],
+            env=self.env,
+            cwd=str(ROOT),
+        )
+        async with (
+            stdio_client(params) as (read, write),
+            ClientSession(read, write, elicitation_callback=elicit) as session,
+        ):
+            await session.initialize()
+            yield session
+
+
+@pytest.fixture
+def world(kafka_bootstrap: str, unique_prefix: str, tmp_path: Path) -> Iterator[World]:
+    world = World(kafka_bootstrap, unique_prefix, tmp_path)
+    ensure_topics(kafka_bootstrap, world.settings.topics, ["desk-proxy"], 1)
+    coordinator = Coordinator(world.settings, kafka_bootstrap)
+    thread = threading.Thread(target=coordinator.run, daemon=True)
+    thread.start()
+    yield world
+    coordinator.stop()
+    thread.join(30)
+
+
+def _text(result: types.CallToolResult) -> str:
+    return "\n".join(c.text for c in result.content if isinstance(c, types.TextContent))
+
+
+async def _receipt(session: ClientSession) -> dict[str, Any]:
+    read = await session.read_resource(RECEIPT)
+    content = read.contents[0]
+    assert isinstance(content, types.TextResourceContents)
+    loaded: dict[str, Any] = json.loads(content.text)
+    return loaded
+
+
+pytestmark = pytest.mark.kafka
+
+
+def test_tools_are_relisted_with_annotations_and_reversibility(world: World) -> None:
+    async def run() -> dict[str, types.Tool]:
+        async with world.proxy() as session:
+            return {t.name: t for t in (await session.list_tools()).tools}
+
+    tools = asyncio.run(run())
+    assert set(tools) == {
+        "create_ticket",
+        "charge",
+        "send_email",
+        "list_tickets",
+        "saga_commit",
+        "saga_abort",
+        "saga_check_plan",
+    }  # delete_ticket, refund, find_ticket are internal: only the proxy calls them
+    assert tools["list_tickets"].annotations.read_only_hint is True  # type: ignore[union-attr]
+    assert tools["send_email"].annotations.destructive_hint is True  # type: ignore[union-attr]
+    assert "IRREVERSIBLE" in (tools["send_email"].description or "")
+    assert "undone by delete_ticket" in (tools["create_ticket"].description or "")
+    # The idempotency key is the proxy's to fill, not the model's.
+    assert "request_id" not in tools["create_ticket"].input_schema["properties"]
+
+
+def test_a_failing_call_compensates_upstream_in_reverse_order_R1_R2(world: World) -> None:
+    async def run() -> tuple[types.CallToolResult, dict[str, Any]]:
+        async with world.proxy() as session:
+            made = await session.call_tool("create_ticket", {"title": "printer on fire"})
+            assert made.structured_content == {"id": "T-1", "title": "printer on fire"}
+            paid = await session.call_tool("charge", {"amount": 40})
+            assert paid.structured_content == {"charge_id": "CH-1", "amount": 40}
+            listed = await session.call_tool("list_tickets", {})  # read-only: passed through
+            assert listed.structured_content == {"result": ["T-1"]}
+            failed = await session.call_tool("charge", {"amount": 5000})
+            return failed, await _receipt(session)
+
+    failed, receipt = asyncio.run(run())
+    assert failed.is_error and "card declined for 5000" in _text(failed)
+    assert "aborted" in _text(failed)
+    # The upstream's own state: compensations ran, newest first, once each.
+    assert world.log() == [
+        "create_ticket",
+        "charge",
+        "charge",
+        "refund",
+        "delete_ticket",
+    ]
+    state = world.state()
+    assert state["tickets"] == {} and state["refunds"] == ["CH-1"]
+    assert receipt["status"] == "COMPENSATED"
+    assert [(s["tool"], s["disposition"]) for s in receipt["steps"]] == [
+        ("create_ticket", "COMPENSATED"),
+        ("charge", "COMPENSATED"),
+        ("charge", "NOT_COMMITTED"),
+    ]
+
+
+def test_an_irreversible_call_asks_through_elicitation_R7(world: World) -> None:
+    asked: list[str] = []
+
+    async def approve(context: Any, params: Any) -> types.ElicitResult:
+        asked.append(params.message)
+        return types.ElicitResult(action="accept", content={"approve": True})
+
+    async def run() -> tuple[types.CallToolResult, dict[str, Any]]:
+        async with world.proxy(elicit=approve) as session:
+            await session.call_tool("create_ticket", {"title": "refund me"})
+            sent = await session.call_tool("send_email", {"to": "ann@example.com", "body": "hi"})
+            await session.call_tool("saga_commit", {})
+            return sent, await _receipt(session)
+
+    sent, receipt = asyncio.run(run())
+    assert not sent.is_error and _text(sent) == "sent to ann@example.com"
+    assert len(asked) == 1 and "IRREVERSIBLE" in asked[0]
+    assert receipt["status"] == "COMPLETED"
+    assert receipt["approvals"] and receipt["approvals"][0]["granted_by"].startswith("mcp-user")
+    assert world.state()["emails"] == [{"to": "ann@example.com", "body": "hi"}]
+
+
+def test_without_elicitation_an_irreversible_call_awaits_approval_and_the_saga_stays_open_R7(
+    world: World,
+) -> None:
+    async def run() -> dict[str, Any]:
+        async with world.proxy() as session:
+            await session.call_tool("create_ticket", {"title": "keep me"})
+            waiting = await session.call_tool("send_email", {"to": "bob@example.com", "body": "x"})
+            assert not waiting.is_error
+            status = waiting.structured_content
+            assert status is not None and status["status"] == "awaiting_approval"
+            assert _text(waiting).startswith("awaiting approval")
+            assert world.state()["emails"] == []  # not sent, and nothing was undone
+            assert list(world.state()["tickets"]) == ["T-1"]
+            request = next(
+                r
+                for r in saga_records(
+                    world.bootstrap, world.settings.topics.events, status["saga_id"], None
+                )
+                if isinstance(r, ApprovalRequested)
+            )
+            channel = OperatorChannel.from_settings(world.settings, world.bootstrap)
+            grant_approval(channel, request, operator="ops:carol")
+            channel.close()
+            await session.call_tool("saga_commit", {})
+            return await _receipt(session)
+
+    receipt = asyncio.run(run())
+    assert receipt["status"] == "COMPLETED"
+    assert world.state()["emails"] == [{"to": "bob@example.com", "body": "x"}]
+
+
+def _proxy_pids() -> list[int]:
+    """The proxy processes this test started (children of this process)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == os.getpid() and b"proxy" in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_a_proxy_killed_mid_saga_continues_it_after_a_restart(world: World) -> None:
+    async def first_life() -> None:
+        with suppress(BaseException):  # the session dies with its server
+            async with world.proxy() as session:
+                await session.call_tool("create_ticket", {"title": "survive"})
+                await session.call_tool("charge", {"amount": 70})
+                (pid,) = _proxy_pids()
+                os.kill(pid, signal.SIGKILL)
+                await session.call_tool("list_tickets", {})
+
+    async def second_life() -> tuple[types.CallToolResult, dict[str, Any]]:
+        async with world.proxy() as session:
+            failed = await session.call_tool("charge", {"amount": 9999})
+            return failed, await _receipt(session)
+
+    asyncio.run(first_life())
+    failed, receipt = asyncio.run(second_life())
+    assert failed.is_error
+    # Nothing lost (both earlier effects undone), nothing run twice.
+    assert world.log() == ["create_ticket", "charge", "charge", "refund", "delete_ticket"]
+    assert receipt["status"] == "COMPENSATED"
+    assert [s["tool"] for s in receipt["steps"]] == ["create_ticket", "charge", "charge"]
+
+
+# ------------------------------------------------------------ the declaration
+
+
+def test_a_typo_in_the_declaration_is_refused_naming_tool_and_name(
+    world: World, tmp_path: Path
+) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        world.declaration.read_text().replace("{tool: delete_ticket,", "{tool: delete_tiket,")
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "mcp", "proxy", str(bad)],
+        env=world.env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    assert (
+        "tool 'create_ticket': compensation names 'delete_tiket', which upstream 'desk'"
+        " does not list; did you mean 'delete_ticket'?"
+    ) in done.stderr
+
+
+DESK = [
+    UpstreamTool(
+        "create_ticket",
+        "desk",
+        {"properties": {"title": {}, "request_id": {}}},
+        {"properties": {"id": {}, "title": {}}},
+    ),
+    UpstreamTool(
+        "delete_ticket", "desk", {"properties": {"ticket_id": {}}, "required": ["ticket_id"]}
+    ),
+    UpstreamTool("send_email", "desk", {"properties": {"to": {}}}),
+]
+
+
+def _decl(tools: dict[str, Any], **extra: Any) -> Any:
+    return parse_declaration({"upstreams": {"desk": {"command": "x"}}, "tools": tools, **extra})
+
+
+def test_a_write_tool_without_mapping_is_refused() -> None:
+    decl = _decl(
+        {
+            "create_ticket": {
+                "compensation": {"tool": "delete_ticket", "args": {"ticket_id": "{result.id}"}}
+            }
+        }
+    )
+    assert check(decl, DESK) == [
+        "upstream 'desk' tool 'send_email' has no declaration: add it under tools: with"
+        " compensation:, reversibility: IRREVERSIBLE or read_only: true, or list it under"
+        " internal:"
+    ]
+
+
+def test_arguments_that_cannot_be_built_are_refused() -> None:
+    decl = _decl(
+        {
+            "create_ticket": {
+                "compensation": {"tool": "delete_ticket", "args": {"ticket_id": "{result.ident}"}}
+            },
+            "send_email": {"reversibility": "IRREVERSIBLE"},
+        }
+    )
+    assert check(decl, DESK) == [
+        "tool 'create_ticket': compensation delete_ticket: {result.ident} names 'ident',"
+        " which the output schema of create_ticket does not have"
+    ]
+
+
+def test_unknown_keys_and_template_roots_are_refused() -> None:
+    with pytest.raises(DeclarationError) as err:
+        _decl(
+            {
+                "send_email": {"reversibilty": "IRREVERSIBLE"},
+                "create_ticket": {
+                    "compensation": {"tool": "delete_ticket", "args": {"ticket_id": "{reslt.id}"}}
+                },
+            }
+        )
+    message = str(err.value)
+    assert "tool 'send_email': unknown key 'reversibilty'; did you mean 'reversibility'?" in message
+    assert "template {reslt.id} names 'reslt'" in message and "did you mean 'result'?" in message
