@@ -340,6 +340,9 @@ class McpProxy:
                 continue
             listed = self.upstreams.find(self.declaration.upstream_of(name), name)
             schema = dict(listed.input_schema)
+            irreversible = (
+                not mapping.read_only and mapping.reversibility is Reversibility.IRREVERSIBLE
+            )
             if mapping.idempotency_arg:
                 schema["properties"] = {
                     k: v for k, v in listed.properties.items() if k != mapping.idempotency_arg
@@ -350,13 +353,11 @@ class McpProxy:
                     name=name,
                     description=f"{listed.description} {_recovery_note(self.catalogue, name)}",
                     input_schema=schema,
-                    output_schema=listed.output_schema,
+                    # An IRREVERSIBLE call may answer "awaiting approval" instead.
+                    output_schema=None if irreversible else listed.output_schema,
                     annotations=types.ToolAnnotations(
                         read_only_hint=mapping.read_only,
-                        destructive_hint=(
-                            not mapping.read_only
-                            and mapping.reversibility is Reversibility.IRREVERSIBLE
-                        ),
+                        destructive_hint=irreversible,
                     ),
                 )
             )
