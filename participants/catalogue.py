@@ -49,7 +49,10 @@ from participants.errors import (
 from schemas.models import CompensationApproval, RetryPolicy, Reversibility, StepContract
 from schemas.redaction import redact, secret_paths
 
-__all__ = ["Catalogue", "ToolKind", "ToolSpec", "wrap"]
+__all__ = ["TOOL_SHAPES", "Catalogue", "ToolKind", "ToolSpec", "wrap"]
+
+TOOL_SHAPES = ("anthropic", "openai", "openai-responses", "mcp")
+"""The vendor shapes ``tool_definitions()`` can emit."""
 
 # LLM tool-calling APIs accept these names; Kafka topics accept these participant names.
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -140,13 +143,48 @@ class ToolSpec:
         schema.pop("title", None)
         return schema
 
-    def definition(self) -> dict[str, Any]:
-        """The tool as an LLM tool-calling API takes it."""
-        return {
-            "name": self.name,
-            "description": self.description,
-            "input_schema": self.input_schema(),
-        }
+    def model_description(self) -> str:
+        """The description a model reads; an IRREVERSIBLE tool says so, so the model
+        can plan around it (and expect to wait for a person)."""
+        if self.kind is ToolKind.IRREVERSIBLE:
+            return (
+                f"{self.description} (IRREVERSIBLE: cannot be undone; runs only after a"
+                " person approves)"
+            )
+        return self.description
+
+    def definition(self, shape: str = "anthropic") -> dict[str, Any]:
+        """The tool as an LLM tool-calling API takes it, in one of
+        :data:`TOOL_SHAPES`: ``anthropic`` (Messages API), ``openai`` (Chat
+        Completions), ``openai-responses`` (Responses API), ``mcp`` (an MCP ``Tool``,
+        with ``readOnlyHint`` / ``destructiveHint`` annotations)."""
+        name, description, schema = self.name, self.model_description(), self.input_schema()
+        if shape == "anthropic":
+            return {"name": name, "description": description, "input_schema": schema}
+        if shape == "openai":
+            return {
+                "type": "function",
+                "function": {"name": name, "description": description, "parameters": schema},
+            }
+        if shape == "openai-responses":
+            return {
+                "type": "function",
+                "name": name,
+                "description": description,
+                "parameters": schema,
+            }
+        if shape == "mcp":
+            return {
+                "name": name,
+                "description": description,
+                "inputSchema": schema,
+                "annotations": {
+                    "readOnlyHint": self.read_only,
+                    "destructiveHint": self.kind is ToolKind.IRREVERSIBLE,
+                    "idempotentHint": self.read_only,
+                },
+            }
+        raise ValueError(f"unknown tool shape {shape!r}; use one of {', '.join(TOOL_SHAPES)}")
 
     # ------------------------------------------------------------------- arguments
 
@@ -307,10 +345,10 @@ class Catalogue(Mapping[str, ToolSpec]):
     def __repr__(self) -> str:
         return f"Catalogue({self.name!r}, tools={list(self._specs)})"
 
-    def tool_definitions(self) -> list[dict[str, Any]]:
-        """Every tool as an LLM tool-calling API takes it: name, description,
-        input_schema."""
-        return [spec.definition() for spec in self._specs.values()]
+    def tool_definitions(self, shape: str = "anthropic") -> list[dict[str, Any]]:
+        """Every tool as an LLM tool-calling API takes it (``shape``: one of
+        :data:`TOOL_SHAPES`); IRREVERSIBLE tools say so in their description."""
+        return [spec.definition(shape) for spec in self._specs.values()]
 
     def contracts(self) -> dict[str, StepContract]:
         return {name: spec.contract() for name, spec in self._specs.items()}

@@ -423,3 +423,35 @@ def test_a_plain_function_with_no_compensation_is_refused_by_name() -> None:
 
     with pytest.raises(CatalogueError, match="send: is a write tool with no declared compensation"):
         wrap(send, name="post")
+
+
+class Post:
+    @tool(description="Send a letter")
+    @compensable(reversibility=Reversibility.IRREVERSIBLE)
+    def send_letter(self, to: str) -> str:
+        return to
+
+    @tool(description="Read the mailbox", read_only=True)
+    def read_mail(self) -> list[str]:
+        return []
+
+
+def test_tool_definitions_come_in_several_vendor_shapes_and_mark_irreversible_tools() -> None:
+    catalogue = wrap(Post(), name="post")
+    anthropic = {d["name"]: d for d in catalogue.tool_definitions()}
+    assert anthropic["send_letter"]["description"] == (
+        "Send a letter (IRREVERSIBLE: cannot be undone; runs only after a person approves)"
+    )
+    assert anthropic["read_mail"]["description"] == "Read the mailbox"
+    assert anthropic["send_letter"]["input_schema"]["required"] == ["to"]
+    openai = {d["function"]["name"]: d for d in catalogue.tool_definitions("openai")}
+    assert openai["send_letter"]["type"] == "function"
+    assert openai["send_letter"]["function"]["parameters"]["required"] == ["to"]
+    responses = {d["name"]: d for d in catalogue.tool_definitions("openai-responses")}
+    assert responses["read_mail"]["type"] == "function"
+    mcp = {d["name"]: d for d in catalogue.tool_definitions("mcp")}
+    assert mcp["send_letter"]["annotations"]["destructiveHint"] is True
+    assert mcp["read_mail"]["annotations"]["readOnlyHint"] is True
+    assert "inputSchema" in mcp["read_mail"]
+    with pytest.raises(ValueError, match="unknown tool shape 'gemini'"):
+        catalogue.tool_definitions("gemini")
