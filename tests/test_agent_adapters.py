@@ -1,0 +1,233 @@
+"""The SDK adapters on the real broker, each driven by that SDK's own scripted/test
+model (no network, no LLM): a run whose last tool fails ends with the earlier effects
+compensated; a run that succeeds ends COMPLETED."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import sagaline
+from participants.client import BusinessRejected, SagaClient
+from schemas import TerminalStatus
+from schemas.settings import Settings
+
+pytestmark = pytest.mark.kafka
+
+
+class Trip:
+    """A seat and a card; the card declines anything over 500."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.lock = threading.Lock()
+
+    @sagaline.tool(description="Reserve a seat on a flight")
+    @sagaline.compensable(by="release_seat")
+    def reserve_seat(self, flight: str) -> str:
+        with self.lock:
+            self.log.append(f"reserve:{flight}")
+        return f"r-{flight}"
+
+    def release_seat(self, ctx: sagaline.CompensationContext) -> None:
+        with self.lock:
+            self.log.append(f"release:{ctx.result}")
+
+    @sagaline.tool(description="Charge the card")
+    @sagaline.compensable(by="refund")
+    def charge_card(self, amount: int) -> str:
+        if amount > 500:
+            raise sagaline.BusinessRejection(f"card declined for {amount}")
+        with self.lock:
+            self.log.append(f"charge:{amount}")
+        return f"ch-{amount}"
+
+    def refund(self, ctx: sagaline.CompensationContext) -> None:
+        with self.lock:
+            self.log.append(f"refund:{ctx.result}")
+
+
+@pytest.fixture(scope="module")
+def served(
+    kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[SagaClient, sagaline.Catalogue, Trip]]:
+    trip = Trip()
+    catalogue = sagaline.wrap(trip, name="trip")
+    settings = Settings(
+        bootstrap=kafka_bootstrap,
+        topic_prefix=f"t{uuid.uuid4().hex[:8]}.",
+        partitions=1,
+        state_dir=Path(tmp_path_factory.mktemp("state")),
+    )
+    with sagaline.connect(catalogue, coordinator=True, settings=settings) as client:
+        yield client, catalogue, trip
+
+
+def _script(amount: int) -> list[tuple[str, dict[str, Any]]]:
+    return [("reserve_seat", {"flight": "LX38"}), ("charge_card", {"amount": amount})]
+
+
+# ------------------------------------------------------------------ pydantic-ai
+
+
+def _pydantic_ai_run(served: tuple[SagaClient, Any, Trip], amount: int, sagas: list[Any]) -> None:
+    from pydantic_ai import Agent
+    from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
+    from pydantic_ai.models.function import AgentInfo, FunctionModel
+
+    from sagaline.agents import pydantic_ai as adapter
+
+    client, catalogue, _trip = served
+    script = iter(_script(amount))
+
+    def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        assert {t.name for t in info.function_tools} == {"reserve_seat", "charge_card"}
+        step = next(script, None)
+        if step is None:
+            return ModelResponse(parts=[TextPart("booked")])
+        return ModelResponse(parts=[ToolCallPart(step[0], step[1])])
+
+    saga = client.saga("trip", principal="agent:pydantic-ai")
+    sagas.append(saga)
+    with saga:
+        agent = Agent(FunctionModel(model), toolsets=[adapter.toolset(saga, catalogue)])
+        agent.run_sync("book LX38")
+
+
+def test_pydantic_ai_run_completes(served: Any) -> None:
+    _completes(_pydantic_ai_run, served, 90)
+
+
+def test_pydantic_ai_run_whose_last_tool_fails_is_compensated(served: Any) -> None:
+    _compensates(_pydantic_ai_run, served, 900)
+
+
+# -------------------------------------------------------------------- langchain
+
+
+def _langgraph_run(served: tuple[SagaClient, Any, Trip], amount: int, sagas: list[Any]) -> None:
+    from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+    from langchain_core.messages import AIMessage, HumanMessage
+    from langgraph.graph import END, START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode, tools_condition
+
+    from sagaline.agents import langchain as adapter
+
+    client, catalogue, _trip = served
+    replies = [
+        AIMessage(content="", tool_calls=[{"name": n, "args": a, "id": f"call-{i}"}])
+        for i, (n, a) in enumerate(_script(amount))
+    ] + [AIMessage(content="booked")]
+    model = GenericFakeChatModel(messages=iter(replies))
+
+    saga = client.saga("trip", principal="agent:langgraph")
+    sagas.append(saga)
+    with saga:
+        tools = adapter.tools(saga, catalogue)
+        assert {t.name for t in tools} == {"reserve_seat", "charge_card"}
+        assert tools[0].args_schema is not None
+        graph = StateGraph(MessagesState)
+        graph.add_node("agent", lambda state: {"messages": [model.invoke(state["messages"])]})
+        graph.add_node("tools", ToolNode(tools))
+        graph.add_edge(START, "agent")
+        graph.add_conditional_edges("agent", tools_condition, {"tools": "tools", END: END})
+        graph.add_edge("tools", "agent")
+        graph.compile().invoke({"messages": [HumanMessage("book LX38")]})
+
+
+def test_langgraph_tool_node_run_completes(served: Any) -> None:
+    _completes(_langgraph_run, served, 120)
+
+
+def test_langgraph_run_whose_last_tool_fails_is_compensated(served: Any) -> None:
+    _compensates(_langgraph_run, served, 901)
+
+
+# ---------------------------------------------------------------- openai-agents
+
+
+def _openai_agents_run(served: tuple[SagaClient, Any, Trip], amount: int, sagas: list[Any]) -> None:
+    from agents import Agent, Runner, Usage, set_tracing_disabled
+    from agents.items import ModelResponse
+    from agents.models.interface import Model
+    from openai.types.responses import (
+        ResponseFunctionToolCall,
+        ResponseOutputMessage,
+        ResponseOutputText,
+    )
+
+    from sagaline.agents import openai_agents as adapter
+
+    set_tracing_disabled(True)
+    client, catalogue, _trip = served
+    script = iter(_script(amount))
+
+    class Scripted(Model):
+        async def get_response(self, *args: Any, **kwargs: Any) -> ModelResponse:
+            step = next(script, None)
+            if step is None:
+                text = ResponseOutputText(annotations=[], text="booked", type="output_text")
+                out: Any = ResponseOutputMessage(
+                    id="m-1",
+                    content=[text],
+                    role="assistant",
+                    status="completed",
+                    type="message",
+                )
+            else:
+                out = ResponseFunctionToolCall(
+                    arguments=__import__("json").dumps(step[1]),
+                    call_id=f"c-{step[0]}",
+                    name=step[0],
+                    type="function_call",
+                    id=f"f-{step[0]}",
+                )
+            return ModelResponse(output=[out], usage=Usage(), response_id=None)
+
+        def stream_response(self, *args: Any, **kwargs: Any) -> Any:
+            raise NotImplementedError
+
+    saga = client.saga("trip", principal="agent:openai")
+    sagas.append(saga)
+    with saga:
+        tools = adapter.tools(saga, catalogue)
+        agent = Agent(name="booker", model=Scripted(), tools=list(tools))
+        asyncio.run(Runner.run(agent, "book LX38"))
+
+
+def test_openai_agents_run_completes(served: Any) -> None:
+    _completes(_openai_agents_run, served, 130)
+
+
+def test_openai_agents_run_whose_last_tool_fails_is_compensated(served: Any) -> None:
+    _compensates(_openai_agents_run, served, 902)
+
+
+def _completes(run: Any, served: Any, amount: int) -> None:
+    sagas: list[Any] = []
+    run(served, amount, sagas)
+    assert sagas[0].wait(120).status is TerminalStatus.COMPLETED
+
+
+def _compensates(run: Any, served: Any, amount: int) -> None:
+    trip: Trip = served[2]
+    sagas: list[Any] = []
+    with pytest.raises(Exception) as err:  # some SDKs wrap it: see below
+        run(served, amount, sagas)
+    cause: BaseException | None = err.value  # the step's error, maybe as the SDK's cause
+    while cause is not None and not isinstance(cause, BusinessRejected):
+        cause = cause.__cause__
+    assert cause is not None and f"card declined for {amount}" in str(cause)
+    receipt = sagas[0].wait(120)
+    assert receipt.status is TerminalStatus.COMPENSATED
+    assert [(s.tool, s.disposition.value) for s in receipt.steps] == [
+        ("reserve_seat", "COMPENSATED"),
+        ("charge_card", "NOT_COMMITTED"),
+    ]
+    assert trip.log[-2:] == ["reserve:LX38", "release:r-LX38"]
