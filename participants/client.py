@@ -1,9 +1,9 @@
 """The agent-side saga client: start a saga, call tools, end it.
 
-Example::
+Example (``sagaline.connect()`` builds the client from the environment; by hand it is
+``SagaClient(settings, bootstrap).start()``)::
 
-    client = SagaClient(Settings.from_env(), bootstrap)
-    with client.saga(workflow="refund", principal="agent:atlas") as saga:
+    with sagaline.connect() as client, client.saga("refund", "agent:atlas") as saga:
         hold = saga.call("place_hold", order_id="o-1", sku="sku-9", quantity=1)
         saga.call("issue_credit", order_id="o-1", amount_cents=4000)
     # left normally: completion requested; left by an exception: abort requested,
