@@ -113,4 +113,7 @@ def list_tickets() -> list[str]:
 
 
 if __name__ == "__main__":
-    server.run()
+    if os.environ.get("DESK_HTTP_PORT"):  # streamable HTTP instead of stdio
+        server.run("streamable-http", host="127.0.0.1", port=int(os.environ["DESK_HTTP_PORT"]))
+    else:
+        server.run()

@@ -273,6 +273,53 @@ def test_a_proxy_killed_mid_saga_continues_it_after_a_restart(world: World) -> N
     assert [s["tool"] for s in receipt["steps"]] == ["create_ticket", "charge", "charge"]
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def test_an_upstream_over_streamable_http_is_compensated_the_same_way(
+    world: World, tmp_path: Path
+) -> None:
+    port = _free_port()
+    upstream = subprocess.Popen(
+        [sys.executable, str(UPSTREAM)],
+        env={**world.env, "DESK_HTTP_PORT": str(port)},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert upstream.stderr is not None
+        for line in upstream.stderr:  # uvicorn says when it listens
+            if "running on" in line.lower() or "startup complete" in line.lower():
+                break
+        else:
+            pytest.fail(f"the HTTP upstream exited {upstream.wait()}")
+        text = world.declaration.read_text()
+        start = text.index("  desk:\n")
+        end = text.index("tools:")
+        world.declaration.write_text(
+            text[:start] + f"  desk: {{url: 'http://127.0.0.1:{port}/mcp'}}\n" + text[end:]
+        )
+
+        async def run() -> types.CallToolResult:
+            async with world.proxy() as session:
+                await session.call_tool("create_ticket", {"title": "over http"})
+                return await session.call_tool("charge", {"amount": 4000})
+
+        failed = asyncio.run(run())
+    finally:
+        upstream.terminate()
+        upstream.wait(30)
+    assert failed.is_error
+    assert world.log() == ["create_ticket", "charge", "delete_ticket"]
+    assert world.state()["tickets"] == {}
+
+
 # ------------------------------------------------------------ the declaration
 
 
