@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from participants.plan import check_plan
     from participants.readiness import CoordinatorNotRunning
     from sagaline._session import connect
-    from schemas.models import TerminalStatus
+    from schemas.models import SagaOutcome, TerminalStatus
     from schemas.receipt import Disposition, Receipt
     from schemas.settings import Settings
 
@@ -98,6 +98,7 @@ _EXPORTS: dict[str, str] = {
     ),
     "CoordinatorNotRunning": "participants.readiness",
     "connect": "sagaline._session",
+    "SagaOutcome": "schemas.models",
     "TerminalStatus": "schemas.models",
     "Disposition": "schemas.receipt",
     "Receipt": "schemas.receipt",
@@ -124,6 +125,7 @@ __all__ = [
     "Saga",
     "SagaCallError",
     "SagaClient",
+    "SagaOutcome",
     "SagaUnwinding",
     "Settings",
     "StepEscalated",

@@ -71,3 +71,8 @@ def test_the_facade_exports_the_first_saga_names() -> None:
     assert isinstance(sagaline.__version__, str) and sagaline.__version__
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         _ = sagaline.nope  # type: ignore[attr-defined]
+
+
+def test_every_exported_name_resolves() -> None:
+    for name in sagaline.__all__:
+        assert getattr(sagaline, name) is not None, name
