@@ -87,7 +87,8 @@ def _pydantic_ai_run(served: tuple[SagaClient, Any, Trip], amount: int, sagas: l
     script = iter(_script(amount))
 
     def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
-        assert {t.name for t in info.function_tools} == {"reserve_seat", "charge_card"}
+        schemas = {t.name: t.parameters_json_schema for t in info.function_tools}
+        assert schemas == {n: catalogue[n].input_schema() for n in catalogue}
         step = next(script, None)
         if step is None:
             return ModelResponse(parts=[TextPart("booked")])
@@ -131,7 +132,9 @@ def _langgraph_run(served: tuple[SagaClient, Any, Trip], amount: int, sagas: lis
     with saga:
         tools = adapter.tools(saga, catalogue)
         assert {t.name for t in tools} == {"reserve_seat", "charge_card"}
-        assert tools[0].args_schema is not None
+        assert {t.name: t.args_schema for t in tools} == {
+            n: catalogue[n].input_schema() for n in catalogue
+        }
         graph = StateGraph(MessagesState)
         graph.add_node("agent", lambda state: {"messages": [model.invoke(state["messages"])]})
         graph.add_node("tools", ToolNode(tools))
@@ -197,6 +200,9 @@ def _openai_agents_run(served: tuple[SagaClient, Any, Trip], amount: int, sagas:
     sagas.append(saga)
     with saga:
         tools = adapter.tools(saga, catalogue)
+        assert {t.name: t.params_json_schema for t in tools} == {
+            n: catalogue[n].input_schema() for n in catalogue
+        }
         agent = Agent(name="booker", model=Scripted(), tools=list(tools))
         asyncio.run(Runner.run(agent, "book LX38"))
 

@@ -120,11 +120,23 @@ pytestmark = pytest.mark.kafka
 
 
 def test_tools_are_relisted_with_annotations_and_reversibility(world: World) -> None:
-    async def run() -> dict[str, types.Tool]:
+    async def run() -> tuple[dict[str, types.Tool], types.CallToolResult]:
         async with world.proxy() as session:
-            return {t.name: t for t in (await session.list_tools()).tools}
+            tools = {t.name: t for t in (await session.list_tools()).tools}
+            plan = await session.call_tool(
+                "saga_check_plan",
+                {
+                    "calls": [
+                        {"tool": "send_email", "args": {"to": "a", "body": "b"}},
+                        {"tool": "charge", "args": {"amount": 1}},
+                    ]
+                },
+            )
+            return tools, plan
 
-    tools = asyncio.run(run())
+    tools, plan = asyncio.run(run())
+    # R17: the irreversible email before a charge that can still fail is flagged.
+    assert plan.is_error and "IRREVERSIBLE" in _text(plan) and "NOT OK" in _text(plan)
     assert set(tools) == {
         "create_ticket",
         "charge",
