@@ -18,8 +18,8 @@ from participants.catalogue import Catalogue, wrap
 from participants.client import SagaClient
 from participants.readiness import require_coordinator
 from participants.runtime import ParticipantRuntime
+from sagaline.kafka import ensure_topics
 from schemas.settings import Settings
-from schemas.topics import ensure_topics
 
 log = logging.getLogger("sagaline.connect")
 
@@ -63,7 +63,13 @@ def connect(
 
         bootstrap = resolve_bootstrap()
     catalogues = _catalogues(tools, name)
-    ensure_topics(bootstrap, settings.topics, [c.name for c in catalogues], settings.partitions)
+    ensure_topics(
+        bootstrap,
+        settings.topics,
+        [c.name for c in catalogues],
+        settings.partitions,
+        replication=settings.replication,
+    )
 
     stoppers: list[Any] = []
     threads: list[threading.Thread] = []

@@ -56,9 +56,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
         group_status,
         participant_group,
     )
-    from services.broker import settings_and_bootstrap
+    from sagaline.kafka import configured_broker
 
-    settings, bootstrap = settings_and_bootstrap()
+    settings, bootstrap = configured_broker("sagaline status")
     try:
         names = sorted({*_published_participants(bootstrap, settings.topics.catalogue)})
         names = sorted({*names, *args.participant})
@@ -98,11 +98,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _published_participants(bootstrap: str, topic: str) -> set[str]:
-    from services.ledger import TopicMissing, read_partitions
+    from sagaline.kafka import LedgerReader, TopicMissing
 
     found: set[str] = set()
     try:
-        for _key, value, _headers in read_partitions(bootstrap, topic):
+        for _key, value, _headers in LedgerReader(bootstrap).records(topic):
             if value is None:
                 continue
             try:

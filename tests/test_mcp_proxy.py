@@ -29,11 +29,10 @@ from sagaline.agents.declaration import (
     check,
     parse_declaration,
 )
+from sagaline.kafka import LedgerReader, ensure_topics
+from sagaline.ops.actions import OperatorChannel, grant_approval
 from schemas import ApprovalRequested
 from schemas.settings import Settings
-from schemas.topics import ensure_topics
-from services.ledger import saga_records
-from services.operator_actions import OperatorChannel, grant_approval
 
 ROOT = Path(__file__).resolve().parents[1]
 UPSTREAM = ROOT / "tests" / "mcp_upstream.py"
@@ -225,8 +224,7 @@ def test_without_elicitation_an_irreversible_call_awaits_approval_and_the_saga_s
             assert list(world.state()["tickets"]) == ["T-1"]
             request = next(
                 r
-                for r in saga_records(
-                    world.bootstrap,
+                for r in LedgerReader(world.bootstrap).saga_records(
                     world.settings.topics.events,
                     status["saga_id"],
                     world.settings.signer(),

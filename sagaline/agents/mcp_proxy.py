@@ -487,7 +487,7 @@ class McpProxy:
         if caps is None or caps.elicitation is None:
             _forget(call)
             return _awaiting(saga, step_id, f"approval {request.approval_id} requested")
-        from services.operator_actions import OperatorChannel, deny_approval, grant_approval
+        from sagaline.ops.actions import OperatorChannel, deny_approval, grant_approval
 
         answer = await ctx.session.elicit_form(
             f"Approve the IRREVERSIBLE call {request.step_id} of saga {saga.saga_id}?"
@@ -672,9 +672,11 @@ async def _serve(declaration: Declaration, check_only: bool) -> int:
 async def _run(
     declaration: Declaration, upstreams: Upstreams, catalogue: Catalogue, stack: AsyncExitStack
 ) -> None:
-    from services.broker import settings_and_bootstrap
+    from sagaline.kafka import configured_broker
 
-    settings, bootstrap = settings_and_bootstrap()
+    # Started by an MCP client as a service: like `participant run`, it never starts a
+    # broker; with none configured it fails and says what to set.
+    settings, bootstrap = configured_broker("sagaline mcp proxy")
     runtime = ParticipantRuntime(catalogue, settings, bootstrap)
     ready = threading.Event()
     thread = threading.Thread(target=runtime.run, kwargs={"ready": ready}, daemon=True)
