@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,17 @@ def create_ticket(title: str, request_id: str) -> Ticket:
     ticket = {"id": f"T-{len(state['tickets']) + 1}", "title": title, "key": request_id}
     state["tickets"][ticket["id"]] = ticket
     _save(state)
+    if title.startswith("hang"):
+        _hang()  # the effect happened; the answer never comes (its caller is killed)
     return Ticket(id=ticket["id"], title=title)
+
+
+def _hang() -> None:
+    """Block until the process that started this server is gone."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        time.sleep(0.2)
+    os._exit(0)
 
 
 @server.tool()

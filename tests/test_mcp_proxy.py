@@ -31,8 +31,9 @@ from sagaline.agents.declaration import (
 )
 from sagaline.kafka import LedgerReader, ensure_topics
 from sagaline.ops.actions import OperatorChannel, grant_approval
-from schemas import ApprovalRequested
+from schemas import ApprovalRequested, StepReconciled
 from schemas.settings import Settings
+from tests.system import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 UPSTREAM = ROOT / "tests" / "mcp_upstream.py"
@@ -328,6 +329,57 @@ def test_an_upstream_over_streamable_http_is_compensated_the_same_way(
     assert failed.is_error
     assert world.log() == ["create_ticket", "charge", "delete_ticket"]
     assert world.state()["tickets"] == {}
+
+
+def test_a_proxy_killed_during_an_upstream_call_reconciles_it_by_lookup_R11(
+    world: World,
+) -> None:
+    """The upstream acted but the proxy died before the answer: after the restart the
+    step is looked up by its idempotency key (find_ticket), not run again."""
+    # A generous deadline: the call must be in flight, not timed out, when killed.
+    world.declaration.write_text(
+        world.declaration.read_text().replace(
+            "    resources: [tickets]\n", "    resources: [tickets]\n    deadline: 600\n"
+        )
+    )
+
+    async def first_life() -> None:
+        with suppress(BaseException):  # the session dies with its server
+            async with world.proxy() as session:
+                call = asyncio.ensure_future(
+                    session.call_tool("create_ticket", {"title": "hang on"})
+                )
+                await asyncio.to_thread(
+                    wait_until,
+                    lambda: world.desk.exists() and world.state()["tickets"],
+                    120,
+                    "the upstream created the ticket",
+                )
+                (pid,) = _proxy_pids()
+                os.kill(pid, signal.SIGKILL)
+                await call
+
+    async def second_life() -> tuple[types.CallToolResult, dict[str, Any]]:
+        async with world.proxy() as session:
+            failed = await session.call_tool("charge", {"amount": 9999})
+            return failed, await _receipt(session)
+
+    asyncio.run(first_life())
+    failed, receipt = asyncio.run(second_life())
+    assert failed.is_error
+    # Created once (reconciled, not re-run), then undone by its looked-up result.
+    assert world.log() == ["create_ticket", "charge", "delete_ticket"]
+    assert world.state()["tickets"] == {}
+    assert receipt["status"] == "COMPENSATED"
+    steps = {s["tool"]: s for s in receipt["steps"]}
+    assert steps["create_ticket"]["disposition"] == "COMPENSATED"
+    records = LedgerReader(world.bootstrap).saga_records(
+        world.settings.topics.events, receipt["saga_id"], world.settings.signer()
+    )
+    reconciled = [r for r in records if isinstance(r, StepReconciled)]
+    assert [(r.step_id, r.outcome.value) for r in reconciled] == [
+        ("01-create_ticket", "COMMITTED")
+    ]
 
 
 # ------------------------------------------------------------ the declaration
