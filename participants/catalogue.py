@@ -57,6 +57,8 @@ TOOL_SHAPES = ("anthropic", "openai", "openai-responses", "mcp")
 # LLM tool-calling APIs accept these names; Kafka topics accept these participant names.
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _PARTICIPANT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+# Keyword arguments of Saga.call itself: a tool parameter of that name could not be passed.
+_RESERVED_ARGS = frozenset({"step_id", "depends_on", "timeout_s"})
 
 
 class ToolKind(StrEnum):
@@ -629,6 +631,13 @@ class _Inspector:
             return None
         fields: dict[str, Any] = {}
         for param in inspect.signature(func).parameters.values():
+            if param.name in _RESERVED_ARGS:
+                self.problem(
+                    tool_name,
+                    f"parameter {param.name!r} is reserved: saga.call(tool, step_id=...,"
+                    " depends_on=..., timeout_s=..., **args) takes it for itself; rename it",
+                )
+                continue
             if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD, param.POSITIONAL_ONLY):
                 self.problem(
                     tool_name,

@@ -455,3 +455,13 @@ def test_tool_definitions_come_in_several_vendor_shapes_and_mark_irreversible_to
     assert "inputSchema" in mcp["read_mail"]
     with pytest.raises(ValueError, match="unknown tool shape 'gemini'"):
         catalogue.tool_definitions("gemini")
+
+
+def test_a_parameter_saga_call_takes_for_itself_is_refused() -> None:
+    class Clock:
+        @tool(description="Wait", read_only=True)
+        def wait(self, timeout_s: float) -> None:
+            pass
+
+    with pytest.raises(CatalogueError, match="parameter 'timeout_s' is reserved"):
+        wrap(Clock(), name="clock")
