@@ -23,6 +23,7 @@ import mcp_types as types
 from mcp import ClientSession, StdioServerParameters, stdio_client
 
 from coordinator.shell import Coordinator
+from participants.client import SagaClient
 from sagaline.agents.declaration import (
     DeclarationError,
     UpstreamTool,
@@ -31,7 +32,7 @@ from sagaline.agents.declaration import (
 )
 from sagaline.kafka import LedgerReader, ensure_topics
 from sagaline.ops.actions import OperatorChannel, grant_approval
-from schemas import ApprovalRequested, StepReconciled
+from schemas import ApprovalRequested, SagaOutcome, SagaTerminal, StepReconciled
 from schemas.settings import Settings
 from tests.system import wait_until
 
@@ -380,6 +381,52 @@ def test_a_proxy_killed_during_an_upstream_call_reconciles_it_by_lookup_R11(
     assert [(r.step_id, r.outcome.value) for r in reconciled] == [
         ("01-create_ticket", "COMMITTED")
     ]
+
+
+def test_a_saga_that_ended_while_the_proxy_was_down_is_not_continued(world: World) -> None:
+    async def first_life() -> str:
+        with suppress(BaseException):
+            async with world.proxy() as session:
+                # Waits for approval: nothing committed, so an abort ends it at once.
+                await session.call_tool("send_email", {"to": "x@example.com", "body": "?"})
+                opened = await _receipt(session)
+                assert opened["status"] == "OPEN"
+                (pid,) = _proxy_pids()
+                os.kill(pid, signal.SIGKILL)
+                await session.call_tool("list_tickets", {})
+        return str(opened["saga_id"])
+
+    saga_id = asyncio.run(first_life())
+    # Someone ends it meanwhile (an abort on the ledger, as any client could).
+    client = SagaClient(world.settings, world.bootstrap)
+    client.start()
+    try:
+        client.saga("helpdesk", "agent:helpdesk", saga_id=saga_id).end(
+            SagaOutcome.ABORT, "operator gave up"
+        )
+        wait_until(
+            lambda: any(
+                isinstance(r, SagaTerminal)
+                for r in LedgerReader(world.bootstrap).saga_records(
+                    world.settings.topics.events, saga_id, world.settings.signer()
+                )
+            ),
+            120,
+            "the saga to end",
+        )
+    finally:
+        client.close()
+
+    async def second_life() -> tuple[dict[str, Any], dict[str, Any]]:
+        async with world.proxy() as session:
+            before = await _receipt(session)  # the ended saga's receipt
+            await session.call_tool("create_ticket", {"title": "fresh"})
+            return before, await _receipt(session)
+
+    before, after = asyncio.run(second_life())
+    assert (before["saga_id"], before["status"]) == (saga_id, "COMPENSATED")
+    assert after["status"] == "OPEN" and after["saga_id"] != saga_id  # a new saga
+    assert world.log() == ["create_ticket"]  # the email was never sent
 
 
 # ------------------------------------------------------------ the declaration

@@ -71,7 +71,8 @@ from sagaline.agents.declaration import (
     check,
     load_declaration,
 )
-from schemas.models import Reversibility, SagaOutcome
+from schemas.models import Reversibility, SagaOutcome, SagaTerminal
+from schemas.receipt import Receipt
 from schemas.settings import Settings
 
 log = logging.getLogger("sagaline.mcp")
@@ -310,6 +311,19 @@ class McpProxy:
         if not self.session.path.exists():
             return
         saved = json.loads(self.session.path.read_text())
+        from sagaline.kafka import LedgerReader
+
+        records = LedgerReader(self.client.bootstrap).saga_records(
+            self.settings.topics.events, saved["saga_id"], self.settings.signer()
+        )
+        ended = [r for r in records if isinstance(r, SagaTerminal)]
+        if ended:  # it ended while the proxy was down: nothing to continue
+            self.session.last_receipt = Receipt.from_json(ended[-1].receipt).model_dump_json(
+                indent=2
+            )
+            self.session.path.unlink(missing_ok=True)
+            log.info("saga %s ended while the proxy was down", saved["saga_id"])
+            return
         self.session.saga = self._saga(saved["saga_id"]).attach()
         self.session.next_step = int(saved["next_step"])
         log.info("continuing saga %s after a restart", saved["saga_id"])
