@@ -1,4 +1,4 @@
-"""``sagaline kafka up|down|status``: manage the local single-node Kafka broker.
+"""``sagaline kafka up|down|status``: manage the local Kafka broker (or a local cluster).
 
 The broker itself lives in :mod:`services.kafka_local`; this module is only the
 command-line face of it, so scripts (``scripts/test.sh``, ``scripts/demo.sh``) and
@@ -17,13 +17,26 @@ from services import kafka_local
 
 def _cmd_up(args: argparse.Namespace) -> int:
     try:
-        result = kafka_local.ensure_running(
-            args.state_dir,
-            port=args.port,
-            controller_port=args.controller_port,
-            version=args.kafka_version,
-            timeout=args.timeout,
-        )
+        if args.brokers > 1:
+            if args.port is not None or args.controller_port is not None:
+                raise kafka_local.KafkaLauncherError(
+                    "--port/--controller-port name one node's ports; a cluster picks free "
+                    "ones for every node and remembers them in its state dir"
+                )
+            result = kafka_local.ensure_cluster(
+                args.state_dir,
+                brokers=args.brokers,
+                version=args.kafka_version,
+                timeout=args.timeout,
+            )
+        else:
+            result = kafka_local.ensure_running(
+                args.state_dir,
+                port=args.port,
+                controller_port=args.controller_port,
+                version=args.kafka_version,
+                timeout=args.timeout,
+            )
     except kafka_local.KafkaLauncherError as exc:
         print(f"sagaline kafka up: {exc}", file=sys.stderr)
         return 1
@@ -36,9 +49,17 @@ def _cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _state_dir(args: argparse.Namespace) -> str | None:
+    """``--state-dir``, else the default dir of a ``--brokers N`` cluster (N > 1), else
+    None (the single broker's)."""
+    if args.state_dir:
+        return str(args.state_dir)
+    return str(kafka_local.default_cluster_dir(args.brokers)) if args.brokers > 1 else None
+
+
 def _cmd_down(args: argparse.Namespace) -> int:
     try:
-        stopped = kafka_local.down(args.state_dir, timeout=args.timeout)
+        stopped = kafka_local.down(_state_dir(args), timeout=args.timeout)
     except kafka_local.KafkaLauncherError as exc:
         print(f"sagaline kafka down: {exc}", file=sys.stderr)
         return 1
@@ -47,7 +68,7 @@ def _cmd_down(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    st = kafka_local.status(args.state_dir)
+    st = kafka_local.status(_state_dir(args))
     print(f"kafka: {st.detail}")
     print(f"state dir: {st.state_dir}")
     print(f"log: {st.log_file}")
@@ -60,9 +81,9 @@ def register(subparsers: Any) -> None:
     """Add ``kafka`` and its sub-commands to the ``sagaline`` parser."""
     kafka = subparsers.add_parser(
         "kafka",
-        help="run the local single-node Kafka broker (no Docker)",
-        description="Run a real single-node KRaft Kafka broker on loopback, cached between "
-        "runs. See docs/kafka-local.md.",
+        help="run the local Kafka broker, or a local cluster (no Docker)",
+        description="Run a real KRaft Kafka broker (or, with up --brokers N, an N-node "
+        "cluster) on loopback, cached between runs. See docs/kafka-local.md.",
     )
     kafka.set_defaults(func=lambda _args: (kafka.print_help(), 2)[1])
     sub = kafka.add_subparsers(dest="kafka_command", metavar="{up,down,status}")
@@ -73,6 +94,10 @@ def register(subparsers: Any) -> None:
             default=None,
             help=f"broker state dir (default {kafka_local.default_state_dir()})",
         )
+        if p is not p_up:
+            p.add_argument(
+                "--brokers", type=int, default=1, help="N>1: the N-node cluster's default dir"
+            )
 
     p_up = sub.add_parser("up", help="start the broker (or reuse it); print its bootstrap")
     state_arg(p_up)
@@ -82,6 +107,13 @@ def register(subparsers: Any) -> None:
         "--kafka-version", default=None, help="Kafka version (default: first that resolves)"
     )
     p_up.add_argument("--timeout", type=float, default=None, help="start-up timeout, seconds")
+    p_up.add_argument(
+        "--brokers",
+        type=int,
+        default=1,
+        help="1: the single broker (default); N>1: an N-node KRaft cluster on loopback "
+        "(state dir default <cache>/cluster-N; prints every node's address)",
+    )
     p_up.set_defaults(func=_cmd_up)
 
     p_down = sub.add_parser("down", help="stop the broker (SIGTERM, then SIGKILL)")

@@ -65,6 +65,7 @@ from typing import Any
 __all__ = [
     "CANDIDATE_VERSIONS",
     "BrokerStatus",
+    "ClusterNode",
     "KafkaLauncherError",
     "MavenResolutionError",
     "PortInUseError",
@@ -72,18 +73,26 @@ __all__ = [
     "StartupError",
     "ToolMissingError",
     "UpResult",
+    "cluster_down",
+    "cluster_nodes",
+    "cluster_status",
     "default_cache_dir",
+    "default_cluster_dir",
     "default_state_dir",
     "down",
+    "ensure_cluster",
     "ensure_port_free",
     "ensure_running",
     "free_port",
+    "kill_node",
     "metadata_answers",
     "new_cluster_id",
     "render_server_properties",
     "resolve_jars",
     "sasl_listener",
+    "start_node",
     "status",
+    "stop_node",
     "up",
 ]
 
@@ -445,14 +454,25 @@ def render_server_properties(
     data_dir: Path,
     host: str = HOST,
     sasl: SaslListener | None = None,
+    node_id: int = 1,
+    voters: str | None = None,
+    replication: int = 1,
 ) -> str:
     """The broker+controller config for one node on loopback, sized for 2 cores;
-    with ``sasl``, plus a SASL_PLAINTEXT listener (PLAIN) for its principals."""
+    with ``sasl``, plus a SASL_PLAINTEXT listener (PLAIN) for its principals.
+
+    A single node by default. For a node of an N-node cluster pass its ``node_id``,
+    the static quorum ``voters`` (``1@host:cport,2@host:cport,...``) and
+    ``replication`` = N (capped at 3): internal topics are then replicated N times
+    and need ``min(2, N)`` in-sync replicas, so one node can be lost.
+    """
+    min_isr = 2 if replication >= 3 else 1
     props: dict[str, Any] = {
-        # KRaft combined mode, static quorum of one voter: no --standalone needed.
+        # KRaft combined mode, static quorum (one voter, or every node of a
+        # cluster): no --standalone needed.
         "process.roles": "broker,controller",
-        "node.id": 1,
-        "controller.quorum.voters": f"1@{host}:{controller_port}",
+        "node.id": node_id,
+        "controller.quorum.voters": voters or f"{node_id}@{host}:{controller_port}",
         "controller.listener.names": "CONTROLLER",
         "listeners": f"PLAINTEXT://{host}:{port},CONTROLLER://{host}:{controller_port}",
         "advertised.listeners": f"PLAINTEXT://{host}:{port}",
@@ -462,16 +482,17 @@ def render_server_properties(
         # Topics are created explicitly by the code that owns them.
         "auto.create.topics.enable": "false",
         "num.partitions": 1,
-        "default.replication.factor": 1,
-        "min.insync.replicas": 1,
-        # Internal topics: one partition, RF 1 (a single broker cannot do more).
-        "offsets.topic.replication.factor": 1,
+        "default.replication.factor": replication,
+        "min.insync.replicas": min_isr,
+        # Internal topics: one partition; RF 1 on a single broker, RF N (min ISR 2)
+        # on a cluster, so consumer offsets and transactions survive a lost node.
+        "offsets.topic.replication.factor": replication,
         "offsets.topic.num.partitions": 1,
-        "transaction.state.log.replication.factor": 1,
-        "transaction.state.log.min.isr": 1,
+        "transaction.state.log.replication.factor": replication,
+        "transaction.state.log.min.isr": min_isr,
         "transaction.state.log.num.partitions": 1,
-        "share.coordinator.state.topic.replication.factor": 1,
-        "share.coordinator.state.topic.min.isr": 1,
+        "share.coordinator.state.topic.replication.factor": replication,
+        "share.coordinator.state.topic.min.isr": min_isr,
         "share.coordinator.state.topic.num.partitions": 1,
         # No 3 s wait before the first rebalance of a new group: tests start fast.
         "group.initial.rebalance.delay.ms": 0,
@@ -695,7 +716,7 @@ def _format(java: str, libs: Path, state: Path) -> None:
         )
 
 
-def _spawn(java: str, libs: Path, state: Path) -> int:
+def _spawn(java: str, libs: Path, state: Path, heap: tuple[str, ...] = JVM_HEAP) -> int:
     """Start the broker detached and return its pid.
 
     A throw-away ``sh`` backgrounds java in a new session and prints its pid, then
@@ -703,7 +724,7 @@ def _spawn(java: str, libs: Path, state: Path) -> int:
     us, leaves no zombie, and no ``Popen`` object warns about it at exit.
     """
     cmd = [
-        java, *JVM_HEAP, "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20",
+        java, *heap, "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20",
         "-XX:+ExitOnOutOfMemoryError", "-Djava.awt.headless=true",
         f"-Dlog4j2.configurationFile={state / LOG4J_PROPERTIES}",
         f"-Dkafka.logs.dir={state}",
@@ -878,6 +899,8 @@ def down(state_dir: Path | str | None = None, *, timeout: float = DEFAULT_STOP_T
     state = _state(state_dir)
     if not state.exists():
         return False
+    if _cluster_size(state) is not None:
+        return cluster_down(state, timeout=timeout)
     with _locked(state):
         pid = _read_pid(state)
         stopped = False
@@ -892,6 +915,8 @@ def down(state_dir: Path | str | None = None, *, timeout: float = DEFAULT_STOP_T
 def status(state_dir: Path | str | None = None, *, timeout: float = 5.0) -> BrokerStatus:
     """Report whether the broker of ``state_dir`` runs and answers (does not start it)."""
     state = _state(state_dir)
+    if _cluster_size(state) is not None:
+        return cluster_status(state, timeout=timeout)
     pid = _read_pid(state)
     bootstrap = _read(state / BOOTSTRAP_FILE)
     version = _read(state / VERSION_FILE)
@@ -909,3 +934,306 @@ def status(state_dir: Path | str | None = None, *, timeout: float = 5.0) -> Brok
     if not metadata_answers(bootstrap, timeout=timeout):
         return result(False, f"pid {pid} alive but {bootstrap} does not answer metadata")
     return result(True, f"running: pid {pid}, Kafka {version or '?'}, {bootstrap}")
+
+
+# --------------------------------------------------------------------------- cluster
+#
+# A cluster state dir holds ``nodes`` (how many), ``cluster.id``, ``kafka.version``,
+# ``bootstrap`` (every node's client address, only while all run), ``launcher.lock``
+# and one ``node-<id>/`` dir per node laid out exactly like a single broker's state
+# dir (its own config, ports, data, log and pid), so the single-node helpers above
+# run each node unchanged. Every node is a combined broker+controller and a voter of
+# the static quorum: three nodes tolerate the loss of one, for the metadata quorum
+# and (with replication factor 3, ``min.insync.replicas`` 2) for every topic.
+
+NODES_FILE = "nodes"
+CLUSTER_HEAP = ("-Xms192m", "-Xmx384m")  # three JVMs on a shared 2-core machine
+
+
+@dataclass(frozen=True)
+class ClusterNode:
+    """One node of a local cluster."""
+
+    node_id: int
+    state_dir: Path
+    port: int
+    controller_port: int
+
+    @property
+    def bootstrap(self) -> str:
+        return f"{HOST}:{self.port}"
+
+
+def default_cluster_dir(brokers: int) -> Path:
+    """The state dir of a local ``brokers``-node cluster: ``<cache>/cluster-<N>``.
+
+    Never the single broker's dir, so a cluster never disturbs the shared broker.
+    """
+    return default_cache_dir() / f"cluster-{brokers}"
+
+
+def _cluster_size(state: Path) -> int | None:
+    text = _read(state / NODES_FILE)
+    return int(text) if text and text.isdigit() else None
+
+
+def cluster_nodes(state_dir: Path | str) -> list[ClusterNode]:
+    """The nodes of the cluster in ``state_dir``, with the ports they were given."""
+    state = _state(state_dir)
+    size = _cluster_size(state)
+    if size is None:
+        raise KafkaLauncherError(
+            f"{state} is not a cluster state dir (no {NODES_FILE} file); start one with "
+            f"`sagaline kafka up --brokers 3 --state-dir {state}`."
+        )
+    nodes = []
+    for node_id in range(1, size + 1):
+        node_dir = state / f"node-{node_id}"
+        saved = (_read(node_dir / PORTS_FILE) or "").split()
+        if len(saved) != 2 or not all(x.isdigit() for x in saved):
+            raise KafkaLauncherError(f"{node_dir / PORTS_FILE} is missing or damaged")
+        nodes.append(ClusterNode(node_id, node_dir, int(saved[0]), int(saved[1])))
+    return nodes
+
+
+def _cluster_ports(state: Path, brokers: int) -> list[ClusterNode]:
+    """Remembered ports when every one is still free (the quorum's addresses are in
+    every node's config, so they change all together or not at all); else new ones."""
+    taken: set[int] = set()
+    remembered: list[tuple[int, int]] = []
+    for node_id in range(1, brokers + 1):
+        saved = (_read(state / f"node-{node_id}" / PORTS_FILE) or "").split()
+        if len(saved) == 2 and all(x.isdigit() for x in saved):
+            remembered.append((int(saved[0]), int(saved[1])))
+    ports = list(remembered)
+    if len(ports) != brokers or not all(_port_free(p) and _port_free(c) for p, c in ports):
+        ports = []
+        for _ in range(brokers):
+            pair: list[int] = []
+            while len(pair) < 2:
+                candidate = free_port()
+                if candidate not in taken:
+                    taken.add(candidate)
+                    pair.append(candidate)
+            ports.append((pair[0], pair[1]))
+    nodes = []
+    for node_id, (p, c) in enumerate(ports, start=1):
+        node_dir = state / f"node-{node_id}"
+        node_dir.mkdir(parents=True, exist_ok=True)
+        (node_dir / PORTS_FILE).write_text(f"{p} {c}\n")
+        nodes.append(ClusterNode(node_id, node_dir, p, c))
+    return nodes
+
+
+def _write_node_config(node: ClusterNode, nodes: list[ClusterNode], cluster_id: str) -> None:
+    voters = ",".join(f"{n.node_id}@{HOST}:{n.controller_port}" for n in nodes)
+    (node.state_dir / SERVER_PROPERTIES).write_text(
+        render_server_properties(
+            port=node.port,
+            controller_port=node.controller_port,
+            data_dir=node.state_dir / DATA_DIR,
+            node_id=node.node_id,
+            voters=voters,
+            replication=min(3, len(nodes)),
+        )
+    )
+    (node.state_dir / LOG4J_PROPERTIES).write_text(LOG4J2_PROPERTIES)
+    (node.state_dir / CLUSTER_ID_FILE).write_text(cluster_id + "\n")
+
+
+def _node_running(node: ClusterNode) -> int | None:
+    pid = _read_pid(node.state_dir)
+    return pid if pid is not None and _is_our_broker(pid, node.state_dir) else None
+
+
+def _cluster_bootstrap(nodes: list[ClusterNode]) -> str:
+    return ",".join(n.bootstrap for n in nodes)
+
+
+def _brokers_registered(bootstrap: str, timeout: float = 5.0) -> set[int]:
+    from sagaline.kafka import ClientConfig, create_admin
+
+    # The launcher's own plaintext listeners: no deployment settings (SASL...) apply.
+    client = create_admin(
+        ClientConfig(bootstrap), **{"log_level": 0, "error_cb": lambda _err: None}
+    )
+    try:
+        return set(client.list_topics(timeout=timeout).brokers)
+    except Exception:
+        return set()
+
+
+def _wait_cluster(state: Path, nodes: list[ClusterNode], wanted: set[int], timeout: float) -> None:
+    """Until every node in ``wanted`` answers and the cluster lists it as a broker."""
+    deadline = time.monotonic() + timeout
+    bootstrap = _cluster_bootstrap(nodes)
+    for node in nodes:
+        if node.node_id not in wanted:
+            continue
+        pid = _read_pid(node.state_dir)
+        assert pid is not None
+        _wait_ready(
+            node.state_dir, pid, node.bootstrap, node.port, max(1.0, deadline - time.monotonic())
+        )
+    while not wanted <= _brokers_registered(bootstrap):
+        if time.monotonic() > deadline:
+            raise StartupError(
+                f"the cluster in {state} did not list brokers {sorted(wanted)} within "
+                f"{timeout:.0f}s; see the node logs under {state}/node-*/{LOG_FILE}"
+            )
+        time.sleep(0.25)
+
+
+def ensure_cluster(
+    state_dir: Path | str | None = None,
+    *,
+    brokers: int = 3,
+    version: str | None = None,
+    timeout: float | None = None,
+) -> UpResult:
+    """Reuse the ``brokers``-node KRaft cluster of ``state_dir``, or start it.
+
+    Nodes that run and answer are kept; the others are (re)started on their
+    remembered ports, so a cluster with one node down is completed, not restarted.
+    ``UpResult.bootstrap`` lists every node; ``pid`` is node 1's.
+    """
+    if brokers < 2:
+        raise KafkaLauncherError("a cluster needs at least 2 brokers; use ensure_running()")
+    state = _state(state_dir) if state_dir else default_cluster_dir(brokers)
+    wait = _start_timeout(timeout)
+    with _locked(state):
+        size = _cluster_size(state)
+        if size is not None and size != brokers:
+            raise KafkaLauncherError(
+                f"{state} holds a {size}-node cluster, not {brokers}: use another "
+                f"--state-dir, or `sagaline kafka down --state-dir {state}` and remove it."
+            )
+        if size is None and (state / DATA_DIR).exists():
+            raise KafkaLauncherError(f"{state} holds a single broker; use another --state-dir")
+        (state / NODES_FILE).write_text(f"{brokers}\n")
+        nodes = cluster_nodes(state) if size is not None else []
+        running = {n.node_id: pid for n in nodes if (pid := _node_running(n)) is not None}
+        if len(running) < brokers:
+            (state / BOOTSTRAP_FILE).unlink(missing_ok=True)
+        else:
+            bootstrap = _cluster_bootstrap(nodes)
+            _wait_cluster(state, nodes, set(running), min(wait, 60.0))
+            (state / BOOTSTRAP_FILE).write_text(bootstrap + "\n")
+            return UpResult(bootstrap, False, running[1], _read(state / VERSION_FILE) or "?", state)
+        java, _ = ensure_tools()
+        kafka_version, libs = resolve_jars(version or _read(state / VERSION_FILE))
+        (state / VERSION_FILE).write_text(kafka_version + "\n")
+        # Ports change only when no node runs (a running node's quorum config is fixed).
+        nodes = cluster_nodes(state) if running else _cluster_ports(state, brokers)
+        cluster_id = _read(state / CLUSTER_ID_FILE) or new_cluster_id()
+        (state / CLUSTER_ID_FILE).write_text(cluster_id + "\n")
+        for node in nodes:
+            if node.node_id not in running:
+                _write_node_config(node, nodes, cluster_id)
+                _format(java, libs, node.state_dir)
+        started = []
+        for node in nodes:
+            if node.node_id not in running:
+                ensure_port_free(node.port)
+                ensure_port_free(node.controller_port, what="Kafka controller")
+                pid = _spawn(java, libs, node.state_dir, CLUSTER_HEAP)
+                (node.state_dir / PID_FILE).write_text(f"{pid}\n")
+                running[node.node_id] = pid
+                started.append(node.node_id)
+        try:
+            _wait_cluster(state, nodes, set(range(1, brokers + 1)), wait)
+        except KafkaLauncherError:
+            for node in nodes:
+                if node.node_id in started:
+                    _terminate(running[node.node_id], 5.0)
+                    (node.state_dir / PID_FILE).unlink(missing_ok=True)
+            raise
+        bootstrap = _cluster_bootstrap(nodes)
+        (state / BOOTSTRAP_FILE).write_text(bootstrap + "\n")
+        return UpResult(bootstrap, True, running[1], kafka_version, state)
+
+
+def _node(state_dir: Path | str, node_id: int) -> ClusterNode:
+    for node in cluster_nodes(state_dir):
+        if node.node_id == node_id:
+            return node
+    raise KafkaLauncherError(f"the cluster in {state_dir} has no node {node_id}")
+
+
+def stop_node(
+    state_dir: Path | str,
+    node_id: int,
+    *,
+    kill: bool = False,
+    timeout: float = DEFAULT_STOP_TIMEOUT,
+) -> bool:
+    """Stop one node: SIGTERM (a controlled shutdown that moves its leaderships
+    first), or with ``kill`` a SIGKILL (a crash). True if it was running."""
+    node = _node(state_dir, node_id)
+    state = _state(state_dir)
+    with _locked(state):
+        pid = _node_running(node)
+        if pid is None:
+            return False
+        if kill:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and _pid_alive(pid):
+                time.sleep(0.05)
+        else:
+            _terminate(pid, timeout)
+        (node.state_dir / PID_FILE).unlink(missing_ok=True)
+        (state / BOOTSTRAP_FILE).unlink(missing_ok=True)
+        return True
+
+
+def kill_node(state_dir: Path | str, node_id: int) -> bool:
+    """SIGKILL one node of the cluster (see :func:`stop_node`)."""
+    return stop_node(state_dir, node_id, kill=True)
+
+
+def start_node(state_dir: Path | str, node_id: int, *, timeout: float | None = None) -> int:
+    """Start a stopped node again on its ports and data; returns its pid once the
+    cluster lists it as a broker again (running nodes are left alone)."""
+    ensure_cluster(state_dir, brokers=len(cluster_nodes(state_dir)), timeout=timeout)
+    pid = _node_running(_node(state_dir, node_id))
+    if pid is None:
+        raise StartupError(f"node {node_id} of {state_dir} is not running after start")
+    return pid
+
+
+def cluster_down(state_dir: Path | str, *, timeout: float = DEFAULT_STOP_TIMEOUT) -> bool:
+    """Stop every node (data and ports kept). True if any node was running."""
+    state = _state(state_dir)
+    with _locked(state):
+        pids = {n: pid for n in cluster_nodes(state) if (pid := _node_running(n)) is not None}
+        for pid in pids.values():  # all at once: the quorum shuts down together
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        for node, pid in pids.items():
+            _terminate(pid, timeout)
+            (node.state_dir / PID_FILE).unlink(missing_ok=True)
+        (state / BOOTSTRAP_FILE).unlink(missing_ok=True)
+    return bool(pids)
+
+
+def cluster_status(state_dir: Path | str, *, timeout: float = 5.0) -> BrokerStatus:
+    """A cluster's status: running when every node runs and is listed as a broker."""
+    state = _state(state_dir)
+    nodes = cluster_nodes(state)
+    bootstrap = _cluster_bootstrap(nodes)
+    version = _read(state / VERSION_FILE)
+    alive = {n.node_id: pid for n in nodes if (pid := _node_running(n)) is not None}
+    listed = _brokers_registered(bootstrap, timeout) if alive else set()
+    down_ids = [n.node_id for n in nodes if n.node_id not in alive or n.node_id not in listed]
+    running = not down_ids
+    detail = (
+        f"running: {len(nodes)} nodes, Kafka {version or '?'}, {bootstrap}"
+        if running
+        else f"{len(nodes) - len(down_ids)} of {len(nodes)} nodes up (down: {down_ids})"
+    )
+    return BrokerStatus(
+        running, state, bootstrap if running else None, alive.get(1), version,
+        state / "node-1" / LOG_FILE, detail,
+    )  # fmt: skip
