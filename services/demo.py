@@ -349,7 +349,13 @@ def _start_services(run: DemoRun, supervisor: Supervisor, settings: Settings) ->
     env = _service_env(run, fault_file)
     topics = settings.topics
     names = list(PARTICIPANTS)
-    ensure_topics(run.bootstrap, topics, names, run.options.partitions)
+    ensure_topics(
+        run.bootstrap,
+        topics,
+        names,
+        run.options.partitions,
+        replication=settings.replication,
+    )
     logs = run.state_dir / "logs"
     supervisor.start(
         ServiceSpec(
@@ -456,6 +462,7 @@ def _run(run: DemoRun, supervisor: Supervisor) -> int:
         partitions=opts.partitions,
         hmac_key=DEMO_HMAC_KEY.encode(),
         state_dir=run.state_dir,
+        replication=Settings.from_env().replication,  # of the topics the run creates
     )
     plans = [checked_plan(t, declared_catalogues_cached()) for t in run.tickets]
     fixed = plan_fix_message(plans)
