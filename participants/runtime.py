@@ -18,7 +18,11 @@ For every command on ``sagaline.commands.<participant>`` it
 Redelivered commands never run a tool or a compensation twice: a SQLite journal of
 handled command ids survives restarts. A command found *started but unfinished* after
 a crash is reported as an unknown outcome and reconciled, because the tool may or may
-not have acted.
+not have acted. Replicas do not share that journal, so on a journal miss the ledger
+decides (:mod:`participants.ledger_probe`): an outcome already appended for the
+command is re-sent, and an intent without an outcome (another replica took the
+command and vanished, or still runs it) is an unknown outcome, reconciled through the
+tool's lookup by idempotency key; the tool is never run a second time.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from participants.catalogue import Catalogue, ToolSpec
 from participants.context import CallContext, call_context
 from participants.declarations import Accepted, CompensationContext
 from participants.errors import InvalidArgumentsError
+from participants.ledger_probe import LedgerProbe
 from sagaline.kafka import (
     DeadLetterWriter,
     LedgerWriter,
@@ -105,6 +110,7 @@ class NoMetrics:
 
     def dlq(self, reason: str) -> None:
         pass
+
 
 Clock = Callable[[], int]
 R = TypeVar("R", bound=Record)
@@ -207,8 +213,10 @@ class CommandHandler:
         verify_timeout_ms: int = 60_000,
         metrics: RuntimeMetrics | None = None,
         sealer: Sealer | None = None,
+        ledger: LedgerProbe | None = None,
     ) -> None:
         self.catalogue = catalogue
+        self._ledger = ledger
         self._sealer = sealer or Sealer(None)
         self.participant = participant
         self.journal = journal
@@ -225,6 +233,8 @@ class CommandHandler:
     def close(self) -> None:
         self._stopping.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._ledger is not None:
+            self._ledger.close()
 
     # ------------------------------------------------------------------ dispatch
 
@@ -239,7 +249,14 @@ class CommandHandler:
 
             self._append(decode(seen[1]))
             return
-        if command.tool not in self.catalogue:  # type: ignore[attr-defined]
+        earlier = self._on_ledger(command) if seen is None else None
+        if earlier is not None:
+            # Another replica (no shared journal) already took this command.
+            if self._metrics is not None:
+                self._metrics.duplicate_prevented()
+            log.info("%s %s: already on the ledger, not run again", command.TYPE, command.event_id)
+            outcome = earlier
+        elif command.tool not in self.catalogue:  # type: ignore[attr-defined]
             outcome = _Outcome(self._unknown_tool(command))
         elif isinstance(command, ExecuteStep):
             outcome = self._execute(command, restarted=seen is not None)
@@ -255,6 +272,39 @@ class CommandHandler:
         self._append(outcome.record)
         if self._metrics is not None:
             self._metrics.observe_output(outcome.record)
+
+    def _on_ledger(self, cmd: Record) -> _Outcome | None:
+        """What a journal miss must not ignore: this command's records on the ledger.
+
+        Its outcome there is re-sent as is. An intent with no outcome means a replica
+        may have acted (R11): an unknown outcome, which the coordinator reconciles
+        through the tool's lookup by idempotency key. Compensations append no intent,
+        so only their outcome can be found; one that ran without reporting is run
+        again under the same compensation key, which the compensation must honour.
+        """
+        if self._ledger is None or not isinstance(cmd, (ExecuteStep, CompensateStep)):
+            return None
+        by_id = {r.event_id: r for r in self._ledger.caused_by(cmd)}
+        outcome = by_id.get(derived_event_id(cmd.event_id, "outcome"))
+        if outcome is not None:
+            return _Outcome(
+                outcome, "accepted" if isinstance(outcome, CompensationAccepted) else "done"
+            )
+        if isinstance(cmd, ExecuteStep) and derived_event_id(cmd.event_id, "intent") in by_id:
+            return _Outcome(
+                self._record(
+                    StepOutcomeUnknown,
+                    cmd,
+                    "outcome",
+                    step_id=cmd.step_id,
+                    tool=cmd.tool,
+                    idempotency_key=cmd.idempotency_key,
+                    attempt=cmd.attempt,
+                    reason="another replica recorded the intent for this idempotency key and "
+                    "reported no outcome (its partition moved); the tool may have acted",
+                )
+            )
+        return None
 
     def _unknown_tool(self, cmd: Record) -> Record:
         """A command for a tool this participant does not serve: a business
@@ -649,6 +699,7 @@ class ParticipantRuntime:
             self._append,
             metrics=self.metrics,
             sealer=settings.sealer(),
+            ledger=LedgerProbe(bootstrap, self.topics.events, self.signer),
         )
         self._running = threading.Event()
         self._background: list[threading.Thread] = []

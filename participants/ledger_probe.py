@@ -1,0 +1,127 @@
+"""What a command already caused on the ledger, for replicas that share no journal.
+
+Two replicas of a participant each keep their own SQLite journal. When a command
+partition moves from one to the other (a replica joins, leaves or crashes), the new
+owner may receive a command the old owner already took: its journal has never seen
+it, but the ledger has. Every record a runtime appends for a command carries a
+deterministic event id derived from the command's (``intent``, ``outcome``), so
+"did anyone act on this command?" is answered by the records on the saga's ledger
+partition whose ``causation_id`` is the command's event id.
+
+The probe reads only that one partition, from the command's own timestamp (less
+:data:`CLOCK_SKEW_MS` for producer clocks that disagree) to its current end, and
+decodes only records with the saga's key. So its cost is one partition's records
+since the command was sent: small while the participant keeps up.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Any
+
+from sagaline.kafka import ClientConfig, KafkaError, TopicPartition, create_consumer, watermarks
+from schemas import Record
+from schemas.errors import CodecError
+from schemas.partitioning import partition_for
+from schemas.signing import Signer
+from schemas.wire import from_message
+
+__all__ = ["CLOCK_SKEW_MS", "LedgerProbe", "LedgerProbeError"]
+
+CLOCK_SKEW_MS = 30_000
+"""How far a replica's clock may lag the coordinator's: the scan starts this much
+before the command's timestamp, so an intent stamped by a slower clock is found."""
+
+
+class LedgerProbeError(RuntimeError):
+    """The ledger could not be read to its end; the command is not run blind."""
+
+
+class LedgerProbe:
+    """Finds the records on ``topic`` (the ledger) caused by a given command."""
+
+    def __init__(
+        self,
+        bootstrap: str | ClientConfig,
+        topic: str,
+        signer: Signer,
+        *,
+        clock_skew_ms: int = CLOCK_SKEW_MS,
+        timeout_s: float = 60.0,
+    ) -> None:
+        self.topic = topic
+        self._signer = signer
+        self._skew = clock_skew_ms
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._partitions: int | None = None
+        # No group membership, no commits: a plain reader of assigned partitions, up
+        # to the end of committed data (the partition EOF under read_committed).
+        self._consumer = create_consumer(
+            bootstrap,
+            f"sagaline-probe-{uuid.uuid4().hex[:8]}",
+            **{"enable.partition.eof": True},
+        )
+
+    def caused_by(self, command: Record) -> list[Record]:
+        """Every decodable record on the ledger whose causation is ``command``."""
+        key = command.saga_id.encode()
+        with self._lock:
+            partition = partition_for(key, self._partition_count())
+            since = max(0, command.envelope.occurred_at - self._skew)
+            found = self._consumer.offsets_for_times(
+                [TopicPartition(self.topic, partition, since)], timeout=self._timeout_s
+            )
+            start = found[0].offset
+            _low, high = watermarks(
+                self._consumer, TopicPartition(self.topic, partition), self._timeout_s
+            )
+            if start < 0 or start >= high:
+                return []  # nothing written since the command was sent
+            return self._scan(partition, start, high, key, command.event_id)
+
+    def _scan(self, partition: int, start: int, high: int, key: bytes, cause: str) -> list[Record]:
+        out: list[Record] = []
+        self._consumer.assign([TopicPartition(self.topic, partition, start)])
+        deadline = time.monotonic() + self._timeout_s
+        try:
+            while True:
+                msg: Any = self._consumer.poll(0.5)
+                if msg is None:
+                    if time.monotonic() > deadline:
+                        raise LedgerProbeError(
+                            f"could not read {self.topic}[{partition}] up to offset {high} "
+                            f"within {self._timeout_s:.0f} s (is the broker reachable?)"
+                        )
+                    continue
+                err = msg.error()
+                if err is not None:
+                    if err.code() == KafkaError._PARTITION_EOF:
+                        return out
+                    continue
+                if msg.key() == key:
+                    try:
+                        record = from_message(msg.key(), msg.value(), msg.headers(), self._signer)
+                    except CodecError:
+                        record = None  # the coordinator has sent it to the DLQ
+                    if record is not None and record.envelope.causation_id == cause:
+                        out.append(record)
+                if msg.offset() >= high - 1:
+                    return out
+        finally:
+            self._consumer.unassign()
+
+    def _partition_count(self) -> int:
+        if self._partitions is None:
+            meta = self._consumer.list_topics(self.topic, timeout=self._timeout_s)
+            topic = meta.topics.get(self.topic)
+            if topic is None or topic.error is not None or not topic.partitions:
+                raise LedgerProbeError(f"the ledger topic {self.topic!r} does not exist")
+            self._partitions = len(topic.partitions)
+        return self._partitions
+
+    def close(self) -> None:
+        with self._lock:
+            self._consumer.close()

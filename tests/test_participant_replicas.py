@@ -1,0 +1,136 @@
+"""Two replicas of a participant that share no journal (issue 11, item 3).
+
+A command partition moves from replica A to replica B (a join, a clean leave, a
+kill -9): B may receive a command A already took. B's SQLite journal has never seen
+it; the ledger has. These tests hand B exactly such a command on the real broker and
+count the tool's invocations in the provider itself: the journal alone would run the
+tool a second time, the ledger rule must not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from participants.runtime import ParticipantRuntime
+from schemas import StepCommitted, StepIntentRecorded, StepOutcomeUnknown, derived_event_id
+from schemas.wire import to_message
+from tests.test_participant_runtime import PARTICIPANT, Harness, _of
+
+pytestmark = pytest.mark.kafka
+
+
+class Replicas(Harness):
+    """The harness's provider and topics, served by replica ``a`` then replica ``b``,
+    each with a journal of its own.
+
+    Both use one static group member id, so b takes a's partition the moment it
+    joins (as a replacement host with an empty disk would); with distinct ids the
+    broker holds a stopped static member's partition for its session timeout, which
+    the scale-out soak exercises.
+    """
+
+    def start_replica(self, name: str) -> None:
+        self.runtime = ParticipantRuntime(
+            self.catalogue,
+            self.settings,
+            self.bootstrap,
+            participant=PARTICIPANT,
+            instance_id=f"{PARTICIPANT}-replica",
+            state_dir=self.settings.state_dir / f"replica-{name}",
+        )
+        self._run_runtime()
+
+    def _run_runtime(self) -> None:
+        import threading
+
+        assert self.runtime is not None
+        ready = threading.Event()
+        self.thread = threading.Thread(
+            target=self.runtime.run, kwargs={"ready": ready}, daemon=True
+        )
+        self.thread.start()
+        assert ready.wait(60), "participant replica did not start"
+
+    def duplicates_prevented(self) -> float:
+        assert self.runtime is not None
+        metric = self.runtime.metrics.duplicates_prevented.labels(f"participant:{PARTICIPANT}")
+        return float(metric._value.get())
+
+
+@pytest.fixture
+def replicas(kafka_bootstrap: str, unique_prefix: str, tmp_path: Path) -> Iterator[Replicas]:
+    r = Replicas(kafka_bootstrap, unique_prefix, tmp_path)
+    yield r
+    if r.thread is not None and r.thread.is_alive():
+        r.stop()
+
+
+def test_a_command_done_by_one_replica_is_not_run_again_by_the_other(
+    replicas: Replicas,
+) -> None:
+    """A finished and appended its outcome, but its offset commit was lost with the
+    partition: B re-sends A's outcome (same event id) and never calls the tool."""
+    command = replicas.execute("s1", {"sku": "a", "quantity": 1})
+    replicas.start_replica("a")
+    replicas.send(command)
+    replicas.wait_for(lambda rs: bool(_of(rs, StepCommitted)))
+    replicas.stop()
+    assert replicas.shop.count("reserve") == 1
+
+    replicas.start_replica("b")
+    replicas.send(command)  # the redelivery B sees after the partition moved
+    records = replicas.wait_for(lambda rs: len(_of(rs, StepCommitted)) == 2)
+    committed = _of(records, StepCommitted)
+    assert committed[0].event_id == committed[1].event_id, "the same outcome, re-sent"
+    assert replicas.shop.count("reserve") == 1, "replica b ran the tool again"
+    assert len(_of(records, StepIntentRecorded)) == 1
+    assert replicas.duplicates_prevented() == 1
+
+
+def test_an_intent_without_outcome_from_another_replica_is_an_unknown_outcome(
+    replicas: Replicas,
+) -> None:
+    """A recorded the intent and was killed before it reported: the tool may have
+    acted. B reports an unknown outcome (reconciled by lookup), never re-runs it."""
+    command = replicas.execute("s1", {"sku": "a", "quantity": 1})
+    intent = StepIntentRecorded(  # what replica a appended before it died
+        envelope=replicas._envelope(StepIntentRecorded, "unused").model_copy(
+            update={
+                "event_id": derived_event_id(command.event_id, "intent"),
+                "causation_id": command.event_id,
+                "producer": PARTICIPANT,
+            }
+        ),
+        step_id=command.step_id,
+        tool=command.tool,
+        idempotency_key=command.idempotency_key,
+        args_fingerprint="f" * 64,
+        attempt=command.attempt,
+        principal=command.principal,
+    )
+    key, value, headers = to_message(intent, replicas.settings.signer())
+    replicas.producer.produce(
+        replicas.settings.topics.events, key=key, value=value, headers=headers
+    )
+    assert replicas.producer.flush(30) == 0
+
+    replicas.start_replica("b")
+    replicas.send(command)
+    records = replicas.wait_for(lambda rs: bool(_of(rs, StepOutcomeUnknown)))
+    unknown = _of(records, StepOutcomeUnknown)[0]
+    assert unknown.event_id == derived_event_id(command.event_id, "outcome")
+    assert "another replica" in unknown.reason
+    assert replicas.shop.count("reserve") == 0, "replica b ran the tool blind"
+    assert not _of(records, StepCommitted)
+
+
+def test_a_command_nobody_took_runs_once_on_the_new_replica(replicas: Replicas) -> None:
+    """The rule does not over-block: with nothing on the ledger, B runs the tool."""
+    replicas.start_replica("b")
+    replicas.send(replicas.execute("s2", {"sku": "b", "quantity": 2}))
+    replicas.wait_for(lambda rs: bool(_of(rs, StepCommitted)))
+    assert replicas.shop.count("reserve") == 1
+    assert replicas.duplicates_prevented() == 0
