@@ -39,6 +39,7 @@ from coordinator.core import (
     tick,
 )
 from coordinator.state import SagaState
+from coordinator.watchdog import deadline
 from sagaline.kafka import (
     OFFSET_BEGINNING,
     Consumer,
@@ -99,6 +100,7 @@ class NoMetrics:
 
     def in_flight(self, sagas: int) -> None:
         pass
+
 
 # Records the coordinator emitted itself come back to it on the events topic; for a
 # saga whose state is already tombstoned they are history, not input.
@@ -220,11 +222,12 @@ class Coordinator:
                 if state is not None:
                     self._apply(tick(state, now, self._policy), saga_id, pending, None)
             self._write_changelog(pending)
-            self._producer.send_offsets_to_transaction(
-                self._consumer.position(self._consumer.assignment()),
-                self._consumer.consumer_group_metadata(),
-                30,
-            )
+            with deadline("send_offsets_to_transaction", 30):
+                self._producer.send_offsets_to_transaction(
+                    self._consumer.position(self._consumer.assignment()),
+                    self._consumer.consumer_group_metadata(),
+                    30,
+                )
             self._producer.commit_transaction(30)
         except KafkaException as exc:
             self._recover(exc, pending)

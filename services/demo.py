@@ -72,6 +72,7 @@ from services.refund.agent import (
 
 __all__ = [
     "AgentOutcome",
+    "DemoFault",
     "DemoOptions",
     "DemoRun",
     "FaultEvent",
@@ -237,6 +238,18 @@ class DemoOptions:
     call_timeout_s: float = 60.0
     timeout_s: float = 300.0
     dashboard_port: int = 0  # 0: no dashboard
+    faults: tuple[DemoFault, ...] = ()  # injected by tests: broker kills, scale-out
+
+
+@dataclass(frozen=True)
+class DemoFault:
+    """Something a test does to the running system after ``after`` terminal sagas
+    (kill or stop a broker, start another coordinator, move a partition). ``act``
+    gets the run's supervisor and returns what it did, for the run's fault log."""
+
+    after: int
+    name: str
+    act: Callable[[Supervisor], str]
 
 
 @dataclass
@@ -269,8 +282,11 @@ class FaultEvent:
     new_pid: int | None
     terminal_before: int  # sagas terminal when it was killed
     compensating: int  # sagas compensating when it was killed
+    detail: str = ""  # what a DemoFault did
 
     def __str__(self) -> str:
+        if self.detail:
+            return f"{self.service} after {self.terminal_before} terminal sagas: {self.detail}"
         return (
             f"kill -9 {self.service} (pid {self.old_pid}) after {self.terminal_before} terminal"
             f" sagas, {self.compensating} compensating; restarted as pid {self.new_pid}"
@@ -424,18 +440,28 @@ def _fault_injector(
 ) -> threading.Thread | None:
     """A thread that kill -9s (and restarts) a service after K terminal sagas."""
     opts = run.options
-    jobs: list[tuple[str, int]] = []
+    jobs: list[tuple[str, int, DemoFault | None]] = [
+        (fault.name, fault.after, fault) for fault in opts.faults
+    ]
     if opts.kill_service and opts.kill_after > 0:
-        jobs.append((opts.kill_service, opts.kill_after))
+        jobs.append((opts.kill_service, opts.kill_after, None))
     if opts.kill_coordinator_after > 0:
-        jobs.append(("coordinator", opts.kill_coordinator_after))
+        jobs.append(("coordinator", opts.kill_coordinator_after, None))
     if not jobs:
         return None
 
     def inject() -> None:
-        for name, after in sorted(jobs, key=lambda j: j[1]):
+        for name, after, fault in sorted(jobs, key=lambda j: j[1]):
             if not board.wait_count(after, opts.timeout_s):
                 return
+            if fault is not None:
+                terminal, compensating = board.terminal_count(), board.counts()[COMPENSATING]
+                event = FaultEvent(
+                    name, None, None, terminal, compensating, detail=fault.act(supervisor)
+                )
+                run.faults.append(event)
+                display.log(f"fault: {event}")
+                continue
             if name == "coordinator":
                 # Aim for the middle of a compensation (issue 4's acceptance), but
                 # do not wait for one forever.

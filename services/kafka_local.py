@@ -84,6 +84,7 @@ __all__ = [
     "ensure_port_free",
     "ensure_running",
     "free_port",
+    "kill",
     "kill_node",
     "metadata_answers",
     "new_cluster_id",
@@ -910,6 +911,25 @@ def down(state_dir: Path | str | None = None, *, timeout: float = DEFAULT_STOP_T
         (state / PID_FILE).unlink(missing_ok=True)
         (state / BOOTSTRAP_FILE).unlink(missing_ok=True)
         return stopped
+
+
+def kill(state_dir: Path | str) -> int | None:
+    """SIGKILL the broker of ``state_dir`` (a crash, for fault tests) and wait until
+    the process is gone; returns its pid, or None if it was not running. Its data,
+    ports and state stay, so :func:`ensure_running` starts it again where it was.
+    Never point this at the shared broker's state dir."""
+    state = _state(state_dir)
+    with _locked(state):
+        pid = _read_pid(state)
+        if pid is None or not _is_our_broker(pid, state):
+            return None
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _pid_alive(pid):
+            time.sleep(0.05)
+        (state / BOOTSTRAP_FILE).unlink(missing_ok=True)
+        return pid
 
 
 def status(state_dir: Path | str | None = None, *, timeout: float = 5.0) -> BrokerStatus:

@@ -13,6 +13,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from participants.catalogue import Catalogue
@@ -80,6 +81,7 @@ def _cmd_participant_run(args: argparse.Namespace) -> int:
         bootstrap,
         participant=args.name,
         instance_id=args.instance_id or args.name,
+        state_dir=args.journal_dir,
         metrics=metrics,
     )
     runtime.install_signal_handlers()
@@ -118,5 +120,12 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="development only: use (or start) the local broker when KAFKA_BOOTSTRAP_SERVERS "
         "is unset",
+    )
+    run.add_argument(
+        "--journal-dir",
+        type=Path,
+        default=None,
+        help="this replica's command journal (default: <state dir>/<name>); replicas need "
+        "not share it (docs/operating.md)",
     )
     run.set_defaults(func=_cmd_participant_run)
