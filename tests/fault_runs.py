@@ -135,26 +135,31 @@ def kill9(supervisor: Supervisor, name: str) -> str:
     return f"kill -9 {name} (pid {pid}), not restarted"
 
 
-class RestartWedged:
-    """What a deployment's restart policy does (compose ``restart: unless-stopped``):
-    start again any process of the run that exited with
-    :data:`~coordinator.watchdog.EXIT_WEDGED`. Processes stopped or killed by the run
-    itself exit otherwise and are left alone."""
+class RestartOnFailure:
+    """What a deployment's restart policy does (compose ``restart: on-failure``,
+    Kubernetes by default): start again any process of the run that exits with a
+    failure status, e.g. a coordinator whose transactional producer hit a fatal
+    error, or :data:`~coordinator.watchdog.EXIT_WEDGED`. A process stopped by the run
+    exits 0, one it kills with SIGKILL exits -9: both are left alone."""
 
     def __init__(self, supervisor: Supervisor) -> None:
         self.supervisor = supervisor
         self.restarts: list[str] = []
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="restart-wedged", daemon=True)
+        self._thread = threading.Thread(target=self._watch, name="restart-policy", daemon=True)
         self._thread.start()
 
     def _watch(self) -> None:
         while not self._stop.wait(1.0):
             for name, process in list(self.supervisor.processes.items()):
                 popen = process.popen
-                if popen is not None and popen.poll() == EXIT_WEDGED:
+                code = popen.poll() if popen is not None else None
+                if code is not None and code > 0:
+                    why = "wedged in librdkafka" if code == EXIT_WEDGED else "failed"
                     process.start()
-                    self.restarts.append(f"{name} exited {EXIT_WEDGED}; restarted as {process.pid}")
+                    self.restarts.append(
+                        f"{name} exited {code} ({why}); restarted as {process.pid}"
+                    )
 
     def stop(self) -> None:
         self._stop.set()

@@ -27,7 +27,7 @@ from confluent_kafka.admin import AdminClient
 from services import kafka_local
 from services.demo import DemoFault
 from services.demo_processes import Supervisor
-from tests.fault_runs import RestartWedged, counts, env_int
+from tests.fault_runs import RestartOnFailure, counts, env_int
 from tests.test_demo_e2e import assert_world_agrees_with_receipts, run
 
 pytestmark = [pytest.mark.kafka, pytest.mark.soak]
@@ -68,10 +68,10 @@ def test_a_broker_killed_mid_run_and_restarted_loses_nothing(
     before = kafka_local.status(own_broker)
     assert before.running and before.bootstrap and before.pid
 
-    restarter: list[RestartWedged] = []
+    restarter: list[RestartOnFailure] = []
 
     def kill_and_restart(supervisor: Supervisor) -> str:
-        restarter.append(RestartWedged(supervisor))
+        restarter.append(RestartOnFailure(supervisor))
         pid = kafka_local.kill(own_broker)
         assert pid is not None, "the broker was not running"
         again = kafka_local.ensure_running(own_broker)  # same data dir, same ports
@@ -111,10 +111,10 @@ def test_a_cluster_node_stopped_mid_run_loses_nothing_and_nothing_sticks(
     monkeypatch.setenv("SAGALINE_MIN_INSYNC_REPLICAS", "2")
     stopped: list[int] = []
 
-    restarter: list[RestartWedged] = []
+    restarter: list[RestartOnFailure] = []
 
     def stop_a_node(supervisor: Supervisor) -> str:
-        restarter.append(RestartWedged(supervisor))
+        restarter.append(RestartOnFailure(supervisor))
         # The node leading the most partitions of the ledger: the worst one to lose.
         leaders = _ledger_leaders(bootstrap)
         node = max(leaders, key=lambda n: leaders[n])
