@@ -101,7 +101,6 @@ class NoMetrics:
     def in_flight(self, sagas: int) -> None:
         pass
 
-
 # Records the coordinator emitted itself come back to it on the events topic; for a
 # saga whose state is already tombstoned they are history, not input.
 _RECENTLY_TERMINATED_MAX = 100_000

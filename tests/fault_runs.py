@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator.watchdog import EXIT_WEDGED
+from sagaline.kafka import LedgerReader
 from schemas.errors import CodecError
 from schemas.models import StepOutcomeUnknown
 from schemas.settings import Settings
@@ -24,7 +25,6 @@ from schemas.wire import from_message
 from services.demo import DEMO_HMAC_KEY, DemoRun
 from services.demo_invariants import FORWARD_EFFECTS, read_world
 from services.demo_processes import ManagedProcess, ServiceSpec, Supervisor
-from services.ledger import read_partitions
 
 PARTICIPANT_OUTCOMES = {
     "StepCommitted",
@@ -71,7 +71,7 @@ def counts(result: DemoRun) -> RunCounts:
     signer = settings.signer()
     outcome_ids: Counter[str] = Counter()
     replica_unknowns = 0
-    for key, value, headers in read_partitions(result.bootstrap, settings.topics.events):
+    for key, value, headers in LedgerReader(result.bootstrap).records(settings.topics.events):
         try:
             record = from_message(key, value, headers, signer)
         except CodecError:

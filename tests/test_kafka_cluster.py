@@ -18,8 +18,9 @@ import pytest
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, ConfigResource
 
+from sagaline.kafka import ensure_topics
 from schemas.settings import Settings
-from schemas.topics import TopicSetupError, ensure_topics
+from schemas.topics import Replication
 from services import kafka_cli, kafka_local
 
 
@@ -54,11 +55,6 @@ def test_the_single_broker_config_is_unchanged_by_default() -> None:
     assert props["min.insync.replicas"] == "1"
 
 
-def test_min_insync_replicas_above_the_replication_factor_is_refused() -> None:
-    with pytest.raises(TopicSetupError, match="exceeds the replication factor"):
-        ensure_topics("127.0.0.1:1", Settings().topics, replication_factor=1, min_insync_replicas=2)
-
-
 def test_cluster_commands_never_default_to_the_shared_broker_dir() -> None:
     parser = argparse.ArgumentParser(prog="sagaline")
     kafka_cli.register(parser.add_subparsers())
@@ -87,14 +83,13 @@ def test_a_three_node_cluster_survives_a_killed_node(cluster: Path) -> None:
     admin = AdminClient({"bootstrap.servers": bootstrap})
     assert set(admin.list_topics(timeout=30).brokers) == {1, 2, 3}
 
-    settings = Settings(topic_prefix="c.", replication_factor=3, min_insync_replicas=2)
+    settings = Settings(topic_prefix="c.", replication=Replication(factor=3, min_insync=2))
     ensure_topics(
         bootstrap,
         settings.topics,
         ["payments"],
         3,
-        replication_factor=settings.replication_factor,
-        min_insync_replicas=settings.min_insync_replicas,
+        replication=settings.replication,
     )
     events = settings.topics.events
     md = admin.list_topics(events, timeout=30).topics[events]

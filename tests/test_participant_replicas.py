@@ -14,12 +14,20 @@ from pathlib import Path
 
 import pytest
 
-from participants.runtime import ParticipantRuntime
+from participants.runtime import NoMetrics, ParticipantRuntime
 from schemas import StepCommitted, StepIntentRecorded, StepOutcomeUnknown, derived_event_id
 from schemas.wire import to_message
 from tests.test_participant_runtime import PARTICIPANT, Harness, _of
 
 pytestmark = pytest.mark.kafka
+
+
+class CountingMetrics(NoMetrics):
+    def __init__(self) -> None:
+        self.duplicates = 0
+
+    def duplicate_prevented(self, count: int = 1) -> None:
+        self.duplicates += count
 
 
 class Replicas(Harness):
@@ -40,6 +48,7 @@ class Replicas(Harness):
             participant=PARTICIPANT,
             instance_id=f"{PARTICIPANT}-replica",
             state_dir=self.settings.state_dir / f"replica-{name}",
+            metrics=CountingMetrics(),
         )
         self._run_runtime()
 
@@ -54,10 +63,9 @@ class Replicas(Harness):
         self.thread.start()
         assert ready.wait(60), "participant replica did not start"
 
-    def duplicates_prevented(self) -> float:
-        assert self.runtime is not None
-        metric = self.runtime.metrics.duplicates_prevented.labels(f"participant:{PARTICIPANT}")
-        return float(metric._value.get())
+    def duplicates_prevented(self) -> int:
+        assert self.runtime is not None and isinstance(self.runtime.metrics, CountingMetrics)
+        return self.runtime.metrics.duplicates
 
 
 @pytest.fixture
