@@ -21,7 +21,14 @@ import time
 import uuid
 from typing import Any
 
-from sagaline.kafka import ClientConfig, KafkaError, TopicPartition, create_consumer, watermarks
+from sagaline.kafka import (
+    ClientConfig,
+    KafkaError,
+    KafkaException,
+    TopicPartition,
+    create_consumer,
+    watermarks,
+)
 from schemas import Record
 from schemas.errors import CodecError
 from schemas.partitioning import partition_for
@@ -66,7 +73,26 @@ class LedgerProbe:
         )
 
     def caused_by(self, command: Record) -> list[Record]:
-        """Every decodable record on the ledger whose causation is ``command``."""
+        """Every decodable record on the ledger whose causation is ``command``.
+
+        Broker trouble (a leader moving, a broker restarting) is retried until the
+        probe's timeout: failing here would send a good command to the DLQ. Past it,
+        :class:`LedgerProbeError`.
+        """
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            try:
+                return self._caused_by(command)
+            except KafkaException as exc:
+                error = exc.args[0] if exc.args else None
+                if getattr(error, "fatal", lambda: False)() or time.monotonic() > deadline:
+                    raise LedgerProbeError(
+                        f"could not read the ledger {self.topic} for command "
+                        f"{command.event_id}: {exc}"
+                    ) from exc
+                time.sleep(0.2)  # back off before asking the broker again
+
+    def _caused_by(self, command: Record) -> list[Record]:
         key = command.saga_id.encode()
         with self._lock:
             partition = partition_for(key, self._partition_count())
