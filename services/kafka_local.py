@@ -415,6 +415,26 @@ def _port_free(port: int, host: str = HOST) -> bool:
     return True
 
 
+PORT_RELEASE_WAIT = 30.0
+
+
+def _port_freed(port: int, timeout: float = PORT_RELEASE_WAIT) -> bool:
+    """True once ``port`` can be bound, polling up to ``timeout`` seconds.
+
+    A broker restarted after ``kill -9`` must come back on its old address (its
+    clients keep reconnecting there), but the port can stay taken for a moment:
+    the dead broker's sockets are still closing, or a client's outgoing connection
+    briefly got it as its ephemeral port. So a remembered port is waited for
+    before the launcher gives up on it.
+    """
+    deadline = time.monotonic() + timeout
+    while not _port_free(port):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.25)
+    return True
+
+
 def ensure_port_free(port: int, host: str = HOST, *, what: str = "Kafka") -> None:
     """Raise :class:`PortInUseError` if ``host:port`` cannot be bound."""
     if not _port_free(port, host):
@@ -652,7 +672,7 @@ def _choose_ports(state: Path, port: int | None, controller_port: int | None) ->
         if explicit is not None:
             ensure_port_free(explicit, what=what)
             return explicit
-        if remembered is not None and remembered != avoid and _port_free(remembered):
+        if remembered is not None and remembered != avoid and _port_freed(remembered):
             return remembered
         while True:
             candidate = free_port()
@@ -1026,7 +1046,7 @@ def _cluster_ports(state: Path, brokers: int) -> list[ClusterNode]:
         if len(saved) == 2 and all(x.isdigit() for x in saved):
             remembered.append((int(saved[0]), int(saved[1])))
     ports = list(remembered)
-    if len(ports) != brokers or not all(_port_free(p) and _port_free(c) for p, c in ports):
+    if len(ports) != brokers or not all(_port_freed(p) and _port_freed(c) for p, c in ports):
         ports = []
         for _ in range(brokers):
             pair: list[int] = []
@@ -1154,8 +1174,10 @@ def ensure_cluster(
         started = []
         for node in nodes:
             if node.node_id not in running:
-                ensure_port_free(node.port)
-                ensure_port_free(node.controller_port, what="Kafka controller")
+                wanted = ((node.port, "Kafka"), (node.controller_port, "Kafka controller"))
+                for port, what in wanted:
+                    if not _port_freed(port):
+                        ensure_port_free(port, what=what)  # raises, saying what to do
                 pid = _spawn(java, libs, node.state_dir, CLUSTER_HEAP)
                 (node.state_dir / PID_FILE).write_text(f"{pid}\n")
                 running[node.node_id] = pid
