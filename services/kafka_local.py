@@ -107,7 +107,10 @@ DEPENDENCY_PLUGIN_VERSION = "3.8.1"
 HOST = "127.0.0.1"
 DEFAULT_START_TIMEOUT = 120.0
 DEFAULT_STOP_TIMEOUT = 30.0
-JVM_HEAP = ("-Xms256m", "-Xmx512m")
+# The shared development broker accumulates every test run's topics (unique prefixes,
+# never deleted): at ~12,000 partitions a 512 MB heap ran out (OutOfMemoryError, a
+# crash loop). A ceiling, not a reservation: the JVM only grows into it when needed.
+JVM_HEAP = ("-Xms256m", "-Xmx2g")
 
 # Files inside a state dir.
 PID_FILE = "broker.pid"
