@@ -41,7 +41,13 @@ from coordinator.state import (
     StepStatus,
     TimerPurpose,
 )
-from schemas.keys import compensation_key, derived_event_id, idempotency_key, key_hash
+from schemas.keys import (
+    compensation_key,
+    derived_event_id,
+    fingerprint,
+    idempotency_key,
+    key_hash,
+)
 from schemas.models import (
     COMMAND_TYPES,
     ApprovalDenied,
@@ -59,6 +65,7 @@ from schemas.models import (
     FailureKind,
     IncidentRaised,
     IncidentResolved,
+    LedgerRef,
     ReconcileResult,
     ReconcileStep,
     Record,
@@ -86,6 +93,7 @@ __all__ = [
     "CorrelationError",
     "Decision",
     "Destination",
+    "LedgerPosition",
     "Output",
     "RejectReason",
     "SagaState",
@@ -95,6 +103,9 @@ __all__ = [
     "retry_delay_ms",
     "tick",
 ]
+
+LedgerPosition = tuple[int, int]
+"""Where a record lies on ``sagaline.events``: (partition, offset)."""
 
 COORDINATOR_PRODUCER = "sagaline-coordinator"
 """``envelope.producer`` of every record the core emits. Records carrying it that come
@@ -171,6 +182,9 @@ class CorePolicy:
     # With a trust file, envelope.producer is the verified signer (schemas.trust), and
     # the core also checks who answers a command and who drives a saga.
     bind_writers: bool = False
+    # Arguments and results up to this size stay in state and commands; larger ones
+    # are kept as a ledger reference (when the shell says where the record is).
+    inline_payload_bytes: int = 1024
     reconcile_backoff: RetryPolicy = field(
         default_factory=lambda: RetryPolicy(
             max_attempts=10, initial_backoff_ms=500, max_backoff_ms=60_000
@@ -213,12 +227,28 @@ _UNKNOWN_OUTCOME = "unknown-outcome"
 class _Ctx:
     """One decision in progress: the private copy of the state and the outputs."""
 
-    def __init__(self, state: SagaState, now: int, cause: str | None, policy: CorePolicy):
+    def __init__(
+        self,
+        state: SagaState,
+        now: int,
+        cause: str | None,
+        policy: CorePolicy,
+        position: LedgerPosition | None = None,
+    ):
         self.s = state
         self.now = now
         self.cause = cause
         self.policy = policy
+        self.position = position
         self.out: list[Output] = []
+
+    def payload(self, data: bytes) -> tuple[bytes, LedgerRef | None]:
+        """``(data, None)`` to keep a payload inline, or ``(b"", ref)`` to keep only
+        where the record being decided lies on the ledger and its fingerprint."""
+        if self.position is None or len(data) <= self.policy.inline_payload_bytes:
+            return data, None
+        partition, offset = self.position
+        return b"", LedgerRef(partition=partition, offset=offset, fingerprint=fingerprint(data))
 
     # -- emitting
 
@@ -289,14 +319,20 @@ def decide(
     record: Record,
     now: int,
     policy: CorePolicy = DEFAULT_POLICY,
+    *,
+    position: LedgerPosition | None = None,
 ) -> Decision:
     """Fold one record of ``sagaline.events`` into its saga's state.
 
     ``state`` is None for a saga the coordinator has never seen; ``now`` is the
     processing time in epoch ms (used for timers and emitted envelopes only).
+    ``position`` is where ``record`` lies on ``sagaline.events`` (partition, offset):
+    given, arguments and results over ``policy.inline_payload_bytes`` are kept as a
+    reference to it instead of a copy, and commands carry that reference. The rules
+    do not depend on it.
     """
     if state is None:
-        return _decide_new(record, now, policy)
+        return _decide_new(record, now, policy, position)
     if record.saga_id != state.saga_id:
         raise CorrelationError(
             f"record {record.event_id} belongs to saga {record.saga_id!r} but was decided "
@@ -308,7 +344,7 @@ def decide(
     stale = record.envelope.generation < state.generation
     if own or (state.is_terminal and not stale):
         return Decision(state)  # our echo, or a late record for an ended saga
-    ctx = _Ctx(_private_copy(state), now, record.event_id, policy)
+    ctx = _Ctx(_private_copy(state), now, record.event_id, policy, position)
     if _refused_writer(ctx, record):
         return Decision(ctx.s, ctx.out, True)  # not remembered: the rightful record may follow
     ctx.remember(record.event_id)
@@ -464,7 +500,9 @@ def _commands_sent(s: SagaState, step: StepState) -> set[str]:
     return sent
 
 
-def _decide_new(record: Record, now: int, policy: CorePolicy) -> Decision:
+def _decide_new(
+    record: Record, now: int, policy: CorePolicy, position: LedgerPosition | None
+) -> Decision:
     if isinstance(record, SagaStarted):
         state = SagaState(
             started_by=record.envelope.producer if policy.bind_writers else "",
@@ -479,7 +517,7 @@ def _decide_new(record: Record, now: int, policy: CorePolicy) -> Decision:
             continue_on_compensation_failure=record.continue_on_compensation_failure,
             started_at=record.envelope.occurred_at,
         )
-        ctx = _Ctx(state, now, record.event_id, policy)
+        ctx = _Ctx(state, now, record.event_id, policy, position)
         ctx.remember(record.event_id)
         _advance(ctx)
         return Decision(state, ctx.out, True)
@@ -666,11 +704,13 @@ def _on_step_scheduled(ctx: _Ctx, r: StepScheduled) -> None:
             r, RejectReason.INVALID_ARGUMENTS, f"args of step {r.step_id} are not JSON: {exc}"
         )
         return
+    args, args_ref = ctx.payload(r.args)
     step = StepState(
         step_id=r.step_id,
         index=len(s.steps),
         contract=r.contract,
-        args=r.args,
+        args=args,
+        args_ref=args_ref,
         args_fingerprint=r.args_fingerprint,
         depends_on=depends_on,
         explicit=explicit,
@@ -1087,7 +1127,7 @@ def _commit(
     step.status = StepStatus.COMMITTED
     step.committed_at = at
     step.provider_operation_id = provider_operation_id
-    step.result = result
+    step.result, step.result_ref = ctx.payload(result)
     step.response_fingerprint = response_fingerprint
     step.observation = observation
     for purpose in (TimerPurpose.FORWARD_RETRY, TimerPurpose.RECONCILE_RETRY):
@@ -1274,6 +1314,7 @@ def _execute_command(ctx: _Ctx, step: StepState) -> None:
             deadline_ms=step.contract.deadline_ms,
             principal=s.principal,
             approval_id=step.approval_id,
+            args_ref=step.args_ref,
         ),
         step.contract.participant,
     )
@@ -1318,6 +1359,8 @@ def _compensate_command(ctx: _Ctx, step: StepState) -> None:
             compensation_key=compensation_key(step.idempotency_key),
             attempt=attempt,
             provider_operation_id=step.provider_operation_id,
+            args_ref=step.args_ref,
+            result_ref=step.result_ref,
         ),
         step.contract.participant,
     )

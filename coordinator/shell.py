@@ -6,12 +6,18 @@ group on ``sagaline.events``. Per batch, a single Kafka transaction holds
 * every output the core decided (commands, ledger events, terminal records,
   incidents, DLQ records),
 * the changelog record of every saga whose state changed (``sagaline.coordinator.state``,
-  compacted; a tombstone once the saga is terminal),
+  compacted; a small terminal marker once the saga has ended, tombstoned after
+  ``limits.terminal_memory_ms``),
 * the consumed offsets.
 
 So either the whole batch happened or none of it did: after a crash the new owner
 restores state from the changelog and resumes from the committed offsets, and the
 core's deterministic event ids make any re-decided output identical.
+
+One saga cannot stop the others: a saga whose decision raises, whose state or output
+is over ``limits.max_record_bytes``, or whose records the broker refuses is *parked*
+(a parked marker, one incident, its records to the DLQ as ``saga-parked``) and the
+batch commits for everyone else; see docs/coordinator.md.
 
 State for a partition is restored from the changelog when the partition is assigned,
 before any of its records is processed; timers live in that state, so retries,
@@ -23,7 +29,6 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
@@ -38,26 +43,34 @@ from coordinator.core import (
     decide,
     tick,
 )
-from coordinator.state import SagaState
+from coordinator.state import (
+    MarkerKind,
+    SagaMarker,
+    SagaState,
+    load_changelog,
+    terminal_marker,
+)
 from coordinator.watchdog import deadline
 from sagaline.kafka import (
     OFFSET_BEGINNING,
     Consumer,
-    DeadLetterWriter,
     KafkaError,
     KafkaException,
     Message,
+    Producer,
     TopicPartition,
     create_consumer,
     create_producer,
     ensure_topics,
     read_to_end,
 )
-from schemas import IncidentResolved, Record
+from schemas import IncidentRaised, IncidentResolved, Record, derived_event_id, envelope_for
 from schemas.errors import CodecError
+from schemas.limits import PARKED_INCIDENT
 from schemas.settings import Settings
+from schemas.signing import Headers
 from schemas.trust import IdentitySigner
-from schemas.wire import from_message, to_message
+from schemas.wire import dlq_message, from_message, to_message
 
 log = logging.getLogger("sagaline.coordinator")
 
@@ -101,18 +114,36 @@ class NoMetrics:
     def in_flight(self, sagas: int) -> None:
         pass
 
-# Records the coordinator emitted itself come back to it on the events topic; for a
-# saga whose state is already tombstoned they are history, not input.
-_RECENTLY_TERMINATED_MAX = 100_000
+
+# Consecutive failed transactions after which a batch is committed saga by saga, so
+# that a failure only one saga causes (and that no size check foresaw) parks that
+# saga instead of rewinding everybody's batch forever.
+_ISOLATE_AFTER_FAILURES = 3
+
+_BUSY = (KafkaError.CONCURRENT_TRANSACTIONS, KafkaError._TIMED_OUT)
+
+PARKED_REASON = PARKED_INCIDENT
+"""DLQ reason of a record for a parked saga (kept, never lost, never decided)."""
+
+_Msg = tuple[str, bytes | None, bytes | None, Headers, int | None]
+"""A prepared record: topic, key, value, headers, partition (None: by key)."""
 
 
 @dataclass
 class _Pending:
-    """What one batch changed, applied to memory only after its transaction commits."""
+    """What one batch changed, applied to memory only after its transaction commits.
 
-    states: dict[str, SagaState | None] = field(default_factory=dict)
+    Outputs are kept per saga until the end of the batch, so that one saga that
+    turns out to be unwritable can be parked without touching the others'."""
+
+    states: dict[str, SagaState | SagaMarker] = field(default_factory=dict)
     partitions: dict[str, int] = field(default_factory=dict)
-    first_offsets: dict[tuple[str, int], int] = field(default_factory=dict)
+    outputs: dict[str, list[_Msg]] = field(default_factory=dict)
+    sources: dict[str, list[Message]] = field(default_factory=dict)
+    last_record: dict[str, Record] = field(default_factory=dict)
+    parked: dict[str, str] = field(default_factory=dict)
+    loose: list[_Msg] = field(default_factory=list)  # not one saga's: DLQ, resolutions
+    expired: list[str] = field(default_factory=list)  # terminal markers to tombstone
 
 
 class Coordinator:
@@ -143,25 +174,26 @@ class Coordinator:
         self._running = False
         self._states: dict[str, SagaState] = {}
         self._partition_of: dict[str, int] = {}
-        self._terminated: OrderedDict[str, None] = OrderedDict()
+        # Sagas the changelog keeps as a marker (ended, or parked); terminal ones are
+        # kept in the order they ended, so the expired ones are at the front.
+        self._markers: dict[str, SagaMarker] = {}
+        self._limits = settings.limits
+        self._failures = 0  # consecutive failed transactions
+        self._suspects: set[str] = set()  # sagas whose records failed to produce
         self._assigned: set[int] = set()
         self._known_participants: set[str] = set()
         self.metrics: ShellMetrics = metrics or NoMetrics()
 
-        self._producer = create_producer(
-            bootstrap,
-            **{
-                "transactional.id": f"{self.group_id}-{instance_id}",
-                "transaction.timeout.ms": transaction_timeout_ms,
-            },
-        )
+        self._producer_config: dict[str, Any] = {
+            "transactional.id": f"{self.group_id}-{instance_id}",
+            "transaction.timeout.ms": transaction_timeout_ms,
+        }
+        self._producer: Producer = create_producer(bootstrap, **self._producer_config)
         # Static membership: a restarted instance (same id) takes its partitions back
         # at once instead of waiting for the dead one's session to time out.
         self._consumer = create_consumer(
             bootstrap, self.group_id, **{"group.instance.id": f"{self.group_id}-{instance_id}"}
         )
-        # Inside the batch transaction: its commit acknowledges the DLQ copies too.
-        self._dead_letters = DeadLetterWriter(self._producer, self.topics.dlq, acknowledged=False)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -207,30 +239,41 @@ class Coordinator:
             err = m.error()
             if err is not None and err.code() != KafkaError._PARTITION_EOF:
                 log.warning("consumer error: %s", err)
-        if not records and not due:
+        pending = _Pending(expired=self._expired_markers(now))
+        if not records and not due and not pending.expired:
             return
 
-        pending = _Pending()
         started = time.perf_counter()
-        self._producer.begin_transaction()
+        for msg in records:
+            self._handle_message(msg, now, pending)
+        for saga_id in due:
+            state = self._current(saga_id, pending)
+            if not isinstance(state, SagaState) or saga_id in pending.parked:
+                continue
+            try:
+                decision = tick(state, now, self._policy)
+            except Exception as exc:  # a bug in one saga must not stop the others
+                log.exception("tick failed for %s", saga_id)
+                self._park(saga_id, f"tick raised {type(exc).__name__}: {exc}", now, pending)
+                continue
+            self._apply(decision, saga_id, pending)
+        self._check_sizes(now, pending)
         try:
-            for msg in records:
-                self._handle_message(msg, now, pending)
-            for saga_id in due:
-                state = self._current(saga_id, pending)
-                if state is not None:
-                    self._apply(tick(state, now, self._policy), saga_id, pending, None)
-            self._write_changelog(pending)
-            with deadline("send_offsets_to_transaction", 30):
-                self._producer.send_offsets_to_transaction(
-                    self._consumer.position(self._consumer.assignment()),
-                    self._consumer.consumer_group_metadata(),
-                    30,
-                )
-            self._producer.commit_transaction(30)
+            if self._failures >= _ISOLATE_AFTER_FAILURES:
+                self._commit_isolated(now, pending)
+            else:
+                self._producer.begin_transaction()
+                self._produce(pending.loose)
+                for saga_id in self._sagas_in(pending):
+                    self._produce_saga(saga_id, pending)
+                self._produce_tombstones(pending)
+                self._send_offsets()
+                self._producer.commit_transaction(30)
         except KafkaException as exc:
+            self._failures += 1
             self._recover(exc, pending)
             return
+        self._failures = 0
         self.metrics.transaction_committed(time.perf_counter() - started, len(records))
         self._commit_pending(pending)
 
@@ -238,24 +281,34 @@ class Coordinator:
         try:
             record = from_message(msg.key(), msg.value(), msg.headers(), self.signer)
         except CodecError as exc:
-            self._reject(msg, exc.reason, str(exc))
+            self._reject(msg, exc.reason, str(exc), pending.loose)
             return
         if isinstance(record, IncidentResolved):
             # The operators' incident feed shows each resolution next to its incident,
             # also for sagas that have already ended ESCALATED (the usual case).
-            self._producer.produce(
-                self.topics.incidents, key=msg.key(), value=msg.value(), headers=msg.headers()
+            pending.loose.append(
+                (self.topics.incidents, msg.key(), msg.value(), _headers(msg), None)
             )
         saga_id = record.saga_id
         pending.partitions.setdefault(saga_id, msg.partition() or 0)
         state = self._current(saga_id, pending)
-        if state is None and saga_id in self._terminated:
-            return  # history of a saga that ended here (late echo or duplicate)
+        if isinstance(state, SagaMarker):
+            if state.marker is MarkerKind.PARKED and not _is_own(record):
+                self._reject(
+                    msg, PARKED_REASON, f"saga {saga_id} is parked: {state.reason}", pending.loose
+                )
+            return  # history of a saga that ended here (late echo, duplicate, replay)
+        pending.sources.setdefault(saga_id, []).append(msg)
+        pending.last_record[saga_id] = record
         try:
-            decision = decide(state, record, now, self._policy)
+            decision = decide(
+                state, record, now, self._policy, position=(msg.partition() or 0, msg.offset() or 0)
+            )
         except Exception as exc:  # a bug must not stop the service or lose the record
             log.exception("decide failed for %s", record.event_id)
-            self._reject(msg, "apply-error", f"{type(exc).__name__}: {exc}")
+            self._park(
+                saga_id, f"deciding {record.TYPE} raised {type(exc).__name__}: {exc}", now, pending
+            )
             return
         self.metrics.observe_record(record)
         if not decision.changed and record.envelope.producer != COORDINATOR_PRODUCER:
@@ -263,22 +316,173 @@ class Coordinator:
         self._apply(decision, saga_id, pending, msg)
 
     def _apply(
-        self, decision: Decision, saga_id: str, pending: _Pending, source: Message | None
+        self,
+        decision: Decision,
+        saga_id: str,
+        pending: _Pending,
+        source: Message | None = None,
     ) -> None:
+        out = pending.outputs.setdefault(saga_id, [])
         for output in decision.outputs:
-            self._emit(output, source)
-        if decision.changed:
+            out.extend(self._prepare(output, source))
+        if decision.changed and decision.state is not None:
             pending.states[saga_id] = decision.state
 
-    def _emit(self, output: Output, source: Message | None) -> None:
+    def _prepare(self, output: Output, source: Message | None) -> list[_Msg]:
         if output.destination is Destination.REJECTED:
-            if source is not None:
-                self._reject(source, output.reason or "rejected", output.detail)
-            return
+            if source is None:
+                return []
+            rejected: list[_Msg] = []
+            self._reject(source, output.reason or "rejected", output.detail, rejected)
+            return rejected
         key, value, headers = to_message(output.record, self.signer)
-        for topic in self._topics_for(output):
-            self._producer.produce(topic, value=value, key=key, headers=headers)
         self.metrics.observe_output(output)
+        return [(topic, key, value, headers, None) for topic in self._topics_for(output)]
+
+    def _check_sizes(self, now: int, pending: _Pending) -> None:
+        """Park, before anything is produced, every saga with a record the broker
+        would refuse (its state or an output over ``limits.max_record_bytes``), and
+        the sagas whose records failed to produce in an earlier attempt."""
+        limit = self._limits.max_record_bytes
+        for saga_id in self._sagas_in(pending):
+            if saga_id in self._suspects:
+                self._park(saga_id, "its records could not be produced", now, pending)
+                continue
+            state = pending.states.get(saga_id)
+            size = len(_changelog_value(state)) if state is not None else 0
+            if size > limit:
+                self._park(
+                    saga_id,
+                    f"its state is {size} bytes, over the limit of {limit} bytes "
+                    "(SAGALINE_MAX_RECORD_BYTES)",
+                    now,
+                    pending,
+                )
+                continue
+            biggest = max((len(m[2] or b"") for m in pending.outputs.get(saga_id, [])), default=0)
+            if biggest > limit:
+                self._park(
+                    saga_id,
+                    f"an output record is {biggest} bytes, over the limit of {limit} bytes "
+                    "(SAGALINE_MAX_RECORD_BYTES)",
+                    now,
+                    pending,
+                )
+
+    def _park(self, saga_id: str, why: str, now: int, pending: _Pending) -> None:
+        """Stop deciding one saga, durably, and tell a person; the rest go on.
+
+        The saga's outputs of this batch are dropped, its records of this batch (and
+        every later one) go to the DLQ with reason ``saga-parked``, its changelog
+        record becomes a small parked marker, and one ``IncidentRaised`` says why."""
+        log.error("parking saga %s: %s", saga_id, why)
+        pending.parked[saga_id] = why
+        pending.outputs[saga_id] = []
+        for msg in pending.sources.pop(saga_id, []):
+            self._reject(msg, PARKED_REASON, f"saga {saga_id} is parked: {why}", pending.loose)
+        pending.states[saga_id] = SagaMarker(
+            marker=MarkerKind.PARKED, saga_id=saga_id, status="PARKED", at=now, reason=why[:2000]
+        )
+        state = self._states.get(saga_id)
+        record = pending.last_record.get(saga_id)
+        tenant = state.tenant_id if state else record.envelope.tenant_id if record else "default"
+        generation = state.generation if state else record.envelope.generation if record else 1
+        incident = IncidentRaised(
+            envelope=envelope_for(
+                IncidentRaised,
+                saga_id=saga_id,
+                tenant_id=tenant,
+                producer=COORDINATOR_PRODUCER,
+                now=now,
+                generation=generation,
+                event_id=derived_event_id(saga_id, "SagaParked"),
+            ),
+            incident_id=derived_event_id(saga_id, "incident", PARKED_INCIDENT),
+            kind=PARKED_INCIDENT,
+            step_id=getattr(record, "step_id", None),
+            inconsistency=(
+                f"the coordinator parked saga {saga_id}: {why}. It decides nothing more for "
+                "it; its further records are kept in the DLQ (reason saga-parked) and the "
+                "ledger. Effects already committed stay as the ledger shows them"
+            )[:4000],
+            effect="saga not decided any further; see `sagaline saga show`",
+            owner="operations",
+        )
+        key, value, headers = to_message(incident, self.signer)
+        for topic in (self.topics.events, self.topics.incidents):
+            pending.loose.append((topic, key, value, headers, None))
+
+    def _sagas_in(self, pending: _Pending) -> list[str]:
+        return list(dict.fromkeys([*pending.outputs, *pending.states]))
+
+    def _produce_saga(self, saga_id: str, pending: _Pending) -> None:
+        """One saga's outputs, then its changelog record. A record the client refuses
+        at once for what it is (``_record_fault``) marks the saga a suspect: the
+        retried batch parks it. A full local queue is nobody's fault: rewind."""
+        try:
+            self._produce(pending.outputs.get(saga_id, []))
+            state = pending.states.get(saga_id)
+            if state is not None:
+                partition = pending.partitions.get(saga_id, self._partition_of.get(saga_id))
+                value = _changelog_value(state)
+                self._produce([(self.topics.state, saga_id.encode(), value, [], partition)])
+        except KafkaException as exc:
+            if _record_fault(exc):
+                self._suspects.add(saga_id)
+            raise
+        except BufferError as exc:
+            raise KafkaException(KafkaError(KafkaError._QUEUE_FULL, str(exc))) from exc
+
+    def _produce(self, messages: list[_Msg]) -> None:
+        for topic, key, value, headers, partition in messages:
+            kwargs: dict[str, Any] = {"key": key, "value": value, "headers": headers}
+            if partition is not None:
+                kwargs["partition"] = partition
+            self._producer.produce(topic, **kwargs)
+
+    def _produce_tombstones(self, pending: _Pending) -> None:
+        for saga_id in pending.expired:
+            kwargs: dict[str, Any] = {"key": saga_id.encode(), "value": None}
+            partition = self._partition_of.get(saga_id)
+            if partition is not None:
+                kwargs["partition"] = partition
+            self._producer.produce(self.topics.state, **kwargs)
+
+    def _send_offsets(self) -> None:
+        with deadline("send_offsets_to_transaction", 30):
+            self._producer.send_offsets_to_transaction(
+                self._consumer.position(self._consumer.assignment()),
+                self._consumer.consumer_group_metadata(),
+                30,
+            )
+
+    def _commit_isolated(self, now: int, pending: _Pending) -> None:
+        """After repeated failures: one transaction per saga, so a saga whose records
+        cannot be written is found and parked; then the rest and the offsets.
+
+        Outputs of a saga committed here may be produced again if the final
+        transaction fails; their event ids are deterministic, so consumers (and the
+        core's dedup memory, after a restore) treat them as duplicates."""
+        log.warning("%d failed transactions in a row: committing saga by saga", self._failures)
+        for saga_id in self._sagas_in(pending):
+            if saga_id in pending.parked:
+                continue
+            self._producer.begin_transaction()
+            try:
+                self._produce_saga(saga_id, pending)
+                self._producer.commit_transaction(30)
+            except KafkaException as exc:
+                if not _record_fault(exc):
+                    raise  # the broker is failing everyone: rewind, park nobody
+                self._abort()
+                self._park(saga_id, f"its records could not be written: {exc}", now, pending)
+        self._producer.begin_transaction()
+        self._produce(pending.loose)
+        for saga_id in pending.parked:
+            self._produce_saga(saga_id, pending)
+        self._produce_tombstones(pending)
+        self._send_offsets()
+        self._producer.commit_transaction(30)
 
     def _topics_for(self, output: Output) -> list[str]:
         if output.destination is Destination.COMMAND:
@@ -304,41 +508,59 @@ class Coordinator:
             )
             self._known_participants.add(participant)
 
-    def _reject(self, msg: Message, reason: str, detail: str) -> None:
+    def _reject(self, msg: Message, reason: str, detail: str, into: list[_Msg]) -> None:
         """R16: bad input goes to the DLQ with its reason; the loop goes on."""
         log.warning(
             "dlq: %s at %s[%s]@%s: %s", reason, msg.topic(), msg.partition(), msg.offset(), detail
         )
-        self._dead_letters.write(msg, reason, detail)
+        key, value, headers = dlq_message(
+            msg.key(),
+            msg.value(),
+            msg.headers(),
+            reason=reason,
+            detail=detail,
+            source_topic=msg.topic(),
+            partition=msg.partition(),
+            offset=msg.offset(),
+        )
+        into.append((self.topics.dlq, key, value, headers, None))
         self.metrics.dlq(reason)
 
-    def _write_changelog(self, pending: _Pending) -> None:
-        for saga_id, state in pending.states.items():
-            partition = pending.partitions.get(saga_id, self._partition_of.get(saga_id))
-            value = None if state is None or state.is_terminal else state.to_bytes()
-            kwargs: dict[str, Any] = {"key": saga_id.encode(), "value": value}
-            if partition is not None:
-                kwargs["partition"] = partition
-            self._producer.produce(self.topics.state, **kwargs)
+    def _expired_markers(self, now: int) -> list[str]:
+        """Terminal markers past ``limits.terminal_memory_ms`` (oldest first)."""
+        horizon = now - self._limits.terminal_memory_ms
+        expired = []
+        for saga_id, marker in self._markers.items():
+            if marker.marker is MarkerKind.PARKED:
+                continue
+            if marker.at > horizon:
+                break
+            expired.append(saga_id)
+        return expired
 
     def _commit_pending(self, pending: _Pending) -> None:
+        for saga_id in pending.expired:
+            self._markers.pop(saga_id, None)
+            self._partition_of.pop(saga_id, None)
         for saga_id, state in pending.states.items():
-            if state is None or state.is_terminal:
-                self._states.pop(saga_id, None)
-                self._partition_of.pop(saga_id, None)
-                self._terminated[saga_id] = None
-                if len(self._terminated) > _RECENTLY_TERMINATED_MAX:
-                    self._terminated.popitem(last=False)
-            else:
+            if saga_id in pending.partitions:
+                self._partition_of[saga_id] = pending.partitions[saga_id]
+            if isinstance(state, SagaState) and not state.is_terminal:
                 self._states[saga_id] = state
-                if saga_id in pending.partitions:
-                    self._partition_of[saga_id] = pending.partitions[saga_id]
+                continue
+            self._states.pop(saga_id, None)
+            self._markers.pop(saga_id, None)  # re-inserted last: newest ends last
+            self._markers[saga_id] = (
+                terminal_marker(state) if isinstance(state, SagaState) else state
+            )
+        self._suspects -= set(pending.parked)
         self.metrics.in_flight(len(self._states))
 
-    def _current(self, saga_id: str, pending: _Pending) -> SagaState | None:
+    def _current(self, saga_id: str, pending: _Pending) -> SagaState | SagaMarker | None:
         if saga_id in pending.states:
             return pending.states[saga_id]
-        return self._states.get(saga_id)
+        state = self._states.get(saga_id)
+        return state if state is not None else self._markers.get(saga_id)
 
     def _recover(self, exc: KafkaException, pending: _Pending) -> None:
         """Abort the batch and rewind, so nothing is half-applied (memory untouched)."""
@@ -346,16 +568,40 @@ class Coordinator:
         log.warning("transaction failed (%s); aborting the batch and rewinding", error)
         if error.fatal():
             raise exc  # fenced by a newer instance with our transactional.id
-        try:
-            self._producer.abort_transaction(30)
-        except KafkaException:
-            log.exception("abort failed")
+        self._abort()
         # Rewind to the committed offsets: re-reading the batch re-decides it identically.
         assignment = self._consumer.assignment()
         committed = self._consumer.committed(assignment, 30)
         for tp in committed:
             offset = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
             self._consumer.seek(TopicPartition(tp.topic, tp.partition, offset))
+
+    def _abort(self) -> None:
+        """Abort the open transaction and start over with a fresh producer.
+
+        After a record the broker refused, librdkafka may keep the partition's
+        idempotence state stuck (the next attempt times out, the abort never
+        finishes). A new producer with the same ``transactional.id`` fences the old
+        one and the broker aborts whatever it left open: every retry starts clean."""
+        try:
+            self._producer.abort_transaction(10)
+        except KafkaException as exc:
+            if exc.args[0].fatal():
+                raise
+            log.warning("abort did not finish (%s); replacing the producer", exc.args[0])
+        old = self._producer
+        old.purge(in_queue=True, in_flight=True, blocking=False)
+        self._producer = create_producer(self.bootstrap, **self._producer_config)
+        for attempt in range(1, 4):
+            try:
+                self._producer.init_transactions(30)
+                return
+            except KafkaException as exc:  # the broker may still be finishing the abort
+                error: KafkaError = exc.args[0]
+                busy = error.retriable() or error.code() in _BUSY
+                if error.fatal() or not busy or attempt == 3:
+                    raise
+                log.warning("init_transactions: %s; retrying", exc.args[0])
 
     # -------------------------------------------------------------- rebalancing
 
@@ -374,23 +620,46 @@ class Coordinator:
     def _drop(self, numbers: set[int]) -> None:
         for saga_id in [s for s, p in self._partition_of.items() if p in numbers]:
             self._states.pop(saga_id, None)
+            self._markers.pop(saga_id, None)
             self._partition_of.pop(saga_id, None)
         self._assigned -= numbers
 
     def _restore(self, numbers: list[int]) -> int:
-        """Read the compacted changelog partitions to their end (R5: state is a fold)."""
+        """Read the compacted changelog partitions to their end (R5: state is a fold).
+
+        A value that cannot be read parks its saga rather than failing the whole
+        assignment (it is logged; the saga's records then go to the DLQ)."""
         if not numbers:
             return 0
         group = f"{self.group_id}-restore"
+        markers: dict[str, SagaMarker] = {}
         for msg in read_to_end(self.bootstrap, self.topics.state, numbers, group):
             saga_id = (msg.key() or b"").decode()
             value = msg.value()
+            self._states.pop(saga_id, None)
+            markers.pop(saga_id, None)
+            self._partition_of[saga_id] = msg.partition() or 0
             if value is None:
-                self._states.pop(saga_id, None)
                 self._partition_of.pop(saga_id, None)
+                continue
+            try:
+                restored = load_changelog(value)
+            except ValueError as exc:
+                log.error("changelog value of saga %s is unreadable: %s", saga_id, exc)
+                restored = SagaMarker(
+                    marker=MarkerKind.PARKED,
+                    saga_id=saga_id,
+                    status="PARKED",
+                    at=self._clock(),
+                    reason=f"its changelog value is unreadable: {exc}"[:2000],
+                )
+            if isinstance(restored, SagaMarker):
+                markers[saga_id] = restored
             else:
-                self._states[saga_id] = SagaState.from_bytes(value)
-                self._partition_of[saga_id] = msg.partition() or 0
+                self._states[saga_id] = restored
+        # Oldest ended first, so expiry (``_expired_markers``) looks at the front only.
+        for saga_id, marker in sorted(markers.items(), key=lambda kv: kv[1].at):
+            self._markers[saga_id] = marker
         return sum(1 for p in self._partition_of.values() if p in numbers)
 
     # ----------------------------------------------------------------- inspection
@@ -402,6 +671,10 @@ class Coordinator:
     def state_of(self, saga_id: str) -> SagaState | None:
         return self._states.get(saga_id)
 
+    def marker_of(self, saga_id: str) -> SagaMarker | None:
+        """The terminal or parked marker of a saga, if the changelog keeps one."""
+        return self._markers.get(saga_id)
+
     def positions(self) -> dict[int, int]:
         """Next offset to read per assigned events partition (negative before the first
         fetch). Between batches every offset below it is processed and committed, so
@@ -411,6 +684,43 @@ class Coordinator:
         if not assignment:
             return {}
         return {tp.partition: tp.offset for tp in self._consumer.position(assignment)}
+
+
+def _changelog_value(state: SagaState | SagaMarker) -> bytes:
+    """A live saga's full state; an ended one's terminal marker; a parked marker."""
+    if isinstance(state, SagaMarker):
+        return state.to_bytes()
+    return terminal_marker(state).to_bytes() if state.is_terminal else state.to_bytes()
+
+
+_RECORD_FAULTS = frozenset(
+    {
+        KafkaError.MSG_SIZE_TOO_LARGE,
+        KafkaError.RECORD_LIST_TOO_LARGE,
+        KafkaError.INVALID_RECORD,
+        KafkaError.INVALID_MSG,
+        KafkaError.INVALID_MSG_SIZE,
+        KafkaError.POLICY_VIOLATION,
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+    }
+)
+"""Errors that say "this record (or its topic) is refused", not "the broker is
+unwell": only these make a saga the culprit. Timeouts, transport errors and
+unavailable replicas abort and rewind the batch and park nobody."""
+
+
+def _record_fault(exc: KafkaException) -> bool:
+    error = exc.args[0] if exc.args else None
+    return isinstance(error, KafkaError) and not error.fatal() and error.code() in _RECORD_FAULTS
+
+
+def _headers(msg: Message) -> Headers:
+    headers = msg.headers()
+    return list(headers) if isinstance(headers, list) else []
+
+
+def _is_own(record: Record) -> bool:
+    return record.envelope.producer == COORDINATOR_PRODUCER
 
 
 def _due(state: SagaState, now: int) -> bool:

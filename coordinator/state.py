@@ -13,7 +13,13 @@ import enum
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from schemas.models import ApprovalPurpose, SagaOutcome, StepContract, TerminalStatus
+from schemas.models import (
+    ApprovalPurpose,
+    LedgerRef,
+    SagaOutcome,
+    StepContract,
+    TerminalStatus,
+)
 from schemas.receipt import ApprovalRecord, IncidentRecord
 
 STATE_SCHEMA_VERSION = 1
@@ -130,7 +136,8 @@ class StepState(_StateModel):
     step_id: str
     index: int  # position in scheduling order
     contract: StepContract
-    args: bytes
+    args: bytes  # empty when ``args_ref`` is set (over the inline threshold)
+    args_ref: LedgerRef | None = None  # where the StepScheduled with the args lies
     args_fingerprint: str
     depends_on: list[str]  # resolved: the implicit predecessor, or the explicit list
     explicit: bool  # True when depends_on came from the agent (DAG edges, R2/R3)
@@ -141,7 +148,8 @@ class StepState(_StateModel):
     intent_at: int | None = None
     committed_at: int | None = None
     provider_operation_id: str | None = None
-    result: bytes | None = None
+    result: bytes | None = None  # empty when ``result_ref`` is set
+    result_ref: LedgerRef | None = None  # where the commit with the result lies
     response_fingerprint: str | None = None
     observation: str = "SCHEDULED"  # what the ledger said last about the forward path
     last_error: str = ""
@@ -228,3 +236,48 @@ class SagaState(_StateModel):
             if record.incident_id == incident_id:
                 return record
         return None
+
+
+class MarkerKind(enum.StrEnum):
+    """Why the changelog keeps a marker instead of a saga's full state."""
+
+    TERMINAL = "TERMINAL"  # the saga ended: its history changes nothing any more
+    PARKED = "PARKED"  # the saga could not be decided or written: a person looks
+
+
+class SagaMarker(_StateModel):
+    """The tiny changelog value of a saga that needs no full state any more.
+
+    A terminal saga keeps one for ``Limits.terminal_memory_ms`` (then it is
+    tombstoned), so that re-delivered history after a restart changes nothing and
+    produces nothing. A parked saga keeps one until a person deals with it: its
+    further records go to the DLQ (``saga-parked``) instead of stopping others.
+    """
+
+    marker: MarkerKind  # first field: ``is_marker`` recognises the bytes by it
+    saga_id: str
+    status: str  # the terminal status, or PARKED
+    at: int  # ended_at, or when it was parked (epoch ms)
+    reason: str = ""
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json().encode()
+
+
+_MARKER_PREFIX = b'{"marker":'
+
+
+def load_changelog(value: bytes) -> SagaState | SagaMarker:
+    """Decode one changelog value: a full state or a marker."""
+    if value.startswith(_MARKER_PREFIX):
+        return SagaMarker.model_validate_json(value)
+    return SagaState.from_bytes(value)
+
+
+def terminal_marker(state: SagaState) -> SagaMarker:
+    return SagaMarker(
+        marker=MarkerKind.TERMINAL,
+        saga_id=state.saga_id,
+        status=state.status.value,
+        at=state.ended_at or 0,
+    )

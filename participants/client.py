@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import threading
 import time
 import uuid
@@ -67,6 +68,12 @@ from schemas import (
     envelope_for,
 )
 from schemas.errors import CodecError
+from schemas.limits import (
+    PARKED_INCIDENT,
+    RESULT_OMITTED,
+    RESULT_TOO_LARGE,
+    is_omitted_result,
+)
 from schemas.models import FailureKind
 from schemas.receipt import Receipt
 from schemas.settings import Settings
@@ -122,6 +129,33 @@ class StepEscalated(SagaCallError):
 
 class SagaUnwinding(SagaCallError):
     """The saga is compensating or already terminal: no further steps run."""
+
+
+class ResultTooLarge(StepEscalated):
+    """The tool ran and committed, but its result was over the declared limit: the
+    ledger holds a marker (size, fingerprint) instead, and an incident names it.
+    The effect exists and is compensated like any other if the saga unwinds."""
+
+
+class SagaParked(StepEscalated):
+    """The coordinator parked the saga (its state or records could not be decided or
+    written): nothing more runs for it; an incident says why and who looks."""
+
+
+class CallRefused(SagaCallError, ValueError):
+    """The call was refused before anything was written (nothing ran, nothing to
+    undo). ``limit`` names the limit or rule, ``size`` what the call had."""
+
+    def __init__(
+        self, message: str, *, saga_id: str, step_id: str, tool: str, limit: str, size: int
+    ) -> None:
+        super().__init__(message, saga_id=saga_id, step_id=step_id, tool=tool)
+        self.limit = limit
+        self.size = size
+
+
+class InvalidSagaId(ValueError):
+    """A saga id that cannot key a saga (empty or blank); refused, never replaced."""
 
 
 class UnknownTool(LookupError):
@@ -303,10 +337,18 @@ class SagaClient:
         policy_version: str = "1",
         continue_on_compensation_failure: bool = False,
     ) -> Saga:
-        """A saga to use as ``with client.saga(...) as saga:`` (or ``async with``)."""
+        """A saga to use as ``with client.saga(...) as saga:`` (or ``async with``).
+
+        ``saga_id`` left out gets a fresh one; an empty or blank one is refused
+        (:class:`InvalidSagaId`), since replacing it would hide the caller's bug."""
+        if saga_id is not None and not saga_id.strip():
+            raise InvalidSagaId(
+                f"saga_id {saga_id!r} is empty: pass a non-blank id, or leave it out to "
+                "get a generated one"
+            )
         return Saga(
             self,
-            saga_id=saga_id or f"saga-{uuid.uuid4().hex[:16]}",
+            saga_id=saga_id if saga_id is not None else f"saga-{uuid.uuid4().hex[:16]}",
             tenant_id=tenant_id or self.settings.tenant_id,
             workflow=workflow,
             principal=principal,
@@ -443,10 +485,9 @@ class Saga:
         """
         name = _tool_name(tool)
         contract = self.client.contract(name)
-        step = step_id or f"{next(self._steps):02d}-{name}"
-        # Secrets never reach the ledger in clear: sealed for the tool, or redacted.
-        secrets = self.client._secret_paths.get(name, ())
-        body = canonical_json(self.client.sealer.seal(args, secrets, self.saga_id))
+        number = next(self._steps)
+        step = step_id or f"{number:02d}-{name}"
+        body = self._checked_body(name, step, number, args)
         self.client.append(
             StepScheduled(
                 envelope=self._envelope(StepScheduled),
@@ -494,6 +535,43 @@ class Saga:
         )
         self.results[step_id] = result
         return result
+    def _checked_body(self, name: str, step: str, number: int, args: dict[str, Any]) -> bytes:
+        """The ledger bytes of a call's arguments, or :class:`CallRefused` before
+        anything is written: non-finite numbers (JSON has none; orjson would write
+        null), arguments over ``limits.max_args_bytes``, or a step past ``max_steps``."""
+        limits = self.client.settings.limits
+        where = {"saga_id": self.saga_id, "step_id": step, "tool": name}
+        if number > limits.max_steps:
+            raise CallRefused(
+                f"saga {self.saga_id} would get step {number} ({name}) but at most "
+                f"{limits.max_steps} steps per saga are allowed (SAGALINE_MAX_STEPS); "
+                "split the work into several sagas",
+                limit="max_steps",
+                size=number,
+                **where,
+            )
+        bad = _non_finite_path(args, "args")
+        if bad is not None:
+            raise CallRefused(
+                f"argument {bad} of {name} is NaN or infinite, which JSON cannot carry "
+                "(it would be written as null); pass a finite number, None or a string",
+                limit="finite-numbers",
+                size=0,
+                **where,
+            )
+        # Secrets never reach the ledger in clear: sealed for the tool, or redacted.
+        secrets = self.client._secret_paths.get(name, ())
+        body = canonical_json(self.client.sealer.seal(args, secrets, self.saga_id))
+        if len(body) > limits.max_args_bytes:
+            raise CallRefused(
+                f"arguments of {name} are {len(body)} bytes as JSON, over the limit of "
+                f"{limits.max_args_bytes} bytes (SAGALINE_MAX_ARGS_BYTES); nothing was "
+                "written. Pass a reference (a URL, a blob id) instead of the content",
+                limit="max_args_bytes",
+                size=len(body),
+                **where,
+            )
+        return body
 
     def wait(self, timeout_s: float = 60.0) -> Receipt:
         """Wait for the terminal record and return its receipt."""
@@ -530,8 +608,11 @@ class Saga:
         state: dict[str, Any] = {"unknown": False, "approval": None}
 
         def check(record: Record) -> Any:
-            if isinstance(record, (StepCommitted,)) and record.step_id == step:
-                return ("ok", orjson.loads(record.result))
+            if isinstance(record, StepCommitted) and record.step_id == step:
+                result = orjson.loads(record.result)
+                if is_omitted_result(result):
+                    return ("err", _result_too_large(contract, result, **where))
+                return ("ok", result)
             if (
                 isinstance(record, StepReconciled)
                 and record.step_id == step
@@ -565,6 +646,14 @@ class Saga:
                         **where,
                     ),
                 )
+            if (
+                isinstance(record, IncidentRaised)
+                and record.step_id == step
+                and record.kind == RESULT_TOO_LARGE
+            ):
+                return ("err", ResultTooLarge(record.inconsistency, **where))
+            if isinstance(record, IncidentRaised) and record.kind == PARKED_INCIDENT:
+                return ("err", SagaParked(record.inconsistency, **where))
             if isinstance(record, IncidentRaised) and record.step_id == step:
                 return (
                     "err",
@@ -603,6 +692,37 @@ class Saga:
         if kind == "err":
             raise value
         return value
+
+
+def _result_too_large(
+    contract: StepContract, marker: dict[str, Any], *, saga_id: str, step_id: str, tool: str
+) -> ResultTooLarge:
+    info = marker[RESULT_OMITTED]
+    return ResultTooLarge(
+        f"{contract.tool} committed but its result ({info.get('bytes')} bytes) is over the "
+        f"limit of {info.get('limit')} bytes, so it is not on the ledger (fingerprint "
+        f"{info.get('fingerprint')}); an incident names it for {contract.owner}",
+        saga_id=saga_id,
+        step_id=step_id,
+        tool=tool,
+    )
+
+
+def _non_finite_path(value: Any, path: str) -> str | None:
+    """Where in ``value`` a NaN or infinity hides (``args.x[2]``), or None."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else path
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            found = _non_finite_path(v, f"{path}.{k}")
+            if found is not None:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            found = _non_finite_path(v, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
 
 
 def _tool_name(tool: str | ToolSpec | Callable[..., Any]) -> str:

@@ -80,3 +80,8 @@ class ContractViolation(SagalineParticipantError, TypeError):
 
 class NotDeclaredError(SagalineParticipantError):
     """A compensation, lookup or verification was asked of a tool that declares none."""
+
+
+class LedgerRefError(SagalineParticipantError):
+    """A command refers to a payload on the ledger (``LedgerRef``) that cannot be
+    used: the record is gone (past retention), or is not what the reference says."""

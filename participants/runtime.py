@@ -44,10 +44,11 @@ import orjson
 from participants.catalogue import Catalogue, ToolSpec
 from participants.context import CallContext, call_context
 from participants.declarations import Accepted, CompensationContext
-from participants.errors import InvalidArgumentsError
+from participants.errors import InvalidArgumentsError, LedgerRefError
 from participants.ledger_probe import LedgerProbe
 from sagaline.kafka import (
     DeadLetterWriter,
+    LedgerReader,
     LedgerWriter,
     Message,
     create_consumer,
@@ -61,6 +62,7 @@ from schemas import (
     ExecuteStep,
     FailureKind,
     IncidentRaised,
+    LedgerRef,
     ReconcileResult,
     ReconcileStep,
     Record,
@@ -69,12 +71,14 @@ from schemas import (
     StepIntentRecorded,
     StepOutcomeUnknown,
     StepReconciled,
+    StepScheduled,
     args_fingerprint,
     derived_event_id,
     envelope_for,
     fingerprint,
 )
 from schemas.errors import CodecError
+from schemas.limits import DEFAULT_LIMITS, RESULT_TOO_LARGE, Limits, omitted_result
 from schemas.sealing import Sealer, SealError
 from schemas.settings import Settings
 from schemas.wire import from_message
@@ -214,10 +218,14 @@ class CommandHandler:
         metrics: RuntimeMetrics | None = None,
         sealer: Sealer | None = None,
         ledger: LedgerProbe | None = None,
+        limits: Limits = DEFAULT_LIMITS,
+        fetch: Callable[[LedgerRef], Record | None] | None = None,
     ) -> None:
         self.catalogue = catalogue
         self._ledger = ledger
         self._sealer = sealer or Sealer(None)
+        self._limits = limits
+        self._fetch = fetch
         self.participant = participant
         self.journal = journal
         self._append = append
@@ -367,6 +375,18 @@ class CommandHandler:
                     reason="the participant restarted while the tool was running",
                 )
             )
+        common: dict[str, Any] = {
+            "step_id": cmd.step_id,
+            "tool": cmd.tool,
+            "idempotency_key": cmd.idempotency_key,
+            "attempt": cmd.attempt,
+        }
+        try:
+            raw_args = self._payload(cmd, cmd.args, cmd.args_ref, "arguments")
+        except LedgerRefError as exc:  # the tool cannot run: nothing happened
+            return _Outcome(self._failed(cmd, common, FailureKind.BUSINESS_REJECTION, exc))
+        except Exception as exc:  # the ledger could not be read now: try again
+            return _Outcome(self._failed(cmd, common, FailureKind.TRANSIENT, exc))
         self._append(
             self._record(
                 StepIntentRecorded,
@@ -375,7 +395,7 @@ class CommandHandler:
                 step_id=cmd.step_id,
                 tool=cmd.tool,
                 idempotency_key=cmd.idempotency_key,
-                args_fingerprint=args_fingerprint(cmd.args),
+                args_fingerprint=args_fingerprint(raw_args),
                 attempt=cmd.attempt,
                 principal=cmd.principal,
             )
@@ -384,14 +404,8 @@ class CommandHandler:
         ctx = CallContext(
             cmd.saga_id, cmd.step_id, cmd.tool, cmd.idempotency_key, cmd.attempt, cmd.principal
         )
-        common: dict[str, Any] = {
-            "step_id": cmd.step_id,
-            "tool": cmd.tool,
-            "idempotency_key": cmd.idempotency_key,
-            "attempt": cmd.attempt,
-        }
         try:
-            args = self._sealer.open(orjson.loads(cmd.args), spec.secret_paths, cmd.saga_id)
+            args = self._sealer.open(orjson.loads(raw_args), spec.secret_paths, cmd.saga_id)
             result = self._run(ctx, lambda: spec.invoke(args), cmd.deadline_ms)
         except concurrent.futures.TimeoutError:
             return _Outcome(
@@ -412,18 +426,55 @@ class CommandHandler:
                 else FailureKind.TRANSIENT
             )
             return _Outcome(self._failed(cmd, common, kind, exc))
-        body = _json(result)
+        body = self._bounded_result(cmd, spec, _json(result))
         return _Outcome(
             self._record(
                 StepCommitted,
                 cmd,
                 "outcome",
                 **common,
-                provider_operation_id=spec.provider_operation_id(result),
+                provider_operation_id=_operation_id(spec.provider_operation_id(result)),
                 result=body,
                 response_fingerprint=fingerprint(body),
             )
         )
+
+    def _bounded_result(
+        self, cmd: ExecuteStep | ReconcileStep, spec: ToolSpec, body: bytes
+    ) -> bytes:
+        """``body``, or when it is over ``limits.max_result_bytes`` a marker with its
+        size and fingerprint, after appending an incident that says so.
+
+        The effect exists, so the commit must reach the ledger (a record over the
+        broker's limit would never be written and the saga would hang); the result
+        itself cannot. A compensation then gets the marker as ``ctx.result`` and
+        must find the effect by its idempotency key (or the provider operation id).
+        """
+        limit = self._limits.max_result_bytes
+        if len(body) <= limit:
+            return body
+        full_fingerprint = fingerprint(body)
+        self._append(
+            self._record(
+                IncidentRaised,
+                cmd,
+                "result-too-large",
+                incident_id=derived_event_id(cmd.event_id, "result-too-large"),
+                kind=RESULT_TOO_LARGE,
+                step_id=cmd.step_id,
+                tool=cmd.tool,
+                inconsistency=(
+                    f"{cmd.tool} committed (key {cmd.idempotency_key}) but returned "
+                    f"{len(body)} bytes, over the result limit of {limit} bytes "
+                    "(SAGALINE_MAX_RESULT_BYTES): the ledger keeps only its size and "
+                    f"fingerprint {full_fingerprint}; make the tool return a reference"
+                ),
+                resources=list(spec.resources),
+                effect=f"committed; result of {len(body)} bytes not recorded",
+                owner=spec.owner,
+            )
+        )
+        return _json(omitted_result(len(body), limit, full_fingerprint))
 
     def _failed(
         self, cmd: ExecuteStep, common: dict[str, Any], kind: FailureKind, exc: BaseException
@@ -466,7 +517,7 @@ class CommandHandler:
                         cmd,
                         "outcome",
                         **common,
-                        provider_operation_id=result.operation_id,
+                        provider_operation_id=_operation_id(result.operation_id),
                     ),
                     state="accepted",
                 )
@@ -490,7 +541,7 @@ class CommandHandler:
         except Exception as exc:
             kind = (
                 FailureKind.BUSINESS_REJECTION
-                if spec.is_business_rejection(exc)
+                if spec.is_business_rejection(exc) or isinstance(exc, LedgerRefError)
                 else FailureKind.TRANSIENT
             )
             return _Outcome(
@@ -510,11 +561,19 @@ class CommandHandler:
                 cmd,
                 "outcome",
                 **common,
-                provider_operation_id=spec.provider_operation_id(result),
-                result=_json(result),
+                provider_operation_id=_operation_id(spec.provider_operation_id(result)),
+                result=self._bounded_compensation_result(_json(result)),
                 verified=verified,
             )
         )
+
+    def _bounded_compensation_result(self, body: bytes) -> bytes:
+        """A compensation's own result is informational: over the limit, the ledger
+        keeps a marker (size, fingerprint) so the outcome can still be written."""
+        limit = self._limits.max_result_bytes
+        if len(body) <= limit:
+            return body
+        return _json(omitted_result(len(body), limit, fingerprint(body)))
 
     def confirm_accepted(self, command_id: str, command: bytes) -> None:
         """Poll the verification of an accepted compensation until it passes (R12).
@@ -602,7 +661,7 @@ class CommandHandler:
                 )
             )
         if found.status is ReconcileResult.COMMITTED:
-            body = _json(found.result)
+            body = self._bounded_result(cmd, spec, _json(found.result))
             return _Outcome(
                 self._record(
                     StepReconciled,
@@ -610,7 +669,7 @@ class CommandHandler:
                     "outcome",
                     **common,
                     outcome=found.status,
-                    provider_operation_id=(
+                    provider_operation_id=_operation_id(
                         found.provider_operation_id or spec.provider_operation_id(found.result)
                     ),
                     result=body,
@@ -624,16 +683,60 @@ class CommandHandler:
     # ------------------------------------------------------------------- helpers
 
     def _compensation_context(self, cmd: CompensateStep, spec: ToolSpec) -> CompensationContext:
-        """Exactly the input the tool was called with (secrets opened) and its result."""
+        """Exactly the input the tool was called with (secrets opened) and its result.
+
+        A result that was over the limit is the marker the runtime published instead
+        (``{"sagaline_result_omitted": {...}}``, see ``schemas.limits``)."""
+        args = self._payload(cmd, cmd.args, cmd.args_ref, "arguments")
+        result = self._payload(cmd, cmd.result, cmd.result_ref, "result")
         return CompensationContext(
             saga_id=cmd.saga_id,
             tool_name=cmd.tool,
-            input=self._sealer.open(orjson.loads(cmd.args), spec.secret_paths, cmd.saga_id),
-            result=orjson.loads(cmd.result),
+            input=self._sealer.open(orjson.loads(args), spec.secret_paths, cmd.saga_id),
+            result=orjson.loads(result),
             idempotency_key=cmd.idempotency_key,
             compensation_key=cmd.compensation_key,
             provider_operation_id=cmd.provider_operation_id,
         )
+
+    def _payload(
+        self,
+        cmd: ExecuteStep | CompensateStep,
+        inline: bytes,
+        ref: LedgerRef | None,
+        what: str,
+    ) -> bytes:
+        """``inline``, or the payload ``ref`` points to on the ledger: the step's
+        ``StepScheduled`` (arguments) or its commit (result), checked against the
+        reference's fingerprint."""
+        if ref is None:
+            return inline
+        where = f"sagaline.events[{ref.partition}]@{ref.offset}"
+        if self._fetch is None:
+            raise LedgerRefError(
+                f"the {what} of step {cmd.step_id} are at {where} but this handler has no "
+                "ledger reader (pass fetch=)"
+            )
+        record = self._fetch(ref)
+        if record is None:
+            raise LedgerRefError(
+                f"the {what} of step {cmd.step_id} ({cmd.tool}) were at {where}, which is no "
+                "longer on the ledger (past retention?); they cannot be recovered"
+            )
+        data: bytes | None = None
+        if isinstance(record, StepScheduled):
+            data = record.args
+        elif isinstance(record, (StepCommitted, StepReconciled)):
+            data = record.result
+        same_step = record.saga_id == cmd.saga_id and getattr(record, "step_id", None) == (
+            cmd.step_id
+        )
+        if data is None or not same_step or fingerprint(data) != ref.fingerprint:
+            raise LedgerRefError(
+                f"{where} holds {record.TYPE} {record.event_id}, not the {what} of step "
+                f"{cmd.step_id} of saga {cmd.saga_id} with fingerprint {ref.fingerprint}"
+            )
+        return data
 
     def _run(self, ctx: CallContext, fn: Callable[[], Any], deadline_ms: int) -> Any:
         def call() -> Any:
@@ -655,6 +758,18 @@ class CommandHandler:
             event_id=derived_event_id(cmd.event_id, purpose),
         )
         return cls(envelope=env, **fields)
+
+
+_MAX_OPERATION_ID = 1024
+
+
+def _operation_id(found: str | None) -> str | None:
+    """A provider operation id, bounded: by default a ``str`` result *is* the id, and a
+    tool returning a 2 MB string must not make its outcome unwritable. A longer one
+    is kept as its fingerprint."""
+    if found is None or len(found) <= _MAX_OPERATION_ID:
+        return found
+    return f"sha256:{fingerprint(found.encode())} ({len(found)} chars)"
 
 
 def _command_bytes(cmd: Record) -> bytes:
@@ -689,6 +804,7 @@ class ParticipantRuntime:
         state = state_dir or settings.state_dir / self.participant
         self.journal = CommandJournal(state / "commands.sqlite")
         self._writer = LedgerWriter(bootstrap, self.topics, self.signer)
+        self._reader = LedgerReader(bootstrap)
         self._dead_letters = DeadLetterWriter(
             self._writer.producer, self.topics.dlq, acknowledged=True
         )
@@ -700,6 +816,8 @@ class ParticipantRuntime:
             metrics=self.metrics,
             sealer=settings.sealer(),
             ledger=LedgerProbe(bootstrap, self.topics.events, self.signer),
+            limits=settings.limits,
+            fetch=self._fetch,
         )
         self._running = threading.Event()
         self._background: list[threading.Thread] = []
@@ -717,6 +835,13 @@ class ParticipantRuntime:
                 "secret_paths": list(spec.secret_paths),
             }
             self._writer.write(self.topics.catalogue, spec.name.encode(), orjson.dumps(entry))
+
+    def _fetch(self, ref: LedgerRef) -> Record | None:
+        """The ledger record a command's reference points to (signature checked)."""
+        msg = self._reader.message_at(self.topics.events, ref.partition, ref.offset)
+        if msg is None:
+            return None
+        return from_message(msg.key(), msg.value(), msg.headers(), self.signer)
 
     def _append(self, record: Record) -> None:
         # Wait for the broker's acknowledgement: the intent must be durable before the

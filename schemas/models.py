@@ -107,6 +107,17 @@ class RetryPolicy(_Model):
     max_backoff_ms: int = 5_000
 
 
+class LedgerRef(_Model):
+    """Where a payload lives on ``sagaline.events``: the record at ``(partition,
+    offset)``, whose payload has ``fingerprint``. Commands carry it instead of
+    arguments or results over the inline threshold (``schemas.limits``), so the
+    coordinator's state never grows with payload size."""
+
+    partition: int
+    offset: int
+    fingerprint: str
+
+
 class StepContract(_Model):
     """What a tool declared about itself, snapshotted into the ledger per step.
 
@@ -390,6 +401,7 @@ class ExecuteStep(_Record):
     deadline_ms: int
     principal: str
     approval_id: str | None = None
+    args_ref: LedgerRef | None = None  # set: ``args`` is empty, read the StepScheduled
 
 
 class CompensateStep(_Record):
@@ -405,6 +417,8 @@ class CompensateStep(_Record):
     compensation_key: str
     attempt: int
     provider_operation_id: str | None = None
+    args_ref: LedgerRef | None = None  # set: ``args`` is empty, read the StepScheduled
+    result_ref: LedgerRef | None = None  # set: ``result`` is empty, read the commit
 
 
 class ReconcileStep(_Record):

@@ -8,7 +8,8 @@ fingerprint, changes whenever anything it contains changes.
 
 The registry knows the current (reader) schema of every record type and any extra
 writer schemas registered for evolution: a record framed with an older or newer
-writer's fingerprint is resolved to the current reader of the same name.
+writer's fingerprint is resolved to the current reader of the same name. Earlier
+versions shipped in ``schemas/avsc/history/`` are registered as writers at start.
 """
 
 from __future__ import annotations
@@ -113,6 +114,10 @@ class SchemaRegistry:
             if schema.get("type") == "record" and _is_record_type(schema):
                 registered = self._register(schema)
                 self._readers[registered.name] = registered
+        # Earlier versions of record types (``avsc/history/<Name>.vN.avsc``): records
+        # written by a not yet upgraded process stay decodable during a rollout.
+        for path in sorted((avsc_dir / "history").glob("*.avsc")):
+            self.register_writer(json.loads(path.read_text(encoding="utf-8")))
 
     # ------------------------------------------------------------------ lookup
 

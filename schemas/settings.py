@@ -19,6 +19,7 @@ variable                       field                 default
 ``SAGALINE_SIGNING_KEY``       ``signing_key``       unset (PEM file path)
 ``SAGALINE_SIGNING_KEY_ID``    ``signing_key_id``    from the trust file
 ``SAGALINE_METRICS_HOST``      ``metrics_host``      ``"127.0.0.1"``
+``SAGALINE_MAX_*``             ``limits``            see :mod:`schemas.limits`
 =============================  ====================  ==========================
 
 ``SAGALINE_REPLICATION_FACTOR`` (default 1) and ``SAGALINE_MIN_INSYNC_REPLICAS``
@@ -34,6 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from schemas.limits import LIMIT_ENV_VARS, Limits, LimitsError
 from schemas.sealing import Sealer
 from schemas.signing import Signer
 from schemas.topics import DEFAULT_PARTITIONS, Replication, TopicNames
@@ -55,6 +57,7 @@ ENV_VARS: tuple[str, ...] = (
     "SAGALINE_SIGNING_KEY",
     "SAGALINE_SIGNING_KEY_ID",
     "SAGALINE_METRICS_HOST",
+    *LIMIT_ENV_VARS,
 )
 """Every environment variable :meth:`Settings.from_env` reads."""
 
@@ -83,6 +86,7 @@ class Settings:
     signing_key: Path | None = None
     signing_key_id: str | None = None
     metrics_host: str = "127.0.0.1"
+    limits: Limits = field(default_factory=Limits)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -99,6 +103,10 @@ class Settings:
             raise SettingsError(f"SAGALINE_PARTITIONS={partitions} must be at least 1")
         key = env.get("SAGALINE_HMAC_KEY") or None
         replication = _replication(env)
+        try:
+            limits = Limits.from_env(env)
+        except LimitsError as exc:
+            raise SettingsError(str(exc)) from None
         return cls(
             bootstrap=env.get("KAFKA_BOOTSTRAP_SERVERS") or None,
             topic_prefix=env.get("SAGALINE_TOPIC_PREFIX", ""),
@@ -115,6 +123,7 @@ class Settings:
             signing_key=_path(env.get("SAGALINE_SIGNING_KEY")),
             signing_key_id=env.get("SAGALINE_SIGNING_KEY_ID") or None,
             metrics_host=env.get("SAGALINE_METRICS_HOST") or "127.0.0.1",
+            limits=limits,
         )
 
     @property

@@ -25,6 +25,7 @@ from participants.runtime import ParticipantRuntime
 from sagaline.kafka import LedgerReader, ensure_topics, producer_config
 from sagaline.ops.metrics import CoordinatorMetrics, ParticipantMetrics
 from schemas import Record
+from schemas.limits import Limits
 from schemas.settings import Settings
 
 
@@ -39,6 +40,7 @@ class System:
         hmac_key: bytes | None = b"test-key",
         partitions: int = 2,
         settings_for: Callable[[str], Settings] | None = None,
+        limits: Limits | None = None,
     ) -> None:
         """``settings_for(component)`` gives a component its own settings (its own
         identity key): components are "coordinator", "agent" and each catalogue name."""
@@ -49,6 +51,7 @@ class System:
             partitions=partitions,
             hmac_key=hmac_key,
             state_dir=state_dir,
+            limits=limits or Limits(),
         )
         self.topics = self.settings.topics
         self._settings_for = settings_for or (lambda _component: self.settings)
@@ -82,11 +85,13 @@ class System:
         self.client.start()
         return self
 
-    def start_coordinator(self) -> None:
+    def start_coordinator(self, instance_id: str | None = None) -> None:
+        """Start a coordinator; pass the instance id of a stopped one to restart it
+        (static membership: it takes the partitions back at once)."""
         self.coordinator = Coordinator(
             self._settings_for("coordinator"),
             self.bootstrap,
-            instance_id=f"test-{uuid.uuid4().hex[:6]}",
+            instance_id=instance_id or f"test-{uuid.uuid4().hex[:6]}",
             metrics=CoordinatorMetrics(),
         )
         thread = threading.Thread(target=self.coordinator.run, daemon=True)

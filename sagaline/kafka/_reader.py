@@ -8,6 +8,7 @@ of its id), so reading one saga reads one partition.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -148,6 +149,35 @@ class LedgerReader:
             partitions = sorted(start) if start else list(range(self.partition_count(topic)))
         group = f"sagaline-reader-{uuid.uuid4().hex[:8]}"
         yield from read_to_end(self.config, topic, partitions, group, start=start)
+
+    def message_at(
+        self, topic: str, partition: int, offset: int, timeout_s: float = 30.0
+    ) -> Message | None:
+        """The committed message at ``offset`` of ``partition``, or None when it is
+        gone (retention) or is not a record (an aborted write or a transaction
+        marker). One point read, behind ledger references (``schemas.LedgerRef``)."""
+        consumer = _reader(self.config)
+        try:
+            low, high = watermarks(consumer, TopicPartition(topic, partition))
+            if not low <= offset < high:
+                return None
+            consumer.assign([TopicPartition(topic, partition, offset)])
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                msg = consumer.poll(1.0)
+                if msg is None:
+                    continue
+                err = msg.error()
+                if err is not None:
+                    if err.code() == KafkaError._PARTITION_EOF:
+                        return None
+                    raise KafkaException(err)
+                # read_committed skips aborted records: the first one read is the one
+                # asked for only if the offsets agree.
+                return msg if msg.offset() == offset else None
+            raise TimeoutError(f"no answer reading {topic}[{partition}]@{offset} in {timeout_s} s")
+        finally:
+            consumer.close()
 
     def records(
         self, topic: str, partitions: list[int] | None = None

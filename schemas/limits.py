@@ -1,0 +1,113 @@
+"""Declared size limits: the one place that says how big a saga may get.
+
+Kafka refuses a record over the broker's ``message.max.bytes`` (1 MB by default), and
+one record that can never be written must not stop every other saga. So the limits
+below are checked where data enters, well under that size:
+
+* the saga client refuses a call whose arguments are too big (or not JSON at all:
+  NaN/Infinity) before anything is produced (:class:`participants.client.CallRefused`);
+* a participant whose tool returns a result over ``max_result_bytes`` publishes the
+  commit without the result (a marker with size and fingerprint) plus an incident;
+* the coordinator checks every state record and output against ``max_record_bytes``
+  before its transaction and parks the one saga that does not fit.
+
+=====================================  =========================  =========================
+environment variable                   field                      default
+=====================================  =========================  =========================
+``SAGALINE_MAX_ARGS_BYTES``            ``max_args_bytes``         256 KiB
+``SAGALINE_MAX_RESULT_BYTES``          ``max_result_bytes``       256 KiB
+``SAGALINE_MAX_STEPS``                 ``max_steps``              256 steps per saga
+``SAGALINE_MAX_RECORD_BYTES``          ``max_record_bytes``       900 KiB (state and outputs)
+``SAGALINE_TERMINAL_MEMORY_MS``        ``terminal_memory_ms``     365 days (events retention)
+=====================================  =========================  =========================
+
+``terminal_memory_ms`` is how long the coordinator remembers that a saga ended (a
+tiny marker in its changelog), so that re-delivered history of a finished saga
+changes nothing; it defaults to the retention of ``sagaline.events``, after which
+that history cannot be re-delivered anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+KIB = 1024
+DAY_MS = 24 * 3600 * 1000
+
+RESULT_OMITTED = "sagaline_result_omitted"
+"""Key of the marker that stands in for a tool result over the limit:
+``{"sagaline_result_omitted": {"bytes": N, "limit": L, "fingerprint": F}}``."""
+
+RESULT_TOO_LARGE = "result-too-large"
+"""Kind of the incident a participant raises next to an omitted result."""
+
+PARKED_INCIDENT = "saga-parked"
+"""Kind of the incident the coordinator raises when it parks a saga (and the DLQ
+reason of the saga's records it receives afterwards)."""
+
+
+class LimitsError(ValueError):
+    """An environment variable holds a limit Sagaline cannot use."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Sizes in bytes of the JSON bodies as written to the ledger."""
+
+    max_args_bytes: int = 256 * KIB
+    max_result_bytes: int = 256 * KIB
+    max_steps: int = 256
+    max_record_bytes: int = 900 * KIB
+    terminal_memory_ms: int = 365 * DAY_MS
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Limits:
+        """The defaults, overridden by the ``SAGALINE_MAX_*`` variables that are set."""
+        values: dict[str, int] = {}
+        for var, name in _ENV.items():
+            raw = env.get(var)
+            if not raw:
+                continue
+            try:
+                value = int(raw)
+            except ValueError:
+                raise LimitsError(f"{var}={raw!r} is not an integer") from None
+            if value < 1:
+                raise LimitsError(f"{var}={value} must be at least 1")
+            values[name] = value
+        return cls(**values)
+
+
+_ENV = {
+    "SAGALINE_MAX_ARGS_BYTES": "max_args_bytes",
+    "SAGALINE_MAX_RESULT_BYTES": "max_result_bytes",
+    "SAGALINE_MAX_STEPS": "max_steps",
+    "SAGALINE_MAX_RECORD_BYTES": "max_record_bytes",
+    "SAGALINE_TERMINAL_MEMORY_MS": "terminal_memory_ms",
+}
+LIMIT_ENV_VARS: tuple[str, ...] = tuple(_ENV)
+
+DEFAULT_LIMITS = Limits()
+
+
+def omitted_result(size: int, limit: int, result_fingerprint: str) -> dict[str, object]:
+    """The marker a participant publishes instead of a result over the limit."""
+    return {RESULT_OMITTED: {"bytes": size, "limit": limit, "fingerprint": result_fingerprint}}
+
+
+def is_omitted_result(value: object) -> bool:
+    return isinstance(value, dict) and set(value) == {RESULT_OMITTED}
+
+
+__all__ = [
+    "DEFAULT_LIMITS",
+    "LIMIT_ENV_VARS",
+    "PARKED_INCIDENT",
+    "RESULT_OMITTED",
+    "RESULT_TOO_LARGE",
+    "Limits",
+    "LimitsError",
+    "is_omitted_result",
+    "omitted_result",
+]
