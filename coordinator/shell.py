@@ -144,6 +144,7 @@ class _Pending:
     parked: dict[str, str] = field(default_factory=dict)
     loose: list[_Msg] = field(default_factory=list)  # not one saga's: DLQ, resolutions
     expired: list[str] = field(default_factory=list)  # terminal markers to tombstone
+    values: dict[str, bytes] = field(default_factory=dict)  # encoded once, when checked
 
 
 class Coordinator:
@@ -349,7 +350,9 @@ class Coordinator:
                 self._park(saga_id, "its records could not be produced", now, pending)
                 continue
             state = pending.states.get(saga_id)
-            size = len(_changelog_value(state)) if state is not None else 0
+            if state is not None:
+                pending.values[saga_id] = _changelog_value(state)
+            size = len(pending.values.get(saga_id, b""))
             if size > limit:
                 self._park(
                     saga_id,
@@ -424,7 +427,8 @@ class Coordinator:
             state = pending.states.get(saga_id)
             if state is not None:
                 partition = pending.partitions.get(saga_id, self._partition_of.get(saga_id))
-                value = _changelog_value(state)
+                value = pending.values.get(saga_id) if isinstance(state, SagaState) else None
+                value = value or _changelog_value(state)
                 self._produce([(self.topics.state, saga_id.encode(), value, [], partition)])
         except KafkaException as exc:
             if _record_fault(exc):
