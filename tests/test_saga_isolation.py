@@ -269,10 +269,10 @@ def test_poisoned_sagas_are_parked_with_an_incident_while_the_others_keep_flowin
     throws = f"throws-{uuid.uuid4().hex[:6]}"
     real_decide = shell.decide
 
-    def decide(state: Any, record: Any, now: int, **kw: Any) -> Any:
+    def decide(state: Any, record: Any, now: int, *args: Any, **kw: Any) -> Any:
         if record.saga_id == throws and isinstance(record, StepScheduled):
             raise RuntimeError("a bug that only this saga's records hit")
-        return real_decide(state, record, now, **kw)
+        return real_decide(state, record, now, *args, **kw)
 
     monkeypatch.setattr(shell, "decide", decide)
 
