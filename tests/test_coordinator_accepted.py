@@ -3,10 +3,15 @@ and the declared wait for it is a coordinator timer counted from the acceptance.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from coordinator_ledger import Harness, Ledger, compensates, fresh, incidents, receipt_of, terminal
 
 from coordinator.state import TimerPurpose
-from schemas import FailureKind, TerminalStatus
+from schemas import FailureKind, StepScheduled, TerminalStatus
+from schemas.codec import Codec
+from schemas.registry import AVSC_DIR, SchemaRegistry
 
 WAIT_MS = 5_000
 
@@ -93,3 +98,26 @@ def test_acceptance_from_a_tool_that_declared_no_wait_is_an_incident_at_once_R12
     [incident] = incidents(out)
     assert incident.envelope.occurred_at == accepted_at
     assert "declares no completion wait" in incident.inconsistency
+
+
+def test_a_step_recorded_before_completion_within_existed_still_decodes_R12(
+    tmp_path: Path,
+) -> None:
+    """Schema evolution: ``completion_within_ms`` was added with a default, so a
+    ``StepScheduled`` written by an older SDK reads as "no wait declared"."""
+    for path in AVSC_DIR.glob("*.avsc"):
+        (tmp_path / path.name).write_text(path.read_text())
+    older = json.loads((AVSC_DIR / "StepContract.avsc").read_text())
+    older["fields"] = [f for f in older["fields"] if f["name"] != "completion_within_ms"]
+    (tmp_path / "StepContract.avsc").write_text(json.dumps(older))
+    old_codec = Codec(SchemaRegistry(tmp_path))
+    ledger, _h = fresh()
+    scheduled = ledger.scheduled("refund")
+    written = old_codec.encode(scheduled)
+
+    current = Codec(SchemaRegistry())
+    current.registry.register_writer(old_codec.registry.reader("StepScheduled").schema)
+    decoded = current.decode(written, expected=StepScheduled)
+
+    assert decoded == scheduled
+    assert decoded.contract.completion_within_ms is None
