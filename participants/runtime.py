@@ -50,8 +50,10 @@ from participants.errors import InvalidArgumentsError
 from participants.ledger_probe import LedgerProbe
 from sagaline.kafka import (
     DeadLetterWriter,
+    DeliveryFailed,
     LedgerWriter,
     Message,
+    TopicPartition,
     create_consumer,
     ensure_topics,
 )
@@ -828,7 +830,14 @@ class ParticipantRuntime:
                 if msg.error() is not None:
                     log.warning("consumer error: %s", msg.error())
                     continue
-                self._process(msg)
+                if not self._process(msg):
+                    # The ledger did not take the record: keep the offset and read the
+                    # command again; the journal re-sends a stored outcome, never reruns.
+                    topic, partition, offset = msg.topic(), msg.partition(), msg.offset()
+                    assert topic is not None and partition is not None and offset is not None
+                    consumer.seek(TopicPartition(topic, partition, offset))
+                    time.sleep(0.5)
+                    continue
                 consumer.commit(message=msg, asynchronous=False)
         finally:
             self.handler.close()
@@ -836,7 +845,8 @@ class ParticipantRuntime:
             self._writer.close()
             self.journal.close()
 
-    def _process(self, msg: Message) -> None:
+    def _process(self, msg: Message) -> bool:
+        """Handle one command; False when its record could not be appended (retry)."""
         try:
             command = from_message(msg.key(), msg.value(), msg.headers(), self.signer)
             if not isinstance(command, (ExecuteStep, CompensateStep, ReconcileStep)):
@@ -845,19 +855,25 @@ class ParticipantRuntime:
             reason = exc.reason if isinstance(exc, CodecError) else "not-a-command"
             self._dead_letters.write(msg, reason, str(exc))
             self.metrics.dlq(reason)
-            return
+            return True
         self.metrics.observe_record(command)
         try:
             self.handler.handle(command)
+        except DeliveryFailed:
+            log.exception(
+                "appending for %s %s failed; reading it again", command.TYPE, command.event_id
+            )
+            return False
         except Exception as exc:  # R16: never stop the service, never lose the record
             log.exception("handling %s %s failed", command.TYPE, command.event_id)
             self._dead_letters.write(msg, "handler-error", f"{type(exc).__name__}: {exc}")
             self.metrics.dlq("handler-error")
-            return
+            return True
         if isinstance(command, CompensateStep):
             seen = self.journal.get(command.event_id)
             if seen is not None and seen[0] == "accepted":
                 self._confirm_in_background(command.event_id, _command_bytes(command))
+        return True
 
     def _confirm_in_background(self, command_id: str, command: bytes) -> None:
         thread = threading.Thread(
@@ -872,6 +888,7 @@ class ParticipantRuntime:
 
 class _NotACommand(Exception):
     pass
+
 
 
 def _check_served(spec: ToolSpec, participant: str) -> None:
