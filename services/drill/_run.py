@@ -422,7 +422,8 @@ def _run_case(
 ) -> tuple[str, str]:
     """Run the plan as one saga with ``seam`` at step ``target``; returns the saga id
     and "" when the fault applies, or why it does not."""
-    saga_id = f"drill-{seam.value}-{target + 1}-{uuid.uuid4().hex[:8]}"
+    case = uuid.uuid4().hex[:8]
+    saga_id = f"drill-{seam.value}-{target + 1}-{case}"
     target_step = _step_id(target, plan[target].tool)
     spec = stage.specs.get(plan[target].tool)
     why_not = _not_applicable(seam, spec)
@@ -444,7 +445,7 @@ def _run_case(
                 helper = _helper(stage, saga, seam, step_id) if at_target else None
                 try:
                     results[call.tool] = saga.call(
-                        call.tool, step_id=step_id, **_resolve(call.args, results)
+                        call.tool, step_id=step_id, **_resolve(call.args, results, case)
                     )
                 finally:
                     if helper is not None:
@@ -558,10 +559,14 @@ def _tool_of(step_id: str) -> str:
     return step_id.split("-", 1)[1]
 
 
-def _resolve(args: Mapping[str, Any], results: Mapping[str, Any]) -> dict[str, Any]:
-    """``"$tool.field"`` -> that field of the earlier step's result."""
+def _resolve(args: Mapping[str, Any], results: Mapping[str, Any], case: str) -> dict[str, Any]:
+    """``"$tool.field"`` -> that field of the earlier step's result; ``{case}`` in a
+    string -> an id unique to the case, so concurrent cases touch separate objects
+    (orders, tickets) of a shared provider."""
     out: dict[str, Any] = {}
     for name, value in args.items():
+        if isinstance(value, str) and "{case}" in value:
+            value = value.replace("{case}", case)
         if isinstance(value, str) and value.startswith("$") and "." in value:
             tool, _, key = value[1:].partition(".")
             found = results.get(tool)
