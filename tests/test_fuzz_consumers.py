@@ -20,7 +20,6 @@ from pathlib import Path
 
 import orjson
 import pytest
-from confluent_kafka import KafkaError, Message, Producer
 from fuzz_corpus import Item, corpus
 
 from coordinator.core import decide, tick
@@ -29,6 +28,7 @@ from coordinator.state import SagaState
 from participants import CompensationContext, LookupResult, compensable, tool, wrap
 from participants.client import SagaClient
 from participants.runtime import ParticipantRuntime
+from sagaline.kafka import KafkaError, LedgerReader, Message, create_producer, ensure_topics
 from schemas import (
     COMMAND_TYPES,
     CompensateStep,
@@ -43,19 +43,16 @@ from schemas import (
 from schemas.examples import example_records
 from schemas.settings import Settings
 from schemas.signing import Signer
-from schemas.topics import ensure_topics
 from schemas.wire import (
     DLQ_OFFSET,
     DLQ_PARTITION,
     DLQ_REASON,
     DLQ_TOPIC,
     from_message,
-    producer_config,
     to_message,
 )
 from services.dashboard.consumer import LedgerFollower
 from services.dashboard.view import DashboardState
-from services.ledger import read_partitions
 from tests.system import wait_until
 
 pytestmark = pytest.mark.kafka
@@ -74,7 +71,7 @@ def _settings(bootstrap: str, prefix: str, state_dir: Path) -> Settings:
 
 def _produce(bootstrap: str, topic: str, items: list[Item]) -> list[tuple[int, int]]:
     """Produce every item; returns (partition, offset) per item, in order."""
-    producer = Producer(producer_config(bootstrap, **{"linger.ms": 20}))
+    producer = create_producer(bootstrap, **{"linger.ms": 20})
     where: list[tuple[int, int]] = [(-1, -1)] * len(items)
 
     def delivered(index: int) -> object:
@@ -103,7 +100,7 @@ def _produce(bootstrap: str, topic: str, items: list[Item]) -> list[tuple[int, i
 def _dead_letters(bootstrap: str, dlq: str, source: str) -> dict[tuple[int, int], str]:
     """(partition, offset) of each DLQ record that came from ``source`` -> its reason."""
     out: dict[tuple[int, int], str] = {}
-    for _key, _value, headers in read_partitions(bootstrap, dlq):
+    for _key, _value, headers in LedgerReader(bootstrap).records(dlq):
         h = {k: v for k, v in (headers or []) if isinstance(v, bytes)}
         if h.get(DLQ_TOPIC, b"").decode() != source:
             continue
@@ -325,7 +322,9 @@ def test_participant_runtime_survives_fuzzed_commands_R16(
 
         def answered() -> bool:
             seen = set()
-            for key, _value, _headers in read_partitions(kafka_bootstrap, settings.topics.events):
+            for key, _value, _headers in LedgerReader(kafka_bootstrap).records(
+                settings.topics.events
+            ):
                 if key is not None and key.decode() in good_ids:
                     seen.add(key.decode())
             return seen == good_ids

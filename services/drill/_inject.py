@@ -20,7 +20,7 @@ from typing import Any
 
 from participants.catalogue import Catalogue, ToolSpec
 from participants.context import current_call
-from participants.runtime import LedgerAppendError
+from sagaline.kafka import DeliveryFailed
 from schemas import Record, StepCommitted
 
 __all__ = ["DrillFault", "FaultBoard", "ProviderThrottled", "Seam", "instrument"]
@@ -157,8 +157,10 @@ class FaultBoard:
             if isinstance(record, StepCommitted) and self.fire_once(
                 record.saga_id, record.step_id, Seam.LEDGER_APPEND
             ):
-                raise LedgerAppendError(
-                    f"drill: the broker did not acknowledge {record.TYPE} of step {record.step_id}"
+                raise DeliveryFailed(
+                    f"drill: the broker did not acknowledge {record.TYPE} of step {record.step_id}",
+                    topic="sagaline.events",
+                    error=None,
                 )
             append(record)
 

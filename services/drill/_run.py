@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 
 from coordinator.core import DEFAULT_POLICY
 from coordinator.shell import Coordinator
@@ -32,6 +31,15 @@ from participants.context import CallContext, call_context
 from participants.declarations import CompensationContext
 from participants.plan import PlannedCall
 from participants.runtime import ParticipantRuntime
+from sagaline.kafka import (
+    OFFSET_BEGINNING,
+    LedgerReader,
+    TopicPartition,
+    create_consumer,
+    create_producer,
+    ensure_topics,
+)
+from sagaline.ops.actions import OperatorChannel, approval_granted, incident_resolved
 from schemas import (
     ApprovalRequested,
     IncidentRaised,
@@ -50,11 +58,8 @@ from schemas import (
 from schemas.errors import CodecError
 from schemas.receipt import Disposition, Receipt
 from schemas.settings import Settings
-from schemas.topics import ensure_topics
-from schemas.wire import DLQ_REASON, consumer_config, from_message, producer_config
+from schemas.wire import DLQ_REASON, from_message
 from services.drill._inject import FaultBoard, Seam, instrument
-from services.ledger import read_partitions
-from services.operator_actions import OperatorChannel, approval_granted, incident_resolved
 
 __all__ = ["CaseResult", "DrillReport", "Verdict", "run_drill"]
 
@@ -178,8 +183,8 @@ class _Watcher:
         self._cond = threading.Condition()
         self._stop = threading.Event()
         settings = stage.settings
-        self._consumer = Consumer(
-            consumer_config(stage.bootstrap, f"{settings.topic_prefix}drill-{uuid.uuid4().hex[:6]}")
+        self._consumer = create_consumer(
+            stage.bootstrap, f"{settings.topic_prefix}drill-{uuid.uuid4().hex[:6]}"
         )
         # From the beginning: the drill's topics are its own (a fresh prefix), and
         # nothing a case writes may be missed.
@@ -328,10 +333,10 @@ class _Stage:
 
     def reproduce(self, saga_id: str, topics: Iterable[str]) -> int:
         """Produce every record of ``saga_id`` on ``topics`` once more (duplicates)."""
-        producer = Producer(producer_config(self.bootstrap))
+        producer = create_producer(self.bootstrap)
         count = 0
         for topic in topics:
-            for key, value, headers in read_partitions(self.bootstrap, topic):
+            for key, value, headers in LedgerReader(self.bootstrap).records(topic):
                 if key == saga_id.encode():
                     pairs = headers.items() if isinstance(headers, dict) else headers or []
                     producer.produce(topic, key=key, value=value, headers=list(pairs))
@@ -341,7 +346,8 @@ class _Stage:
 
     def dlq_reasons(self) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
-        for key, _value, headers in read_partitions(self.bootstrap, self.settings.topics.dlq):
+        reader = LedgerReader(self.bootstrap)
+        for key, _value, headers in reader.records(self.settings.topics.dlq):
             pairs = headers.items() if isinstance(headers, dict) else headers or []
             reason = next((v for k, v in pairs if k == DLQ_REASON), None)
             if key is not None and isinstance(reason, bytes):

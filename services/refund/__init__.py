@@ -45,8 +45,8 @@ __all__ = [
     "UnknownParticipantError",
     "build_catalogue",
     "build_participant",
-    "economic_effect",
     "drill_catalogues",
+    "economic_effect",
 ]
 
 ParticipantFactory = Callable[[Path, FaultPlan], Any]
