@@ -118,9 +118,10 @@ def _drill(args: argparse.Namespace) -> int:
 
 
 def load_catalogues(reference: str, state_dir: Path) -> list[Catalogue]:
-    """``MODULE:ATTR`` as :func:`participants.discovery.load_catalogue` reads it, or,
-    when ATTR is a plain function, what it returns for ``state_dir`` (a catalogue or
-    a list of them: providers that keep state need somewhere to keep it)."""
+    """``MODULE:ATTR`` as :func:`participants.discovery.load_catalogue` reads it
+    (catalogues, participants, zero-argument factories), or, when ATTR is a function
+    of one argument, what it returns for ``state_dir``: a catalogue or a list of them
+    (several participants, each with its own topic, whose providers keep state)."""
     module_name, _, attr = reference.partition(":")
     if attr:
         try:
@@ -129,7 +130,7 @@ def load_catalogues(reference: str, state_dir: Path) -> list[Catalogue]:
                 value = getattr(value, part)
         except (ImportError, AttributeError):
             value = None
-        if inspect.isfunction(value):
+        if inspect.isfunction(value) and len(inspect.signature(value).parameters) == 1:
             made = value(state_dir)
             found = made if isinstance(made, (list, tuple)) else [made]
             if not all(isinstance(c, Catalogue) for c in found):
