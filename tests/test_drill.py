@@ -28,6 +28,7 @@ pytestmark = pytest.mark.kafka
 REFUND_PLAN = Path(__file__).parent.parent / "services" / "refund" / "drill-plan.json"
 
 
+@pytest.mark.timeout(900)  # 72 sagas on the real broker; minutes on a loaded machine
 def test_refund_example_every_seam_every_step_converges_or_escalates_truthfully(
     kafka_bootstrap: str, tmp_path: Path
 ) -> None:
