@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import datetime
 import enum
 import hashlib
 from collections.abc import Callable, Iterable
@@ -958,6 +959,11 @@ def _on_compensation_accepted(ctx: _Ctx, r: CompensationAccepted) -> None:
     if step.status is StepStatus.COMPENSATING and r.attempt == step.compensation_attempt:
         step.status = StepStatus.COMPENSATION_ACCEPTED  # not done until committed (R12)
         step.compensation_provider_operation_id = r.provider_operation_id
+        # The declared wait counts from the acceptance as the ledger records it, in
+        # coordinator state: no participant restart resets it, and a participant that
+        # stays down still ends in an incident when it fires.
+        wait = step.contract.completion_within_ms or 0
+        step.timers[TimerPurpose.COMPLETION_DEADLINE] = r.envelope.occurred_at + wait
 
 
 def _on_compensation_committed(ctx: _Ctx, r: CompensationCommitted) -> None:
@@ -986,7 +992,11 @@ def _on_compensation_committed(ctx: _Ctx, r: CompensationCommitted) -> None:
         return
     step.verification = "PASSED" if r.verified else "NOT_DECLARED"
     step.status = StepStatus.COMPENSATED
-    for purpose in (TimerPurpose.COMPENSATION_RETRY, TimerPurpose.REVERSAL_WINDOW):
+    for purpose in (
+        TimerPurpose.COMPENSATION_RETRY,
+        TimerPurpose.REVERSAL_WINDOW,
+        TimerPurpose.COMPLETION_DEADLINE,
+    ):
         step.timers.pop(purpose, None)
 
 
@@ -1268,6 +1278,7 @@ def _compensation_failed_finally(
         TimerPurpose.COMPENSATION_RETRY,
         TimerPurpose.REVERSAL_WINDOW,
         TimerPurpose.APPROVAL_EXPIRY,
+        TimerPurpose.COMPLETION_DEADLINE,
     ):
         step.timers.pop(purpose, None)
     if raise_incident:
@@ -1457,6 +1468,37 @@ def _fire(ctx: _Ctx, step: StepState, purpose: TimerPurpose) -> None:
             )
     elif purpose is TimerPurpose.REVERSAL_WINDOW:
         _expire_window(ctx, step)
+    elif (
+        purpose is TimerPurpose.COMPLETION_DEADLINE
+        and step.status is StepStatus.COMPENSATION_ACCEPTED
+    ):
+        _completion_overdue(ctx, step)
+
+
+def _completion_overdue(ctx: _Ctx, step: StepState) -> None:
+    """R12: accepted is not done; the declared wait passed with no completion."""
+    within = step.contract.completion_within_ms
+    accepted_at = ctx.now - (within or 0)  # the timer was set at acceptance + wait
+    operation = step.compensation_provider_operation_id or "(no operation id given)"
+    waited = (
+        f"no completion within the declared wait of {within} ms"
+        if within is not None
+        else "the tool declares no completion wait (@compensable(completion_within=...))"
+    )
+    _compensation_failed_finally(
+        ctx,
+        step,
+        "compensation-not-completed",
+        f"compensation {step.contract.compensation} was accepted as provider operation "
+        f"{operation} at {_iso(accepted_at)}; {waited} (deadline {_iso(ctx.now)})",
+        raise_incident=not step.window_expired,
+    )
+
+
+def _iso(epoch_ms: int) -> str:
+    """A readable UTC time for incident texts (epoch ms in, ISO 8601 out)."""
+    at = datetime.datetime.fromtimestamp(epoch_ms / 1000, tz=datetime.UTC)
+    return at.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def _expire_window(ctx: _Ctx, step: StepState) -> None:

@@ -111,6 +111,7 @@ class TimerPurpose(enum.StrEnum):
     RECONCILE_RETRY = "RECONCILE_RETRY"
     APPROVAL_EXPIRY = "APPROVAL_EXPIRY"
     REVERSAL_WINDOW = "REVERSAL_WINDOW"
+    COMPLETION_DEADLINE = "COMPLETION_DEADLINE"  # an Accepted compensation must complete (R12)
 
 
 class _StateModel(BaseModel):

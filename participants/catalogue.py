@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict
 
 from participants.declarations import (
     DETERMINISTIC_ERRORS,
+    Accepted,
     BusinessRejection,
     CompensableDeclaration,
     CompensationArgs,
@@ -102,6 +103,7 @@ class ToolSpec:
     deadline_ms: int
     secret_fields: tuple[str, ...]
     operation_id: str | Callable[[Any], str | None] | None
+    completion_within_ms: int | None = None  # the declared wait for an Accepted (R12)
 
     # ------------------------------------------------------------------ describing
 
@@ -137,6 +139,7 @@ class ToolSpec:
             compensation_retry=self.compensation_retry,
             deadline_ms=self.deadline_ms,
             owner=self.owner,
+            completion_within_ms=self.completion_within_ms,
         )
 
     def input_schema(self) -> dict[str, Any]:
@@ -615,6 +618,7 @@ class _Inspector:
             deadline_ms=decl.deadline_ms,
             secret_fields=decl.secret_fields,
             operation_id=decl.operation_id,
+            completion_within_ms=comp.completion_within_ms if comp and compensation_name else None,
         )
 
     def _args_model(
@@ -748,6 +752,7 @@ class _Inspector:
                 " pass the name of a method of this class or the undo function itself",
             )
             return none
+        self._completion_wait(tool_name, comp, label, target)
         if comp.args is not None:
             if not self._accepts_keywords(tool_name, label, bound):
                 return none
@@ -776,6 +781,38 @@ class _Inspector:
                 )
                 return False
         return True
+
+    def _completion_wait(
+        self, tool_name: str, comp: CompensableDeclaration, label: str, target: Any
+    ) -> None:
+        """R12: a compensation that can answer ``Accepted`` (its return annotation
+        admits it) must say how long the completion may take, so an acceptance that
+        never completes becomes an incident at a known time instead of a wait forever."""
+        try:
+            returns = typing.get_type_hints(target).get("return") if target else None
+        except Exception:  # reported by the signature check already
+            return
+        can_accept = returns is not None and returns is not Any and _allows(returns, Accepted)
+        within = comp.completion_within_ms
+        if can_accept and within is None:
+            self.problem(
+                tool_name,
+                f"compensation {label!r} can return Accepted but declares no completion wait;"
+                " add @compensable(..., completion_within=<seconds or timedelta>)"
+                " (how long the provider may take to finish it, R12)",
+            )
+        elif within is not None and within <= 0:
+            self.problem(
+                tool_name,
+                f"@compensable(completion_within=...) is {within} ms; it must be positive",
+            )
+        elif within is not None and returns is not None and not can_accept and returns is not Any:
+            self.problem(
+                tool_name,
+                f"@compensable(completion_within=...) is declared but compensation {label!r}"
+                f" returns {_type_name(returns)}, which is never Accepted; annotate it"
+                " -> ... | Accepted, or remove completion_within=",
+            )
 
     def _lookup(self, tool_name: str, method: str | None) -> Callable[[str], Any] | None:
         if method is None:

@@ -191,6 +191,7 @@ class CompensableDeclaration:
     by: str | Callable[..., Any] | None
     reversibility: Reversibility
     args: CompensationArgs | None = None
+    completion_within_ms: int | None = None
 
 
 def tool(
@@ -285,6 +286,7 @@ def compensable(
     *,
     args: CompensationArgs | None = None,
     reversibility: Reversibility = Reversibility.COMPENSATABLE,
+    completion_within: Duration | None = None,
 ) -> Callable[[F], F]:
     """Declare how a tool's effect is undone (seed 000 ``@Compensable``).
 
@@ -302,10 +304,19 @@ def compensable(
     - without: ``by(ctx)`` when it takes one argument, ``by()`` when it takes none.
 
     ``wrap()`` checks at start-up that ``by`` exists and that its signature fits.
+
+    ``completion_within`` (``timedelta`` or seconds) is how long the provider may take
+    to finish a compensation it only accepted: required when the compensation can
+    return :class:`Accepted` (its return annotation admits ``Accepted``). The
+    coordinator counts it from the acceptance, durably; a completion that has not
+    arrived by then is an incident (R12).
     """
 
     declaration = CompensableDeclaration(
-        by=by, reversibility=Reversibility(reversibility), args=args
+        by=by,
+        reversibility=Reversibility(reversibility),
+        args=args,
+        completion_within_ms=_to_ms(completion_within),
     )
 
     def mark(func: F) -> F:

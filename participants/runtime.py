@@ -10,7 +10,9 @@ For every command on ``sagaline.commands.<participant>`` it
 * CompensateStep: runs the declared compensation with its ``CompensationContext``
   and the compensation key; appends ``CompensationCommitted`` (verified where a
   verification is declared), ``CompensationAccepted`` for asynchronous ones (then
-  polls the verification until the completion is confirmed, R12), or
+  polls the verification until the completion is confirmed or the tool's declared
+  ``completion_within`` has passed since the acceptance; without a verification the
+  provider's receipt arrives through ``complete_accepted``, R12), or
   ``CompensationFailed``;
 * ReconcileStep: looks the operation up by idempotency key and appends
   ``StepReconciled``; with no lookup declared it raises an incident, never guesses.
@@ -48,9 +50,11 @@ from participants.errors import InvalidArgumentsError, LedgerRefError
 from participants.ledger_probe import LedgerProbe
 from sagaline.kafka import (
     DeadLetterWriter,
+    DeliveryFailed,
     LedgerReader,
     LedgerWriter,
     Message,
+    TopicPartition,
     create_consumer,
     ensure_topics,
 )
@@ -214,7 +218,6 @@ class CommandHandler:
         clock: Clock = _now_ms,
         workers: int = 8,
         verify_poll_ms: int = 200,
-        verify_timeout_ms: int = 60_000,
         metrics: RuntimeMetrics | None = None,
         sealer: Sealer | None = None,
         ledger: LedgerProbe | None = None,
@@ -234,7 +237,6 @@ class CommandHandler:
             max_workers=workers, thread_name_prefix=f"{participant}-tool"
         )
         self._verify_poll_ms = verify_poll_ms
-        self._verify_timeout_ms = verify_timeout_ms
         self._metrics = metrics
         self._stopping = threading.Event()
 
@@ -576,15 +578,23 @@ class CommandHandler:
         return _json(omitted_result(len(body), limit, fingerprint(body)))
 
     def confirm_accepted(self, command_id: str, command: bytes) -> None:
-        """Poll the verification of an accepted compensation until it passes (R12).
+        """Poll the declared verification of an accepted compensation until it passes,
+        or until the declared wait (``completion_within``) after the acceptance (R12).
 
         Runs on a background thread; resumed for every ``accepted`` journal row when
-        the runtime starts, so a restart does not forget a pending completion.
+        the runtime starts. The wait counts from the acceptance as recorded, so a
+        restart does not extend it. Past it this stops quietly: the coordinator's own
+        timer for the same deadline raises the one incident, also when this
+        participant is down. A tool with no ``verify`` is completed by
+        :meth:`complete_accepted` (the provider's completion receipt) instead.
         """
-        from schemas.codec import decode, encode
+        from schemas.codec import decode
 
         cmd = decode(command, CompensateStep)
         spec = self.catalogue[cmd.tool]
+        if spec.verify_func is None:
+            return  # completed by complete_accepted, or by the coordinator's deadline
+        deadline = self._completion_deadline(command_id, spec)
         ctx = self._compensation_context(cmd, spec)
         call = CallContext(
             cmd.saga_id,
@@ -594,21 +604,74 @@ class CommandHandler:
             cmd.attempt,
             compensation_key=cmd.compensation_key,
         )
-        deadline = self._clock() + self._verify_timeout_ms
-        verified = False
-        while not self._stopping.is_set() and self._clock() < deadline:
-            if spec.verify_func is None:
-                verified = True
-                break
+        while not self._stopping.is_set():
             try:
-                verified = bool(self._run(call, lambda: spec.verify(ctx), spec.deadline_ms))
+                if self._run(call, lambda: spec.verify(ctx), spec.deadline_ms):
+                    self._completed(command_id, cmd, verified=True)
+                    return
             except Exception:
                 log.exception("verification of %s failed; retrying", cmd.compensation_key)
-            if verified:
-                break
+            if self._clock() >= deadline:
+                log.warning(
+                    "compensation %s was not confirmed within its declared wait; the "
+                    "coordinator raises the incident",
+                    cmd.compensation_key,
+                )
+                return
             self._stopping.wait(self._verify_poll_ms / 1000)
-        if self._stopping.is_set():
-            return  # resumed on the next start
+
+    def complete_accepted(self, provider_operation_id: str, result: Any = None) -> bool:
+        """Record the provider's completion receipt for an accepted compensation (R12).
+
+        Call it from wherever the provider reports completion (a webhook, a poller).
+        Returns False when no accepted compensation of this participant has that
+        operation id (already completed, or never accepted here).
+        """
+        from schemas.codec import decode
+
+        for command_id, command in self.journal.accepted():
+            seen = self.journal.get(command_id)
+            if seen is None or seen[1] is None:
+                continue
+            outcome = decode(seen[1])
+            if (
+                isinstance(outcome, CompensationAccepted)
+                and outcome.provider_operation_id == provider_operation_id
+            ):
+                cmd = decode(command, CompensateStep)
+                spec = self.catalogue[cmd.tool]
+                self._completed(
+                    command_id,
+                    cmd,
+                    verified=None if spec.verify_func is None else True,
+                    result=result,
+                    provider_operation_id=provider_operation_id,
+                )
+                return True
+        return False
+
+    def _completion_deadline(self, command_id: str, spec: ToolSpec) -> int:
+        """When the declared wait of an accepted compensation ends: its acceptance
+        time (from the journalled ``CompensationAccepted``) plus ``completion_within``."""
+        from schemas.codec import decode
+
+        seen = self.journal.get(command_id)
+        accepted_at = self._clock()
+        if seen is not None and seen[1] is not None:
+            accepted_at = decode(seen[1]).envelope.occurred_at
+        return accepted_at + (spec.completion_within_ms or 0)
+
+    def _completed(
+        self,
+        command_id: str,
+        cmd: CompensateStep,
+        *,
+        verified: bool | None,
+        result: Any = None,
+        provider_operation_id: str | None = None,
+    ) -> None:
+        from schemas.codec import encode
+
         record = self._record(
             CompensationCommitted,
             cmd,
@@ -616,7 +679,9 @@ class CommandHandler:
             step_id=cmd.step_id,
             compensation_key=cmd.compensation_key,
             attempt=cmd.attempt,
-            verified=verified if spec.verify_func is not None else None,
+            provider_operation_id=provider_operation_id,
+            result=_json(result),
+            verified=verified,
         )
         self._append(record)
         self.journal.mark(command_id, "done", outcome=encode(record))
@@ -791,6 +856,7 @@ class ParticipantRuntime:
         instance_id: str | None = None,
         state_dir: Path | None = None,
         metrics: RuntimeMetrics | None = None,
+        clock: Clock = _now_ms,
     ) -> None:
         self.participant = participant or catalogue.name
         # Static group membership: a restarted process with the same instance id gets
@@ -818,6 +884,7 @@ class ParticipantRuntime:
             ledger=LedgerProbe(bootstrap, self.topics.events, self.signer),
             limits=settings.limits,
             fetch=self._fetch,
+            clock=clock,
         )
         self._running = threading.Event()
         self._background: list[threading.Thread] = []
@@ -888,7 +955,14 @@ class ParticipantRuntime:
                 if msg.error() is not None:
                     log.warning("consumer error: %s", msg.error())
                     continue
-                self._process(msg)
+                if not self._process(msg):
+                    # The ledger did not take the record: keep the offset and read the
+                    # command again; the journal re-sends a stored outcome, never reruns.
+                    topic, partition, offset = msg.topic(), msg.partition(), msg.offset()
+                    assert topic is not None and partition is not None and offset is not None
+                    consumer.seek(TopicPartition(topic, partition, offset))
+                    time.sleep(0.5)
+                    continue
                 consumer.commit(message=msg, asynchronous=False)
         finally:
             self.handler.close()
@@ -896,7 +970,8 @@ class ParticipantRuntime:
             self._writer.close()
             self.journal.close()
 
-    def _process(self, msg: Message) -> None:
+    def _process(self, msg: Message) -> bool:
+        """Handle one command; False when its record could not be appended (retry)."""
         try:
             command = from_message(msg.key(), msg.value(), msg.headers(), self.signer)
             if not isinstance(command, (ExecuteStep, CompensateStep, ReconcileStep)):
@@ -905,19 +980,25 @@ class ParticipantRuntime:
             reason = exc.reason if isinstance(exc, CodecError) else "not-a-command"
             self._dead_letters.write(msg, reason, str(exc))
             self.metrics.dlq(reason)
-            return
+            return True
         self.metrics.observe_record(command)
         try:
             self.handler.handle(command)
+        except DeliveryFailed:
+            log.exception(
+                "appending for %s %s failed; reading it again", command.TYPE, command.event_id
+            )
+            return False
         except Exception as exc:  # R16: never stop the service, never lose the record
             log.exception("handling %s %s failed", command.TYPE, command.event_id)
             self._dead_letters.write(msg, "handler-error", f"{type(exc).__name__}: {exc}")
             self.metrics.dlq("handler-error")
-            return
+            return True
         if isinstance(command, CompensateStep):
             seen = self.journal.get(command.event_id)
             if seen is not None and seen[0] == "accepted":
                 self._confirm_in_background(command.event_id, _command_bytes(command))
+        return True
 
     def _confirm_in_background(self, command_id: str, command: bytes) -> None:
         thread = threading.Thread(
@@ -932,6 +1013,7 @@ class ParticipantRuntime:
 
 class _NotACommand(Exception):
     pass
+
 
 
 def _check_served(spec: ToolSpec, participant: str) -> None:

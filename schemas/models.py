@@ -144,6 +144,7 @@ class StepContract(_Model):
     )
     deadline_ms: int = 10_000
     owner: str = "operations"
+    completion_within_ms: int | None = None  # the declared wait for an Accepted (R12)
 
 
 # ------------------------------------------------------------------------- events

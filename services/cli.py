@@ -27,6 +27,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "services.dashboard",
     "services.keys_cli",
     "sagaline.cli",
+    "services.drill.cli",
 )
 
 

@@ -67,6 +67,7 @@ def contract(
     retry: RetryPolicy | None = None,
     compensation_retry: RetryPolicy | None = None,
     owner: str = "operations",
+    completion_within_ms: int | None = None,
 ) -> StepContract:
     """A tool contract; by default a compensatable tool undone by ``undo_<tool>``."""
     if compensation == "__default__":
@@ -89,6 +90,7 @@ def contract(
         reversal_window_ms=reversal_window_ms,
         compensation_approval=compensation_approval,
         owner=owner,
+        completion_within_ms=completion_within_ms,
         **extra,
     )
 

@@ -41,10 +41,12 @@ class System:
         partitions: int = 2,
         settings_for: Callable[[str], Settings] | None = None,
         limits: Limits | None = None,
+        clock: Callable[[], int] | None = None,
     ) -> None:
         """``settings_for(component)`` gives a component its own settings (its own
         identity key): components are "coordinator", "agent" and each catalogue name."""
         self.bootstrap = bootstrap
+        self.clock = clock  # drives the coordinator's and participants' time when set
         self.settings = Settings(
             bootstrap=bootstrap,
             topic_prefix=prefix,
@@ -60,6 +62,7 @@ class System:
         self.coordinator: Coordinator | None = None
         self._threads: list[threading.Thread] = []
         self._runtimes: list[ParticipantRuntime] = []
+        self._runtime_threads: dict[int, threading.Thread] = {}
         contracts = {}
         for catalogue in catalogues:
             contracts.update(catalogue.contracts())
@@ -70,20 +73,33 @@ class System:
     def __enter__(self) -> System:
         self.start_coordinator()
         for catalogue in self.catalogues:
-            runtime = ParticipantRuntime(
-                catalogue,
-                self._settings_for(catalogue.name),
-                self.bootstrap,
-                metrics=ParticipantMetrics(catalogue.name),
-            )
-            ready = threading.Event()
-            thread = threading.Thread(target=runtime.run, kwargs={"ready": ready}, daemon=True)
-            thread.start()
-            assert ready.wait(60), f"participant {catalogue.name} did not start"
-            self._runtimes.append(runtime)
-            self._threads.append(thread)
+            self.start_participant(catalogue)
         self.client.start()
         return self
+
+    def start_participant(self, catalogue: Catalogue) -> ParticipantRuntime:
+        """Start (or restart: same state directory, same journal) one participant."""
+        extra: dict[str, Any] = {} if self.clock is None else {"clock": self.clock}
+        runtime = ParticipantRuntime(
+            catalogue,
+            self._settings_for(catalogue.name),
+            self.bootstrap,
+            metrics=ParticipantMetrics(catalogue.name),
+            **extra,
+        )
+        ready = threading.Event()
+        thread = threading.Thread(target=runtime.run, kwargs={"ready": ready}, daemon=True)
+        thread.start()
+        assert ready.wait(60), f"participant {catalogue.name} did not start"
+        self._runtimes.append(runtime)
+        self._threads.append(thread)
+        self._runtime_threads[id(runtime)] = thread
+        return runtime
+
+    def stop_participant(self, runtime: ParticipantRuntime) -> None:
+        """Stop one participant and wait until its loop has closed its journal."""
+        runtime.stop()
+        self._runtime_threads[id(runtime)].join(30)
 
     def start_coordinator(self, instance_id: str | None = None) -> None:
         """Start a coordinator; pass the instance id of a stopped one to restart it
@@ -93,6 +109,7 @@ class System:
             self.bootstrap,
             instance_id=instance_id or f"test-{uuid.uuid4().hex[:6]}",
             metrics=CoordinatorMetrics(),
+            clock=self.clock,
         )
         thread = threading.Thread(target=self.coordinator.run, daemon=True)
         thread.start()

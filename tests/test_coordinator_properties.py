@@ -136,6 +136,7 @@ class StepPlan:
             "compensation_retry": RetryPolicy(
                 max_attempts=self.compensation_attempts, initial_backoff_ms=100, max_backoff_ms=800
             ),
+            "completion_within_ms": 2_000,  # an Accepted may complete late, or never (R12)
             "owner": f"team-{self.step_id}",
         }
 
@@ -302,6 +303,12 @@ class Simulator:
         elif isinstance(record, SagaTerminal):
             self.run.terminals.append(record)
         elif isinstance(record, IncidentRaised):
+            if record.kind == "compensation-not-completed" and record.step_id is not None:
+                # R12: the declared wait passed; the coordinator stopped waiting and
+                # handed the step to a person, so its compensation no longer holds
+                # the resources and a completion will not come.
+                self.comp_outstanding.discard(record.step_id)
+                self.accepted = [a for a in self.accepted if a[0] != record.step_id]
             target = (
                 self.unknown_incidents
                 if record.kind == "unknown-outcome"

@@ -121,7 +121,7 @@ class AsyncPayments:
         self.voided: list[object] = []
 
     @tool(description="Authorize a payment", lookup="find", verify="is_voided")
-    @compensable(by="void")
+    @compensable(by="void", completion_within=30)
     async def authorize(self, amount_cents: int) -> str:
         await asyncio.sleep(0)
         return f"auth-{amount_cents}"

@@ -45,6 +45,7 @@ __all__ = [
     "UnknownParticipantError",
     "build_catalogue",
     "build_participant",
+    "drill_catalogues",
     "economic_effect",
 ]
 
@@ -121,3 +122,10 @@ def economic_effect(step: StepScheduled) -> int | None:
         return None
     value = args.get("amount_cents") if isinstance(args, dict) else None
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def drill_catalogues(state_dir: Path) -> list[Catalogue]:
+    """Every refund participant's catalogue, without faults of its own: what
+    ``sagaline drill --catalogue services.refund:drill_catalogues`` runs against
+    (the drill injects its faults around the tools; ``drill-plan.json`` is the plan)."""
+    return [build_catalogue(name, Path(state_dir) / name) for name in PARTICIPANTS]

@@ -1,0 +1,123 @@
+"""R12, durably: an Accepted compensation is done only when its completion arrives,
+and the declared wait for it is a coordinator timer counted from the acceptance."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from coordinator_ledger import Harness, Ledger, compensates, fresh, incidents, receipt_of, terminal
+
+from coordinator.state import TimerPurpose
+from schemas import FailureKind, StepScheduled, TerminalStatus
+from schemas.codec import Codec
+from schemas.registry import AVSC_DIR, SchemaRegistry
+
+WAIT_MS = 5_000
+
+
+def accepted(within: int | None = WAIT_MS, **kw: object) -> tuple[Ledger, Harness, int]:
+    """A saga unwinding ``refund`` whose compensation the provider only accepted;
+    returns the acceptance time as the ledger records it."""
+    ledger, h = fresh()
+    h.feed(
+        ledger.started(),
+        ledger.scheduled("refund", completion_within_ms=within, **kw),
+        ledger.committed("refund"),
+    )
+    out = h.feed(
+        ledger.scheduled("boom"), ledger.failed("boom", kind=FailureKind.BUSINESS_REJECTION)
+    )
+    assert compensates(out) == ["refund"]
+    acceptance = ledger.comp_accepted("refund")
+    h.feed(acceptance)
+    return ledger, h, acceptance.envelope.occurred_at
+
+
+def test_acceptance_starts_the_declared_completion_timer_R12() -> None:
+    _ledger, h, accepted_at = accepted()
+    assert h.status("refund") == "COMPENSATION_ACCEPTED"
+    assert h.s.steps["refund"].timers[TimerPurpose.COMPLETION_DEADLINE] == accepted_at + WAIT_MS
+    assert h.s.next_due_at() == accepted_at + WAIT_MS
+
+
+def test_completion_within_the_wait_compensates_and_clears_the_timer_R12() -> None:
+    ledger, h, _at = accepted()
+    h.advance(WAIT_MS - 10)
+    out = h.feed(ledger.comp_committed("refund"))
+    assert receipt_of(out).status is TerminalStatus.COMPENSATED
+    assert incidents(h.outputs) == []
+
+
+def test_no_completion_by_the_deadline_is_one_incident_naming_operation_and_time_R12() -> None:
+    _ledger, h, accepted_at = accepted()
+    assert h.advance(WAIT_MS - 1) == []  # one ms early: nothing yet
+    out = h.run_timers()
+    [incident] = incidents(out)
+    assert incident.kind == "compensation-not-completed"
+    assert incident.envelope.occurred_at == accepted_at + WAIT_MS
+    assert "accepted as provider operation comp-refund at 1970-01-01T00:16:40" in (
+        incident.inconsistency
+    )
+    assert f"no completion within the declared wait of {WAIT_MS} ms" in incident.inconsistency
+    receipt = receipt_of(out)
+    assert receipt.status is TerminalStatus.ESCALATED
+    assert h.status("refund") == "COMPENSATION_FAILED"
+
+
+def test_a_late_completion_after_the_incident_changes_nothing_R12() -> None:
+    ledger, h, _at = accepted()
+    h.run_timers()
+    assert terminal(h.outputs) is not None
+    assert h.feed(ledger.comp_committed("refund")) == []
+    assert len(incidents(h.outputs)) == 1
+
+
+def test_a_tick_long_after_the_deadline_still_dates_the_incident_at_the_deadline_R12() -> None:
+    """A coordinator that was down past the deadline fires the timer as of its due
+    time: the wait counts from the acceptance, not from the restart."""
+    _ledger, h, accepted_at = accepted()
+    out = h.advance(10 * WAIT_MS)
+    [incident] = incidents(out)
+    assert incident.envelope.occurred_at == accepted_at + WAIT_MS
+
+
+def test_repeated_acceptance_of_the_same_attempt_does_not_restart_the_wait_R12() -> None:
+    """A participant restarted mid-wait re-sends its acceptance: the deadline stays."""
+    ledger, h, accepted_at = accepted()
+    h.advance(WAIT_MS // 2)
+    h.feed(ledger.comp_accepted("refund"))  # a new event id, later occurred_at
+    assert h.s.steps["refund"].timers[TimerPurpose.COMPLETION_DEADLINE] == accepted_at + WAIT_MS
+    out = h.run_timers()
+    assert len(incidents(out)) == 1
+
+
+def test_acceptance_from_a_tool_that_declared_no_wait_is_an_incident_at_once_R12() -> None:
+    _ledger, h, accepted_at = accepted(within=None)
+    out = h.run_timers()
+    [incident] = incidents(out)
+    assert incident.envelope.occurred_at == accepted_at
+    assert "declares no completion wait" in incident.inconsistency
+
+
+def test_a_step_recorded_before_completion_within_existed_still_decodes_R12(
+    tmp_path: Path,
+) -> None:
+    """Schema evolution: ``completion_within_ms`` was added with a default, so a
+    ``StepScheduled`` written by an older SDK reads as "no wait declared"."""
+    for path in AVSC_DIR.glob("*.avsc"):
+        (tmp_path / path.name).write_text(path.read_text())
+    older = json.loads((AVSC_DIR / "StepContract.avsc").read_text())
+    older["fields"] = [f for f in older["fields"] if f["name"] != "completion_within_ms"]
+    (tmp_path / "StepContract.avsc").write_text(json.dumps(older))
+    old_codec = Codec(SchemaRegistry(tmp_path))
+    ledger, _h = fresh()
+    scheduled = ledger.scheduled("refund")
+    written = old_codec.encode(scheduled)
+
+    current = Codec(SchemaRegistry())
+    current.registry.register_writer(old_codec.registry.reader("StepScheduled").schema)
+    decoded = current.decode(written, expected=StepScheduled)
+
+    assert decoded == scheduled
+    assert decoded.contract.completion_within_ms is None

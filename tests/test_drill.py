@@ -1,0 +1,177 @@
+"""The fault drill (seed 004, "Test failures at every seam") on the real broker: our
+refund example and the seed-004 fixture run through it, every seam for every step,
+and a tool whose compensation does not undo anything is caught.
+
+``SAGALINE_DRILL_STEPS`` (e.g. ``2,4``, 1-based) narrows the refund matrix to some
+steps on a slow machine; by default every step runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from participants import CompensationContext, LookupResult, compensable, tool, wrap
+from participants.context import current_call
+from services.cli import main as sagaline
+from services.drill import Seam, Verdict, instrument, run_drill
+from services.drill._inject import FaultBoard
+from services.refund import drill_catalogues
+from tests.test_seed004_fixture import Steps
+
+pytestmark = pytest.mark.kafka
+
+REFUND_PLAN = Path(__file__).parent.parent / "services" / "refund" / "drill-plan.json"
+
+
+@pytest.mark.timeout(900)  # 72 sagas on the real broker; minutes on a loaded machine
+def test_refund_example_every_seam_every_step_converges_or_escalates_truthfully(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    steps_env = os.environ.get("SAGALINE_DRILL_STEPS", "")
+    steps = [int(n) - 1 for n in steps_env.split(",") if n.strip()] or None
+    calls = json.loads(REFUND_PLAN.read_text())["calls"]
+    report = run_drill(
+        drill_catalogues(tmp_path),
+        calls,
+        bootstrap=kafka_bootstrap,
+        state_dir=tmp_path,
+        steps=steps,
+    )
+    print(report.matrix())
+    assert report.ok, report.matrix()
+    verdicts = {(r.seam, r.tool): r.verdict for r in report.results}
+    if steps is None:
+        assert len(report.results) == len(Seam) * len(calls)
+        # What must hold whatever the machine: the fallible, undoable steps before the
+        # pivot converge at every seam that exists for them.
+        for seam in Seam:
+            if seam is not Seam.EXPIRED_APPROVAL:
+                assert verdicts[(seam, "place_hold")] is Verdict.CONVERGED, seam
+        # The irreversible email's approval expiring after the pivot goes to a person.
+        assert verdicts[(Seam.EXPIRED_APPROVAL, "send_reply")] is Verdict.ESCALATED
+
+
+def test_seed004_fixture_every_seam_every_step(kafka_bootstrap: str, tmp_path: Path) -> None:
+    calls = [{"tool": "reserve"}, {"tool": "charge"}, {"tool": "email"}]
+    report = run_drill(
+        [wrap(Steps(), name="fixture")], calls, bootstrap=kafka_bootstrap, state_dir=tmp_path
+    )
+    print(report.matrix())
+    assert report.ok, report.matrix()
+    by = {(r.seam, r.tool): r for r in report.results}
+    # email always fails: the saga is compensated however it is disturbed.
+    for seam in (Seam.BEFORE_DISPATCH, Seam.DUPLICATES, Seam.PARTIAL_OUTAGE):
+        assert by[(seam, "charge")].status == "COMPENSATED"
+    # No lookup declared: a lost answer is an unknown outcome a person settles (R11).
+    assert by[(Seam.BEFORE_RECEIPT, "reserve")].verdict is Verdict.ESCALATED
+    assert "unknown-outcome" in by[(Seam.BEFORE_RECEIPT, "reserve")].detail
+
+
+class ForgetfulVault:
+    """A provider whose compensation answers "done" and changes nothing: the kind of
+    bug the drill exists to catch through the tool's own ``verify``."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, str] = {}
+        self.lock = threading.Lock()
+
+    @tool(description="Store an item", lookup="find", verify="is_gone")
+    @compensable(by="remove")
+    def store(self, item: str) -> str:
+        key = current_call().idempotency_key
+        with self.lock:
+            self.items[key] = item
+        return key
+
+    def remove(self, ctx: CompensationContext) -> None:
+        return None  # the bug: nothing is removed
+
+    def find(self, key: str) -> LookupResult | None:
+        with self.lock:
+            return LookupResult.committed(key) if key in self.items else None
+
+    def is_gone(self, ctx: CompensationContext) -> bool:
+        with self.lock:
+            return ctx.idempotency_key not in self.items
+
+
+def test_a_compensation_that_undoes_nothing_is_escalated_not_called_compensated_R12(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    report = run_drill(
+        [wrap(ForgetfulVault(), name="vault")],
+        [{"tool": "store", "args": {"item": "a"}}],
+        bootstrap=kafka_bootstrap,
+        state_dir=tmp_path,
+        seams=[Seam.AFTER_COMMIT],
+    )
+    [result] = report.results
+    assert result.verdict is Verdict.ESCALATED
+    assert result.status == "ESCALATED"
+    assert result.detail == "compensation-not-verified"
+
+
+class BlindVault(ForgetfulVault):
+    """A provider whose lookup never finds anything: a lost answer looks like "not
+    done", so the tool runs a second time for the same key."""
+
+    def find(self, key: str) -> LookupResult | None:
+        return None
+
+
+def test_a_lookup_that_cannot_find_a_committed_operation_is_a_failed_case_R11(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    report = run_drill(
+        [wrap(BlindVault(), name="vault")],
+        [{"tool": "store", "args": {"item": "a"}}],
+        bootstrap=kafka_bootstrap,
+        state_dir=tmp_path,
+        seams=[Seam.BEFORE_RECEIPT],
+    )
+    [result] = report.results
+    assert result.verdict is Verdict.FAILED
+    assert "ran 2 times for one idempotency key" in result.detail
+    assert not report.ok
+    assert "FAILED after-dispatch-before-receipt @ 1:store" in report.matrix()
+
+
+def test_instrumenting_a_catalogue_leaves_the_users_tools_untouched() -> None:
+    vault = ForgetfulVault()
+    original = wrap(vault, name="vault")
+    wrapped = instrument(original, FaultBoard())
+    assert original["store"].func == vault.store
+    assert wrapped["store"].func is not original["store"].func
+    assert wrapped["store"].lookup_func == original["store"].lookup_func
+    assert wrapped.contracts() == original.contracts()
+
+
+def test_sagaline_drill_prints_the_matrix(
+    kafka_bootstrap: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
+    code = sagaline(
+        [
+            "drill",
+            "--plan",
+            str(REFUND_PLAN),
+            "--seam",
+            "after-commit",
+            "--step",
+            "2",
+            "--state-dir",
+            str(tmp_path),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "after-commit" in out and "2:place_hold" in out
+    assert "1 cases" in out and "1 converged" in out
