@@ -297,6 +297,11 @@ class MemoryConsumer:
         for tp in partitions:
             self._set_position(tp)
 
+    def incremental_assign(self, partitions: list[TopicPartition]) -> None:
+        self.owned += [(tp.topic, tp.partition) for tp in partitions]
+        for tp in partitions:
+            self._set_position(tp)
+
     def unassign(self) -> None:
         self.owned = []
 
