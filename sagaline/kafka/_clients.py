@@ -6,6 +6,7 @@ environment, see :mod:`sagaline.kafka._config`) or a :class:`ClientConfig`.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, cast
 
@@ -15,6 +16,8 @@ from confluent_kafka.admin import AdminClient
 from sagaline.kafka import _memory
 from sagaline.kafka._config import BOOTSTRAP_VAR, ClientConfig, client_config
 from schemas.settings import Settings
+
+log = logging.getLogger("sagaline.kafka")
 
 
 class BrokerNotConfigured(RuntimeError):
@@ -37,7 +40,11 @@ def configured_broker(command: str) -> tuple[Settings, str]:
     """The process settings (from the environment) and the broker they name: what a
     production command starts with. Raises :class:`BrokerNotConfigured` when none is."""
     settings = Settings.from_env()
-    return settings, require_bootstrap(settings, command)
+    bootstrap = require_bootstrap(settings, command)
+    # Reading the client settings now refuses a bad one at start-up, not at first use;
+    # the line says what this process connects with, secrets masked.
+    log.info("kafka: %s", ClientConfig.from_env(bootstrap).describe())
+    return settings, bootstrap
 
 
 # A ``memory://NAME`` bootstrap selects the in-process transport (the fast test
