@@ -479,6 +479,28 @@ class MemoryConsumer:
 
 
 @dataclass
+class _GroupState:
+    name: str
+
+
+@dataclass
+class _Assignment:
+    topic_partitions: list[TopicPartition]
+
+
+@dataclass
+class _MemberDescription:
+    assignment: _Assignment
+
+
+@dataclass
+class _GroupDescription:
+    group_id: str
+    state: _GroupState
+    members: list[_MemberDescription]
+
+
+@dataclass
 class _TopicMetadata:
     topic: str
     partitions: dict[int, Any]
@@ -519,3 +541,20 @@ class MemoryAdmin:
 
     def list_topics(self, topic: str | None = None, timeout: float = -1) -> _Metadata:
         return _metadata(self.broker)
+
+    def describe_consumer_groups(
+        self, group_ids: list[str], **_: Any
+    ) -> dict[str, Future[_GroupDescription]]:
+        """State (``STABLE`` with members, else ``EMPTY``) and each member's partitions."""
+        out: dict[str, Future[_GroupDescription]] = {}
+        with self.broker.changed:
+            for group in group_ids:
+                members = [
+                    _MemberDescription(_Assignment([TopicPartition(t, n) for t, n in m.owned]))
+                    for m in self.broker.groups.get(group, _Group()).members
+                ]
+                future: Future[_GroupDescription] = Future()
+                state = _GroupState("STABLE" if members else "EMPTY")
+                future.set_result(_GroupDescription(group, state, members))
+                out[group] = future
+        return out
