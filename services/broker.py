@@ -1,4 +1,7 @@
-"""Which Kafka broker do tests and the CLI talk to? One answer, in one place.
+"""Which Kafka broker do the tests, the demo and ``--dev-broker`` use? One answer, in
+one place. A development tool: production commands never come here (they stop with
+``sagaline.kafka.BrokerNotConfigured`` when ``KAFKA_BOOTSTRAP_SERVERS`` is unset), and
+an import contract (pyproject.toml, ``[tool.importlinter]``) keeps it off their path.
 
 Order of choice (docs: ARCHITECTURE.md, "Kafka is real, everywhere"):
 
@@ -11,7 +14,8 @@ Order of choice (docs: ARCHITECTURE.md, "Kafka is real, everywhere"):
    lazily, so machines without Docker never touch the Docker SDK.
 
 There is no in-memory fallback on purpose: integration tests must fail loudly
-rather than pass against something that is not Kafka.
+rather than pass against something that is not Kafka. (The in-process transport,
+``memory://``, is a second test tier a suite asks for explicitly, never a fallback.)
 """
 
 from __future__ import annotations

@@ -122,13 +122,13 @@ def _signed(messages: list[tuple[bytes, bytes, HeaderList | None]]) -> bool:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     settings, bootstrap = configured_broker("sagaline coordinator run")
     from coordinator.shell import Coordinator
     from sagaline.kafka import ensure_topics
     from sagaline.ops.metrics import CoordinatorMetrics, start_metrics_server
     from services.refund import economic_effect
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     participants = [p for p in args.participants.split(",") if p]
     ensure_topics(
         bootstrap,

@@ -112,8 +112,10 @@ def register(subparsers: Any) -> None:
     run.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
     run.add_argument(
         "--instance-id",
-        default=os.environ.get("SAGALINE_INSTANCE_ID"),
-        help="distinct per replica, stable across restarts (default: the participant name)",
+        default=os.environ.get("SAGALINE_INSTANCE_ID") or os.environ.get("HOSTNAME"),
+        help="distinct per replica, stable across restarts (default: $SAGALINE_INSTANCE_ID, "
+        "else $HOSTNAME, which is per container under docker compose --scale; else the "
+        "participant name)",
     )
     run.add_argument(
         "--dev-broker",

@@ -8,6 +8,9 @@
 * ``unique_prefix``: a fresh topic-name prefix per test, so tests never share
   topics and need no cleanup between runs on the shared broker.
 * ``admin``: a confluent_kafka ``AdminClient`` on that broker.
+* ``transport``: for behaviour suites written once and run twice, the bootstrap of
+  the real broker and of a fresh in-process transport (``memory://...``,
+  :mod:`sagaline.kafka._memory`); ``-k memory`` runs the fast tier alone.
 
 Keep this file generic; fixtures for one area belong in that area's test files.
 """
@@ -59,3 +62,11 @@ def unique_prefix() -> str:
 @pytest.fixture
 def admin(kafka_bootstrap: str) -> AdminClient:
     return AdminClient({"bootstrap.servers": kafka_bootstrap})
+
+
+@pytest.fixture(params=["kafka", "memory"])
+def transport(request: pytest.FixtureRequest) -> str:
+    if request.param == "kafka":
+        bootstrap: str = request.getfixturevalue("kafka_bootstrap")
+        return bootstrap
+    return f"memory://{uuid.uuid4().hex[:12]}"

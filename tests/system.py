@@ -16,13 +16,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from confluent_kafka import Producer
-
 from coordinator.shell import Coordinator
 from participants.catalogue import Catalogue
 from participants.client import SagaClient
 from participants.runtime import ParticipantRuntime
-from sagaline.kafka import LedgerReader, ensure_topics, producer_config
+from sagaline.kafka import LedgerReader, Producer, create_producer, ensure_topics
 from sagaline.ops.metrics import CoordinatorMetrics, ParticipantMetrics
 from schemas import Record
 from schemas.limits import Limits
@@ -144,7 +142,7 @@ class System:
         return out
 
     def raw_producer(self) -> Producer:
-        return Producer(producer_config(self.bootstrap))
+        return create_producer(self.bootstrap)
 
 
 def wait_until(check: Callable[[], Any], timeout_s: float = 60.0, what: str = "") -> Any:

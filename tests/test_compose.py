@@ -1,8 +1,12 @@
 """docker-compose.yml is valid Compose and names commands the code really has.
 
-No Docker engine exists here; Debian's ``docker-compose`` (1.29) validates a file
-against its bundled Compose schema with ``config -q`` without talking to an engine.
-``scripts/test.sh`` installs it when missing.
+No Docker engine exists here. The file is checked against the current Compose
+Specification JSON schema (vendored from the compose-spec project in
+``tests/fixtures/compose-spec/``), and Debian's ``docker-compose`` (1.29) checks it
+too with ``config -q`` without talking to an engine (``scripts/test.sh`` installs it
+when missing). Then each point of issue 10 item 4 is checked: two listeners, a volume
+for Kafka's log, no default secrets, healthchecks and ``service_healthy``, distinct
+instance ids under ``--scale``, a dependency layer in the Dockerfile.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ def _compose_config(path: Path) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=60,
         cwd=path.parent,
+        # Secrets have no defaults in the file (Compose refuses to start without them).
+        env={"PATH": "/usr/bin:/bin", "SAGALINE_HMAC_KEY": "test-only-key"},
     )
 
 
@@ -82,3 +88,163 @@ def test_every_environment_variable_is_one_the_code_reads() -> None:
             continue
         unknown = set(service.get("environment", {})) - set(ENV_VARS)
         assert not unknown, f"{name} sets variables nothing reads: {sorted(unknown)}"
+
+
+# ------------------------------------------------- the Compose specification (item 4)
+
+SCHEMA = ROOT / "tests" / "fixtures" / "compose-spec" / "compose-spec.json"
+
+
+def _schema_errors(document: Any) -> list[str]:
+    import json
+
+    import jsonschema
+
+    validator = jsonschema.Draft7Validator(json.loads(SCHEMA.read_text()))
+    return [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+        for e in validator.iter_errors(document)
+    ]
+
+
+def test_compose_file_passes_the_current_compose_spec_schema() -> None:
+    assert _schema_errors(yaml.safe_load(COMPOSE.read_text())) == []
+
+
+def test_the_compose_spec_schema_rejects_what_compose_would() -> None:
+    broken = yaml.safe_load(COMPOSE.read_text())
+    broken["services"]["coordinator"]["restart_policy_typo"] = "always"
+    broken["services"]["kafka"]["healthcheck"]["interval"] = ["5s"]
+    errors = _schema_errors(broken)
+    assert any("restart_policy_typo" in e for e in errors), errors
+    assert any(e.startswith("services/kafka/healthcheck/interval") for e in errors), errors
+
+
+def _long_running() -> dict[str, Any]:
+    return {
+        name: s
+        for name, s in _services().items()
+        if str(s.get("restart")) != "no" and not s.get("image", "").startswith("apache/")
+    }
+
+
+def test_kafka_advertises_an_internal_and_a_host_listener() -> None:
+    kafka = _services()["kafka"]
+    env = kafka["environment"]
+    advertised = dict(
+        entry.split("://", 1) for entry in env["KAFKA_ADVERTISED_LISTENERS"].split(",")
+    )
+    assert advertised["INTERNAL"] == "kafka:9092"  # what containers use
+    host, _, port = advertised["EXTERNAL"].rpartition(":")
+    assert host in ("${KAFKA_HOST_ADDRESS:-localhost}", "localhost")  # resolvable on the host
+    assert f"{port}:{port}" in kafka["ports"]  # the host listener is the published one
+    assert "9092:9092" not in kafka["ports"]  # the internal one is not
+    assert env["KAFKA_INTER_BROKER_LISTENER_NAME"] == "INTERNAL"
+    assert all(
+        s["environment"]["KAFKA_BOOTSTRAP_SERVERS"] == "kafka:9092"
+        for s in _services().values()
+        if "KAFKA_BOOTSTRAP_SERVERS" in s.get("environment", {})
+    )
+
+
+def test_kafka_keeps_its_log_on_a_named_volume() -> None:
+    document = yaml.safe_load(COMPOSE.read_text())
+    kafka = document["services"]["kafka"]
+    log_dir = kafka["environment"]["KAFKA_LOG_DIRS"]
+    mounts = dict(v.split(":", 1) for v in kafka["volumes"])
+    assert log_dir in mounts.values()
+    volume = next(name for name, target in mounts.items() if target == log_dir)
+    assert volume in document["volumes"]
+
+
+def test_no_secret_has_a_default_and_compose_refuses_to_start_without_it(tmp_path: Path) -> None:
+    text = COMPOSE.read_text()
+    assert "change-me" not in text
+    env = _services()["coordinator"]["environment"]
+    assert env["SAGALINE_HMAC_KEY"].startswith("${SAGALINE_HMAC_KEY:?")
+    exe = shutil.which("docker-compose")
+    if exe is None:
+        pytest.fail("docker-compose is not installed: run scripts/test.sh (it installs it)")
+    result = subprocess.run(
+        [exe, "-f", str(COMPOSE), "config", "-q"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,  # no .env here
+        env={"PATH": "/usr/bin:/bin"},
+    )
+    assert result.returncode != 0
+    assert "SAGALINE_HMAC_KEY" in result.stderr
+
+
+def test_every_long_running_service_has_a_healthcheck_and_dependents_wait_for_it() -> None:
+    services = _services()
+    for name, service in _long_running().items():
+        assert "healthcheck" in service, name
+        assert service["healthcheck"]["test"][0] in ("CMD", "CMD-SHELL"), name
+    assert "healthcheck" in services["kafka"]
+    for name, service in services.items():
+        for dependency, how in (service.get("depends_on") or {}).items():
+            wanted = (
+                "service_completed_successfully"
+                if str(services[dependency].get("restart")) == "no"
+                else "service_healthy"
+            )
+            assert how["condition"] == wanted, (name, dependency)
+    assert set(services["agent"]["depends_on"]) >= {"coordinator", "payments", "policy"}
+
+
+def test_the_healthchecks_probe_the_port_the_command_serves() -> None:
+    for name, service in _long_running().items():
+        command = [str(a) for a in service["command"]]
+        flag = "--metrics-port" if "--metrics-port" in command else "--port"
+        port = command[command.index(flag) + 1]
+        assert port in " ".join(map(str, service["healthcheck"]["test"])), name
+
+
+def test_no_service_pins_an_instance_id_so_scaled_replicas_differ() -> None:
+    from services.cli import build_parser
+
+    for name, service in _services().items():
+        assert "--instance-id" not in [str(a) for a in service.get("command", [])], name
+        assert "SAGALINE_INSTANCE_ID" not in service.get("environment", {}), name
+    # Under Compose each replica has its own HOSTNAME: the id the CLI falls back to.
+    import os
+
+    old = os.environ.get("HOSTNAME")
+    try:
+        os.environ.pop("SAGALINE_INSTANCE_ID", None)
+        ids = []
+        for hostname in ("c0ffee000001", "c0ffee000002"):
+            os.environ["HOSTNAME"] = hostname
+            for argv in (["participant", "run", "payments"], ["coordinator", "run"]):
+                ids.append(build_parser().parse_args(argv).instance_id)
+        assert ids == ["c0ffee000001", "c0ffee000001", "c0ffee000002", "c0ffee000002"]
+    finally:
+        if old is None:
+            os.environ.pop("HOSTNAME", None)
+        else:
+            os.environ["HOSTNAME"] = old
+
+
+def test_the_dockerfile_installs_dependencies_in_a_layer_before_the_code() -> None:
+    import tomllib
+
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")  # join continuations
+    lines = [
+        " ".join(line.split())
+        for line in text.splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    steps = [line for line in lines if line.split()[0] in ("COPY", "RUN")]
+    deps = next(
+        i for i, line in enumerate(steps) if "requirements.txt" in line and "pip install" in line
+    )
+    assert steps[:deps] == ["COPY pyproject.toml ./"]  # only the dependency list before it
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"
+    ]["find"]["include"]
+    copied = {line.split()[1] for line in steps[deps:] if line.startswith("COPY")}
+    for package in packages:
+        assert package.rstrip("*") in copied, f"the image lacks {package}"
+    assert any("--no-deps" in line for line in steps[deps + 1 :])

@@ -2,7 +2,8 @@
 
 There is no Docker engine here, so each service's ``command`` is run as
 ``python -m services.cli <command...>`` against the local broker, with the service's
-Compose environment (``${VAR:-default}`` resolved to its default) except for what
+Compose environment (``${VAR:-default}`` resolved to its default, required secrets
+given a test value) except for what
 must differ on one host: ``KAFKA_BOOTSTRAP_SERVERS``, a unique
 ``SAGALINE_TOPIC_PREFIX``, a ``SAGALINE_STATE_DIR`` per service (Compose gives each
 its own volume), and free ports in place of the fixed ``--port``/``--metrics-port``
@@ -40,13 +41,18 @@ SERVICES: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_tex
 SAGALINE = {n: s for n, s in SERVICES.items() if not str(s.get("image", "")).startswith("apache/")}
 ONE_SHOT = sorted(n for n, s in SAGALINE.items() if str(s.get("restart")) == "no")
 LONG_RUNNING = sorted(n for n in SAGALINE if n not in ONE_SHOT)
-_DEFAULT = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+_VARIABLE = re.compile(r"\$\{(\w+)(?::?([-?])([^}]*))?\}")
 
 
 def compose_env(service: dict[str, Any]) -> dict[str, str]:
-    """The service's environment with ``${VAR:-default}`` taken at its default."""
+    """The service's environment with ``${VAR:-default}`` taken at its default and a
+    required ``${VAR:?message}`` (a secret: Compose has no default) given a test value."""
     raw = service.get("environment") or {}
-    return {k: _DEFAULT.sub(lambda m: m.group(2) or "", str(v)) for k, v in raw.items()}
+
+    def value(m: re.Match[str]) -> str:
+        return f"test-{m.group(1).lower()}" if m.group(2) == "?" else m.group(3) or ""
+
+    return {k: _VARIABLE.sub(value, str(v)) for k, v in raw.items()}
 
 
 def free_port() -> int:

@@ -14,11 +14,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from confluent_kafka import Producer
 from dashboard_scenarios import ALL, copies_to
 from starlette.testclient import TestClient
 
-from sagaline.kafka import LedgerReader, ensure_topics, producer_config
+from sagaline.kafka import LedgerReader, create_producer, ensure_topics
 from schemas import ApprovalGranted, ApprovalRequested, Record
 from schemas.settings import Settings
 from schemas.wire import to_message
@@ -49,7 +48,7 @@ def _until(condition: Callable[[], Any], what: str, timeout_s: float = 30.0) -> 
 
 
 def _publish(bootstrap: str, settings: Settings, records: list[Record]) -> None:
-    producer = Producer(producer_config(bootstrap))
+    producer = create_producer(bootstrap)
     signer, topics = settings.signer(), settings.topics
     for record in records:
         key, value, headers = to_message(record, signer)
@@ -59,13 +58,13 @@ def _publish(bootstrap: str, settings: Settings, records: list[Record]) -> None:
 
 
 @pytest.fixture
-def ledger(kafka_bootstrap: str, unique_prefix: str) -> Settings:
+def ledger(transport: str, unique_prefix: str) -> Settings:
     """Topics under a fresh prefix, holding one saga per status plus one duplicate."""
-    settings = Settings(bootstrap=kafka_bootstrap, topic_prefix=unique_prefix,
+    settings = Settings(bootstrap=transport, topic_prefix=unique_prefix,
                         hmac_key=b"dashboard-test-key", partitions=3)  # fmt: skip
-    ensure_topics(kafka_bootstrap, settings.topics, partitions=3)
+    ensure_topics(transport, settings.topics, partitions=3)
     records = [r for build in ALL.values() for r in build().records]
-    _publish(kafka_bootstrap, settings, [*records, records[3]])  # one redelivered record
+    _publish(transport, settings, [*records, records[3]])  # one redelivered record
     return settings
 
 
@@ -79,10 +78,10 @@ def _caught_up_state(client: TestClient, expected_sagas: int) -> dict[str, Any]:
 
 
 def test_pages_show_each_saga_with_the_status_its_records_imply(
-    kafka_bootstrap: str, ledger: Settings
+    transport: str, ledger: Settings
 ) -> None:
     """R14: terminal status from sagaline.terminal/events; live status from the ledger."""
-    dashboard = Dashboard(kafka_bootstrap, ledger)
+    dashboard = Dashboard(transport, ledger)
     with TestClient(dashboard.app) as client:
         state = _caught_up_state(client, len(EXPECTED_STATUS))
         assert {s["saga_id"]: s["status"] for s in state["sagas"]} == EXPECTED_STATUS
@@ -96,12 +95,12 @@ def test_pages_show_each_saga_with_the_status_its_records_imply(
 
 
 def test_a_restarted_dashboard_shows_the_same_sagas_and_counts(
-    kafka_bootstrap: str, ledger: Settings
+    transport: str, ledger: Settings
 ) -> None:
     """R5: the view is a fold of the topics, so a restart rebuilds it exactly."""
     seen: list[dict[str, Any]] = []
     for _run in range(2):
-        dashboard = Dashboard(kafka_bootstrap, ledger)
+        dashboard = Dashboard(transport, ledger)
         with TestClient(dashboard.app) as client:
             state = _caught_up_state(client, len(EXPECTED_STATUS))
             seen.append(
@@ -119,10 +118,10 @@ def test_a_restarted_dashboard_shows_the_same_sagas_and_counts(
 
 
 def test_approving_in_the_dashboard_puts_a_grant_with_the_operator_on_kafka(
-    kafka_bootstrap: str, ledger: Settings
+    transport: str, ledger: Settings
 ) -> None:
     """R7: the grant is a record on the ledger, bound to the request, naming the operator."""
-    dashboard = Dashboard(kafka_bootstrap, ledger)
+    dashboard = Dashboard(transport, ledger)
     with TestClient(dashboard.app) as client:
         state = _caught_up_state(client, len(EXPECTED_STATUS))
         (pending,) = state["pending_approvals"]
@@ -135,7 +134,7 @@ def test_approving_in_the_dashboard_puts_a_grant_with_the_operator_on_kafka(
         assert response.status_code == 303
 
         def grants() -> list[ApprovalGranted]:
-            records = LedgerReader(kafka_bootstrap).saga_records(
+            records = LedgerReader(transport).saga_records(
                 ledger.topics.events, pending["saga_id"], ledger.signer()
             )
             return [r for r in records if isinstance(r, ApprovalGranted)]
@@ -143,7 +142,7 @@ def test_approving_in_the_dashboard_puts_a_grant_with_the_operator_on_kafka(
         (grant,) = _until(grants, "the ApprovalGranted on sagaline.events")
         request = next(
             r
-            for r in LedgerReader(kafka_bootstrap).saga_records(
+            for r in LedgerReader(transport).saga_records(
                 ledger.topics.events, pending["saga_id"], ledger.signer()
             )
             if isinstance(r, ApprovalRequested)

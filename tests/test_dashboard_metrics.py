@@ -14,14 +14,13 @@ import uuid
 from pathlib import Path
 
 import pytest
-from confluent_kafka import Producer
 from prometheus_client.parser import text_string_to_metric_families
 
 pytest.importorskip("coordinator.shell", reason="the coordinator's Kafka shell is not built yet")
 
 from participants import BusinessRejection, CompensationContext, compensable, tool, wrap
 from participants.client import BusinessRejected
-from sagaline.kafka import producer_config
+from sagaline.kafka import create_producer
 from sagaline.ops.metrics import start_metrics_server
 from schemas import Disposition, StepCommitted, TerminalStatus
 from schemas.wire import to_message
@@ -67,10 +66,10 @@ def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def test_coordinator_metrics_match_the_receipt(
-    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+    transport: str, unique_prefix: str, tmp_path: Path
 ) -> None:
     """R8/R12 compensation success by tool, R15 duplicates prevented, via /metrics."""
-    with System(kafka_bootstrap, unique_prefix, tmp_path, [wrap(Desk(), name="desk")]) as system:
+    with System(transport, unique_prefix, tmp_path, [wrap(Desk(), name="desk")]) as system:
         assert system.coordinator is not None
         port = start_metrics_server(0, system.coordinator.metrics, addr="127.0.0.1")
         duplicates = ("sagaline_duplicates_prevented_total", (("component", "coordinator"),))
@@ -88,7 +87,7 @@ def test_coordinator_metrics_match_the_receipt(
                 if isinstance(r, StepCommitted) and r.tool == "charge"
             )  # fmt: skip
             key, value, headers = to_message(commit, system.settings.signer())
-            producer = Producer(producer_config(kafka_bootstrap))
+            producer = create_producer(transport)
             producer.produce(system.topics.events, key=key, value=value, headers=headers)
             assert producer.flush(30) == 0
             wait_until(

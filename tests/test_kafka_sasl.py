@@ -118,4 +118,8 @@ def test_coordinator_and_participant_run_on_sasl_from_environment_settings_only(
         participant.stop(timeout_s=20)
         coordinator.stop(timeout_s=20)
     for process, principal in ((coordinator, "coordinator"), (participant, "participant")):
-        assert sasl_broker.passwords[principal] not in process.log_tail(500)
+        log = process.log_tail(500)
+        # Each says what it connected with, and never the secret.
+        assert f"sasl.username={principal}" in log
+        assert "sasl.password=*****" in log
+        assert sasl_broker.passwords[principal] not in log

@@ -19,6 +19,7 @@ from sagaline.kafka import (
     LedgerReader,
     LedgerWriter,
     create_admin,
+    create_producer,
     ensure_topics,
     require_bootstrap,
 )
@@ -175,7 +176,10 @@ def test_production_commands_fail_fast_without_a_broker(command: list[str]) -> N
     assert "Traceback" not in done.stderr
 
 
-# ------------------------------------------------------------- real broker
+# ---------------------------------------- real broker (and, where marked, in-process)
+
+# ``transport`` runs a test on the real broker and on the in-process transport
+# (tests/conftest.py): the same contract for both.
 
 
 @pytest.mark.kafka
@@ -195,18 +199,18 @@ def test_topics_get_the_configured_min_insync_replicas(
 
 @pytest.mark.kafka
 def test_an_appended_record_is_acknowledged_and_read_back_per_saga(
-    kafka_bootstrap: str, unique_prefix: str
+    transport: str, unique_prefix: str
 ) -> None:
     names = TopicNames(unique_prefix)
-    ensure_topics(kafka_bootstrap, names, [], 3)
+    ensure_topics(transport, names, [], 3)
     signer = Signer(b"k" * 32)
-    writer = LedgerWriter(kafka_bootstrap, names, signer)
+    writer = LedgerWriter(transport, names, signer)
     records = [r for r in example_records(saga_id="saga-a") if r.envelope.saga_id == "saga-a"]
     other = example_records(saga_id="saga-b")[0]
     for record in [*records, other]:
         writer.append(record)
     writer.close()
-    reader = LedgerReader(kafka_bootstrap)
+    reader = LedgerReader(transport)
     assert reader.saga_records(names.events, "saga-a", signer) == records
     assert reader.saga_records(names.events, "saga-b", signer) == [other]
     assert sum(reader.end_offsets(names.events).values()) == len(records) + 1
@@ -214,11 +218,11 @@ def test_an_appended_record_is_acknowledged_and_read_back_per_saga(
 
 @pytest.mark.kafka
 def test_a_record_the_broker_does_not_take_raises_delivery_failed(
-    kafka_bootstrap: str, unique_prefix: str
+    transport: str, unique_prefix: str
 ) -> None:
     """No topic (auto-creation is off): the delivery report is an error, raised typed."""
     names = TopicNames(unique_prefix)  # topics never created
-    config = ClientConfig(kafka_bootstrap, {"message.timeout.ms": "1000"})
+    config = ClientConfig(transport, {"message.timeout.ms": "1000"})
     writer = LedgerWriter(config, names, Signer(None))
     record = example_records(saga_id="saga-x")[0]
     with pytest.raises(DeliveryFailed, match=r"SagaStarted .* of saga saga-x") as caught:
@@ -228,14 +232,14 @@ def test_a_record_the_broker_does_not_take_raises_delivery_failed(
 
 
 @pytest.mark.kafka
-def test_the_reader_seeks_by_offset_and_by_time(kafka_bootstrap: str, unique_prefix: str) -> None:
+def test_the_reader_seeks_by_offset_and_by_time(transport: str, unique_prefix: str) -> None:
     names = TopicNames(unique_prefix)
-    ensure_topics(kafka_bootstrap, names, [], 1)
-    writer = LedgerWriter(kafka_bootstrap, names, Signer(None))
+    ensure_topics(transport, names, [], 1)
+    writer = LedgerWriter(transport, names, Signer(None))
     first = example_records(saga_id="saga-t")[0]
     assert isinstance(first, SagaStarted)
     writer.append(first)
-    reader = LedgerReader(kafka_bootstrap)
+    reader = LedgerReader(transport)
     # Every record after this point in time (the broker stamps CreateTime from the
     # producer's clock: the same host's clock).
     cut = int(time.time() * 1000) + 1
@@ -254,19 +258,38 @@ def test_the_reader_seeks_by_offset_and_by_time(kafka_bootstrap: str, unique_pre
 
 
 @pytest.mark.kafka
-def test_a_dead_letter_keeps_the_bytes_and_says_why(
-    kafka_bootstrap: str, unique_prefix: str
-) -> None:
+def test_a_dead_letter_keeps_the_bytes_and_says_why(transport: str, unique_prefix: str) -> None:
     names = TopicNames(unique_prefix)
-    ensure_topics(kafka_bootstrap, names, [], 1)
-    writer = LedgerWriter(kafka_bootstrap, names, Signer(None))
+    ensure_topics(transport, names, [], 1)
+    writer = LedgerWriter(transport, names, Signer(None))
     writer.write(names.events, b"saga-z", b"\x00not avro", [("h", b"1")])
-    bad = next(LedgerReader(kafka_bootstrap).read(names.events))
+    bad = next(LedgerReader(transport).read(names.events))
     DeadLetterWriter(writer.producer, names.dlq, acknowledged=True).write(
         bad, "malformed", "not an Avro record"
     )
-    [copy] = list(LedgerReader(kafka_bootstrap).read(names.dlq))
+    [copy] = list(LedgerReader(transport).read(names.dlq))
     assert (copy.key(), copy.value()) == (b"saga-z", b"\x00not avro")
     letter = read_dead_letter(copy.headers())
     assert (letter.reason, letter.source_topic, letter.offset) == ("malformed", names.events, 0)
     assert dict(copy.headers() or [])[DLQ_REASON] == b"malformed"
+
+
+@pytest.mark.kafka
+def test_a_transaction_is_read_only_once_committed_and_never_once_aborted(
+    transport: str, unique_prefix: str
+) -> None:
+    names = TopicNames(unique_prefix)
+    ensure_topics(transport, names, [], 1)
+    producer = create_producer(transport, **{"transactional.id": f"{unique_prefix}tx"})
+    producer.init_transactions(30)
+    producer.begin_transaction()
+    producer.produce(names.events, key=b"k", value=b"aborted")
+    producer.flush(30)
+    producer.abort_transaction(30)
+    producer.begin_transaction()
+    producer.produce(names.events, key=b"k", value=b"committed")
+    producer.flush(30)
+    reader = LedgerReader(transport)
+    assert [m.value() for m in reader.read(names.events)] == []  # still open
+    producer.commit_transaction(30)
+    assert [m.value() for m in reader.read(names.events)] == [b"committed"]

@@ -15,7 +15,6 @@ from typing import Any
 
 import orjson
 import pytest
-from confluent_kafka import Producer
 
 from participants import (
     CompensationContext,
@@ -26,7 +25,7 @@ from participants import (
 )
 from participants.context import current_call
 from participants.runtime import ParticipantRuntime
-from sagaline.kafka import LedgerReader, ensure_topics, producer_config
+from sagaline.kafka import LedgerReader, create_producer, ensure_topics
 from schemas import (
     CompensateStep,
     CompensationCommitted,
@@ -59,10 +58,13 @@ class Shop:
         self._intent_seen = intent_seen
         self.effects: list[tuple[str, Any]] = []
         self.reservations: dict[str, str] = {}
-        self.slow_s = 0.0
+        # Set by the deadline test: the tool commits, then answers only once released,
+        # i.e. after the test has seen the deadline pass. No race with a sleep.
+        self.answer_gate: threading.Event | None = None
         self.lock = threading.Lock()
 
-    @tool(description="Reserve stock", lookup="find_reservation", deadline=1.0)
+    # A deadline no busy machine misses: only the deadline test sets a short one.
+    @tool(description="Reserve stock", lookup="find_reservation", deadline=60.0)
     @compensable(by="release")
     def reserve(self, sku: str, quantity: int) -> dict[str, str]:
         key = current_call().idempotency_key
@@ -70,8 +72,8 @@ class Shop:
             # What the world saw: was the intent already durable on the broker?
             self.effects.append(("reserve", {"key": key, "intent_durable": self._intent_seen(key)}))
             reservation = self.reservations.setdefault(key, f"res-{len(self.reservations) + 1}")
-        if self.slow_s:
-            time.sleep(self.slow_s)  # commits, then answers after the deadline
+        if self.answer_gate is not None:
+            self.answer_gate.wait(60)  # committed; answers after the deadline
         return {"reservation": reservation, "sku": sku}
 
     def release(self, ctx: CompensationContext) -> None:
@@ -97,7 +99,7 @@ class Harness:
         ensure_topics(bootstrap, self.settings.topics, [PARTICIPANT], 1)
         self.shop = Shop(self.intent_seen)
         self.catalogue = wrap(self.shop, name=PARTICIPANT)
-        self.producer = Producer(producer_config(bootstrap))
+        self.producer = create_producer(bootstrap)
         self.saga_id = f"saga-{prefix.strip('.')}"
         self.runtime: ParticipantRuntime | None = None
         self.thread: threading.Thread | None = None
@@ -136,7 +138,9 @@ class Harness:
         )
         assert self.producer.flush(30) == 0
 
-    def execute(self, step_id: str, args: dict[str, Any], attempt: int = 1) -> ExecuteStep:
+    def execute(
+        self, step_id: str, args: dict[str, Any], attempt: int = 1, deadline_ms: int = 60_000
+    ) -> ExecuteStep:
         body = canonical_json(args)
         return ExecuteStep(
             envelope=self._envelope(ExecuteStep, f"exec/{step_id}/{attempt}"),
@@ -145,7 +149,7 @@ class Harness:
             args=body,
             idempotency_key=idempotency_key(self.saga_id, step_id, "reserve", body),
             attempt=attempt,
-            deadline_ms=1000,
+            deadline_ms=deadline_ms,
             principal="agent",
         )
 
@@ -172,8 +176,8 @@ class Harness:
 
 
 @pytest.fixture
-def harness(kafka_bootstrap: str, unique_prefix: str, tmp_path: Path) -> Iterator[Harness]:
-    h = Harness(kafka_bootstrap, unique_prefix, tmp_path)
+def harness(transport: str, unique_prefix: str, tmp_path: Path) -> Iterator[Harness]:
+    h = Harness(transport, unique_prefix, tmp_path)
     h.start()
     yield h
     if h.thread is not None and h.thread.is_alive():
@@ -200,10 +204,11 @@ def test_intent_is_acknowledged_before_the_side_effect_R10(harness: Harness) -> 
 def test_commit_after_deadline_is_unknown_then_reconciled_without_rerun_R11(
     harness: Harness,
 ) -> None:
-    harness.shop.slow_s = 2.0  # the deadline is 1 s: it commits, then answers late
-    command = harness.execute("s1", {"sku": "a", "quantity": 1})
+    harness.shop.answer_gate = gate = threading.Event()
+    command = harness.execute("s1", {"sku": "a", "quantity": 1}, deadline_ms=1000)
     harness.send(command)
     harness.wait_for(lambda rs: bool(_of(rs, StepOutcomeUnknown)))
+    gate.set()  # the provider answers now, late: the outcome stays unknown until reconciled
     harness.send(
         ReconcileStep(
             envelope=harness._envelope(ReconcileStep, "reconcile/s1"),

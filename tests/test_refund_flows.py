@@ -70,10 +70,10 @@ class Refunds:
 
 @pytest.fixture
 def refunds(
-    request: pytest.FixtureRequest, kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+    request: pytest.FixtureRequest, transport: str, unique_prefix: str, tmp_path: Path
 ) -> Iterator[Refunds]:
     faults = FaultPlan(seed=1, rules=list(getattr(request, "param", [])))
-    r = Refunds(kafka_bootstrap, unique_prefix, tmp_path, faults)
+    r = Refunds(transport, unique_prefix, tmp_path, faults)
     with r.system:
         yield r
 

@@ -79,13 +79,13 @@ class Desk:
 
 @pytest.fixture
 def local(
-    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+    transport: str, unique_prefix: str, tmp_path: Path
 ) -> Iterator[tuple[System, Desk]]:
     desk = Desk()
     # The system runs only the coordinator here; the desk is served by the client.
-    with System(kafka_bootstrap, unique_prefix, tmp_path, []) as system:
+    with System(transport, unique_prefix, tmp_path, []) as system:
         client = SagaClient(
-            system.settings, kafka_bootstrap, local=wrap(desk, name="desk"), call_timeout_s=30
+            system.settings, transport, local=wrap(desk, name="desk"), call_timeout_s=30
         )
         client.start()
         system.client.close()  # the default client is replaced by the local one

@@ -82,9 +82,9 @@ class Steps:
 
 
 @pytest.fixture
-def system(kafka_bootstrap: str, unique_prefix: str, tmp_path: Path) -> Iterator[System]:
+def system(transport: str, unique_prefix: str, tmp_path: Path) -> Iterator[System]:
     steps = Steps()
-    with System(kafka_bootstrap, unique_prefix, tmp_path, [wrap(steps, name="fixture")]) as s:
+    with System(transport, unique_prefix, tmp_path, [wrap(steps, name="fixture")]) as s:
         s.steps = steps  # type: ignore[attr-defined]
         yield s
 

@@ -6,14 +6,18 @@ environment, see :mod:`sagaline.kafka._config`) or a :class:`ClientConfig`.
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import Any
+from typing import Any, cast
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
+from sagaline.kafka import _memory
 from sagaline.kafka._config import BOOTSTRAP_VAR, ClientConfig, client_config
 from schemas.settings import Settings
+
+log = logging.getLogger("sagaline.kafka")
 
 
 class BrokerNotConfigured(RuntimeError):
@@ -36,22 +40,44 @@ def configured_broker(command: str) -> tuple[Settings, str]:
     """The process settings (from the environment) and the broker they name: what a
     production command starts with. Raises :class:`BrokerNotConfigured` when none is."""
     settings = Settings.from_env()
-    return settings, require_bootstrap(settings, command)
+    bootstrap = require_bootstrap(settings, command)
+    # Reading the client settings now refuses a bad one at start-up, not at first use;
+    # the line says what this process connects with, secrets masked.
+    log.info("kafka: %s", ClientConfig.from_env(bootstrap).describe())
+    return settings, bootstrap
+
+
+# A ``memory://NAME`` bootstrap selects the in-process transport (the fast test
+# tier, :mod:`sagaline.kafka._memory`): the one seam, so nothing above knows.
 
 
 def create_producer(bootstrap: str | ClientConfig, **overrides: Any) -> Producer:
     """A producer with Sagaline's settings (``transactional.id`` etc. as overrides)."""
-    return Producer(client_config(bootstrap).producer(**overrides))
+    config = client_config(bootstrap)
+    if _memory.is_memory(config.bootstrap):
+        broker = _memory.broker_for(config.bootstrap)
+        return cast(Producer, _memory.MemoryProducer(broker, config.producer(**overrides)))
+    return Producer(config.producer(**overrides))
 
 
 def create_consumer(bootstrap: str | ClientConfig, group_id: str, **overrides: Any) -> Consumer:
     """A consumer in ``group_id`` with Sagaline's settings."""
-    return Consumer(client_config(bootstrap).consumer(group_id, **overrides))
+    config = client_config(bootstrap)
+    if _memory.is_memory(config.bootstrap):
+        broker = _memory.broker_for(config.bootstrap)
+        return cast(
+            Consumer, _memory.MemoryConsumer(broker, config.consumer(group_id, **overrides))
+        )
+    return Consumer(config.consumer(group_id, **overrides))
 
 
 def create_admin(bootstrap: str | ClientConfig, **overrides: Any) -> AdminClient:
     """An admin client on the deployment's settings."""
-    return AdminClient(client_config(bootstrap).admin(**overrides))
+    config = client_config(bootstrap)
+    if _memory.is_memory(config.bootstrap):
+        broker = _memory.broker_for(config.bootstrap)
+        return cast(AdminClient, _memory.MemoryAdmin(broker, config.admin(**overrides)))
+    return AdminClient(config.admin(**overrides))
 
 
 _RETRY_CODES = (

@@ -44,18 +44,26 @@ def ensure_topics(
     replication = replication or Replication()
     specs = topic_specs(names, participants, partitions)
     admin = create_admin(config)
-    futures = admin.create_topics(
-        [
-            NewTopic(
-                s.name,
-                num_partitions=s.partitions,
-                replication_factor=replication.factor,
-                config={**s.config, **replication.topic_config()},
-            )
-            for s in specs
-        ],
-        operation_timeout=timeout_s,
-        request_timeout=timeout_s,
+    # Create only what is missing: a service whose topics an admin job created needs
+    # DESCRIBE on them, not CREATE (least privilege, docs/deploying.md).
+    existing = admin.list_topics(timeout=timeout_s).topics
+    missing = [s for s in specs if s.name not in existing]
+    futures = (
+        admin.create_topics(
+            [
+                NewTopic(
+                    s.name,
+                    num_partitions=s.partitions,
+                    replication_factor=replication.factor,
+                    config={**s.config, **replication.topic_config()},
+                )
+                for s in missing
+            ],
+            operation_timeout=timeout_s,
+            request_timeout=timeout_s,
+        )
+        if missing
+        else {}
     )
     created: list[str] = []
     for name, future in futures.items():
@@ -74,16 +82,16 @@ def ensure_topics(
     deadline = time.monotonic() + timeout_s
     while True:
         metadata = admin.list_topics(timeout=timeout_s)
-        missing = [
+        invisible = [
             s.name
             for s in specs
             if (t := metadata.topics.get(s.name)) is None or t.error is not None or not t.partitions
         ]
-        if not missing:
+        if not invisible:
             break
         if time.monotonic() > deadline:
             raise TopicSetupError(
-                f"topics {missing} are not visible on {config.bootstrap} {timeout_s:.0f} s "
+                f"topics {invisible} are not visible on {config.bootstrap} {timeout_s:.0f} s "
                 "after creation"
             )
         time.sleep(0.1)

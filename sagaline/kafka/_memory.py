@@ -1,0 +1,560 @@
+"""An in-process transport: the fast test tier, selected by a ``memory://NAME`` bootstrap.
+
+It implements the part of the Kafka client API that Sagaline uses (the factories in
+:mod:`sagaline.kafka` hand it out instead of librdkafka clients), with the semantics
+the code relies on: partitions with offsets, murmur2 partitioning, delivery reports
+served by ``poll``/``flush``, transactions whose records ``read_committed``
+consumers see only after commit (and never after abort), offsets committed with a
+transaction, consumer groups that split partitions among members and call
+``on_assign``/``on_revoke``, committed offsets, watermarks, ``PARTITION_EOF``, seek by
+time. Everything lives in this process, so one behaviour suite can run against it
+in seconds and against the real broker as well; the real-broker tier stays the
+authority (replication, networking, fencing across processes are not modelled).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    OFFSET_END,
+    OFFSET_INVALID,
+    KafkaError,
+    KafkaException,
+    Message,
+    TopicPartition,
+)
+
+from schemas.partitioning import partition_for
+
+SCHEME = "memory://"
+
+_brokers: dict[str, MemoryBroker] = {}
+_registry_lock = threading.Lock()
+
+
+def is_memory(bootstrap: str) -> bool:
+    """True for a bootstrap address that names an in-process broker."""
+    return bootstrap.startswith(SCHEME)
+
+
+def broker_for(bootstrap: str) -> MemoryBroker:
+    """The in-process broker named by ``memory://NAME`` (created on first use)."""
+    with _registry_lock:
+        return _brokers.setdefault(bootstrap, MemoryBroker(bootstrap))
+
+
+@dataclass
+class _Record:
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, str | bytes | None]]
+    timestamp: int
+    txn: _Transaction | None = None  # None: committed at once (no transaction)
+
+
+@dataclass
+class _Transaction:
+    state: str = "open"  # open | committed | aborted
+    offsets: dict[str, dict[tuple[str, int], int]] = field(default_factory=dict)
+
+
+@dataclass
+class _Group:
+    members: list[MemoryConsumer] = field(default_factory=list)
+    committed: dict[tuple[str, int], int] = field(default_factory=dict)
+
+
+class MemoryBroker:
+    """Topics, groups and transactions of one in-process cluster."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.topics: dict[str, list[list[_Record]]] = {}
+        self.groups: dict[str, _Group] = {}
+        self.changed = threading.Condition()
+
+    # ----------------------------------------------------------------- topics
+
+    def create_topic(self, name: str, partitions: int) -> bool:
+        with self.changed:
+            if name in self.topics:
+                return False
+            self.topics[name] = [[] for _ in range(partitions)]
+            self._rebalance_all()
+            return True
+
+    def append(self, topic: str, partition: int | None, record: _Record) -> tuple[int, int]:
+        with self.changed:
+            parts = self.topics.get(topic)
+            if parts is None:
+                raise KafkaException(KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART))
+            if partition is None or partition < 0:
+                partition = partition_for(record.key, len(parts)) if record.key else 0
+            parts[partition].append(record)
+            self.changed.notify_all()
+            return partition, len(parts[partition]) - 1
+
+    def stable_end(self, topic: str, partition: int) -> int:
+        """The last stable offset: nothing at or after it is visible to read_committed."""
+        log = self.topics[topic][partition]
+        for offset, record in enumerate(log):
+            if record.txn is not None and record.txn.state == "open":
+                return offset
+        return len(log)
+
+    # ----------------------------------------------------------------- groups
+
+    def join(self, group: str, member: MemoryConsumer) -> None:
+        with self.changed:
+            g = self.groups.setdefault(group, _Group())
+            if member not in g.members:
+                g.members.append(member)
+            self._rebalance(g)
+
+    def leave(self, group: str, member: MemoryConsumer) -> None:
+        with self.changed:
+            g = self.groups.setdefault(group, _Group())
+            if member in g.members:
+                g.members.remove(member)
+                self._rebalance(g)
+
+    def _rebalance_all(self) -> None:
+        for g in self.groups.values():
+            self._rebalance(g)
+
+    def _rebalance(self, g: _Group) -> None:
+        """Round-robin every subscribed partition over the members (eager protocol:
+        everything is revoked, then assigned, in each member's next poll)."""
+        members = [m for m in g.members if m.subscription]
+        wanted: dict[MemoryConsumer, list[tuple[str, int]]] = {m: [] for m in members}
+        topics = sorted({t for m in members for t in m.subscription if t in self.topics})
+        i = 0
+        for topic in topics:
+            for n in range(len(self.topics[topic])):
+                subscribers = [m for m in members if topic in m.subscription]
+                if subscribers:
+                    wanted[subscribers[i % len(subscribers)]].append((topic, n))
+                    i += 1
+        for m in members:
+            if sorted(wanted[m]) != sorted(m.owned):
+                m.pending_assignment = wanted[m]
+        self.changed.notify_all()
+
+    def commit_offsets(self, group: str, offsets: dict[tuple[str, int], int]) -> None:
+        with self.changed:
+            self.groups.setdefault(group, _Group()).committed.update(offsets)
+
+    def committed(self, group: str, tp: tuple[str, int]) -> int | None:
+        with self.changed:
+            return self.groups.setdefault(group, _Group()).committed.get(tp)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _headers(raw: Any) -> list[tuple[str, str | bytes | None]]:
+    items = raw.items() if isinstance(raw, dict) else (raw or [])
+    return [(k, v.encode() if isinstance(v, str) else v) for k, v in items if v is not None]
+
+
+class _GroupMetadata:
+    def __init__(self, group: str) -> None:
+        self.group = group
+
+
+# ------------------------------------------------------------------ producer
+
+
+class MemoryProducer:
+    """``confluent_kafka.Producer`` over a :class:`MemoryBroker`."""
+
+    def __init__(self, broker: MemoryBroker, config: dict[str, Any]) -> None:
+        self.broker = broker
+        self.transactional = "transactional.id" in config
+        self._reports: list[tuple[Callable[..., Any], KafkaError | None, Message]] = []
+        self._txn: _Transaction | None = None
+        self._lock = threading.Lock()
+
+    def produce(
+        self,
+        topic: str,
+        value: bytes | None = None,
+        key: bytes | None = None,
+        partition: int = -1,
+        on_delivery: Callable[..., Any] | None = None,
+        headers: Any = None,
+        **_: Any,
+    ) -> None:
+        if self.transactional and self._txn is None:
+            raise KafkaException(KafkaError(KafkaError._STATE, "produce outside a transaction"))
+        record = _Record(key, value, _headers(headers), _now_ms(), self._txn)
+        error: KafkaError | None = None
+        n, offset = partition, -1
+        try:
+            n, offset = self.broker.append(topic, partition, record)
+        except KafkaException as exc:
+            error = exc.args[0]
+        if on_delivery is not None:
+            msg = Message(
+                topic=topic, partition=max(n, 0), offset=offset, key=key, value=value,
+                headers=record.headers, error=error, timestamp=(1, record.timestamp),
+            )  # fmt: skip
+            with self._lock:
+                self._reports.append((on_delivery, error, msg))
+
+    def poll(self, timeout: float = 0) -> int:
+        with self._lock:
+            reports, self._reports = self._reports, []
+        for callback, error, msg in reports:
+            callback(error, msg)
+        return len(reports)
+
+    def flush(self, timeout: float = 0) -> int:
+        self.poll(0)
+        return 0
+
+    def __len__(self) -> int:
+        return len(self._reports)
+
+    # transactions
+
+    def init_transactions(self, timeout: float = 0) -> None:
+        pass
+
+    def begin_transaction(self) -> None:
+        self._txn = _Transaction()
+
+    def send_offsets_to_transaction(
+        self, positions: list[TopicPartition], metadata: _GroupMetadata, timeout: float = 0
+    ) -> None:
+        assert self._txn is not None
+        offsets = {(tp.topic, tp.partition): tp.offset for tp in positions if tp.offset >= 0}
+        self._txn.offsets.setdefault(metadata.group, {}).update(offsets)
+
+    def commit_transaction(self, timeout: float = 0) -> None:
+        txn, self._txn = self._txn, None
+        if txn is None:
+            return
+        with self.broker.changed:
+            txn.state = "committed"
+            for group, offsets in txn.offsets.items():
+                self.broker.groups.setdefault(group, _Group()).committed.update(offsets)
+            self.broker.changed.notify_all()
+        self.poll(0)
+
+    def abort_transaction(self, timeout: float = 0) -> None:
+        txn, self._txn = self._txn, None
+        if txn is not None:
+            with self.broker.changed:
+                txn.state = "aborted"
+                self.broker.changed.notify_all()
+        self.poll(0)
+
+
+# ------------------------------------------------------------------ consumer
+
+
+class MemoryConsumer:
+    """``confluent_kafka.Consumer`` over a :class:`MemoryBroker` (read_committed)."""
+
+    def __init__(self, broker: MemoryBroker, config: dict[str, Any]) -> None:
+        self.broker = broker
+        self.group = str(config["group.id"])
+        self.eof = bool(config.get("enable.partition.eof", False))
+        self.earliest = str(config.get("auto.offset.reset", "earliest")) != "latest"
+        self.subscription: list[str] = []
+        self.owned: list[tuple[str, int]] = []
+        self.pending_assignment: list[tuple[str, int]] | None = None
+        self._positions: dict[tuple[str, int], int] = {}
+        self._eof_sent: set[tuple[str, int]] = set()
+        self._callbacks: dict[str, Callable[..., Any] | None] = {}
+        self._closed = False
+
+    # assignment
+
+    def subscribe(
+        self,
+        topics: list[str],
+        on_assign: Callable[..., Any] | None = None,
+        on_revoke: Callable[..., Any] | None = None,
+        on_lost: Callable[..., Any] | None = None,
+    ) -> None:
+        self.subscription = list(topics)
+        self._callbacks = {"assign": on_assign, "revoke": on_revoke}
+        self.broker.join(self.group, self)
+
+    def assign(self, partitions: list[TopicPartition]) -> None:
+        self.subscription = []
+        self.owned = [(tp.topic, tp.partition) for tp in partitions]
+        for tp in partitions:
+            self._set_position(tp)
+
+    def incremental_assign(self, partitions: list[TopicPartition]) -> None:
+        self.owned += [(tp.topic, tp.partition) for tp in partitions]
+        for tp in partitions:
+            self._set_position(tp)
+
+    def unassign(self) -> None:
+        self.owned = []
+
+    def assignment(self) -> list[TopicPartition]:
+        return [TopicPartition(t, n) for t, n in self.owned]
+
+    def _set_position(self, tp: TopicPartition) -> None:
+        key = (tp.topic, tp.partition)
+        with self.broker.changed:
+            end = len(self.broker.topics[tp.topic][tp.partition])
+        if tp.offset == OFFSET_BEGINNING:
+            self._positions[key] = 0
+        elif tp.offset == OFFSET_END:
+            self._positions[key] = end
+        elif tp.offset >= 0:
+            self._positions[key] = min(tp.offset, end)
+        else:
+            committed = self.broker.committed(self.group, key)
+            self._positions[key] = (
+                committed if committed is not None else (0 if self.earliest else end)
+            )
+        self._eof_sent.discard(key)
+
+    def _apply_rebalance(self) -> None:
+        with self.broker.changed:
+            new = self.pending_assignment
+            self.pending_assignment = None
+        if new is None:
+            return
+        revoked = [TopicPartition(t, n) for t, n in self.owned]
+        if revoked and self._callbacks.get("revoke"):
+            self._callbacks["revoke"](self, revoked)  # type: ignore[misc]
+        self.owned = []
+        for key in [k for k in self._positions if k not in new]:
+            self._positions.pop(key)
+        assigned = [TopicPartition(t, n) for t, n in new]
+        if self._callbacks.get("assign"):
+            self._callbacks["assign"](self, assigned)  # type: ignore[misc]
+        self.owned = list(new)
+        for tp in assigned:
+            if (tp.topic, tp.partition) not in self._positions:
+                self._set_position(TopicPartition(tp.topic, tp.partition, OFFSET_INVALID))
+
+    # reading
+
+    def _fetch(self, limit: int) -> list[Message]:
+        out: list[Message] = []
+        with self.broker.changed:
+            for topic, n in self.owned:
+                key = (topic, n)
+                log = self.broker.topics[topic][n]
+                stable = self.broker.stable_end(topic, n)
+                position = self._positions.get(key, 0)
+                while position < stable and len(out) < limit:
+                    record = log[position]
+                    position += 1
+                    if record.txn is not None and record.txn.state == "aborted":
+                        continue
+                    out.append(
+                        Message(
+                            topic=topic,
+                            partition=n,
+                            offset=position - 1,
+                            key=record.key,
+                            value=record.value,
+                            headers=list(record.headers) or None,
+                            error=None,
+                            timestamp=(1, record.timestamp),
+                        )
+                    )
+                self._positions[key] = position
+                if out and out[-1].topic() == topic and out[-1].partition() == n:
+                    self._eof_sent.discard(key)
+                at_end = position >= stable and key not in self._eof_sent
+                if self.eof and at_end and len(out) < limit:
+                    self._eof_sent.add(key)
+                    out.append(
+                        Message(
+                            topic=topic,
+                            partition=n,
+                            offset=position,
+                            error=KafkaError(KafkaError._PARTITION_EOF),
+                        )
+                    )
+                if len(out) >= limit:
+                    break
+        return out
+
+    def consume(self, num_messages: int = 1, timeout: float = -1) -> list[Message]:
+        deadline = time.monotonic() + max(timeout, 0)
+        while True:
+            self._apply_rebalance()
+            out = self._fetch(num_messages)
+            remaining = deadline - time.monotonic()
+            if out or remaining <= 0 or self._closed:
+                return out
+            with self.broker.changed:
+                self.broker.changed.wait(min(remaining, 0.05))
+
+    def poll(self, timeout: float = -1) -> Message | None:
+        out = self.consume(1, timeout)
+        return out[0] if out else None
+
+    def position(self, partitions: list[TopicPartition]) -> list[TopicPartition]:
+        positions = self._positions
+        return [
+            TopicPartition(tp.topic, tp.partition, positions.get((tp.topic, tp.partition), -1001))
+            for tp in partitions
+        ]
+
+    def seek(self, tp: TopicPartition) -> None:
+        self._set_position(tp)
+
+    def committed(
+        self, partitions: list[TopicPartition], timeout: float = 0
+    ) -> list[TopicPartition]:
+        out = []
+        for tp in partitions:
+            offset = self.broker.committed(self.group, (tp.topic, tp.partition))
+            out.append(TopicPartition(tp.topic, tp.partition, -1001 if offset is None else offset))
+        return out
+
+    def commit(
+        self,
+        message: Message | None = None,
+        offsets: list[TopicPartition] | None = None,
+        asynchronous: bool = True,
+    ) -> None:
+        if message is not None:
+            done = {(message.topic() or "", message.partition() or 0): (message.offset() or 0) + 1}
+        elif offsets is not None:
+            done = {(tp.topic, tp.partition): tp.offset for tp in offsets}
+        else:
+            done = dict(self._positions)
+        self.broker.commit_offsets(self.group, done)
+
+    def consumer_group_metadata(self) -> _GroupMetadata:
+        return _GroupMetadata(self.group)
+
+    def get_watermark_offsets(
+        self, tp: TopicPartition, timeout: float = 0, cached: bool = False
+    ) -> tuple[int, int]:
+        with self.broker.changed:
+            parts = self.broker.topics.get(tp.topic)
+            if parts is None or tp.partition >= len(parts):
+                raise KafkaException(KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART))
+            return 0, self.broker.stable_end(tp.topic, tp.partition)
+
+    def offsets_for_times(
+        self, partitions: list[TopicPartition], timeout: float = 0
+    ) -> list[TopicPartition]:
+        out = []
+        with self.broker.changed:
+            for tp in partitions:
+                log = self.broker.topics[tp.topic][tp.partition]
+                found = next((i for i, r in enumerate(log) if r.timestamp >= tp.offset), -1)
+                out.append(TopicPartition(tp.topic, tp.partition, found))
+        return out
+
+    def list_topics(self, topic: str | None = None, timeout: float = -1) -> _Metadata:
+        return _metadata(self.broker)
+
+    def pause(self, partitions: list[TopicPartition]) -> None:
+        raise NotImplementedError("the in-process transport does not pause partitions")
+
+    def close(self) -> None:
+        self._closed = True
+        if self.subscription:
+            self.broker.leave(self.group, self)
+        self.subscription = []
+        self.owned = []
+
+
+# --------------------------------------------------------------------- admin
+
+
+@dataclass
+class _GroupState:
+    name: str
+
+
+@dataclass
+class _Assignment:
+    topic_partitions: list[TopicPartition]
+
+
+@dataclass
+class _MemberDescription:
+    assignment: _Assignment
+
+
+@dataclass
+class _GroupDescription:
+    group_id: str
+    state: _GroupState
+    members: list[_MemberDescription]
+
+
+@dataclass
+class _TopicMetadata:
+    topic: str
+    partitions: dict[int, Any]
+    error: KafkaError | None = None
+
+
+@dataclass
+class _Metadata:
+    topics: dict[str, _TopicMetadata]
+    brokers: dict[int, Any]
+
+
+def _metadata(broker: MemoryBroker) -> _Metadata:
+    with broker.changed:
+        topics = {
+            name: _TopicMetadata(name, {n: object() for n in range(len(parts))})
+            for name, parts in broker.topics.items()
+        }
+    return _Metadata(topics, {1: broker.name})
+
+
+class MemoryAdmin:
+    """``confluent_kafka.admin.AdminClient`` over a :class:`MemoryBroker`."""
+
+    def __init__(self, broker: MemoryBroker, config: dict[str, Any]) -> None:
+        self.broker = broker
+
+    def create_topics(self, new_topics: Iterable[Any], **_: Any) -> dict[str, Future[None]]:
+        futures: dict[str, Future[None]] = {}
+        for spec in new_topics:
+            future: Future[None] = Future()
+            if self.broker.create_topic(spec.topic, spec.num_partitions):
+                future.set_result(None)
+            else:
+                future.set_exception(KafkaException(KafkaError(KafkaError.TOPIC_ALREADY_EXISTS)))
+            futures[spec.topic] = future
+        return futures
+
+    def list_topics(self, topic: str | None = None, timeout: float = -1) -> _Metadata:
+        return _metadata(self.broker)
+
+    def describe_consumer_groups(
+        self, group_ids: list[str], **_: Any
+    ) -> dict[str, Future[_GroupDescription]]:
+        """State (``STABLE`` with members, else ``EMPTY``) and each member's partitions."""
+        out: dict[str, Future[_GroupDescription]] = {}
+        with self.broker.changed:
+            for group in group_ids:
+                members = [
+                    _MemberDescription(_Assignment([TopicPartition(t, n) for t, n in m.owned]))
+                    for m in self.broker.groups.get(group, _Group()).members
+                ]
+                future: Future[_GroupDescription] = Future()
+                state = _GroupState("STABLE" if members else "EMPTY")
+                future.set_result(_GroupDescription(group, state, members))
+                out[group] = future
+        return out
