@@ -559,23 +559,54 @@ def measure_memory(n: int, held: dict[str, SagaState]) -> Memory:
     t0 = int(time.time() * 1000)
     for shape, build in shapes.items():
         _fold(build(_SagaWriter("saga-warmup", t0)))  # warm caches before counting
+        folded = [_fold(build(_SagaWriter(f"saga-{uuid.uuid4()}", t0 + i))) for i in range(n)]
         gc.collect()
         tracemalloc.start()
         states: dict[str, SagaState] = {}
-        for i in range(n):
-            writer = _SagaWriter(f"saga-{uuid.uuid4()}", t0 + i)
-            states[writer.saga_id] = _fold(build(writer))
+        for state in folded:
+            states[state.saga_id] = state
         gc.collect()
         retained, _peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         heap[shape] = retained / n
-        del states
+        del states, folded
     live: dict[str, list[int]] = {"running": [], "compensating": []}
     for state in held.values():
         shape = "compensating" if state.status is SagaStatus.COMPENSATING else "running"
         live[shape].append(len(state.to_bytes()))
     changelog = {s: sum(v) / len(v) for s, v in live.items() if v}
     return Memory(heap, changelog, n)
+
+
+@dataclass
+class Restore:
+    sagas: int
+    seconds: float
+    changelog_mb: float
+
+
+def measure_restore(settings: Settings, bootstrap: str, n: int) -> Restore:
+    """A fresh coordinator restores ``n`` in-flight sagas from the changelog: the
+    time from reading the first record to holding every state, timers scheduled."""
+    template = _fold(_SagaWriter("saga-restore-template-0000", 0).open_records())
+    packed = template.to_bytes()
+    producer = Producer(producer_config(bootstrap))
+    for i in range(n):
+        saga_id = f"saga-restore-{i:014d}"
+        producer.produce(
+            settings.topics.state,
+            key=saga_id.encode(),
+            value=packed.replace(b"saga-restore-template-0000", saga_id.encode()),
+        )
+        if i % 10_000 == 0:
+            producer.poll(0)
+    assert producer.flush(120) == 0
+    coordinator = Coordinator(settings, bootstrap, instance_id="bench-restore")
+    started = time.perf_counter()
+    restored = coordinator._restore(list(range(settings.partitions)))
+    seconds = time.perf_counter() - started
+    assert restored == n, f"restored {restored} of {n}"
+    return Restore(n, seconds, n * len(packed) / 1e6)
 
 
 # ------------------------------------------------------------------------------ report
@@ -610,21 +641,18 @@ def _reading(through: Throughput, passthrough: Throughput, memory: Memory) -> st
     return (
         "Reading it: the pass-through is the ceiling EOS itself sets (one transaction per "
         f"batch, about {passthrough.records / passthrough.batches:.0f} records each); the "
-        f"coordinator runs at {through.per_second / passthrough.per_second:.0%} of it "
-        "because per record it verifies and decodes (Avro plus pydantic validation, see "
-        "Codec), decides on a private copy of the saga's state (made through its changelog "
-        "encoding), encodes its outputs, and per batch writes one changelog record per "
-        "changed saga. The latency is bounded by the loop, not the decision: "
-        "`consume(batch, 0.1)` returns when the batch is full or 100 ms have passed, so a "
-        "lone `StepFailed` waits for the rest of that window (the samples are taken at a "
-        "random phase), then for one transaction commit; under load the wait is the shorter "
-        "of 100 ms and the time for a full batch to arrive. The heap per in-flight saga "
-        "is almost all pydantic model "
-        "instances (tracemalloc attributes it to model validation: a saga, its steps, "
-        "their contracts and retry policies, each with its own dict); "
-        f"100,000 in-flight sagas would hold about {heap * 100_000 / 1e9:.1f} GB in one "
-        "instance, so large fleets spread sagas over more partitions and instances. The "
-        "changelog record is the compact JSON the state topic stores per saga."
+        f"coordinator runs at {through.per_second / passthrough.per_second:.0%} of it; "
+        "per record it verifies and decodes (Avro plus pydantic validation, see Codec), "
+        "decides on a private copy of the saga's state, encodes its outputs, and per "
+        "batch writes one changelog record per changed saga. The loop blocks only until "
+        "the first record arrives (or the next timer, kept in a heap, is due), then takes "
+        "what has already arrived up to the batch size, so a lone `StepFailed` waits for "
+        "at most the transaction in progress and its own; batches grow by themselves "
+        "under load. A batch that begins right after a commit is answered "
+        "CONCURRENT_TRANSACTIONS until the broker has written the markers, and the "
+        "coordinator retries it after 5 ms (librdkafka's default is 100 ms). An "
+        f"in-flight saga holds about {heap:,.0f} B of heap (its state objects), so "
+        f"100,000 in-flight sagas hold about {heap * 100_000 / 1e9:.2f} GB."
     )
 
 
@@ -641,6 +669,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, help="latency samples (default 200; quick 30)")
     parser.add_argument("--batch-size", type=int, default=500, help="records per transaction")
     parser.add_argument("--memory-sagas", type=int, help="sagas folded for tracemalloc")
+    parser.add_argument(
+        "--restore-sagas", type=int, help="in-flight sagas restored (default 100000; quick 5000)"
+    )
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument(
         "--no-docs",
@@ -652,6 +683,7 @@ def main(argv: list[str] | None = None) -> int:
     sagas = args.sagas or (300 if args.quick else 6000)
     samples = args.samples or (30 if args.quick else 200)
     memory_sagas = args.memory_sagas or (500 if args.quick else 2000)
+    restore_sagas = args.restore_sagas or (5000 if args.quick else 100_000)
     warmup = 5
     limit_s = 300.0
 
@@ -701,6 +733,10 @@ def main(argv: list[str] | None = None) -> int:
             )
         print(f"latency: {len(latency.samples_ms)} samples")
         memory = measure_memory(memory_sagas, held)
+        restore_settings = dataclasses.replace(settings, topic_prefix=f"{prefix}restore.")
+        ensure_topics(bootstrap, restore_settings.topics, PARTICIPANTS, settings.partitions)
+        restore = measure_restore(restore_settings, bootstrap, restore_sagas)
+        print(f"restore: {restore.sagas:,} sagas in {restore.seconds:.1f} s")
     finally:
         if not args.keep_topics:
             _delete_topics(bootstrap, prefix)
@@ -727,6 +763,10 @@ def main(argv: list[str] | None = None) -> int:
             "changelog record per in-flight saga (compensating)",
             f"{memory.changelog_bytes.get('compensating', 0):,.0f} B",
         ],
+        [
+            f"restore of {restore.sagas:,} in-flight sagas from the changelog",
+            f"{restore.seconds:.1f} s",
+        ],
     ]
     table = markdown_table(["measure", "value"], rows)
     conditions = (
@@ -750,7 +790,9 @@ def main(argv: list[str] | None = None) -> int:
             "same batch size) consume it in the same run; then the real `sagaline "
             "coordinator run` process takes over and each `StepFailed` is timed to the "
             "first `CompensationRequested` seen by a read_committed consumer; heap per "
-            "in-flight saga by tracemalloc over the pure core's folded states.\n\n"
+            "in-flight saga by tracemalloc over the folded states as the shell keeps them; "
+            "restore: a fresh coordinator reads a changelog of "
+            "in-flight sagas to its end and schedules their timers.\n\n"
             f"Measured {started_at:%Y-%m-%d %H:%M} UTC on {machine_description()}; "
             f"{kafka}; {_versions()}.\n\n"
             f"{conditions}."

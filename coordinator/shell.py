@@ -26,6 +26,7 @@ approval expiries and reversal windows fire after a restart too.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import signal
 import time
@@ -128,6 +129,9 @@ PARKED_REASON = PARKED_INCIDENT
 _Msg = tuple[str, bytes | None, bytes | None, Headers, int | None]
 """A prepared record: topic, key, value, headers, partition (None: by key)."""
 
+# The longest the loop blocks with nothing to do: how soon it notices stop() or ``until``.
+_IDLE_WAIT_S = 0.2
+
 
 @dataclass
 class _Pending:
@@ -183,11 +187,18 @@ class Coordinator:
         self._suspects: set[str] = set()  # sagas whose records failed to produce
         self._assigned: set[int] = set()
         self._known_participants: set[str] = set()
+        # (due_at, saga_id) of every saga with a timer; an entry whose saga has since
+        # moved (or ended) is skipped when it comes up, so updates only ever push.
+        self._timers: list[tuple[int, str]] = []
         self.metrics: ShellMetrics = metrics or NoMetrics()
 
         self._producer_config: dict[str, Any] = {
             "transactional.id": f"{self.group_id}-{instance_id}",
             "transaction.timeout.ms": transaction_timeout_ms,
+            # A batch that begins right after the last commit gets CONCURRENT_TRANSACTIONS
+            # until the broker wrote the markers; retry in a few ms, not librdkafka's
+            # default 100 ms.
+            "retry.backoff.ms": 5,
         }
         self._producer: Producer = create_producer(bootstrap, **self._producer_config)
         # Static membership: a restarted instance (same id) takes its partitions back
@@ -224,17 +235,42 @@ class Coordinator:
         log.info("coordinator %s consuming %s", self.instance_id, self.topics.events)
         try:
             while self._running and not (until is not None and until()):
-                messages = self._consumer.consume(self._batch_size, 0.1)
-                self._process_batch(messages)
+                self._process_batch(self._next_batch())
         finally:
             self._consumer.close()
             self._producer.flush(10)
+
+    def _next_batch(self) -> list[Message]:
+        """Block until the first record arrives (or the next timer is due), then take
+        whatever has already arrived, up to the batch size: no record waits for a
+        batch to fill, and under load batches grow by themselves."""
+        wait_s = _IDLE_WAIT_S
+        if self._timers:
+            wait_s = min(wait_s, max(0.0, (self._timers[0][0] - self._clock()) / 1000))
+        first = self._consumer.poll(wait_s)
+        if first is None:
+            return []
+        return [first, *self._consumer.consume(self._batch_size - 1, 0)]
+
+    def _due_sagas(self, now: int) -> list[str]:
+        """Sagas with a timer due at ``now``, from the heap (no scan of every saga)."""
+        due: list[str] = []
+        while self._timers and self._timers[0][0] <= now:
+            _at, saga_id = heapq.heappop(self._timers)
+            state = self._states.get(saga_id)
+            if state is not None and _due(state, now) and saga_id not in due:
+                due.append(saga_id)
+        return due
+
+    def _schedule(self, saga_id: str, due_at: int | None) -> None:
+        if due_at is not None:
+            heapq.heappush(self._timers, (due_at, saga_id))
 
     # ----------------------------------------------------------------- the batch
 
     def _process_batch(self, messages: list[Message]) -> None:
         now = self._clock()
-        due = [s for s, st in self._states.items() if _due(st, now)]
+        due = self._due_sagas(now)
         records = [m for m in messages if m.error() is None]
         for m in messages:
             err = m.error()
@@ -272,11 +308,18 @@ class Coordinator:
                 self._producer.commit_transaction(30)
         except KafkaException as exc:
             self._failures += 1
+            for saga_id in due:  # their timers fire again in the re-run of this batch
+                live = self._states.get(saga_id)
+                if live is not None:
+                    self._schedule(saga_id, live.next_due_at())
             self._recover(exc, pending)
             return
         self._failures = 0
         self.metrics.transaction_committed(time.perf_counter() - started, len(records))
         self._commit_pending(pending)
+        for saga_id in due:  # a tick that changed nothing keeps its timer
+            if saga_id not in pending.states and saga_id in self._states:
+                self._schedule(saga_id, self._states[saga_id].next_due_at())
 
     def _handle_message(self, msg: Message, now: int, pending: _Pending) -> None:
         try:
@@ -551,6 +594,7 @@ class Coordinator:
                 self._partition_of[saga_id] = pending.partitions[saga_id]
             if isinstance(state, SagaState) and not state.is_terminal:
                 self._states[saga_id] = state
+                self._schedule(saga_id, state.next_due_at())
                 continue
             self._states.pop(saga_id, None)
             self._markers.pop(saga_id, None)  # re-inserted last: newest ends last
@@ -664,6 +708,10 @@ class Coordinator:
         # Oldest ended first, so expiry (``_expired_markers``) looks at the front only.
         for saga_id, marker in sorted(markers.items(), key=lambda kv: kv[1].at):
             self._markers[saga_id] = marker
+        for saga_id, partition in self._partition_of.items():
+            state = self._states.get(saga_id)
+            if partition in numbers and state is not None:
+                self._schedule(saga_id, state.next_due_at())
         return sum(1 for p in self._partition_of.values() if p in numbers)
 
     # ----------------------------------------------------------------- inspection

@@ -26,6 +26,7 @@ from typing import Any
 import pydantic
 from pydantic import BaseModel, ConfigDict
 
+from participants.context import async_tool_loop
 from participants.declarations import (
     DETERMINISTIC_ERRORS,
     Accepted,
@@ -1012,13 +1013,17 @@ class _Inspector:
 
 
 def _call_sync(tool_name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Call ``fn``; if it is async, run it to completion in a fresh event loop."""
+    """Call ``fn``; if it is async, run it to completion on the runtime's event loop
+    (:func:`participants.context.serve_async_tools`), else in a fresh one."""
     result = fn(*args, **kwargs)
     if not inspect.isawaitable(result):
         return result
     try:
         asyncio.get_running_loop()
     except RuntimeError:
+        shared = async_tool_loop()  # the participant runtime's long-lived loop
+        if shared is not None:
+            return asyncio.run_coroutine_threadsafe(_await(result), shared).result()
         return asyncio.run(_await(result))
     _close(result)
     raise RuntimeError(

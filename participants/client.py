@@ -165,44 +165,105 @@ class UnknownTool(LookupError):
 # -------------------------------------------------------------------- listener
 
 
-class _Ledger:
-    """Records of the sagas this client follows, fed by one background consumer."""
+class _SagaFeed:
+    """One followed saga: its records so far and who waits for the next one."""
+
+    __slots__ = ("cond", "futures", "records")
 
     def __init__(self) -> None:
-        self._records: dict[str, list[Record]] = {}
-        self._cond = threading.Condition()
+        self.records: list[Record] = []
+        self.cond = threading.Condition()
+        self.futures: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+
+
+class _Ledger:
+    """Records of the sagas this client follows, fed by one background consumer.
+
+    Each record wakes only the waiters of its own saga (a thread on the saga's
+    condition, or an asyncio future), so a thousand sagas in flight cost a thousand
+    wake-ups per thousand records, not a million.
+    """
+
+    def __init__(self) -> None:
+        self._feeds: dict[str, _SagaFeed] = {}
 
     def follow(self, saga_id: str) -> None:
-        with self._cond:
-            self._records.setdefault(saga_id, [])
+        self._feeds.setdefault(saga_id, _SagaFeed())  # atomic under the GIL
 
     def forget(self, saga_id: str) -> None:
-        with self._cond:
-            self._records.pop(saga_id, None)
+        self._feeds.pop(saga_id, None)
+
+    def follows(self, saga_id: str) -> bool:
+        return saga_id in self._feeds
 
     def add(self, record: Record) -> None:
-        with self._cond:
-            records = self._records.get(record.saga_id)
-            if records is not None:
-                records.append(record)
-                self._cond.notify_all()
+        feed = self._feeds.get(record.saga_id)
+        if feed is None:
+            return
+        with feed.cond:
+            feed.records.append(record)
+            feed.cond.notify_all()
+            futures, feed.futures = feed.futures, []
+        for loop, future in futures:
+            loop.call_soon_threadsafe(_wake, future)
 
     def wait_for(self, saga_id: str, check: Callable[[Record], Any], timeout_s: float) -> Any:
         """Scan the saga's records (old and new) until ``check`` returns non-None."""
+        feed = self._feeds.get(saga_id)
+        if feed is None:
+            return None
         deadline = time.monotonic() + timeout_s
         seen = 0
-        with self._cond:
+        with feed.cond:
             while True:
-                records = self._records.get(saga_id, [])
-                for record in records[seen:]:
+                for record in feed.records[seen:]:
                     found = check(record)
                     if found is not None:
                         return found
-                seen = len(records)
+                seen = len(feed.records)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
-                self._cond.wait(left)
+                feed.cond.wait(left)
+
+    async def wait_for_async(
+        self, saga_id: str, check: Callable[[Record], Any], timeout_s: float
+    ) -> Any:
+        """:meth:`wait_for` for asyncio: the waiter is a future, not a thread."""
+        feed = self._feeds.get(saga_id)
+        if feed is None:
+            return None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        seen = 0
+        while True:
+            with feed.cond:
+                records = feed.records[seen:]
+                seen = len(feed.records)
+                future: asyncio.Future[None] | None = None
+                found = None
+                for record in records:
+                    found = check(record)
+                    if found is not None:
+                        break
+                if found is None:
+                    future = loop.create_future()
+                    feed.futures.append((loop, future))
+            if found is not None:
+                return found
+            left = deadline - loop.time()
+            if left <= 0:
+                return None
+            assert future is not None
+            try:
+                await asyncio.wait_for(future, left)
+            except TimeoutError:
+                return None
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 # ---------------------------------------------------------------------- client
@@ -234,7 +295,7 @@ class SagaClient:
         # With an identity key the producer is the key's identity (readers insist).
         self.producer_name = producer_name or self.signer.signs_as or "agent"
         self.call_timeout_s = call_timeout_s
-        self._writer = LedgerWriter(bootstrap, self.topics, self.signer)
+        self._writer = LedgerWriter(bootstrap, self.topics, self.signer, background_poll=True)
         self._ledger = _Ledger()
         self._contracts: dict[str, StepContract] = dict(contracts or {})
         self._secret_paths: dict[str, tuple[str, ...]] = {}
@@ -363,6 +424,10 @@ class SagaClient:
         """Produce to the ledger and wait for the broker's acknowledgement."""
         self._writer.append(record)
 
+    async def append_async(self, record: Record) -> None:
+        """:meth:`append` for asyncio: awaits this record's delivery report."""
+        await self._writer.append_async(record)
+
     def _end_positions(self) -> list[TopicPartition]:
         probe = create_consumer(self.bootstrap, f"probe-{uuid.uuid4().hex[:8]}")
         try:
@@ -384,9 +449,16 @@ class SagaClient:
         ready.set()
         try:
             while not self._stop.is_set():
-                for msg in consumer.consume(500, 0.1):
+                # Block for the first record only, then take what has already arrived.
+                first = consumer.poll(0.2)
+                if first is None:
+                    continue
+                for msg in (first, *consumer.consume(500, 0)):
                     if msg.error() is not None:
                         continue
+                    key = msg.key()
+                    if key is None or not self._ledger.follows(key.decode("utf-8", "replace")):
+                        continue  # another agent's saga: not even decoded
                     try:
                         record = from_message(msg.key(), msg.value(), msg.headers(), self.signer)
                     except CodecError:
@@ -483,25 +555,37 @@ class Saga:
         on the step before it. Raises a :class:`SagaCallError` subclass when the
         step does not commit.
         """
-        name = _tool_name(tool)
-        contract = self.client.contract(name)
+        scheduled = self._scheduled(
+            self.client.contract(_tool_name(tool)), step_id, depends_on, args
+        )
+        self.client.append(scheduled)
+        self._contracts[scheduled.step_id] = scheduled.contract
+        result = self._await_step(
+            scheduled.step_id, scheduled.contract, timeout_s or self.client.call_timeout_s
+        )
+        self.results[scheduled.step_id] = result
+        return result
+
+    def _scheduled(
+        self,
+        contract: StepContract,
+        step_id: str | None,
+        depends_on: list[str] | None,
+        args: dict[str, Any],
+    ) -> StepScheduled:
+        """The ``StepScheduled`` record of the next call (sync and async alike)."""
+        name = contract.tool
         number = next(self._steps)
         step = step_id or f"{number:02d}-{name}"
         body = self._checked_body(name, step, number, args)
-        self.client.append(
-            StepScheduled(
-                envelope=self._envelope(StepScheduled),
-                step_id=step,
-                args=body,
-                args_fingerprint=args_fingerprint(body),
-                depends_on=depends_on,
-                contract=contract,
-            )
+        return StepScheduled(
+            envelope=self._envelope(StepScheduled),
+            step_id=step,
+            args=body,
+            args_fingerprint=args_fingerprint(body),
+            depends_on=depends_on,
+            contract=contract,
         )
-        self._contracts[step] = contract
-        result = self._await_step(step, contract, timeout_s or self.client.call_timeout_s)
-        self.results[step] = result
-        return result
 
     def attach(self) -> Saga:
         """Follow this saga (already started, e.g. by a process that restarted) without
@@ -535,6 +619,7 @@ class Saga:
         )
         self.results[step_id] = result
         return result
+
     def _checked_body(self, name: str, step: str, number: int, args: dict[str, Any]) -> bytes:
         """The ledger bytes of a call's arguments, or :class:`CallRefused` before
         anything is written: non-finite numbers (JSON has none; orjson would write
@@ -584,8 +669,14 @@ class Saga:
 
     # ----------------------------------------------------------------- async
 
-    async def __aenter__(self) -> Saga:
-        return await asyncio.to_thread(self.__enter__)
+    async def __aenter__(self) -> AsyncSaga:
+        """``async with client.saga(...) as saga``: the native asyncio view, whose
+        pending calls are futures woken by the client's listener, not threads."""
+        if self.client.check_coordinator and not self.client._coordinator_seen:  # once, I/O
+            await asyncio.to_thread(self.client.ensure_coordinator)
+        self.client._ledger.follow(self.saga_id)
+        await self.client.append_async(self._start)
+        return AsyncSaga(self)
 
     async def __aexit__(
         self,
@@ -593,17 +684,66 @@ class Saga:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await asyncio.to_thread(self.__exit__, exc_type, exc, tb)
+        if exc is None:
+            await self.end_async(SagaOutcome.COMPLETE)
+        elif isinstance(exc, ApprovalPending):
+            log.info("saga %s left open: %s", self.saga_id, exc)  # as in __exit__ (R7)
+        else:
+            await self.end_async(SagaOutcome.ABORT, reason=f"{type(exc).__name__}: {exc}")
 
-    async def acall(self, tool: str | ToolSpec | Callable[..., Any], /, **kwargs: Any) -> Any:
-        return await asyncio.to_thread(lambda: self.call(tool, **kwargs))
+    async def end_async(self, outcome: SagaOutcome, reason: str = "") -> None:
+        await self.client.append_async(
+            SagaEndRequested(
+                envelope=self._envelope(SagaEndRequested), outcome=outcome, reason=reason[:2000]
+            )
+        )
+
+    async def acall(
+        self,
+        tool: str | ToolSpec | Callable[..., Any],
+        /,
+        *,
+        step_id: str | None = None,
+        depends_on: list[str] | None = None,
+        timeout_s: float | None = None,
+        **args: Any,
+    ) -> Any:
+        """:meth:`call` for asyncio (no thread per pending call)."""
+        name = _tool_name(tool)
+        if name in self.client._contracts:
+            contract = self.client._contracts[name]
+        else:  # reading the published catalogue is blocking I/O, done once per tool
+            contract = await asyncio.to_thread(self.client.contract, name)
+        scheduled = self._scheduled(contract, step_id, depends_on, args)
+        await self.client.append_async(scheduled)
+        self._contracts[scheduled.step_id] = contract
+        check, seen = self._step_check(scheduled.step_id, contract)
+        wait_s = timeout_s or self.client.call_timeout_s
+        found = await self.client._ledger.wait_for_async(self.saga_id, check, wait_s)
+        result = self._step_outcome(found, seen, scheduled.step_id, contract, wait_s)
+        self.results[scheduled.step_id] = result
+        return result
 
     async def await_terminal(self, timeout_s: float = 60.0) -> Receipt:
-        return await asyncio.to_thread(self.wait, timeout_s)
+        """:meth:`wait` for asyncio."""
+        found = await self.client._ledger.wait_for_async(
+            self.saga_id, lambda r: r if isinstance(r, SagaTerminal) else None, timeout_s
+        )
+        if found is None:
+            raise TimeoutError(f"saga {self.saga_id} is not terminal after {timeout_s} s")
+        return Receipt.from_json(found.receipt)
 
     # -------------------------------------------------------------- outcomes
 
     def _await_step(self, step: str, contract: StepContract, timeout_s: float) -> Any:
+        check, seen = self._step_check(step, contract)
+        found = self.client._ledger.wait_for(self.saga_id, check, timeout_s)
+        return self._step_outcome(found, seen, step, contract, timeout_s)
+
+    def _step_check(
+        self, step: str, contract: StepContract
+    ) -> tuple[Callable[[Record], Any], dict[str, Any]]:
+        """What ends a wait for ``step``, and what the wait saw on the way."""
         where = {"saga_id": self.saga_id, "step_id": step, "tool": contract.tool}
         state: dict[str, Any] = {"unknown": False, "approval": None}
 
@@ -671,7 +811,17 @@ class Saga:
                 )
             return None
 
-        found = self.client._ledger.wait_for(self.saga_id, check, timeout_s)
+        return check, state
+
+    def _step_outcome(
+        self,
+        found: Any,
+        state: dict[str, Any],
+        step: str,
+        contract: StepContract,
+        timeout_s: float,
+    ) -> Any:
+        where = {"saga_id": self.saga_id, "step_id": step, "tool": contract.tool}
         if found is None:
             if state["approval"] is not None:
                 raise ApprovalPending(
@@ -723,6 +873,52 @@ def _non_finite_path(value: Any, path: str) -> str | None:
             if found is not None:
                 return found
     return None
+
+
+class AsyncSaga:
+    """A saga inside ``async with client.saga(...) as saga``: ``await saga.call(...)``.
+
+    Every pending call is a future resolved by the client's one listener, so one
+    process can hold thousands of sagas in flight on one event loop. Leaving the
+    block ends the saga (complete, or abort on an exception) like the sync API.
+    """
+
+    def __init__(self, saga: Saga) -> None:
+        self._saga = saga
+
+    @property
+    def saga_id(self) -> str:
+        return self._saga.saga_id
+
+    @property
+    def results(self) -> dict[str, Any]:
+        return self._saga.results
+
+    async def call(
+        self,
+        tool: str | ToolSpec | Callable[..., Any],
+        /,
+        *,
+        step_id: str | None = None,
+        depends_on: list[str] | None = None,
+        timeout_s: float | None = None,
+        **args: Any,
+    ) -> Any:
+        """Run one tool as the next step and return its result (see :meth:`Saga.call`)."""
+        return await self._saga.acall(
+            tool, step_id=step_id, depends_on=depends_on, timeout_s=timeout_s, **args
+        )
+
+    acall = call
+
+    async def end(self, outcome: SagaOutcome, reason: str = "") -> None:
+        await self._saga.end_async(outcome, reason)
+
+    async def wait(self, timeout_s: float = 60.0) -> Receipt:
+        """Wait for the terminal record and return its receipt."""
+        return await self._saga.await_terminal(timeout_s)
+
+    await_terminal = wait
 
 
 def _tool_name(tool: str | ToolSpec | Callable[..., Any]) -> str:

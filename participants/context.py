@@ -17,7 +17,9 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import threading
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -62,3 +64,29 @@ def call_context(ctx: CallContext) -> Iterator[CallContext]:
         yield ctx
     finally:
         _current.reset(token)
+
+
+# One long-lived event loop per process for async tools: a participant runtime runs
+# its async tools, compensations, lookups and verifications there (with their call
+# context) instead of in a fresh ``asyncio.run`` per call, so connections and other
+# loop-bound resources of a tool live across calls.
+_tool_loop: asyncio.AbstractEventLoop | None = None
+_tool_loop_lock = threading.Lock()
+
+
+def serve_async_tools() -> asyncio.AbstractEventLoop:
+    """Start (once per process) the event loop async tools run on; returns it."""
+    global _tool_loop
+    with _tool_loop_lock:
+        if _tool_loop is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(
+                target=loop.run_forever, name="sagaline-async-tools", daemon=True
+            ).start()
+            _tool_loop = loop
+        return _tool_loop
+
+
+def async_tool_loop() -> asyncio.AbstractEventLoop | None:
+    """The loop started by :func:`serve_async_tools`, if any."""
+    return _tool_loop

@@ -29,6 +29,7 @@ tool's lookup by idempotency key; the tool is never run a second time.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import signal
@@ -44,19 +45,22 @@ from typing import Any, Protocol, TypeVar
 import orjson
 
 from participants.catalogue import Catalogue, ToolSpec
-from participants.context import CallContext, call_context
+from participants.context import CallContext, call_context, serve_async_tools
 from participants.declarations import Accepted, CompensationContext
 from participants.errors import InvalidArgumentsError, LedgerRefError
 from participants.ledger_probe import LedgerProbe
 from sagaline.kafka import (
+    Consumer,
     DeadLetterWriter,
     DeliveryFailed,
+    KafkaException,
     LedgerReader,
     LedgerWriter,
     Message,
     TopicPartition,
     create_consumer,
     ensure_topics,
+    watermarks,
 )
 from schemas import (
     CompensateStep,
@@ -121,6 +125,10 @@ class NoMetrics:
 
 
 Clock = Callable[[], int]
+
+# How often the runtime commits offsets (asynchronously). A crash redelivers at most
+# this much finished work, which the journal recognises and answers without rerunning.
+_COMMIT_INTERVAL_S = 0.1
 R = TypeVar("R", bound=Record)
 
 
@@ -152,6 +160,13 @@ class CommandJournal:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._lock = threading.Lock()
+        # group commit of mark(): queued rows, tickets handed out and written so far
+        self._group = threading.Condition()
+        self._queued: list[tuple[str, str, bytes | None, bytes | None, int]] = []
+        self._tickets = 0
+        self._written = 0
+        self._writing = False
+        self._failed: tuple[int, int, BaseException] | None = None
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
@@ -175,14 +190,55 @@ class CommandJournal:
         command: bytes | None = None,
         outcome: bytes | None = None,
     ) -> None:
+        """Record ``state`` durably; returns once it is on disk.
+
+        Group commit: marks from concurrent commands are written in one transaction
+        (one sync for the group); each caller still returns only after the
+        transaction holding its mark committed, so a kill -9 loses no mark that was
+        acknowledged.
+        """
+        with self._group:
+            self._queued.append((command_id, state, command, outcome, _now_ms()))
+            self._tickets += 1
+            ticket = self._tickets
+            while self._written < ticket:
+                if self._writing:
+                    self._group.wait()
+                    continue
+                batch, self._queued = self._queued, []
+                upto = self._tickets
+                self._writing = True
+                self._group.release()
+                failure: BaseException | None = None
+                try:
+                    self._write(batch)
+                except BaseException as exc:
+                    failure = exc
+                finally:
+                    self._group.acquire()
+                    self._writing = False
+                    self._written = upto
+                    if failure is not None:
+                        self._failed = (upto - len(batch) + 1, upto, failure)
+                    self._group.notify_all()
+            if self._failed is not None and self._failed[0] <= ticket <= self._failed[1]:
+                raise RuntimeError(f"journal write failed: {self._failed[2]}") from self._failed[2]
+
+    def _write(self, rows: list[tuple[str, str, bytes | None, bytes | None, int]]) -> None:
         with self._lock:
-            self._db.execute(
-                "INSERT INTO handled (command_id, state, command, outcome, at) "
-                "VALUES (?, ?, ?, ?, ?) ON CONFLICT(command_id) DO UPDATE SET "
-                "state = excluded.state, outcome = COALESCE(excluded.outcome, outcome), "
-                "command = COALESCE(excluded.command, command), at = excluded.at",
-                (command_id, state, command, outcome, _now_ms()),
-            )
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.executemany(
+                    "INSERT INTO handled (command_id, state, command, outcome, at) "
+                    "VALUES (?, ?, ?, ?, ?) ON CONFLICT(command_id) DO UPDATE SET "
+                    "state = excluded.state, outcome = COALESCE(excluded.outcome, outcome), "
+                    "command = COALESCE(excluded.command, command), at = excluded.at",
+                    rows,
+                )
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
 
     def accepted(self) -> list[tuple[str, bytes]]:
         with self._lock:
@@ -248,7 +304,10 @@ class CommandHandler:
 
     # ------------------------------------------------------------------ dispatch
 
-    def handle(self, command: Record) -> None:
+    def handle(self, command: Record, *, maybe_taken_elsewhere: bool = True) -> None:
+        """Run ``command`` once. ``maybe_taken_elsewhere=False``: the caller knows no
+        other replica can have received it (it arrived after this one was assigned
+        the partition), so a journal miss needs no ledger probe."""
         seen = self.journal.get(command.event_id)
         if seen is not None and seen[0] in ("done", "accepted") and seen[1] is not None:
             # A redelivery: the work is done; re-send its outcome (same event id, so
@@ -259,7 +318,8 @@ class CommandHandler:
 
             self._append(decode(seen[1]))
             return
-        earlier = self._on_ledger(command) if seen is None else None
+        probe = seen is None and maybe_taken_elsewhere
+        earlier = self._on_ledger(command) if probe else None
         if earlier is not None:
             # Another replica (no shared journal) already took this command.
             if self._metrics is not None:
@@ -844,7 +904,14 @@ def _command_bytes(cmd: Record) -> bytes:
 
 
 class ParticipantRuntime:
-    """The Kafka loop around :class:`CommandHandler` for one participant."""
+    """The Kafka loop around :class:`CommandHandler` for one participant.
+
+    Key-ordered concurrency (as Confluent's Parallel Consumer does for Java):
+    commands of different sagas run at once, up to ``max_in_flight``; commands of one
+    saga (the record key) run one at a time in their offset order. Each partition's
+    offset is committed up to the lowest command not yet done, asynchronously, so a
+    crash redelivers only unfinished work, which the journal recognises.
+    """
 
     def __init__(
         self,
@@ -857,6 +924,7 @@ class ParticipantRuntime:
         state_dir: Path | None = None,
         metrics: RuntimeMetrics | None = None,
         clock: Clock = _now_ms,
+        max_in_flight: int = 16,
     ) -> None:
         self.participant = participant or catalogue.name
         # Static group membership: a restarted process with the same instance id gets
@@ -867,9 +935,12 @@ class ParticipantRuntime:
         self.topics = settings.topics
         self.signer = settings.signer()
         self.metrics: RuntimeMetrics = metrics or NoMetrics()
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1 (got {max_in_flight})")
+        self.max_in_flight = max_in_flight
         state = state_dir or settings.state_dir / self.participant
         self.journal = CommandJournal(state / "commands.sqlite")
-        self._writer = LedgerWriter(bootstrap, self.topics, self.signer)
+        self._writer = LedgerWriter(bootstrap, self.topics, self.signer, background_poll=True)
         self._reader = LedgerReader(bootstrap)
         self._dead_letters = DeadLetterWriter(
             self._writer.producer, self.topics.dlq, acknowledged=True
@@ -885,11 +956,17 @@ class ParticipantRuntime:
             limits=settings.limits,
             fetch=self._fetch,
             clock=clock,
+            workers=max_in_flight,
         )
         self._running = threading.Event()
         self._background: list[threading.Thread] = []
+        self._work = _KeyOrderedWork(self._process, max_in_flight, self.participant)
+        # Per command partition, its end offset when it was assigned to this replica.
+        self._assigned_end: dict[int, int] = {}
         for spec in catalogue.values():
             _check_served(spec, self.participant)
+        if any(spec.is_async for spec in catalogue.values()):
+            serve_async_tools()  # async tools share one long-lived loop, sync ones threads
 
     def publish_catalogue(self) -> None:
         """Publish every tool's contract and definition on the compacted catalogue
@@ -911,8 +988,9 @@ class ParticipantRuntime:
         return from_message(msg.key(), msg.value(), msg.headers(), self.signer)
 
     def _append(self, record: Record) -> None:
-        # Wait for the broker's acknowledgement: the intent must be durable before the
-        # tool runs (R10), and an outcome before the command's offset is committed.
+        # Wait for the broker's acknowledgement of this record (not a flush of every
+        # thread's): the intent must be durable before the tool runs (R10), and an
+        # outcome before the command's offset is committed.
         self._writer.append(record)
 
     def install_signal_handlers(self) -> None:
@@ -937,38 +1015,79 @@ class ParticipantRuntime:
         consumer = create_consumer(
             self.bootstrap, group, **{"group.instance.id": f"{group}-{self.instance_id}"}
         )
-        consumer.subscribe([self.topics.commands(self.participant)])
+
+        def on_assign(c: Consumer, partitions: list[TopicPartition]) -> None:
+            for tp in partitions:
+                _low, high = watermarks(c, TopicPartition(tp.topic, tp.partition))
+                self._assigned_end[tp.partition] = high
+
+        def on_revoke(c: Consumer, partitions: list[TopicPartition]) -> None:
+            # Finish what was taken from these partitions and commit it before another
+            # member gets them: it must not run a command that is still running here.
+            self._work.wait_idle({p.partition for p in partitions})
+            try:
+                self._commit(c, asynchronous=False)
+            except KafkaException as exc:  # lost, not revoked: the next owner redelivers
+                log.warning("offset commit on revoke failed (%s)", exc)
+            self._work.forget({p.partition for p in partitions})
+
+        consumer.subscribe(
+            [self.topics.commands(self.participant)],
+            on_assign=on_assign,
+            on_revoke=on_revoke,
+            on_lost=on_revoke,
+        )
         self.publish_catalogue()
         self._running.set()
         for command_id, command in self.journal.accepted():
             self._confirm_in_background(command_id, command)
         log.info(
-            "participant %s serving %s", self.participant, self.topics.commands(self.participant)
+            "participant %s serving %s (%d commands in flight at most)",
+            self.participant,
+            self.topics.commands(self.participant),
+            self.max_in_flight,
         )
         if ready is not None:
             ready.set()
+        limit = 2 * self.max_in_flight
+        next_commit = 0.0
         try:
             while self._running.is_set():
-                msg = consumer.poll(0.2)
-                if msg is None:
+                if self._work.pending >= limit:
+                    # Backpressure by not taking more (pause/resume would drop and
+                    # refetch what librdkafka holds, a stall of hundreds of ms).
+                    self._work.wait_below(limit, 0.2)
+                    self._commit(consumer, asynchronous=True)
                     continue
-                if msg.error() is not None:
-                    log.warning("consumer error: %s", msg.error())
-                    continue
-                if not self._process(msg):
-                    # The ledger did not take the record: keep the offset and read the
-                    # command again; the journal re-sends a stored outcome, never reruns.
-                    topic, partition, offset = msg.topic(), msg.partition(), msg.offset()
-                    assert topic is not None and partition is not None and offset is not None
-                    consumer.seek(TopicPartition(topic, partition, offset))
-                    time.sleep(0.5)
-                    continue
-                consumer.commit(message=msg, asynchronous=False)
+                msg = consumer.poll(0.05 if self._work.pending else 0.2)
+                batch = [] if msg is None else [msg, *consumer.consume(self.max_in_flight, 0)]
+                for m in batch:
+                    if m.error() is not None:
+                        log.warning("consumer error: %s", m.error())
+                        continue
+                    self._work.submit(m)
+                if time.monotonic() >= next_commit:  # one OffsetCommit per interval
+                    self._commit(consumer, asynchronous=True)
+                    next_commit = time.monotonic() + _COMMIT_INTERVAL_S
         finally:
+            self._work.close()  # lets running commands finish; queued ones are redelivered
+            try:
+                self._commit(consumer, asynchronous=False)
+            except KafkaException as exc:
+                log.warning("final offset commit failed (%s): commands will be redelivered", exc)
             self.handler.close()
             consumer.close()
             self._writer.close()
             self.journal.close()
+
+    def _commit(self, consumer: Consumer, *, asynchronous: bool) -> None:
+        """Commit, per partition, the offset below which every command is done."""
+        topic = self.topics.commands(self.participant)
+        offsets = [TopicPartition(topic, p, o) for p, o in self._work.committable().items()]
+        if offsets and asynchronous:
+            consumer.commit(offsets=offsets, asynchronous=True)
+        elif offsets:
+            consumer.commit(offsets=offsets, asynchronous=False)
 
     def _process(self, msg: Message) -> bool:
         """Handle one command; False when its record could not be appended (retry)."""
@@ -983,7 +1102,10 @@ class ParticipantRuntime:
             return True
         self.metrics.observe_record(command)
         try:
-            self.handler.handle(command)
+            # Only commands already on the partition when it was assigned here can have
+            # been taken by another replica; the ledger probe is for those alone.
+            taken_before = self._assigned_end.get(msg.partition() or 0, 0)
+            self.handler.handle(command, maybe_taken_elsewhere=(msg.offset() or 0) < taken_before)
         except DeliveryFailed:
             log.exception(
                 "appending for %s %s failed; reading it again", command.TYPE, command.event_id
@@ -1014,6 +1136,105 @@ class ParticipantRuntime:
 class _NotACommand(Exception):
     pass
 
+
+class _KeyOrderedWork:
+    """Runs messages on a thread pool: different keys at once, one key in order.
+
+    A key's messages wait in its own queue while one of them runs; the thread that
+    finishes one takes the key's next. Offsets are tracked per partition so the
+    caller can commit up to the lowest message not yet done.
+    """
+
+    def __init__(self, process: Callable[[Message], bool], workers: int, name: str) -> None:
+        self._process = process
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix=f"{name}-cmd"
+        )
+        self._lock = threading.Condition()
+        self._queues: dict[bytes | None, collections.deque[Message]] = {}
+        self._taken: dict[int, collections.deque[int]] = {}  # partition -> offsets in order
+        self._done: dict[int, set[int]] = {}
+        self._committed: dict[int, int] = {}
+        self._closing = threading.Event()
+        self.pending = 0
+
+    def submit(self, msg: Message) -> None:
+        key = msg.key()
+        partition = msg.partition() or 0
+        with self._lock:
+            self._taken.setdefault(partition, collections.deque()).append(msg.offset() or 0)
+            self.pending += 1
+            queue = self._queues.get(key)
+            if queue is not None:
+                queue.append(msg)  # the key is busy: runs after the ones before it
+                return
+            self._queues[key] = collections.deque()
+        self._pool.submit(self._run_key, key, msg)
+
+    def _run_key(self, key: bytes | None, msg: Message) -> None:
+        while True:
+            try:
+                while not self._process(msg):
+                    # The ledger did not take its record: run it again (the journal
+                    # re-sends a stored outcome, never reruns a tool); the saga's later
+                    # commands wait behind it, so their order holds.
+                    if self._closing.is_set():
+                        return  # not done: its offset stays uncommitted, redelivered
+                    time.sleep(0.5)
+            except Exception:  # _process dead-letters what fails; this is a last resort
+                log.exception("command at offset %s failed", msg.offset())
+            with self._lock:
+                partition = msg.partition() or 0
+                self._done.setdefault(partition, set()).add(msg.offset() or 0)
+                self.pending -= 1
+                self._lock.notify_all()
+                queue = self._queues.get(key)
+                if not queue:
+                    self._queues.pop(key, None)
+                    return
+                msg = queue.popleft()
+
+    def committable(self) -> dict[int, int]:
+        """Per partition, the next offset to commit when it moved since last time."""
+        out: dict[int, int] = {}
+        with self._lock:
+            for partition, taken in self._taken.items():
+                done = self._done.get(partition, set())
+                last = None
+                while taken and taken[0] in done:
+                    last = taken.popleft()
+                    done.discard(last)
+                if last is not None and self._committed.get(partition) != last + 1:
+                    out[partition] = self._committed[partition] = last + 1
+        return out
+
+    def wait_below(self, limit: int, timeout_s: float) -> None:
+        """Block until fewer than ``limit`` messages are queued or running."""
+        with self._lock:
+            self._lock.wait_for(lambda: self.pending < limit, timeout_s)
+
+    def wait_idle(self, partitions: set[int]) -> None:
+        """Block until no message of ``partitions`` is queued or running."""
+        with self._lock:
+            while any(len(self._taken.get(p, ())) > len(self._done.get(p, ())) for p in partitions):
+                self._lock.wait(1.0)
+
+    def forget(self, partitions: set[int]) -> None:
+        with self._lock:
+            for p in partitions:
+                self._taken.pop(p, None)
+                self._done.pop(p, None)
+                self._committed.pop(p, None)
+
+    def close(self) -> None:
+        """Finish the messages running now; drop the queued ones (redelivered later,
+        since their offsets are never committed)."""
+        self._closing.set()
+        with self._lock:
+            for queue in self._queues.values():
+                self.pending -= len(queue)
+                queue.clear()
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _check_served(spec: ToolSpec, participant: str) -> None:

@@ -83,6 +83,7 @@ def _cmd_participant_run(args: argparse.Namespace) -> int:
         instance_id=args.instance_id or args.name,
         state_dir=args.journal_dir,
         metrics=metrics,
+        max_in_flight=args.max_in_flight,
     )
     runtime.install_signal_handlers()
     runtime.run()
@@ -110,6 +111,12 @@ def register(subparsers: Any) -> None:
     run.add_argument("name", help="participant name (its command topic)")
     run.add_argument("--catalogue", help="module:attr of a Catalogue (default: refund example)")
     run.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
+    run.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=int(os.environ.get("SAGALINE_MAX_IN_FLIGHT", "16")),
+        help="commands of different sagas run at once (one saga's stay in order)",
+    )
     run.add_argument(
         "--instance-id",
         default=os.environ.get("SAGALINE_INSTANCE_ID") or os.environ.get("HOSTNAME"),

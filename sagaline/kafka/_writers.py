@@ -7,6 +7,7 @@ threads waits for its record only, and a failure names the record that failed.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -42,8 +43,13 @@ def deliver(
     *,
     timeout_s: float = 30.0,
     what: str = "record",
+    polled: bool = False,
 ) -> None:
     """Produce one record and return once the broker acknowledged it.
+
+    ``polled=True``: another thread polls ``producer`` all the time (see
+    :class:`LedgerWriter` with ``background_poll``), so this one only waits for its
+    own report, woken the moment it is served.
 
     Raises :class:`DeliveryFailed` with the broker's error, or when no delivery
     report arrived within ``timeout_s``.
@@ -60,6 +66,8 @@ def deliver(
         topic, key=key, value=value, headers=list(headers or ()), on_delivery=on_delivery
     )
     deadline = time.monotonic() + timeout_s
+    if polled:
+        done.wait(timeout_s)
     # poll() serves delivery reports (ours and other threads'); stop at ours.
     while not done.is_set():
         remaining = deadline - time.monotonic()
@@ -86,10 +94,30 @@ class LedgerWriter:
         ledger.append(intent)        # returns once the broker has it (R10)
     """
 
-    def __init__(self, bootstrap: str | ClientConfig, topics: TopicNames, signer: Signer) -> None:
+    def __init__(
+        self,
+        bootstrap: str | ClientConfig,
+        topics: TopicNames,
+        signer: Signer,
+        *,
+        background_poll: bool = False,
+    ) -> None:
         self.topics = topics
         self.signer = signer
         self.producer = create_producer(bootstrap)
+        # Many threads appending at once: one thread serves every delivery report,
+        # so a writer never sits in poll() after another thread served its report.
+        self._closed = threading.Event()
+        self._poller: threading.Thread | None = None
+        if background_poll:
+            self._poller = threading.Thread(
+                target=self._poll_forever, name="ledger-writer-poll", daemon=True
+            )
+            self._poller.start()
+
+    def _poll_forever(self) -> None:
+        while not self._closed.is_set():
+            self.producer.poll(0.1)
 
     def append(self, record: Record, *, timeout_s: float = 30.0) -> None:
         """Write ``record`` to the ledger and wait for the broker's acknowledgement."""
@@ -102,7 +130,40 @@ class LedgerWriter:
             headers,
             timeout_s=timeout_s,
             what=f"{record.TYPE} {record.event_id} of saga {record.saga_id}",
+            polled=self._poller is not None,
         )
+
+    async def append_async(self, record: Record, *, timeout_s: float = 30.0) -> None:
+        """:meth:`append` for asyncio: the caller awaits a future that this record's
+        delivery report resolves (served by the background poller; no thread waits)."""
+        if self._poller is None:
+            raise RuntimeError("append_async needs LedgerWriter(..., background_poll=True)")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[KafkaError | None] = loop.create_future()
+
+        def on_delivery(err: KafkaError | None, _msg: Message) -> None:
+            loop.call_soon_threadsafe(_settle, future, err)
+
+        key, value, headers = to_message(record, self.signer)
+        self.producer.produce(
+            self.topics.events, key=key, value=value, headers=headers, on_delivery=on_delivery
+        )
+        what = f"{record.TYPE} {record.event_id} of saga {record.saga_id}"
+        try:
+            err = await asyncio.wait_for(future, timeout_s)
+        except TimeoutError:
+            raise DeliveryFailed(
+                f"no acknowledgement for {what} on {self.topics.events} within "
+                f"{timeout_s:.0f} s: is the broker reachable?",
+                topic=self.topics.events,
+                error=None,
+            ) from None
+        if err is not None:
+            raise DeliveryFailed(
+                f"the broker rejected {what} on {self.topics.events}: {err}",
+                topic=self.topics.events,
+                error=err,
+            )
 
     def write(
         self,
@@ -114,11 +175,27 @@ class LedgerWriter:
         timeout_s: float = 30.0,
     ) -> None:
         """Write already-framed bytes to any topic, acknowledged (catalogue, DLQ)."""
-        deliver(self.producer, topic, key, value, headers, timeout_s=timeout_s)
+        deliver(
+            self.producer,
+            topic,
+            key,
+            value,
+            headers,
+            timeout_s=timeout_s,
+            polled=self._poller is not None,
+        )
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Deliver whatever is still queued (nothing, after acknowledged writes)."""
         self.producer.flush(timeout_s)
+        self._closed.set()
+        if self._poller is not None:
+            self._poller.join(timeout_s)
+
+
+def _settle(future: asyncio.Future[KafkaError | None], err: KafkaError | None) -> None:
+    if not future.done():
+        future.set_result(err)
 
 
 class DeadLetterWriter:
