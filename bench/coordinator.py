@@ -559,17 +559,17 @@ def measure_memory(n: int, held: dict[str, SagaState]) -> Memory:
     t0 = int(time.time() * 1000)
     for shape, build in shapes.items():
         _fold(build(_SagaWriter("saga-warmup", t0)))  # warm caches before counting
-        folded = [_fold(build(_SagaWriter(f"saga-{uuid.uuid4()}", t0 + i))) for i in range(n)]
         gc.collect()
         tracemalloc.start()
         states: dict[str, SagaState] = {}
-        for state in folded:
-            states[state.saga_id] = state
+        for i in range(n):
+            writer = _SagaWriter(f"saga-{uuid.uuid4()}", t0 + i)
+            states[writer.saga_id] = _fold(build(writer))
         gc.collect()
         retained, _peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         heap[shape] = retained / n
-        del states, folded
+        del states
     live: dict[str, list[int]] = {"running": [], "compensating": []}
     for state in held.values():
         shape = "compensating" if state.status is SagaStatus.COMPENSATING else "running"
