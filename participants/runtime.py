@@ -361,20 +361,27 @@ class CommandHandler:
                 outcome, "accepted" if isinstance(outcome, CompensationAccepted) else "done"
             )
         if isinstance(cmd, ExecuteStep) and derived_event_id(cmd.event_id, "intent") in by_id:
-            return _Outcome(
-                self._record(
-                    StepOutcomeUnknown,
-                    cmd,
-                    "outcome",
-                    step_id=cmd.step_id,
-                    tool=cmd.tool,
-                    idempotency_key=cmd.idempotency_key,
-                    attempt=cmd.attempt,
-                    reason="another replica recorded the intent for this idempotency key and "
-                    "reported no outcome (its partition moved); the tool may have acted",
-                )
+            return self._unknown_outcome(
+                cmd,
+                "another replica recorded the intent for this idempotency key and "
+                "reported no outcome (its partition moved); the tool may have acted",
             )
         return None
+
+    def _unknown_outcome(self, cmd: ExecuteStep, reason: str) -> _Outcome:
+        """The tool may or may not have acted: the coordinator reconciles it (R11)."""
+        return _Outcome(
+            self._record(
+                StepOutcomeUnknown,
+                cmd,
+                "outcome",
+                step_id=cmd.step_id,
+                tool=cmd.tool,
+                idempotency_key=cmd.idempotency_key,
+                attempt=cmd.attempt,
+                reason=reason,
+            )
+        )
 
     def _unknown_tool(self, cmd: Record) -> Record:
         """A command for a tool this participant does not serve: a business
@@ -425,17 +432,8 @@ class CommandHandler:
         spec = self.catalogue[cmd.tool]
         if restarted:
             # Started before a crash and never finished: it may have acted (R11).
-            return _Outcome(
-                self._record(
-                    StepOutcomeUnknown,
-                    cmd,
-                    "outcome",
-                    step_id=cmd.step_id,
-                    tool=cmd.tool,
-                    idempotency_key=cmd.idempotency_key,
-                    attempt=cmd.attempt,
-                    reason="the participant restarted while the tool was running",
-                )
+            return self._unknown_outcome(
+                cmd, "the participant restarted while the tool was running"
             )
         common: dict[str, Any] = {
             "step_id": cmd.step_id,
