@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import datetime
 import gc
+import heapq
 import os
 import random
 import signal
@@ -56,7 +57,7 @@ from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
 from bench._common import REPO_ROOT, machine_description, markdown_table, write_docs_section
 from coordinator.core import decide
-from coordinator.shell import Coordinator
+from coordinator.shell import Coordinator, _due_headers, _PackedStates
 from coordinator.state import SagaState, SagaStatus
 from sagaline.kafka import consumer_config, ensure_topics, producer_config, watermarks
 from schemas.keys import args_fingerprint, derived_event_id, fingerprint, idempotency_key
@@ -550,7 +551,8 @@ def _fold(records: list[Record]) -> SagaState:
 
 
 def measure_memory(n: int, held: dict[str, SagaState]) -> Memory:
-    """Heap per in-flight saga as the shell holds it: ``dict[saga id, SagaState]``."""
+    """Heap per in-flight saga as the shell holds it (``coordinator.shell._PackedStates``:
+    each state as its changelog bytes plus its next timer; its partition; its timer)."""
     shapes: dict[str, Callable[[_SagaWriter], list[Record]]] = {
         "running": _SagaWriter.open_records,
         "compensating": _SagaWriter.failing,
@@ -559,17 +561,26 @@ def measure_memory(n: int, held: dict[str, SagaState]) -> Memory:
     t0 = int(time.time() * 1000)
     for shape, build in shapes.items():
         _fold(build(_SagaWriter("saga-warmup", t0)))  # warm caches before counting
+        folded = [_fold(build(_SagaWriter(f"saga-{uuid.uuid4()}", t0 + i))) for i in range(n)]
         gc.collect()
         tracemalloc.start()
-        states: dict[str, SagaState] = {}
-        for i in range(n):
-            writer = _SagaWriter(f"saga-{uuid.uuid4()}", t0 + i)
-            states[writer.saga_id] = _fold(build(writer))
+        # What the shell keeps per in-flight saga: the packed state (changelog bytes
+        # and next timer) under a saga id of its own, its partition, its timer entry.
+        states = _PackedStates()
+        partition_of: dict[str, int] = {}
+        timers: list[tuple[int, str]] = []
+        for i, state in enumerate(folded):
+            saga_id = state.saga_id.encode().decode()  # a string not shared with `folded`
+            due_at = state.next_due_at()
+            states.put(saga_id, state.to_bytes(), due_at)
+            partition_of[saga_id] = i % 6
+            if due_at is not None:
+                heapq.heappush(timers, (due_at, saga_id))
         gc.collect()
         retained, _peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         heap[shape] = retained / n
-        del states
+        del states, partition_of, timers, folded
     live: dict[str, list[int]] = {"running": [], "compensating": []}
     for state in held.values():
         shape = "compensating" if state.status is SagaStatus.COMPENSATING else "running"
@@ -590,6 +601,8 @@ def measure_restore(settings: Settings, bootstrap: str, n: int) -> Restore:
     time from reading the first record to holding every state, timers scheduled."""
     template = _fold(_SagaWriter("saga-restore-template-0000", 0).open_records())
     packed = template.to_bytes()
+    due = template.next_due_at()
+    headers = _due_headers(due)  # as the shell writes them
     producer = Producer(producer_config(bootstrap))
     for i in range(n):
         saga_id = f"saga-restore-{i:014d}"
@@ -597,6 +610,7 @@ def measure_restore(settings: Settings, bootstrap: str, n: int) -> Restore:
             settings.topics.state,
             key=saga_id.encode(),
             value=packed.replace(b"saga-restore-template-0000", saga_id.encode()),
+            headers=headers,
         )
         if i % 10_000 == 0:
             producer.poll(0)
@@ -606,6 +620,11 @@ def measure_restore(settings: Settings, bootstrap: str, n: int) -> Restore:
     restored = coordinator._restore(list(range(settings.partitions)))
     seconds = time.perf_counter() - started
     assert restored == n, f"restored {restored} of {n}"
+    if due is not None:  # every timer scheduled without decoding a state
+        assert len(coordinator._timers) == n, f"{len(coordinator._timers)} timers for {n} sagas"
+    last = f"saga-restore-{n - 1:014d}"
+    state = coordinator.state_of(last)
+    assert state is not None and state.saga_id == last, f"{last} not restored readable"
     return Restore(n, seconds, n * len(packed) / 1e6)
 
 
@@ -650,9 +669,12 @@ def _reading(through: Throughput, passthrough: Throughput, memory: Memory) -> st
         "at most the transaction in progress and its own; batches grow by themselves "
         "under load. A batch that begins right after a commit is answered "
         "CONCURRENT_TRANSACTIONS until the broker has written the markers, and the "
-        "coordinator retries it after 5 ms (librdkafka's default is 100 ms). An "
-        f"in-flight saga holds about {heap:,.0f} B of heap (its state objects), so "
-        f"100,000 in-flight sagas hold about {heap * 100_000 / 1e9:.2f} GB."
+        "coordinator retries it after 5 ms (librdkafka's default is 100 ms). In memory "
+        "an in-flight saga is its changelog record plus its next timer, decoded when a "
+        f"record or a timer of the saga needs it: about {heap:,.0f} B of heap with its "
+        f"partition and timer entries, so 100,000 in-flight sagas hold about "
+        f"{heap * 100_000 / 1e9:.2f} GB, and a restore only stores bytes (each changelog "
+        "record carries its next timer in the `sagaline-next-due` header)."
     )
 
 
@@ -790,7 +812,8 @@ def main(argv: list[str] | None = None) -> int:
             "same batch size) consume it in the same run; then the real `sagaline "
             "coordinator run` process takes over and each `StepFailed` is timed to the "
             "first `CompensationRequested` seen by a read_committed consumer; heap per "
-            "in-flight saga by tracemalloc over the folded states as the shell keeps them; "
+            "in-flight saga by tracemalloc over the folded states as the shell keeps them "
+            "(their changelog bytes, next timer, partition and timer-heap entry); "
             "restore: a fresh coordinator reads a changelog of "
             "in-flight sagas to its end and schedules their timers.\n\n"
             f"Measured {started_at:%Y-%m-%d %H:%M} UTC on {machine_description()}; "

@@ -268,6 +268,11 @@ class SagaMarker(_StateModel):
 _MARKER_PREFIX = b'{"marker":'
 
 
+def is_marker(value: bytes) -> bool:
+    """Whether a changelog value is a marker (without decoding it)."""
+    return value.startswith(_MARKER_PREFIX)
+
+
 def load_changelog(value: bytes) -> SagaState | SagaMarker:
     """Decode one changelog value: a full state or a marker."""
     if value.startswith(_MARKER_PREFIX):
