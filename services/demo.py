@@ -41,7 +41,7 @@ from types import FrameType
 from typing import Any
 
 from participants.catalogue import Catalogue
-from participants.client import SagaCallError, SagaClient
+from participants.client import ApprovalPending, OutcomeUnknown, Saga, SagaCallError, SagaClient
 from sagaline.kafka import LedgerReader, ensure_topics
 from sagaline.ops.actions import OperatorChannel
 from schemas.models import Record, SagaTerminal
@@ -140,12 +140,31 @@ class RefundAgent:
             with self.client.saga(WORKFLOW, PRINCIPAL, saga_id=saga_id) as saga:
                 for call in plan.plan:
                     args = resolve_args(call.args, results)
-                    results[call.tool] = saga.call(call.tool, timeout_s=self.call_timeout_s, **args)
+                    results[call.tool] = self._call(saga, call.tool, args)
         except SagaCallError as exc:
             return AgentOutcome(ticket, saga_id, "abort", f"{type(exc).__name__}: {exc}")
         except Exception as exc:  # a broken agent still ends its saga (abort above)
             return AgentOutcome(ticket, saga_id, "abort", f"{type(exc).__name__}: {exc}")
         return AgentOutcome(ticket, saga_id, "complete")
+
+    def _call(self, saga: Saga, tool: str, args: dict[str, Any]) -> Any:
+        """One call. A step still waiting after the call timeout (its approval not acted
+        on yet, its outcome not reconciled yet: e.g. while the coordinator restarts)
+        gets one more wait. Leaving the block on ``ApprovalPending`` would leave the
+        saga open for good (R7: the client then ends nothing), so a second one aborts."""
+        try:
+            return saga.call(tool, timeout_s=self.call_timeout_s, **args)
+        except (ApprovalPending, OutcomeUnknown) as waiting:
+            _say(f"  agent: {saga.saga_id}: {waiting}; waiting once more")
+            try:
+                return saga.resume(waiting.step_id, timeout_s=self.call_timeout_s)
+            except ApprovalPending as still:
+                raise SagaCallError(
+                    f"{still}, still after {2 * self.call_timeout_s:.0f} s: giving up",
+                    saga_id=still.saga_id,
+                    step_id=still.step_id,
+                    tool=still.tool,
+                ) from still
 
     def run_all(
         self,

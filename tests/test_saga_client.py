@@ -24,11 +24,16 @@ from participants.client import (
     SagaClient,
     UnknownTool,
 )
+from participants.plan import PlannedCall, PlanReport
 from participants.readiness import CoordinatorNotRunning
 from sagaline.kafka import LedgerReader, ensure_topics
 from sagaline.ops.actions import OperatorChannel, grant_approval
 from schemas import ApprovalRequested, Disposition, SagaOutcome, TerminalStatus
 from schemas.settings import Settings
+from services import demo
+from services.demo import RefundAgent
+from services.demo_processes import wait_until
+from services.refund.agent import CheckedPlan, Ticket, TicketKind
 from tests.system import System
 
 pytestmark = pytest.mark.kafka
@@ -145,6 +150,45 @@ def test_an_irreversible_call_without_approval_leaves_the_saga_open_R7(
     saga.end(SagaOutcome.COMPLETE)
     assert saga.wait(60).status is TerminalStatus.COMPLETED
     assert desk.log == ["book:wed"]
+
+
+def test_the_demo_agent_waits_again_for_a_late_approval_and_ends_the_saga_R7(
+    local: tuple[System, Desk], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The approval is granted only after the agent's call timeout (in CI: while the
+    coordinator was restarted by its watchdog). Leaving the block on ApprovalPending
+    left the saga open: its step then ran, but nothing ever ended it (R14)."""
+    system, _desk = local
+    agent = RefundAgent(system.client, call_timeout_s=8, run_tag="late")
+    ticket = Ticket("T-late", "ord-late", TicketKind.QUESTION, 0, "when does it ship?")
+    report = PlanReport(calls=(), findings=())
+    plan = CheckedPlan(ticket, [PlannedCall("announce", {"text": "hi"})], report, report)
+    saga_id = agent.saga_id(ticket)
+    first_wait_over = threading.Event()
+    monkeypatch.setattr(demo, "_say", lambda message="": first_wait_over.set())
+    channel = OperatorChannel.from_settings(system.settings, system.bootstrap)
+
+    def approve_late() -> None:
+        if not first_wait_over.wait(120):
+            return
+        found: list[ApprovalRequested] = []
+
+        def requested() -> bool:
+            found.extend(r for r in system.records(saga_id) if isinstance(r, ApprovalRequested))
+            return bool(found)
+
+        wait_until(requested, 60, interval_s=0.2)
+        grant_approval(channel, found[0], operator="ops:alice")
+
+    approver = threading.Thread(target=approve_late, daemon=True)
+    approver.start()
+    outcome = agent.run_ticket(plan)
+    first_wait_over.set()
+    approver.join(60)
+    channel.close()
+    assert (outcome.ended, outcome.error) == ("complete", None)
+    receipt = system.client.saga("desk", "agent", saga_id=saga_id).attach().wait(60)
+    assert receipt.status is TerminalStatus.COMPLETED
 
 
 def test_without_a_coordinator_a_saga_says_what_to_start(
