@@ -171,9 +171,11 @@ class RefundAgent:
         plans: Sequence[CheckedPlan],
         concurrency: int,
         on_start: Callable[[str], None] | None = None,
+        gate: Callable[[int], None] | None = None,
     ) -> list[AgentOutcome]:
         """Run every plan from ``concurrency`` daemon threads (a Ctrl-C never waits
-        for them); returns the outcomes in plan order."""
+        for them); returns the outcomes in plan order. ``gate(index)`` is called
+        before plan ``index`` starts and may block (the fault schedule's start gate)."""
         work: queue.Queue[tuple[int, CheckedPlan]] = queue.Queue()
         for item in enumerate(plans):
             work.put(item)
@@ -185,6 +187,8 @@ class RefundAgent:
                     index, plan = work.get_nowait()
                 except queue.Empty:
                     return
+                if gate is not None:
+                    gate(index)
                 if on_start is not None:
                     on_start(self.saga_id(plan.ticket))
                 outcomes[index] = self.run_ticket(plan)
@@ -454,10 +458,43 @@ def _start_dashboard(
     _say(f"  dashboard: http://127.0.0.1:{port}/ (sagas, timelines, receipts, approvals)")
 
 
+class FaultGate:
+    """Holds back the start of saga ``i`` until every fault due after at most
+    ``i - concurrency`` terminal sagas has been applied, so that each fault lands while
+    sagas are still in flight however fast they run (at most ``after + concurrency``
+    sagas have started when the fault due at ``after`` fires)."""
+
+    def __init__(self, afters: Sequence[int], concurrency: int) -> None:
+        self._afters = sorted(afters)
+        self._concurrency = max(1, concurrency)
+        self._fired = 0
+        self._cond = threading.Condition()
+
+    def fired(self) -> None:
+        with self._cond:
+            self._fired += 1
+            self._cond.notify_all()
+
+    def open(self) -> None:
+        """No more faults will fire (all applied, or the injector gave up)."""
+        with self._cond:
+            self._fired = len(self._afters)
+            self._cond.notify_all()
+
+    def __call__(self, index: int) -> None:
+        needed = sum(1 for after in self._afters if after + self._concurrency <= index)
+        with self._cond:
+            self._cond.wait_for(lambda: self._fired >= needed)
+
+
 def _fault_injector(
-    run: DemoRun, supervisor: Supervisor, board: SagaBoard, display: ProgressDisplay
-) -> threading.Thread | None:
-    """A thread that kill -9s (and restarts) a service after K terminal sagas."""
+    run: DemoRun,
+    supervisor: Supervisor,
+    board: SagaBoard,
+    display: ProgressDisplay,
+) -> FaultGate | None:
+    """Starts a thread that applies each fault (or kill -9s and restarts a service)
+    after K terminal sagas; returns the start gate the agents must pass."""
     opts = run.options
     jobs: list[tuple[str, int, DemoFault | None]] = [
         (fault.name, fault.after, fault) for fault in opts.faults
@@ -468,8 +505,15 @@ def _fault_injector(
         jobs.append(("coordinator", opts.kill_coordinator_after, None))
     if not jobs:
         return None
+    gate = FaultGate([after for _name, after, _fault in jobs], opts.concurrency)
 
     def inject() -> None:
+        try:
+            apply_all()
+        finally:
+            gate.open()
+
+    def apply_all() -> None:
         for name, after, fault in sorted(jobs, key=lambda j: j[1]):
             if not board.wait_count(after, opts.timeout_s):
                 return
@@ -480,6 +524,7 @@ def _fault_injector(
                 )
                 run.faults.append(event)
                 display.log(f"fault: {event}")
+                gate.fired()
                 continue
             if name == "coordinator":
                 # Aim for the middle of a compensation (issue 4's acceptance), but do
@@ -499,10 +544,10 @@ def _fault_injector(
             event = FaultEvent(name, old, process.pid, terminal, compensating)
             run.faults.append(event)
             display.log(f"fault: {event}")
+            gate.fired()
 
-    thread = threading.Thread(target=inject, name="fault-injector", daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=inject, name="fault-injector", daemon=True).start()
+    return gate
 
 
 def _run(run: DemoRun, supervisor: Supervisor) -> int:
@@ -544,8 +589,8 @@ def _run(run: DemoRun, supervisor: Supervisor) -> int:
         run.saga_of = {t.ticket_id: agent.saga_id(t) for t in run.tickets}
         run.started_at = time.monotonic()
         display.start()
-        _fault_injector(run, supervisor, board, display)
-        outcomes = agent.run_all(plans, opts.concurrency)
+        gate = _fault_injector(run, supervisor, board, display)
+        outcomes = agent.run_all(plans, opts.concurrency, gate=gate)
         all_terminal = board.wait_terminal(set(run.saga_of.values()), opts.timeout_s)
         run.ended_at = time.monotonic()
         display.stop()
