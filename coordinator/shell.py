@@ -138,6 +138,12 @@ _Msg = tuple[str, bytes | None, bytes | None, Headers, int | None]
 
 # The longest the loop blocks with nothing to do: how soon it notices stop() or ``until``.
 _IDLE_WAIT_S = 0.2
+# How long a batch that changed only state (no output, no timer) may wait to share the
+# next batch's transaction. Nobody waits on a changelog record or an offset, and the
+# wait is bounded, so this only saves transactions: one at a time, about half of a
+# saga's records (intents, commits, echoes of the coordinator's own records) change
+# nothing but state, and each transaction costs the broker six requests.
+_CARRY_S = 0.1
 
 
 @dataclass
@@ -193,6 +199,11 @@ class Coordinator:
         self._failures = 0  # consecutive failed transactions
         self._suspects: set[str] = set()  # sagas whose records failed to produce
         self._assigned: set[int] = set()
+        # A batch whose only effect is state, not yet committed (see _CARRY_S): memory
+        # is untouched until the transaction that carries it commits, so an abort or a
+        # rebalance rewinds to the committed offsets as for any batch.
+        self._carry: _Pending | None = None
+        self._carry_until = 0.0
         self._known_participants: set[str] = set()
         # (due_at, saga_id) of every saga with a timer; an entry whose saga has since
         # moved (or ended) is skipped when it comes up, so updates only ever push.
@@ -241,8 +252,12 @@ class Coordinator:
         self._running = True
         log.info("coordinator %s consuming %s", self.instance_id, self.topics.events)
         try:
-            while self._running and not (until is not None and until()):
+            while self._running and not (
+                until is not None and self._carry is None and until()
+            ):
                 self._process_batch(self._next_batch())
+            if self._carry is not None:  # a clean stop leaves nothing to re-read
+                self._process_batch([], flush=True)
         finally:
             self._consumer.close()
             self._producer.flush(10)
@@ -254,6 +269,8 @@ class Coordinator:
         wait_s = _IDLE_WAIT_S
         if self._timers:
             wait_s = min(wait_s, max(0.0, (self._timers[0][0] - self._clock()) / 1000))
+        if self._carry is not None:
+            wait_s = min(wait_s, max(0.0, self._carry_until - time.monotonic()))
         first = self._consumer.poll(wait_s)
         if first is None:
             return []
@@ -275,7 +292,7 @@ class Coordinator:
 
     # ----------------------------------------------------------------- the batch
 
-    def _process_batch(self, messages: list[Message]) -> None:
+    def _process_batch(self, messages: list[Message], *, flush: bool = False) -> None:
         now = self._clock()
         due = self._due_sagas(now)
         records = [m for m in messages if m.error() is None]
@@ -283,8 +300,12 @@ class Coordinator:
             err = m.error()
             if err is not None and err.code() != KafkaError._PARTITION_EOF:
                 log.warning("consumer error: %s", err)
-        pending = _Pending(expired=self._expired_markers(now))
-        if not records and not due and not pending.expired:
+        carried, self._carry = self._carry, None
+        pending = carried or _Pending()
+        pending.expired = self._expired_markers(now)
+        flush = flush or (carried is not None and time.monotonic() >= self._carry_until)
+        if not records and not due and not pending.expired and not flush:
+            self._carry = carried
             return
 
         started = time.perf_counter()
@@ -302,6 +323,11 @@ class Coordinator:
                 continue
             self._apply(decision, saga_id, pending)
         self._check_sizes(now, pending)
+        if not flush and not due and self._only_state(pending):
+            if carried is None:
+                self._carry_until = time.monotonic() + _CARRY_S
+            self._carry = pending
+            return
         try:
             if self._failures >= _ISOLATE_AFTER_FAILURES:
                 self._commit_isolated(now, pending)
@@ -325,6 +351,18 @@ class Coordinator:
         for saga_id in due:  # a tick that changed nothing keeps its timer
             if saga_id not in pending.states:
                 self._schedule(saga_id, self._states.due_at(saga_id))
+
+    def _only_state(self, pending: _Pending) -> bool:
+        """True when the batch (with what it carries) changed state at most: nothing
+        to send anyone, so its transaction can wait for the next batch's."""
+        return (
+            self._failures == 0
+            and not pending.loose
+            and not pending.expired
+            and not pending.parked
+            and not any(pending.outputs.values())
+            and sum(len(s) for s in pending.sources.values()) < self._batch_size
+        )
 
     def _handle_message(self, msg: Message, now: int, pending: _Pending) -> None:
         try:
@@ -691,6 +729,15 @@ class Coordinator:
         self._drop({p.partition for p in partitions})
 
     def _drop(self, numbers: set[int]) -> None:
+        if self._carry is not None:
+            # Not committed: the next owner of these partitions re-reads its records
+            # from the committed offsets, and so do we for the partitions we keep.
+            self._carry = None
+            kept = [tp for tp in self._consumer.assignment() if tp.partition not in numbers]
+            if kept:
+                for tp in self._consumer.committed(kept, 30):
+                    offset = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
+                    self._consumer.seek(TopicPartition(tp.topic, tp.partition, offset))
         for saga_id in [s for s, p in self._partition_of.items() if p in numbers]:
             self._states.pop(saga_id)
             self._markers.pop(saga_id, None)
@@ -757,8 +804,9 @@ class Coordinator:
 
     def positions(self) -> dict[int, int]:
         """Next offset to read per assigned events partition (negative before the first
-        fetch). Between batches every offset below it is processed and committed, so
-        an ``until`` callback can tell when a backlog is consumed. Call it from the
+        fetch). When ``until`` is called every offset below it is processed and
+        committed (``run`` asks it only when no batch is carried), so an ``until``
+        callback can tell when a backlog is consumed. Call it from the
         thread running :meth:`run` (e.g. inside ``until``)."""
         assignment = self._consumer.assignment()
         if not assignment:

@@ -1,0 +1,133 @@
+"""A batch that changes only state rides in the next batch's transaction
+(``coordinator.shell._CARRY_S``): until then nothing of it is committed, neither its
+changelog record nor its offsets, so a coordinator that dies holding it loses
+nothing: its successor re-reads those records from the committed offsets and
+reaches the same state, and no command is sent twice. Run on both transports."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from coordinator_ledger import Ledger
+
+from coordinator.shell import Coordinator
+from coordinator.state import SagaState
+from sagaline.kafka import (
+    LedgerReader,
+    TopicPartition,
+    create_consumer,
+    create_producer,
+    ensure_topics,
+)
+from schemas import ExecuteStep, Record
+from schemas.codec import decode
+from schemas.settings import Settings
+from schemas.wire import to_message
+
+_BATCHES = 2_000  # a bound on loop turns, not a deadline: each turn waits <= 0.2 s
+
+
+def _append(settings: Settings, bootstrap: str, *records: Record) -> None:
+    producer = create_producer(bootstrap)
+    signer = settings.signer()
+    for record in records:
+        key, value, headers = to_message(record, signer)
+        producer.produce(settings.topics.events, key=key, value=value, headers=headers)
+    assert producer.flush(30) == 0
+
+
+def _start(coordinator: Coordinator) -> None:
+    """What ``run`` does before its loop; the test then turns the loop by hand."""
+    coordinator._producer.init_transactions(30)
+    coordinator._consumer.subscribe(
+        [coordinator.topics.events],
+        on_assign=coordinator._on_assign,
+        on_revoke=coordinator._on_revoke,
+        on_lost=coordinator._on_lost,
+    )
+
+
+def _turn_until(coordinator: Coordinator, done: Callable[[], bool]) -> None:
+    for _ in range(_BATCHES):
+        coordinator._process_batch(coordinator._next_batch())
+        if done():
+            return
+    raise AssertionError("the coordinator never got there")
+
+
+def _committed(settings: Settings, bootstrap: str, group: str) -> int:
+    consumer = create_consumer(bootstrap, group)
+    try:
+        [tp] = consumer.committed([TopicPartition(settings.topics.events, 0)], 30)
+        return max(tp.offset, 0)
+    finally:
+        consumer.close()
+
+
+def _executes(settings: Settings, bootstrap: str, participant: str) -> list[str]:
+    found = []
+    for _k, value, _h in LedgerReader(bootstrap).records(settings.topics.commands(participant)):
+        record = decode(value or b"")
+        if isinstance(record, ExecuteStep):
+            found.append(record.step_id)
+    return found
+
+
+def _changelog(settings: Settings, bootstrap: str, saga_id: str) -> int:
+    return sum(
+        1
+        for k, _v, _h in LedgerReader(bootstrap).records(settings.topics.state)
+        if k == saga_id.encode()
+    )
+
+
+def test_a_state_only_batch_commits_with_the_next_and_a_crash_before_loses_nothing(
+    transport: str, unique_prefix: str
+) -> None:
+    settings = Settings(bootstrap=transport, topic_prefix=unique_prefix, partitions=1)
+    ledger = Ledger(saga_id="saga-carry", t0=int(time.time() * 1000))
+    first = ledger.scheduled("reserve")
+    participant = first.contract.participant
+    ensure_topics(transport, settings.topics, [participant], settings.partitions)
+    group = f"{unique_prefix}sagaline-coordinator"
+
+    one = Coordinator(settings, transport, instance_id="carry-1")
+    _start(one)
+    _append(settings, transport, ledger.started())
+    _turn_until(one, lambda: one._carry is not None and "saga-carry" in one._carry.states)
+    # Decided, not committed: no changelog record, no offset, no state in memory.
+    assert _changelog(settings, transport, "saga-carry") == 0
+    assert _committed(settings, transport, group) == 0
+    assert one.state_of("saga-carry") is None
+
+    _append(settings, transport, first)
+    _turn_until(one, lambda: one._carry is None and one.state_of("saga-carry") is not None)
+    # One transaction: the command, one changelog record for both batches, the offsets.
+    assert _executes(settings, transport, participant) == ["reserve"]
+    assert _changelog(settings, transport, "saga-carry") == 1
+    assert _committed(settings, transport, group) == 2
+
+    # The participant's intent and commit change state only: carried, then the
+    # coordinator dies holding them (no transaction was begun for them).
+    _append(settings, transport, ledger.intent("reserve"), ledger.committed("reserve"))
+    _turn_until(
+        one,
+        lambda: one._carry is not None and sum(len(s) for s in one._carry.sources.values()) == 2,
+    )
+    assert one._carry is not None
+    held = one._carry.states["saga-carry"]
+    assert isinstance(held, SagaState)
+    one._consumer.close()
+    assert _committed(settings, transport, group) == 2
+
+    # Its successor re-reads both from the committed offsets: the same state, and the
+    # next step is sent once, the first one not again.
+    two = Coordinator(settings, transport, instance_id="carry-1")
+    _start(two)
+    _turn_until(two, lambda: two._carry is None and two.positions().get(0, -1) >= 4)
+    assert two.state_of("saga-carry") == held
+    _append(settings, transport, ledger.scheduled("charge", tool="reserve"))
+    _turn_until(two, lambda: _committed(settings, transport, group) == 5)
+    assert _executes(settings, transport, participant) == ["reserve", "charge"]
+    two._consumer.close()
