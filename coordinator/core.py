@@ -163,8 +163,9 @@ class Output:
 class Decision:
     """The result of one ``decide`` or ``tick``.
 
-    ``changed`` is False when ``state`` is the very object passed in (a duplicate,
-    an echo, nothing due): the shell need not write the changelog then.
+    ``changed`` is False when nothing changed (a duplicate, an echo, nothing due):
+    ``state`` is then the very object passed in, untouched, and the shell need not
+    write the changelog.
     """
 
     state: SagaState | None
@@ -302,10 +303,11 @@ class _Ctx:
         self.out.append(Output(Destination.REJECTED, record, reason=reason.value, detail=detail))
 
 
-def _private_copy(state: SagaState) -> SagaState:
-    """The copy a decision works on. Going through the changelog encoding is several
-    times faster than a deep copy and proves on every decision that state round-trips."""
-    return SagaState.from_bytes(state.to_bytes())
+def _private_copy(state: SagaState, in_place: bool) -> SagaState:
+    """The state a decision works on: ``state`` itself when the caller gave it up
+    (``in_place``), else a copy. Going through the changelog encoding is several times
+    faster than a deep copy and proves on every decision that state round-trips."""
+    return state if in_place else SagaState.from_bytes(state.to_bytes())
 
 
 def _rejection(record: Record, reason: RejectReason, detail: str) -> Output:
@@ -322,6 +324,7 @@ def decide(
     policy: CorePolicy = DEFAULT_POLICY,
     *,
     position: LedgerPosition | None = None,
+    in_place: bool = False,
 ) -> Decision:
     """Fold one record of ``sagaline.events`` into its saga's state.
 
@@ -331,6 +334,11 @@ def decide(
     given, arguments and results over ``policy.inline_payload_bytes`` are kept as a
     reference to it instead of a copy, and commands carry that reference. The rules
     do not depend on it.
+
+    ``state`` is never changed unless ``in_place`` is set: then the caller gives it
+    up, and a decision that changes the saga changes and returns that very object
+    (half-changed if the call raises) instead of a private copy. The shell, which
+    keeps states as bytes and decodes a fresh object per batch, saves a copy per record.
     """
     if state is None:
         return _decide_new(record, now, policy, position)
@@ -345,7 +353,7 @@ def decide(
     stale = record.envelope.generation < state.generation
     if own or (state.is_terminal and not stale):
         return Decision(state)  # our echo, or a late record for an ended saga
-    ctx = _Ctx(_private_copy(state), now, record.event_id, policy, position)
+    ctx = _Ctx(_private_copy(state, in_place), now, record.event_id, policy, position)
     if _refused_writer(ctx, record):
         return Decision(ctx.s, ctx.out, True)  # not remembered: the rightful record may follow
     ctx.remember(record.event_id)
@@ -362,9 +370,12 @@ def decide(
     return Decision(ctx.s, ctx.out, True)
 
 
-def tick(state: SagaState, now: int, policy: CorePolicy = DEFAULT_POLICY) -> Decision:
+def tick(
+    state: SagaState, now: int, policy: CorePolicy = DEFAULT_POLICY, *, in_place: bool = False
+) -> Decision:
     """Fire every timer of ``state`` that is due at ``now`` (retries, re-reconciles,
-    approval expiry, reversal windows), then move the saga on."""
+    approval expiry, reversal windows), then move the saga on. ``in_place`` as for
+    :func:`decide`."""
     if state.is_terminal:
         return Decision(state)
     due = sorted(
@@ -375,7 +386,7 @@ def tick(state: SagaState, now: int, policy: CorePolicy = DEFAULT_POLICY) -> Dec
     )
     if not due:
         return Decision(state)
-    ctx = _Ctx(_private_copy(state), now, None, policy)
+    ctx = _Ctx(_private_copy(state, in_place), now, None, policy)
     for at, _index, purpose_value, step_id in due:
         step = ctx.s.steps[step_id]
         purpose = TimerPurpose(purpose_value)
@@ -405,13 +416,13 @@ def fold(
     live shell would have; the outputs are dropped (they are already in the log, and
     the coordinator's own records are no-ops when they come by).
     """
-    states: dict[str, SagaState] = {}
+    states: dict[str, SagaState] = {}  # its own: decided in place
     for record in records:
         now = now_fn(record)
         state = states.get(record.saga_id)
         if state is not None:
-            state = _state_of(tick(state, now, policy))
-        decision = decide(state, record, now, policy)
+            state = _state_of(tick(state, now, policy, in_place=True))
+        decision = decide(state, record, now, policy, in_place=True)
         if decision.state is not None:
             states[record.saga_id] = decision.state
     return states

@@ -162,6 +162,9 @@ class _Pending:
     loose: list[_Msg] = field(default_factory=list)  # not one saga's: DLQ, resolutions
     expired: list[str] = field(default_factory=list)  # terminal markers to tombstone
     values: dict[str, bytes] = field(default_factory=dict)  # encoded once, when checked
+    # States decoded from memory's bytes for this batch: the core changes them in place
+    # (memory keeps the bytes, so a batch that fails leaves nothing half-applied).
+    loaded: dict[str, SagaState] = field(default_factory=dict)
 
 
 class Coordinator:
@@ -316,7 +319,7 @@ class Coordinator:
             if not isinstance(state, SagaState) or saga_id in pending.parked:
                 continue
             try:
-                decision = tick(state, now, self._policy)
+                decision = tick(state, now, self._policy, in_place=True)
             except Exception as exc:  # a bug in one saga must not stop the others
                 log.exception("tick failed for %s", saga_id)
                 self._park(saga_id, f"tick raised {type(exc).__name__}: {exc}", now, pending)
@@ -389,7 +392,12 @@ class Coordinator:
         pending.last_record[saga_id] = record
         try:
             decision = decide(
-                state, record, now, self._policy, position=(msg.partition() or 0, msg.offset() or 0)
+                state,
+                record,
+                now,
+                self._policy,
+                position=(msg.partition() or 0, msg.offset() or 0),
+                in_place=True,
             )
         except Exception as exc:  # a bug must not stop the service or lose the record
             log.exception("decide failed for %s", record.event_id)
@@ -653,10 +661,17 @@ class Coordinator:
         self.metrics.in_flight(len(self._states))
 
     def _current(self, saga_id: str, pending: _Pending) -> SagaState | SagaMarker | None:
+        """The saga's state as this batch has left it so far: decoded from memory's
+        bytes once per batch, then changed in place by each decision."""
         if saga_id in pending.states:
             return pending.states[saga_id]
+        if saga_id in pending.loaded:
+            return pending.loaded[saga_id]
         state = self._live(saga_id)
-        return state if state is not None else self._markers.get(saga_id)
+        if state is None:
+            return self._markers.get(saga_id)
+        pending.loaded[saga_id] = state
+        return state
 
     def _live(self, saga_id: str) -> SagaState | None:
         """The in-flight state of a saga, decoded from the bytes memory keeps.
