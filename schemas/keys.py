@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 
 _NAMESPACE = uuid.UUID("8f0b1d0e-5a6c-4c8e-9a57-5a9a11e0c0de")
+_NAMESPACE_BYTES = _NAMESPACE.bytes
 
 
 def canonical_json(value: Any) -> bytes:
@@ -48,8 +49,16 @@ def key_hash(key: str) -> str:
 
 def derived_event_id(*parts: str | int) -> str:
     """A deterministic event id, so re-deciding the same input emits the same ids
-    (replays and retries are deduplicated downstream)."""
-    return str(uuid.uuid5(_NAMESPACE, "/".join(str(p) for p in parts)))
+    (replays and retries are deduplicated downstream).
+
+    ``str(uuid.uuid5(_NAMESPACE, "/".join(parts)))``, computed without building a
+    ``UUID`` (the coordinator derives one per output record)."""
+    name = "/".join(p if isinstance(p, str) else str(p) for p in parts)
+    digest = bytearray(hashlib.sha1(_NAMESPACE_BYTES + name.encode()).digest()[:16])
+    digest[6] = (digest[6] & 0x0F) | 0x50  # version 5
+    digest[8] = (digest[8] & 0x3F) | 0x80  # RFC 4122 variant
+    h = digest.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 def new_event_id() -> str:
