@@ -14,6 +14,14 @@ So either the whole batch happened or none of it did: after a crash the new owne
 restores state from the changelog and resumes from the committed offsets, and the
 core's deterministic event ids make any re-decided output identical.
 
+The loop does not wait on the broker when it has work: a batch's offsets go to its
+transaction (two round trips) while the batch is decided, and its commit runs in
+the background while the next batch is read and decoded. Memory takes a batch's
+changes only once its commit has returned, and the next batch is decided only after
+that; a commit that fails aborts the transaction and rewinds to the committed
+offsets, so nothing of it (or of the batch read behind it) is applied. Each batch
+decodes a saga's state once and the core changes that object in place.
+
 One saga cannot stop the others: a saga whose decision raises, whose state or output
 is over ``limits.max_record_bytes``, or whose records the broker refuses is *parked*
 (a parked marker, one incident, its records to the DLQ as ``saga-parked``) and the
@@ -37,6 +45,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Protocol
@@ -167,6 +176,19 @@ class _Pending:
     loaded: dict[str, SagaState] = field(default_factory=dict)
 
 
+@dataclass
+class _Committing:
+    """A batch whose transaction commits in the background while the loop reads and
+    decodes the next one; memory takes its changes once the commit has returned."""
+
+    commit: Future[float]  # when it returned (perf_counter)
+    pending: _Pending
+    due: list[str]  # sagas whose timers it fired
+    offsets: list[TopicPartition]  # where its transaction leaves the consumer
+    started: float
+    records: int
+
+
 class Coordinator:
     """Runs the core over ``sagaline.events`` until :meth:`stop` (or SIGTERM)."""
 
@@ -222,6 +244,12 @@ class Coordinator:
             "retry.backoff.ms": 5,
         }
         self._producer: Producer = create_producer(bootstrap, **self._producer_config)
+        # Waits on the broker for the loop: sends a batch's offsets to its transaction
+        # while the batch is decided, and commits it while the next one is read.
+        self._sender = ThreadPoolExecutor(1, thread_name_prefix="sagaline-commit")
+        self._committing: _Committing | None = None
+        self._rewind = False  # a background commit failed: re-read from the committed offsets
+        self._committed_to: dict[int, int] = {}  # partition -> offset, as of the last commit
         # Static membership: a restarted instance (same id) takes its partitions back
         # at once instead of waiting for the dead one's session to time out.
         self._consumer = create_consumer(
@@ -255,28 +283,36 @@ class Coordinator:
         self._running = True
         log.info("coordinator %s consuming %s", self.instance_id, self.topics.events)
         try:
-            while self._running and not (
-                until is not None and self._carry is None and until()
-            ):
+            while self._running and not (until is not None and self._carry is None and until()):
                 self._process_batch(self._next_batch())
             if self._carry is not None:  # a clean stop leaves nothing to re-read
                 self._process_batch([], flush=True)
+            self._settle()
         finally:
+            self._sender.shutdown()
             self._consumer.close()
             self._producer.flush(10)
 
     def _next_batch(self) -> list[Message]:
         """Block until the first record arrives (or the next timer is due), then take
         whatever has already arrived, up to the batch size: no record waits for a
-        batch to fill, and under load batches grow by themselves."""
-        wait_s = _IDLE_WAIT_S
-        if self._timers:
-            wait_s = min(wait_s, max(0.0, (self._timers[0][0] - self._clock()) / 1000))
-        if self._carry is not None:
-            wait_s = min(wait_s, max(0.0, self._carry_until - time.monotonic()))
-        first = self._consumer.poll(wait_s)
-        if first is None:
-            return []
+        batch to fill, and under load batches grow by themselves. While a batch is
+        committing, only what has already arrived is taken; with nothing there, the
+        commit is waited for instead (its outputs are then visible)."""
+        if self._committing is not None:
+            first = self._consumer.poll(0)
+            if first is None:
+                self._settle()
+                return []
+        else:
+            wait_s = _IDLE_WAIT_S
+            if self._timers:
+                wait_s = min(wait_s, max(0.0, (self._timers[0][0] - self._clock()) / 1000))
+            if self._carry is not None:
+                wait_s = min(wait_s, max(0.0, self._carry_until - time.monotonic()))
+            first = self._consumer.poll(wait_s)
+            if first is None:
+                return []
         return [first, *self._consumer.consume(self._batch_size - 1, 0)]
 
     def _due_sagas(self, now: int) -> list[str]:
@@ -296,64 +332,72 @@ class Coordinator:
     # ----------------------------------------------------------------- the batch
 
     def _process_batch(self, messages: list[Message], *, flush: bool = False) -> None:
+        """Decode the batch (while the previous one may still be committing), then
+        decide it on memory as that commit left it (with the batch it carries, if
+        any); then carry it too, or produce everything in one transaction and leave
+        the commit to the background."""
         now = self._clock()
-        due = self._due_sagas(now)
+        started = time.perf_counter()
         records = [m for m in messages if m.error() is None]
         for m in messages:
             err = m.error()
             if err is not None and err.code() != KafkaError._PARTITION_EOF:
                 log.warning("consumer error: %s", err)
+        loose: list[_Msg] = []  # rejected at decoding, resolutions
+        decoded = [(m, r) for m in records if (r := self._decode(m, loose)) is not None]
+        self._settle()
+        if self._rewind:  # the previous batch failed: this one is read again after it
+            self._rewind = False
+            self._seek_committed()
+            return
+        due = self._due_sagas(now)
         carried, self._carry = self._carry, None
         pending = carried or _Pending()
+        pending.loose += loose
         pending.expired = self._expired_markers(now)
         flush = flush or (carried is not None and time.monotonic() >= self._carry_until)
         if not records and not due and not pending.expired and not flush:
             self._carry = carried
             return
 
-        started = time.perf_counter()
-        for msg in records:
-            self._handle_message(msg, now, pending)
-        for saga_id in due:
-            state = self._current(saga_id, pending)
-            if not isinstance(state, SagaState) or saga_id in pending.parked:
-                continue
-            try:
-                decision = tick(state, now, self._policy, in_place=True)
-            except Exception as exc:  # a bug in one saga must not stop the others
-                log.exception("tick failed for %s", saga_id)
-                self._park(saga_id, f"tick raised {type(exc).__name__}: {exc}", now, pending)
-                continue
-            self._apply(decision, saga_id, pending)
-        self._check_sizes(now, pending)
-        if not flush and not due and self._only_state(pending):
-            if carried is None:
-                self._carry_until = time.monotonic() + _CARRY_S
-            self._carry = pending
-            return
+        positions = self._positions()  # what this batch's transaction commits
+        offsets: Future[None] | None = None
         try:
+            if len(records) >= self._batch_size and self._failures < _ISOLATE_AFTER_FAILURES:
+                # A full batch (a backlog; it is never carried): its offsets go to its
+                # transaction (two round trips) while this thread decides it.
+                offsets = self._begin(positions)
+            self._decide_batch(decoded, due, now, pending)
+            self._check_sizes(now, pending)
+            if offsets is None and not flush and not due and self._only_state(pending):
+                if carried is None:
+                    self._carry_until = time.monotonic() + _CARRY_S
+                self._carry = pending
+                return
             if self._failures >= _ISOLATE_AFTER_FAILURES:
                 self._commit_isolated(now, pending)
+                commit: Future[float] = Future()
+                commit.set_result(time.perf_counter())
             else:
-                self._producer.begin_transaction()
+                offsets = offsets or self._begin(positions)
                 self._produce(pending.loose)
                 for saga_id in self._sagas_in(pending):
                     self._produce_saga(saga_id, pending)
                 self._produce_tombstones(pending)
-                self._send_offsets()
-                self._producer.commit_transaction(30)
+                commit = self._sender.submit(_commit, self._producer, offsets)
         except KafkaException as exc:
-            self._failures += 1
-            for saga_id in due:  # their timers fire again in the re-run of this batch
-                self._schedule(saga_id, self._states.due_at(saga_id))
-            self._recover(exc, pending)
+            if offsets is not None:
+                wait([offsets])  # nothing of this transaction may still be running
+            self._failed(exc, due)
+            self._seek_committed()
             return
-        self._failures = 0
-        self.metrics.transaction_committed(time.perf_counter() - started, len(records))
-        self._commit_pending(pending)
-        for saga_id in due:  # a tick that changed nothing keeps its timer
-            if saga_id not in pending.states:
-                self._schedule(saga_id, self._states.due_at(saga_id))
+        self._committing = _Committing(commit, pending, due, positions, started, len(records))
+
+    def _begin(self, positions: list[TopicPartition]) -> Future[None]:
+        """Begin the batch's transaction; its offsets are sent in the background."""
+        self._producer.begin_transaction()
+        metadata = self._consumer.consumer_group_metadata()
+        return self._sender.submit(self._send_offsets, positions, metadata)
 
     def _only_state(self, pending: _Pending) -> bool:
         """True when the batch (with what it carries) changed state at most: nothing
@@ -367,18 +411,70 @@ class Coordinator:
             and sum(len(s) for s in pending.sources.values()) < self._batch_size
         )
 
-    def _handle_message(self, msg: Message, now: int, pending: _Pending) -> None:
+    def _settle(self) -> None:
+        """Wait for the batch committing in the background; then memory takes its
+        changes, or, if its transaction failed, it is aborted and the consumer is
+        rewound before the next batch (``_rewind``)."""
+        committing, self._committing = self._committing, None
+        if committing is None:
+            return
+        try:
+            committed_at = committing.commit.result()
+        except KafkaException as exc:
+            self._failed(exc, committing.due)
+            self._rewind = True
+            return
+        self._failures = 0
+        self.metrics.transaction_committed(committed_at - committing.started, committing.records)
+        self._committed_to = {tp.partition: tp.offset for tp in committing.offsets}
+        pending = committing.pending
+        self._commit_pending(pending)
+        for saga_id in committing.due:  # a tick that changed nothing keeps its timer
+            if saga_id not in pending.states:
+                self._schedule(saga_id, self._states.due_at(saga_id))
+
+    def _failed(self, exc: KafkaException, due: list[str]) -> None:
+        """A batch's transaction failed: abort it (memory never saw it)."""
+        self._failures += 1
+        for saga_id in due:  # their timers fire again in the re-run of this batch
+            self._schedule(saga_id, self._states.due_at(saga_id))
+        error: KafkaError = exc.args[0]
+        log.warning("transaction failed (%s); aborting the batch and rewinding", error)
+        if error.fatal():
+            raise exc  # fenced by a newer instance with our transactional.id
+        self._abort()
+
+    def _decode(self, msg: Message, loose: list[_Msg]) -> Record | None:
+        """The record, or None when it went to the DLQ (R16)."""
         try:
             record = from_message(msg.key(), msg.value(), msg.headers(), self.signer)
         except CodecError as exc:
-            self._reject(msg, exc.reason, str(exc), pending.loose)
-            return
+            self._reject(msg, exc.reason, str(exc), loose)
+            return None
         if isinstance(record, IncidentResolved):
             # The operators' incident feed shows each resolution next to its incident,
             # also for sagas that have already ended ESCALATED (the usual case).
-            pending.loose.append(
-                (self.topics.incidents, msg.key(), msg.value(), _headers(msg), None)
-            )
+            loose.append((self.topics.incidents, msg.key(), msg.value(), _headers(msg), None))
+        return record
+
+    def _decide_batch(
+        self, records: list[tuple[Message, Record]], due: list[str], now: int, pending: _Pending
+    ) -> None:
+        for msg, record in records:
+            self._handle_message(msg, record, now, pending)
+        for saga_id in due:
+            state = self._current(saga_id, pending)
+            if not isinstance(state, SagaState) or saga_id in pending.parked:
+                continue
+            try:
+                decision = tick(state, now, self._policy, in_place=True)
+            except Exception as exc:  # a bug in one saga must not stop the others
+                log.exception("tick failed for %s", saga_id)
+                self._park(saga_id, f"tick raised {type(exc).__name__}: {exc}", now, pending)
+                continue
+            self._apply(decision, saga_id, pending)
+
+    def _handle_message(self, msg: Message, record: Record, now: int, pending: _Pending) -> None:
         saga_id = record.saga_id
         pending.partitions.setdefault(saga_id, msg.partition() or 0)
         state = self._current(saga_id, pending)
@@ -549,13 +645,13 @@ class Coordinator:
                 kwargs["partition"] = partition
             self._producer.produce(self.topics.state, **kwargs)
 
-    def _send_offsets(self) -> None:
+    def _positions(self) -> list[TopicPartition]:
+        """Where the consumer is: the offsets a batch commits once processed."""
+        return self._consumer.position(self._consumer.assignment())
+
+    def _send_offsets(self, positions: list[TopicPartition], metadata: Any) -> None:
         with deadline("send_offsets_to_transaction", 30):
-            self._producer.send_offsets_to_transaction(
-                self._consumer.position(self._consumer.assignment()),
-                self._consumer.consumer_group_metadata(),
-                30,
-            )
+            self._producer.send_offsets_to_transaction(positions, metadata, 30)
 
     def _commit_isolated(self, now: int, pending: _Pending) -> None:
         """After repeated failures: one transaction per saga, so a saga whose records
@@ -582,7 +678,7 @@ class Coordinator:
         for saga_id in pending.parked:
             self._produce_saga(saga_id, pending)
         self._produce_tombstones(pending)
-        self._send_offsets()
+        self._send_offsets(self._positions(), self._consumer.consumer_group_metadata())
         self._producer.commit_transaction(30)
 
     def _topics_for(self, output: Output) -> list[str]:
@@ -688,15 +784,11 @@ class Coordinator:
             self._markers[saga_id] = _unreadable(saga_id, exc, self._clock())
             return None
 
-    def _recover(self, exc: KafkaException, pending: _Pending) -> None:
-        """Abort the batch and rewind, so nothing is half-applied (memory untouched)."""
-        error: KafkaError = exc.args[0]
-        log.warning("transaction failed (%s); aborting the batch and rewinding", error)
-        if error.fatal():
-            raise exc  # fenced by a newer instance with our transactional.id
-        self._abort()
-        # Rewind to the committed offsets: re-reading the batch re-decides it identically.
-        assignment = self._consumer.assignment()
+    def _seek_committed(self, partitions: list[TopicPartition] | None = None) -> None:
+        """Rewind ``partitions`` (default: all assigned) to the committed offsets:
+        re-reading a batch re-decides it identically (memory never took the changes
+        of a batch that did not commit)."""
+        assignment = self._consumer.assignment() if partitions is None else partitions
         committed = self._consumer.committed(assignment, 30)
         for tp in committed:
             offset = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
@@ -732,15 +824,18 @@ class Coordinator:
     # -------------------------------------------------------------- rebalancing
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._settle()  # the changelog read below must hold our last batch
         numbers = [p.partition for p in partitions]
         restored = self._restore(numbers)
         self._assigned.update(numbers)
         log.info("assigned %s; restored %d sagas", numbers, restored)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._settle()  # our last batch commits (or aborts) before the partitions go
         self._drop({p.partition for p in partitions})
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._settle()
         self._drop({p.partition for p in partitions})
 
     def _drop(self, numbers: set[int]) -> None:
@@ -750,9 +845,7 @@ class Coordinator:
             self._carry = None
             kept = [tp for tp in self._consumer.assignment() if tp.partition not in numbers]
             if kept:
-                for tp in self._consumer.committed(kept, 30):
-                    offset = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
-                    self._consumer.seek(TopicPartition(tp.topic, tp.partition, offset))
+                self._seek_committed(kept)
         for saga_id in [s for s, p in self._partition_of.items() if p in numbers]:
             self._states.pop(saga_id)
             self._markers.pop(saga_id, None)
@@ -820,12 +913,15 @@ class Coordinator:
     def positions(self) -> dict[int, int]:
         """Next offset to read per assigned events partition (negative before the first
         fetch). When ``until`` is called every offset below it is processed and
-        committed (``run`` asks it only when no batch is carried), so an ``until``
-        callback can tell when a backlog is consumed. Call it from the
+        committed (``run`` asks it only when no batch is carried; while a batch commits
+        in the background, this says where the last commit left the consumer), so an
+        ``until`` callback can tell when a backlog is consumed. Call it from the
         thread running :meth:`run` (e.g. inside ``until``)."""
         assignment = self._consumer.assignment()
         if not assignment:
             return {}
+        if self._committing is not None:  # read further than committed: say what is
+            return {tp.partition: self._committed_to.get(tp.partition, -1) for tp in assignment}
         return {tp.partition: tp.offset for tp in self._consumer.position(assignment)}
 
 
@@ -914,6 +1010,14 @@ _RECORD_FAULTS = frozenset(
 """Errors that say "this record (or its topic) is refused", not "the broker is
 unwell": only these make a saga the culprit. Timeouts, transport errors and
 unavailable replicas abort and rewind the batch and park nobody."""
+
+
+def _commit(producer: Producer, offsets: Future[None]) -> float:
+    """Commit the open transaction once its offsets are in it (on the thread that
+    sent them, after them); when it returned."""
+    offsets.result()
+    producer.commit_transaction(30)
+    return time.perf_counter()
 
 
 def _record_fault(exc: KafkaException) -> bool:
