@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import orjson
@@ -47,6 +48,7 @@ from schemas import (
     StepRetryScheduled,
     TerminalStatus,
     compensation_key,
+    derived_event_id,
     key_hash,
 )
 from schemas.receipt import Disposition
@@ -117,6 +119,20 @@ def test_redeciding_the_same_input_gives_identical_outputs_R15() -> None:
     assert [o.record for o in first.outputs] == [o.record for o in second.outputs]
     assert first.state is not None and second.state is not None
     assert first.state.to_bytes() == second.state.to_bytes()
+
+
+def test_derived_event_ids_are_the_uuid5_of_their_parts_R15() -> None:
+    """Ids stay what every earlier version derived, so a replay by a newer coordinator
+    is recognised as the same event downstream."""
+    namespace = uuid.UUID("8f0b1d0e-5a6c-4c8e-9a57-5a9a11e0c0de")
+    for parts in [
+        ("saga-1", 1, "ExecuteStep", "s1", 1),
+        ("saga-ü✓", "incident", "saga-parked"),
+        ("", -3, 0, 10**15),
+        ("a/b",),
+    ]:
+        expected = str(uuid.uuid5(namespace, "/".join(str(p) for p in parts)))
+        assert derived_event_id(*parts) == expected
 
 
 def test_dedup_memory_is_bounded_per_saga_R15() -> None:
@@ -767,6 +783,47 @@ def test_fold_of_the_log_rebuilds_the_live_state_R5() -> None:
     assert {k: (v.status, v.attempt) for k, v in rebuilt.steps.items()} == {
         k: (v.status, v.attempt) for k, v in h.s.steps.items()
     }
+
+
+def test_deciding_in_place_gives_the_same_decisions_and_copying_leaves_the_input_alone() -> None:
+    """The shell hands its per-batch state to the core (``in_place``): every decision,
+    timers included, must be the one the copying core makes, and the copying core
+    must never change the state it was given."""
+    ledger = Ledger()
+    records = [
+        ledger.started(),
+        ledger.scheduled("hold"),
+        ledger.intent("hold"),
+        ledger.committed("hold"),
+        ledger.scheduled("charge"),
+        ledger.failed("charge"),  # transient: a retry timer
+        None,  # the timer fires
+        ledger.failed("charge", attempt=2, kind=FailureKind.BUSINESS_REJECTION),
+        ledger.comp_accepted("hold"),  # no completion wait declared: an incident
+        ledger.comp_committed("hold"),
+    ]
+    copied: SagaState | None = None
+    owned: SagaState | None = None
+    now = 1_000_000
+    for record in records:
+        now += 10
+        if record is None:
+            assert copied is not None and owned is not None
+            now = copied.next_due_at() or now
+            before = copied.to_bytes()
+            a, b = tick(copied, now), tick(owned, now, in_place=True)
+        else:
+            before = copied.to_bytes() if copied is not None else b""
+            a = decide(copied, record, now, position=(0, now))
+            b = decide(owned, record, now, position=(0, now), in_place=True)
+        if copied is not None:
+            assert copied.to_bytes() == before  # the copying core left its input alone
+        assert a.outputs == b.outputs and a.changed == b.changed
+        assert a.state is not None and b.state is not None
+        assert a.state.to_bytes() == b.state.to_bytes()
+        assert owned is None or b.state is owned  # changed where it was
+        copied, owned = a.state, b.state
+    assert owned is not None and owned.is_terminal
 
 
 def test_commands_on_the_events_topic_are_rejected_R16() -> None:

@@ -2,17 +2,25 @@
 (``coordinator.shell._PackedStates``): a restore from the real broker stores bytes,
 schedules timers from the ``sagaline-next-due`` header without decoding, still reads
 records written before the header existed, honours markers, and parks a saga whose
-bytes turn out unreadable when it is first needed."""
+bytes turn out unreadable when it is first needed. A batch decodes each saga it
+touches once and the core changes that copy in place; nothing of a failed decision
+reaches memory or the changelog."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 from coordinator_ledger import Harness, Ledger
 
-from coordinator.shell import Coordinator, _due_headers, _Pending
-from coordinator.state import MarkerKind, SagaState, terminal_marker
-from sagaline.kafka import Producer, ensure_topics, producer_config
-from schemas import FailureKind
+import coordinator.shell as shell
+from coordinator import decide as core_decide
+from coordinator.shell import PARKED_REASON, Coordinator, _due_headers, _Pending
+from coordinator.state import MarkerKind, SagaState, SagaStatus, StepStatus, terminal_marker
+from sagaline.kafka import LedgerReader, Producer, ensure_topics, producer_config
+from schemas import FailureKind, StepIntentRecorded
 from schemas.settings import Settings
+from schemas.wire import read_dead_letter, to_message
 
 
 def _waiting(saga_id: str) -> SagaState:
@@ -71,3 +79,77 @@ def test_restore_keeps_bytes_schedules_timers_and_parks_unreadable_states_on_use
     assert current is parked and parked is not None and parked.marker is MarkerKind.PARKED
     assert "unreadable" in (parked.reason or "")
     assert coordinator.in_flight == 2
+
+
+def test_a_decision_that_raises_half_way_parks_its_saga_and_writes_none_of_its_changes(
+    kafka_bootstrap: str, unique_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The core decides on the batch's decoded state in place (``in_place``): a
+    decision that changed it and then raised must leave no trace of the change, in
+    memory or in the changelog; its saga is parked and a neighbour in the same
+    batches goes on. Records are read in batches of (up to) two, so a batch decides
+    on what the previous one committed (in the background) and left in memory, and
+    the record after the failed one is, most likely, in the same batch."""
+    settings = Settings(bootstrap=kafka_bootstrap, topic_prefix=unique_prefix, partitions=1)
+    ensure_topics(kafka_bootstrap, settings.topics, ["svc"], settings.partitions)
+    good, bad = Ledger(saga_id="saga-good"), Ledger(saga_id="saga-bad")
+    records = [
+        good.started(),
+        bad.started(),
+        good.scheduled("hold"),
+        bad.scheduled("hold"),
+        bad.intent("hold"),  # its decision changes the state, then raises
+        bad.committed("hold"),  # the saga is parked: to the DLQ
+        good.intent("hold"),
+        good.committed("hold"),
+    ]
+
+    def decide(state: Any, record: Any, now: int, *args: Any, **kw: Any) -> Any:
+        if record.saga_id == "saga-bad" and isinstance(record, StepIntentRecorded):
+            assert kw.get("in_place") and state is not None
+            state.status = SagaStatus.COMPENSATING
+            state.steps.clear()
+            raise RuntimeError("a bug half-way through a decision")
+        return core_decide(state, record, now, *args, **kw)
+
+    monkeypatch.setattr(shell, "decide", decide)
+    producer = Producer(producer_config(kafka_bootstrap))
+    signer = settings.signer()
+    for record in records:
+        key, value, headers = to_message(record, signer)
+        producer.produce(settings.topics.events, key=key, value=value, headers=headers)
+    assert producer.flush(30) == 0
+
+    coordinator = Coordinator(settings, kafka_bootstrap, instance_id="inplace", batch_size=2)
+    ends = LedgerReader(kafka_bootstrap).end_offsets(settings.topics.events)
+    seen: dict[str, Any] = {}
+
+    def done() -> bool:  # what memory holds once every record is committed
+        if coordinator.positions().get(0, -1) < ends[0]:
+            return False
+        seen.update(
+            parked=coordinator.marker_of("saga-bad"),
+            bad=coordinator.state_of("saga-bad"),
+            held=coordinator.state_of("saga-good"),
+        )
+        return True
+
+    coordinator.run(until=done)  # closing it drops what it held
+
+    parked, held = seen["parked"], seen["held"]
+    assert parked is not None and parked.marker is MarkerKind.PARKED
+    assert "half-way" in parked.reason
+    assert seen["bad"] is None
+    assert held is not None and held.steps["hold"].status is StepStatus.COMMITTED
+    latest: dict[bytes, bytes | None] = {}
+    for k, v, _h in LedgerReader(kafka_bootstrap).records(settings.topics.state):
+        if k is not None:
+            latest[k] = v
+    assert latest[b"saga-bad"] == parked.to_bytes()  # never the half-changed state
+    assert SagaState.from_bytes(latest[b"saga-good"] or b"") == held
+    dead = [
+        read_dead_letter(h).reason
+        for k, _v, h in LedgerReader(kafka_bootstrap).records(settings.topics.dlq)
+        if k == b"saga-bad"
+    ]
+    assert dead == [PARKED_REASON, PARKED_REASON]  # the raising record, then the next
