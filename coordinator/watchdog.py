@@ -13,9 +13,11 @@ transaction and the batch is re-decided from the committed offsets (R5).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -41,6 +43,55 @@ def _exit(what: str, seconds: float) -> None:
     os._exit(EXIT_WEDGED)
 
 
+class _Watchdog:
+    """The calls in progress and when each gives up, checked by one daemon thread.
+
+    A timer thread per call (``threading.Timer``) would be cheap in C but not here: the
+    caller waits for each new thread to take the GIL, which a busy loop on another
+    thread holds for up to the interpreter's switch interval (5 ms), several times a
+    call. Entries are plain dict operations (atomic under the GIL), so arming and
+    disarming never waits on this thread either."""
+
+    _POLL_S = 1.0  # a wedge is noticed within a second of its limit
+
+    def __init__(self) -> None:
+        self._armed: dict[int, tuple[float, str, float, Callable[[str, float], None]]] = {}
+        self._ids = itertools.count()
+        self._start = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def arm(self, what: str, limit_s: float, on_wedged: Callable[[str, float], None]) -> int:
+        token = next(self._ids)
+        self._armed[token] = (time.monotonic() + limit_s, what, limit_s, on_wedged)
+        if self._thread is None:
+            with self._start:
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._watch, name="sagaline-watchdog", daemon=True
+                    )
+                    self._thread.start()
+        return token
+
+    def disarm(self, token: int) -> None:
+        self._armed.pop(token, None)
+
+    def armed(self) -> int:
+        return len(self._armed)
+
+    def _watch(self) -> None:
+        while True:
+            now = time.monotonic()
+            for token, (at, what, limit_s, on_wedged) in list(self._armed.items()):
+                if at <= now and self._armed.pop(token, None) is not None:
+                    on_wedged(what, limit_s)
+            soonest = min((entry[0] for entry in list(self._armed.values())), default=None)
+            wait_s = self._POLL_S if soonest is None else soonest - time.monotonic()
+            time.sleep(min(self._POLL_S, max(0.001, wait_s)))
+
+
+_WATCHDOG = _Watchdog()
+
+
 @contextmanager
 def deadline(
     what: str,
@@ -50,12 +101,10 @@ def deadline(
     on_wedged: Callable[[str, float], None] = _exit,
 ) -> Iterator[None]:
     """Run the block; if it is still running ``timeout_s`` + ``margin_s`` later, call
-    ``on_wedged`` (by default: exit the process with :data:`EXIT_WEDGED`)."""
-    limit = timeout_s + margin_s
-    timer = threading.Timer(limit, on_wedged, args=(what, limit))
-    timer.daemon = True
-    timer.start()
+    ``on_wedged`` (by default: exit the process with :data:`EXIT_WEDGED`), from the
+    watchdog thread."""
+    token = _WATCHDOG.arm(what, timeout_s + margin_s, on_wedged)
     try:
         yield
     finally:
-        timer.cancel()
+        _WATCHDOG.disarm(token)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 
-from coordinator.watchdog import EXIT_WEDGED, deadline
+from coordinator.watchdog import _WATCHDOG, EXIT_WEDGED, deadline
 
 
 def test_a_block_that_outlives_its_deadline_triggers_the_wedge_handler() -> None:
@@ -24,9 +24,21 @@ def test_a_block_that_outlives_its_deadline_triggers_the_wedge_handler() -> None
 
 def test_a_block_that_returns_cancels_its_watchdog() -> None:
     calls: list[str] = []
+    before = _WATCHDOG.armed()
     with deadline("x", 3600.0, on_wedged=lambda what, _s: calls.append(what)):
-        pass
-    for timer in [t for t in threading.enumerate() if isinstance(t, threading.Timer)]:
-        timer.join(30)  # a cancelled timer ends at once; a live one would run for an hour
-        assert not timer.is_alive(), "the watchdog was not cancelled"
+        assert _WATCHDOG.armed() == before + 1
+    assert _WATCHDOG.armed() == before, "the watchdog was not disarmed"
     assert calls == [] and EXIT_WEDGED == 70
+
+
+def test_blocks_start_no_thread_of_their_own() -> None:
+    """One watchdog thread for every call: a thread per call would make the caller
+    wait for it to take the GIL (the coordinator's commit thread, several times a
+    batch, while the loop decides)."""
+    with deadline("warm-up", 3600.0):
+        pass
+    threads = threading.active_count()
+    for n in range(50):
+        with deadline(f"call {n}", 3600.0):
+            assert threading.active_count() == threads
+    assert [t.name for t in threading.enumerate()].count("sagaline-watchdog") == 1
