@@ -203,6 +203,7 @@ class Coordinator:
         batch_size: int = 500,
         transaction_timeout_ms: int = 10_000,
         metrics: ShellMetrics | None = None,
+        carry_ms: int = int(_CARRY_S * 1000),
     ) -> None:
         self.settings = settings
         self.bootstrap = bootstrap
@@ -224,6 +225,7 @@ class Coordinator:
         self._failures = 0  # consecutive failed transactions
         self._suspects: set[str] = set()  # sagas whose records failed to produce
         self._assigned: set[int] = set()
+        self._carry_s = carry_ms / 1000
         # A batch whose only effect is state, not yet committed (see _CARRY_S): memory
         # is untouched until the transaction that carries it commits, so an abort or a
         # rebalance rewinds to the committed offsets as for any batch.
@@ -273,13 +275,7 @@ class Coordinator:
 
     def run(self, *, until: Callable[[], bool] | None = None) -> None:
         """The loop. ``until`` lets tests and benchmarks stop it on a condition."""
-        self._producer.init_transactions(30)
-        self._consumer.subscribe(
-            [self.topics.events],
-            on_assign=self._on_assign,
-            on_revoke=self._on_revoke,
-            on_lost=self._on_lost,
-        )
+        self._join()
         self._running = True
         log.info("coordinator %s consuming %s", self.instance_id, self.topics.events)
         try:
@@ -292,6 +288,17 @@ class Coordinator:
             self._sender.shutdown()
             self._consumer.close()
             self._producer.flush(10)
+
+    def _join(self) -> None:
+        """What comes before the loop: fence an older instance's open transaction
+        (same transactional id), then join the group."""
+        self._producer.init_transactions(30)
+        self._consumer.subscribe(
+            [self.topics.events],
+            on_assign=self._on_assign,
+            on_revoke=self._on_revoke,
+            on_lost=self._on_lost,
+        )
 
     def _next_batch(self) -> list[Message]:
         """Block until the first record arrives (or the next timer is due), then take
@@ -371,7 +378,7 @@ class Coordinator:
             self._check_sizes(now, pending)
             if offsets is None and not flush and not due and self._only_state(pending):
                 if carried is None:
-                    self._carry_until = time.monotonic() + _CARRY_S
+                    self._carry_until = time.monotonic() + self._carry_s
                 self._carry = pending
                 return
             if self._failures >= _ISOLATE_AFTER_FAILURES:

@@ -37,18 +37,8 @@ def _append(settings: Settings, bootstrap: str, *records: Record) -> None:
     assert producer.flush(30) == 0
 
 
-def _start(coordinator: Coordinator) -> None:
-    """What ``run`` does before its loop; the test then turns the loop by hand."""
-    coordinator._producer.init_transactions(30)
-    coordinator._consumer.subscribe(
-        [coordinator.topics.events],
-        on_assign=coordinator._on_assign,
-        on_revoke=coordinator._on_revoke,
-        on_lost=coordinator._on_lost,
-    )
-
-
 def _turn_until(coordinator: Coordinator, done: Callable[[], bool]) -> None:
+    """Turn the loop by hand (``run`` would hide the carried batch from ``until``)."""
     for _ in range(_BATCHES):
         coordinator._process_batch(coordinator._next_batch())
         if done():
@@ -92,8 +82,10 @@ def test_a_state_only_batch_commits_with_the_next_and_a_crash_before_loses_nothi
     ensure_topics(transport, settings.topics, [participant], settings.partitions)
     group = f"{unique_prefix}sagaline-coordinator"
 
-    one = Coordinator(settings, transport, instance_id="carry-1")
-    _start(one)
+    # The carried batch waits for the next one however slow this test is (the window
+    # is the only clock here): an hour, not the 100 ms default.
+    one = Coordinator(settings, transport, instance_id="carry-1", carry_ms=3_600_000)
+    one._join()
     _append(settings, transport, ledger.started())
     _turn_until(one, lambda: one._carry is not None and "saga-carry" in one._carry.states)
     # Decided, not committed: no changelog record, no offset, no state in memory.
@@ -123,8 +115,8 @@ def test_a_state_only_batch_commits_with_the_next_and_a_crash_before_loses_nothi
 
     # Its successor re-reads both from the committed offsets: the same state, and the
     # next step is sent once, the first one not again.
-    two = Coordinator(settings, transport, instance_id="carry-1")
-    _start(two)
+    two = Coordinator(settings, transport, instance_id="carry-1", carry_ms=0)
+    two._join()
     _turn_until(two, lambda: two._carry is None and two.positions().get(0, -1) >= 4)
     assert two.state_of("saga-carry") == held
     _append(settings, transport, ledger.scheduled("charge", tool="reserve"))
