@@ -24,7 +24,8 @@ from schemas.settings import Settings
 from services import kafka_local
 from services.demo_processes import ManagedProcess, ServiceSpec, group_assigned, python_env
 
-pytestmark = pytest.mark.kafka
+# One worker of a parallel run takes the whole module: its fixture starts a broker.
+pytestmark = [pytest.mark.kafka, pytest.mark.xdist_group("sasl-broker")]
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
