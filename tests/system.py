@@ -170,15 +170,16 @@ class System:
 
 
 class RetryDriver:
-    """Moves a system's :class:`DrivenClock` to the due time of every retry the
-    coordinator schedules (``StepRetryScheduled`` on the ledger), as soon as the
-    schedule is on the ledger: each retry still happens, in the same order, after
-    the same backoff on the coordinator's clock, but no test waits the backoff out
-    in real time. Use it as a context manager around the part of a test that retries."""
+    """Moves a system's :class:`DrivenClock` (``System(..., clock=...)``) to the due
+    time of every retry the coordinator schedules (``StepRetryScheduled`` on the
+    ledger) as soon as the schedule is on the ledger: each retry still happens, in the
+    same order, after the same backoff on the coordinator's clock, but no test waits
+    the backoff out in real time. A context manager around the part that retries."""
 
-    def __init__(self, system: System, clock: DrivenClock) -> None:
+    def __init__(self, system: System) -> None:
+        assert isinstance(system.clock, DrivenClock), "give the System a DrivenClock"
         self.system = system
-        self.clock = clock
+        self.clock = system.clock
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="retry-driver", daemon=True)
 

@@ -54,7 +54,7 @@ class Refunds:
 
     def retries(self) -> RetryDriver:
         """Each retry the coordinator schedules is due at once (driven clock)."""
-        return RetryDriver(self.system, self.clock)
+        return RetryDriver(self.system)
 
     def kinds(self, name: str) -> list[str]:
         return [e.kind for e in self.provider(name).effects()]
