@@ -143,11 +143,12 @@ class System:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.client.close()
+        # Every loop is told to stop before any is waited for: they wind down together.
         for runtime in self._runtimes:
             runtime.stop()
         if self.coordinator is not None:
             self.coordinator.stop()
+        self.client.close()
         for thread in self._threads:
             thread.join(30)
 
