@@ -215,7 +215,7 @@ class Coordinator:
         self.group_id = group_id or f"{settings.topic_prefix}sagaline-coordinator"
         self._clock = clock or (lambda: int(time.time() * 1000))
         self._batch_size = batch_size
-        self._running = False
+        self._running = True  # until stop(), which may come before run() reaches its loop
         self._states = _PackedStates()
         self._partition_of: dict[str, int] = {}
         # Sagas the changelog keeps as a marker (ended, or parked); terminal ones are
@@ -276,7 +276,6 @@ class Coordinator:
     def run(self, *, until: Callable[[], bool] | None = None) -> None:
         """The loop. ``until`` lets tests and benchmarks stop it on a condition."""
         self._join()
-        self._running = True
         log.info("coordinator %s consuming %s", self.instance_id, self.topics.events)
         try:
             while self._running and not (until is not None and self._carry is None and until()):

@@ -2,16 +2,19 @@
 # Lint, type-check and test Sagaline against a real Kafka broker.
 #
 #   scripts/test.sh                         # everything
-#   scripts/test.sh tests/test_kafka_local.py -x   # args go to pytest
+#   scripts/test.sh tests/test_kafka_local.py -x   # args go to pytest (one pytest, as given)
 #
 # Steps: scripts/bootstrap.sh (venv, deps, Java/Maven); `sagaline kafka up` (run as
 # `python -m services.kafka_cli up`, which needs no other area's CLI code) unless
 # KAFKA_BOOTSTRAP_SERVERS is already set (first run resolves the Kafka jars with
-# Maven and starts the broker; later runs reuse it); then ruff, mypy, the import-layer
-# contracts (lint-imports) and pytest. All of them run even if one fails, so one
-# run shows every problem; the exit code is non-zero if any failed, or if pytest
-# collected no tests (exit 5). With CI=true the broker this script started is
-# stopped at the end.
+# Maven and starts the broker; later runs reuse it); then ruff, mypy and the
+# import-layer contracts (lint-imports) beside pytest. Without arguments pytest runs
+# the suite in parallel (pytest-xdist, SAGALINE_TEST_WORKERS workers, default 4) and
+# then, serially, the secret scan (`-m secretscan`) that must see what every other
+# test wrote; with arguments, one `pytest ARGS` (add `-n 4` yourself). All of them
+# run even if one fails, so one run shows every problem; the exit code is non-zero
+# if any failed, or if a pytest collected no tests (exit 5). With CI=true the broker
+# this script started is stopped at the end.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -57,26 +60,53 @@ fi
 
 failed=()
 
-echo "== ruff check ." >&2
-ruff check . || failed+=(ruff)
+# The static checks need the CPU while pytest mostly waits on the broker and its
+# subprocesses, so they run beside it; their output is printed after pytest's.
+static_dir="$(mktemp -d)"
+static_checks() {
+    echo "== ruff check ."
+    ruff check . || echo ruff >>"$static_dir/failed"
+    echo "== mypy (strict)"
+    mypy || echo mypy >>"$static_dir/failed"
+    # Layers point down only, confluent_kafka only in sagaline/kafka, the local broker
+    # launcher on no production path: contracts in pyproject.toml [tool.importlinter].
+    echo "== lint-imports (layer contracts)"
+    lint-imports --no-cache || echo lint-imports >>"$static_dir/failed"
+}
+static_checks >"$static_dir/log" 2>&1 &
+static_pid=$!
 
-echo "== mypy (strict)" >&2
-mypy || failed+=(mypy)
+run_pytest() {
+    echo "== pytest $*" >&2
+    local start=$SECONDS rc
+    pytest "$@"
+    rc=$?
+    echo "test.sh: pytest $* took $((SECONDS - start))s" >&2
+    if [ "$rc" = 5 ]; then
+        echo "test.sh: pytest collected no tests; that counts as a failure" >&2
+        failed+=("pytest(no tests)")
+    elif [ "$rc" != 0 ]; then
+        failed+=("pytest(exit $rc)")
+    fi
+}
 
-# Layers point down only, confluent_kafka only in sagaline/kafka, the local broker
-# launcher on no production path: contracts in pyproject.toml [tool.importlinter].
-echo "== lint-imports (layer contracts)" >&2
-lint-imports --no-cache || failed+=(lint-imports)
-
-echo "== pytest $*" >&2
-pytest "$@"
-rc=$?
-if [ "$rc" = 5 ]; then
-    echo "test.sh: pytest collected no tests; that counts as a failure" >&2
-    failed+=("pytest(no tests)")
-elif [ "$rc" != 0 ]; then
-    failed+=("pytest(exit $rc)")
+if [ "$#" -gt 0 ]; then
+    run_pytest "$@"
+else
+    # The suite on SAGALINE_TEST_WORKERS pytest-xdist workers (tests isolate themselves
+    # by topic prefix and tmp_path; a module whose fixture starts something expensive
+    # stays on one worker: xdist_group + --dist loadgroup). Then the secret scan, which
+    # reads every topic the suite left on the broker, so it runs alone and last.
+    run_pytest -n "${SAGALINE_TEST_WORKERS:-4}" --dist loadgroup -m "not secretscan"
+    run_pytest -m secretscan
 fi
+
+wait "$static_pid"
+cat "$static_dir/log" >&2
+if [ -s "$static_dir/failed" ]; then
+    while read -r name; do failed+=("$name"); done <"$static_dir/failed"
+fi
+rm -rf "$static_dir"
 
 if [ "${#failed[@]}" -gt 0 ]; then
     echo "test.sh: FAILED: ${failed[*]}" >&2

@@ -4,7 +4,8 @@
   :func:`services.broker.choose_broker` -- ``KAFKA_BOOTSTRAP_SERVERS``, else the
   local JVM broker (started once, then reused across sessions), else
   testcontainers. The broker is left running at the end (it is cached and the
-  next run reuses it in a fraction of a second) unless ``SAGALINE_STOP_BROKER=1``.
+  next run reuses it in a fraction of a second) unless ``SAGALINE_STOP_BROKER=1``
+  (not in a pytest-xdist worker: the others still use it).
 * ``unique_prefix``: a fresh topic-name prefix per test, so tests never share
   topics and need no cleanup between runs on the shared broker.
 * ``admin``: a confluent_kafka ``AdminClient`` on that broker.
@@ -33,15 +34,53 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"kafka: {broker.describe_configured()}"
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+# The longest tests, started first: in a parallel run (pytest-xdist, scripts/test.sh)
+# none of them is left to run alone at the end while the other workers sit idle.
+SLOW_FIRST = (
+    "test_scale_out.py",
+    "test_broker_failure.py",
+    "test_demo_e2e.py",
+    "test_fuzz_consumers.py",
+    "test_drill.py",
+    "test_soak.py",
+    "test_kafka_cluster.py",
+    "test_kafka_sasl.py",
+    "test_compose_services.py",
+)
+
+
+def _order(item: pytest.Item) -> tuple[bool, int]:
+    name = item.path.name
+    return (
+        item.get_closest_marker("secretscan") is not None,
+        SLOW_FIRST.index(name) if name in SLOW_FIRST else len(SLOW_FIRST),
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``secretscan`` read what every other test left on the broker:
-    they run last."""
-    items.sort(key=lambda item: item.get_closest_marker("secretscan") is not None)
+    they run last. In a parallel run nothing is "last", so there they are left out
+    when other tests are selected too (scripts/test.sh runs them in a second, serial
+    pytest after the parallel one)."""
+    items.sort(key=_order)
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker
+        scans = [i for i in items if i.get_closest_marker("secretscan") is not None]
+        if scans and len(scans) < len(items):
+            config.hook.pytest_deselected(items=scans)
+            items[:] = [i for i in items if i not in scans]
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, config: pytest.Config
+) -> None:
     for choice in _chosen:
         terminalreporter.write_line(f"kafka: {choice.description}")
+    parallel = config.getoption("numprocesses", None)
+    if parallel and "secretscan" not in (config.getoption("markexpr") or ""):
+        terminalreporter.write_line(
+            "secretscan tests do not run in a parallel run: `pytest -m secretscan` after it"
+        )
 
 
 @pytest.fixture(scope="session")
@@ -49,7 +88,13 @@ def kafka_bootstrap() -> Iterator[str]:
     choice = broker.choose_broker()
     _chosen.append(choice)
     yield choice.bootstrap
-    if choice.source == "local-jvm" and os.environ.get("SAGALINE_STOP_BROKER") == "1":
+    # Each pytest-xdist worker has a session of its own: the first to finish must not
+    # stop the broker under the others (scripts/test.sh stops it after the run).
+    if (
+        choice.source == "local-jvm"
+        and os.environ.get("SAGALINE_STOP_BROKER") == "1"
+        and "PYTEST_XDIST_WORKER" not in os.environ
+    ):
         kafka_local.down()
 
 

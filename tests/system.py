@@ -22,9 +22,33 @@ from participants.client import SagaClient
 from participants.runtime import ParticipantRuntime
 from sagaline.kafka import LedgerReader, Producer, create_producer, ensure_topics
 from sagaline.ops.metrics import CoordinatorMetrics, ParticipantMetrics
-from schemas import Record
+from schemas import Record, StepRetryScheduled
+from schemas.errors import CodecError
 from schemas.limits import Limits
 from schemas.settings import Settings
+from schemas.wire import from_message
+
+
+class DrivenClock:
+    """Epoch ms that only move when the test moves them (:meth:`advance`, or a
+    :class:`RetryDriver`): "late" and "past the deadline" are facts of the test, not
+    races with a busy machine."""
+
+    def __init__(self) -> None:
+        self._now = int(time.time() * 1000)
+        self._lock = threading.Lock()
+
+    def __call__(self) -> int:
+        with self._lock:
+            return self._now
+
+    def advance(self, ms: int) -> None:
+        with self._lock:
+            self._now += ms
+
+    def advance_to(self, epoch_ms: int) -> None:
+        with self._lock:
+            self._now = max(self._now, epoch_ms)
 
 
 class System:
@@ -119,11 +143,12 @@ class System:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.client.close()
+        # Every loop is told to stop before any is waited for: they wind down together.
         for runtime in self._runtimes:
             runtime.stop()
         if self.coordinator is not None:
             self.coordinator.stop()
+        self.client.close()
         for thread in self._threads:
             thread.join(30)
 
@@ -143,6 +168,41 @@ class System:
 
     def raw_producer(self) -> Producer:
         return create_producer(self.bootstrap)
+
+
+class RetryDriver:
+    """Moves a system's :class:`DrivenClock` (``System(..., clock=...)``) to the due
+    time of every retry the coordinator schedules (``StepRetryScheduled`` on the
+    ledger) as soon as the schedule is on the ledger: each retry still happens, in the
+    same order, after the same backoff on the coordinator's clock, but no test waits
+    the backoff out in real time. A context manager around the part that retries."""
+
+    def __init__(self, system: System) -> None:
+        assert isinstance(system.clock, DrivenClock), "give the System a DrivenClock"
+        self.system = system
+        self.clock = system.clock
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="retry-driver", daemon=True)
+
+    def __enter__(self) -> RetryDriver:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        signer = self.system.settings.signer()
+        reader = LedgerReader(self.system.bootstrap)
+        while not self._stop.wait(0.1):
+            for key, value, headers in reader.records(self.system.topics.events):
+                try:
+                    record = from_message(key, value, headers, signer)
+                except CodecError:
+                    continue
+                if isinstance(record, StepRetryScheduled):
+                    self.clock.advance_to(record.due_at)
 
 
 def wait_until(check: Callable[[], Any], timeout_s: float = 60.0, what: str = "") -> Any:

@@ -3,14 +3,13 @@ completion is confirmed, and otherwise ends in exactly one incident at the decla
 deadline after the acceptance, whatever happens to the participant meanwhile.
 
 Time is driven, not waited for: the coordinator and the participants read one
-:class:`DrivenClock` that moves only when the test says, so "late" and "past the
-deadline" are facts of the test, not races with a busy machine.
+:class:`~tests.system.DrivenClock` that moves only when the test says, so "late" and
+"past the deadline" are facts of the test, not races with a busy machine.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,26 +33,10 @@ from schemas import (
     SagaTerminal,
     TerminalStatus,
 )
-from tests.system import System, wait_until
+from tests.system import DrivenClock, System, wait_until
 
 WAIT_S = 30  # the declared completion wait; driven time, so its size costs nothing
 WAIT_MS = WAIT_S * 1000
-
-
-class DrivenClock:
-    """Epoch ms that only move when :meth:`advance` is called."""
-
-    def __init__(self) -> None:
-        self._now = int(time.time() * 1000)
-        self._lock = threading.Lock()
-
-    def __call__(self) -> int:
-        with self._lock:
-            return self._now
-
-    def advance(self, ms: int) -> None:
-        with self._lock:
-            self._now += ms
 
 
 class Bookings:

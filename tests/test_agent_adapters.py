@@ -18,7 +18,8 @@ from participants.client import BusinessRejected, SagaClient
 from schemas import TerminalStatus
 from schemas.settings import Settings
 
-pytestmark = pytest.mark.kafka
+# One worker of a parallel run takes the whole module: its module fixture runs a coordinator.
+pytestmark = [pytest.mark.kafka, pytest.mark.xdist_group("agent-adapters")]
 
 
 class Trip:

@@ -34,7 +34,8 @@ from confluent_kafka.admin import AdminClient
 from schemas.topics import TopicNames
 from services.demo_processes import ManagedProcess, ServiceSpec, group_assigned, python_env
 
-pytestmark = pytest.mark.kafka
+# One worker of a parallel run takes the whole module: its module fixture starts every service.
+pytestmark = [pytest.mark.kafka, pytest.mark.xdist_group("compose-services")]
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]

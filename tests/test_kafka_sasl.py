@@ -18,13 +18,15 @@ from pathlib import Path
 import pytest
 
 from participants import SagaClient
-from sagaline.kafka import ClientConfig, KafkaException, create_admin
+from sagaline.kafka import ClientConfig, KafkaError, KafkaException, create_admin
 from schemas import TerminalStatus
 from schemas.settings import Settings
 from services import kafka_local
 from services.demo_processes import ManagedProcess, ServiceSpec, group_assigned, python_env
+from tests.system import wait_until
 
-pytestmark = pytest.mark.kafka
+# One worker of a parallel run takes the whole module: its fixture starts a broker.
+pytestmark = [pytest.mark.kafka, pytest.mark.xdist_group("sasl-broker")]
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -50,8 +52,18 @@ def test_a_client_without_the_right_password_is_refused(
 ) -> None:
     env = sasl_broker.client_env("agent") | {"SAGALINE_KAFKA_SASL_PASSWORD": "wrong"}
     config = ClientConfig.from_env(sasl_broker.bootstrap, env)
+    errors: list[KafkaError] = []
+    admin = create_admin(config, error_cb=errors.append)
+
+    def refused() -> bool:
+        admin.poll(0.2)  # serves the error callback
+        return any(e.code() == KafkaError._AUTHENTICATION for e in errors)
+
+    # The broker's refusal itself, reported as soon as it comes (not a timeout, which
+    # a slow machine would also give).
+    wait_until(refused, 120, "the broker to refuse the wrong password")
     with pytest.raises(KafkaException):
-        create_admin(config).list_topics(timeout=15)
+        admin.list_topics(timeout=1)  # and nothing is served to this client
 
 
 def test_coordinator_and_participant_run_on_sasl_from_environment_settings_only(

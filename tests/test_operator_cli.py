@@ -23,7 +23,7 @@ from participants.client import ApprovalDeniedError, BusinessRejected
 from sagaline.kafka import LedgerReader
 from schemas import ApprovalRequested, IncidentResolved, TerminalStatus
 from services.cli import main
-from tests.system import System, wait_until
+from tests.system import DrivenClock, RetryDriver, System, wait_until
 
 pytestmark = pytest.mark.kafka
 
@@ -61,7 +61,9 @@ def office(
 ) -> Iterator[tuple[System, Office]]:
     desk = Office()
     catalogue = wrap(desk, name="office")
-    with System(kafka_bootstrap, unique_prefix, tmp_path, [catalogue]) as system:
+    # Driven time: a retry's backoff passes when a RetryDriver moves the clock to it.
+    clock = DrivenClock()
+    with System(kafka_bootstrap, unique_prefix, tmp_path, [catalogue], clock=clock) as system:
         monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
         monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
         monkeypatch.setenv("SAGALINE_HMAC_KEY", "test-key")
@@ -151,11 +153,12 @@ def test_incidents_list_and_resolve_on_the_cli_R8(
     office: tuple[System, Office], capsys: pytest.CaptureFixture[str]
 ) -> None:
     system, _desk = office
-    with pytest.raises(BusinessRejected), system.client.saga("rooms", "agent") as saga:
-        saga.call("reserve_room", room="blue")
-        saga.call("refuse")
-    # free_room always fails: after its (generous) retries an incident names the owner.
-    receipt = saga.wait(120)
+    with RetryDriver(system):
+        with pytest.raises(BusinessRejected), system.client.saga("rooms", "agent") as saga:
+            saga.call("reserve_room", room="blue")
+            saga.call("refuse")
+        # free_room always fails: after its (generous) retries an incident names the owner.
+        receipt = saga.wait(120)
     assert receipt.status is TerminalStatus.ESCALATED
 
     capsys.readouterr()

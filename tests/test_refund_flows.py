@@ -2,7 +2,10 @@
 
 Each test runs the five refund participants (with their SQLite providers), the
 coordinator and an agent in one process, injects one fault, and checks the outcome
-against the providers' own state and the saga's receipt.
+against the providers' own state and the saga's receipt. The coordinator's and the
+participants' clock is driven (:class:`~tests.system.DrivenClock`): a retry's backoff
+passes when the test's :class:`~tests.system.RetryDriver` moves the clock to it, not
+in real time.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from schemas import (
 )
 from schemas.wire import DLQ_REASON, to_message
 from services.refund import PARTICIPANTS, FaultMode, FaultPlan, FaultRule, build_catalogue
-from tests.system import System, wait_until
+from tests.system import DrivenClock, RetryDriver, System, wait_until
 
 pytestmark = pytest.mark.kafka
 
@@ -42,11 +45,16 @@ class Refunds:
         catalogues = [build_catalogue(n, tmp / n, faults) for n in NAMES]
         # The providers the catalogues serve are separate objects on the same SQLite
         # files: the test reads the same world the participants change.
-        self.system = System(bootstrap, prefix, tmp, catalogues)
+        self.clock = DrivenClock()
+        self.system = System(bootstrap, prefix, tmp, catalogues, clock=self.clock)
         self.channel = OperatorChannel(bootstrap, self.system.topics, self.system.settings.signer())
 
     def provider(self, name: str) -> Any:
         return self.participants[name].provider
+
+    def retries(self) -> RetryDriver:
+        """Each retry the coordinator schedules is due at once (driven clock)."""
+        return RetryDriver(self.system)
 
     def kinds(self, name: str) -> list[str]:
         return [e.kind for e in self.provider(name).effects()]
@@ -115,11 +123,14 @@ def test_email_failure_after_the_pivot_is_retried_forward_never_clawed_back_R6(
     refunds: Refunds,
 ) -> None:
     stop = threading.Event()
-    with refunds.system.client.saga("refund", "agent") as saga:
-        operator = refunds.approve_when_asked(saga, stop)
-        credit = _refund_until_credit(saga)
-        saga.call("send_reply", order_id="ord-1", text="refunded", credit_id=credit["credit_id"])
-    receipt = saga.wait(60)
+    with refunds.retries():
+        with refunds.system.client.saga("refund", "agent") as saga:
+            operator = refunds.approve_when_asked(saga, stop)
+            credit = _refund_until_credit(saga)
+            saga.call(
+                "send_reply", order_id="ord-1", text="refunded", credit_id=credit["credit_id"]
+            )
+        receipt = saga.wait(60)
     stop.set()
     operator.join(10)
     assert receipt.status is TerminalStatus.COMPLETED
@@ -194,9 +205,10 @@ def test_irreversible_step_runs_only_after_a_valid_grant_R7(refunds: Refunds) ->
 def test_a_compensation_that_keeps_failing_escalates_to_its_owner_while_others_run_R3_R8(
     refunds: Refunds,
 ) -> None:
-    with pytest.raises(BusinessRejected), refunds.system.client.saga("refund", "agent") as saga:
-        _refund_until_credit(saga)
-    receipt = saga.wait(120)
+    with refunds.retries():
+        with pytest.raises(BusinessRejected), refunds.system.client.saga("refund", "agent") as saga:
+            _refund_until_credit(saga)
+        receipt = saga.wait(120)
     assert receipt.status is TerminalStatus.ESCALATED
     # The failing undo of the restock did not stop the hold from being released.
     assert "hold.released" in refunds.kinds("inventory")

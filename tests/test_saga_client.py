@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,9 +16,11 @@ from participants import (
     CompensationContext,
     Reversibility,
     compensable,
+    readiness,
     tool,
     wrap,
 )
+from participants import client as client_module
 from participants.client import (
     ApprovalPending,
     BusinessRejected,
@@ -192,8 +195,14 @@ def test_the_demo_agent_waits_again_for_a_late_approval_and_ends_the_saga_R7(
 
 
 def test_without_a_coordinator_a_saga_says_what_to_start(
-    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # No coordinator will come: the 15 s a starting one is given would only be waited out.
+    monkeypatch.setattr(
+        client_module,
+        "require_coordinator",
+        functools.partial(readiness.require_coordinator, patience_s=1.0),
+    )
     settings = Settings(
         bootstrap=kafka_bootstrap, topic_prefix=unique_prefix, state_dir=tmp_path, partitions=1
     )

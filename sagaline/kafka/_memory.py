@@ -181,7 +181,9 @@ class MemoryProducer:
         self.transactional = "transactional.id" in config
         self._reports: list[tuple[Callable[..., Any], KafkaError | None, Message]] = []
         self._txn: _Transaction | None = None
-        self._lock = threading.Lock()
+        # poll(timeout) waits on it for a delivery report, as librdkafka's does: a
+        # background poller must not spin.
+        self._lock = threading.Condition()
 
     def produce(
         self,
@@ -209,9 +211,12 @@ class MemoryProducer:
             )  # fmt: skip
             with self._lock:
                 self._reports.append((on_delivery, error, msg))
+                self._lock.notify_all()
 
     def poll(self, timeout: float = 0) -> int:
         with self._lock:
+            if not self._reports and timeout > 0:
+                self._lock.wait(timeout)
             reports, self._reports = self._reports, []
         for callback, error, msg in reports:
             callback(error, msg)
