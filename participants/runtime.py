@@ -956,7 +956,10 @@ class ParticipantRuntime:
             clock=clock,
             workers=max_in_flight,
         )
+        # Set until stop(), which may come before run() reaches its loop (a SIGTERM
+        # during start-up must not be lost).
         self._running = threading.Event()
+        self._running.set()
         self._background: list[threading.Thread] = []
         self._work = _KeyOrderedWork(self._process, max_in_flight, self.participant)
         # Per command partition, its end offset when it was assigned to this replica.
@@ -1036,7 +1039,6 @@ class ParticipantRuntime:
             on_lost=on_revoke,
         )
         self.publish_catalogue()
-        self._running.set()
         for command_id, command in self.journal.accepted():
             self._confirm_in_background(command_id, command)
         log.info(

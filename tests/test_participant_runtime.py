@@ -292,3 +292,19 @@ def test_a_compensation_receives_exactly_the_input_and_the_result(harness: Harne
     harness.wait_for(lambda rs: bool(_of(rs, CompensationCommitted)))
     released = [v for k, v in harness.shop.effects if k == "release"]
     assert released == [{"input": args, "result": {"reservation": "res-1", "sku": "sku-9"}}]
+
+
+def test_a_stop_before_run_reaches_its_loop_is_kept(
+    transport: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    """A SIGTERM while a participant is still starting must not be lost: ``run`` then
+    starts, finds it stopped, and returns (here on the test's own thread, so a lost
+    stop would hang the test until pytest-timeout)."""
+    harness = Harness(transport, unique_prefix, tmp_path)
+    runtime = ParticipantRuntime(
+        harness.catalogue, harness.settings, transport, participant=PARTICIPANT
+    )
+    runtime.stop()
+    ready = threading.Event()
+    runtime.run(ready=ready)
+    assert ready.is_set()  # it did start, then honoured the stop
