@@ -524,6 +524,7 @@ class Coordinator:
             out.extend(self._prepare(output, source))
         if decision.changed and decision.state is not None:
             pending.states[saga_id] = decision.state
+            pending.values.pop(saga_id, None)  # encoded again, once, by _check_sizes
 
     def _prepare(self, output: Output, source: Message | None) -> list[_Msg]:
         if output.destination is Destination.REJECTED:
@@ -546,7 +547,8 @@ class Coordinator:
                 self._park(saga_id, "its records could not be produced", now, pending)
                 continue
             state = pending.states.get(saga_id)
-            if state is not None:
+            if state is not None and saga_id not in pending.values:
+                # A carried saga that did not change since is not encoded again.
                 pending.values[saga_id] = _changelog_value(state)
             size = len(pending.values.get(saga_id, b""))
             if size > limit:
@@ -579,6 +581,7 @@ class Coordinator:
         pending.outputs[saga_id] = []
         for msg in pending.sources.pop(saga_id, []):
             self._reject(msg, PARKED_REASON, f"saga {saga_id} is parked: {why}", pending.loose)
+        pending.values.pop(saga_id, None)
         pending.states[saga_id] = SagaMarker(
             marker=MarkerKind.PARKED, saga_id=saga_id, status="PARKED", at=now, reason=why[:2000]
         )
