@@ -1025,7 +1025,11 @@ def _commit(producer: Producer, offsets: Future[None]) -> float:
     """Commit the open transaction once its offsets are in it (on the thread that
     sent them, after them); when it returned."""
     offsets.result()
-    producer.commit_transaction(30)
+    # The batch loop waits for this commit; a commit librdkafka never returns from
+    # (as send_offsets_to_transaction can after a broker restart) must end the process
+    # for its supervisor to restart, not stall every saga.
+    with deadline("commit_transaction", 30):
+        producer.commit_transaction(30)
     return time.perf_counter()
 
 
