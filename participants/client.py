@@ -67,6 +67,7 @@ from schemas import (
     canonical_json,
     envelope_for,
 )
+from schemas.codec import record_type
 from schemas.errors import CodecError
 from schemas.limits import (
     PARKED_INCIDENT,
@@ -163,6 +164,24 @@ class UnknownTool(LookupError):
 
 
 # -------------------------------------------------------------------- listener
+
+# The record types some wait of this module looks at (approval_request, _step_check,
+# wait). The listener skips the others (a saga's intents, its own scheduled steps,
+# compensation progress: 10 of a 16-record saga) before verifying or decoding them;
+# a new check on another type must add it here.
+AWAITED: frozenset[type[Record]] = frozenset(
+    {
+        ApprovalDenied,
+        ApprovalRequested,
+        CompensationRequested,
+        IncidentRaised,
+        SagaTerminal,
+        StepCommitted,
+        StepFailed,
+        StepOutcomeUnknown,
+        StepReconciled,
+    }
+)
 
 
 class _SagaFeed:
@@ -459,6 +478,10 @@ class SagaClient:
                     key = msg.key()
                     if key is None or not self._ledger.follows(key.decode("utf-8", "replace")):
                         continue  # another agent's saga: not even decoded
+                    value = msg.value()
+                    kind = None if value is None else record_type(value)
+                    if kind is not None and kind not in AWAITED:
+                        continue  # of a type no wait looks at: not verified nor decoded
                     try:
                         record = from_message(msg.key(), msg.value(), msg.headers(), self.signer)
                     except CodecError:
@@ -499,6 +522,7 @@ class Saga:
         self._steps = itertools.count(1)
         self.results: dict[str, Any] = {}
         self._contracts: dict[str, StepContract] = {}
+        self._receipt: Receipt | None = None
 
     def _envelope(self, cls: type[Record]) -> Any:
         return envelope_for(
@@ -660,12 +684,21 @@ class Saga:
 
     def wait(self, timeout_s: float = 60.0) -> Receipt:
         """Wait for the terminal record and return its receipt."""
+        if self._receipt is not None:
+            return self._receipt
         found = self.client._ledger.wait_for(
             self.saga_id, lambda r: r if isinstance(r, SagaTerminal) else None, timeout_s
         )
+        return self._terminal(found, timeout_s)
+
+    def _terminal(self, found: SagaTerminal | None, timeout_s: float) -> Receipt:
+        """The receipt; the client stops following the saga once it is terminal (a
+        long-lived agent must not keep every saga's records)."""
         if found is None:
             raise TimeoutError(f"saga {self.saga_id} is not terminal after {timeout_s} s")
-        return Receipt.from_json(found.receipt)
+        self._receipt = Receipt.from_json(found.receipt)
+        self.client._ledger.forget(self.saga_id)
+        return self._receipt
 
     # ----------------------------------------------------------------- async
 
@@ -726,12 +759,12 @@ class Saga:
 
     async def await_terminal(self, timeout_s: float = 60.0) -> Receipt:
         """:meth:`wait` for asyncio."""
+        if self._receipt is not None:
+            return self._receipt
         found = await self.client._ledger.wait_for_async(
             self.saga_id, lambda r: r if isinstance(r, SagaTerminal) else None, timeout_s
         )
-        if found is None:
-            raise TimeoutError(f"saga {self.saga_id} is not terminal after {timeout_s} s")
-        return Receipt.from_json(found.receipt)
+        return self._terminal(found, timeout_s)
 
     # -------------------------------------------------------------- outcomes
 

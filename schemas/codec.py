@@ -22,7 +22,7 @@ from fastavro import schemaless_reader, schemaless_writer
 from fastavro.read import SchemaResolutionError
 from pydantic import ValidationError
 
-from schemas.errors import InvalidRecord, MalformedRecord, SchemaMismatch
+from schemas.errors import InvalidRecord, MalformedRecord, SchemaMismatch, UnknownFingerprint
 from schemas.models import RECORD_TYPES, Record
 from schemas.registry import SchemaRegistry, default_registry
 
@@ -46,6 +46,21 @@ class Codec:
         buf.write(schema.fingerprint)
         schemaless_writer(buf, schema.parsed, _to_avro(record))
         return buf.getvalue()
+
+    def record_type(self, data: bytes) -> type[Record] | None:
+        """The record type a frame's fingerprint names, without decoding the body.
+
+        None when ``data`` is not a frame of a schema this registry knows (a full
+        :meth:`decode` says why). Lets a reader skip, for the price of a dict lookup,
+        records it has no use for.
+        """
+        if len(data) < HEADER_LEN or data[:2] != MAGIC:
+            return None
+        try:
+            writer = self.registry.by_fingerprint(bytes(data[2:HEADER_LEN]))
+        except UnknownFingerprint:
+            return None
+        return RECORD_TYPES.get(writer.name)
 
     @overload
     def decode(self, data: bytes, expected: None = None) -> Record: ...
@@ -126,6 +141,11 @@ def default_codec() -> Codec:
     return _DEFAULT
 
 
+def record_type(data: bytes) -> type[Record] | None:
+    """``default_codec().record_type(data)``."""
+    return default_codec().record_type(data)
+
+
 def encode(record: Record) -> bytes:
     """``default_codec().encode(record)``."""
     return default_codec().encode(record)
@@ -144,4 +164,4 @@ def decode(data: bytes, expected: type[Record] | None = None) -> Record:
     return default_codec().decode(data, expected)
 
 
-__all__ = ["HEADER_LEN", "MAGIC", "Codec", "decode", "default_codec", "encode"]
+__all__ = ["HEADER_LEN", "MAGIC", "Codec", "decode", "default_codec", "encode", "record_type"]

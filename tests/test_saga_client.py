@@ -31,7 +31,16 @@ from participants.plan import PlannedCall, PlanReport
 from participants.readiness import CoordinatorNotRunning
 from sagaline.kafka import LedgerReader, ensure_topics
 from sagaline.ops.actions import OperatorChannel, grant_approval
-from schemas import ApprovalRequested, Disposition, SagaOutcome, TerminalStatus
+from schemas import (
+    ApprovalRequested,
+    CompensationRequested,
+    Disposition,
+    SagaOutcome,
+    SagaTerminal,
+    StepCommitted,
+    StepFailed,
+    TerminalStatus,
+)
 from schemas.settings import Settings
 from services import demo
 from services.demo import RefundAgent
@@ -115,6 +124,29 @@ def test_a_local_tool_is_called_and_compensated_through_the_ledger_R1(
         Disposition.COMPENSATED,
         Disposition.NOT_COMMITTED,
     ]
+
+
+def test_the_client_keeps_only_records_a_wait_reads_and_lets_a_saga_go_once_terminal(
+    local: tuple[System, Desk],
+) -> None:
+    system, _desk = local
+    ledger = system.client._ledger
+    with pytest.raises(BusinessRejected), system.client.saga("desk", "agent") as saga:
+        saga.call("book_slot", day="wed")
+        saga.call("refuse")
+    terminal = ledger.wait_for(
+        saga.saga_id, lambda r: r if isinstance(r, SagaTerminal) else None, 60
+    )
+    assert terminal is not None
+    kept = {type(r) for r in ledger._feeds[saga.saga_id].records}
+    # The listener skipped the saga's start, scheduled steps, intents and
+    # compensation progress before decoding them; what a wait reads is there.
+    assert kept <= client_module.AWAITED
+    assert {StepCommitted, StepFailed, CompensationRequested, SagaTerminal} <= kept
+    receipt = saga.wait(60)
+    assert receipt.status is TerminalStatus.COMPENSATED
+    assert not ledger.follows(saga.saga_id)  # a long-lived agent keeps nothing of it
+    assert saga.wait(0) == receipt  # asked again: the same receipt, no second wait
 
 
 def test_async_with_completes_the_saga(local: tuple[System, Desk]) -> None:

@@ -118,6 +118,17 @@ def test_encoding_is_framed_as_avro_single_object() -> None:
     assert data[2:HEADER_LEN] == default_registry().reader(record.TYPE).fingerprint
 
 
+def test_record_type_names_each_type_from_the_frame_alone() -> None:
+    record_type = Codec().record_type
+    for record in example_records():
+        assert record_type(encode(record)) is type(record)
+    data = encode(example_records()[0])
+    assert record_type(data[:HEADER_LEN]) is type(example_records()[0])  # body not read
+    assert record_type(b"") is None
+    assert record_type(b"\x00\x01" + data[2:]) is None  # not a single-object frame
+    assert record_type(data[:2] + b"\xff" * 8 + data[HEADER_LEN:]) is None  # unknown schema
+
+
 def test_every_record_type_has_a_distinct_fingerprint() -> None:
     registry = default_registry()
     fingerprints = {registry.reader(name).fingerprint for name in RECORD_TYPES}
