@@ -54,7 +54,16 @@ PINNED_CONSUMER: Mapping[str, Any] = {
 # pure latency, paid about nine times a saga; under load librdkafka still batches
 # what queues while earlier requests are in flight (measured in bench/e2e.py: one at
 # a time 8.5 -> 19.1 sagas/s, 100 in flight 66.9 -> 105.4).
-PRODUCER_DEFAULTS: Mapping[str, Any] = {"linger.ms": 0, "compression.type": "lz4"}
+# max.in.flight.requests.per.connection=1: while one produce request is out, what
+# queues behind it goes in the next one, so batches grow with load by themselves
+# (a lone record still leaves at once); with 5 in flight nearly every record was a
+# request of its own (bench/e2e.py, 100 sagas in flight: 81-85 -> 136-155 sagas/s
+# in alternating runs, one at a time unchanged). Order and idempotence hold either way.
+PRODUCER_DEFAULTS: Mapping[str, Any] = {
+    "linger.ms": 0,
+    "max.in.flight.requests.per.connection": 1,
+    "compression.type": "lz4",
+}
 CONSUMER_DEFAULTS: Mapping[str, Any] = {"auto.offset.reset": "earliest"}
 
 
