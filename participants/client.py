@@ -215,16 +215,22 @@ class _Ledger:
     def follows(self, saga_id: str) -> bool:
         return saga_id in self._feeds
 
-    def add(self, record: Record) -> None:
-        feed = self._feeds.get(record.saga_id)
-        if feed is None:
-            return
-        with feed.cond:
-            feed.records.append(record)
-            feed.cond.notify_all()
-            futures, feed.futures = feed.futures, []
-        for loop, future in futures:
-            loop.call_soon_threadsafe(_wake, future)
+    def add(self, records: Iterable[Record]) -> None:
+        """Hand each record to its saga's waiters; asyncio waiters are woken once per
+        call and event loop (one wake-up of the loop for a whole batch)."""
+        woken: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
+        for record in records:
+            feed = self._feeds.get(record.saga_id)
+            if feed is None:
+                continue
+            with feed.cond:
+                feed.records.append(record)
+                feed.cond.notify_all()
+                futures, feed.futures = feed.futures, []
+            for loop, future in futures:
+                woken.setdefault(loop, []).append(future)
+        for loop, batch in woken.items():
+            loop.call_soon_threadsafe(_wake, batch)
 
     def wait_for(self, saga_id: str, check: Callable[[Record], Any], timeout_s: float) -> Any:
         """Scan the saga's records (old and new) until ``check`` returns non-None."""
@@ -280,9 +286,10 @@ class _Ledger:
                 return None
 
 
-def _wake(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
+def _wake(futures: list[asyncio.Future[None]]) -> None:
+    for future in futures:
+        if not future.done():
+            future.set_result(None)
 
 
 # ---------------------------------------------------------------------- client
@@ -472,6 +479,7 @@ class SagaClient:
                 first = consumer.poll(0.2)
                 if first is None:
                     continue
+                records: list[Record] = []
                 for msg in (first, *consumer.consume(500, 0)):
                     if msg.error() is not None:
                         continue
@@ -486,7 +494,8 @@ class SagaClient:
                         record = from_message(msg.key(), msg.value(), msg.headers(), self.signer)
                     except CodecError:
                         continue  # the coordinator routes it to the DLQ
-                    self._ledger.add(record)
+                    records.append(record)
+                self._ledger.add(records)
         finally:
             consumer.close()
 
