@@ -304,10 +304,20 @@ class CommandHandler:
 
     # ------------------------------------------------------------------ dispatch
 
-    def handle(self, command: Record, *, maybe_taken_elsewhere: bool = True) -> None:
-        """Run ``command`` once. ``maybe_taken_elsewhere=False``: the caller knows no
-        other replica can have received it (it arrived after this one was assigned
-        the partition), so a journal miss needs no ledger probe."""
+    def handle(
+        self,
+        command: Record,
+        *,
+        maybe_taken_elsewhere: bool = True,
+        encoded: bytes | None = None,
+    ) -> str:
+        """Run ``command`` once; returns its journal state after (``done``, or
+        ``accepted`` for an asynchronous compensation awaiting its completion).
+
+        ``maybe_taken_elsewhere=False``: the caller knows no other replica can have
+        received it (it arrived after this one was assigned the partition), so a
+        journal miss needs no ledger probe. ``encoded``: the command's bytes as read
+        (``codec.encode`` of it), journalled as they are instead of encoded again."""
         seen = self.journal.get(command.event_id)
         if seen is not None and seen[0] in ("done", "accepted") and seen[1] is not None:
             # A redelivery: the work is done; re-send its outcome (same event id, so
@@ -317,7 +327,7 @@ class CommandHandler:
             from schemas.codec import decode
 
             self._append(decode(seen[1]))
-            return
+            return seen[0]
         probe = seen is None and maybe_taken_elsewhere
         earlier = self._on_ledger(command) if probe else None
         if earlier is not None:
@@ -329,9 +339,9 @@ class CommandHandler:
         elif command.tool not in self.catalogue:  # type: ignore[attr-defined]
             outcome = _Outcome(self._unknown_tool(command))
         elif isinstance(command, ExecuteStep):
-            outcome = self._execute(command, restarted=seen is not None)
+            outcome = self._execute(command, restarted=seen is not None, encoded=encoded)
         elif isinstance(command, CompensateStep):
-            outcome = self._compensate(command)
+            outcome = self._compensate(command, encoded=encoded)
         elif isinstance(command, ReconcileStep):
             outcome = self._reconcile(command)
         else:
@@ -342,6 +352,7 @@ class CommandHandler:
         self._append(outcome.record)
         if self._metrics is not None:
             self._metrics.observe_output(outcome.record)
+        return outcome.state
 
     def _on_ledger(self, cmd: Record) -> _Outcome | None:
         """What a journal miss must not ignore: this command's records on the ledger.
@@ -428,7 +439,9 @@ class CommandHandler:
 
     # --------------------------------------------------------------- execute step
 
-    def _execute(self, cmd: ExecuteStep, *, restarted: bool) -> _Outcome:
+    def _execute(
+        self, cmd: ExecuteStep, *, restarted: bool, encoded: bytes | None = None
+    ) -> _Outcome:
         spec = self.catalogue[cmd.tool]
         if restarted:
             # Started before a crash and never finished: it may have acted (R11).
@@ -460,7 +473,7 @@ class CommandHandler:
                 principal=cmd.principal,
             )
         )
-        self.journal.mark(cmd.event_id, "started", command=_command_bytes(cmd))
+        self.journal.mark(cmd.event_id, "started", command=encoded or _command_bytes(cmd))
         ctx = CallContext(
             cmd.saga_id, cmd.step_id, cmd.tool, cmd.idempotency_key, cmd.attempt, cmd.principal
         )
@@ -551,9 +564,9 @@ class CommandHandler:
 
     # ----------------------------------------------------------- compensate step
 
-    def _compensate(self, cmd: CompensateStep) -> _Outcome:
+    def _compensate(self, cmd: CompensateStep, *, encoded: bytes | None = None) -> _Outcome:
         spec = self.catalogue[cmd.tool]
-        self.journal.mark(cmd.event_id, "started", command=_command_bytes(cmd))
+        self.journal.mark(cmd.event_id, "started", command=encoded or _command_bytes(cmd))
         call = CallContext(
             cmd.saga_id,
             cmd.step_id,
@@ -1055,17 +1068,18 @@ class ParticipantRuntime:
             while self._running.is_set():
                 if self._work.pending >= limit:
                     # Backpressure by not taking more (pause/resume would drop and
-                    # refetch what librdkafka holds, a stall of hundreds of ms).
-                    self._work.wait_below(limit, 0.2)
-                    self._commit(consumer, asynchronous=True)
-                    continue
-                msg = consumer.poll(0.05 if self._work.pending else 0.2)
-                batch = [] if msg is None else [msg, *consumer.consume(self.max_in_flight, 0)]
-                for m in batch:
-                    if m.error() is not None:
-                        log.warning("consumer error: %s", m.error())
-                        continue
-                    self._work.submit(m)
+                    # refetch what librdkafka holds, a stall of hundreds of ms). Woken
+                    # once the workers have room for a whole batch again, not by
+                    # every command that finishes.
+                    self._work.wait_below(self.max_in_flight + 1, 0.2)
+                else:
+                    msg = consumer.poll(0.05 if self._work.pending else 0.2)
+                    batch = [] if msg is None else [msg, *consumer.consume(self.max_in_flight, 0)]
+                    for m in batch:
+                        if m.error() is not None:
+                            log.warning("consumer error: %s", m.error())
+                            continue
+                        self._work.submit(m)
                 if time.monotonic() >= next_commit:  # one OffsetCommit per interval
                     self._commit(consumer, asynchronous=True)
                     next_commit = time.monotonic() + _COMMIT_INTERVAL_S
@@ -1105,7 +1119,11 @@ class ParticipantRuntime:
             # Only commands already on the partition when it was assigned here can have
             # been taken by another replica; the ledger probe is for those alone.
             taken_before = self._assigned_end.get(msg.partition() or 0, 0)
-            self.handler.handle(command, maybe_taken_elsewhere=(msg.offset() or 0) < taken_before)
+            state = self.handler.handle(
+                command,
+                maybe_taken_elsewhere=(msg.offset() or 0) < taken_before,
+                encoded=msg.value(),
+            )
         except DeliveryFailed:
             log.exception(
                 "appending for %s %s failed; reading it again", command.TYPE, command.event_id
@@ -1116,10 +1134,8 @@ class ParticipantRuntime:
             self._dead_letters.write(msg, "handler-error", f"{type(exc).__name__}: {exc}")
             self.metrics.dlq("handler-error")
             return True
-        if isinstance(command, CompensateStep):
-            seen = self.journal.get(command.event_id)
-            if seen is not None and seen[0] == "accepted":
-                self._confirm_in_background(command.event_id, _command_bytes(command))
+        if state == "accepted":
+            self._confirm_in_background(command.event_id, msg.value() or _command_bytes(command))
         return True
 
     def _confirm_in_background(self, command_id: str, command: bytes) -> None:
@@ -1138,23 +1154,35 @@ class _NotACommand(Exception):
 
 
 class _KeyOrderedWork:
-    """Runs messages on a thread pool: different keys at once, one key in order.
+    """Runs messages on worker threads: different keys at once, one key in order.
 
     A key's messages wait in its own queue while one of them runs; the thread that
     finishes one takes the key's next. Offsets are tracked per partition so the
     caller can commit up to the lowest message not yet done.
+
+    Hand-offs between threads are what a command costs most under the GIL, so each
+    is made only when someone waits for it: a submit wakes a worker only when one is
+    idle (a busy worker takes the next ready key itself), and a finished message
+    wakes the caller only when it waits in :meth:`wait_below` (and the count is below
+    its limit) or :meth:`wait_idle`.
     """
 
     def __init__(self, process: Callable[[Message], bool], workers: int, name: str) -> None:
         self._process = process
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=workers, thread_name_prefix=f"{name}-cmd"
-        )
-        self._lock = threading.Condition()
+        self._workers = workers
+        self._name = name
+        self._lock = threading.Lock()
+        self._work_ready = threading.Condition(self._lock)  # idle workers wait here
+        self._finished = threading.Condition(self._lock)  # wait_below / wait_idle wait here
+        self._ready: collections.deque[tuple[bytes | None, Message]] = collections.deque()
+        self._idle = 0  # workers waiting for a ready key and not yet claimed by a submit
+        self._threads: list[threading.Thread] = []
         self._queues: dict[bytes | None, collections.deque[Message]] = {}
         self._taken: dict[int, collections.deque[int]] = {}  # partition -> offsets in order
         self._done: dict[int, set[int]] = {}
         self._committed: dict[int, int] = {}
+        self._below: int | None = None  # the limit wait_below waits under, while it waits
+        self._idle_waiters = 0
         self._closing = threading.Event()
         self.pending = 0
 
@@ -1169,7 +1197,29 @@ class _KeyOrderedWork:
                 queue.append(msg)  # the key is busy: runs after the ones before it
                 return
             self._queues[key] = collections.deque()
-        self._pool.submit(self._run_key, key, msg)
+            self._ready.append((key, msg))
+            if self._idle:
+                self._idle -= 1  # claimed: a second submit wakes another worker
+                self._work_ready.notify()
+            elif len(self._threads) < self._workers:
+                thread = threading.Thread(
+                    target=self._worker,
+                    name=f"{self._name}-cmd-{len(self._threads)}",
+                    daemon=True,
+                )
+                self._threads.append(thread)
+                thread.start()
+
+    def _worker(self) -> None:
+        while True:
+            with self._lock:
+                while not self._ready:
+                    if self._closing.is_set():
+                        return
+                    self._idle += 1
+                    self._work_ready.wait()
+                key, msg = self._ready.popleft()
+            self._run_key(key, msg)
 
     def _run_key(self, key: bytes | None, msg: Message) -> None:
         while True:
@@ -1187,7 +1237,8 @@ class _KeyOrderedWork:
                 partition = msg.partition() or 0
                 self._done.setdefault(partition, set()).add(msg.offset() or 0)
                 self.pending -= 1
-                self._lock.notify_all()
+                if self._idle_waiters or (self._below is not None and self.pending < self._below):
+                    self._finished.notify_all()
                 queue = self._queues.get(key)
                 if not queue:
                     self._queues.pop(key, None)
@@ -1198,8 +1249,10 @@ class _KeyOrderedWork:
         """Per partition, the next offset to commit when it moved since last time."""
         out: dict[int, int] = {}
         with self._lock:
-            for partition, taken in self._taken.items():
-                done = self._done.get(partition, set())
+            for partition, done in self._done.items():
+                if not done:
+                    continue
+                taken = self._taken[partition]
                 last = None
                 while taken and taken[0] in done:
                     last = taken.popleft()
@@ -1211,13 +1264,23 @@ class _KeyOrderedWork:
     def wait_below(self, limit: int, timeout_s: float) -> None:
         """Block until fewer than ``limit`` messages are queued or running."""
         with self._lock:
-            self._lock.wait_for(lambda: self.pending < limit, timeout_s)
+            self._below = limit
+            try:
+                self._finished.wait_for(lambda: self.pending < limit, timeout_s)
+            finally:
+                self._below = None
 
     def wait_idle(self, partitions: set[int]) -> None:
         """Block until no message of ``partitions`` is queued or running."""
         with self._lock:
-            while any(len(self._taken.get(p, ())) > len(self._done.get(p, ())) for p in partitions):
-                self._lock.wait(1.0)
+            self._idle_waiters += 1
+            try:
+                while any(
+                    len(self._taken.get(p, ())) > len(self._done.get(p, ())) for p in partitions
+                ):
+                    self._finished.wait(1.0)
+            finally:
+                self._idle_waiters -= 1
 
     def forget(self, partitions: set[int]) -> None:
         with self._lock:
@@ -1234,7 +1297,13 @@ class _KeyOrderedWork:
             for queue in self._queues.values():
                 self.pending -= len(queue)
                 queue.clear()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+            self.pending -= len(self._ready)
+            self._ready.clear()
+            self._idle = 0
+            self._work_ready.notify_all()
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join()
 
 
 def _check_served(spec: ToolSpec, participant: str) -> None:
