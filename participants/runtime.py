@@ -944,6 +944,7 @@ class ParticipantRuntime:
         self.settings = settings
         self.bootstrap = bootstrap
         self.topics = settings.topics
+        self._command_topic = self.topics.commands(self.participant)
         self.signer = settings.signer()
         self.metrics: RuntimeMetrics = metrics or NoMetrics()
         if max_in_flight < 1:
@@ -1096,7 +1097,7 @@ class ParticipantRuntime:
 
     def _commit(self, consumer: Consumer, *, asynchronous: bool) -> None:
         """Commit, per partition, the offset below which every command is done."""
-        topic = self.topics.commands(self.participant)
+        topic = self._command_topic
         offsets = [TopicPartition(topic, p, o) for p, o in self._work.committable().items()]
         if offsets and asynchronous:
             consumer.commit(offsets=offsets, asynchronous=True)
@@ -1240,7 +1241,7 @@ class _KeyOrderedWork:
                 if self._idle_waiters or (self._below is not None and self.pending < self._below):
                     self._finished.notify_all()
                 queue = self._queues.get(key)
-                if not queue:
+                if not queue or self._closing.is_set():
                     self._queues.pop(key, None)
                     return
                 msg = queue.popleft()

@@ -1,0 +1,118 @@
+"""The participant runtime's key-ordered work queue, without a broker (a fast tier
+beside the real-broker test in ``test_participant_concurrency``).
+
+Workers are woken only when idle and the loop only when it waits, so these check
+that nothing is lost by waking less: every message runs, one key's in offset order
+and never two at once, offsets become committable only below the lowest unfinished
+message, and a waiting loop is woken once there is room.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from typing import Any, cast
+
+from participants.runtime import _KeyOrderedWork
+from sagaline.kafka import Message
+
+
+class _Msg:
+    def __init__(self, key: bytes, partition: int, offset: int) -> None:
+        self._key, self._partition, self._offset = key, partition, offset
+
+    def key(self) -> bytes:
+        return self._key
+
+    def partition(self) -> int:
+        return self._partition
+
+    def offset(self) -> int:
+        return self._offset
+
+
+def _msg(key: bytes, partition: int, offset: int) -> Message:
+    return cast(Message, _Msg(key, partition, offset))
+
+
+def test_each_key_runs_in_offset_order_never_two_at_once_and_all_commit() -> None:
+    lock = threading.Lock()
+    running: set[bytes] = set()
+    overlaps: list[bytes] = []
+    ran: dict[bytes, list[int]] = defaultdict(list)
+
+    def process(msg: Any) -> bool:
+        with lock:
+            if msg.key() in running:
+                overlaps.append(msg.key())
+            running.add(msg.key())
+        with lock:
+            ran[msg.key()].append(msg.offset())
+            running.discard(msg.key())
+        return True
+
+    work = _KeyOrderedWork(process, 4, "t")
+    submitted: dict[bytes, list[int]] = defaultdict(list)
+    next_offset = {0: 0, 1: 0}
+    for i in range(400):
+        key = f"saga-{i % 13}".encode()
+        partition = (i % 13) % 2  # a key lives on one partition, as Kafka keys do
+        offset = next_offset[partition]
+        next_offset[partition] += 1
+        submitted[key].append(offset)
+        work.submit(_msg(key, partition, offset))
+    work.wait_idle({0, 1})
+    assert work.pending == 0
+    assert overlaps == []
+    assert dict(ran) == dict(submitted)
+    assert work.committable() == {0: next_offset[0], 1: next_offset[1]}
+    assert work.committable() == {}  # nothing moved since
+    work.close()
+
+
+def test_offsets_commit_only_below_the_lowest_unfinished_and_a_waiting_loop_wakes() -> None:
+    gate = threading.Event()
+    started = threading.Event()
+
+    def process(msg: Any) -> bool:
+        if msg.offset() == 3:
+            started.set()
+            gate.wait()
+        return True
+
+    work = _KeyOrderedWork(process, 4, "t")
+    for offset in range(10):
+        work.submit(_msg(f"saga-{offset}".encode(), 0, offset))
+    assert started.wait(60)
+    work.wait_below(2, 60)  # all but the held one finish and wake this waiter
+    assert work.pending == 1
+    assert work.committable() == {0: 3}
+    gate.set()
+    work.wait_below(1, 60)
+    assert work.pending == 0
+    assert work.committable() == {0: 10}
+    work.close()
+
+
+def test_close_lets_the_running_message_finish_and_drops_the_queued() -> None:
+    gate = threading.Event()
+    started = threading.Event()
+    ran: list[int] = []
+
+    def process(msg: Any) -> bool:
+        started.set()
+        gate.wait()
+        ran.append(msg.offset())
+        return True
+
+    work = _KeyOrderedWork(process, 1, "t")
+    for offset in range(3):
+        work.submit(_msg(b"one-saga", 0, offset))
+    assert started.wait(60)
+    closer = threading.Thread(target=work.close)
+    closer.start()
+    assert work._closing.wait(60)
+    gate.set()
+    closer.join()
+    assert ran == [0]  # the queued two are left for redelivery
+    assert work.committable() == {0: 1}
