@@ -33,9 +33,11 @@ approval expiries and reversal windows fire after a restart too.
 
 In memory an in-flight saga is its changelog bytes plus its next timer
 (``_PackedStates``), decoded only when a record or a timer of the saga needs it: a few
-KiB per saga instead of ~17 KiB of pydantic objects, and a restore stores bytes without
+KiB per saga instead of ~16 KiB of pydantic objects, and a restore stores bytes without
 decoding them (each changelog record carries its next timer in the
-``sagaline-next-due`` header).
+``sagaline-next-due`` header). The decoded states of the last ``decoded_states`` sagas
+a committed batch touched are kept as well, so a saga's next batch does not decode it
+again; a batch takes them out and only its commit puts them back.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import heapq
 import logging
 import signal
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -142,6 +145,12 @@ _BUSY = (KafkaError.CONCURRENT_TRANSACTIONS, KafkaError._TIMED_OUT)
 PARKED_REASON = PARKED_INCIDENT
 """DLQ reason of a record for a parked saga (kept, never lost, never decided)."""
 
+DECODED_STATES = 512
+"""How many committed sagas' decoded states the coordinator keeps (``decoded_states``)
+beside their bytes, so that the next batch of a saga does not decode it again; about
+16 KiB each (8 MiB in all when full), a few times the sagas a batch touches under load.
+0 turns the cache off."""
+
 _Msg = tuple[str, bytes | None, bytes | None, Headers, int | None]
 """A prepared record: topic, key, value, headers, partition (None: by key)."""
 
@@ -171,8 +180,9 @@ class _Pending:
     loose: list[_Msg] = field(default_factory=list)  # not one saga's: DLQ, resolutions
     expired: list[str] = field(default_factory=list)  # terminal markers to tombstone
     values: dict[str, bytes] = field(default_factory=dict)  # encoded once, when checked
-    # States decoded from memory's bytes for this batch: the core changes them in place
-    # (memory keeps the bytes, so a batch that fails leaves nothing half-applied).
+    # States taken from memory for this batch: the core changes them in place (memory
+    # keeps the bytes, and its decoded-state cache gets them back only once the batch
+    # committed, so a batch that fails leaves nothing half-applied).
     loaded: dict[str, SagaState] = field(default_factory=dict)
 
 
@@ -204,6 +214,7 @@ class Coordinator:
         transaction_timeout_ms: int = 10_000,
         metrics: ShellMetrics | None = None,
         carry_ms: int = int(_CARRY_S * 1000),
+        decoded_states: int = DECODED_STATES,
     ) -> None:
         self.settings = settings
         self.bootstrap = bootstrap
@@ -216,7 +227,7 @@ class Coordinator:
         self._clock = clock or (lambda: int(time.time() * 1000))
         self._batch_size = batch_size
         self._running = True  # until stop(), which may come before run() reaches its loop
-        self._states = _PackedStates()
+        self._states = _PackedStates(decoded_states)
         self._partition_of: dict[str, int] = {}
         # Sagas the changelog keeps as a marker (ended, or parked); terminal ones are
         # kept in the order they ended, so the expired ones are at the front.
@@ -754,7 +765,8 @@ class Coordinator:
             if isinstance(state, SagaState) and not state.is_terminal:
                 due_at = state.next_due_at()
                 # The bytes written to the changelog are what memory keeps.
-                self._states.put(saga_id, pending.values.get(saga_id) or state.to_bytes(), due_at)
+                value = pending.values.get(saga_id) or state.to_bytes()
+                self._states.put(saga_id, value, due_at, state)
                 self._schedule(saga_id, due_at)
                 continue
             self._states.pop(saga_id)
@@ -762,6 +774,9 @@ class Coordinator:
             self._markers[saga_id] = (
                 terminal_marker(state) if isinstance(state, SagaState) else state
             )
+        for saga_id, state in pending.loaded.items():
+            if saga_id not in pending.states:  # taken, not changed: still what memory says
+                self._states.give_back(saga_id, state)
         self._suspects -= set(pending.parked)
         self.metrics.in_flight(len(self._states))
 
@@ -779,14 +794,15 @@ class Coordinator:
         return state
 
     def _live(self, saga_id: str) -> SagaState | None:
-        """The in-flight state of a saga, decoded from the bytes memory keeps.
+        """The in-flight state of a saga for this batch to change: the decoded object
+        memory keeps of a recently committed saga, or a decoding of its bytes.
 
         A restore keeps changelog values undecoded, so an unreadable one is found
         here, the first time the saga is needed: it becomes a parked marker in memory
         (as a restore that decoded it would have made it), and its records go to the
         DLQ."""
         try:
-            return self._states.get(saga_id)
+            return self._states.take(saga_id)
         except ValueError as exc:
             log.error("changelog value of saga %s is unreadable: %s", saga_id, exc)
             self._states.pop(saga_id)
@@ -938,20 +954,57 @@ class _PackedStates:
     """The in-flight sagas' states, each kept as its changelog bytes plus its next
     timer, and decoded when the saga is needed (a record or a due timer): memory
     per in-flight saga stays near the size of its changelog record, and a restore
-    only stores bytes. ``get`` raises ``ValueError`` for bytes that do not decode."""
+    only stores bytes. ``get`` and ``take`` raise ``ValueError`` for bytes that do
+    not decode.
 
-    __slots__ = ("_packed",)
+    Decoding is most of what a record costs when batches are small (many sagas in
+    flight, a few records each), so the decoded objects of the ``decoded`` sagas
+    most recently committed are kept too (least recently used dropped first). A
+    batch ``take``s its sagas' objects out, and the core changes them in place; only
+    a committed batch ``put``s them back, together with the bytes they encode to.
+    So the cache never holds a change that did not commit: an aborted batch's
+    objects are simply gone and the saga is decoded from its bytes again."""
 
-    def __init__(self) -> None:
+    __slots__ = ("_capacity", "_decoded", "_packed")
+
+    def __init__(self, decoded: int = 0) -> None:
         self._packed: dict[str, tuple[bytes, int | None]] = {}
+        self._decoded: OrderedDict[str, SagaState] = OrderedDict()
+        self._capacity = decoded
 
     def get(self, saga_id: str) -> SagaState | None:
+        """A fresh decoding of the saga's bytes (the cache is left as it is)."""
         entry = self._packed.get(saga_id)
         return None if entry is None else SagaState.from_bytes(entry[0])
 
-    def put(self, saga_id: str, packed: bytes, due_at: int | None) -> None:
-        """Keep ``packed`` (a live state's ``to_bytes()``) and its ``next_due_at()``."""
+    def take(self, saga_id: str) -> SagaState | None:
+        """The saga's state for a batch to change in place: the cached object (no
+        longer cached) or, without one, a decoding of its bytes."""
+        entry = self._packed.get(saga_id)
+        if entry is None:
+            return None
+        state = self._decoded.pop(saga_id, None)
+        return state if state is not None else SagaState.from_bytes(entry[0])
+
+    def put(
+        self, saga_id: str, packed: bytes, due_at: int | None, decoded: SagaState | None = None
+    ) -> None:
+        """Keep ``packed`` (a live state's ``to_bytes()``) and its ``next_due_at()``;
+        and ``decoded``, the state ``packed`` encodes, if given and there is room."""
         self._packed[saga_id] = (packed, due_at)
+        self._decoded.pop(saga_id, None)
+        if decoded is not None:
+            self.give_back(saga_id, decoded)
+
+    def give_back(self, saga_id: str, decoded: SagaState) -> None:
+        """Cache ``decoded``, which must be what the saga's bytes decode to (a taken
+        state that a committed batch did not change)."""
+        if self._capacity <= 0 or saga_id not in self._packed:
+            return
+        self._decoded[saga_id] = decoded
+        self._decoded.move_to_end(saga_id)
+        if len(self._decoded) > self._capacity:
+            self._decoded.popitem(last=False)
 
     def due_at(self, saga_id: str) -> int | None:
         entry = self._packed.get(saga_id)
@@ -959,6 +1012,12 @@ class _PackedStates:
 
     def pop(self, saga_id: str) -> None:
         self._packed.pop(saga_id, None)
+        self._decoded.pop(saga_id, None)
+
+    @property
+    def cached(self) -> int:
+        """How many decoded states are kept."""
+        return len(self._decoded)
 
     def __contains__(self, saga_id: object) -> bool:
         return saga_id in self._packed
