@@ -229,6 +229,10 @@ class MemoryProducer:
     def __len__(self) -> int:
         return len(self._reports)
 
+    def purge(self, in_queue: bool = True, in_flight: bool = True, blocking: bool = True) -> None:
+        """Nothing to drop: every produce is appended at once (the coordinator purges
+        the producer it replaces after an abort)."""
+
     # transactions
 
     def init_transactions(self, timeout: float = 0) -> None:
