@@ -60,7 +60,7 @@ from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
 from bench._common import REPO_ROOT, machine_description, markdown_table, write_docs_section
 from coordinator.core import decide
-from coordinator.shell import Coordinator, _due_headers, _PackedStates
+from coordinator.shell import DECODED_STATES, Coordinator, _due_headers, _PackedStates
 from coordinator.state import SagaState, SagaStatus
 from sagaline.kafka import consumer_config, ensure_topics, producer_config, watermarks
 from schemas.keys import args_fingerprint, derived_event_id, fingerprint, idempotency_key
@@ -543,6 +543,7 @@ class Memory:
     heap_bytes: dict[str, float]  # shape -> retained Python heap per saga (tracemalloc)
     changelog_bytes: dict[str, float]  # shape -> mean SagaState.to_bytes() of live states
     sagas: int
+    cache_bytes: float  # a full decoded-state cache (DECODED_STATES running sagas), in all
 
 
 def _fold(records: list[Record]) -> SagaState:
@@ -561,6 +562,7 @@ def measure_memory(n: int, held: dict[str, SagaState]) -> Memory:
         "compensating": _SagaWriter.failing,
     }
     heap: dict[str, float] = {}
+    cache = 0.0
     t0 = int(time.time() * 1000)
     for shape, build in shapes.items():
         _fold(build(_SagaWriter("saga-warmup", t0)))  # warm caches before counting
@@ -569,7 +571,7 @@ def measure_memory(n: int, held: dict[str, SagaState]) -> Memory:
         tracemalloc.start()
         # What the shell keeps per in-flight saga: the packed state (changelog bytes
         # and next timer) under a saga id of its own, its partition, its timer entry.
-        states = _PackedStates()
+        states = _PackedStates(DECODED_STATES)
         partition_of: dict[str, int] = {}
         timers: list[tuple[int, str]] = []
         for i, state in enumerate(folded):
@@ -583,13 +585,32 @@ def measure_memory(n: int, held: dict[str, SagaState]) -> Memory:
         retained, _peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         heap[shape] = retained / n
+        if shape == "running":
+            cache = _cache_heap(states, [s.saga_id for s in folded])
         del states, partition_of, timers, folded
     live: dict[str, list[int]] = {"running": [], "compensating": []}
     for state in held.values():
         shape = "compensating" if state.status is SagaStatus.COMPENSATING else "running"
         live[shape].append(len(state.to_bytes()))
     changelog = {s: sum(v) / len(v) for s, v in live.items() if v}
-    return Memory(heap, changelog, n)
+    return Memory(heap, changelog, n, cache)
+
+
+def _cache_heap(states: _PackedStates, saga_ids: list[str]) -> float:
+    """What the shell's decoded-state cache holds beside the bytes once full: the
+    decoded objects of its last ``DECODED_STATES`` committed sagas. A fixed cost, not
+    one per in-flight saga (measured over the sagas there are, scaled to a full cache)."""
+    kept = saga_ids[:DECODED_STATES]
+    gc.collect()
+    tracemalloc.start()
+    for saga_id in kept:
+        decoded = states.get(saga_id)
+        assert decoded is not None
+        states.give_back(saga_id, decoded)
+    gc.collect()
+    retained, _peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return retained / len(kept) * DECODED_STATES
 
 
 @dataclass
@@ -683,7 +704,11 @@ def _reading(through: Throughput, passthrough: Throughput, memory: Memory) -> st
         f"when a record or a timer of the saga needs it: about {heap:,.0f} B of heap "
         f"with its partition and timer entries, so 100,000 in-flight sagas hold about "
         f"{heap * 100_000 / 1e9:.2f} GB, and a restore only stores bytes (each changelog "
-        "record carries its next timer in the `sagaline-next-due` header)."
+        "record carries its next timer in the `sagaline-next-due` header). Beside the "
+        f"bytes it keeps the decoded states of the last {DECODED_STATES} sagas a "
+        f"committed batch touched ({memory.cache_bytes / 2**20:.1f} MiB when full, "
+        f"{memory.cache_bytes / 100_000:,.0f} B per saga at 100,000 in flight), so a "
+        "saga's next batch does not decode it again."
     )
 
 
@@ -793,6 +818,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{memory.heap_bytes['compensating']:,.0f} B",
         ],
         [
+            f"decoded-state cache, full ({DECODED_STATES} sagas; fixed, not per saga)",
+            f"{memory.cache_bytes / 2**20:.1f} MiB",
+        ],
+        [
             "changelog record per in-flight saga (running)",
             f"{memory.changelog_bytes.get('running', 0):,.0f} B",
         ],
@@ -828,7 +857,8 @@ def main(argv: list[str] | None = None) -> int:
             "coordinator run` process takes over and each `StepFailed` is timed to the "
             "first `CompensationRequested` seen by a read_committed consumer; heap per "
             "in-flight saga by tracemalloc over the folded states as the shell keeps them "
-            "(their changelog bytes, next timer, partition and timer-heap entry); "
+            "(their changelog bytes, next timer, partition and timer-heap entry), and "
+            "of a full decoded-state cache apart; "
             "restore: a fresh coordinator reads a changelog of "
             "in-flight sagas to its end and schedules their timers.\n\n"
             f"Measured {started_at:%Y-%m-%d %H:%M} UTC on {machine_description()}; "
