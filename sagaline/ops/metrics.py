@@ -30,7 +30,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -134,6 +134,9 @@ class SagalineMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self._lock = threading.Lock()
+        # Label children of the per-record and per-batch metrics: ``labels()`` checks
+        # and locks on every call, and a coordinator calls it for every record.
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._sagas: OrderedDict[str, _SagaTrack] = OrderedDict()
         self._receipts: OrderedDict[tuple[str, int], None] = OrderedDict()
@@ -259,7 +262,7 @@ class SagalineMetrics:
 
     def observe_record(self, record: Record) -> None:
         """A record was consumed and processed: count it and fold it into the measures."""
-        self.records_processed.labels(self.component, record.TYPE).inc()
+        self._child(self.records_processed, self.component, record.TYPE).inc()
         self._fold(record)
 
     def observe_output(self, output: OutputLike | Record) -> None:
@@ -273,9 +276,9 @@ class SagalineMetrics:
         if record is None:
             return
         if isinstance(record, COMMAND_TYPES):
-            self.commands_emitted.labels(participant or "unknown", record.TYPE).inc()
+            self._child(self.commands_emitted, participant or "unknown", record.TYPE).inc()
             return
-        self.records_emitted.labels(self.component, record.TYPE).inc()
+        self._child(self.records_emitted, self.component, record.TYPE).inc()
         self._fold(record)
 
     def observe_receipt(self, receipt: Receipt) -> None:
@@ -284,7 +287,7 @@ class SagalineMetrics:
             self._observe_receipt(receipt, failure_at=None)
 
     def duplicate_prevented(self, count: int = 1) -> None:
-        self.duplicates_prevented.labels(self.component).inc(count)
+        self._child(self.duplicates_prevented, self.component).inc(count)
 
     def dlq(self, reason: str) -> None:
         self.dlq_records.labels(self.component, reason).inc()
@@ -293,11 +296,19 @@ class SagalineMetrics:
         self.consumer_lag.labels(self.component, topic, str(partition)).set(max(lag, 0))
 
     def transaction_committed(self, seconds: float, records: int) -> None:
-        self.commit_latency.labels(self.component).observe(seconds)
-        self.transaction_records.labels(self.component).inc(records)
+        self._child(self.commit_latency, self.component).observe(seconds)
+        self._child(self.transaction_records, self.component).inc(records)
 
     def in_flight(self, sagas: int) -> None:
-        self.sagas_in_flight.labels(self.component).set(sagas)
+        self._child(self.sagas_in_flight, self.component).set(sagas)
+
+    def _child(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)``, looked up once (children are never removed)."""
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
 
     # ------------------------------------------------------------------ reading
 
