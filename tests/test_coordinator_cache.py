@@ -8,7 +8,6 @@ its command is sent (once). Run on both transports."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -22,34 +21,9 @@ from coordinator.state import SagaState, StepStatus
 from sagaline.kafka import (
     KafkaError,
     KafkaException,
-    LedgerReader,
     Producer,
-    create_producer,
-    ensure_topics,
 )
-from schemas import ExecuteStep, Record
-from schemas.codec import decode
-from schemas.settings import Settings
-from schemas.wire import to_message
-
-_BATCHES = 2_000  # a bound on loop turns, not a deadline: each turn waits <= 0.2 s
-
-
-def _append(settings: Settings, bootstrap: str, *records: Record) -> None:
-    producer = create_producer(bootstrap)
-    signer = settings.signer()
-    for record in records:
-        key, value, headers = to_message(record, signer)
-        producer.produce(settings.topics.events, key=key, value=value, headers=headers)
-    assert producer.flush(30) == 0
-
-
-def _turn_until(coordinator: Coordinator, done: Callable[[], bool]) -> None:
-    for _ in range(_BATCHES):
-        coordinator._process_batch(coordinator._next_batch())
-        if done():
-            return
-    raise AssertionError("the coordinator never got there")
+from tests.coordinator_turns import append, executes, one_saga, turn_until
 
 
 def _settled_at(coordinator: Coordinator, offset: int) -> Callable[[], bool]:
@@ -64,29 +38,17 @@ def _settled_at(coordinator: Coordinator, offset: int) -> Callable[[], bool]:
     return done
 
 
-def _executes(settings: Settings, bootstrap: str, participant: str) -> list[str]:
-    found = []
-    for _k, value, _h in LedgerReader(bootstrap).records(settings.topics.commands(participant)):
-        record = decode(value or b"")
-        if isinstance(record, ExecuteStep):
-            found.append(record.step_id)
-    return found
-
 
 def test_a_failed_transaction_leaves_nothing_of_its_decisions_in_the_decoded_cache(
     transport: str, unique_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    settings = Settings(bootstrap=transport, topic_prefix=unique_prefix, partitions=1)
-    ledger = Ledger(saga_id="saga-cached", t0=int(time.time() * 1000))
-    first = ledger.scheduled("reserve")
-    participant = first.contract.participant
-    ensure_topics(transport, settings.topics, [participant], settings.partitions)
+    settings, ledger, first, participant = one_saga(transport, unique_prefix, "saga-cached")
 
     one = Coordinator(settings, transport, instance_id="cache-1", carry_ms=0)
     one._join()
-    _append(settings, transport, ledger.started(), first)
-    _turn_until(one, _settled_at(one, 2))
-    assert _executes(settings, transport, participant) == ["reserve"]
+    append(settings, transport, ledger.started(), first)
+    turn_until(one, _settled_at(one, 2))
+    assert executes(settings, transport, participant) == ["reserve"]
     # Committed: memory keeps the decoded object beside the bytes, and they agree.
     cached = one._states._decoded.get("saga-cached")
     assert cached is not None and cached == one.state_of("saga-cached")
@@ -104,19 +66,19 @@ def test_a_failed_transaction_leaves_nothing_of_its_decisions_in_the_decoded_cac
         return real_commit(producer, offsets)
 
     monkeypatch.setattr(shell, "_commit", commit_once_failing)
-    _append(
+    append(
         settings,
         transport,
         ledger.intent("reserve"),
         ledger.committed("reserve"),
         ledger.scheduled("charge", tool="reserve"),
     )
-    _turn_until(one, _settled_at(one, 5))
+    turn_until(one, _settled_at(one, 5))
     assert failures == ["injected"]
 
     # Re-read from the committed offsets and decided again from the committed state:
     # the charge command is sent (once), and memory's object is what its bytes say.
-    assert _executes(settings, transport, participant) == ["reserve", "charge"]
+    assert executes(settings, transport, participant) == ["reserve", "charge"]
     held = one.state_of("saga-cached")
     assert held is not None
     assert held.steps["reserve"].status is StepStatus.COMMITTED

@@ -6,44 +6,15 @@ reaches the same state, and no command is sent twice. Run on both transports."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
-from coordinator_ledger import Ledger
-
 from coordinator.shell import Coordinator
 from coordinator.state import SagaState
 from sagaline.kafka import (
     LedgerReader,
     TopicPartition,
     create_consumer,
-    create_producer,
-    ensure_topics,
 )
-from schemas import ExecuteStep, Record
-from schemas.codec import decode
 from schemas.settings import Settings
-from schemas.wire import to_message
-
-_BATCHES = 2_000  # a bound on loop turns, not a deadline: each turn waits <= 0.2 s
-
-
-def _append(settings: Settings, bootstrap: str, *records: Record) -> None:
-    producer = create_producer(bootstrap)
-    signer = settings.signer()
-    for record in records:
-        key, value, headers = to_message(record, signer)
-        producer.produce(settings.topics.events, key=key, value=value, headers=headers)
-    assert producer.flush(30) == 0
-
-
-def _turn_until(coordinator: Coordinator, done: Callable[[], bool]) -> None:
-    """Turn the loop by hand (``run`` would hide the carried batch from ``until``)."""
-    for _ in range(_BATCHES):
-        coordinator._process_batch(coordinator._next_batch())
-        if done():
-            return
-    raise AssertionError("the coordinator never got there")
+from tests.coordinator_turns import append, executes, one_saga, turn_until
 
 
 def _committed(settings: Settings, bootstrap: str, group: str) -> int:
@@ -54,14 +25,6 @@ def _committed(settings: Settings, bootstrap: str, group: str) -> int:
     finally:
         consumer.close()
 
-
-def _executes(settings: Settings, bootstrap: str, participant: str) -> list[str]:
-    found = []
-    for _k, value, _h in LedgerReader(bootstrap).records(settings.topics.commands(participant)):
-        record = decode(value or b"")
-        if isinstance(record, ExecuteStep):
-            found.append(record.step_id)
-    return found
 
 
 def _changelog(settings: Settings, bootstrap: str, saga_id: str) -> int:
@@ -75,35 +38,31 @@ def _changelog(settings: Settings, bootstrap: str, saga_id: str) -> int:
 def test_a_state_only_batch_commits_with_the_next_and_a_crash_before_loses_nothing(
     transport: str, unique_prefix: str
 ) -> None:
-    settings = Settings(bootstrap=transport, topic_prefix=unique_prefix, partitions=1)
-    ledger = Ledger(saga_id="saga-carry", t0=int(time.time() * 1000))
-    first = ledger.scheduled("reserve")
-    participant = first.contract.participant
-    ensure_topics(transport, settings.topics, [participant], settings.partitions)
+    settings, ledger, first, participant = one_saga(transport, unique_prefix, "saga-carry")
     group = f"{unique_prefix}sagaline-coordinator"
 
     # The carried batch waits for the next one however slow this test is (the window
     # is the only clock here): an hour, not the 100 ms default.
     one = Coordinator(settings, transport, instance_id="carry-1", carry_ms=3_600_000)
     one._join()
-    _append(settings, transport, ledger.started())
-    _turn_until(one, lambda: one._carry is not None and "saga-carry" in one._carry.states)
+    append(settings, transport, ledger.started())
+    turn_until(one, lambda: one._carry is not None and "saga-carry" in one._carry.states)
     # Decided, not committed: no changelog record, no offset, no state in memory.
     assert _changelog(settings, transport, "saga-carry") == 0
     assert _committed(settings, transport, group) == 0
     assert one.state_of("saga-carry") is None
 
-    _append(settings, transport, first)
-    _turn_until(one, lambda: one._carry is None and one.state_of("saga-carry") is not None)
+    append(settings, transport, first)
+    turn_until(one, lambda: one._carry is None and one.state_of("saga-carry") is not None)
     # One transaction: the command, one changelog record for both batches, the offsets.
-    assert _executes(settings, transport, participant) == ["reserve"]
+    assert executes(settings, transport, participant) == ["reserve"]
     assert _changelog(settings, transport, "saga-carry") == 1
     assert _committed(settings, transport, group) == 2
 
     # The participant's intent and commit change state only: carried, then the
     # coordinator dies holding them (no transaction was begun for them).
-    _append(settings, transport, ledger.intent("reserve"), ledger.committed("reserve"))
-    _turn_until(
+    append(settings, transport, ledger.intent("reserve"), ledger.committed("reserve"))
+    turn_until(
         one,
         lambda: one._carry is not None and sum(len(s) for s in one._carry.sources.values()) == 2,
     )
@@ -117,9 +76,9 @@ def test_a_state_only_batch_commits_with_the_next_and_a_crash_before_loses_nothi
     # next step is sent once, the first one not again.
     two = Coordinator(settings, transport, instance_id="carry-1", carry_ms=0)
     two._join()
-    _turn_until(two, lambda: two._carry is None and two.positions().get(0, -1) >= 4)
+    turn_until(two, lambda: two._carry is None and two.positions().get(0, -1) >= 4)
     assert two.state_of("saga-carry") == held
-    _append(settings, transport, ledger.scheduled("charge", tool="reserve"))
-    _turn_until(two, lambda: _committed(settings, transport, group) == 5)
-    assert _executes(settings, transport, participant) == ["reserve", "charge"]
+    append(settings, transport, ledger.scheduled("charge", tool="reserve"))
+    turn_until(two, lambda: _committed(settings, transport, group) == 5)
+    assert executes(settings, transport, participant) == ["reserve", "charge"]
     two._consumer.close()
