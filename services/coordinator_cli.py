@@ -138,7 +138,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         replication=settings.replication,
     )
     metrics = CoordinatorMetrics(effect=economic_effect)
-    coordinator = Coordinator(settings, bootstrap, instance_id=args.instance_id, metrics=metrics)
+    sizes = {} if args.decoded_states is None else {"decoded_states": args.decoded_states}
+    coordinator = Coordinator(
+        settings, bootstrap, instance_id=args.instance_id, metrics=metrics, **sizes
+    )
     if args.metrics_port:
         start_metrics_server(args.metrics_port, metrics, settings.metrics_host)
     coordinator.install_signal_handlers()
@@ -407,6 +410,17 @@ def _cmd_incidents_resolve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _count(text: str) -> int:
+    """A whole number >= 0, or an error that says what was given."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {value}")
+    return value
+
+
 def register(subparsers: Any) -> None:
     coordinator = subparsers.add_parser("coordinator", help="the saga coordinator")
     coordinator_sub = coordinator.add_subparsers(dest="coordinator_command", required=True)
@@ -422,6 +436,14 @@ def register(subparsers: Any) -> None:
         help="comma-separated participants whose command topics to create",
     )
     run.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
+    run.add_argument(
+        "--decoded-states",
+        type=_count,
+        default=os.environ.get("SAGALINE_DECODED_STATES"),
+        help="decoded saga states kept in memory beside their bytes, about 16 KiB each "
+        "(default $SAGALINE_DECODED_STATES, else coordinator.shell.DECODED_STATES, 512; "
+        "0: off). Raise it when more sagas than this are in flight",
+    )
     run.add_argument(
         "--dev-broker",
         action="store_true",

@@ -140,3 +140,19 @@ def test_participant_run_status_and_saga_wait(
         served.wait(60)
     assert main(["saga", "wait", "saga-that-never-was", "--timeout", "0"]) == 124
     assert "is not terminal after 0 s (no records at all)" in capsys.readouterr().err
+
+
+def test_coordinator_run_takes_the_decoded_state_cache_size_from_a_flag_or_the_env(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.cli import build_parser
+
+    monkeypatch.delenv("SAGALINE_DECODED_STATES", raising=False)
+    assert build_parser().parse_args(["coordinator", "run"]).decoded_states is None
+    args = build_parser().parse_args(["coordinator", "run", "--decoded-states", "4096"])
+    assert args.decoded_states == 4096
+    monkeypatch.setenv("SAGALINE_DECODED_STATES", "0")
+    assert build_parser().parse_args(["coordinator", "run"]).decoded_states == 0
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["coordinator", "run", "--decoded-states", "-1"])
+    assert "expected a whole number >= 0, got -1" in capsys.readouterr().err
