@@ -491,7 +491,7 @@ class SagaClient:
                     if kind is not None and kind not in AWAITED:
                         continue  # of a type no wait looks at: not verified nor decoded
                     try:
-                        record = from_message(msg.key(), msg.value(), msg.headers(), self.signer)
+                        record = from_message(key, value, msg.headers(), self.signer)
                     except CodecError:
                         continue  # the coordinator routes it to the DLQ
                     records.append(record)
