@@ -18,6 +18,11 @@ from services import kafka_local
 def _cmd_up(args: argparse.Namespace) -> int:
     try:
         if args.brokers > 1:
+            if args.fresh:
+                raise kafka_local.KafkaLauncherError(
+                    "--fresh is for the single broker; to empty a cluster, `sagaline kafka "
+                    "down --brokers N` and remove its state dir"
+                )
             if args.port is not None or args.controller_port is not None:
                 raise kafka_local.KafkaLauncherError(
                     "--port/--controller-port name one node's ports; a cluster picks free "
@@ -32,6 +37,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         else:
             result = kafka_local.ensure_running(
                 args.state_dir,
+                fresh=args.fresh,
                 port=args.port,
                 controller_port=args.controller_port,
                 version=args.kafka_version,
@@ -107,6 +113,12 @@ def register(subparsers: Any) -> None:
         "--kafka-version", default=None, help="Kafka version (default: first that resolves)"
     )
     p_up.add_argument("--timeout", type=float, default=None, help="start-up timeout, seconds")
+    p_up.add_argument(
+        "--fresh",
+        action="store_true",
+        help="stop the broker if it runs and start it on an empty data dir (every topic "
+        "is deleted; ports are kept)",
+    )
     p_up.add_argument(
         "--brokers",
         type=int,

@@ -833,8 +833,16 @@ def ensure_running(
     version: str | None = None,
     timeout: float | None = None,
     sasl: bool = False,
+    fresh: bool = False,
 ) -> UpResult:
     """Reuse the broker of ``state_dir`` if it is running and answers; else start it.
+
+    ``fresh=True`` stops a running broker of ``state_dir`` and starts it again on an
+    empty data dir (same ports, a new cluster id). Nothing deletes topics on a
+    long-lived development broker, and every test run and demo adds its own: at a few
+    thousand partitions the broker spends its first minute after start-up loading
+    them, and topics created meanwhile stay invisible long enough for setup to time
+    out. CI starts fresh for that reason (``scripts/test.sh``).
 
     ``sasl=True`` starts it with a second, SASL_PLAINTEXT listener (see
     :func:`sasl_listener`); a running broker without one is refused, not reused.
@@ -850,6 +858,12 @@ def ensure_running(
         pid = _read_pid(state)
         bootstrap = _read(state / BOOTSTRAP_FILE)
         recorded_version = _read(state / VERSION_FILE)
+        if fresh:
+            if pid is not None and _is_our_broker(pid, state):
+                _terminate(pid, DEFAULT_STOP_TIMEOUT)
+            shutil.rmtree(state / DATA_DIR, ignore_errors=True)
+            (state / CLUSTER_ID_FILE).unlink(missing_ok=True)
+            pid = None
         if pid is not None and bootstrap and _is_our_broker(pid, state):
             wanted_port = port or (int(os.environ.get("SAGALINE_KAFKA_PORT") or 0) or None)
             if wanted_port is not None and bootstrap != f"{HOST}:{wanted_port}":

@@ -222,6 +222,26 @@ def test_restart_after_sigkill_keeps_data(tmp_path: Path) -> None:
     assert not kafka_local.status(state).running
 
 
+@pytest.mark.kafka
+def test_up_fresh_restarts_on_an_empty_data_dir_with_the_same_address(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What CI relies on: no earlier run's topics survive ``up --fresh``."""
+    state = tmp_path / "broker"
+    first = _local_or_skip(state_dir=state)
+    try:
+        _create_topic(AdminClient({"bootstrap.servers": first.bootstrap}), "left-behind")
+        assert cli_main(["kafka", "up", "--fresh", "--state-dir", str(state)]) == 0
+        bootstrap = capsys.readouterr().out.strip().splitlines()[-1]
+        assert bootstrap == first.bootstrap  # the ports are kept
+        second = kafka_local.status(state)
+        assert second.running and second.pid != first.pid
+        md = AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=10)
+        assert "left-behind" not in md.topics
+    finally:
+        kafka_local.down(state)
+
+
 # ----------------------------------------------------------------- unit level
 
 
