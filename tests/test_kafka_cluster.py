@@ -13,15 +13,17 @@ import argparse
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from confluent_kafka import Producer
+from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, ConfigResource
 
 from sagaline.kafka import ensure_topics
 from schemas.settings import Settings
 from schemas.topics import Replication
 from services import kafka_cli, kafka_local
+from tests.system import wait_until
 
 
 def test_a_cluster_node_config_names_every_voter_and_replicates_internal_topics() -> None:
@@ -95,7 +97,19 @@ def test_a_three_node_cluster_survives_a_killed_node(cluster: Path) -> None:
     md = admin.list_topics(events, timeout=30).topics[events]
     assert all(len(p.replicas) == 3 for p in md.partitions.values())
     resource = ConfigResource(ConfigResource.Type.TOPIC, events)
-    config = admin.describe_configs([resource])[resource].result(timeout=30)
+
+    def described() -> dict[str, Any] | None:
+        # The node that answers may not have the new topic's metadata yet
+        # (UNKNOWN_TOPIC_OR_PART): ask again until it has.
+        try:
+            config: dict[str, Any] = admin.describe_configs([resource])[resource].result(30)
+        except KafkaException as exc:
+            if exc.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
+                raise
+            return None
+        return config
+
+    config = wait_until(described, 60, "the new topic's configs on every node")
     assert config["min.insync.replicas"].value == "2"
 
     assert kafka_local.kill_node(cluster, 2)
