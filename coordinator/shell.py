@@ -162,6 +162,13 @@ _IDLE_WAIT_S = 0.2
 # saga's records (intents, commits, echoes of the coordinator's own records) change
 # nothing but state, and each transaction costs the broker six requests.
 _CARRY_S = 0.1
+# How long a batch with outputs may wait to share a transaction with the records that
+# arrive after it, when it holds records of several sagas (load). Each transaction
+# costs the broker a produce request and a KIP-890 verification per partition it
+# touches, plus four transaction requests and a marker per partition; at 100 sagas in
+# flight a transaction per commit round trip touches about 20 partitions for about
+# five sagas. A lone saga is never held: its next record waits on this batch's outputs.
+_LINGER_S = 0.02
 
 
 @dataclass
@@ -214,6 +221,7 @@ class Coordinator:
         transaction_timeout_ms: int = 10_000,
         metrics: ShellMetrics | None = None,
         carry_ms: int = int(_CARRY_S * 1000),
+        linger_ms: int = int(_LINGER_S * 1000),
         decoded_states: int = DECODED_STATES,
     ) -> None:
         self.settings = settings
@@ -241,7 +249,10 @@ class Coordinator:
         # is untouched until the transaction that carries it commits, so an abort or a
         # rebalance rewinds to the committed offsets as for any batch.
         self._carry: _Pending | None = None
+        self._carry_since = 0.0
         self._carry_until = 0.0
+        self._linger_s = linger_ms / 1000
+        self._lingering = False  # the carry holds outputs (see _LINGER_S)
         self._known_participants: set[str] = set()
         # (due_at, saga_id) of every saga with a timer; an entry whose saga has since
         # moved (or ended) is skipped when it comes up, so updates only ever push.
@@ -327,6 +338,9 @@ class Coordinator:
                 wait_s = min(wait_s, max(0.0, (self._timers[0][0] - self._clock()) / 1000))
             if self._carry is not None:
                 wait_s = min(wait_s, max(0.0, self._carry_until - time.monotonic()))
+                if self._lingering:  # under load: take what comes until the window ends
+                    held = sum(len(s) for s in self._carry.sources.values())
+                    return self._consumer.consume(max(1, self._batch_size - held), wait_s)
             first = self._consumer.poll(wait_s)
             if first is None:
                 return []
@@ -377,20 +391,21 @@ class Coordinator:
             self._carry = carried
             return
 
-        positions = self._positions()  # what this batch's transaction commits
+        positions: list[TopicPartition] = []  # what this batch's transaction commits
         offsets: Future[None] | None = None
         try:
             if len(records) >= self._batch_size and self._failures < _ISOLATE_AFTER_FAILURES:
                 # A full batch (a backlog; it is never carried): its offsets go to its
                 # transaction (two round trips) while this thread decides it.
+                positions = self._positions()
                 offsets = self._begin(positions)
             self._decide_batch(decoded, due, now, pending)
-            self._check_sizes(now, pending)
-            if offsets is None and not flush and not due and self._only_state(pending):
-                if carried is None:
-                    self._carry_until = time.monotonic() + self._carry_s
-                self._carry = pending
+            if offsets is None and not flush and not due and self._held(pending, carried):
                 return
+            # Sizes are checked (and states encoded) once per transaction, not per
+            # carried batch: a saga several carried batches change is encoded once.
+            self._check_sizes(now, pending)
+            positions = positions or self._positions()
             if self._failures >= _ISOLATE_AFTER_FAILURES:
                 self._commit_isolated(now, pending)
                 commit: Future[float] = Future()
@@ -416,17 +431,30 @@ class Coordinator:
         metadata = self._consumer.consumer_group_metadata()
         return self._sender.submit(self._send_offsets, positions, metadata)
 
-    def _only_state(self, pending: _Pending) -> bool:
-        """True when the batch (with what it carries) changed state at most: nothing
-        to send anyone, so its transaction can wait for the next batch's."""
-        return (
-            self._failures == 0
-            and not pending.loose
-            and not pending.expired
-            and not pending.parked
-            and not any(pending.outputs.values())
-            and sum(len(s) for s in pending.sources.values()) < self._batch_size
-        )
+    def _held(self, pending: _Pending, carried: _Pending | None) -> bool:
+        """Carry the batch (with what it already carries) into the next one's
+        transaction, and say so; False: it is to be committed now.
+
+        A batch that changed state at most has nothing to send anyone and waits up to
+        ``carry_ms`` (``_CARRY_S``). A batch with outputs waits up to ``linger_ms``
+        (``_LINGER_S``), and only while it holds records of at least two sagas: then
+        more sagas are active, the next records come anyway, and one transaction
+        takes them all. A lone saga's outputs are never held. The window counts from
+        the first batch carried, so nothing waits longer than either bound."""
+        held = sum(len(s) for s in pending.sources.values())
+        if self._failures or pending.parked or held >= self._batch_size:
+            return False
+        outputs = bool(pending.loose or pending.expired or any(pending.outputs.values()))
+        if outputs and (self._linger_s <= 0 or len(pending.sources) < 2):
+            return False
+        if carried is None:
+            self._carry_since = time.monotonic()
+        self._carry_until = self._carry_since + (self._linger_s if outputs else self._carry_s)
+        if time.monotonic() >= self._carry_until:
+            return False
+        self._carry = pending
+        self._lingering = outputs
+        return True
 
     def _settle(self) -> None:
         """Wait for the batch committing in the background; then memory takes its
