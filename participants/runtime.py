@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import heapq
 import logging
 import signal
 import sqlite3
@@ -295,9 +296,11 @@ class CommandHandler:
         self._verify_poll_ms = verify_poll_ms
         self._metrics = metrics
         self._stopping = threading.Event()
+        self._watchdog = _Watchdog(f"{participant}-deadlines")
 
     def close(self) -> None:
         self._stopping.set()
+        self._watchdog.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._ledger is not None:
             self._ledger.close()
@@ -346,6 +349,10 @@ class CommandHandler:
             outcome = self._reconcile(command)
         else:
             raise TypeError(f"{command.TYPE} is not a participant command")
+        return self._settle(command, outcome)
+
+    def _settle(self, command: Record, outcome: _Outcome) -> str:
+        """Journal ``outcome`` as the command's answer, then publish it."""
         from schemas.codec import encode
 
         self.journal.mark(command.event_id, outcome.state, outcome=encode(outcome.record))
@@ -477,10 +484,8 @@ class CommandHandler:
         ctx = CallContext(
             cmd.saga_id, cmd.step_id, cmd.tool, cmd.idempotency_key, cmd.attempt, cmd.principal
         )
-        try:
-            args = self._sealer.open(orjson.loads(raw_args), spec.secret_paths, cmd.saga_id)
-            result = self._run(ctx, lambda: spec.invoke(args), cmd.deadline_ms)
-        except concurrent.futures.TimeoutError:
+
+        def late() -> _Outcome:
             return _Outcome(
                 self._record(
                     StepOutcomeUnknown,
@@ -490,6 +495,14 @@ class CommandHandler:
                     reason=f"no answer within the {cmd.deadline_ms} ms deadline",
                 )
             )
+
+        try:
+            args = self._sealer.open(orjson.loads(raw_args), spec.secret_paths, cmd.saga_id)
+            result = self._run(
+                ctx, lambda: spec.invoke(args), cmd.deadline_ms, command=cmd, late=late
+            )
+        except concurrent.futures.TimeoutError:
+            return late()
         except (InvalidArgumentsError, SealError) as exc:
             return _Outcome(self._failed(cmd, common, FailureKind.BUSINESS_REJECTION, exc))
         except Exception as exc:
@@ -580,9 +593,25 @@ class CommandHandler:
             "compensation_key": cmd.compensation_key,
             "attempt": cmd.attempt,
         }
+
+        def late() -> _Outcome:
+            return _Outcome(
+                self._record(
+                    CompensationFailed,
+                    cmd,
+                    "outcome",
+                    **common,
+                    kind=FailureKind.TRANSIENT,
+                    error_type="DeadlineExceeded",
+                    message=f"compensation gave no answer within {spec.deadline_ms} ms",
+                )
+            )
+
         try:
             ctx = self._compensation_context(cmd, spec)
-            result = self._run(call, lambda: spec.compensate(ctx), spec.deadline_ms)
+            result = self._run(
+                call, lambda: spec.compensate(ctx), spec.deadline_ms, command=cmd, late=late
+            )
             if isinstance(result, Accepted):
                 return _Outcome(
                     self._record(
@@ -595,22 +624,12 @@ class CommandHandler:
                     state="accepted",
                 )
             verified = (
-                self._run(call, lambda: spec.verify(ctx), spec.deadline_ms)
+                self._run(call, lambda: spec.verify(ctx), spec.deadline_ms, command=cmd, late=late)
                 if spec.verify_func is not None
                 else None
             )
         except concurrent.futures.TimeoutError:
-            return _Outcome(
-                self._record(
-                    CompensationFailed,
-                    cmd,
-                    "outcome",
-                    **common,
-                    kind=FailureKind.TRANSIENT,
-                    error_type="DeadlineExceeded",
-                    message=f"compensation gave no answer within {spec.deadline_ms} ms",
-                )
-            )
+            return late()
         except Exception as exc:
             kind = (
                 FailureKind.BUSINESS_REJECTION
@@ -787,15 +806,25 @@ class CommandHandler:
             "idempotency_key": cmd.idempotency_key,
             "attempt": cmd.attempt,
         }
-        try:
-            found = self._run(call, lambda: spec.lookup(cmd.idempotency_key), spec.deadline_ms)
-        except Exception as exc:
-            log.warning("lookup of %s failed (%s): reporting PENDING", cmd.idempotency_key, exc)
+
+        def pending(why: object) -> _Outcome:
+            log.warning("lookup of %s failed (%s): reporting PENDING", cmd.idempotency_key, why)
             return _Outcome(
                 self._record(
                     StepReconciled, cmd, "outcome", **common, outcome=ReconcileResult.PENDING
                 )
             )
+
+        try:
+            found = self._run(
+                call,
+                lambda: spec.lookup(cmd.idempotency_key),
+                spec.deadline_ms,
+                command=cmd,
+                late=lambda: pending(f"no answer within {spec.deadline_ms} ms"),
+            )
+        except Exception as exc:
+            return pending(exc)
         if found.status is ReconcileResult.COMMITTED:
             body = self._bounded_result(cmd, spec, _json(found.result))
             return _Outcome(
@@ -874,13 +903,45 @@ class CommandHandler:
             )
         return data
 
-    def _run(self, ctx: CallContext, fn: Callable[[], Any], deadline_ms: int) -> Any:
+    def _run(
+        self,
+        ctx: CallContext,
+        fn: Callable[[], Any],
+        deadline_ms: int,
+        *,
+        command: Record | None = None,
+        late: Callable[[], _Outcome] | None = None,
+    ) -> Any:
+        """``fn()`` as the call ``ctx``; past ``deadline_ms`` its answer no longer counts.
+
+        On a runtime's lane worker (see :class:`_KeyOrderedWork`) the tool runs right
+        here: handing it to a pool thread and back costs two thread switches a call,
+        the largest share of a command's CPU. The watchdog then enforces the
+        deadline: when it passes, it settles ``command`` with ``late()`` (the answer
+        a timeout gives) on a fresh worker that carries on with the saga's later
+        commands, and this thread, once the tool returns, discards what it returned
+        and leaves (:class:`_TakenOver`). Elsewhere (background verification, a
+        handler driven directly) the tool runs on the pool and a timeout raises
+        ``concurrent.futures.TimeoutError``.
+        """
+
         def call() -> Any:
             with call_context(ctx):
                 return fn()
 
-        future = self._pool.submit(call)
-        return future.result(timeout=deadline_ms / 1000)
+        lane: _Lane | None = getattr(_here, "lane", None)
+        if lane is None or command is None or late is None:
+            return self._pool.submit(call).result(timeout=deadline_ms / 1000)
+
+        def take_over() -> None:
+            lane.take_over(lambda: self._settle(command, late()))
+
+        watch = self._watchdog.watch(deadline_ms / 1000, take_over)
+        try:
+            return call()
+        finally:
+            if not watch.finish():
+                raise _TakenOver  # the watchdog answered for this command already
 
     def _record(self, cls: type[R], cmd: Record, purpose: str, **fields: Any) -> R:
         env = envelope_for(
@@ -975,7 +1036,9 @@ class ParticipantRuntime:
         self._running = threading.Event()
         self._running.set()
         self._background: list[threading.Thread] = []
-        self._work = _KeyOrderedWork(self._process, max_in_flight, self.participant)
+        self._work = _KeyOrderedWork(
+            self._process, max_in_flight, self.participant, resume=self._process
+        )
         # Per command partition, its end offset when it was assigned to this replica.
         self._assigned_end: dict[int, int] = {}
         for spec in catalogue.values():
@@ -1104,8 +1167,12 @@ class ParticipantRuntime:
         elif offsets:
             consumer.commit(offsets=offsets, asynchronous=False)
 
-    def _process(self, msg: Message) -> bool:
-        """Handle one command; False when its record could not be appended (retry)."""
+    def _process(self, msg: Message, resume: Callable[[], str] | None = None) -> bool:
+        """Handle one command; False when its record could not be appended (retry).
+
+        ``resume``: the watchdog took the command over when its tool overran the
+        deadline; settle it with this instead of handling it (the journal has it
+        started, the tool ran)."""
         try:
             command = from_message(msg.key(), msg.value(), msg.headers(), self.signer)
             if not isinstance(command, (ExecuteStep, CompensateStep, ReconcileStep)):
@@ -1115,15 +1182,20 @@ class ParticipantRuntime:
             self._dead_letters.write(msg, reason, str(exc))
             self.metrics.dlq(reason)
             return True
-        self.metrics.observe_record(command)
+        if resume is None:
+            self.metrics.observe_record(command)
         try:
             # Only commands already on the partition when it was assigned here can have
             # been taken by another replica; the ledger probe is for those alone.
             taken_before = self._assigned_end.get(msg.partition() or 0, 0)
-            state = self.handler.handle(
-                command,
-                maybe_taken_elsewhere=(msg.offset() or 0) < taken_before,
-                encoded=msg.value(),
+            state = (
+                resume()
+                if resume is not None
+                else self.handler.handle(
+                    command,
+                    maybe_taken_elsewhere=(msg.offset() or 0) < taken_before,
+                    encoded=msg.value(),
+                )
             )
         except DeliveryFailed:
             log.exception(
@@ -1154,6 +1226,128 @@ class _NotACommand(Exception):
     pass
 
 
+class _TakenOver(BaseException):
+    """Raised on a lane worker whose tool returned after the watchdog had already
+    answered for the command: unwinds the worker past every ``except Exception``
+    (nothing of the late call may be journalled or published) and ends it."""
+
+
+# The message a lane worker thread is running (a _Lane), read by CommandHandler._run.
+_here = threading.local()
+
+_RUNNING, _FINISHED, _OVERRUN = 0, 1, 2
+
+
+class _Watch:
+    """One tool call under a deadline; whichever of :meth:`finish` and the watchdog
+    comes first decides whether its answer counts."""
+
+    __slots__ = ("_lock", "deadline", "on_overrun", "state")
+
+    def __init__(
+        self, deadline: float, on_overrun: Callable[[], None], lock: threading.Lock
+    ) -> None:
+        self.deadline = deadline
+        self.on_overrun = on_overrun
+        self.state = _RUNNING
+        self._lock = lock
+
+    def finish(self) -> bool:
+        """The tool returned: True when in time, False when the watchdog took over."""
+        with self._lock:
+            if self.state == _OVERRUN:
+                return False
+            self.state = _FINISHED
+            return True
+
+
+class _Watchdog:
+    """Enforces the deadlines of tools run inline on lane workers, one thread for all.
+
+    Its thread sleeps until the earliest deadline; a new call wakes it only when its
+    deadline is earlier still (rare: most tools of a participant share a deadline),
+    so watching a call costs a heap push, not a thread switch. Finished calls are
+    dropped from the heap lazily.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._heap: list[tuple[float, int, _Watch]] = []
+        self._seq = 0
+        self._sleeping_until = float("-inf")  # -inf while awake: it looks again anyway
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def watch(self, timeout_s: float, on_overrun: Callable[[], None]) -> _Watch:
+        """Call ``on_overrun`` (on the watchdog's thread) if the returned watch is not
+        finished within ``timeout_s``."""
+        watch = _Watch(time.monotonic() + timeout_s, on_overrun, self._lock)
+        with self._lock:
+            heap = self._heap
+            while heap and heap[0][2].state != _RUNNING:
+                heapq.heappop(heap)
+            self._seq += 1
+            heapq.heappush(heap, (watch.deadline, self._seq, watch))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
+                self._thread.start()
+            elif watch.deadline < self._sleeping_until:
+                self._changed.notify()
+        return watch
+
+    def _serve(self) -> None:
+        with self._lock:
+            while not self._closed:
+                now = time.monotonic()
+                due: list[_Watch] = []
+                heap = self._heap
+                while heap and (heap[0][2].state != _RUNNING or heap[0][0] <= now):
+                    watch = heapq.heappop(heap)[2]
+                    if watch.state == _RUNNING:
+                        watch.state = _OVERRUN
+                        due.append(watch)
+                if due:
+                    self._lock.release()
+                    try:
+                        for watch in due:
+                            try:
+                                watch.on_overrun()
+                            except Exception:
+                                log.exception("taking over a command past its deadline failed")
+                    finally:
+                        self._lock.acquire()
+                    continue
+                self._sleeping_until = heap[0][0] if heap else float("inf")
+                self._changed.wait(None if not heap else heap[0][0] - now)
+                self._sleeping_until = float("-inf")
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._changed.notify()
+
+
+class _Lane:
+    """A message running on a lane worker: what the watchdog needs to take it over."""
+
+    __slots__ = ("key", "msg", "thread", "work")
+
+    def __init__(
+        self, work: _KeyOrderedWork, key: bytes | None, msg: Message, thread: threading.Thread
+    ) -> None:
+        self.work = work
+        self.key = key
+        self.msg = msg
+        self.thread = thread
+
+    def take_over(self, resume: Callable[[], str]) -> None:
+        """Settle this message with ``resume`` on a fresh worker, which then carries on
+        with its key's later messages; the stuck thread leaves the pool."""
+        self.work._take_over(self, resume)
+
+
 class _KeyOrderedWork:
     """Runs messages on worker threads: different keys at once, one key in order.
 
@@ -1168,8 +1362,17 @@ class _KeyOrderedWork:
     its limit) or :meth:`wait_idle`.
     """
 
-    def __init__(self, process: Callable[[Message], bool], workers: int, name: str) -> None:
+    def __init__(
+        self,
+        process: Callable[[Message], bool],
+        workers: int,
+        name: str,
+        *,
+        resume: Callable[[Message, Callable[[], str]], bool] | None = None,
+    ) -> None:
         self._process = process
+        self._resume = resume
+        self._spawned = 0
         self._workers = workers
         self._name = name
         self._lock = threading.Lock()
@@ -1203,15 +1406,31 @@ class _KeyOrderedWork:
                 self._idle -= 1  # claimed: a second submit wakes another worker
                 self._work_ready.notify()
             elif len(self._threads) < self._workers:
-                thread = threading.Thread(
-                    target=self._worker,
-                    name=f"{self._name}-cmd-{len(self._threads)}",
-                    daemon=True,
-                )
-                self._threads.append(thread)
-                thread.start()
+                self._spawn()
 
-    def _worker(self) -> None:
+    def _spawn(self, *first: Any) -> None:
+        """Start a worker (under the lock); ``first``: a taken-over lane it starts with."""
+        self._spawned += 1
+        thread = threading.Thread(
+            target=self._worker, args=first, name=f"{self._name}-cmd-{self._spawned}", daemon=True
+        )
+        self._threads.append(thread)
+        thread.start()
+
+    def _take_over(self, lane: _Lane, resume: Callable[[], str]) -> None:
+        with self._lock:
+            if lane.thread in self._threads:  # close() must not wait for a late tool
+                self._threads.remove(lane.thread)
+            self._spawn(lane.key, lane.msg, resume)
+
+    def _worker(
+        self,
+        key: bytes | None = None,
+        msg: Message | None = None,
+        resume: Callable[[], str] | None = None,
+    ) -> None:
+        if msg is not None and not self._run_key(key, msg, resume):
+            return
         while True:
             with self._lock:
                 while not self._ready:
@@ -1220,20 +1439,36 @@ class _KeyOrderedWork:
                     self._idle += 1
                     self._work_ready.wait()
                 key, msg = self._ready.popleft()
-            self._run_key(key, msg)
+            if not self._run_key(key, msg):
+                return  # taken over: a fresh worker has this key now
 
-    def _run_key(self, key: bytes | None, msg: Message) -> None:
+    def _run_key(
+        self, key: bytes | None, msg: Message, resume: Callable[[], str] | None = None
+    ) -> bool:
+        """Run ``msg`` and then its key's queued messages; False when the watchdog
+        took one over from this thread (its tool overran the deadline)."""
         while True:
+            _here.lane = _Lane(self, key, msg, threading.current_thread())
             try:
-                while not self._process(msg):
+                while not (
+                    self._process(msg)
+                    if resume is None or self._resume is None
+                    else self._resume(msg, resume)
+                ):
                     # The ledger did not take its record: run it again (the journal
                     # re-sends a stored outcome, never reruns a tool); the saga's later
                     # commands wait behind it, so their order holds.
+                    resume = None
                     if self._closing.is_set():
-                        return  # not done: its offset stays uncommitted, redelivered
+                        return True  # not done: its offset stays uncommitted, redelivered
                     time.sleep(0.5)
+            except _TakenOver:
+                return False
             except Exception:  # _process dead-letters what fails; this is a last resort
                 log.exception("command at offset %s failed", msg.offset())
+            finally:
+                _here.lane = None
+            resume = None
             with self._lock:
                 partition = msg.partition() or 0
                 self._done.setdefault(partition, set()).add(msg.offset() or 0)
@@ -1243,7 +1478,7 @@ class _KeyOrderedWork:
                 queue = self._queues.get(key)
                 if not queue or self._closing.is_set():
                     self._queues.pop(key, None)
-                    return
+                    return True
                 msg = queue.popleft()
 
     def committable(self) -> dict[int, int]:
