@@ -58,9 +58,9 @@ class Shop:
         self._intent_seen = intent_seen
         self.effects: list[tuple[str, Any]] = []
         self.reservations: dict[str, str] = {}
-        # Set by the deadline test: the tool commits, then answers only once released,
-        # i.e. after the test has seen the deadline pass. No race with a sleep.
-        self.answer_gate: threading.Event | None = None
+        # Set by the deadline tests, per sku: the tool commits, then answers only once
+        # released, i.e. after the test has seen the deadline pass. No race with a sleep.
+        self.answer_gates: dict[str, threading.Event] = {}
         self.lock = threading.Lock()
 
     # A deadline no busy machine misses: only the deadline test sets a short one.
@@ -72,8 +72,9 @@ class Shop:
             # What the world saw: was the intent already durable on the broker?
             self.effects.append(("reserve", {"key": key, "intent_durable": self._intent_seen(key)}))
             reservation = self.reservations.setdefault(key, f"res-{len(self.reservations) + 1}")
-        if self.answer_gate is not None:
-            self.answer_gate.wait(60)  # committed; answers after the deadline
+        gate = self.answer_gates.get(sku)
+        if gate is not None:
+            gate.wait(60)  # committed; answers after the deadline
         return {"reservation": reservation, "sku": sku}
 
     def release(self, ctx: CompensationContext) -> None:
@@ -204,7 +205,7 @@ def test_intent_is_acknowledged_before_the_side_effect_R10(harness: Harness) -> 
 def test_commit_after_deadline_is_unknown_then_reconciled_without_rerun_R11(
     harness: Harness,
 ) -> None:
-    harness.shop.answer_gate = gate = threading.Event()
+    harness.shop.answer_gates["a"] = gate = threading.Event()
     command = harness.execute("s1", {"sku": "a", "quantity": 1}, deadline_ms=1000)
     harness.send(command)
     harness.wait_for(lambda rs: bool(_of(rs, StepOutcomeUnknown)))
@@ -224,6 +225,23 @@ def test_commit_after_deadline_is_unknown_then_reconciled_without_rerun_R11(
     assert orjson.loads(reconciled.result or b"null") == {"reservation": "res-1"}
     assert harness.shop.count("reserve") == 1
     assert not _of(records, StepCommitted)
+
+
+def test_a_tool_past_its_deadline_holds_up_neither_its_saga_nor_a_stop_R11(
+    harness: Harness,
+) -> None:
+    # The tool runs on the saga's worker thread; at the deadline the watchdog answers
+    # for it and a fresh worker carries on with the saga while the late call hangs.
+    harness.shop.answer_gates["a"] = gate = threading.Event()
+    harness.send(harness.execute("s1", {"sku": "a", "quantity": 1}, deadline_ms=1000))
+    harness.wait_for(lambda rs: bool(_of(rs, StepOutcomeUnknown)))
+    harness.send(harness.execute("s2", {"sku": "b", "quantity": 1}))  # same saga
+    records = harness.wait_for(lambda rs: bool(_of(rs, StepCommitted)))
+    assert not gate.is_set()  # s1's call still hangs while s2 ran and committed
+    assert [c.step_id for c in _of(records, StepCommitted)] == ["s2"]
+    assert [u.step_id for u in _of(records, StepOutcomeUnknown)] == ["s1"]
+    harness.stop()  # does not wait for the late call (stop() asserts the loop ended)
+    gate.set()
 
 
 def test_the_same_command_twice_runs_the_tool_once_even_across_a_restart_R15(
