@@ -161,13 +161,11 @@ class CommandJournal:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._lock = threading.Lock()
-        # group commit of mark(): queued rows, tickets handed out and written so far
-        self._group = threading.Condition()
-        self._queued: list[tuple[str, str, bytes | None, bytes | None, int]] = []
-        self._tickets = 0
-        self._written = 0
+        # group commit of mark(): marks waiting for the next transaction, and whether
+        # a caller is writing one now (the others wait on their own _Mark)
+        self._group = threading.Lock()
+        self._queued: list[_Mark] = []
         self._writing = False
-        self._failed: tuple[int, int, BaseException] | None = None
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
@@ -196,34 +194,40 @@ class CommandJournal:
         Group commit: marks from concurrent commands are written in one transaction
         (one sync for the group); each caller still returns only after the
         transaction holding its mark committed, so a kill -9 loses no mark that was
-        acknowledged.
+        acknowledged. One caller writes at a time; the others wait each on its own
+        lock, released once when its transaction committed (or to make it the next
+        writer), so no caller is woken for a transaction that did not hold its mark.
         """
+        me = _Mark((command_id, state, command, outcome, _now_ms()))
         with self._group:
-            self._queued.append((command_id, state, command, outcome, _now_ms()))
-            self._tickets += 1
-            ticket = self._tickets
-            while self._written < ticket:
-                if self._writing:
-                    self._group.wait()
-                    continue
-                batch, self._queued = self._queued, []
-                upto = self._tickets
-                self._writing = True
-                self._group.release()
-                failure: BaseException | None = None
-                try:
-                    self._write(batch)
-                except BaseException as exc:
-                    failure = exc
-                finally:
-                    self._group.acquire()
-                    self._writing = False
-                    self._written = upto
-                    if failure is not None:
-                        self._failed = (upto - len(batch) + 1, upto, failure)
-                    self._group.notify_all()
-            if self._failed is not None and self._failed[0] <= ticket <= self._failed[1]:
-                raise RuntimeError(f"journal write failed: {self._failed[2]}") from self._failed[2]
+            self._queued.append(me)
+            lead = not self._writing
+            self._writing = True
+        if not lead:
+            me.wake.acquire()  # released when written, or when it is this one's turn
+            if me.outcome is not _LEAD:
+                me.raise_failure()
+                return
+        with self._group:
+            batch, self._queued = self._queued, []
+        failure: BaseException | None = None
+        try:
+            self._write([m.row for m in batch])
+        except BaseException as exc:
+            failure = exc
+        with self._group:
+            if self._queued:  # arrived while this one wrote: the first of them writes next
+                nxt = self._queued[0]
+                nxt.outcome = _LEAD
+                nxt.wake.release()
+            else:
+                self._writing = False
+        for m in batch:
+            if m is not me:
+                m.outcome = failure
+                m.wake.release()
+        me.outcome = failure
+        me.raise_failure()
 
     def _write(self, rows: list[tuple[str, str, bytes | None, bytes | None, int]]) -> None:
         with self._lock:
@@ -251,6 +255,25 @@ class CommandJournal:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+_LEAD = object()  # a _Mark's outcome when its caller is to write the next transaction
+
+
+class _Mark:
+    """One caller's row in a journal group commit, and the lock it waits on."""
+
+    __slots__ = ("outcome", "row", "wake")
+
+    def __init__(self, row: tuple[str, str, bytes | None, bytes | None, int]) -> None:
+        self.row = row
+        self.wake = threading.Lock()
+        self.wake.acquire()
+        self.outcome: object = None  # None once written, the exception if the write failed
+
+    def raise_failure(self) -> None:
+        if isinstance(self.outcome, BaseException):
+            raise RuntimeError(f"journal write failed: {self.outcome}") from self.outcome
 
 
 @dataclass(frozen=True)

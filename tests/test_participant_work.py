@@ -4,17 +4,24 @@ beside the real-broker test in ``test_participant_concurrency``).
 Workers are woken only when idle and the loop only when it waits, so these check
 that nothing is lost by waking less: every message runs, one key's in offset order
 and never two at once, offsets become committable only below the lowest unfinished
-message, and a waiting loop is woken once there is room.
+message, and a waiting loop is woken once there is room. The journal's group commit
+wakes each caller once, so the same is checked of it: every mark is written, the
+marks that queue behind a write go in one transaction, and a failed write fails
+exactly the callers whose marks it held.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from pathlib import Path
 from typing import Any, cast
 
-from participants.runtime import _KeyOrderedWork
+import pytest
+
+from participants.runtime import CommandJournal, _KeyOrderedWork
 from sagaline.kafka import Message
+from tests.system import wait_until
 
 
 class _Msg:
@@ -116,3 +123,72 @@ def test_close_lets_the_running_message_finish_and_drops_the_queued() -> None:
     closer.join()
     assert ran == [0]  # the queued two are left for redelivery
     assert work.committable() == {0: 1}
+
+
+def test_journal_marks_queued_behind_a_write_go_in_one_transaction(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    journal = CommandJournal(tmp_path / "j.sqlite")
+    write = journal._write
+    writing = threading.Event()
+    gate = threading.Event()
+    transactions: list[list[str]] = []
+
+    def held_write(rows: list[Any]) -> None:
+        transactions.append([r[0] for r in rows])
+        if len(transactions) == 1:
+            writing.set()
+            gate.wait()
+        write(rows)
+
+    monkeypatch.setattr(journal, "_write", held_write)
+    first = threading.Thread(target=journal.mark, args=("c0", "started"))
+    first.start()
+    assert writing.wait(60)
+    rest = [threading.Thread(target=journal.mark, args=(f"c{i}", "done")) for i in (1, 2, 3)]
+    for thread in rest:
+        thread.start()
+    wait_until(lambda: len(journal._queued) == 3, what="three marks queued behind the write")
+    gate.set()
+    for thread in [first, *rest]:
+        thread.join()
+    assert [sorted(t) for t in transactions] == [["c0"], ["c1", "c2", "c3"]]
+    assert [journal.get(f"c{i}") for i in range(4)] == [
+        ("started", None),
+        ("done", None),
+        ("done", None),
+        ("done", None),
+    ]
+    journal.close()
+
+
+def test_a_failed_journal_write_fails_its_callers_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    journal = CommandJournal(tmp_path / "j.sqlite")
+    write = journal._write
+
+    def broken_write(rows: list[Any]) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(journal, "_write", broken_write)
+    with pytest.raises(RuntimeError, match="journal write failed: disk full"):
+        journal.mark("c0", "started")
+    monkeypatch.setattr(journal, "_write", write)
+    errors: list[BaseException] = []
+
+    def mark(i: int) -> None:
+        try:
+            journal.mark(f"c{i}", "started")
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=mark, args=(i,)) for i in range(1, 33)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert journal.get("c0") is None
+    assert all(journal.get(f"c{i}") == ("started", None) for i in range(1, 33))
+    journal.close()
