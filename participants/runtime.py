@@ -286,6 +286,8 @@ class CommandHandler:
     """Decides and runs what one command asks; Kafka-free, so tests can drive it.
 
     ``append(record)`` must return only once the broker acknowledged the record.
+    ``publish(outcome)`` (default: ``append``) may return before: the caller then owns
+    finishing the command (its offset) when the acknowledgement comes.
     """
 
     def __init__(
@@ -303,6 +305,7 @@ class CommandHandler:
         ledger: LedgerProbe | None = None,
         limits: Limits = DEFAULT_LIMITS,
         fetch: Callable[[LedgerRef], Record | None] | None = None,
+        publish: Callable[[Record], None] | None = None,
     ) -> None:
         self.catalogue = catalogue
         self._ledger = ledger
@@ -312,6 +315,9 @@ class CommandHandler:
         self.participant = participant
         self.journal = journal
         self._append = append
+        # How a command's outcome goes out, once journalled: ``append`` unless the
+        # runtime finishes the command when the broker acknowledges it.
+        self._publish = publish or append
         self._clock = clock
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=workers, thread_name_prefix=f"{participant}-tool"
@@ -379,7 +385,7 @@ class CommandHandler:
         from schemas.codec import encode
 
         self.journal.mark(command.event_id, outcome.state, outcome=encode(outcome.record))
-        self._append(outcome.record)
+        self._publish(outcome.record)
         if self._metrics is not None:
             self._metrics.observe_output(outcome.record)
         return outcome.state
@@ -1053,6 +1059,7 @@ class ParticipantRuntime:
             fetch=self._fetch,
             clock=clock,
             workers=max_in_flight,
+            publish=self._publish_outcome,
         )
         # Set until stop(), which may come before run() reaches its loop (a SIGTERM
         # during start-up must not be lost).
@@ -1093,6 +1100,22 @@ class ParticipantRuntime:
         # thread's): the intent must be durable before the tool runs (R10), and an
         # outcome before the command's offset is committed.
         self._writer.append(record)
+
+    def _publish_outcome(self, record: Record) -> None:
+        """Send a command's journalled outcome; on a lane worker without waiting for it.
+
+        The command is finished (its offset committable, its saga's next command
+        started) by the delivery report, on the writer's poller thread (see
+        :class:`_Lane`), so the worker takes other work instead of sleeping until the
+        broker answers. An accepted compensation's outcome is awaited here: its
+        background confirmation starts only once the acceptance is on the ledger.
+        """
+        lane: _Lane | None = getattr(_here, "lane", None)
+        if lane is None or isinstance(record, CompensationAccepted):
+            self._writer.append(record)
+            return
+        self._writer.append_then(record, lane.delivered)
+        lane.deferred = True  # after: a produce that raised is not awaited
 
     def install_signal_handlers(self) -> None:
         def _stop(signum: int, frame: FrameType | None) -> None:
@@ -1172,6 +1195,8 @@ class ParticipantRuntime:
                     next_commit = time.monotonic() + _COMMIT_INTERVAL_S
         finally:
             self._work.close()  # lets running commands finish; queued ones are redelivered
+            # Outcomes still on their way finish their commands (delivery reports).
+            self._writer.producer.flush(10)
             try:
                 self._commit(consumer, asynchronous=False)
             except KafkaException as exc:
@@ -1352,10 +1377,22 @@ class _Watchdog:
             self._changed.notify()
 
 
-class _Lane:
-    """A message running on a lane worker: what the watchdog needs to take it over."""
+_PENDING = object()  # a _Lane's delivery before its outcome's report came
 
-    __slots__ = ("key", "msg", "thread", "work")
+
+class _Lane:
+    """One attempt at a message on a lane worker: what the watchdog needs to take it
+    over, and the hand-shake that lets a deferred outcome's delivery report finish it.
+
+    ``deferred``: the outcome went out with :meth:`LedgerWriter.append_then`. The
+    worker then looks under the work lock: the report already came (``delivery``),
+    so it finishes the message itself; or not, so it marks the lane ``detached`` and
+    takes other work, and :meth:`delivered` finishes the message on the poller's
+    thread. Either way the key's next message starts only after the outcome is on
+    the broker, so one saga's commands stay in order and never run two at once.
+    """
+
+    __slots__ = ("deferred", "delivery", "detached", "key", "msg", "thread", "work")
 
     def __init__(
         self, work: _KeyOrderedWork, key: bytes | None, msg: Message, thread: threading.Thread
@@ -1364,11 +1401,22 @@ class _Lane:
         self.key = key
         self.msg = msg
         self.thread = thread
+        self.deferred = False
+        self.delivery: object = _PENDING
+        self.detached = False
 
     def take_over(self, resume: Callable[[], str]) -> None:
         """Settle this message with ``resume`` on a fresh worker, which then carries on
         with its key's later messages; the stuck thread leaves the pool."""
         self.work._take_over(self, resume)
+
+    def delivered(self, failure: DeliveryFailed | None) -> None:
+        """The deferred outcome's delivery report (on the writer's poller thread)."""
+        with self.work._lock:
+            if not self.detached:
+                self.delivery = failure  # the worker is still here and finishes it
+                return
+        self.work._delivered(self, failure)
 
 
 class _KeyOrderedWork:
@@ -1380,9 +1428,10 @@ class _KeyOrderedWork:
 
     Hand-offs between threads are what a command costs most under the GIL, so each
     is made only when someone waits for it: a submit wakes a worker only when one is
-    idle (a busy worker takes the next ready key itself), and a finished message
-    wakes the caller only when it waits in :meth:`wait_below` (and the count is below
-    its limit) or :meth:`wait_idle`.
+    idle (a busy worker takes the next ready key itself), a finished message wakes
+    the caller only when it waits in :meth:`wait_below` (and the count is below its
+    limit) or :meth:`wait_idle`, and a worker does not wait for the delivery report
+    of a message's outcome (see :class:`_Lane`).
     """
 
     def __init__(
@@ -1401,7 +1450,8 @@ class _KeyOrderedWork:
         self._lock = threading.Lock()
         self._work_ready = threading.Condition(self._lock)  # idle workers wait here
         self._finished = threading.Condition(self._lock)  # wait_below / wait_idle wait here
-        self._ready: collections.deque[tuple[bytes | None, Message]] = collections.deque()
+        # (key, message, sent before and failed: wait before sending again)
+        self._ready: collections.deque[tuple[bytes | None, Message, bool]] = collections.deque()
         self._idle = 0  # workers waiting for a ready key and not yet claimed by a submit
         self._threads: list[threading.Thread] = []
         self._queues: dict[bytes | None, collections.deque[Message]] = {}
@@ -1424,12 +1474,16 @@ class _KeyOrderedWork:
                 queue.append(msg)  # the key is busy: runs after the ones before it
                 return
             self._queues[key] = collections.deque()
-            self._ready.append((key, msg))
-            if self._idle:
-                self._idle -= 1  # claimed: a second submit wakes another worker
-                self._work_ready.notify()
-            elif len(self._threads) < self._workers:
-                self._spawn()
+            self._ready.append((key, msg, False))
+            self._wake()
+
+    def _wake(self) -> None:
+        """(Under the lock) get a worker to the ready queue: an idle one, or a new one."""
+        if self._idle:
+            self._idle -= 1  # claimed: a second submit wakes another worker
+            self._work_ready.notify()
+        elif len(self._threads) < self._workers:
+            self._spawn()
 
     def _spawn(self, *first: Any) -> None:
         """Start a worker (under the lock); ``first``: a taken-over lane it starts with."""
@@ -1446,13 +1500,26 @@ class _KeyOrderedWork:
                 self._threads.remove(lane.thread)
             self._spawn(lane.key, lane.msg, resume)
 
+    def _delivered(self, lane: _Lane, failure: DeliveryFailed | None) -> None:
+        """Finish a detached lane once its outcome's report came (poller thread)."""
+        with self._lock:
+            if failure is not None:
+                log.warning("%s; sending the outcome again", failure)
+                self._ready.appendleft((lane.key, lane.msg, True))  # its saga waits for it
+                self._wake()
+                return
+            following = self._finished_locked(lane.key, lane.msg)
+            if following is not None:
+                self._ready.append((lane.key, following, False))
+                self._wake()
+
     def _worker(
         self,
         key: bytes | None = None,
         msg: Message | None = None,
         resume: Callable[[], str] | None = None,
     ) -> None:
-        if msg is not None and not self._run_key(key, msg, resume):
+        if msg is not None and not self._run_key(key, msg, resume=resume):
             return
         while True:
             with self._lock:
@@ -1461,48 +1528,75 @@ class _KeyOrderedWork:
                         return
                     self._idle += 1
                     self._work_ready.wait()
-                key, msg = self._ready.popleft()
-            if not self._run_key(key, msg):
+                key, msg, again = self._ready.popleft()
+            if not self._run_key(key, msg, again=again):
                 return  # taken over: a fresh worker has this key now
 
     def _run_key(
-        self, key: bytes | None, msg: Message, resume: Callable[[], str] | None = None
+        self,
+        key: bytes | None,
+        msg: Message,
+        *,
+        resume: Callable[[], str] | None = None,
+        again: bool = False,
     ) -> bool:
         """Run ``msg`` and then its key's queued messages; False when the watchdog
-        took one over from this thread (its tool overran the deadline)."""
+        took one over from this thread (its tool overran the deadline).
+
+        ``again``: its outcome was not delivered the last time; wait before retrying."""
         while True:
-            _here.lane = _Lane(self, key, msg, threading.current_thread())
             try:
-                while not (
-                    self._process(msg)
-                    if resume is None or self._resume is None
-                    else self._resume(msg, resume)
-                ):
-                    # The ledger did not take its record: run it again (the journal
-                    # re-sends a stored outcome, never reruns a tool); the saga's later
-                    # commands wait behind it, so their order holds.
+                while True:
+                    if again:
+                        # The ledger did not take its record: run it again (the journal
+                        # re-sends a stored outcome, never reruns a tool); the saga's
+                        # later commands wait behind it, so their order holds.
+                        if self._closing.is_set():
+                            return True  # not done: its offset stays uncommitted
+                        time.sleep(0.5)
+                    lane = _here.lane = _Lane(self, key, msg, threading.current_thread())
+                    ok = (
+                        self._process(msg)
+                        if resume is None or self._resume is None
+                        else self._resume(msg, resume)
+                    )
                     resume = None
-                    if self._closing.is_set():
-                        return True  # not done: its offset stays uncommitted, redelivered
-                    time.sleep(0.5)
+                    if ok and lane.deferred:
+                        with self._lock:
+                            if lane.delivery is _PENDING:
+                                lane.detached = True  # its delivery report finishes it
+                                return True
+                        if lane.delivery is not None:
+                            log.warning("%s; sending the outcome again", lane.delivery)
+                            ok = False
+                    if ok:
+                        break
+                    again = True
             except _TakenOver:
                 return False
             except Exception:  # _process dead-letters what fails; this is a last resort
                 log.exception("command at offset %s failed", msg.offset())
             finally:
                 _here.lane = None
-            resume = None
             with self._lock:
-                partition = msg.partition() or 0
-                self._done.setdefault(partition, set()).add(msg.offset() or 0)
-                self.pending -= 1
-                if self._idle_waiters or (self._below is not None and self.pending < self._below):
-                    self._finished.notify_all()
-                queue = self._queues.get(key)
-                if not queue or self._closing.is_set():
-                    self._queues.pop(key, None)
-                    return True
-                msg = queue.popleft()
+                following = self._finished_locked(key, msg)
+            if following is None:
+                return True
+            msg, again = following, False
+
+    def _finished_locked(self, key: bytes | None, msg: Message) -> Message | None:
+        """(Under the lock) ``msg`` is done: count it, wake who waits for that, and
+        return its key's next message (None: the key is free)."""
+        partition = msg.partition() or 0
+        self._done.setdefault(partition, set()).add(msg.offset() or 0)
+        self.pending -= 1
+        if self._idle_waiters or (self._below is not None and self.pending < self._below):
+            self._finished.notify_all()
+        queue = self._queues.get(key)
+        if not queue or self._closing.is_set():
+            self._queues.pop(key, None)
+            return None
+        return queue.popleft()
 
     def committable(self) -> dict[int, int]:
         """Per partition, the next offset to commit when it moved since last time."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 
 from confluent_kafka import KafkaError, Message, Producer
 
@@ -135,6 +136,36 @@ class LedgerWriter:
             what=f"{record.TYPE} {record.event_id} of saga {record.saga_id}",
             polled=self._poller is not None,
         )
+
+    def append_then(
+        self, record: Record, on_delivered: Callable[[DeliveryFailed | None], None]
+    ) -> None:
+        """Write ``record`` without waiting: ``on_delivered`` gets ``None`` once the broker
+        acknowledged it, or the :class:`DeliveryFailed` that says why not.
+
+        It runs on the background poller's thread (``background_poll=True`` is
+        needed), so it must be quick and must not raise: a caller that has nothing to
+        do until the acknowledgement saves a thread switch by letting the poller carry
+        on for it instead of being woken.
+        """
+        if self._poller is None:
+            raise RuntimeError("append_then needs LedgerWriter(..., background_poll=True)")
+        topic = self.topics.events
+
+        def on_delivery(err: KafkaError | None, _msg: Message) -> None:
+            on_delivered(
+                None
+                if err is None
+                else DeliveryFailed(
+                    f"the broker rejected {record.TYPE} {record.event_id} of saga "
+                    f"{record.saga_id} on {topic}: {err}",
+                    topic=topic,
+                    error=err,
+                )
+            )
+
+        key, value, headers = to_message(record, self.signer)
+        self.producer.produce(topic, key=key, value=value, headers=headers, on_delivery=on_delivery)
 
     async def append_async(self, record: Record, *, timeout_s: float = 30.0) -> None:
         """:meth:`append` for asyncio: the caller awaits a future that this record's
