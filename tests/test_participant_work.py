@@ -4,7 +4,9 @@ beside the real-broker test in ``test_participant_concurrency``).
 Workers are woken only when idle and the loop only when it waits, so these check
 that nothing is lost by waking less: every message runs, one key's in offset order
 and never two at once, offsets become committable only below the lowest unfinished
-message, and a waiting loop is woken once there is room. The journal's group commit
+message, and a waiting loop is woken once there is room; a message whose outcome
+is still on its way to the broker finishes (and lets its key go on) only when the
+delivery report comes, while its worker takes other keys meanwhile. The journal's group commit
 wakes each caller once, so the same is checked of it: every mark is written, the
 marks that queue behind a write go in one transaction, and a failed write fails
 exactly the callers whose marks it held.
@@ -19,8 +21,8 @@ from typing import Any, cast
 
 import pytest
 
-from participants.runtime import CommandJournal, _KeyOrderedWork
-from sagaline.kafka import Message
+from participants.runtime import CommandJournal, _here, _KeyOrderedWork
+from sagaline.kafka import DeliveryFailed, Message
 from tests.system import wait_until
 
 
@@ -192,3 +194,40 @@ def test_a_failed_journal_write_fails_its_callers_only(
     assert journal.get("c0") is None
     assert all(journal.get(f"c{i}") == ("started", None) for i in range(1, 33))
     journal.close()
+
+
+def test_a_deferred_outcome_holds_its_key_until_delivered_while_the_worker_moves_on() -> None:
+    got = threading.Condition()
+    ran: list[tuple[bytes, int]] = []
+    reports: list[Any] = []  # each run's delivery report callback, in run order
+
+    def process(msg: Any) -> bool:
+        lane = _here.lane
+        with got:
+            ran.append((msg.key(), msg.offset()))
+            reports.append(lane.delivered)
+            got.notify_all()
+        lane.deferred = True  # as ParticipantRuntime._publish_outcome does
+        return True
+
+    def runs(n: int) -> list[tuple[bytes, int]]:
+        with got:
+            assert got.wait_for(lambda: len(ran) >= n, 60), ran
+            return list(ran)
+
+    work = _KeyOrderedWork(process, 1, "t")  # one worker: it must not wait for reports
+    for key, offset in ((b"a", 0), (b"a", 1), (b"b", 2)):
+        work.submit(_msg(key, 0, offset))
+    assert runs(2) == [(b"a", 0), (b"b", 2)]  # a@1 waits for a@0's outcome
+    assert work.committable() == {}
+    reports[0](DeliveryFailed("broker said no", topic="t", error=None))
+    assert runs(3)[2] == (b"a", 0)  # sent again before its saga's next command
+    reports[2](None)
+    assert runs(4)[3] == (b"a", 1)
+    assert work.committable() == {0: 1}
+    reports[3](None)
+    reports[1](None)
+    work.wait_idle({0})
+    assert work.pending == 0
+    assert work.committable() == {0: 3}
+    work.close()
