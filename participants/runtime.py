@@ -1504,6 +1504,9 @@ class _KeyOrderedWork:
         """Finish a detached lane once its outcome's report came (poller thread)."""
         with self._lock:
             if failure is not None:
+                if self._closing.is_set():  # not done: its offset stays uncommitted
+                    self._queues.pop(lane.key, None)
+                    return
                 log.warning("%s; sending the outcome again", failure)
                 self._ready.appendleft((lane.key, lane.msg, True))  # its saga waits for it
                 self._wake()
