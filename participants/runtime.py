@@ -1315,7 +1315,9 @@ class _Watchdog:
     Its thread sleeps until the earliest deadline; a new call wakes it only when its
     deadline is earlier still (rare: most tools of a participant share a deadline),
     so watching a call costs a heap push, not a thread switch. Finished calls are
-    dropped from the heap lazily.
+    dropped from the heap lazily: from its top as calls come, and all at once when
+    the heap has doubled since the last sweep (finished calls held below a running
+    one with an earlier deadline).
     """
 
     def __init__(self, name: str) -> None:
@@ -1324,6 +1326,7 @@ class _Watchdog:
         self._changed = threading.Condition(self._lock)
         self._heap: list[tuple[float, int, _Watch]] = []
         self._seq = 0
+        self._sweep_above = 256
         self._sleeping_until = float("-inf")  # -inf while awake: it looks again anyway
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -1336,6 +1339,10 @@ class _Watchdog:
             heap = self._heap
             while heap and heap[0][2].state != _RUNNING:
                 heapq.heappop(heap)
+            if len(heap) > self._sweep_above:  # doubled since the last sweep
+                heap[:] = [entry for entry in heap if entry[2].state == _RUNNING]
+                heapq.heapify(heap)
+                self._sweep_above = max(256, 2 * len(heap))
             self._seq += 1
             heapq.heappush(heap, (watch.deadline, self._seq, watch))
             if self._thread is None:

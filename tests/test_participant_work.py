@@ -21,7 +21,7 @@ from typing import Any, cast
 
 import pytest
 
-from participants.runtime import CommandJournal, _here, _KeyOrderedWork
+from participants.runtime import CommandJournal, _here, _KeyOrderedWork, _Watchdog
 from sagaline.kafka import DeliveryFailed, Message
 from tests.system import wait_until
 
@@ -231,3 +231,23 @@ def test_a_deferred_outcome_holds_its_key_until_delivered_while_the_worker_moves
     assert work.pending == 0
     assert work.committable() == {0: 3}
     work.close()
+
+
+def test_the_watchdog_takes_over_only_calls_past_their_deadline_and_forgets_finished_ones() -> None:
+    watchdog = _Watchdog("t-deadlines")
+    overran = threading.Event()
+    wrongly: list[str] = []
+    in_time = watchdog.watch(3600, lambda: wrongly.append("in time"))
+    late = watchdog.watch(0.01, overran.set)
+    assert overran.wait(60)
+    assert late.finish() is False  # the late call's answer does not count
+    assert in_time.finish() is True
+    # A call still running with the earliest deadline, and many finished behind it
+    # with later ones: those are swept, not kept until they reach the top.
+    running = watchdog.watch(3000, lambda: wrongly.append("running"))
+    for _ in range(5000):
+        watchdog.watch(3600, lambda: wrongly.append("finished")).finish()
+    assert len(watchdog._heap) <= 600
+    assert running.finish() is True
+    watchdog.close()
+    assert wrongly == []
