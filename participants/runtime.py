@@ -1045,7 +1045,7 @@ class ParticipantRuntime:
         self._writer = LedgerWriter(bootstrap, self.topics, self.signer, background_poll=True)
         self._reader = LedgerReader(bootstrap)
         self._dead_letters = DeadLetterWriter(
-            self._writer.producer, self.topics.dlq, acknowledged=True
+            self._writer.producer, self.topics.dlq, acknowledged=True, polled=True
         )
         self.handler = CommandHandler(
             catalogue,
@@ -1375,7 +1375,8 @@ class _Watchdog:
                         self._lock.acquire()
                     continue
                 self._sleeping_until = heap[0][0] if heap else float("inf")
-                self._changed.wait(None if not heap else heap[0][0] - now)
+                # bounded: a deadline of years must not overflow the wait's timeout
+                self._changed.wait(None if not heap else min(heap[0][0] - now, 3600.0))
                 self._sleeping_until = float("-inf")
 
     def close(self) -> None:

@@ -238,12 +238,18 @@ class DeadLetterWriter:
     ``acknowledged=True`` waits for the broker per record (a participant commits the
     command's offset right after); ``False`` only produces, for a transactional
     producer whose commit is the acknowledgement (the coordinator's batch).
+    ``polled=True``: another thread polls ``producer`` (a :class:`LedgerWriter` with
+    ``background_poll``), so a write waits for its own report instead of sitting in
+    ``poll()`` after that thread served it.
     """
 
-    def __init__(self, producer: Producer, topic: str, *, acknowledged: bool) -> None:
+    def __init__(
+        self, producer: Producer, topic: str, *, acknowledged: bool, polled: bool = False
+    ) -> None:
         self.producer = producer
         self.topic = topic
         self.acknowledged = acknowledged
+        self.polled = polled
 
     def write(self, msg: Message, reason: str, detail: str) -> None:
         """Dead-letter ``msg`` byte-for-byte, with ``reason`` and ``detail`` headers."""
@@ -258,6 +264,14 @@ class DeadLetterWriter:
             msg.offset(),
         )
         if self.acknowledged:
-            deliver(self.producer, self.topic, key, value, headers, what=f"DLQ copy ({reason})")
+            deliver(
+                self.producer,
+                self.topic,
+                key,
+                value,
+                headers,
+                what=f"DLQ copy ({reason})",
+                polled=self.polled,
+            )
         else:
             self.producer.produce(self.topic, key=key, value=value, headers=headers)

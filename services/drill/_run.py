@@ -317,6 +317,8 @@ class _Stage:
         catalogue = next(c for c in self.catalogues if c.name == name)
         runtime = ParticipantRuntime(catalogue, self.settings, self.bootstrap, clock=self.clock)
         runtime.handler._append = self.board.guard_append(runtime.handler._append)
+        # A command's outcome goes out through _publish (finished by its delivery report).
+        runtime.handler._publish = self.board.guard_append(runtime.handler._publish)
         ready = threading.Event()
         thread = threading.Thread(
             target=runtime.run, kwargs={"ready": ready}, name=f"drill-{name}", daemon=True
