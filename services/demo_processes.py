@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -177,7 +178,23 @@ class Supervisor:
         codes: dict[str, int | None] = {}
         for name in reversed(list(self.processes)):
             codes[name] = self.processes[name].stop(timeout_s)
+        self._release_admin()
         return codes
+
+    def _release_admin(self) -> None:
+        """Destroy the admin client on a daemon thread, never on the caller's.
+
+        librdkafka's destroy joins the client's broker threads, and after a cluster
+        node was killed mid-run one of them can wait forever (seen in CI: a worker
+        hung in ``rd_kafka_destroy`` when the test's frame freed the supervisor). The
+        list is the client's only reference, so its last reference goes on that
+        thread; if it hangs there, nothing waits for it.
+        """
+        if self._admin is None:
+            return
+        holder: list[AdminClient] = [self._admin]
+        self._admin = None
+        threading.Thread(target=holder.clear, name="admin-release", daemon=True).start()
 
 
 def group_assigned(admin: AdminClient, group_id: str, topic: str) -> bool:
