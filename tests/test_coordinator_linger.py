@@ -16,6 +16,7 @@ import time
 from coordinator_ledger import Ledger
 
 from coordinator.shell import Coordinator
+from schemas.settings import Settings
 from tests.coordinator_turns import append, executes, one_saga, turn_until
 from tests.test_coordinator_carry import _changelog, _committed
 
@@ -45,21 +46,7 @@ def test_a_lone_sagas_outputs_are_never_held(transport: str, unique_prefix: str)
 def test_a_batch_of_several_sagas_lingers_into_one_transaction(
     transport: str, unique_prefix: str
 ) -> None:
-    settings, a, first_a, participant = one_saga(transport, unique_prefix, "saga-a")
-    b = Ledger(saga_id="saga-b", t0=int(time.time() * 1000))
-    group = f"{unique_prefix}sagaline-coordinator"
-    one = Coordinator(
-        settings,
-        transport,
-        instance_id="linger-1",
-        carry_ms=HOUR_MS,
-        linger_ms=HOUR_MS,
-        batch_size=4,
-    )
-    one._join()
-    # b's start changes state only (carried); a's step is an output, held because the
-    # batch now holds two sagas.
-    append(settings, transport, b.started(), a.started(), first_a)
+    settings, b, participant, group, one = _two_sagas_held(transport, unique_prefix, 4)
     turn_until(one, lambda: _holds(one, 3) or one._committing is not None)
     assert one._carry is not None and one._lingering, "the batch was not held"
     assert executes(settings, transport, participant) == []
@@ -80,14 +67,7 @@ def test_a_batch_of_several_sagas_lingers_into_one_transaction(
 def test_a_coordinator_that_dies_holding_a_lingering_batch_loses_nothing(
     transport: str, unique_prefix: str
 ) -> None:
-    settings, a, first_a, participant = one_saga(transport, unique_prefix, "saga-a")
-    b = Ledger(saga_id="saga-b", t0=int(time.time() * 1000))
-    group = f"{unique_prefix}sagaline-coordinator"
-    one = Coordinator(
-        settings, transport, instance_id="linger-1", carry_ms=HOUR_MS, linger_ms=HOUR_MS
-    )
-    one._join()
-    append(settings, transport, b.started(), a.started(), first_a)
+    settings, b, participant, group, one = _two_sagas_held(transport, unique_prefix)
     turn_until(one, lambda: _holds(one, 3) or one._committing is not None)
     assert _holds(one, 3), "the batch was not held"
     one._consumer.close()  # dies holding it: no transaction was begun for it
@@ -100,3 +80,24 @@ def test_a_coordinator_that_dies_holding_a_lingering_batch_loses_nothing(
     turn_until(two, lambda: _committed(settings, transport, group) == 4)
     assert executes(settings, transport, participant) == ["reserve", "reserve"]
     two._consumer.close()
+
+
+def _two_sagas_held(
+    transport: str, unique_prefix: str, batch_size: int = 500
+) -> tuple[Settings, Ledger, str, str, Coordinator]:
+    """A coordinator that lingers (an hour) and three records on its ledger: saga-b's
+    start changes state only (carried); saga-a's step is an output, held because the
+    batch then holds two sagas. Returns saga-b's ledger for more records."""
+    settings, a, first_a, participant = one_saga(transport, unique_prefix, "saga-a")
+    b = Ledger(saga_id="saga-b", t0=int(time.time() * 1000))
+    one = Coordinator(
+        settings,
+        transport,
+        instance_id="linger-1",
+        carry_ms=HOUR_MS,
+        linger_ms=HOUR_MS,
+        batch_size=batch_size,
+    )
+    one._join()
+    append(settings, transport, b.started(), a.started(), first_a)
+    return settings, b, participant, f"{unique_prefix}sagaline-coordinator", one
