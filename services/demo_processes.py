@@ -182,19 +182,22 @@ class Supervisor:
         return codes
 
     def _release_admin(self) -> None:
-        """Destroy the admin client on a daemon thread, never on the caller's.
+        if self._admin is not None:
+            holder: list[AdminClient] = [self._admin]
+            self._admin = None
+            release_in_background(holder)
 
-        librdkafka's destroy joins the client's broker threads, and after a cluster
-        node was killed mid-run one of them can wait forever (seen in CI: a worker
-        hung in ``rd_kafka_destroy`` when the test's frame freed the supervisor). The
-        list is the client's only reference, so its last reference goes on that
-        thread; if it hangs there, nothing waits for it.
-        """
-        if self._admin is None:
-            return
-        holder: list[AdminClient] = [self._admin]
-        self._admin = None
-        threading.Thread(target=holder.clear, name="admin-release", daemon=True).start()
+
+def release_in_background(holder: list[Any]) -> None:
+    """Destroy the Kafka clients in ``holder`` (their only references) on a daemon
+    thread, never on the caller's.
+
+    librdkafka's destroy joins the client's broker threads, and after a cluster node
+    was killed one of them can wait forever (seen in CI: a worker hung in
+    ``rd_kafka_destroy`` when a test's frame freed the supervisor's admin client, and
+    pytest-timeout cannot interrupt a C join). If it hangs there, nothing waits for it.
+    """
+    threading.Thread(target=holder.clear, name="kafka-client-release", daemon=True).start()
 
 
 def group_assigned(admin: AdminClient, group_id: str, topic: str) -> bool:

@@ -26,7 +26,7 @@ from confluent_kafka.admin import AdminClient
 
 from services import kafka_local
 from services.demo import DemoFault
-from services.demo_processes import Supervisor
+from services.demo_processes import Supervisor, release_in_background
 from tests.fault_runs import RestartOnFailure, counts, env_int
 from tests.test_demo_e2e import assert_world_agrees_with_receipts, run
 
@@ -141,7 +141,10 @@ def test_a_cluster_node_stopped_mid_run_loses_nothing_and_nothing_sticks(
     assert len(stopped) == 1 and result.faults[0].terminal_before < SAGAS
     assert not kafka_local.status(own_cluster).running, "the node stayed down to the end"
     topic = f"{result.prefix}sagaline.events"
-    md = AdminClient({"bootstrap.servers": bootstrap}).list_topics(topic, timeout=30)
+    # A node is down, so the client is destroyed off this thread (release_in_background).
+    admin = [AdminClient({"bootstrap.servers": bootstrap})]
+    md = admin[0].list_topics(topic, timeout=30)
+    release_in_background(admin)
     assert all(len(p.replicas) == 3 for p in md.topics[topic].partitions.values())
     assert result.exit_code == 0, result.violations
     assert_world_agrees_with_receipts(result)
