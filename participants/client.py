@@ -446,13 +446,13 @@ class SagaClient:
 
     # ---------------------------------------------------------------- internals
 
-    def append(self, record: Record) -> None:
+    def append(self, record: Record, timeout_s: float = 30.0) -> None:
         """Produce to the ledger and wait for the broker's acknowledgement."""
-        self._writer.append(record)
+        self._writer.append(record, timeout_s=timeout_s)
 
-    async def append_async(self, record: Record) -> None:
+    async def append_async(self, record: Record, timeout_s: float = 30.0) -> None:
         """:meth:`append` for asyncio: awaits this record's delivery report."""
-        await self._writer.append_async(record)
+        await self._writer.append_async(record, timeout_s=timeout_s)
 
     def _end_positions(self) -> list[TopicPartition]:
         probe = create_consumer(self.bootstrap, f"probe-{uuid.uuid4().hex[:8]}")
@@ -591,11 +591,13 @@ class Saga:
         scheduled = self._scheduled(
             self.client.contract(_tool_name(tool)), step_id, depends_on, args
         )
-        self.client.append(scheduled)
+        wait_s = timeout_s or self.client.call_timeout_s
+        # The step's acknowledgement is awaited as long as its outcome: a record whose
+        # wait gave up is still queued in the producer and may reach the ledger after
+        # the agent has moved on (and aborted), so the step would run behind its back.
+        self.client.append(scheduled, timeout_s=wait_s)
         self._contracts[scheduled.step_id] = scheduled.contract
-        result = self._await_step(
-            scheduled.step_id, scheduled.contract, timeout_s or self.client.call_timeout_s
-        )
+        result = self._await_step(scheduled.step_id, scheduled.contract, wait_s)
         self.results[scheduled.step_id] = result
         return result
 
@@ -757,10 +759,10 @@ class Saga:
         else:  # reading the published catalogue is blocking I/O, done once per tool
             contract = await asyncio.to_thread(self.client.contract, name)
         scheduled = self._scheduled(contract, step_id, depends_on, args)
-        await self.client.append_async(scheduled)
+        wait_s = timeout_s or self.client.call_timeout_s
+        await self.client.append_async(scheduled, timeout_s=wait_s)  # as long: see call()
         self._contracts[scheduled.step_id] = contract
         check, seen = self._step_check(scheduled.step_id, contract)
-        wait_s = timeout_s or self.client.call_timeout_s
         found = await self.client._ledger.wait_for_async(self.saga_id, check, wait_s)
         result = self._step_outcome(found, seen, scheduled.step_id, contract, wait_s)
         self.results[scheduled.step_id] = result

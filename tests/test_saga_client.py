@@ -35,6 +35,7 @@ from schemas import (
     ApprovalRequested,
     CompensationRequested,
     Disposition,
+    Record,
     SagaOutcome,
     SagaTerminal,
     StepCommitted,
@@ -159,6 +160,40 @@ def test_async_with_completes_the_saga(local: tuple[System, Desk]) -> None:
 
     assert asyncio.run(agent()) is TerminalStatus.COMPLETED
     assert desk.log == ["book:tue"]
+
+
+def test_a_call_waits_for_its_steps_acknowledgement_as_long_as_for_its_outcome(
+    local: tuple[System, Desk], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scheduling write that gave up would still sit in the producer's queue and
+    could reach the ledger after the agent aborted (the step then runs behind its
+    back): so the call's timeout, not the writer's 30 s default, bounds that wait."""
+    system, _desk = local
+    writer = system.client._writer
+    waits: list[tuple[str, float]] = []
+    sync_append, async_append = writer.append, writer.append_async
+
+    def append(record: Record, *, timeout_s: float = 30.0) -> None:
+        waits.append((record.TYPE, timeout_s))
+        sync_append(record, timeout_s=timeout_s)
+
+    async def append_async(record: Record, *, timeout_s: float = 30.0) -> None:
+        waits.append((record.TYPE, timeout_s))
+        await async_append(record, timeout_s=timeout_s)
+
+    monkeypatch.setattr(writer, "append", append)
+    monkeypatch.setattr(writer, "append_async", append_async)
+    with system.client.saga("desk", "agent") as saga:
+        saga.call("book_slot", timeout_s=75, day="thu")
+        saga.call("book_slot", day="fri")  # the client's call_timeout_s (30)
+
+    async def agent() -> None:
+        async with system.client.saga("desk", "agent") as asaga:
+            await asaga.acall("book_slot", timeout_s=80, day="sat")
+
+    asyncio.run(agent())
+    scheduled = [t for kind, t in waits if kind == "StepScheduled"]
+    assert scheduled == [75, 30, 80]
 
 
 def test_an_irreversible_call_without_approval_leaves_the_saga_open_R7(
