@@ -20,6 +20,9 @@ Measured per level:
   start-to-terminal latency per saga;
 * CPU seconds per process over the level, from ``/proc/<pid>/stat`` (the broker
   included: it is shared, so on a busy machine its figure includes other users);
+* context switches per process over the level (all its threads, from
+  ``/proc/<pid>/task/*/status``): on a VM where a switch is dear they are much of
+  the CPU above;
 * per-hop latency percentiles from record timestamps (each record against the record
   that caused it; the agent's records against the record that woke it);
 * every saga's trace checked against the tools' own state (one SQLite file per
@@ -213,6 +216,27 @@ def cpu_seconds(pid: int) -> float:
     except OSError:
         return float("nan")
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def context_switches(pid: int) -> int:
+    """Voluntary plus involuntary context switches of all of ``pid``'s threads so far.
+
+    Where a switch is dear (a VM), waking and sleeping threads, not Python, is much
+    of a saga's CPU: this says how much of it each process causes."""
+    total = 0
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return -1
+    for task in tasks:
+        try:
+            text = (task / "status").read_text()
+        except OSError:
+            continue  # a thread that ended meanwhile
+        for line in text.splitlines():
+            if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                total += int(line.split(":", 1)[1])
+    return total
 
 
 @dataclass
@@ -721,6 +745,7 @@ class LevelResult:
     raw_elapsed: float = float("nan")
     raw_cpu: dict[str, float] = field(default_factory=dict)
     hops: dict[str, list[int]] = field(default_factory=dict)
+    switches: dict[str, int] = field(default_factory=dict)  # per process, over the level
 
     @property
     def rate(self) -> float:
@@ -864,12 +889,15 @@ def run_bench(args: argparse.Namespace) -> int:
                 who["broker"] = broker_pid
             for in_flight, count in levels:
                 before = {k: cpu_seconds(pid) for k, pid in who.items()}
+                switched = {k: context_switches(pid) for k, pid in who.items()}
                 t0 = time.perf_counter()
                 runs = drive(client, variant, count, in_flight, api)
                 elapsed = time.perf_counter() - t0
                 cpu = {k: cpu_seconds(pid) - before[k] for k, pid in who.items()}
+                switches = {k: context_switches(pid) - switched[k] for k, pid in who.items()}
                 problems = check_traces(runs, variant, work / variant)
                 res = LevelResult(variant, in_flight, count, elapsed, runs, cpu, problems)
+                res.switches = switches
                 results.append(res)
                 lat = [r.ended - r.started for r in runs]
                 print(
@@ -884,6 +912,11 @@ def run_bench(args: argparse.Namespace) -> int:
                 print(
                     "   CPU ms/saga: "
                     + ", ".join(f"{k} {v * 1000 / count:.1f}" for k, v in cpu.items()),
+                    flush=True,
+                )
+                print(
+                    "   context switches/saga: "
+                    + ", ".join(f"{k} {v / count:.0f}" for k, v in switches.items()),
                     flush=True,
                 )
             client.close()
@@ -1079,6 +1112,11 @@ def report(results: Sequence[LevelResult], label: str, api: str) -> None:
         parts = [f"{k} {v * 1000 / r.count:.1f}" for k, v in r.cpu.items()]
         raw = [f"{k} {v * 1000 / r.count:.1f}" for k, v in r.raw_cpu.items()]
         print(f"  {r.variant} x{r.in_flight}: {', '.join(parts)} | {', '.join(raw) or '-'}")
+    print("\ncontext switches per saga, per process (Sagaline):")
+    for r in results:
+        parts = [f"{k} {v / r.count:.0f}" for k, v in r.switches.items()]
+        total = sum(v for v in r.switches.values() if v >= 0) / r.count
+        print(f"  {r.variant} x{r.in_flight}: {', '.join(parts)}; all {total:.0f}")
     print("\nper-hop latency from record timestamps, ms (p50 / p90 / p99, n):")
     for r in results:
         print(f"  {r.variant} x{r.in_flight}:")
