@@ -21,9 +21,10 @@ _sagaline_bootstrap() {
     _sl_log() { printf 'bootstrap: %s\n' "$*" >&2; }
     _sl_is_root() { [ "$(id -u)" = "0" ]; }
     _sl_apt() {
-        # apt-get quietly; show its output only when it fails.
+        # apt-get quietly; show its output only when it fails. Waits for dpkg's lock
+        # when another apt holds it (the machine's own updates) instead of failing.
         local out
-        if ! out="$(DEBIAN_FRONTEND=noninteractive apt-get "$@" 2>&1)"; then
+        if ! out="$(DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 "$@" 2>&1)"; then
             printf '%s\n' "$out" >&2
             return 1
         fi

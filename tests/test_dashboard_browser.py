@@ -111,8 +111,11 @@ def chromium() -> Path:
         if os.geteuid() != 0:
             pytest.fail(f"{CHROMIUM} is missing and we are not root: apt-get install -y chromium")
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
-        subprocess.run(["apt-get", "install", "-y", "-qq", "chromium"], check=True, env=env)
+        # Another apt (a second test worker, the machine's own) may hold dpkg's lock:
+        # wait for it rather than fail.
+        apt = ["apt-get", "-o", "DPkg::Lock::Timeout=600"]
+        subprocess.run([*apt, "update", "-qq"], check=True, env=env)
+        subprocess.run([*apt, "install", "-y", "-qq", "chromium"], check=True, env=env)
     return CHROMIUM
 
 
