@@ -126,16 +126,26 @@ class LedgerFollower:
             for number in topic.partitions:
                 if (name, number) not in self._assigned:
                     new.append(TopicPartition(name, number, OFFSET_BEGINNING))
+        ready: list[TopicPartition] = []
         for tp in new:
-            _low, high = consumer.get_watermark_offsets(
-                TopicPartition(tp.topic, tp.partition), timeout=5
-            )
+            try:
+                _low, high = consumer.get_watermark_offsets(
+                    TopicPartition(tp.topic, tp.partition), timeout=5
+                )
+            except KafkaException as exc:
+                # A partition whose leader is not known yet (a topic just created, a
+                # broker restarting) is taken at the next refresh; the follower must
+                # not stop for it (it did: the page then stayed empty for good).
+                log.warning("%s[%d] not followed yet: %s", tp.topic, tp.partition, exc)
+                continue
             if not self._targets_fixed:
                 self._targets[(tp.topic, tp.partition)] = high
-        if new:
-            consumer.incremental_assign(new)
-            self._assigned.update((tp.topic, tp.partition) for tp in new)
-        self._targets_fixed = True
+            ready.append(tp)
+        if ready:
+            consumer.incremental_assign(ready)
+            self._assigned.update((tp.topic, tp.partition) for tp in ready)
+        if len(ready) == len(new):  # "caught up" waits for every partition of the start
+            self._targets_fixed = True
         self._report_lag(consumer)
 
     def _report_lag(self, consumer: Consumer) -> None:
@@ -153,7 +163,7 @@ class LedgerFollower:
             self.state.metrics.set_consumer_lag(tp.topic, tp.partition, high - position)
 
     def _check_caught_up(self, consumer: Consumer) -> None:
-        if self.caught_up.is_set():
+        if self.caught_up.is_set() or not self._targets_fixed:
             return
         pending = {k: v for k, v in self._targets.items() if v > 0}
         if pending:
