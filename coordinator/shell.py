@@ -82,6 +82,7 @@ from sagaline.kafka import (
     create_consumer,
     create_producer,
     ensure_topics,
+    raise_if_fatal,
     read_to_end,
 )
 from schemas import IncidentRaised, IncidentResolved, Record, derived_event_id, envelope_for
@@ -373,6 +374,7 @@ class Coordinator:
         for m in messages:
             err = m.error()
             if err is not None and err.code() != KafkaError._PARTITION_EOF:
+                raise_if_fatal(err)  # a fenced consumer: exit, a restart takes over
                 log.warning("consumer error: %s", err)
         loose: list[_Msg] = []  # rejected at decoding, resolutions
         decoded = [(m, r) for m in records if (r := self._decode(m, loose)) is not None]

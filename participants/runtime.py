@@ -61,6 +61,7 @@ from sagaline.kafka import (
     TopicPartition,
     create_consumer,
     ensure_topics,
+    raise_if_fatal,
     watermarks,
 )
 from schemas import (
@@ -1186,8 +1187,10 @@ class ParticipantRuntime:
                     msg = consumer.poll(0.05 if self._work.pending else 0.2)
                     batch = [] if msg is None else [msg, *consumer.consume(self.max_in_flight, 0)]
                     for m in batch:
-                        if m.error() is not None:
-                            log.warning("consumer error: %s", m.error())
+                        error = m.error()
+                        if error is not None:
+                            raise_if_fatal(error)  # a fenced consumer: exit, restart
+                            log.warning("consumer error: %s", error)
                             continue
                         self._work.submit(m)
                 if time.monotonic() >= next_commit:  # one OffsetCommit per interval

@@ -39,6 +39,7 @@ from sagaline.kafka._clients import (
     create_admin,
     create_consumer,
     create_producer,
+    raise_if_fatal,
     require_bootstrap,
     watermarks,
 )
@@ -79,6 +80,7 @@ __all__ = [
     "deliver",
     "ensure_topics",
     "producer_config",
+    "raise_if_fatal",
     "read_to_end",
     "redacted",
     "require_bootstrap",

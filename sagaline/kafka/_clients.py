@@ -89,6 +89,15 @@ _RETRY_CODES = (
 )
 
 
+def raise_if_fatal(error: KafkaError) -> None:
+    """Raise a consumer's fatal error (e.g. fenced by a member with the same
+    ``group.instance.id`` after a broker restart): such a consumer delivers nothing
+    again, so a service that only logged it would sit idle for good (CI saw a
+    coordinator do so); raising ends the process for its supervisor to restart."""
+    if error.fatal():
+        raise KafkaException(error)
+
+
 def watermarks(consumer: Consumer, tp: TopicPartition, timeout_s: float = 60.0) -> tuple[int, int]:
     """Low and high watermarks of ``tp``, retried while the partition has no leader
     yet (a topic created a moment ago, a broker restarting)."""

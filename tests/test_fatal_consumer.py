@@ -1,0 +1,91 @@
+"""A consumer's fatal error ends the coordinator and the participant; it is not logged
+and idled on.
+
+CI saw it: after a broker restart the coordinator's consumer was fenced ("Static
+consumer fenced by other consumer with same group.instance.id", a fatal error in
+librdkafka); the coordinator logged it as a warning and then polled a dead consumer
+for good, so no saga moved and no supervisor restarted it. The fatal error is
+injected here (a broker cannot be made to send it on cue); before the fix each run
+below would loop until pytest-timeout instead of raising.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from confluent_kafka import KafkaError, KafkaException
+
+from coordinator.shell import Coordinator
+from participants import runtime as runtime_module
+from participants.runtime import ParticipantRuntime
+from tests.coordinator_turns import one_saga
+from tests.test_participant_runtime import PARTICIPANT, Harness
+
+FENCED = "Static consumer fenced by other consumer with same group.instance.id"
+
+
+class FatalMessage:
+    """What librdkafka's poll hands over once a consumer has a fatal error."""
+
+    def error(self) -> KafkaError:
+        return KafkaError(KafkaError._FATAL, FENCED, fatal=True)
+
+    def topic(self) -> str:
+        return ""
+
+    def partition(self) -> int:
+        return 0
+
+    def offset(self) -> int:
+        return -1
+
+
+class FencedOnFirstPoll:
+    """A real consumer whose first poll returns the fatal error."""
+
+    def __init__(self, consumer: Any) -> None:
+        self._consumer = consumer
+        self.fenced = False
+
+    def poll(self, timeout: float = -1) -> Any:
+        if not self.fenced:
+            self.fenced = True
+            return FatalMessage()
+        return self._consumer.poll(timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._consumer, name)
+
+
+def test_a_fatal_consumer_error_ends_the_coordinator(transport: str, unique_prefix: str) -> None:
+    settings, _ledger, _first, _participant = one_saga(transport, unique_prefix, "saga-fatal")
+    coordinator = Coordinator(settings, transport, instance_id="fatal-1")
+    coordinator._join()
+    try:
+        with pytest.raises(KafkaException, match="fenced"):
+            coordinator._process_batch([FatalMessage()])  # type: ignore[list-item]
+    finally:
+        coordinator._consumer.close()
+
+
+def test_a_fatal_consumer_error_ends_the_participant(
+    transport: str, unique_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    harness = Harness(transport, unique_prefix, tmp_path)
+    made: list[FencedOnFirstPoll] = []
+    create = runtime_module.create_consumer
+
+    def fenced_consumer(*args: Any, **kwargs: Any) -> FencedOnFirstPoll:
+        made.append(FencedOnFirstPoll(create(*args, **kwargs)))
+        return made[-1]
+
+    monkeypatch.setattr(runtime_module, "create_consumer", fenced_consumer)
+    runtime = ParticipantRuntime(
+        harness.catalogue, harness.settings, transport, participant=PARTICIPANT
+    )
+    # On the test's own thread: returning at all is what the fix changed.
+    with pytest.raises(KafkaException, match="fenced"):
+        runtime.run()
+    assert [c.fenced for c in made] == [True]
