@@ -74,6 +74,7 @@ PUBLIC: dict[str, list[str]] = {
         "deliver",
         "ensure_topics",
         "producer_config",
+        "raise_if_fatal",
         "read_to_end",
         "redacted",
         "require_bootstrap",
