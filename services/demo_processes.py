@@ -125,13 +125,6 @@ class Supervisor:
     def __init__(self, bootstrap: str) -> None:
         self.bootstrap = bootstrap
         self.processes: dict[str, ManagedProcess] = {}
-        self._admin: AdminClient | None = None
-
-    @property
-    def admin(self) -> AdminClient:
-        if self._admin is None:
-            self._admin = create_admin(self.bootstrap)
-        return self._admin
 
     def start(self, spec: ServiceSpec) -> ManagedProcess:
         process = ManagedProcess(spec)
@@ -140,7 +133,22 @@ class Supervisor:
         return process
 
     def wait_ready(self, names: Sequence[str], timeout_s: float = 90.0) -> None:
-        """Block until every named service's consumer group owns all its partitions."""
+        """Block until every named service's consumer group owns all its partitions.
+
+        The admin client lives only for this wait: a group description is a
+        coordinator-targeted admin request, and librdkafka (2.16) aborts the whole
+        process when the broker drops such a request's connection
+        (confluentinc/librdkafka#4605, #3663). Seen in CI: a client kept for the run
+        took a demo run down with its broker kill. So no admin client outlives the
+        wait, and none leaves a request in flight (see :func:`group_assigned`).
+        """
+        holder: list[AdminClient] = [create_admin(self.bootstrap)]
+        try:
+            self._wait_ready(holder[0], names, timeout_s)
+        finally:
+            release_in_background(holder)
+
+    def _wait_ready(self, admin: AdminClient, names: Sequence[str], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         waiting = list(names)
         while waiting:
@@ -152,7 +160,12 @@ class Supervisor:
                         f" before it was ready; its log ({process.spec.log_path}) ends:\n"
                         f"{process.log_tail()}"
                     )
-                if self._ready(process.spec):
+                spec = process.spec
+                if (
+                    spec.group_id is None
+                    or spec.input_topic is None  # nothing to observe: alive is all we know
+                    or group_assigned(admin, spec.group_id, spec.input_topic)
+                ):
                     waiting.remove(name)
             if not waiting:
                 return
@@ -164,11 +177,6 @@ class Supervisor:
                 )
             time.sleep(0.25)
 
-    def _ready(self, spec: ServiceSpec) -> bool:
-        if spec.group_id is None or spec.input_topic is None:
-            return True  # nothing to observe: alive is all we can say
-        return group_assigned(self.admin, spec.group_id, spec.input_topic)
-
     def crashed(self) -> list[str]:
         """Names of services that exited although nobody stopped them."""
         return [n for n, p in self.processes.items() if p.popen is not None and not p.alive]
@@ -178,14 +186,7 @@ class Supervisor:
         codes: dict[str, int | None] = {}
         for name in reversed(list(self.processes)):
             codes[name] = self.processes[name].stop(timeout_s)
-        self._release_admin()
         return codes
-
-    def _release_admin(self) -> None:
-        if self._admin is not None:
-            holder: list[AdminClient] = [self._admin]
-            self._admin = None
-            release_in_background(holder)
 
 
 def release_in_background(holder: list[Any]) -> None:
@@ -207,7 +208,11 @@ def group_assigned(admin: AdminClient, group_id: str, topic: str) -> bool:
         if meta is None or meta.error is not None or not meta.partitions:
             return False
         wanted = set(meta.partitions)
-        description: Any = admin.describe_consumer_groups([group_id])[group_id].result(timeout=5)
+        # The request's own timeout is shorter than the wait for it: a request left
+        # in flight by a caller that gave up can abort the process if the broker
+        # goes away meanwhile (see Supervisor.wait_ready).
+        future = admin.describe_consumer_groups([group_id], request_timeout=5)[group_id]
+        description: Any = future.result(timeout=30)
     except Exception:  # the group does not exist yet, or the broker is busy: not ready
         return False
     if str(getattr(description.state, "name", description.state)).upper() != "STABLE":
