@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from sagaline.kafka import KafkaException, create_admin
+from sagaline.kafka import KafkaException, create_admin, describe_group
 from schemas.settings import Settings
 
 __all__ = [
@@ -53,18 +53,19 @@ def participant_group(settings: Settings, participant: str) -> str:
 
 
 def group_status(bootstrap: str, group: str, *, timeout_s: float = 10.0) -> GroupStatus:
-    """The state and member count of ``group``; an unknown group is ``DEAD`` with 0."""
+    """The state and member count of ``group``; an unknown group is ``DEAD`` with 0.
+
+    Read with :func:`sagaline.kafka.describe_group`, which a broker going away cannot
+    turn into a crash of this process (the client calls this after a call times out,
+    which is when a broker may be down)."""
     admin = create_admin(bootstrap)
-    future = admin.describe_consumer_groups([group], request_timeout=timeout_s)[group]
     try:
-        description = future.result(timeout=timeout_s + 5)
+        info = describe_group(admin, group, timeout_s=timeout_s)
     except KafkaException as exc:
         raise ConnectionError(
             f"cannot describe consumer group {group!r} on {bootstrap}: {exc}"
         ) from exc
-    state = description.state  # a ConsumerGroupState (an enum) or None
-    name = str(getattr(state, "name", state))
-    return GroupStatus(group, name, len(description.members or ()))
+    return GroupStatus(group, info.state, info.members)
 
 
 def require_coordinator(settings: Settings, bootstrap: str, *, patience_s: float = 15.0) -> None:

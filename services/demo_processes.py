@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from sagaline.kafka import AdminClient, create_admin
+from sagaline.kafka import AdminClient, KafkaException, create_admin, describe_group
 
 __all__ = [
     "ManagedProcess",
@@ -135,13 +135,8 @@ class Supervisor:
     def wait_ready(self, names: Sequence[str], timeout_s: float = 90.0) -> None:
         """Block until every named service's consumer group owns all its partitions.
 
-        The admin client lives only for this wait: a group description is a
-        coordinator-targeted admin request, and librdkafka (2.16) aborts the whole
-        process when the broker drops such a request's connection
-        (confluentinc/librdkafka#4605, #3663). Seen in CI: a client kept for the run
-        took a demo run down with its broker kill. So no admin client outlives the
-        wait, and none leaves a request in flight (see :func:`group_assigned`).
-        """
+        The admin client lives only for this wait, so a run's later broker faults
+        find none of the run's own clients but those they are meant to hurt."""
         holder: list[AdminClient] = [create_admin(self.bootstrap)]
         try:
             self._wait_ready(holder[0], names, timeout_s)
@@ -207,23 +202,10 @@ def group_assigned(admin: AdminClient, group_id: str, topic: str) -> bool:
         meta = admin.list_topics(topic, timeout=5).topics.get(topic)
         if meta is None or meta.error is not None or not meta.partitions:
             return False
-        wanted = set(meta.partitions)
-        # The request's own timeout is shorter than the wait for it: a request left
-        # in flight by a caller that gave up can abort the process if the broker
-        # goes away meanwhile (see Supervisor.wait_ready).
-        future = admin.describe_consumer_groups([group_id], request_timeout=5)[group_id]
-        description: Any = future.result(timeout=30)
-    except Exception:  # the group does not exist yet, or the broker is busy: not ready
+        info = describe_group(admin, group_id, timeout_s=5)
+    except KafkaException:  # the broker is busy or away: not ready
         return False
-    if str(getattr(description.state, "name", description.state)).upper() != "STABLE":
-        return False
-    owned: set[int] = set()
-    for member in description.members:
-        assignment = getattr(member, "assignment", None)
-        for tp in getattr(assignment, "topic_partitions", None) or []:
-            if tp.topic == topic:
-                owned.add(tp.partition)
-    return owned >= wanted
+    return info.state == "STABLE" and info.owned(topic) >= set(meta.partitions)
 
 
 def wait_until(check: Any, timeout_s: float, interval_s: float = 0.2) -> bool:

@@ -50,6 +50,7 @@ from sagaline.kafka._config import (
     producer_config,
     redacted,
 )
+from sagaline.kafka._groups import GroupInfo, describe_group
 from sagaline.kafka._reader import LedgerReader, TopicMissing, read_to_end
 from sagaline.kafka._topics import TopicSetupError, ensure_topics
 from sagaline.kafka._writers import DeadLetterWriter, DeliveryFailed, LedgerWriter, deliver
@@ -62,6 +63,7 @@ __all__ = [
     "Consumer",
     "DeadLetterWriter",
     "DeliveryFailed",
+    "GroupInfo",
     "KafkaConfigError",
     "KafkaError",
     "KafkaException",
@@ -78,6 +80,7 @@ __all__ = [
     "create_consumer",
     "create_producer",
     "deliver",
+    "describe_group",
     "ensure_topics",
     "producer_config",
     "raise_if_fatal",

@@ -14,6 +14,7 @@ authority (replication, networking, fencing across processes are not modelled).
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -488,25 +489,29 @@ class MemoryConsumer:
 
 
 @dataclass
-class _GroupState:
-    name: str
+class _GroupMember:
+    id: str
+    assignment: bytes  # the consumer protocol's encoding, as a broker returns it
 
 
 @dataclass
-class _Assignment:
-    topic_partitions: list[TopicPartition]
+class _GroupListing:
+    id: str
+    state: str
+    members: list[_GroupMember]
+    error: KafkaError | None = None
 
 
-@dataclass
-class _MemberDescription:
-    assignment: _Assignment
-
-
-@dataclass
-class _GroupDescription:
-    group_id: str
-    state: _GroupState
-    members: list[_MemberDescription]
+def _encode_assignment(owned: Iterable[tuple[str, int]]) -> bytes:
+    by_topic: dict[str, list[int]] = {}
+    for topic, partition in owned:
+        by_topic.setdefault(topic, []).append(partition)
+    out = bytearray(struct.pack(">hi", 0, len(by_topic)))
+    for topic, partitions in sorted(by_topic.items()):
+        name = topic.encode()
+        out += struct.pack(">h", len(name)) + name
+        out += struct.pack(f">i{len(partitions)}i", len(partitions), *sorted(partitions))
+    return bytes(out + struct.pack(">i", -1))  # null user data
 
 
 @dataclass
@@ -551,19 +556,17 @@ class MemoryAdmin:
     def list_topics(self, topic: str | None = None, timeout: float = -1) -> _Metadata:
         return _metadata(self.broker)
 
-    def describe_consumer_groups(
-        self, group_ids: list[str], **_: Any
-    ) -> dict[str, Future[_GroupDescription]]:
-        """State (``STABLE`` with members, else ``EMPTY``) and each member's partitions."""
-        out: dict[str, Future[_GroupDescription]] = {}
+    def list_groups(self, group: str | None = None, timeout: float = -1) -> list[_GroupListing]:
+        """Like the broker's: ``Stable`` with its members' assignments, else ``Empty``;
+        a group nobody ever joined is not listed."""
         with self.broker.changed:
-            for group in group_ids:
+            out: list[_GroupListing] = []
+            for name, g in sorted(self.broker.groups.items()):
+                if group is not None and name != group:
+                    continue
                 members = [
-                    _MemberDescription(_Assignment([TopicPartition(t, n) for t, n in m.owned]))
-                    for m in self.broker.groups.get(group, _Group()).members
+                    _GroupMember(f"member-{i}", _encode_assignment(m.owned))
+                    for i, m in enumerate(g.members)
                 ]
-                future: Future[_GroupDescription] = Future()
-                state = _GroupState("STABLE" if members else "EMPTY")
-                future.set_result(_GroupDescription(group, state, members))
-                out[group] = future
-        return out
+                out.append(_GroupListing(name, "Stable" if members else "Empty", members))
+            return out

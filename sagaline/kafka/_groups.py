@@ -1,0 +1,95 @@
+"""What a consumer group is doing: its state, and what each member was assigned.
+
+Read with the group-listing call (ListGroups, then DescribeGroups on the broker that
+has the group), not with ``AdminClient.describe_consumer_groups``: in librdkafka 2.16
+that one goes through the admin coordinator machinery, which aborts the whole process
+(``rd_kafka_enq_once_del_source_return: Assertion eonce->refcnt > 0``) when the
+request fails or times out on a connection that drops or is not up yet
+(confluentinc/librdkafka#4605, #3663; seen in CI on a broker kill and on a fresh
+three-node cluster). The listing call keeps its state on the caller's stack and drops
+late replies once it has returned, so a timeout is only a timeout.
+"""
+
+from __future__ import annotations
+
+import struct
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException
+
+__all__ = ["GroupInfo", "describe_group"]
+
+# The listing API is deprecated in confluent-kafka in favour of the call above, the one
+# this module exists to avoid.
+warnings.filterwarnings(
+    "ignore", message=r"list_groups\(\) is deprecated", category=DeprecationWarning
+)
+
+_STATES = {
+    "Stable": "STABLE",
+    "Empty": "EMPTY",
+    "Dead": "DEAD",
+    "PreparingRebalance": "PREPARING_REBALANCE",
+    "CompletingRebalance": "COMPLETING_REBALANCE",
+}
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """One consumer group as its coordinator reports it. An unknown group is ``DEAD``
+    with no members."""
+
+    group: str
+    state: str  # STABLE, EMPTY, DEAD, PREPARING_REBALANCE, COMPLETING_REBALANCE
+    assignments: tuple[frozenset[tuple[str, int]], ...]  # (topic, partition) per member
+
+    @property
+    def members(self) -> int:
+        return len(self.assignments)
+
+    def owned(self, topic: str) -> set[int]:
+        """The partitions of ``topic`` some member owns."""
+        return {p for member in self.assignments for t, p in member if t == topic}
+
+
+def describe_group(admin: Any, group: str, *, timeout_s: float = 10.0) -> GroupInfo:
+    """The state and members' assignments of ``group``; raises ``KafkaException`` if the
+    brokers do not answer within ``timeout_s``."""
+    listed = admin.list_groups(group, timeout=timeout_s)
+    for meta in listed:
+        if meta.id != group:
+            continue
+        if meta.error is not None:
+            raise KafkaException(meta.error)
+        state = _STATES.get(meta.state, str(meta.state).upper())
+        return GroupInfo(group, state, tuple(_assignment(m.assignment) for m in meta.members or ()))
+    return GroupInfo(group, "DEAD", ())
+
+
+def _assignment(raw: bytes | None) -> frozenset[tuple[str, int]]:
+    """Decode a consumer-protocol assignment (version, then topics and their partitions;
+    later versions only append fields)."""
+    if not raw:
+        return frozenset()
+    try:
+        owned: set[tuple[str, int]] = set()
+        at = 2  # int16 version
+        (topics,) = struct.unpack_from(">i", raw, at)
+        at += 4
+        for _ in range(max(topics, 0)):
+            (length,) = struct.unpack_from(">h", raw, at)
+            at += 2
+            topic = raw[at : at + length].decode()
+            at += length
+            (count,) = struct.unpack_from(">i", raw, at)
+            at += 4
+            partitions = struct.unpack_from(f">{max(count, 0)}i", raw, at)
+            at += 4 * max(count, 0)
+            owned.update((topic, p) for p in partitions)
+        return frozenset(owned)
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise KafkaException(
+            KafkaError(KafkaError._BAD_MSG, f"cannot decode a group assignment: {exc}")
+        ) from exc
