@@ -874,8 +874,13 @@ class Saga:
                     approval_id=state["approval"],
                     **where,
                 )
-            status = group_status(self.client.bootstrap, coordinator_group(self.client.settings))
-            if not status.consuming:
+            try:
+                status = group_status(
+                    self.client.bootstrap, coordinator_group(self.client.settings)
+                )
+            except ConnectionError:  # a broker is away: say what is known, the outcome
+                status = None
+            if status is not None and not status.consuming:
                 raise CoordinatorNotRunning(no_coordinator_message(self.client.settings, status))
             if state["unknown"]:
                 raise OutcomeUnknown(

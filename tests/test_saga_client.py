@@ -24,6 +24,7 @@ from participants import client as client_module
 from participants.client import (
     ApprovalPending,
     BusinessRejected,
+    OutcomeUnknown,
     SagaClient,
     UnknownTool,
 )
@@ -304,3 +305,25 @@ def test_a_secret_argument_reaches_the_tool_but_never_a_topic_in_clear(
     for topic in (system.topics.events, system.topics.commands("desk2")):
         values = [v for _k, v, _h in LedgerReader(system.bootstrap).records(topic) if v]
         assert values and not any(card.encode() in v for v in values), topic
+
+
+def test_a_call_without_an_outcome_is_unknown_when_the_coordinator_check_cannot_reach_the_broker(
+    transport: str, unique_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a call times out the client asks the broker whether a coordinator runs, to
+    say so; with a broker away that question fails too, and the call must still end as
+    what it is, an unknown outcome (it raised the broker's ConnectionError instead)."""
+
+    def broker_away(*_args: object, **_kwargs: object) -> None:
+        raise ConnectionError("cannot describe consumer group: the broker is away")
+
+    monkeypatch.setattr(client_module, "group_status", broker_away)
+    settings = Settings(
+        bootstrap=transport, topic_prefix=unique_prefix, state_dir=tmp_path, partitions=1
+    )
+    ensure_topics(transport, settings.topics, [], 1)
+    client = SagaClient(settings, transport, local=wrap(Desk(), name="desk"))
+    client.check_coordinator = False  # none runs: nothing will answer the call
+    unknown = pytest.raises(OutcomeUnknown, match="no outcome for book_slot within 1")
+    with client, unknown, client.saga("desk", "agent") as saga:
+        saga.call("book_slot", day="mon", timeout_s=1)
