@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from sagaline.kafka import BrokerNotConfigured, KafkaConfigError
@@ -58,7 +60,32 @@ def _version() -> str:
         return "0+unknown (not installed)"
 
 
+PARENT_PID_VAR = "SAGALINE_PARENT_PID"
+"""Set by a supervisor that starts services as its children (the demo, the tests):
+the service stops (SIGTERM to itself) once that process is gone, instead of running
+on with nobody to stop it when its supervisor died without cleaning up."""
+
+
+def watch_parent(interval_s: float = 1.0) -> None:
+    """If ``SAGALINE_PARENT_PID`` names this process's parent, stop this process once
+    it has another (the parent died and it was re-parented)."""
+    wanted = os.environ.get(PARENT_PID_VAR, "")
+    if not wanted.isdigit() or int(wanted) != os.getppid():
+        return
+    parent, stop = int(wanted), threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(interval_s):
+            if os.getppid() != parent:
+                print(f"parent process {parent} is gone: stopping", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    watch_parent()
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)

@@ -24,6 +24,7 @@ It exits 0 only when every saga is terminal and the invariant holds.
 from __future__ import annotations
 
 import argparse
+import os
 import queue
 import signal
 import socket
@@ -48,6 +49,7 @@ from schemas.models import Record, SagaTerminal
 from schemas.receipt import Receipt
 from schemas.settings import Settings
 from schemas.topics import DEFAULT_PARTITIONS
+from services.cli import PARENT_PID_VAR
 from services.demo_invariants import ProviderWorld, Violation, check_invariants, read_world
 from services.demo_processes import ProcessFailed, ServiceSpec, Supervisor, python_env, wait_until
 from services.demo_progress import (
@@ -369,16 +371,17 @@ def run_demo(options: DemoOptions) -> DemoRun:
 
 
 def _service_env(run: DemoRun, fault_file: Path) -> dict[str, str]:
-    return python_env(
-        {
-            "KAFKA_BOOTSTRAP_SERVERS": run.bootstrap,
-            "SAGALINE_TOPIC_PREFIX": run.prefix,
-            "SAGALINE_PARTITIONS": str(run.options.partitions),
-            "SAGALINE_STATE_DIR": str(run.state_dir),
-            "SAGALINE_FAULTS": f"@{fault_file}",
-            "SAGALINE_HMAC_KEY": DEMO_HMAC_KEY,
-        }
-    )
+    env = {
+        "KAFKA_BOOTSTRAP_SERVERS": run.bootstrap,
+        "SAGALINE_TOPIC_PREFIX": run.prefix,
+        "SAGALINE_PARTITIONS": str(run.options.partitions),
+        "SAGALINE_STATE_DIR": str(run.state_dir),
+        "SAGALINE_FAULTS": f"@{fault_file}",
+        "SAGALINE_HMAC_KEY": DEMO_HMAC_KEY,
+    }
+    if not run.options.keep:  # a demo that dies without stopping them takes them along
+        env[PARENT_PID_VAR] = str(os.getpid())
+    return python_env(env)
 
 
 def _start_services(run: DemoRun, supervisor: Supervisor, settings: Settings) -> None:
