@@ -30,7 +30,7 @@ from participants.client import (
 )
 from participants.plan import PlannedCall, PlanReport
 from participants.readiness import CoordinatorNotRunning
-from sagaline.kafka import LedgerReader, ensure_topics
+from sagaline.kafka import DeliveryFailed, LedgerReader, ensure_topics
 from sagaline.ops.actions import OperatorChannel, grant_approval
 from schemas import (
     ApprovalRequested,
@@ -38,6 +38,7 @@ from schemas import (
     Disposition,
     Record,
     SagaOutcome,
+    SagaStarted,
     SagaTerminal,
     StepCommitted,
     StepFailed,
@@ -97,9 +98,7 @@ class Desk:
 
 
 @pytest.fixture
-def local(
-    transport: str, unique_prefix: str, tmp_path: Path
-) -> Iterator[tuple[System, Desk]]:
+def local(transport: str, unique_prefix: str, tmp_path: Path) -> Iterator[tuple[System, Desk]]:
     desk = Desk()
     # The system runs only the coordinator here; the desk is served by the client.
     with System(transport, unique_prefix, tmp_path, []) as system:
@@ -327,3 +326,65 @@ def test_a_call_without_an_outcome_is_unknown_when_the_coordinator_check_cannot_
     unknown = pytest.raises(OutcomeUnknown, match="no outcome for book_slot within 1")
     with client, unknown, client.saga("desk", "agent") as saga:
         saga.call("book_slot", day="mon", timeout_s=1)
+
+
+def test_a_saga_waits_for_its_start_and_end_acknowledgements_as_long_as_for_a_call(
+    local: tuple[System, Desk], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CI: the broker was killed just after an agent produced SagaStarted; the start
+    waited the writer's 30 s, raised, and the block never ran, but the record reached
+    the ledger when the broker came back, and the saga stayed open for good (R14). The
+    start and the end now wait as long as a call (the client's call timeout)."""
+    system, _desk = local
+    monkeypatch.setattr(system.client, "call_timeout_s", 45.0)
+    writer = system.client._writer
+    waits: list[tuple[str, float]] = []
+    sync_append, async_append = writer.append, writer.append_async
+
+    def append(record: Record, *, timeout_s: float = 30.0) -> None:
+        waits.append((record.TYPE, timeout_s))
+        sync_append(record, timeout_s=timeout_s)
+
+    async def append_async(record: Record, *, timeout_s: float = 30.0) -> None:
+        waits.append((record.TYPE, timeout_s))
+        await async_append(record, timeout_s=timeout_s)
+
+    monkeypatch.setattr(writer, "append", append)
+    monkeypatch.setattr(writer, "append_async", append_async)
+    with system.client.saga("desk", "agent") as saga:
+        saga.call("book_slot", day="thu")
+
+    async def agent() -> None:
+        async with system.client.saga("desk", "agent") as asaga:
+            await asaga.acall("book_slot", day="sat")
+
+    asyncio.run(agent())
+    assert [w for w in waits if w[0] != "StepScheduled"] == [
+        ("SagaStarted", 45.0),
+        ("SagaEndRequested", 45.0),
+    ] * 2
+
+
+def test_a_start_that_was_not_acknowledged_queues_an_abort_behind_it(
+    local: tuple[System, Desk], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the call timeout the start raises, and the block does not run; the start
+    may still land later, so an abort goes out behind it and the saga ends (R14)."""
+    system, _desk = local
+    writer = system.client._writer
+    sync_append = writer.append
+
+    def start_unacknowledged(record: Record, *, timeout_s: float = 30.0) -> None:
+        sync_append(record, timeout_s=timeout_s)  # it lands, the answer is lost
+        if isinstance(record, SagaStarted):
+            raise DeliveryFailed("no acknowledgement for SagaStarted", topic="t", error=None)
+
+    monkeypatch.setattr(writer, "append", start_unacknowledged)
+    saga = system.client.saga("desk", "agent")
+    ran: list[str] = []
+    with pytest.raises(DeliveryFailed), saga:
+        ran.append("the block")
+    assert ran == []
+    receipt = saga.wait(timeout_s=120)
+    assert receipt.status is TerminalStatus.COMPENSATED and not receipt.steps
+    assert "gave up on starting the saga" in receipt.end_reason
