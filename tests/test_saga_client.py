@@ -169,20 +169,7 @@ def test_a_call_waits_for_its_steps_acknowledgement_as_long_as_for_its_outcome(
     could reach the ledger after the agent aborted (the step then runs behind its
     back): so the call's timeout, not the writer's 30 s default, bounds that wait."""
     system, _desk = local
-    writer = system.client._writer
-    waits: list[tuple[str, float]] = []
-    sync_append, async_append = writer.append, writer.append_async
-
-    def append(record: Record, *, timeout_s: float = 30.0) -> None:
-        waits.append((record.TYPE, timeout_s))
-        sync_append(record, timeout_s=timeout_s)
-
-    async def append_async(record: Record, *, timeout_s: float = 30.0) -> None:
-        waits.append((record.TYPE, timeout_s))
-        await async_append(record, timeout_s=timeout_s)
-
-    monkeypatch.setattr(writer, "append", append)
-    monkeypatch.setattr(writer, "append_async", append_async)
+    waits = _record_waits(system, monkeypatch)
     with system.client.saga("desk", "agent") as saga:
         saga.call("book_slot", timeout_s=75, day="thu")
         saga.call("book_slot", day="fri")  # the client's call_timeout_s (30)
@@ -337,20 +324,7 @@ def test_a_saga_waits_for_its_start_and_end_acknowledgements_as_long_as_for_a_ca
     start and the end now wait as long as a call (the client's call timeout)."""
     system, _desk = local
     monkeypatch.setattr(system.client, "call_timeout_s", 45.0)
-    writer = system.client._writer
-    waits: list[tuple[str, float]] = []
-    sync_append, async_append = writer.append, writer.append_async
-
-    def append(record: Record, *, timeout_s: float = 30.0) -> None:
-        waits.append((record.TYPE, timeout_s))
-        sync_append(record, timeout_s=timeout_s)
-
-    async def append_async(record: Record, *, timeout_s: float = 30.0) -> None:
-        waits.append((record.TYPE, timeout_s))
-        await async_append(record, timeout_s=timeout_s)
-
-    monkeypatch.setattr(writer, "append", append)
-    monkeypatch.setattr(writer, "append_async", append_async)
+    waits = _record_waits(system, monkeypatch)
     with system.client.saga("desk", "agent") as saga:
         saga.call("book_slot", day="thu")
 
@@ -388,3 +362,23 @@ def test_a_start_that_was_not_acknowledged_queues_an_abort_behind_it(
     receipt = saga.wait(timeout_s=120)
     assert receipt.status is TerminalStatus.COMPENSATED and not receipt.steps
     assert "gave up on starting the saga" in receipt.end_reason
+
+
+def _record_waits(system: System, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, float]]:
+    """(record type, how long its append waits for the broker) for every ledger write
+    of the client from now on."""
+    writer = system.client._writer
+    waits: list[tuple[str, float]] = []
+    sync_append, async_append = writer.append, writer.append_async
+
+    def append(record: Record, *, timeout_s: float = 30.0) -> None:
+        waits.append((record.TYPE, timeout_s))
+        sync_append(record, timeout_s=timeout_s)
+
+    async def append_async(record: Record, *, timeout_s: float = 30.0) -> None:
+        waits.append((record.TYPE, timeout_s))
+        await async_append(record, timeout_s=timeout_s)
+
+    monkeypatch.setattr(writer, "append", append)
+    monkeypatch.setattr(writer, "append_async", append_async)
+    return waits
