@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 
 from sagaline.kafka import BrokerNotConfigured, KafkaConfigError
@@ -72,14 +73,13 @@ def watch_parent(interval_s: float = 1.0) -> None:
     wanted = os.environ.get(PARENT_PID_VAR, "")
     if not wanted.isdigit() or int(wanted) != os.getppid():
         return
-    parent, stop = int(wanted), threading.Event()
+    parent = int(wanted)
 
     def watch() -> None:
-        while not stop.wait(interval_s):
-            if os.getppid() != parent:
-                print(f"parent process {parent} is gone: stopping", file=sys.stderr, flush=True)
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
+        while os.getppid() == parent:
+            time.sleep(interval_s)  # a poll: the kernel tells a child nothing else
+        print(f"parent process {parent} is gone: stopping", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 

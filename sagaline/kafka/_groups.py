@@ -83,10 +83,9 @@ def _assignment(raw: bytes | None) -> frozenset[tuple[str, int]]:
             at += 2
             topic = raw[at : at + length].decode()
             at += length
-            (count,) = struct.unpack_from(">i", raw, at)
-            at += 4
-            partitions = struct.unpack_from(f">{max(count, 0)}i", raw, at)
-            at += 4 * max(count, 0)
+            count = max(struct.unpack_from(">i", raw, at)[0], 0)
+            partitions = struct.unpack_from(f">{count}i", raw, at + 4)
+            at += 4 + 4 * count
             owned.update((topic, p) for p in partitions)
         return frozenset(owned)
     except (struct.error, UnicodeDecodeError) as exc:
