@@ -18,9 +18,11 @@ For every command on ``sagaline.commands.<participant>`` it
   ``StepReconciled``; with no lookup declared it raises an incident, never guesses.
 
 Redelivered commands never run a tool or a compensation twice: a SQLite journal of
-handled command ids survives restarts. A command found *started but unfinished* after
-a crash is reported as an unknown outcome and reconciled, because the tool may or may
-not have acted. Replicas do not share that journal, so on a journal miss the ledger
+handled command ids survives restarts. A step found *started but unfinished* after a
+crash is reported as an unknown outcome and reconciled, because the tool may or may
+not have acted (the mark is written while the intent travels to the broker; the tool
+runs once both are durable). A compensation is not marked started: interrupted, it
+runs again under the same compensation key, which it must honour. Replicas do not share that journal, so on a journal miss the ledger
 decides (:mod:`participants.ledger_probe`): an outcome already appended for the
 command is re-sent, and an intent without an outcome (another replica took the
 command and vanished, or still runs it) is an unknown outcome, reconciled through the
@@ -246,6 +248,13 @@ class CommandJournal:
                 raise
             self._db.execute("COMMIT")
 
+    def forget(self, command_id: str) -> None:
+        """Drop a command's row: it was marked started but its tool never ran (the
+        intent was not acknowledged), so a redelivery must run it, not report it as
+        an unknown outcome."""
+        with self._lock:
+            self._db.execute("DELETE FROM handled WHERE command_id = ?", (command_id,))
+
     def accepted(self) -> list[tuple[str, bytes]]:
         with self._lock:
             rows = self._db.execute(
@@ -287,8 +296,10 @@ class CommandHandler:
     """Decides and runs what one command asks; Kafka-free, so tests can drive it.
 
     ``append(record)`` must return only once the broker acknowledged the record.
-    ``publish(outcome)`` (default: ``append``) may return before: the caller then owns
-    finishing the command (its offset) when the acknowledgement comes.
+    ``begin_append(record)`` (default: ``append``) may return before, with a call that
+    waits for the acknowledgement. ``publish(outcome)`` (default: ``append``) may
+    return before: the caller then owns finishing the command (its offset) when the
+    acknowledgement comes.
     """
 
     def __init__(
@@ -307,6 +318,7 @@ class CommandHandler:
         limits: Limits = DEFAULT_LIMITS,
         fetch: Callable[[LedgerRef], Record | None] | None = None,
         publish: Callable[[Record], None] | None = None,
+        begin_append: Callable[[Record], Callable[[], None]] | None = None,
     ) -> None:
         self.catalogue = catalogue
         self._ledger = ledger
@@ -319,6 +331,7 @@ class CommandHandler:
         # How a command's outcome goes out, once journalled: ``append`` unless the
         # runtime finishes the command when the broker acknowledges it.
         self._publish = publish or append
+        self._begin_append = begin_append or _appended_by(append)
         self._clock = clock
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=workers, thread_name_prefix=f"{participant}-tool"
@@ -379,13 +392,18 @@ class CommandHandler:
             outcome = self._reconcile(command)
         else:
             raise TypeError(f"{command.TYPE} is not a participant command")
-        return self._settle(command, outcome)
+        return self._settle(command, outcome, encoded)
 
-    def _settle(self, command: Record, outcome: _Outcome) -> str:
+    def _settle(self, command: Record, outcome: _Outcome, encoded: bytes | None = None) -> str:
         """Journal ``outcome`` as the command's answer, then publish it."""
         from schemas.codec import encode
 
-        self.journal.mark(command.event_id, outcome.state, outcome=encode(outcome.record))
+        # An accepted compensation is confirmed from the journal after a restart
+        # (``accepted()``), which needs the command itself.
+        command_bytes = (encoded or encode(command)) if outcome.state == "accepted" else None
+        self.journal.mark(
+            command.event_id, outcome.state, command=command_bytes, outcome=encode(outcome.record)
+        )
         self._publish(outcome.record)
         if self._metrics is not None:
             self._metrics.observe_output(outcome.record)
@@ -497,7 +515,7 @@ class CommandHandler:
             return _Outcome(self._failed(cmd, common, FailureKind.BUSINESS_REJECTION, exc))
         except Exception as exc:  # the ledger could not be read now: try again
             return _Outcome(self._failed(cmd, common, FailureKind.TRANSIENT, exc))
-        self._append(
+        intent_acknowledged = self._begin_append(
             self._record(
                 StepIntentRecorded,
                 cmd,
@@ -510,7 +528,17 @@ class CommandHandler:
                 principal=cmd.principal,
             )
         )
+        # The journal's "started" (the tool may run from now on) is written while the
+        # intent is on its way; the tool runs only once both are durable (R10). A
+        # crash between them leaves a started command whose intent may be missing:
+        # reported as an unknown outcome and reconciled, true (the tool did not run)
+        # and safe. An intent the broker refused un-marks it: the tool did not run.
         self.journal.mark(cmd.event_id, "started", command=encoded or _command_bytes(cmd))
+        try:
+            intent_acknowledged()
+        except BaseException:
+            self.journal.forget(cmd.event_id)
+            raise
         ctx = CallContext(
             cmd.saga_id, cmd.step_id, cmd.tool, cmd.idempotency_key, cmd.attempt, cmd.principal
         )
@@ -608,8 +636,10 @@ class CommandHandler:
     # ----------------------------------------------------------- compensate step
 
     def _compensate(self, cmd: CompensateStep, *, encoded: bytes | None = None) -> _Outcome:
+        # No "started" mark: a compensation interrupted by a crash runs again under
+        # the same compensation key (which it must honour) whether or not the journal
+        # saw it start, so the mark would cost a synced write and decide nothing.
         spec = self.catalogue[cmd.tool]
-        self.journal.mark(cmd.event_id, "started", command=encoded or _command_bytes(cmd))
         call = CallContext(
             cmd.saga_id,
             cmd.step_id,
@@ -999,6 +1029,20 @@ def _operation_id(found: str | None) -> str | None:
     return f"sha256:{fingerprint(found.encode())} ({len(found)} chars)"
 
 
+def _appended_by(append: Callable[[Record], None]) -> Callable[[Record], Callable[[], None]]:
+    """``begin_append`` from a blocking ``append``: the wait is already over."""
+
+    def begin(record: Record) -> Callable[[], None]:
+        append(record)
+        return _acknowledged
+
+    return begin
+
+
+def _acknowledged() -> None:
+    pass
+
+
 def _command_bytes(cmd: Record) -> bytes:
     from schemas.codec import encode
 
@@ -1061,6 +1105,7 @@ class ParticipantRuntime:
             clock=clock,
             workers=max_in_flight,
             publish=self._publish_outcome,
+            begin_append=self._writer.begin_append,
         )
         # Set until stop(), which may come before run() reaches its loop (a SIGTERM
         # during start-up must not be lost).

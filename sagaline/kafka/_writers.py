@@ -55,6 +55,26 @@ def deliver(
     Raises :class:`DeliveryFailed` with the broker's error, or when no delivery
     report arrived within ``timeout_s``.
     """
+    send(producer, topic, key, value, headers, timeout_s=timeout_s, what=what, polled=polled)()
+
+
+def send(
+    producer: Producer,
+    topic: str,
+    key: bytes | None,
+    value: bytes | None,
+    headers: Headers | None = None,
+    *,
+    timeout_s: float = 30.0,
+    what: str = "record",
+    polled: bool = False,
+) -> Callable[[], None]:
+    """Produce one record now; the returned call waits for its acknowledgement.
+
+    :func:`deliver` in two halves, so a caller can do its own work (a local fsync)
+    while the record is on its way. The wait raises as :func:`deliver` does; the
+    timeout counts from the send.
+    """
     # A held lock the delivery report releases: the cheapest hand-off between the
     # polling thread and this one (an Event costs a Condition round trip per record).
     done = threading.Lock()
@@ -70,23 +90,32 @@ def deliver(
         topic, key=key, value=value, headers=list(headers or ()), on_delivery=on_delivery
     )
     deadline = time.monotonic() + timeout_s
-    acknowledged = done.acquire(timeout=timeout_s) if polled else False
-    # poll() serves delivery reports (ours and other threads'); stop at ours.
-    while not acknowledged:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise DeliveryFailed(
-                f"no acknowledgement for {what} on {topic} within {timeout_s:.0f} s: is the "
-                "broker reachable (KAFKA_BOOTSTRAP_SERVERS, SAGALINE_KAFKA_* settings)?",
-                topic=topic,
-                error=None,
-            )
-        producer.poll(min(remaining, 0.1))
-        acknowledged = done.acquire(blocking=False)
-    if failure:
-        raise DeliveryFailed(
-            f"the broker rejected {what} on {topic}: {failure[0]}", topic=topic, error=failure[0]
+
+    def wait() -> None:
+        acknowledged = (
+            done.acquire(timeout=max(0.0, deadline - time.monotonic())) if polled else False
         )
+        # poll() serves delivery reports (ours and other threads'); stop at ours.
+        while not acknowledged:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DeliveryFailed(
+                    f"no acknowledgement for {what} on {topic} within {timeout_s:.0f} s: is "
+                    "the broker reachable (KAFKA_BOOTSTRAP_SERVERS, SAGALINE_KAFKA_* "
+                    "settings)?",
+                    topic=topic,
+                    error=None,
+                )
+            producer.poll(min(remaining, 0.1))
+            acknowledged = done.acquire(blocking=False)
+        if failure:
+            raise DeliveryFailed(
+                f"the broker rejected {what} on {topic}: {failure[0]}",
+                topic=topic,
+                error=failure[0],
+            )
+
+    return wait
 
 
 class LedgerWriter:
@@ -125,8 +154,13 @@ class LedgerWriter:
 
     def append(self, record: Record, *, timeout_s: float = 30.0) -> None:
         """Write ``record`` to the ledger and wait for the broker's acknowledgement."""
+        self.begin_append(record, timeout_s=timeout_s)()
+
+    def begin_append(self, record: Record, *, timeout_s: float = 30.0) -> Callable[[], None]:
+        """Write ``record`` to the ledger now; the returned call waits for the broker's
+        acknowledgement (raising :class:`DeliveryFailed` as :meth:`append` does)."""
         key, value, headers = to_message(record, self.signer)
-        deliver(
+        return send(
             self.producer,
             self.topics.events,
             key,

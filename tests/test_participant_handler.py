@@ -1,0 +1,169 @@
+"""The command handler's journal around a tool call, without a broker.
+
+The intent's trip to the broker and the journal's synced "started" overlap, and the
+tool runs only once both are done (R10); an intent the broker refused leaves no
+"started" behind, so the redelivered command runs its tool instead of being reported
+as an unknown outcome. A compensation writes no "started"; an accepted one still
+keeps its command in the journal, which confirms it after a restart (R12).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+from participants import Accepted, CompensationContext, compensable, tool, wrap
+from participants.runtime import CommandHandler, CommandJournal
+from sagaline.kafka import DeliveryFailed
+from schemas import (
+    CompensateStep,
+    CompensationAccepted,
+    ExecuteStep,
+    Record,
+    StepCommitted,
+    StepIntentRecorded,
+    StepOutcomeUnknown,
+    envelope_for,
+)
+from schemas.codec import decode
+
+R = TypeVar("R", bound=Record)
+
+
+class _Desk:
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    @tool(description="Book a desk")
+    @compensable(by="release", completion_within=30)
+    def book(self, desk: str) -> dict[str, str]:
+        self.events.append(f"ran {desk}")
+        return {"desk": desk}
+
+    def release(self, ctx: CompensationContext) -> Accepted:
+        self.events.append("released")
+        return Accepted(operation_id=f"release-{ctx.idempotency_key}")
+
+
+def _cmd(cls: type[R], **fields: object) -> R:
+    env = envelope_for(cls, saga_id="s-1", tenant_id="t", producer="sagaline-coordinator", now=1)
+    return cls(envelope=env, **fields)
+
+
+def _execute() -> ExecuteStep:
+    return _cmd(
+        ExecuteStep,
+        step_id="01-book",
+        tool="book",
+        args=b'{"desk":"d7"}',
+        idempotency_key="k-1",
+        attempt=1,
+        deadline_ms=5000,
+        principal="p",
+    )
+
+
+def _handler(
+    tmp_path: Path,
+    begin_append: Callable[[Record], Callable[[], None]] | None = None,
+) -> tuple[CommandHandler, list[Record], _Desk]:
+    desk = _Desk()
+    out: list[Record] = []
+    handler = CommandHandler(
+        wrap(desk, name="desks"),
+        "desks",
+        CommandJournal(tmp_path / "journal.sqlite"),
+        out.append,
+        ledger=None,
+        begin_append=begin_append,
+    )
+    return handler, out, desk
+
+
+def test_the_tool_runs_once_the_intent_is_acknowledged_and_started_is_journalled(
+    tmp_path: Path,
+) -> None:
+    command = _execute()
+    events: list[str] = []
+    journal_at_ack: list[object] = []
+    handler: CommandHandler
+
+    def begin_append(record: Record) -> Callable[[], None]:
+        events.append(f"sent {record.TYPE}")
+
+        def wait() -> None:
+            journal_at_ack.append(handler.journal.get(command.event_id))
+            events.append("acknowledged")
+
+        return wait
+
+    handler, out, desk = _handler(tmp_path, begin_append)
+    assert handler.handle(command) == "done"
+    assert events == ["sent StepIntentRecorded", "acknowledged"]
+    assert journal_at_ack == [("started", None)]  # on disk before the wait ended
+    assert desk.events == ["ran d7"]
+    assert [type(r) for r in out] == [StepCommitted]  # the outcome goes out by append
+    handler.close()
+
+
+def test_an_intent_the_broker_refused_leaves_the_command_to_run_again(tmp_path: Path) -> None:
+    command = _execute()
+    refuse = [True]
+    sent: list[Record] = []
+
+    def begin_append(record: Record) -> Callable[[], None]:
+        sent.append(record)
+
+        def wait() -> None:
+            if refuse.pop(0) if refuse else False:
+                raise DeliveryFailed("the broker said no", topic="events", error=None)
+
+        return wait
+
+    handler, out, desk = _handler(tmp_path, begin_append)
+    with pytest.raises(DeliveryFailed):
+        handler.handle(command)
+    assert desk.events == []  # the tool never ran ...
+    assert handler.journal.get(command.event_id) is None  # ... so nothing says it may have
+    assert handler.handle(command) == "done"  # the redelivery runs it, once
+    assert desk.events == ["ran d7"]
+    assert [type(r) for r in sent] == [StepIntentRecorded, StepIntentRecorded]
+    assert [type(r) for r in out] == [StepCommitted]
+    handler.close()
+
+
+def test_a_command_started_before_a_crash_is_an_unknown_outcome_R11(tmp_path: Path) -> None:
+    command = _execute()
+    handler, out, desk = _handler(tmp_path)
+    handler.journal.mark(command.event_id, "started")  # what a crash mid-tool leaves
+    handler.handle(command)
+    assert desk.events == []
+    assert [type(r) for r in out] == [StepOutcomeUnknown]
+    handler.close()
+
+
+def test_an_accepted_compensation_keeps_its_command_without_a_started_mark(
+    tmp_path: Path,
+) -> None:
+    handler, out, desk = _handler(tmp_path)
+    compensate = _cmd(
+        CompensateStep,
+        step_id="01-book",
+        tool="book",
+        compensation="release",
+        args=b'{"desk":"d7"}',
+        result=b'{"desk":"d7"}',
+        idempotency_key="k-1",
+        compensation_key="c-1",
+        attempt=1,
+    )
+    assert handler.handle(compensate) == "accepted"
+    assert desk.events == ["released"]
+    assert [type(r) for r in out] == [CompensationAccepted]
+    [(command_id, command)] = handler.journal.accepted()
+    assert command_id == compensate.event_id
+    assert decode(command, CompensateStep) == compensate
+    handler.close()
