@@ -22,11 +22,12 @@ handled command ids survives restarts. A step found *started but unfinished* aft
 crash is reported as an unknown outcome and reconciled, because the tool may or may
 not have acted (the mark is written while the intent travels to the broker; the tool
 runs once both are durable). A compensation is not marked started: interrupted, it
-runs again under the same compensation key, which it must honour. Replicas do not share that journal, so on a journal miss the ledger
-decides (:mod:`participants.ledger_probe`): an outcome already appended for the
-command is re-sent, and an intent without an outcome (another replica took the
-command and vanished, or still runs it) is an unknown outcome, reconciled through the
-tool's lookup by idempotency key; the tool is never run a second time.
+runs again under the same compensation key, which it must honour. Replicas do not
+share that journal, so on a journal miss the ledger decides
+(:mod:`participants.ledger_probe`): an outcome already appended for the command is
+re-sent, and an intent without an outcome (another replica took the command and
+vanished, or still runs it) is an unknown outcome, reconciled through the tool's
+lookup by idempotency key; the tool is never run a second time.
 """
 
 from __future__ import annotations
