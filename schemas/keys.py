@@ -7,6 +7,8 @@ replay lands on the same provider operation instead of creating a second one.
 from __future__ import annotations
 
 import hashlib
+import os
+import threading
 import uuid
 from typing import Any
 
@@ -62,4 +64,33 @@ def derived_event_id(*parts: str | int) -> str:
 
 
 def new_event_id() -> str:
-    return str(uuid.uuid4())
+    """A random event id (a version 4 UUID, as ``str(uuid.uuid4())``).
+
+    The randomness is read from ``os.urandom`` a block at a time: one system call
+    per 256 ids instead of one per id (an agent makes an id for every record it
+    writes). A forked child drops the parent's unread block, so the two never hand
+    out the same ids."""
+    global _random, _random_at
+    with _random_lock:
+        if _random_at >= len(_random):
+            _random, _random_at = os.urandom(16 * 256), 0
+        raw = bytearray(_random[_random_at : _random_at + 16])
+        _random_at += 16
+    raw[6] = (raw[6] & 0x0F) | 0x40  # version 4
+    raw[8] = (raw[8] & 0x3F) | 0x80  # RFC 4122 variant
+    h = raw.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+_random_lock = threading.Lock()
+_random = b""
+_random_at = 0
+
+
+def _forget_random() -> None:
+    global _random, _random_at, _random_lock
+    _random, _random_at = b"", 0
+    _random_lock = threading.Lock()  # a thread of the parent may have held it
+
+
+os.register_at_fork(after_in_child=_forget_random)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 from confluent_kafka import KafkaError, Message, Producer
@@ -141,6 +142,10 @@ class LedgerWriter:
         # Many threads appending at once: one thread serves every delivery report,
         # so a writer never sits in poll() after another thread served its report.
         self._closed = threading.Event()
+        # Per event loop, the delivery reports on their way to it (see _Inbox).
+        self._inboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Inbox] = (
+            weakref.WeakKeyDictionary()
+        )
         self._poller: threading.Thread | None = None
         if background_poll:
             self._poller = threading.Thread(
@@ -208,9 +213,12 @@ class LedgerWriter:
             raise RuntimeError("append_async needs LedgerWriter(..., background_poll=True)")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[KafkaError | None] = loop.create_future()
+        inbox = self._inboxes.get(loop)
+        if inbox is None:
+            inbox = self._inboxes[loop] = _Inbox(loop)
 
         def on_delivery(err: KafkaError | None, _msg: Message) -> None:
-            loop.call_soon_threadsafe(_settle, future, err)
+            inbox.put(future, err)
 
         key, value, headers = to_message(record, self.signer)
         self.producer.produce(
@@ -259,6 +267,42 @@ class LedgerWriter:
         self._closed.set()
         if self._poller is not None:
             self._poller.join(timeout_s)
+
+
+class _Inbox:
+    """Delivery reports for one event loop, handed over with one wake-up per burst.
+
+    ``call_soon_threadsafe`` per report writes to the loop's self-pipe and wakes its
+    thread each time; under load the poller serves many reports at once, so the
+    first one schedules a drain and the rest join it until the drain runs."""
+
+    __slots__ = ("_items", "_lock", "_loop", "_scheduled")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Future[KafkaError | None], KafkaError | None]] = []
+        self._scheduled = False
+
+    def put(self, future: asyncio.Future[KafkaError | None], err: KafkaError | None) -> None:
+        with self._lock:
+            self._items.append((future, err))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self._loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop is closed: nobody awaits these any more
+            with self._lock:
+                self._items.clear()
+                self._scheduled = False
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+            self._scheduled = False
+        for future, err in items:
+            _settle(future, err)
 
 
 def _settle(future: asyncio.Future[KafkaError | None], err: KafkaError | None) -> None:
