@@ -245,6 +245,10 @@ class Coordinator:
         self._failures = 0  # consecutive failed transactions
         self._suspects: set[str] = set()  # sagas whose records failed to produce
         self._assigned: set[int] = set()
+        # The consumer's group metadata for the transactions' offsets, asked of
+        # librdkafka once per assignment (each ask is a round trip to its main
+        # thread); dropped on every rebalance and after a failed transaction.
+        self._group_metadata: Any = None
         self._carry_s = carry_ms / 1000
         # A batch whose only effect is state, not yet committed (see _CARRY_S): memory
         # is untouched until the transaction that carries it commits, so an abort or a
@@ -430,8 +434,9 @@ class Coordinator:
     def _begin(self, positions: list[TopicPartition]) -> Future[None]:
         """Begin the batch's transaction; its offsets are sent in the background."""
         self._producer.begin_transaction()
-        metadata = self._consumer.consumer_group_metadata()
-        return self._sender.submit(self._send_offsets, positions, metadata)
+        if self._group_metadata is None:
+            self._group_metadata = self._consumer.consumer_group_metadata()
+        return self._sender.submit(self._send_offsets, positions, self._group_metadata)
 
     def _held(self, pending: _Pending, carried: _Pending | None) -> bool:
         """Carry the batch (with what it already carries) into the next one's
@@ -483,6 +488,7 @@ class Coordinator:
     def _failed(self, exc: KafkaException, due: list[str]) -> None:
         """A batch's transaction failed: abort it (memory never saw it)."""
         self._failures += 1
+        self._group_metadata = None  # a stale generation fails this way: ask again
         for saga_id in due:  # their timers fire again in the re-run of this batch
             self._schedule(saga_id, self._states.due_at(saga_id))
         error: KafkaError = exc.args[0]
@@ -696,8 +702,12 @@ class Coordinator:
             self._producer.produce(self.topics.state, **kwargs)
 
     def _positions(self) -> list[TopicPartition]:
-        """Where the consumer is: the offsets a batch commits once processed."""
-        return self._consumer.position(self._consumer.assignment())
+        """Where the consumer is: the offsets a batch commits once processed.
+
+        Of the partitions the rebalance callbacks recorded: ``assignment()`` would be
+        a round trip to librdkafka's main thread for every transaction."""
+        topic = self.topics.events
+        return self._consumer.position([TopicPartition(topic, p) for p in sorted(self._assigned)])
 
     def _send_offsets(self, positions: list[TopicPartition], metadata: Any) -> None:
         with deadline("send_offsets_to_transaction", 30):
@@ -880,6 +890,7 @@ class Coordinator:
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._settle()  # the changelog read below must hold our last batch
+        self._group_metadata = None  # a new generation
         numbers = [p.partition for p in partitions]
         restored = self._restore(numbers)
         self._assigned.update(numbers)
@@ -887,10 +898,12 @@ class Coordinator:
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._settle()  # our last batch commits (or aborts) before the partitions go
+        self._group_metadata = None
         self._drop({p.partition for p in partitions})
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._settle()
+        self._group_metadata = None
         self._drop({p.partition for p in partitions})
 
     def _drop(self, numbers: set[int]) -> None:
