@@ -88,8 +88,11 @@ def test_a_command_done_by_one_replica_is_not_run_again_by_the_other(
     replicas.stop()
     assert replicas.shop.count("reserve") == 1
 
+    # The redelivery B sees after the partition moved: on the partition before B is
+    # assigned it (a record that arrives after the assignment cannot have been taken
+    # by another replica, and is not probed for).
+    replicas.send(command)
     replicas.start_replica("b")
-    replicas.send(command)  # the redelivery B sees after the partition moved
     records = replicas.wait_for(lambda rs: len(_of(rs, StepCommitted)) == 2)
     committed = _of(records, StepCommitted)
     assert committed[0].event_id == committed[1].event_id, "the same outcome, re-sent"
@@ -125,8 +128,8 @@ def test_an_intent_without_outcome_from_another_replica_is_an_unknown_outcome(
     )
     assert replicas.producer.flush(30) == 0
 
+    replicas.send(command)  # on the partition before B is assigned it, as above
     replicas.start_replica("b")
-    replicas.send(command)
     records = replicas.wait_for(lambda rs: bool(_of(rs, StepOutcomeUnknown)))
     unknown = _of(records, StepOutcomeUnknown)[0]
     assert unknown.event_id == derived_event_id(command.event_id, "outcome")
