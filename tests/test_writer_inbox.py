@@ -4,7 +4,9 @@ the reports that came while it had not run yet, and every awaiting future settle
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import weakref
 from typing import Any
 
 from sagaline.kafka._writers import _Inbox
@@ -48,3 +50,18 @@ def test_a_report_for_a_closed_loop_is_dropped_quietly() -> None:
     loop.close()
     inbox.put(future, None)  # the poller thread must not die of it
     assert not future.done()
+
+
+def test_an_inbox_does_not_keep_its_loop_alive() -> None:
+    # the writer keeps one inbox per loop in a WeakKeyDictionary keyed by the loop
+    inboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Inbox] = (
+        weakref.WeakKeyDictionary()
+    )
+    loop = asyncio.new_event_loop()
+    inboxes[loop] = _Inbox(loop)
+    gone = weakref.ref(loop)
+    loop.close()
+    del loop
+    gc.collect()
+    assert gone() is None
+    assert len(inboxes) == 0

@@ -274,12 +274,14 @@ class _Inbox:
 
     ``call_soon_threadsafe`` per report writes to the loop's self-pipe and wakes its
     thread each time; under load the poller serves many reports at once, so the
-    first one schedules a drain and the rest join it until the drain runs."""
+    first one schedules a drain and the rest join it until the drain runs. It holds
+    its loop weakly: the writer keeps inboxes in a ``WeakKeyDictionary`` by loop, and a
+    strong reference from the value would keep every loop ever used alive."""
 
     __slots__ = ("_items", "_lock", "_loop", "_scheduled")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        self._loop = weakref.ref(loop)
         self._lock = threading.Lock()
         self._items: list[tuple[asyncio.Future[KafkaError | None], KafkaError | None]] = []
         self._scheduled = False
@@ -290,9 +292,12 @@ class _Inbox:
             if self._scheduled:
                 return
             self._scheduled = True
+        loop = self._loop()
         try:
-            self._loop.call_soon_threadsafe(self._drain)
-        except RuntimeError:  # the loop is closed: nobody awaits these any more
+            if loop is None:
+                raise RuntimeError("the event loop is gone")
+            loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop is closed or gone: nobody awaits these any more
             with self._lock:
                 self._items.clear()
                 self._scheduled = False
