@@ -68,6 +68,7 @@ import contextlib
 from confluent_kafka import Consumer, KafkaError, Producer
 
 from bench._common import REPO_ROOT, machine_description, markdown_table
+from bench._requests import RequestLog, per_saga
 from participants import BusinessRejection, CompensationContext, compensable, tool, wrap
 from participants.catalogue import Catalogue
 from participants.context import current_call
@@ -746,6 +747,9 @@ class LevelResult:
     raw_cpu: dict[str, float] = field(default_factory=dict)
     hops: dict[str, list[int]] = field(default_factory=dict)
     switches: dict[str, int] = field(default_factory=dict)  # per process, over the level
+    # --broker-requests: per process, the broker's requests by API (bench/_requests.py)
+    requests: dict[str, collections.Counter[str]] = field(default_factory=dict)
+    raw_requests: dict[str, collections.Counter[str]] = field(default_factory=dict)
 
     @property
     def rate(self) -> float:
@@ -754,6 +758,21 @@ class LevelResult:
     @property
     def raw_rate(self) -> float:
         return self.count / self.raw_elapsed
+
+
+def _request_log(
+    args: argparse.Namespace, broker_pid: int | None, bootstrap: str
+) -> RequestLog | None:
+    """A started request log of the local broker when ``--broker-requests`` asks."""
+    if not args.broker_requests or not broker_pid:
+        return None
+    log = RequestLog(broker_pid, Path(args.broker_state_dir), bootstrap)
+    log.start()
+    return log
+
+
+def _clients(who: dict[str, int]) -> dict[str, int]:
+    return {role: pid for role, pid in who.items() if role != "broker"}
 
 
 def parse_levels(text: str) -> list[tuple[int, int]]:
@@ -786,6 +805,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="state dir of the local broker in use, to read its CPU (default: the shared one)",
     )
     parser.add_argument("--label", default="", help="a name for this checkout in the output")
+    parser.add_argument(
+        "--broker-requests",
+        action="store_true",
+        help="count the local broker's requests per saga, process and API (its request "
+        "log is on during each run, which slows the broker: read requests, not speed)",
+    )
     parser.add_argument("--json-out", help="write the results as JSON here")
     sub = parser.add_subparsers(dest="cmd")
     raw = sub.add_parser("_raw-node")
@@ -832,6 +857,8 @@ def run_bench(args: argparse.Namespace) -> int:
     print(f"topics: {prefix}*; logs and tool state: {work}")
     status = kafka_local.status(args.broker_state_dir, timeout=2.0)
     broker_pid = status.pid if status.running and status.bootstrap == bootstrap else None
+    if args.broker_requests and not broker_pid:
+        raise SystemExit("--broker-requests needs the local broker (--broker-state-dir)")
     env = dict(os.environ)
     env.update(
         {
@@ -890,14 +917,17 @@ def run_bench(args: argparse.Namespace) -> int:
             for in_flight, count in levels:
                 before = {k: cpu_seconds(pid) for k, pid in who.items()}
                 switched = {k: context_switches(pid) for k, pid in who.items()}
+                request_log = _request_log(args, broker_pid, bootstrap)
                 t0 = time.perf_counter()
                 runs = drive(client, variant, count, in_flight, api)
                 elapsed = time.perf_counter() - t0
+                requests = {} if request_log is None else request_log.stop(_clients(who))
                 cpu = {k: cpu_seconds(pid) - before[k] for k, pid in who.items()}
                 switches = {k: context_switches(pid) - switched[k] for k, pid in who.items()}
                 problems = check_traces(runs, variant, work / variant)
                 res = LevelResult(variant, in_flight, count, elapsed, runs, cpu, problems)
                 res.switches = switches
+                res.requests = requests
                 results.append(res)
                 lat = [r.ended - r.started for r in runs]
                 print(
@@ -919,6 +949,8 @@ def run_bench(args: argparse.Namespace) -> int:
                     + ", ".join(f"{k} {v / count:.0f}" for k, v in switches.items()),
                     flush=True,
                 )
+                if requests:
+                    print("   broker requests/saga: " + "; ".join(per_saga(requests, count)))
             client.close()
             client = None
             for p in [*parts, coord]:
@@ -1029,6 +1061,7 @@ def run_raw(
             if broker_pid:
                 who["broker"] = broker_pid
             before = {k: cpu_seconds(pid) for k, pid in who.items()}
+            request_log = _request_log(args, broker_pid, bootstrap)
             agent = subprocess.Popen(
                 [
                     *me,
@@ -1045,6 +1078,10 @@ def run_raw(
             )
             out, _ = agent.communicate()
             cpu = {k: cpu_seconds(pid) - before[k] for k, pid in who.items()}
+            if request_log is not None:
+                # the raw agent has exited: its requests are the ones no process claims
+                res.raw_requests = request_log.stop(_clients(who))
+                res.raw_requests["agent"] = res.raw_requests.pop("other", collections.Counter())
             outcome = json.loads(out.strip().splitlines()[-1])
             cpu["agent"] = outcome.get("cpu", float("nan"))
             res.raw_cpu = cpu
@@ -1054,6 +1091,9 @@ def run_raw(
                 f"{res.raw_rate:.1f} sagas/s; Sagaline/raw = {res.rate / res.raw_rate:.3f}",
                 flush=True,
             )
+            if res.raw_requests:
+                lines = per_saga(res.raw_requests, res.count)
+                print("   broker requests/saga: " + "; ".join(lines))
     finally:
         for n in nodes:
             n.stop()
