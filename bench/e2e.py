@@ -33,7 +33,11 @@ Measured per level:
   durability (acks=all, a transactional read-process-write copier in the
   coordinator's place, each record of a chain produced after the previous one was
   acknowledged), the same number of sagas and the same in-flight level; and
-  Sagaline's ratio to it.
+  Sagaline's ratio to it;
+* with ``--broker-requests``, the local broker's requests per saga, per process and
+  API, for Sagaline and the raw floor (:mod:`bench._requests`: its request log is on
+  during those runs, which slows the broker, so read their requests, not their
+  speed). Broker CPU follows requests, and requests hardly move from run to run.
 
 A benchmark, not a test: nothing asserts on time. Topics are deleted at the end unless
 ``--keep-topics``.
