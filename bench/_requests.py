@@ -1,9 +1,8 @@
 """The broker's requests during a measured run, counted per client process and API.
 
-On this kind of machine a Kafka request costs the broker a few hundred microseconds
-of CPU, so the number of requests a saga causes is what its broker CPU follows, and
-unlike sagas/s it hardly moves from run to run. ``bench/e2e.py --broker-requests``
-uses this around each level (and the raw floor's):
+On a small VM a Kafka request costs the broker a few hundred microseconds of CPU, so
+the number of requests a saga causes is what its broker CPU follows.
+``bench/e2e.py --broker-requests`` uses this around each level (and the raw floor's):
 
 * it switches the local broker's ``kafka.request.logger`` to DEBUG for the run (a
   dynamic broker-logger config, set with ``kafka.admin.ConfigCommand`` from the
@@ -69,6 +68,10 @@ class RequestLog:
     def start(self) -> None:
         self._offset = self._log.stat().st_size
         self._level("DEBUG")
+
+    def abandon(self) -> None:
+        """Switch the request log off without counting (the run failed)."""
+        self._level("WARN")
 
     def stop(self, roles: Mapping[str, int]) -> dict[str, collections.Counter[str]]:
         """Per role (``roles``: name -> pid; the broker's own requests are

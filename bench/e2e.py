@@ -37,7 +37,7 @@ Measured per level:
 * with ``--broker-requests``, the local broker's requests per saga, per process and
   API, for Sagaline and the raw floor (:mod:`bench._requests`: its request log is on
   during those runs, which slows the broker, so read their requests, not their
-  speed). Broker CPU follows requests, and requests hardly move from run to run.
+  speed). The broker's CPU per saga follows its requests per saga.
 
 A benchmark, not a test: nothing asserts on time. Topics are deleted at the end unless
 ``--keep-topics``.
@@ -923,7 +923,12 @@ def run_bench(args: argparse.Namespace) -> int:
                 switched = {k: context_switches(pid) for k, pid in who.items()}
                 request_log = _request_log(args, broker_pid, bootstrap)
                 t0 = time.perf_counter()
-                runs = drive(client, variant, count, in_flight, api)
+                try:
+                    runs = drive(client, variant, count, in_flight, api)
+                except BaseException:
+                    if request_log is not None:
+                        request_log.abandon()  # the broker must not keep logging
+                    raise
                 elapsed = time.perf_counter() - t0
                 requests = {} if request_log is None else request_log.stop(_clients(who))
                 cpu = {k: cpu_seconds(pid) - before[k] for k, pid in who.items()}
@@ -1080,7 +1085,12 @@ def run_raw(
                 stdout=subprocess.PIPE,
                 text=True,
             )
-            out, _ = agent.communicate()
+            try:
+                out, _ = agent.communicate()
+            except BaseException:
+                if request_log is not None:
+                    request_log.abandon()
+                raise
             cpu = {k: cpu_seconds(pid) - before[k] for k, pid in who.items()}
             if request_log is not None:
                 # the raw agent has exited: its requests are the ones no process claims
