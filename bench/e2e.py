@@ -60,7 +60,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -764,15 +764,23 @@ class LevelResult:
         return self.count / self.raw_elapsed
 
 
+@contextlib.contextmanager
 def _request_log(
     args: argparse.Namespace, broker_pid: int | None, bootstrap: str
-) -> RequestLog | None:
-    """A started request log of the local broker when ``--broker-requests`` asks."""
+) -> Iterator[RequestLog | None]:
+    """The local broker's request log, on for the block when ``--broker-requests``
+    asks (None otherwise); switched off again if the block fails, so the broker does
+    not go on logging every request."""
     if not args.broker_requests or not broker_pid:
-        return None
+        yield None
+        return
     log = RequestLog(broker_pid, Path(args.broker_state_dir), bootstrap)
     log.start()
-    return log
+    try:
+        yield log
+    except BaseException:
+        log.abandon()
+        raise
 
 
 def _clients(who: dict[str, int]) -> dict[str, int]:
@@ -921,18 +929,13 @@ def run_bench(args: argparse.Namespace) -> int:
             for in_flight, count in levels:
                 before = {k: cpu_seconds(pid) for k, pid in who.items()}
                 switched = {k: context_switches(pid) for k, pid in who.items()}
-                request_log = _request_log(args, broker_pid, bootstrap)
-                t0 = time.perf_counter()
-                try:
+                with _request_log(args, broker_pid, bootstrap) as request_log:
+                    t0 = time.perf_counter()
                     runs = drive(client, variant, count, in_flight, api)
-                except BaseException:
-                    if request_log is not None:
-                        request_log.abandon()  # the broker must not keep logging
-                    raise
-                elapsed = time.perf_counter() - t0
-                requests = {} if request_log is None else request_log.stop(_clients(who))
-                cpu = {k: cpu_seconds(pid) - before[k] for k, pid in who.items()}
-                switches = {k: context_switches(pid) - switched[k] for k, pid in who.items()}
+                    elapsed = time.perf_counter() - t0
+                    cpu = {k: cpu_seconds(pid) - before[k] for k, pid in who.items()}
+                    switches = {k: context_switches(pid) - switched[k] for k, pid in who.items()}
+                    requests = {} if request_log is None else request_log.stop(_clients(who))
                 problems = check_traces(runs, variant, work / variant)
                 res = LevelResult(variant, in_flight, count, elapsed, runs, cpu, problems)
                 res.switches = switches
@@ -1070,32 +1073,27 @@ def run_raw(
             if broker_pid:
                 who["broker"] = broker_pid
             before = {k: cpu_seconds(pid) for k, pid in who.items()}
-            request_log = _request_log(args, broker_pid, bootstrap)
-            agent = subprocess.Popen(
-                [
-                    *me,
-                    "--role",
-                    "agent",
-                    "--sagas",
-                    str(res.count),
-                    "--in-flight",
-                    str(res.in_flight),
-                ],
-                cwd=str(REPO_ROOT),
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            try:
+            with _request_log(args, broker_pid, bootstrap) as request_log:
+                agent = subprocess.Popen(
+                    [
+                        *me,
+                        "--role",
+                        "agent",
+                        "--sagas",
+                        str(res.count),
+                        "--in-flight",
+                        str(res.in_flight),
+                    ],
+                    cwd=str(REPO_ROOT),
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
                 out, _ = agent.communicate()
-            except BaseException:
+                cpu = {k: cpu_seconds(pid) - before[k] for k, pid in who.items()}
                 if request_log is not None:
-                    request_log.abandon()
-                raise
-            cpu = {k: cpu_seconds(pid) - before[k] for k, pid in who.items()}
-            if request_log is not None:
-                # the raw agent has exited: its requests are the ones no process claims
-                res.raw_requests = request_log.stop(_clients(who))
-                res.raw_requests["agent"] = res.raw_requests.pop("other", collections.Counter())
+                    # the raw agent has exited: its requests are the ones no process claims
+                    res.raw_requests = request_log.stop(_clients(who))
+                    res.raw_requests["agent"] = res.raw_requests.pop("other", collections.Counter())
             outcome = json.loads(out.strip().splitlines()[-1])
             cpu["agent"] = outcome.get("cpu", float("nan"))
             res.raw_cpu = cpu
