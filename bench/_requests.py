@@ -39,6 +39,11 @@ class RequestLog:
         self._broker_pid = broker_pid
         argv = Path(f"/proc/{broker_pid}/cmdline").read_bytes().split(b"\0")
         args = [a.decode() for a in argv if a]
+        if "-cp" not in args[:-1]:
+            raise SystemExit(
+                f"--broker-requests: broker pid {broker_pid} is not a java -cp process "
+                "(it needs the local broker started by `sagaline kafka up`)"
+            )
         self._java = args[0]
         self._classpath = args[args.index("-cp") + 1]
         self._offset = 0
