@@ -47,6 +47,7 @@ class RequestLog:
         self._java = args[0]
         self._classpath = args[args.index("-cp") + 1]
         self._offset = 0
+        self._on = False
 
     def _level(self, level: str) -> None:
         subprocess.run(
@@ -73,16 +74,19 @@ class RequestLog:
     def start(self) -> None:
         self._offset = self._log.stat().st_size
         self._level("DEBUG")
+        self._on = True
 
-    def abandon(self) -> None:
-        """Switch the request log off without counting (the run failed)."""
-        self._level("WARN")
+    def off(self) -> None:
+        """Switch the broker's request log off again (once; later calls do nothing)."""
+        if self._on:
+            self._on = False
+            self._level("WARN")
 
     def stop(self, roles: Mapping[str, int]) -> dict[str, collections.Counter[str]]:
         """Per role (``roles``: name -> pid; the broker's own requests are
         :data:`INTERNAL`), how many requests of each API the broker completed."""
         ports = _ports_of({**roles, INTERNAL: self._broker_pid})
-        self._level("WARN")
+        self.off()
         with self._log.open("rb") as f:
             f.seek(self._offset)
             text = f.read().decode("utf-8", "replace")
@@ -137,12 +141,11 @@ def _ports_of(roles: Mapping[str, int]) -> dict[int, str]:
     return ports
 
 
-def per_saga(counts: Mapping[str, Mapping[str, int]], sagas: int) -> list[str]:
-    """Lines for the report: per role, requests a saga and the APIs behind them."""
-    lines = []
+def per_saga(counts: Mapping[str, Mapping[str, int]], sagas: int) -> str:
+    """The report's line: all requests a saga, then per role with the APIs behind them."""
     total = sum(sum(c.values()) for c in counts.values())
-    lines.append(f"all {total / sagas:.1f}")
+    parts = [f"all {total / sagas:.1f}"]
     for role, c in sorted(counts.items(), key=lambda kv: -sum(kv[1].values())):
         apis = ", ".join(f"{api} {n / sagas:.1f}" for api, n in c.most_common())
-        lines.append(f"{role} {sum(c.values()) / sagas:.1f} ({apis})")
-    return lines
+        parts.append(f"{role} {sum(c.values()) / sagas:.1f} ({apis})")
+    return "   broker requests/saga: " + "; ".join(parts)

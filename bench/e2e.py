@@ -769,8 +769,8 @@ def _request_log(
     args: argparse.Namespace, broker_pid: int | None, bootstrap: str
 ) -> Iterator[RequestLog | None]:
     """The local broker's request log, on for the block when ``--broker-requests``
-    asks (None otherwise); switched off again if the block fails, so the broker does
-    not go on logging every request."""
+    asks (None otherwise); off after it however it ends (``stop`` inside the block
+    counts and switches it off), so the broker does not go on logging every request."""
     if not args.broker_requests or not broker_pid:
         yield None
         return
@@ -778,9 +778,8 @@ def _request_log(
     log.start()
     try:
         yield log
-    except BaseException:
-        log.abandon()
-        raise
+    finally:
+        log.off()
 
 
 def _clients(who: dict[str, int]) -> dict[str, int]:
@@ -962,7 +961,7 @@ def run_bench(args: argparse.Namespace) -> int:
                     flush=True,
                 )
                 if requests:
-                    print("   broker requests/saga: " + "; ".join(per_saga(requests, count)))
+                    print(per_saga(requests, count))
             client.close()
             client = None
             for p in [*parts, coord]:
@@ -1104,8 +1103,7 @@ def run_raw(
                 flush=True,
             )
             if res.raw_requests:
-                lines = per_saga(res.raw_requests, res.count)
-                print("   broker requests/saga: " + "; ".join(lines))
+                print(per_saga(res.raw_requests, res.count))
     finally:
         for n in nodes:
             n.stop()
