@@ -36,6 +36,7 @@ import collections
 import concurrent.futures
 import heapq
 import logging
+import queue
 import signal
 import sqlite3
 import threading
@@ -137,6 +138,9 @@ _COMMIT_INTERVAL_S = 0.1
 R = TypeVar("R", bound=Record)
 
 
+JournalRow = tuple[str, str, bytes | None, bytes | None, int]  # id, state, command, outcome, at
+
+
 def _now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -233,7 +237,12 @@ class CommandJournal:
         me.outcome = failure
         me.raise_failure()
 
-    def _write(self, rows: list[tuple[str, str, bytes | None, bytes | None, int]]) -> None:
+    def write(self, rows: list[JournalRow]) -> None:
+        """Write ``rows`` in one transaction (one sync), for a caller that groups the
+        marks itself (the runtime's loop); returns once they are on disk."""
+        self._write(rows)
+
+    def _write(self, rows: list[JournalRow]) -> None:
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -291,6 +300,27 @@ class _Mark:
 class _Outcome:
     record: Record
     state: str = "done"
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What the runtime's loop does for one command (:meth:`CommandHandler.plan`).
+
+    ``resend``: a redelivery already answered; its stored outcome goes out again.
+    ``outcome``: answered without running anything. ``intent``: appended and the
+    ``started`` mark (the command's bytes) journalled, then ``run`` on a tool thread
+    once both are durable (R10). ``run`` alone: a compensation or a lookup, on a tool
+    thread. ``blocking``: none of these; :meth:`CommandHandler.handle` on a tool
+    thread does it all.
+    """
+
+    resend: Record | None = None
+    state: str = "done"
+    outcome: _Outcome | None = None
+    intent: Record | None = None
+    started: bytes | None = None
+    run: Callable[[], _Outcome] | None = None
+    blocking: bool = False
 
 
 class CommandHandler:
@@ -351,6 +381,55 @@ class CommandHandler:
 
     # ------------------------------------------------------------------ dispatch
 
+    def plan(
+        self, command: Record, *, maybe_taken_elsewhere: bool = True, encoded: bytes | None = None
+    ) -> _Plan:
+        """What :meth:`handle` would do for ``command``, split where it waits, so the
+        runtime's loop can do the waiting for many commands at once (see
+        :class:`_CommandLoop`). Paths that read the ledger before the tool runs (a
+        probe after a rebalance, arguments by reference) are left to ``handle`` on a
+        tool thread: they are rare and block."""
+        seen = self.journal.get(command.event_id)
+        if seen is not None and seen[0] in ("done", "accepted") and seen[1] is not None:
+            if self._metrics is not None:
+                self._metrics.duplicate_prevented()
+            from schemas.codec import decode
+
+            return _Plan(resend=decode(seen[1]), state=seen[0])
+        probe = seen is None and maybe_taken_elsewhere and self._ledger is not None
+        if probe and isinstance(command, (ExecuteStep, CompensateStep)):
+            return _Plan(blocking=True)
+        if command.tool not in self.catalogue:  # type: ignore[attr-defined]
+            return _Plan(outcome=_Outcome(self._unknown_tool(command)))
+        if isinstance(command, ExecuteStep):
+            if seen is not None:
+                return _Plan(outcome=self._restarted(command))
+            if command.args_ref is not None:
+                return _Plan(blocking=True)
+            prepared = self._prepare_execute(command)
+            if isinstance(prepared, _Outcome):
+                return _Plan(outcome=prepared)
+            intent, run = prepared
+            return _Plan(intent=intent, started=encoded or _command_bytes(command), run=run)
+        if isinstance(command, CompensateStep):
+            cmd = command
+            return _Plan(run=lambda: self._compensate(cmd, encoded=encoded))
+        if isinstance(command, ReconcileStep):
+            rcmd = command
+            return _Plan(run=lambda: self._reconcile(rcmd))
+        raise TypeError(f"{command.TYPE} is not a participant command")
+
+    def outcome_row(
+        self, command: Record, outcome: _Outcome, encoded: bytes | None = None
+    ) -> JournalRow:
+        """The journal row that makes ``outcome`` the command's answer."""
+        from schemas.codec import encode
+
+        # An accepted compensation is confirmed from the journal after a restart
+        # (``accepted()``), which needs the command itself.
+        command_bytes = (encoded or encode(command)) if outcome.state == "accepted" else None
+        return (command.event_id, outcome.state, command_bytes, encode(outcome.record), _now_ms())
+
     def handle(
         self,
         command: Record,
@@ -397,14 +476,10 @@ class CommandHandler:
 
     def _settle(self, command: Record, outcome: _Outcome, encoded: bytes | None = None) -> str:
         """Journal ``outcome`` as the command's answer, then publish it."""
-        from schemas.codec import encode
-
-        # An accepted compensation is confirmed from the journal after a restart
-        # (``accepted()``), which needs the command itself.
-        command_bytes = (encoded or encode(command)) if outcome.state == "accepted" else None
-        self.journal.mark(
-            command.event_id, outcome.state, command=command_bytes, outcome=encode(outcome.record)
+        command_id, state, command_bytes, outcome_bytes, _at = self.outcome_row(
+            command, outcome, encoded
         )
+        self.journal.mark(command_id, state, command=command_bytes, outcome=outcome_bytes)
         self._publish(outcome.record)
         if self._metrics is not None:
             self._metrics.observe_output(outcome.record)
@@ -498,12 +573,36 @@ class CommandHandler:
     def _execute(
         self, cmd: ExecuteStep, *, restarted: bool, encoded: bytes | None = None
     ) -> _Outcome:
-        spec = self.catalogue[cmd.tool]
         if restarted:
-            # Started before a crash and never finished: it may have acted (R11).
-            return self._unknown_outcome(
-                cmd, "the participant restarted while the tool was running"
-            )
+            return self._restarted(cmd)
+        prepared = self._prepare_execute(cmd)
+        if isinstance(prepared, _Outcome):
+            return prepared
+        intent, run = prepared
+        intent_acknowledged = self._begin_append(intent)
+        # The journal's "started" (the tool may run from now on) is written while the
+        # intent is on its way; the tool runs only once both are durable (R10). A
+        # crash between them leaves a started command whose intent may be missing:
+        # reported as an unknown outcome and reconciled, true (the tool did not run)
+        # and safe. An intent the broker refused un-marks it: the tool did not run.
+        self.journal.mark(cmd.event_id, "started", command=encoded or _command_bytes(cmd))
+        try:
+            intent_acknowledged()
+        except BaseException:
+            self.journal.forget(cmd.event_id)
+            raise
+        return run()
+
+    def _restarted(self, cmd: ExecuteStep) -> _Outcome:
+        """Started before a crash and never finished: it may have acted (R11)."""
+        return self._unknown_outcome(cmd, "the participant restarted while the tool was running")
+
+    def _prepare_execute(
+        self, cmd: ExecuteStep
+    ) -> _Outcome | tuple[StepIntentRecorded, Callable[[], _Outcome]]:
+        """The step's intent, and the call that runs its tool once the intent and the
+        journal's "started" mark are durable; or its outcome when it cannot run."""
+        spec = self.catalogue[cmd.tool]
         common: dict[str, Any] = {
             "step_id": cmd.step_id,
             "tool": cmd.tool,
@@ -516,30 +615,22 @@ class CommandHandler:
             return _Outcome(self._failed(cmd, common, FailureKind.BUSINESS_REJECTION, exc))
         except Exception as exc:  # the ledger could not be read now: try again
             return _Outcome(self._failed(cmd, common, FailureKind.TRANSIENT, exc))
-        intent_acknowledged = self._begin_append(
-            self._record(
-                StepIntentRecorded,
-                cmd,
-                "intent",
-                step_id=cmd.step_id,
-                tool=cmd.tool,
-                idempotency_key=cmd.idempotency_key,
-                args_fingerprint=args_fingerprint(raw_args),
-                attempt=cmd.attempt,
-                principal=cmd.principal,
-            )
+        intent = self._record(
+            StepIntentRecorded,
+            cmd,
+            "intent",
+            step_id=cmd.step_id,
+            tool=cmd.tool,
+            idempotency_key=cmd.idempotency_key,
+            args_fingerprint=args_fingerprint(raw_args),
+            attempt=cmd.attempt,
+            principal=cmd.principal,
         )
-        # The journal's "started" (the tool may run from now on) is written while the
-        # intent is on its way; the tool runs only once both are durable (R10). A
-        # crash between them leaves a started command whose intent may be missing:
-        # reported as an unknown outcome and reconciled, true (the tool did not run)
-        # and safe. An intent the broker refused un-marks it: the tool did not run.
-        self.journal.mark(cmd.event_id, "started", command=encoded or _command_bytes(cmd))
-        try:
-            intent_acknowledged()
-        except BaseException:
-            self.journal.forget(cmd.event_id)
-            raise
+        return intent, lambda: self._call_tool(cmd, spec, raw_args, common)
+
+    def _call_tool(
+        self, cmd: ExecuteStep, spec: ToolSpec, raw_args: bytes, common: dict[str, Any]
+    ) -> _Outcome:
         ctx = CallContext(
             cmd.saga_id, cmd.step_id, cmd.tool, cmd.idempotency_key, cmd.attempt, cmd.principal
         )
@@ -975,27 +1066,27 @@ class CommandHandler:
     ) -> Any:
         """``fn()`` as the call ``ctx``; past ``deadline_ms`` its answer no longer counts.
 
-        On a runtime's lane worker (see :class:`_KeyOrderedWork`) the tool runs right
-        here: handing it to a pool thread and back costs two thread switches a call,
-        the largest share of a command's CPU. The watchdog then enforces the
-        deadline: when it passes, it settles ``command`` with ``late()`` (the answer
-        a timeout gives) on a fresh worker that carries on with the saga's later
-        commands, and this thread, once the tool returns, discards what it returned
-        and leaves (:class:`_TakenOver`). Elsewhere (background verification, a
-        handler driven directly) the tool runs on the pool and a timeout raises
-        ``concurrent.futures.TimeoutError``.
+        On a tool thread of the runtime's loop (see :class:`_CommandLoop`) the tool
+        runs right here: handing it to a pool thread and back would cost two thread
+        switches a call. The watchdog then enforces the deadline: when it passes, the
+        loop settles ``command`` with ``late()`` (the answer a timeout gives) and
+        carries on with the saga's later commands, and this thread, once the tool
+        returns, discards what it returned and leaves (:class:`_TakenOver`).
+        Elsewhere (background verification, a handler driven directly) the tool runs
+        on the pool and a timeout raises ``concurrent.futures.TimeoutError``.
         """
 
         def call() -> Any:
             with call_context(ctx):
                 return fn()
 
-        lane: _Lane | None = getattr(_here, "lane", None)
-        if lane is None or command is None or late is None:
+        job: _Job | None = getattr(_here, "job", None)
+        if job is None or command is None or late is None:
             return self._pool.submit(call).result(timeout=deadline_ms / 1000)
+        taken_by = job
 
         def take_over() -> None:
-            lane.take_over(lambda: self._settle(command, late()))
+            taken_by.take_over(late)
 
         watch = self._watchdog.watch(deadline_ms / 1000, take_over)
         try:
@@ -1057,7 +1148,9 @@ class ParticipantRuntime:
     commands of different sagas run at once, up to ``max_in_flight``; commands of one
     saga (the record key) run one at a time in their offset order. Each partition's
     offset is committed up to the lowest command not yet done, asynchronously, so a
-    crash redelivers only unfinished work, which the journal recognises.
+    crash redelivers only unfinished work, which the journal recognises. One thread
+    does the bookkeeping of every command (:class:`_CommandLoop`); tools run on
+    their own threads.
     """
 
     def __init__(
@@ -1088,10 +1181,17 @@ class ParticipantRuntime:
         self.max_in_flight = max_in_flight
         state = state_dir or settings.state_dir / self.participant
         self.journal = CommandJournal(state / "commands.sqlite")
-        self._writer = LedgerWriter(bootstrap, self.topics, self.signer, background_poll=True)
+        # No poller thread: the loop serves the delivery reports (and a blocking
+        # append on a tool thread polls for its own while it waits).
+        self._writer = LedgerWriter(bootstrap, self.topics, self.signer)
+        # How the loop sends an intent or an outcome: ``on_delivered`` gets the
+        # broker's answer, on whichever thread polls the producer (a seam for drills).
+        self.send: Callable[[Record, Callable[[DeliveryFailed | None], None]], None] = (
+            self._writer.send_then
+        )
         self._reader = LedgerReader(bootstrap)
         self._dead_letters = DeadLetterWriter(
-            self._writer.producer, self.topics.dlq, acknowledged=True, polled=True
+            self._writer.producer, self.topics.dlq, acknowledged=True
         )
         self.handler = CommandHandler(
             catalogue,
@@ -1105,7 +1205,6 @@ class ParticipantRuntime:
             fetch=self._fetch,
             clock=clock,
             workers=max_in_flight,
-            publish=self._publish_outcome,
             begin_append=self._writer.begin_append,
         )
         # Set until stop(), which may come before run() reaches its loop (a SIGTERM
@@ -1113,9 +1212,7 @@ class ParticipantRuntime:
         self._running = threading.Event()
         self._running.set()
         self._background: list[threading.Thread] = []
-        self._work = _KeyOrderedWork(
-            self._process, max_in_flight, self.participant, resume=self._process
-        )
+        self._work = _CommandLoop(self, max_in_flight)
         # Per command partition, its end offset when it was assigned to this replica.
         self._assigned_end: dict[int, int] = {}
         for spec in catalogue.values():
@@ -1148,22 +1245,6 @@ class ParticipantRuntime:
         # outcome before the command's offset is committed.
         self._writer.append(record)
 
-    def _publish_outcome(self, record: Record) -> None:
-        """Send a command's journalled outcome; on a lane worker without waiting for it.
-
-        The command is finished (its offset committable, its saga's next command
-        started) by the delivery report, on the writer's poller thread (see
-        :class:`_Lane`), so the worker takes other work instead of sleeping until the
-        broker answers. An accepted compensation's outcome is awaited here: its
-        background confirmation starts only once the acceptance is on the ledger.
-        """
-        lane: _Lane | None = getattr(_here, "lane", None)
-        if lane is None or isinstance(record, CompensationAccepted):
-            self._writer.append(record)
-            return
-        self._writer.append_then(record, lane.delivered)
-        lane.deferred = True  # after: a produce that raised is not awaited
-
     def install_signal_handlers(self) -> None:
         def _stop(signum: int, frame: FrameType | None) -> None:
             self.stop()
@@ -1195,7 +1276,7 @@ class ParticipantRuntime:
         def on_revoke(c: Consumer, partitions: list[TopicPartition]) -> None:
             # Finish what was taken from these partitions and commit it before another
             # member gets them: it must not run a command that is still running here.
-            self._work.wait_idle({p.partition for p in partitions})
+            self._work.drain({p.partition for p in partitions})
             try:
                 self._commit(c, asynchronous=False)
             except KafkaException as exc:  # lost, not revoked: the next owner redelivers
@@ -1220,17 +1301,16 @@ class ParticipantRuntime:
         if ready is not None:
             ready.set()
         limit = 2 * self.max_in_flight
+        work = self._work
         next_commit = 0.0
         try:
             while self._running.is_set():
-                if self._work.pending >= limit:
+                if work.pending >= limit:
                     # Backpressure by not taking more (pause/resume would drop and
-                    # refetch what librdkafka holds, a stall of hundreds of ms). Woken
-                    # once the workers have room for a whole batch again, not by
-                    # every command that finishes.
-                    self._work.wait_below(self.max_in_flight + 1, 0.2)
+                    # refetch what librdkafka holds, a stall of hundreds of ms).
+                    self._writer.producer.poll(work.wait_s(0.2))
                 else:
-                    msg = consumer.poll(0.05 if self._work.pending else 0.2)
+                    msg = consumer.poll(work.wait_s(0.2))
                     batch = [] if msg is None else [msg, *consumer.consume(self.max_in_flight, 0)]
                     for m in batch:
                         error = m.error()
@@ -1238,13 +1318,15 @@ class ParticipantRuntime:
                             raise_if_fatal(error)  # a fenced consumer: exit, restart
                             log.warning("consumer error: %s", error)
                             continue
-                        self._work.submit(m)
+                        work.submit(m)
+                    if not batch:
+                        work.wait()
+                work.serve()
                 if time.monotonic() >= next_commit:  # one OffsetCommit per interval
                     self._commit(consumer, asynchronous=True)
                     next_commit = time.monotonic() + _COMMIT_INTERVAL_S
         finally:
-            self._work.close()  # lets running commands finish; queued ones are redelivered
-            # Outcomes still on their way finish their commands (delivery reports).
+            work.close()  # lets running commands finish; queued ones are redelivered
             self._writer.producer.flush(10)
             try:
                 self._commit(consumer, asynchronous=False)
@@ -1264,12 +1346,10 @@ class ParticipantRuntime:
         elif offsets:
             consumer.commit(offsets=offsets, asynchronous=False)
 
-    def _process(self, msg: Message, resume: Callable[[], str] | None = None) -> bool:
-        """Handle one command; False when its record could not be appended (retry).
-
-        ``resume``: the watchdog took the command over when its tool overran the
-        deadline; settle it with this instead of handling it (the journal has it
-        started, the tool ran)."""
+    def _process(self, msg: Message) -> bool:
+        """Handle one command on a tool thread, waiting where it must (the rare paths
+        :meth:`CommandHandler.plan` leaves to ``handle``); False when its record
+        could not be appended (the loop tries it again)."""
         try:
             command = from_message(msg.key(), msg.value(), msg.headers(), self.signer)
             if not isinstance(command, (ExecuteStep, CompensateStep, ReconcileStep)):
@@ -1279,20 +1359,12 @@ class ParticipantRuntime:
             self._dead_letters.write(msg, reason, str(exc))
             self.metrics.dlq(reason)
             return True
-        if resume is None:
-            self.metrics.observe_record(command)
         try:
-            # Only commands already on the partition when it was assigned here can have
-            # been taken by another replica; the ledger probe is for those alone.
             taken_before = self._assigned_end.get(msg.partition() or 0, 0)
-            state = (
-                resume()
-                if resume is not None
-                else self.handler.handle(
-                    command,
-                    maybe_taken_elsewhere=(msg.offset() or 0) < taken_before,
-                    encoded=msg.value(),
-                )
+            state = self.handler.handle(
+                command,
+                maybe_taken_elsewhere=(msg.offset() or 0) < taken_before,
+                encoded=msg.value(),
             )
         except DeliveryFailed:
             log.exception(
@@ -1324,12 +1396,12 @@ class _NotACommand(Exception):
 
 
 class _TakenOver(BaseException):
-    """Raised on a lane worker whose tool returned after the watchdog had already
-    answered for the command: unwinds the worker past every ``except Exception``
+    """Raised on a tool thread whose tool returned after the watchdog had already
+    answered for the command: unwinds the thread past every ``except Exception``
     (nothing of the late call may be journalled or published) and ends it."""
 
 
-# The message a lane worker thread is running (a _Lane), read by CommandHandler._run.
+# The command a tool thread is running (a _Job), read by CommandHandler._run.
 _here = threading.local()
 
 _RUNNING, _FINISHED, _OVERRUN = 0, 1, 2
@@ -1359,7 +1431,7 @@ class _Watch:
 
 
 class _Watchdog:
-    """Enforces the deadlines of tools run inline on lane workers, one thread for all.
+    """Enforces the deadlines of tools run on tool threads, one thread for all.
 
     Its thread sleeps until the earliest deadline; a new call wakes it only when its
     deadline is earlier still (rare: most tools of a participant share a deadline),
@@ -1434,289 +1506,460 @@ class _Watchdog:
             self._changed.notify()
 
 
-_PENDING = object()  # a _Lane's delivery before its outcome's report came
+_RETRY_AFTER_S = 0.5  # before a command whose record the broker refused is tried again
+_ONE_AT_A_TIME_WAIT_S = 0.05  # the longest wait() blocks before the consumer is polled
 
 
-class _Lane:
-    """One attempt at a message on a lane worker: what the watchdog needs to take it
-    over, and the hand-shake that lets a deferred outcome's delivery report finish it.
+class _Job:
+    """One command message on its way through :class:`_CommandLoop`.
 
-    ``deferred``: the outcome went out with :meth:`LedgerWriter.append_then`. The
-    worker then looks under the work lock: the report already came (``delivery``),
-    so it finishes the message itself; or not, so it marks the lane ``detached`` and
-    takes other work, and :meth:`delivered` finishes the message on the poller's
-    thread. Either way the key's next message starts only after the outcome is on
-    the broker, so one saga's commands stay in order and never run two at once.
+    ``waiting``: what the tool still waits for ("intent", "started"); ``refused``: the
+    broker's refusal of the intent. ``settled``: an outcome was taken (from the tool
+    or, past the deadline, from ``late()``), so a second one is dropped.
     """
 
-    __slots__ = ("deferred", "delivery", "detached", "key", "msg", "thread", "work")
+    __slots__ = ("command", "loop", "msg", "plan", "refused", "settled", "waiting")
 
-    def __init__(
-        self, work: _KeyOrderedWork, key: bytes | None, msg: Message, thread: threading.Thread
-    ) -> None:
-        self.work = work
-        self.key = key
+    def __init__(self, loop: _CommandLoop, msg: Message, command: Record | None) -> None:
+        self.loop = loop
         self.msg = msg
-        self.thread = thread
-        self.deferred = False
-        self.delivery: object = _PENDING
-        self.detached = False
+        self.command = command
+        self.plan: _Plan | None = None
+        self.waiting: set[str] = set()
+        self.refused: BaseException | None = None
+        self.settled = False
 
-    def take_over(self, resume: Callable[[], str]) -> None:
-        """Settle this message with ``resume`` on a fresh worker, which then carries on
-        with its key's later messages; the stuck thread leaves the pool."""
-        self.work._take_over(self, resume)
-
-    def delivered(self, failure: DeliveryFailed | None) -> None:
-        """The deferred outcome's delivery report (on the writer's poller thread)."""
-        with self.work._lock:
-            if not self.detached:
-                self.delivery = failure  # the worker is still here and finishes it
-                return
-        self.work._delivered(self, failure)
+    def take_over(self, late: Callable[[], _Outcome]) -> None:
+        """The tool overran its deadline (watchdog thread): the loop answers with
+        ``late()`` and the tool's thread leaves once the tool returns."""
+        self.loop.post(lambda: self.loop._overrun(self, late))
 
 
-class _KeyOrderedWork:
-    """Runs messages on worker threads: different keys at once, one key in order.
+class _ToolThreads:
+    """The threads that run tools, and the rare handling that blocks, for the loop.
 
-    A key's messages wait in its own queue while one of them runs; the thread that
-    finishes one takes the key's next. Offsets are tracked per partition so the
-    caller can commit up to the lowest message not yet done.
-
-    Hand-offs between threads are what a command costs most under the GIL, so each
-    is made only when someone waits for it: a submit wakes a worker only when one is
-    idle (a busy worker takes the next ready key itself), a finished message wakes
-    the caller only when it waits in :meth:`wait_below` (and the count is below its
-    limit) or :meth:`wait_idle`, and a worker does not wait for the delivery report
-    of a message's outcome (see :class:`_Lane`).
+    A sync tool blocks its thread, never the loop. Up to ``size`` threads, started
+    as work needs them; a thread whose tool overran its deadline is replaced at
+    once and leaves when the tool returns, so stuck tools never eat the capacity.
     """
 
-    def __init__(
-        self,
-        process: Callable[[Message], bool],
-        workers: int,
-        name: str,
-        *,
-        resume: Callable[[Message, Callable[[], str]], bool] | None = None,
-    ) -> None:
-        self._process = process
-        self._resume = resume
-        self._spawned = 0
-        self._workers = workers
+    def __init__(self, name: str, size: int) -> None:
         self._name = name
+        self._size = size
         self._lock = threading.Lock()
-        self._work_ready = threading.Condition(self._lock)  # idle workers wait here
-        self._finished = threading.Condition(self._lock)  # wait_below / wait_idle wait here
-        # (key, message, sent before and failed: wait before sending again)
-        self._ready: collections.deque[tuple[bytes | None, Message, bool]] = collections.deque()
-        self._idle = 0  # workers waiting for a ready key and not yet claimed by a submit
-        self._threads: list[threading.Thread] = []
-        self._queues: dict[bytes | None, collections.deque[Message]] = {}
+        self._jobs: queue.SimpleQueue[
+            tuple[_Job, Callable[[], Any], Callable[[Any, BaseException | None], None]] | None
+        ] = queue.SimpleQueue()
+        self._alive = 0
+        self._busy = 0
+        self._spawned = 0
+
+    def submit(
+        self,
+        job: _Job,
+        fn: Callable[[], Any],
+        done: Callable[[Any, BaseException | None], None],
+    ) -> None:
+        """Run ``fn()`` on a tool thread; ``done(result, error)`` is called there."""
+        self._jobs.put((job, fn, done))
+        with self._lock:
+            self._busy += 1
+            self._spawn_locked()
+
+    def replace(self) -> None:
+        """A thread's tool overran: one more may run until that thread leaves."""
+        with self._lock:
+            self._size += 1
+            self._spawn_locked()
+
+    def _spawn_locked(self) -> None:
+        """(Under the lock) start a thread when work waits and there is room."""
+        if self._busy > self._alive and self._alive < self._size:
+            self._alive += 1
+            self._spawned += 1
+            threading.Thread(
+                target=self._serve, name=f"{self._name}-tool-{self._spawned}", daemon=True
+            ).start()
+
+    def _serve(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            job, fn, done = item
+            _here.job = job
+            try:
+                result = fn()
+            except _TakenOver:
+                with self._lock:  # the loop answered for it: this thread leaves
+                    self._busy -= 1
+                    self._alive -= 1
+                    self._size -= 1
+                return
+            except BaseException as exc:
+                done(None, exc)
+            else:
+                done(result, None)
+            finally:
+                _here.job = None
+            with self._lock:
+                self._busy -= 1
+
+    def close(self) -> None:
+        with self._lock:
+            alive = self._alive
+        for _ in range(alive):
+            self._jobs.put(None)
+
+
+class _CommandLoop:
+    """Every command's bookkeeping on the runtime's one loop thread.
+
+    Commands of different sagas (record keys) are in flight at once, a key's in
+    offset order, never two at once (as Confluent's Parallel Consumer does for
+    Java). The waits of a command are the loop's, not a thread's: the intents and
+    outcomes it produces are acknowledged by delivery reports the loop serves, the
+    journal marks of every command that reached one are written in one transaction
+    per turn, and only the tools (and rare paths that block) run on
+    :class:`_ToolThreads`. A thread switch a command costs about as much CPU as the
+    command's own Python, so this is where a participant's throughput comes from.
+
+    Offsets are tracked per partition so the runtime commits up to the lowest
+    command not yet done; a crash redelivers only unfinished work, which the
+    journal recognises. Everything but :meth:`post` runs on the loop thread.
+    """
+
+    def __init__(self, runtime: ParticipantRuntime, workers: int) -> None:
+        self._rt = runtime
+        self._handler = runtime.handler
+        self._producer = runtime._writer.producer
+        self._tools = _ToolThreads(runtime.participant, workers)
+        # posted by delivery reports and tool threads, run on the loop thread
+        self._inbox: collections.deque[Callable[[], None]] = collections.deque()
+        self._rows: list[tuple[JournalRow, _Job, Callable[[], None]]] = []
+        self._retries: list[tuple[float, int, Message]] = []
+        self._seq = 0
+        self._queues: dict[bytes | None, collections.deque[Message]] = {}  # busy keys
         self._taken: dict[int, collections.deque[int]] = {}  # partition -> offsets in order
         self._done: dict[int, set[int]] = {}
         self._committed: dict[int, int] = {}
-        self._below: int | None = None  # the limit wait_below waits under, while it waits
-        self._idle_waiters = 0
-        self._closing = threading.Event()
-        self.pending = 0
+        self._closing = False
+        self._woken = threading.Event()  # set by post(): wait() returns
+        self._sending = 0  # records sent whose report the loop has not taken yet
+        self.pending = 0  # taken and not done
+
+    # ------------------------------------------------------------- the loop's turn
+
+    def post(self, work: Callable[[], None]) -> None:
+        """Run ``work`` on the loop thread at its next turn (any thread)."""
+        self._inbox.append(work)
+        self._woken.set()
+
+    def wait_s(self, idle_s: float) -> float:
+        """How long the loop may block in the consumer's poll: not at all with work
+        waiting or with one command in flight (:meth:`wait` blocks on what it
+        waits for instead), a millisecond with more (their reports and tools finish
+        without waking a poll, and one of them finishes about every millisecond),
+        ``idle_s`` with nothing to do."""
+        if self._inbox or self._rows or self._single:
+            return 0.0
+        return 0.001 if self._queues or self._retries else idle_s
+
+    @property
+    def _single(self) -> bool:
+        return len(self._queues) == 1 and not self._retries
+
+    def wait(self) -> None:
+        """With one command in flight (sagas one at a time), block until what it
+        waits for comes: its record's delivery report, or its tool's end. Polling
+        the consumer a millisecond at a time instead would add about a millisecond
+        to each of a command's three waits."""
+        if not self._single or self._rows:
+            return
+        self._woken.clear()
+        if self._inbox:
+            return
+        if self._sending:
+            self._producer.poll(_ONE_AT_A_TIME_WAIT_S)
+        else:
+            self._woken.wait(_ONE_AT_A_TIME_WAIT_S)
+
+    def serve(self) -> None:
+        """One turn: delivery reports, finished tools, retries due, journal marks."""
+        self._producer.poll(0)
+        while True:
+            while self._inbox:
+                work = self._inbox.popleft()
+                try:
+                    work()
+                except Exception:  # a bug in one command's step must not stop the rest
+                    log.exception("a command's step failed on the loop")
+            if self._retries and self._retries[0][0] <= time.monotonic():
+                self._start(heapq.heappop(self._retries)[2])
+                continue
+            if not self._rows:
+                return
+            rows, self._rows = self._rows, []
+            try:
+                self._handler.journal.write([row for row, _job, _then in rows])
+            except Exception as exc:  # R16: each command's record is dead-lettered
+                for _row, job, _then in rows:
+                    self._fail(job, exc)
+                continue
+            for _row, _job, then in rows:
+                then()
+
+    # ------------------------------------------------------------------ commands
 
     def submit(self, msg: Message) -> None:
         key = msg.key()
-        partition = msg.partition() or 0
-        with self._lock:
-            self._taken.setdefault(partition, collections.deque()).append(msg.offset() or 0)
-            self.pending += 1
-            queue = self._queues.get(key)
-            if queue is not None:
-                queue.append(msg)  # the key is busy: runs after the ones before it
-                return
-            self._queues[key] = collections.deque()
-            self._ready.append((key, msg, False))
-            self._wake()
-
-    def _wake(self) -> None:
-        """(Under the lock) get a worker to the ready queue: an idle one, or a new one."""
-        if self._idle:
-            self._idle -= 1  # claimed: a second submit wakes another worker
-            self._work_ready.notify()
-        elif len(self._threads) < self._workers:
-            self._spawn()
-
-    def _spawn(self, *first: Any) -> None:
-        """Start a worker (under the lock); ``first``: a taken-over lane it starts with."""
-        self._spawned += 1
-        thread = threading.Thread(
-            target=self._worker, args=first, name=f"{self._name}-cmd-{self._spawned}", daemon=True
-        )
-        self._threads.append(thread)
-        thread.start()
-
-    def _take_over(self, lane: _Lane, resume: Callable[[], str]) -> None:
-        with self._lock:
-            if lane.thread in self._threads:  # close() must not wait for a late tool
-                self._threads.remove(lane.thread)
-            self._spawn(lane.key, lane.msg, resume)
-
-    def _delivered(self, lane: _Lane, failure: DeliveryFailed | None) -> None:
-        """Finish a detached lane once its outcome's report came (poller thread)."""
-        with self._lock:
-            if failure is not None:
-                if self._closing.is_set():  # not done: its offset stays uncommitted
-                    self._queues.pop(lane.key, None)
-                    return
-                log.warning("%s; sending the outcome again", failure)
-                self._ready.appendleft((lane.key, lane.msg, True))  # its saga waits for it
-                self._wake()
-                return
-            following = self._finished_locked(lane.key, lane.msg)
-            if following is not None:
-                self._ready.append((lane.key, following, False))
-                self._wake()
-
-    def _worker(
-        self,
-        key: bytes | None = None,
-        msg: Message | None = None,
-        resume: Callable[[], str] | None = None,
-    ) -> None:
-        if msg is not None and not self._run_key(key, msg, resume=resume):
+        self._taken.setdefault(msg.partition() or 0, collections.deque()).append(msg.offset() or 0)
+        self.pending += 1
+        queue_ = self._queues.get(key)
+        if queue_ is not None:
+            queue_.append(msg)  # the key is busy: runs after the ones before it
             return
-        while True:
-            with self._lock:
-                while not self._ready:
-                    if self._closing.is_set():
-                        return
-                    self._idle += 1
-                    self._work_ready.wait()
-                key, msg, again = self._ready.popleft()
-            if not self._run_key(key, msg, again=again):
-                return  # taken over: a fresh worker has this key now
+        self._queues[key] = collections.deque()
+        self._start(msg)
 
-    def _run_key(
-        self,
-        key: bytes | None,
-        msg: Message,
-        *,
-        resume: Callable[[], str] | None = None,
-        again: bool = False,
-    ) -> bool:
-        """Run ``msg`` and then its key's queued messages; False when the watchdog
-        took one over from this thread (its tool overran the deadline).
-
-        ``again``: its outcome was not delivered the last time; wait before retrying."""
-        while True:
+    def _start(self, msg: Message) -> None:
+        rt = self._rt
+        try:
+            command = from_message(msg.key(), msg.value(), msg.headers(), rt.signer)
+            if not isinstance(command, (ExecuteStep, CompensateStep, ReconcileStep)):
+                raise _NotACommand(f"{command.TYPE} is not a participant command")
+        except (CodecError, _NotACommand) as exc:
+            reason = exc.reason if isinstance(exc, CodecError) else "not-a-command"
+            self._dead_letter(_Job(self, msg, None), reason, str(exc))
+            return
+        rt.metrics.observe_record(command)
+        job = _Job(self, msg, command)
+        # Only commands already on the partition when it was assigned here can have
+        # been taken by another replica; the ledger probe is for those alone.
+        taken_before = rt._assigned_end.get(msg.partition() or 0, 0)
+        try:
+            plan = job.plan = self._handler.plan(
+                command,
+                maybe_taken_elsewhere=(msg.offset() or 0) < taken_before,
+                encoded=msg.value(),
+            )
+        except Exception as exc:
+            self._fail(job, exc)
+            return
+        if plan.resend is not None:
+            self._send(job, plan.resend, plan.state)
+        elif plan.outcome is not None:
+            self._settle(job, plan.outcome)
+        elif plan.blocking:
+            self._tools.submit(job, lambda: rt._process(msg), self._blocking_done(job))
+        elif plan.intent is not None:
+            assert plan.started is not None
+            job.waiting = {"intent", "started"}
             try:
-                while True:
-                    if again:
-                        # The ledger did not take its record: run it again (the journal
-                        # re-sends a stored outcome, never reruns a tool); the saga's
-                        # later commands wait behind it, so their order holds.
-                        if self._closing.is_set():
-                            return True  # not done: its offset stays uncommitted
-                        time.sleep(0.5)
-                    lane = _here.lane = _Lane(self, key, msg, threading.current_thread())
-                    ok = (
-                        self._process(msg)
-                        if resume is None or self._resume is None
-                        else self._resume(msg, resume)
-                    )
-                    resume = None
-                    if ok and lane.deferred:
-                        with self._lock:
-                            if lane.delivery is _PENDING:
-                                lane.detached = True  # its delivery report finishes it
-                                return True
-                        if lane.delivery is not None:
-                            log.warning("%s; sending the outcome again", lane.delivery)
-                            ok = False
-                    if ok:
-                        break
-                    again = True
-            except _TakenOver:
-                return False
-            except Exception:  # _process dead-letters what fails; this is a last resort
-                log.exception("command at offset %s failed", msg.offset())
-            finally:
-                _here.lane = None
-            with self._lock:
-                following = self._finished_locked(key, msg)
-            if following is None:
-                return True
-            msg, again = following, False
+                rt.send(
+                    plan.intent,
+                    self._reported(lambda failure: self._intent_step(job, "intent", failure)),
+                )
+            except Exception as exc:  # not sent (a full local queue): nothing happened
+                self._sending -= 1
+                self._fail(job, exc)
+                return
+            row: JournalRow = (command.event_id, "started", plan.started, None, _now_ms())
+            self._rows.append((row, job, lambda: self._intent_step(job, "started")))
+        else:
+            self._run_tool(job)
 
-    def _finished_locked(self, key: bytes | None, msg: Message) -> Message | None:
-        """(Under the lock) ``msg`` is done: count it, wake who waits for that, and
-        return its key's next message (None: the key is free)."""
+    def _intent_step(self, job: _Job, what: str, failure: BaseException | None = None) -> None:
+        """The intent was acknowledged, or the ``started`` mark written: once both
+        are, the tool runs (R10); an intent the broker refused un-marks the command
+        (the tool did not run) and it is tried again."""
+        job.waiting.discard(what)
+        if failure is not None:
+            job.refused = failure
+        if job.waiting:
+            return
+        if job.refused is not None:
+            assert job.command is not None
+            log.warning("%s; trying the command again", job.refused)
+            self._handler.journal.forget(job.command.event_id)
+            self._retry(job.msg)
+            return
+        self._run_tool(job)
+
+    def _run_tool(self, job: _Job) -> None:
+        assert job.plan is not None and job.plan.run is not None
+        run = job.plan.run
+
+        def done(outcome: Any, error: BaseException | None) -> None:
+            self.post(lambda: self._tool_done(job, outcome, error))
+
+        self._tools.submit(job, run, done)
+
+    def _tool_done(self, job: _Job, outcome: Any, error: BaseException | None) -> None:
+        if job.settled:
+            return
+        if error is None:
+            self._settle(job, outcome)
+        elif isinstance(error, DeliveryFailed):  # a record of the tool's own (an incident)
+            log.warning("%s; trying the command again", error)
+            self._retry(job.msg)
+        else:
+            self._fail(job, error)
+
+    def _overrun(self, job: _Job, late: Callable[[], _Outcome]) -> None:
+        if job.settled:
+            return
+        self._tools.replace()
+        self._settle(job, late())
+
+    def _settle(self, job: _Job, outcome: _Outcome) -> None:
+        """Journal ``outcome`` as the command's answer, then send it."""
+        assert job.command is not None
+        job.settled = True
+        row = self._handler.outcome_row(job.command, outcome, job.msg.value())
+        self._rows.append((row, job, lambda: self._send(job, outcome.record, outcome.state)))
+
+    def _send(self, job: _Job, record: Record, state: str) -> None:
+        """Send a journalled outcome; the command is done once the broker has it."""
+
+        def delivered(failure: BaseException | None) -> None:
+            if failure is not None:
+                log.warning("%s; sending the outcome again", failure)
+                self._retry(job.msg)  # the journal has it: the same outcome goes again
+                return
+            if state == "accepted":
+                self._rt._confirm_in_background(
+                    record.event_id if job.command is None else job.command.event_id,
+                    job.msg.value() or b"",
+                )
+            self._finished(job.msg)
+
+        try:
+            self._rt.send(record, self._reported(delivered))
+        except Exception as exc:  # not sent (a full local queue): the journal has it
+            self._sending -= 1
+            log.warning("sending %s failed (%s); sending it again", record.TYPE, exc)
+            self._retry(job.msg)
+            return
+        self._rt.metrics.observe_output(record)
+
+    def _reported(
+        self, then: Callable[[BaseException | None], None]
+    ) -> Callable[[DeliveryFailed | None], None]:
+        """A delivery report's callback (served by whichever thread polls the
+        producer) that runs ``then`` on the loop thread."""
+
+        self._sending += 1
+
+        def taken(failure: BaseException | None) -> None:
+            self._sending -= 1
+            then(failure)
+
+        def on_delivered(failure: DeliveryFailed | None) -> None:
+            self.post(lambda: taken(failure))
+
+        return on_delivered
+
+    def _blocking_done(self, job: _Job) -> Callable[[Any, BaseException | None], None]:
+        def done(ok: Any, error: BaseException | None) -> None:
+            def finish() -> None:
+                if error is not None:  # _process dead-letters what fails: a last resort
+                    log.error("command at offset %s failed", job.msg.offset(), exc_info=error)
+                    self._finished(job.msg)
+                elif ok:
+                    self._finished(job.msg)
+                else:
+                    self._retry(job.msg)
+
+            self.post(finish)
+
+        return done
+
+    def _fail(self, job: _Job, exc: BaseException) -> None:
+        """R16: never stop the service, never lose the record: dead-letter it."""
+        command = job.command
+        if command is not None:
+            log.error("handling %s %s failed", command.TYPE, command.event_id, exc_info=exc)
+        job.settled = True
+        self._dead_letter(job, "handler-error", f"{type(exc).__name__}: {exc}")
+
+    def _dead_letter(self, job: _Job, reason: str, detail: str) -> None:
+        rt = self._rt
+
+        def write() -> bool:
+            rt._dead_letters.write(job.msg, reason, detail)
+            rt.metrics.dlq(reason)
+            return True
+
+        self._tools.submit(job, write, self._blocking_done(job))
+
+    def _retry(self, msg: Message) -> None:
+        """Try ``msg`` again after a pause; its saga's later commands wait behind it,
+        so their order holds (the journal re-sends a stored outcome, never reruns a
+        tool). Closing, it is left undone: its offset stays uncommitted."""
+        if self._closing:
+            self._queues.pop(msg.key(), None)
+            return
+        self._seq += 1
+        heapq.heappush(self._retries, (time.monotonic() + _RETRY_AFTER_S, self._seq, msg))
+
+    def _finished(self, msg: Message) -> None:
+        """``msg`` is done: its offset may be committed; its key's next one starts."""
         partition = msg.partition() or 0
         self._done.setdefault(partition, set()).add(msg.offset() or 0)
         self.pending -= 1
-        if self._idle_waiters or (self._below is not None and self.pending < self._below):
-            self._finished.notify_all()
-        queue = self._queues.get(key)
-        if not queue or self._closing.is_set():
+        key = msg.key()
+        queue_ = self._queues.get(key)
+        if not queue_ or self._closing:
             self._queues.pop(key, None)
-            return None
-        return queue.popleft()
+            return
+        self._start(queue_.popleft())
+
+    # --------------------------------------------------------- offsets, rebalance
 
     def committable(self) -> dict[int, int]:
         """Per partition, the next offset to commit when it moved since last time."""
         out: dict[int, int] = {}
-        with self._lock:
-            for partition, done in self._done.items():
-                if not done:
-                    continue
-                taken = self._taken[partition]
-                last = None
-                while taken and taken[0] in done:
-                    last = taken.popleft()
-                    done.discard(last)
-                if last is not None and self._committed.get(partition) != last + 1:
-                    out[partition] = self._committed[partition] = last + 1
+        for partition, done in self._done.items():
+            if not done:
+                continue
+            taken = self._taken[partition]
+            last = None
+            while taken and taken[0] in done:
+                last = taken.popleft()
+                done.discard(last)
+            if last is not None and self._committed.get(partition) != last + 1:
+                out[partition] = self._committed[partition] = last + 1
         return out
 
-    def wait_below(self, limit: int, timeout_s: float) -> None:
-        """Block until fewer than ``limit`` messages are queued or running."""
-        with self._lock:
-            self._below = limit
-            try:
-                self._finished.wait_for(lambda: self.pending < limit, timeout_s)
-            finally:
-                self._below = None
+    def drain(self, partitions: set[int]) -> None:
+        """Serve until no command of ``partitions`` is queued or running."""
+        while any(len(self._taken.get(p, ())) > len(self._done.get(p, ())) for p in partitions):
+            self._pause()
 
-    def wait_idle(self, partitions: set[int]) -> None:
-        """Block until no message of ``partitions`` is queued or running."""
-        with self._lock:
-            self._idle_waiters += 1
-            try:
-                while any(
-                    len(self._taken.get(p, ())) > len(self._done.get(p, ())) for p in partitions
-                ):
-                    self._finished.wait(1.0)
-            finally:
-                self._idle_waiters -= 1
+    def _pause(self) -> None:
+        """Serve a turn, then block as the run loop would (without consuming)."""
+        self.serve()
+        self.wait()
+        self._producer.poll(self.wait_s(0.001))
 
     def forget(self, partitions: set[int]) -> None:
-        with self._lock:
-            for p in partitions:
-                self._taken.pop(p, None)
-                self._done.pop(p, None)
-                self._committed.pop(p, None)
+        for p in partitions:
+            self._taken.pop(p, None)
+            self._done.pop(p, None)
+            self._committed.pop(p, None)
 
     def close(self) -> None:
-        """Finish the messages running now; drop the queued ones (redelivered later,
+        """Finish the commands running now; drop the queued ones (redelivered later,
         since their offsets are never committed)."""
-        self._closing.set()
-        with self._lock:
-            for queue in self._queues.values():
-                self.pending -= len(queue)
-                queue.clear()
-            self.pending -= len(self._ready)
-            self._ready.clear()
-            self._idle = 0
-            self._work_ready.notify_all()
-            threads = list(self._threads)
-        for thread in threads:
-            thread.join()
+        self._closing = True
+        for queue_ in self._queues.values():
+            self.pending -= len(queue_)
+            queue_.clear()
+        self.pending -= len(self._retries)
+        for _due, _seq, msg in self._retries:
+            self._queues.pop(msg.key(), None)
+        self._retries.clear()
+        while self._queues or self._inbox or self._rows:
+            self._pause()
+        self._tools.close()
 
 
 def _check_served(spec: ToolSpec, participant: str) -> None:

@@ -1,37 +1,68 @@
-"""The participant runtime's key-ordered work queue, without a broker (a fast tier
-beside the real-broker test in ``test_participant_concurrency``).
+"""The participant runtime's command loop, without a broker (a fast tier beside the
+real-broker test in ``test_participant_concurrency``).
 
-Workers are woken only when idle and the loop only when it waits, so these check
-that nothing is lost by waking less: every message runs, one key's in offset order
-and never two at once, offsets become committable only below the lowest unfinished
-message, and a waiting loop is woken once there is room; a message whose outcome
-is still on its way to the broker finishes (and lets its key go on) only when the
-delivery report comes, while its worker takes other keys meanwhile. The journal's group commit
-wakes each caller once, so the same is checked of it: every mark is written, the
-marks that queue behind a write go in one transaction, and a failed write fails
-exactly the callers whose marks it held.
+The loop does every command's waiting on one thread: it serves the delivery reports,
+writes the journal marks of a turn in one transaction and runs only tools on other
+threads. These check that nothing is lost or reordered by that: every command runs,
+one saga's in offset order and never two at once, offsets become committable only
+below the lowest unfinished command, an outcome the broker refused goes out again
+before its saga's next command, an intent it refused un-marks the command so its
+tool runs once when tried again, a tool past its deadline is answered for without
+holding up its saga, and a close finishes what runs and leaves the queued for
+redelivery. The journal's group commit (used by the rare paths that block) wakes
+each caller once, so the same is checked of it: every mark is written, the marks that
+queue behind a write go in one transaction, and a failed write fails exactly the
+callers whose marks it held.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
 
-from participants.runtime import CommandJournal, _here, _KeyOrderedWork, _Watchdog
+from participants import CompensationContext, compensable, tool, wrap
+from participants.runtime import (
+    CommandHandler,
+    CommandJournal,
+    ParticipantRuntime,
+    _CommandLoop,
+    _Watchdog,
+)
 from sagaline.kafka import DeliveryFailed, Message
+from schemas import (
+    ExecuteStep,
+    Record,
+    StepCommitted,
+    StepIntentRecorded,
+    StepOutcomeUnknown,
+    envelope_for,
+)
+from schemas.signing import Signer
+from schemas.wire import to_message
 from tests.system import wait_until
+
+_SIGNER = Signer(None)
 
 
 class _Msg:
-    def __init__(self, key: bytes, partition: int, offset: int) -> None:
-        self._key, self._partition, self._offset = key, partition, offset
+    def __init__(self, record: Record, partition: int, offset: int) -> None:
+        self._key, self._value, self._headers = to_message(record, _SIGNER)
+        self._partition, self._offset = partition, offset
 
     def key(self) -> bytes:
         return self._key
+
+    def value(self) -> bytes:
+        return self._value
+
+    def headers(self) -> list[tuple[str, bytes]]:
+        return list(self._headers)
 
     def partition(self) -> int:
         return self._partition
@@ -40,91 +71,239 @@ class _Msg:
         return self._offset
 
 
-def _msg(key: bytes, partition: int, offset: int) -> Message:
-    return cast(Message, _Msg(key, partition, offset))
+class _Broker:
+    """The loop's producer and writer: records sent, their reports served by poll()
+    (all acknowledged, unless ``refuse`` says which event ids the broker refuses
+    once)."""
+
+    def __init__(self) -> None:
+        self.sent: list[Record] = []
+        self.refuse: set[str] = set()
+        self._reports: list[tuple[Record, Callable[[DeliveryFailed | None], None]]] = []
+        self._lock = threading.Lock()
+
+    def send_then(
+        self, record: Record, on_delivered: Callable[[DeliveryFailed | None], None]
+    ) -> None:
+        with self._lock:
+            self.sent.append(record)
+            self._reports.append((record, on_delivered))
+
+    def poll(self, timeout: float = 0) -> int:
+        with self._lock:
+            reports, self._reports = self._reports, []
+        for record, on_delivered in reports:
+            if record.event_id in self.refuse:
+                self.refuse.discard(record.event_id)
+                on_delivered(DeliveryFailed("the broker said no", topic="events", error=None))
+            else:
+                on_delivered(None)
+        return len(reports)
+
+    def of(self, cls: type[Record], saga: str | None = None) -> list[Record]:
+        return [r for r in self.sent if isinstance(r, cls) and saga in (None, r.saga_id)]
 
 
-def test_each_key_runs_in_offset_order_never_two_at_once_and_all_commit() -> None:
-    lock = threading.Lock()
-    running: set[bytes] = set()
-    overlaps: list[bytes] = []
-    ran: dict[bytes, list[int]] = defaultdict(list)
+class _Desk:
+    """A tool that records which sagas' steps overlap and the order it ran them in."""
 
-    def process(msg: Any) -> bool:
-        with lock:
-            if msg.key() in running:
-                overlaps.append(msg.key())
-            running.add(msg.key())
-        with lock:
-            ran[msg.key()].append(msg.offset())
-            running.discard(msg.key())
-        return True
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.running: set[str] = set()
+        self.overlaps: list[str] = []
+        self.ran: dict[str, list[int]] = defaultdict(list)
+        self.gates: dict[str, threading.Event] = {}
 
-    work = _KeyOrderedWork(process, 4, "t")
-    submitted: dict[bytes, list[int]] = defaultdict(list)
-    next_offset = {0: 0, 1: 0}
-    for i in range(400):
-        key = f"saga-{i % 13}".encode()
-        partition = (i % 13) % 2  # a key lives on one partition, as Kafka keys do
-        offset = next_offset[partition]
-        next_offset[partition] += 1
-        submitted[key].append(offset)
-        work.submit(_msg(key, partition, offset))
-    work.wait_idle({0, 1})
-    assert work.pending == 0
-    assert overlaps == []
-    assert dict(ran) == dict(submitted)
-    assert work.committable() == {0: next_offset[0], 1: next_offset[1]}
-    assert work.committable() == {}  # nothing moved since
-    work.close()
+    @tool(description="Book a desk")
+    @compensable(by="release")
+    def book(self, saga: str, n: int) -> dict[str, int]:
+        with self.lock:
+            if saga in self.running:
+                self.overlaps.append(saga)
+            self.running.add(saga)
+            gate = self.gates.get(f"{saga}/{n}")
+        if gate is not None:
+            assert gate.wait(60)
+        with self.lock:
+            self.ran[saga].append(n)
+            self.running.discard(saga)
+        return {"n": n}
+
+    def release(self, ctx: CompensationContext) -> None:
+        pass
 
 
-def test_offsets_commit_only_below_the_lowest_unfinished_and_a_waiting_loop_wakes() -> None:
-    gate = threading.Event()
-    started = threading.Event()
+def _execute(saga: str, n: int, *, deadline_ms: int = 60_000) -> ExecuteStep:
+    env = envelope_for(
+        ExecuteStep, saga_id=saga, tenant_id="t", producer="sagaline-coordinator", now=1
+    )
+    return ExecuteStep(
+        envelope=env,
+        step_id=f"{n:02d}-book",
+        tool="book",
+        args=f'{{"saga":"{saga}","n":{n}}}'.encode(),
+        idempotency_key=f"{saga}-{n}",
+        attempt=1,
+        deadline_ms=deadline_ms,
+        principal="p",
+    )
 
-    def process(msg: Any) -> bool:
-        if msg.offset() == 3:
-            started.set()
-            gate.wait()
-        return True
 
-    work = _KeyOrderedWork(process, 4, "t")
-    for offset in range(10):
-        work.submit(_msg(f"saga-{offset}".encode(), 0, offset))
-    assert started.wait(60)
-    work.wait_below(2, 60)  # all but the held one finish and wake this waiter
-    assert work.pending == 1
-    assert work.committable() == {0: 3}
+class _Rig:
+    """A loop over a real handler and journal, its broker a :class:`_Broker`; the
+    test's thread is the loop's thread."""
+
+    def __init__(self, tmp_path: Path, workers: int = 4) -> None:
+        self.desk = _Desk()
+        self.broker = _Broker()
+        self.journal = CommandJournal(tmp_path / "journal.sqlite")
+        self.handler = CommandHandler(
+            wrap(self.desk, name="desks"), "desks", self.journal, self._blocking_append
+        )
+        self.next_offset: dict[int, int] = defaultdict(int)
+        runtime = SimpleNamespace(
+            participant="desks",
+            handler=self.handler,
+            signer=_SIGNER,
+            metrics=SimpleNamespace(observe_record=lambda r: None, observe_output=lambda r: None),
+            _writer=SimpleNamespace(producer=self.broker),
+            send=self.broker.send_then,
+            _assigned_end={},
+        )
+        self.loop = _CommandLoop(cast(ParticipantRuntime, runtime), workers)
+
+    def _blocking_append(self, record: Record) -> None:
+        raise AssertionError(f"the loop's fast path appended {record.TYPE} blocking")
+
+    def submit(self, record: Record, partition: int = 0) -> int:
+        offset = self.next_offset[partition]
+        self.next_offset[partition] += 1
+        self.loop.submit(cast(Message, _Msg(record, partition, offset)))
+        return offset
+
+    def turn(self) -> None:
+        self.loop.wait()
+        self.loop.serve()
+
+    def run_until(self, done: Callable[[], bool], what: str) -> None:
+        wait_until(lambda: (self.turn(), done())[1], what=what)
+
+    def close(self) -> None:
+        self.loop.close()
+        self.handler.close()
+        self.journal.close()
+
+
+def test_each_saga_runs_in_offset_order_never_two_at_once_and_all_commit(
+    tmp_path: Path,
+) -> None:
+    rig = _Rig(tmp_path, workers=4)
+    submitted: dict[str, list[int]] = defaultdict(list)
+    for i in range(120):
+        saga = f"saga-{i % 13}"
+        submitted[saga].append(i)
+        rig.submit(_execute(saga, i), partition=(i % 13) % 2)  # a key on one partition
+    rig.run_until(lambda: rig.loop.pending == 0, "every command done")
+    assert rig.desk.overlaps == []
+    assert dict(rig.desk.ran) == dict(submitted)
+    assert rig.loop.committable() == {0: rig.next_offset[0], 1: rig.next_offset[1]}
+    assert rig.loop.committable() == {}  # nothing moved since
+    # each command's intent went out before its tool ran, its outcome after
+    assert len(rig.broker.of(StepIntentRecorded)) == 120
+    assert len(rig.broker.of(StepCommitted)) == 120
+    rig.close()
+
+
+def test_offsets_commit_only_below_the_lowest_unfinished(tmp_path: Path) -> None:
+    rig = _Rig(tmp_path, workers=4)
+    gate = rig.desk.gates["saga-3/3"] = threading.Event()
+    for n in range(10):
+        rig.submit(_execute(f"saga-{n}", n))
+    rig.run_until(lambda: rig.loop.pending == 1, "all but the held command done")
+    assert rig.loop.committable() == {0: 3}
     gate.set()
-    work.wait_below(1, 60)
-    assert work.pending == 0
-    assert work.committable() == {0: 10}
-    work.close()
+    rig.run_until(lambda: rig.loop.pending == 0, "the held command done")
+    assert rig.loop.committable() == {0: 10}
+    rig.close()
 
 
-def test_close_lets_the_running_message_finish_and_drops_the_queued() -> None:
-    gate = threading.Event()
-    started = threading.Event()
-    ran: list[int] = []
+def test_a_refused_outcome_goes_again_before_its_sagas_next_command(tmp_path: Path) -> None:
+    rig = _Rig(tmp_path)
+    first, second = _execute("saga-a", 0), _execute("saga-a", 1)
+    from schemas import derived_event_id
 
-    def process(msg: Any) -> bool:
-        started.set()
-        gate.wait()
-        ran.append(msg.offset())
-        return True
+    rig.broker.refuse.add(derived_event_id(first.event_id, "outcome"))
+    rig.submit(first)
+    rig.submit(second)
+    rig.run_until(lambda: rig.loop.pending == 0, "both commands done")
+    outcomes = [r.event_id for r in rig.broker.of(StepCommitted)]
+    assert outcomes == [
+        derived_event_id(first.event_id, "outcome"),  # refused
+        derived_event_id(first.event_id, "outcome"),  # the same outcome, again
+        derived_event_id(second.event_id, "outcome"),
+    ]
+    assert rig.desk.ran["saga-a"] == [0, 1]  # the tool ran once per command
+    assert rig.loop.committable() == {0: 2}
+    rig.close()
 
-    work = _KeyOrderedWork(process, 1, "t")
-    for offset in range(3):
-        work.submit(_msg(b"one-saga", 0, offset))
-    assert started.wait(60)
-    closer = threading.Thread(target=work.close)
-    closer.start()
-    assert work._closing.wait(60)
-    gate.set()
-    closer.join()
-    assert ran == [0]  # the queued two are left for redelivery
-    assert work.committable() == {0: 1}
+
+def test_a_refused_intent_unmarks_the_command_and_its_tool_runs_once(tmp_path: Path) -> None:
+    rig = _Rig(tmp_path)
+    command = _execute("saga-a", 0)
+    from schemas import derived_event_id
+
+    rig.broker.refuse.add(derived_event_id(command.event_id, "intent"))
+    rig.submit(command)
+    rig.run_until(lambda: rig.loop.pending == 0, "the command done")
+    assert len(rig.broker.of(StepIntentRecorded)) == 2  # refused, then sent again
+    assert rig.desk.ran["saga-a"] == [0]  # not run before its intent was on the ledger
+    assert [type(r) for r in rig.broker.of(StepCommitted)] == [StepCommitted]
+    assert rig.journal.get(command.event_id) is not None
+    rig.close()
+
+
+def test_a_tool_past_its_deadline_is_answered_for_and_its_saga_goes_on(tmp_path: Path) -> None:
+    rig = _Rig(tmp_path, workers=1)  # the stuck tool's thread is replaced
+    gate = rig.desk.gates["saga-a/0"] = threading.Event()
+    rig.submit(_execute("saga-a", 0, deadline_ms=10))
+    rig.submit(_execute("saga-a", 1))
+    rig.submit(_execute("saga-b", 2))
+    rig.run_until(lambda: rig.loop.pending == 0, "the later commands done")
+    assert [
+        type(r) for r in rig.broker.of(Record, "saga-a") if not isinstance(r, StepIntentRecorded)
+    ] == [
+        StepOutcomeUnknown,
+        StepCommitted,
+    ]
+    assert rig.desk.ran["saga-a"] == [1] and rig.desk.ran["saga-b"] == [2]
+    gate.set()  # the late tool returns: what it returned is not sent
+    wait_until(lambda: rig.desk.ran["saga-a"] == [1, 0], what="the late tool returned")
+    for _ in range(3):
+        rig.turn()
+    assert len(rig.broker.of(StepCommitted, "saga-a")) == 1
+    assert rig.loop.committable() == {0: 3}
+    rig.close()
+
+
+def test_close_lets_the_running_command_finish_and_leaves_the_queued(tmp_path: Path) -> None:
+    rig = _Rig(tmp_path, workers=1)
+    gate = rig.desk.gates["saga-a/0"] = threading.Event()
+    for n in range(3):
+        rig.submit(_execute("saga-a", n))
+    rig.run_until(lambda: "saga-a" in rig.desk.running, "the first tool running")
+
+    def release_once_closing() -> None:
+        wait_until(lambda: rig.loop._closing, what="the loop closing")
+        gate.set()
+
+    releaser = threading.Thread(target=release_once_closing)
+    releaser.start()
+    rig.loop.close()  # returns once the running command is done
+    releaser.join()
+    assert rig.desk.ran["saga-a"] == [0]  # the queued two are left for redelivery
+    assert rig.loop.committable() == {0: 1}
+    rig.handler.close()
+    rig.journal.close()
 
 
 def test_journal_marks_queued_behind_a_write_go_in_one_transaction(
@@ -194,43 +373,6 @@ def test_a_failed_journal_write_fails_its_callers_only(
     assert journal.get("c0") is None
     assert all(journal.get(f"c{i}") == ("started", None) for i in range(1, 33))
     journal.close()
-
-
-def test_a_deferred_outcome_holds_its_key_until_delivered_while_the_worker_moves_on() -> None:
-    got = threading.Condition()
-    ran: list[tuple[bytes, int]] = []
-    reports: list[Any] = []  # each run's delivery report callback, in run order
-
-    def process(msg: Any) -> bool:
-        lane = _here.lane
-        with got:
-            ran.append((msg.key(), msg.offset()))
-            reports.append(lane.delivered)
-            got.notify_all()
-        lane.deferred = True  # as ParticipantRuntime._publish_outcome does
-        return True
-
-    def runs(n: int) -> list[tuple[bytes, int]]:
-        with got:
-            assert got.wait_for(lambda: len(ran) >= n, 60), ran
-            return list(ran)
-
-    work = _KeyOrderedWork(process, 1, "t")  # one worker: it must not wait for reports
-    for key, offset in ((b"a", 0), (b"a", 1), (b"b", 2)):
-        work.submit(_msg(key, 0, offset))
-    assert runs(2) == [(b"a", 0), (b"b", 2)]  # a@1 waits for a@0's outcome
-    assert work.committable() == {}
-    reports[0](DeliveryFailed("broker said no", topic="t", error=None))
-    assert runs(3)[2] == (b"a", 0)  # sent again before its saga's next command
-    reports[2](None)
-    assert runs(4)[3] == (b"a", 1)
-    assert work.committable() == {0: 1}
-    reports[3](None)
-    reports[1](None)
-    work.wait_idle({0})
-    assert work.pending == 0
-    assert work.committable() == {0: 3}
-    work.close()
 
 
 def test_the_watchdog_takes_over_only_calls_past_their_deadline_and_forgets_finished_ones() -> None:

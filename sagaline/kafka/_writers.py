@@ -189,6 +189,14 @@ class LedgerWriter:
         """
         if self._poller is None:
             raise RuntimeError("append_then needs LedgerWriter(..., background_poll=True)")
+        self.send_then(record, on_delivered)
+
+    def send_then(
+        self, record: Record, on_delivered: Callable[[DeliveryFailed | None], None]
+    ) -> None:
+        """:meth:`append_then` for an owner that polls the producer itself (a loop
+        that serves its own delivery reports): ``on_delivered`` runs on whichever
+        thread polls, so it must be quick and must not raise."""
         topic = self.topics.events
 
         def on_delivery(err: KafkaError | None, _msg: Message) -> None:

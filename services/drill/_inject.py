@@ -154,17 +154,40 @@ class FaultBoard:
         step is not acknowledged by the broker."""
 
         def guarded(record: Record) -> None:
-            if isinstance(record, StepCommitted) and self.fire_once(
-                record.saga_id, record.step_id, Seam.LEDGER_APPEND
-            ):
-                raise DeliveryFailed(
-                    f"drill: the broker did not acknowledge {record.TYPE} of step {record.step_id}",
-                    topic="sagaline.events",
-                    error=None,
-                )
+            refused = self._refused(record)
+            if refused is not None:
+                raise refused
             append(record)
 
         return guarded
+
+    def guard_send(
+        self, send: Callable[[Record, Callable[[DeliveryFailed | None], None]], None]
+    ) -> Callable[[Record, Callable[[DeliveryFailed | None], None]], None]:
+        """Wrap a runtime's loop send (``ParticipantRuntime.send``) the same way: the
+        refused record's delivery report says so."""
+
+        def guarded(record: Record, on_delivered: Callable[[DeliveryFailed | None], None]) -> None:
+            refused = self._refused(record)
+            if refused is not None:
+                on_delivered(refused)
+                return
+            send(record, on_delivered)
+
+        return guarded
+
+    def _refused(self, record: Record) -> DeliveryFailed | None:
+        """The broker's refusal of ``record``: the first ``StepCommitted`` of an armed
+        step is not acknowledged."""
+        if isinstance(record, StepCommitted) and self.fire_once(
+            record.saga_id, record.step_id, Seam.LEDGER_APPEND
+        ):
+            return DeliveryFailed(
+                f"drill: the broker did not acknowledge {record.TYPE} of step {record.step_id}",
+                topic="sagaline.events",
+                error=None,
+            )
+        return None
 
 
 def instrument(catalogue: Catalogue, board: FaultBoard) -> Catalogue:

@@ -316,8 +316,10 @@ class _Stage:
     def start_participant(self, name: str) -> None:
         catalogue = next(c for c in self.catalogues if c.name == name)
         runtime = ParticipantRuntime(catalogue, self.settings, self.bootstrap, clock=self.clock)
+        # A command's outcome goes out through the runtime's loop (send), or, on the rare
+        # paths a tool thread handles whole, through the handler's _publish.
+        runtime.send = self.board.guard_send(runtime.send)
         runtime.handler._append = self.board.guard_append(runtime.handler._append)
-        # A command's outcome goes out through _publish (finished by its delivery report).
         runtime.handler._publish = self.board.guard_append(runtime.handler._publish)
         ready = threading.Event()
         thread = threading.Thread(
