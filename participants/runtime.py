@@ -135,6 +135,8 @@ Clock = Callable[[], int]
 # How often the runtime commits offsets (asynchronously). A crash redelivers at most
 # this much finished work, which the journal recognises and answers without rerunning.
 _COMMIT_INTERVAL_S = 0.1
+# Why a step is an unknown outcome when its command was started before a crash.
+RESTARTED = "the participant restarted while the tool was running"
 R = TypeVar("R", bound=Record)
 
 
@@ -595,7 +597,7 @@ class CommandHandler:
 
     def _restarted(self, cmd: ExecuteStep) -> _Outcome:
         """Started before a crash and never finished: it may have acted (R11)."""
-        return self._unknown_outcome(cmd, "the participant restarted while the tool was running")
+        return self._unknown_outcome(cmd, RESTARTED)
 
     def _prepare_execute(
         self, cmd: ExecuteStep
@@ -1618,8 +1620,9 @@ class _CommandLoop:
     outcomes it produces are acknowledged by delivery reports the loop serves, the
     journal marks of every command that reached one are written in one transaction
     per turn, and only the tools (and rare paths that block) run on
-    :class:`_ToolThreads`. A thread switch a command costs about as much CPU as the
-    command's own Python, so this is where a participant's throughput comes from.
+    :class:`_ToolThreads`. So a command's waits cost no thread switches: about ten
+    a command instead of about twenty-four with a thread per command
+    (``docs/benchmarks.md``).
 
     Offsets are tracked per partition so the runtime commits up to the lowest
     command not yet done; a crash redelivers only unfinished work, which the

@@ -18,10 +18,14 @@ from pathlib import Path
 
 import pytest
 
+from participants.runtime import RESTARTED
+from sagaline.kafka import LedgerReader
+from schemas.errors import CodecError
 from schemas.keys import key_hash
-from schemas.models import TerminalStatus
+from schemas.models import StepOutcomeUnknown, TerminalStatus
 from schemas.receipt import Disposition
 from schemas.settings import Settings
+from schemas.wire import from_message
 from services.demo import DemoOptions, DemoRun, run_demo, terminal_receipts
 from services.demo_invariants import FORWARD_EFFECTS
 
@@ -56,14 +60,33 @@ def effect_log(state_dir: Path, provider: str) -> list[tuple[str, str | None, st
         conn.close()
 
 
-def assert_world_agrees_with_receipts(result: DemoRun) -> None:
-    """Every committed effect: retained in a completed saga, compensated exactly once,
-    or named in an incident of an escalated saga; and nothing a receipt does not name."""
-    settings = Settings(
+def _settings(result: DemoRun) -> Settings:
+    return Settings(
         bootstrap=result.bootstrap,
         topic_prefix=result.prefix,
         hmac_key=b"sagaline-demo-signing-key",
     )
+
+
+def interrupted_by_a_restart(result: DemoRun) -> set[str]:
+    """The sagas whose step a restarted participant found started and unfinished."""
+    settings = _settings(result)
+    signer = settings.signer()
+    out: set[str] = set()
+    for key, value, headers in LedgerReader(result.bootstrap).records(settings.topics.events):
+        try:
+            record = from_message(key, value, headers, signer)
+        except CodecError:  # not a record of this run's writers: not a step of its sagas
+            continue
+        if isinstance(record, StepOutcomeUnknown) and record.reason == RESTARTED:
+            out.add(record.saga_id)
+    return out
+
+
+def assert_world_agrees_with_receipts(result: DemoRun) -> None:
+    """Every committed effect: retained in a completed saga, compensated exactly once,
+    or named in an incident of an escalated saga; and nothing a receipt does not name."""
+    settings = _settings(result)
     receipts = terminal_receipts(result.bootstrap, settings)
     assert set(receipts) == set(result.saga_of.values()), "every saga is terminal (R14)"
 
@@ -129,7 +152,19 @@ def test_a_participant_killed_mid_run_and_restarted_leaves_the_invariant_intact(
     assert [f.service for f in result.faults] == ["inventory"]
     assert result.faults[0].terminal_before < SAGAS, "the kill happened mid-run"
     assert result.exit_code == 0, result.violations
-    assert Counter(r.status.value for r in result.receipts.values()) == EXPECTED
+    # A step the kill interrupted is reported by the restarted process as an unknown
+    # outcome (R11); reconciled as not found it counts as a failed attempt, so such a
+    # saga may end otherwise than its scenario (a transient step out of retries, say),
+    # still truthfully (checked below). Every other saga ends as its scenario says.
+    interrupted = interrupted_by_a_restart(result)
+    assert Counter(s.expected_status for s in result.scenarios.values()) == EXPECTED
+    assert Counter(
+        r.status.value for saga, r in result.receipts.items() if saga not in interrupted
+    ) == Counter(
+        result.scenarios[ticket].expected_status
+        for ticket, saga in result.saga_of.items()
+        if saga not in interrupted
+    )
     assert_world_agrees_with_receipts(result)
 
 
