@@ -141,6 +141,8 @@ R = TypeVar("R", bound=Record)
 
 
 JournalRow = tuple[str, str, bytes | None, bytes | None, int]  # id, state, command, outcome, at
+# How the loop sends a record: (record, on_delivered, its bytes or None).
+SendThen = Callable[[Record, Callable[[DeliveryFailed | None], None], bytes | None], None]
 
 
 def _now_ms() -> int:
@@ -308,7 +310,8 @@ class _Outcome:
 class _Plan:
     """What the runtime's loop does for one command (:meth:`CommandHandler.plan`).
 
-    ``resend``: a redelivery already answered; its stored outcome goes out again.
+    ``resend``: a redelivery already answered; its stored outcome goes out again
+    (``resend_bytes``: as the journal holds it, so it is not encoded again).
     ``outcome``: answered without running anything. ``intent``: appended and the
     ``started`` mark (the command's bytes) journalled, then ``run`` on a tool thread
     once both are durable (R10). ``run`` alone: a compensation or a lookup, on a tool
@@ -317,6 +320,7 @@ class _Plan:
     """
 
     resend: Record | None = None
+    resend_bytes: bytes | None = None
     state: str = "done"
     outcome: _Outcome | None = None
     intent: Record | None = None
@@ -384,29 +388,52 @@ class CommandHandler:
     # ------------------------------------------------------------------ dispatch
 
     def plan(
-        self, command: Record, *, maybe_taken_elsewhere: bool = True, encoded: bytes | None = None
+        self,
+        command: Record,
+        *,
+        maybe_taken_elsewhere: bool = True,
+        encoded: bytes | None = None,
+        inline: bool = False,
     ) -> _Plan:
-        """What :meth:`handle` would do for ``command``, split where it waits, so the
+        """What :meth:`handle` does for ``command``, split where it waits, so the
         runtime's loop can do the waiting for many commands at once (see
         :class:`_CommandLoop`). Paths that read the ledger before the tool runs (a
-        probe after a rebalance, arguments by reference) are left to ``handle`` on a
-        tool thread: they are rare and block."""
+        probe after a rebalance, arguments by reference) block: the loop gets
+        ``blocking`` for them and leaves them to ``handle`` on a tool thread, which
+        asks with ``inline=True`` and reads the ledger here."""
         seen = self.journal.get(command.event_id)
         if seen is not None and seen[0] in ("done", "accepted") and seen[1] is not None:
+            # A redelivery: the work is done; re-send its outcome (same event id, so
+            # the coordinator deduplicates) in case the first send was lost.
             if self._metrics is not None:
                 self._metrics.duplicate_prevented()
             from schemas.codec import decode
 
-            return _Plan(resend=decode(seen[1]), state=seen[0])
-        probe = seen is None and maybe_taken_elsewhere and self._ledger is not None
-        if probe and isinstance(command, (ExecuteStep, CompensateStep)):
-            return _Plan(blocking=True)
+            return _Plan(resend=decode(seen[1]), resend_bytes=seen[1], state=seen[0])
+        probe = seen is None and maybe_taken_elsewhere
+        if (
+            probe
+            and self._ledger is not None
+            and isinstance(command, (ExecuteStep, CompensateStep))
+        ):
+            if not inline:
+                return _Plan(blocking=True)
+            earlier = self._on_ledger(command)
+            if earlier is not None:
+                # Another replica (no shared journal) already took this command.
+                if self._metrics is not None:
+                    self._metrics.duplicate_prevented()
+                log.info(
+                    "%s %s: already on the ledger, not run again", command.TYPE, command.event_id
+                )
+                return _Plan(outcome=earlier)
         if command.tool not in self.catalogue:  # type: ignore[attr-defined]
             return _Plan(outcome=_Outcome(self._unknown_tool(command)))
         if isinstance(command, ExecuteStep):
             if seen is not None:
-                return _Plan(outcome=self._restarted(command))
-            if command.args_ref is not None:
+                # Started before a crash and never finished: it may have acted (R11).
+                return _Plan(outcome=self._unknown_outcome(command, RESTARTED))
+            if command.args_ref is not None and not inline:
                 return _Plan(blocking=True)
             prepared = self._prepare_execute(command)
             if isinstance(prepared, _Outcome):
@@ -446,34 +473,30 @@ class CommandHandler:
         received it (it arrived after this one was assigned the partition), so a
         journal miss needs no ledger probe. ``encoded``: the command's bytes as read
         (``codec.encode`` of it), journalled as they are instead of encoded again."""
-        seen = self.journal.get(command.event_id)
-        if seen is not None and seen[0] in ("done", "accepted") and seen[1] is not None:
-            # A redelivery: the work is done; re-send its outcome (same event id, so
-            # the coordinator deduplicates) in case the first send was lost.
-            if self._metrics is not None:
-                self._metrics.duplicate_prevented()
-            from schemas.codec import decode
-
-            self._append(decode(seen[1]))
-            return seen[0]
-        probe = seen is None and maybe_taken_elsewhere
-        earlier = self._on_ledger(command) if probe else None
-        if earlier is not None:
-            # Another replica (no shared journal) already took this command.
-            if self._metrics is not None:
-                self._metrics.duplicate_prevented()
-            log.info("%s %s: already on the ledger, not run again", command.TYPE, command.event_id)
-            outcome = earlier
-        elif command.tool not in self.catalogue:  # type: ignore[attr-defined]
-            outcome = _Outcome(self._unknown_tool(command))
-        elif isinstance(command, ExecuteStep):
-            outcome = self._execute(command, restarted=seen is not None, encoded=encoded)
-        elif isinstance(command, CompensateStep):
-            outcome = self._compensate(command, encoded=encoded)
-        elif isinstance(command, ReconcileStep):
-            outcome = self._reconcile(command)
-        else:
-            raise TypeError(f"{command.TYPE} is not a participant command")
+        plan = self.plan(
+            command, maybe_taken_elsewhere=maybe_taken_elsewhere, encoded=encoded, inline=True
+        )
+        if plan.resend is not None:
+            self._append(plan.resend)
+            return plan.state
+        outcome = plan.outcome
+        if outcome is None:
+            assert plan.run is not None
+            if plan.intent is not None:
+                intent_acknowledged = self._begin_append(plan.intent)
+                # The journal's "started" (the tool may run from now on) is written
+                # while the intent is on its way; the tool runs only once both are
+                # durable (R10). A crash between them leaves a started command whose
+                # intent may be missing: reported as an unknown outcome and
+                # reconciled, true (the tool did not run) and safe. An intent the
+                # broker refused un-marks it: the tool did not run.
+                self.journal.mark(command.event_id, "started", command=plan.started)
+                try:
+                    intent_acknowledged()
+                except BaseException:
+                    self.journal.forget(command.event_id)
+                    raise
+            outcome = plan.run()
         return self._settle(command, outcome, encoded)
 
     def _settle(self, command: Record, outcome: _Outcome, encoded: bytes | None = None) -> str:
@@ -571,33 +594,6 @@ class CommandHandler:
         )
 
     # --------------------------------------------------------------- execute step
-
-    def _execute(
-        self, cmd: ExecuteStep, *, restarted: bool, encoded: bytes | None = None
-    ) -> _Outcome:
-        if restarted:
-            return self._restarted(cmd)
-        prepared = self._prepare_execute(cmd)
-        if isinstance(prepared, _Outcome):
-            return prepared
-        intent, run = prepared
-        intent_acknowledged = self._begin_append(intent)
-        # The journal's "started" (the tool may run from now on) is written while the
-        # intent is on its way; the tool runs only once both are durable (R10). A
-        # crash between them leaves a started command whose intent may be missing:
-        # reported as an unknown outcome and reconciled, true (the tool did not run)
-        # and safe. An intent the broker refused un-marks it: the tool did not run.
-        self.journal.mark(cmd.event_id, "started", command=encoded or _command_bytes(cmd))
-        try:
-            intent_acknowledged()
-        except BaseException:
-            self.journal.forget(cmd.event_id)
-            raise
-        return run()
-
-    def _restarted(self, cmd: ExecuteStep) -> _Outcome:
-        """Started before a crash and never finished: it may have acted (R11)."""
-        return self._unknown_outcome(cmd, RESTARTED)
 
     def _prepare_execute(
         self, cmd: ExecuteStep
@@ -1186,11 +1182,10 @@ class ParticipantRuntime:
         # No poller thread: the loop serves the delivery reports (and a blocking
         # append on a tool thread polls for its own while it waits).
         self._writer = LedgerWriter(bootstrap, self.topics, self.signer)
-        # How the loop sends an intent or an outcome: ``on_delivered`` gets the
-        # broker's answer, on whichever thread polls the producer (a seam for drills).
-        self.send: Callable[[Record, Callable[[DeliveryFailed | None], None]], None] = (
-            self._writer.send_then
-        )
+        # How the loop sends an intent or an outcome (with its bytes when it has them):
+        # ``on_delivered`` gets the broker's answer, on whichever thread polls the
+        # producer (a seam for drills).
+        self.send: SendThen = self._writer.send_then
         self._reader = LedgerReader(bootstrap)
         self._dead_letters = DeadLetterWriter(
             self._writer.producer, self.topics.dlq, acknowledged=True
@@ -1348,25 +1343,13 @@ class ParticipantRuntime:
         elif offsets:
             consumer.commit(offsets=offsets, asynchronous=False)
 
-    def _process(self, msg: Message) -> bool:
-        """Handle one command on a tool thread, waiting where it must (the rare paths
-        :meth:`CommandHandler.plan` leaves to ``handle``); False when its record
+    def _process(self, msg: Message, command: Record, maybe_taken_elsewhere: bool) -> bool:
+        """Handle one decoded command on a tool thread, waiting where it must (the rare
+        paths :meth:`CommandHandler.plan` leaves to ``handle``); False when its record
         could not be appended (the loop tries it again)."""
         try:
-            command = from_message(msg.key(), msg.value(), msg.headers(), self.signer)
-            if not isinstance(command, (ExecuteStep, CompensateStep, ReconcileStep)):
-                raise _NotACommand(f"{command.TYPE} is not a participant command")
-        except (CodecError, _NotACommand) as exc:
-            reason = exc.reason if isinstance(exc, CodecError) else "not-a-command"
-            self._dead_letters.write(msg, reason, str(exc))
-            self.metrics.dlq(reason)
-            return True
-        try:
-            taken_before = self._assigned_end.get(msg.partition() or 0, 0)
             state = self.handler.handle(
-                command,
-                maybe_taken_elsewhere=(msg.offset() or 0) < taken_before,
-                encoded=msg.value(),
+                command, maybe_taken_elsewhere=maybe_taken_elsewhere, encoded=msg.value()
             )
         except DeliveryFailed:
             log.exception(
@@ -1736,22 +1719,22 @@ class _CommandLoop:
         job = _Job(self, msg, command)
         # Only commands already on the partition when it was assigned here can have
         # been taken by another replica; the ledger probe is for those alone.
-        taken_before = rt._assigned_end.get(msg.partition() or 0, 0)
+        maybe = (msg.offset() or 0) < rt._assigned_end.get(msg.partition() or 0, 0)
         try:
             plan = job.plan = self._handler.plan(
-                command,
-                maybe_taken_elsewhere=(msg.offset() or 0) < taken_before,
-                encoded=msg.value(),
+                command, maybe_taken_elsewhere=maybe, encoded=msg.value()
             )
         except Exception as exc:
             self._fail(job, exc)
             return
         if plan.resend is not None:
-            self._send(job, plan.resend, plan.state)
+            self._send(job, plan.resend, plan.state, plan.resend_bytes)
         elif plan.outcome is not None:
             self._settle(job, plan.outcome)
         elif plan.blocking:
-            self._tools.submit(job, lambda: rt._process(msg), self._blocking_done(job))
+            self._tools.submit(
+                job, lambda: rt._process(msg, command, maybe), self._blocking_done(job)
+            )
         elif plan.intent is not None:
             assert plan.started is not None
             job.waiting = {"intent", "started"}
@@ -1759,6 +1742,7 @@ class _CommandLoop:
                 rt.send(
                     plan.intent,
                     self._reported(lambda failure: self._intent_step(job, "intent", failure)),
+                    None,
                 )
             except Exception as exc:  # not sent (a full local queue): nothing happened
                 self._sending -= 1
@@ -1817,10 +1801,13 @@ class _CommandLoop:
         assert job.command is not None
         job.settled = True
         row = self._handler.outcome_row(job.command, outcome, job.msg.value())
-        self._rows.append((row, job, lambda: self._send(job, outcome.record, outcome.state)))
+        self._rows.append(
+            (row, job, lambda: self._send(job, outcome.record, outcome.state, row[3]))
+        )
 
-    def _send(self, job: _Job, record: Record, state: str) -> None:
-        """Send a journalled outcome; the command is done once the broker has it."""
+    def _send(self, job: _Job, record: Record, state: str, encoded: bytes | None) -> None:
+        """Send a journalled outcome (``encoded``: its bytes, as journalled); the
+        command is done once the broker has it."""
 
         def delivered(failure: BaseException | None) -> None:
             if failure is not None:
@@ -1835,7 +1822,7 @@ class _CommandLoop:
             self._finished(job.msg)
 
         try:
-            self._rt.send(record, self._reported(delivered))
+            self._rt.send(record, self._reported(delivered), encoded)
         except Exception as exc:  # not sent (a full local queue): the journal has it
             self._sending -= 1
             log.warning("sending %s failed (%s); sending it again", record.TYPE, exc)

@@ -39,10 +39,13 @@ _DLQ_HEADERS = frozenset({DLQ_REASON, DLQ_DETAIL, DLQ_TOPIC, DLQ_PARTITION, DLQ_
 _MAX_DETAIL = 2000
 
 
-def to_message(record: Record, signer: Signer) -> tuple[bytes, bytes, Headers]:
-    """``(key, value, headers)`` for producing ``record``."""
+def to_message(
+    record: Record, signer: Signer, encoded: bytes | None = None
+) -> tuple[bytes, bytes, Headers]:
+    """``(key, value, headers)`` for producing ``record``; ``encoded``: its bytes
+    (``encode(record)``) when the caller has them already."""
     key = record.envelope.saga_id.encode("utf-8")
-    value = encode(record)
+    value = encode(record) if encoded is None else encoded
     return key, value, signer.headers(key, value)
 
 

@@ -43,6 +43,7 @@ from schemas import (
     StepOutcomeUnknown,
     envelope_for,
 )
+from schemas.codec import encode
 from schemas.signing import Signer
 from schemas.wire import to_message
 from tests.system import wait_until
@@ -61,7 +62,7 @@ class _Msg:
     def value(self) -> bytes:
         return self._value
 
-    def headers(self) -> list[tuple[str, bytes]]:
+    def headers(self) -> list[tuple[str, str | bytes | None]]:
         return list(self._headers)
 
     def partition(self) -> int:
@@ -83,8 +84,13 @@ class _Broker:
         self._lock = threading.Lock()
 
     def send_then(
-        self, record: Record, on_delivered: Callable[[DeliveryFailed | None], None]
+        self,
+        record: Record,
+        on_delivered: Callable[[DeliveryFailed | None], None],
+        encoded: bytes | None = None,
     ) -> None:
+        # bytes handed over (a journalled outcome) are the record's own
+        assert encoded is None or encoded == encode(record), record.TYPE
         with self._lock:
             self.sent.append(record)
             self._reports.append((record, on_delivered))
@@ -186,7 +192,11 @@ class _Rig:
         self.loop.serve()
 
     def run_until(self, done: Callable[[], bool], what: str) -> None:
-        wait_until(lambda: (self.turn(), done())[1], what=what)
+        def turned() -> bool:
+            self.turn()
+            return done()
+
+        wait_until(turned, what=what)
 
     def close(self) -> None:
         self.loop.close()

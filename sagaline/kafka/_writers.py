@@ -192,11 +192,15 @@ class LedgerWriter:
         self.send_then(record, on_delivered)
 
     def send_then(
-        self, record: Record, on_delivered: Callable[[DeliveryFailed | None], None]
+        self,
+        record: Record,
+        on_delivered: Callable[[DeliveryFailed | None], None],
+        encoded: bytes | None = None,
     ) -> None:
         """:meth:`append_then` for an owner that polls the producer itself (a loop
         that serves its own delivery reports): ``on_delivered`` runs on whichever
-        thread polls, so it must be quick and must not raise."""
+        thread polls, so it must be quick and must not raise. ``encoded``: the
+        record's bytes when the caller has them already (a journalled outcome)."""
         topic = self.topics.events
 
         def on_delivery(err: KafkaError | None, _msg: Message) -> None:
@@ -211,7 +215,7 @@ class LedgerWriter:
                 )
             )
 
-        key, value, headers = to_message(record, self.signer)
+        key, value, headers = to_message(record, self.signer, encoded)
         self.producer.produce(topic, key=key, value=value, headers=headers, on_delivery=on_delivery)
 
     async def append_async(self, record: Record, *, timeout_s: float = 30.0) -> None:

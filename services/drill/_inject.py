@@ -20,6 +20,7 @@ from typing import Any
 
 from participants.catalogue import Catalogue, ToolSpec
 from participants.context import current_call
+from participants.runtime import SendThen
 from sagaline.kafka import DeliveryFailed
 from schemas import Record, StepCommitted
 
@@ -161,18 +162,20 @@ class FaultBoard:
 
         return guarded
 
-    def guard_send(
-        self, send: Callable[[Record, Callable[[DeliveryFailed | None], None]], None]
-    ) -> Callable[[Record, Callable[[DeliveryFailed | None], None]], None]:
+    def guard_send(self, send: SendThen) -> SendThen:
         """Wrap a runtime's loop send (``ParticipantRuntime.send``) the same way: the
         refused record's delivery report says so."""
 
-        def guarded(record: Record, on_delivered: Callable[[DeliveryFailed | None], None]) -> None:
+        def guarded(
+            record: Record,
+            on_delivered: Callable[[DeliveryFailed | None], None],
+            encoded: bytes | None,
+        ) -> None:
             refused = self._refused(record)
             if refused is not None:
                 on_delivered(refused)
                 return
-            send(record, on_delivered)
+            send(record, on_delivered, encoded)
 
         return guarded
 
