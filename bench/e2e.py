@@ -523,10 +523,39 @@ def pct(values: Sequence[float], q: float) -> float:
 # "commands.<participant>".
 
 
+def causal_order(records: Sequence[Traced]) -> list[Traced]:
+    """One saga's records in an order where each comes after what caused it.
+
+    Timestamps cannot give it: they are per millisecond and set by different
+    processes, so one at a time a participant's intent often carries the same
+    millisecond as the command that caused it, and a tie broken the wrong way made a
+    raw script whose copier waits for a record that comes only after it (the floor
+    then stalled and printed nan). A saga's ``sagaline.events`` records share one
+    partition, so their offsets are their true order; every other record (a command,
+    the terminal copy) follows the events record that caused it."""
+    events = sorted((r for r in records if r.topic.endswith("events")), key=lambda r: r.offset_key)
+    ids = {r.event_id for r in events}
+    after: dict[str, list[Traced]] = collections.defaultdict(list)
+    unplaced: list[Traced] = []
+    for r in records:
+        if r.topic.endswith("events"):
+            continue
+        if r.causation in ids:
+            after[r.causation or ""].append(r)
+        else:
+            unplaced.append(r)
+    ordered: list[Traced] = []
+    for r in events:
+        ordered.append(r)
+        ordered.extend(after.get(r.event_id, ()))
+    return ordered + unplaced
+
+
 def script_from_trace(
     records: Sequence[Traced], topics: Any
 ) -> tuple[list[tuple[str, str, int]], int]:
     """The raw script of one real saga, and the index the raw agent treats as done."""
+    records = causal_order(records)
     script: list[tuple[str, str, int]] = []
     index_of: dict[str, int] = {}
     last_other = -1
@@ -1094,6 +1123,15 @@ def run_raw(
                     res.raw_requests = request_log.stop(_clients(who))
                     res.raw_requests["agent"] = res.raw_requests.pop("other", collections.Counter())
             outcome = json.loads(out.strip().splitlines()[-1])
+            if outcome.get("stuck"):
+                # Say so (nan alone reads like a result); keep the nodes' logs.
+                args.keep_work = True
+                print(
+                    f"[raw {variant} x{res.in_flight}] the floor stalled: "
+                    f"{outcome['sagas']} of {res.count} sagas, then no progress for 60 s; "
+                    f"its processes' logs are kept in {logs}",
+                    flush=True,
+                )
             cpu["agent"] = outcome.get("cpu", float("nan"))
             res.raw_cpu = cpu
             res.raw_elapsed = outcome["elapsed"]
