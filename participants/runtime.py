@@ -410,12 +410,7 @@ class CommandHandler:
             from schemas.codec import decode
 
             return _Plan(resend=decode(seen[1]), resend_bytes=seen[1], state=seen[0])
-        probe = seen is None and maybe_taken_elsewhere
-        if (
-            probe
-            and self._ledger is not None
-            and isinstance(command, (ExecuteStep, CompensateStep))
-        ):
+        if seen is None and maybe_taken_elsewhere and self._probes(command):
             if not inline:
                 return _Plan(blocking=True)
             earlier = self._on_ledger(command)
@@ -510,6 +505,11 @@ class CommandHandler:
             self._metrics.observe_output(outcome.record)
         return outcome.state
 
+    def _probes(self, cmd: Record) -> bool:
+        """Whether a journal miss for ``cmd`` reads the ledger first: only executions
+        and compensations leave records a replica could have written."""
+        return self._ledger is not None and isinstance(cmd, (ExecuteStep, CompensateStep))
+
     def _on_ledger(self, cmd: Record) -> _Outcome | None:
         """What a journal miss must not ignore: this command's records on the ledger.
 
@@ -519,7 +519,7 @@ class CommandHandler:
         so only their outcome can be found; one that ran without reporting is run
         again under the same compensation key, which the compensation must honour.
         """
-        if self._ledger is None or not isinstance(cmd, (ExecuteStep, CompensateStep)):
+        if self._ledger is None or not self._probes(cmd):
             return None
         by_id = {r.event_id: r for r in self._ledger.caused_by(cmd)}
         outcome = by_id.get(derived_event_id(cmd.event_id, "outcome"))
