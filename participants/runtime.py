@@ -410,7 +410,7 @@ class CommandHandler:
             from schemas.codec import decode
 
             return _Plan(resend=decode(seen[1]), resend_bytes=seen[1], state=seen[0])
-        if seen is None and maybe_taken_elsewhere and self._probes(command):
+        if seen is None and maybe_taken_elsewhere and self._probe_for(command) is not None:
             if not inline:
                 return _Plan(blocking=True)
             earlier = self._on_ledger(command)
@@ -505,10 +505,10 @@ class CommandHandler:
             self._metrics.observe_output(outcome.record)
         return outcome.state
 
-    def _probes(self, cmd: Record) -> bool:
-        """Whether a journal miss for ``cmd`` reads the ledger first: only executions
+    def _probe_for(self, cmd: Record) -> LedgerProbe | None:
+        """The ledger a journal miss for ``cmd`` reads first, if any: only executions
         and compensations leave records a replica could have written."""
-        return self._ledger is not None and isinstance(cmd, (ExecuteStep, CompensateStep))
+        return self._ledger if isinstance(cmd, (ExecuteStep, CompensateStep)) else None
 
     def _on_ledger(self, cmd: Record) -> _Outcome | None:
         """What a journal miss must not ignore: this command's records on the ledger.
@@ -519,9 +519,10 @@ class CommandHandler:
         so only their outcome can be found; one that ran without reporting is run
         again under the same compensation key, which the compensation must honour.
         """
-        if self._ledger is None or not self._probes(cmd):
+        ledger = self._probe_for(cmd)
+        if ledger is None:
             return None
-        by_id = {r.event_id: r for r in self._ledger.caused_by(cmd)}
+        by_id = {r.event_id: r for r in ledger.caused_by(cmd)}
         outcome = by_id.get(derived_event_id(cmd.event_id, "outcome"))
         if outcome is not None:
             return _Outcome(
