@@ -60,30 +60,40 @@ def read_to_end(
 ) -> Iterator[Message]:
     """Yield the committed messages of ``partitions`` of ``topic`` from the start (or
     from ``start[partition]``) up to their end as of now, then stop. The one reader
-    behind state restore, the ledger tools and ``saga show``: no commits."""
+    behind state restore, the ledger tools and ``saga show``: no commits.
+
+    "As of now" is each partition's end offset when the call starts: records written
+    while it reads are not yielded, so a caller that writes back to the topic it reads
+    (the drill re-producing a saga's records) cannot chase its own writes."""
     consumer = _reader(client_config(bootstrap), group_id)
     try:
         begin = start or {}
-        live = []
+        end: dict[int, int] = {}
         for n in partitions:
             low, high = watermarks(consumer, TopicPartition(topic, n))
             if high > max(begin.get(n, 0), low):
-                live.append(n)
-        if not live:
+                end[n] = high
+        if not end:
             return
-        consumer.assign([TopicPartition(topic, n, begin.get(n, OFFSET_BEGINNING)) for n in live])
-        remaining = set(live)
-        while remaining:
+        consumer.assign([TopicPartition(topic, n, begin.get(n, OFFSET_BEGINNING)) for n in end])
+        while end:
             msg = consumer.poll(1.0)
             if msg is None:
                 continue
+            n = msg.partition() or 0
             err = msg.error()
             if err is not None:
                 if err.code() == KafkaError._PARTITION_EOF:
-                    remaining.discard(msg.partition() or 0)
+                    end.pop(n, None)
                     continue
                 raise KafkaException(err)
+            offset = msg.offset() or 0
+            if n not in end or offset >= end[n]:
+                end.pop(n, None)  # written after the call started
+                continue
             yield msg
+            if offset >= end[n] - 1:
+                end.pop(n)
     finally:
         consumer.close()
 
