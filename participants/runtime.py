@@ -721,7 +721,7 @@ class CommandHandler:
             **common,
             kind=kind,
             error_type=type(exc).__name__,
-            message=str(exc)[:2000],
+            message=_utf8(str(exc)[:2000]),
         )
 
     # ----------------------------------------------------------- compensate step
@@ -795,7 +795,7 @@ class CommandHandler:
                     **common,
                     kind=kind,
                     error_type=type(exc).__name__,
-                    message=str(exc)[:2000],
+                    message=_utf8(str(exc)[:2000]),
                 )
             )
         return _Outcome(
@@ -1115,9 +1115,19 @@ def _operation_id(found: str | None) -> str | None:
     """A provider operation id, bounded: by default a ``str`` result *is* the id, and a
     tool returning a 2 MB string must not make its outcome unwritable. A longer one
     is kept as its fingerprint."""
-    if found is None or len(found) <= _MAX_OPERATION_ID:
+    if found is None:
+        return None
+    found = _utf8(found)
+    if len(found) <= _MAX_OPERATION_ID:
         return found
     return f"sha256:{fingerprint(found.encode())} ({len(found)} chars)"
+
+
+def _utf8(text: str) -> str:
+    """``text`` as it can be written: a string read with surrogateescape (a file name,
+    a provider's bytes) has no UTF-8 form, and an outcome holding one could not be
+    encoded, so its command would never finish (its saga and offsets stuck behind it)."""
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def _appended_by(append: Callable[[Record], None]) -> Callable[[Record], Callable[[], None]]:

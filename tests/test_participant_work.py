@@ -39,6 +39,7 @@ from schemas import (
     ExecuteStep,
     Record,
     StepCommitted,
+    StepFailed,
     StepIntentRecorded,
     StepOutcomeUnknown,
     envelope_for,
@@ -119,6 +120,7 @@ class _Desk:
         self.overlaps: list[str] = []
         self.ran: dict[str, list[int]] = defaultdict(list)
         self.gates: dict[str, threading.Event] = {}
+        self.errors: dict[str, Exception] = {}
 
     @tool(description="Book a desk")
     @compensable(by="release")
@@ -128,11 +130,14 @@ class _Desk:
                 self.overlaps.append(saga)
             self.running.add(saga)
             gate = self.gates.get(f"{saga}/{n}")
+            error = self.errors.get(f"{saga}/{n}")
         if gate is not None:
             assert gate.wait(60)
         with self.lock:
             self.ran[saga].append(n)
             self.running.discard(saga)
+        if error is not None:
+            raise error
         return {"n": n}
 
     def release(self, ctx: CompensationContext) -> None:
@@ -292,6 +297,26 @@ def test_a_tool_past_its_deadline_is_answered_for_and_its_saga_goes_on(tmp_path:
         rig.turn()
     assert len(rig.broker.of(StepCommitted, "saga-a")) == 1
     assert rig.loop.committable() == {0: 3}
+    rig.close()
+
+
+def test_a_tool_error_whose_message_is_not_utf8_is_reported_and_its_saga_goes_on(
+    tmp_path: Path,
+) -> None:
+    # R9/R16: a message read with surrogateescape (a file name, a provider's bytes)
+    # cannot be written as UTF-8; the failure must still reach the ledger, and the
+    # saga's next command (and the partition's offsets) must not wait behind it.
+    rig = _Rig(tmp_path)
+    rig.desk.errors["saga-a/0"] = ValueError(
+        b"no such file: \xff".decode("utf-8", "surrogateescape")
+    )
+    rig.submit(_execute("saga-a", 0))
+    rig.submit(_execute("saga-a", 1))
+    rig.run_until(lambda: rig.loop.pending == 0, "both commands done")
+    failed = rig.broker.of(StepFailed, "saga-a")
+    assert len(failed) == 1 and failed[0].message.startswith("no such file: ")
+    assert rig.desk.ran["saga-a"] == [0, 1]
+    assert rig.loop.committable() == {0: 2}
     rig.close()
 
 
