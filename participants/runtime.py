@@ -1221,7 +1221,7 @@ class ParticipantRuntime:
         self._running.set()
         self._background: list[threading.Thread] = []
         self._work = _CommandLoop(self, max_in_flight)
-        # Per command partition, its end offset when it was assigned to this replica.
+        # Per command partition assigned to this replica, its end offset when assigned.
         self._assigned_end: dict[int, int] = {}
         for spec in catalogue.values():
             _check_served(spec, self.participant)
@@ -1290,6 +1290,8 @@ class ParticipantRuntime:
             except KafkaException as exc:  # lost, not revoked: the next owner redelivers
                 log.warning("offset commit on revoke failed (%s)", exc)
             self._work.forget({p.partition for p in partitions})
+            for tp in partitions:
+                self._assigned_end.pop(tp.partition, None)
 
         consumer.subscribe(
             [self.topics.commands(self.participant)],
@@ -1325,6 +1327,11 @@ class ParticipantRuntime:
                         if error is not None:
                             raise_if_fatal(error)  # a fenced consumer: exit, restart
                             log.warning("consumer error: %s", error)
+                            continue
+                        if m.partition() not in self._assigned_end:
+                            # Taken by poll() before a rebalance that consume() served
+                            # moved its partition: its new owner reads it from the
+                            # committed offset, and must be the only one to run it.
                             continue
                         work.submit(m)
                     if not batch:

@@ -326,3 +326,91 @@ def test_a_stop_before_run_reaches_its_loop_is_kept(
     ready = threading.Event()
     runtime.run(ready=ready)
     assert ready.is_set()  # it did start, then honoured the stop
+
+
+def test_a_command_fetched_before_its_partition_was_revoked_is_left_to_the_new_owner(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R15: the run loop takes a command with ``poll()`` and more with ``consume()``;
+    a rebalance served inside that ``consume()`` revokes the first one's partition
+    (drained, committed, forgotten) and gives it to another member, which reads it
+    from the committed offset. This replica must not run it as well."""
+    import uuid
+
+    import participants.runtime as runtime_module
+    from sagaline.kafka import create_consumer
+
+    bootstrap = f"memory://{uuid.uuid4().hex[:12]}"
+    settings = Settings(bootstrap=bootstrap, topic_prefix="t.", partitions=2, state_dir=tmp_path)
+    topic = settings.topics.commands(PARTICIPANT)
+    ensure_topics(bootstrap, settings.topics, [PARTICIPANT], 2)
+    shop = Shop(lambda key: True)
+    group = f"{settings.topics.prefix}sagaline-participant-{PARTICIPANT}"
+    other = create_consumer(bootstrap, group)
+    rebalanced = threading.Event()
+    polls_after = threading.Semaphore(0)
+
+    class JoinedWhilePolling:
+        """The runtime's consumer; the other member joins right after the first
+        poll() that returns a command, so the next consume() serves the rebalance."""
+
+        def __init__(self, consumer: Any) -> None:
+            self._consumer = consumer
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._consumer, name)
+
+        def poll(self, timeout: float = -1) -> Any:
+            if rebalanced.is_set():
+                polls_after.release()
+            msg = self._consumer.poll(timeout)
+            if msg is not None and not rebalanced.is_set():
+                other.subscribe([topic])
+                rebalanced.set()
+            return msg
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        return JoinedWhilePolling(create_consumer(*args, **kwargs))
+
+    monkeypatch.setattr(runtime_module, "create_consumer", wrapped)
+    runtime = ParticipantRuntime(
+        wrap(shop, name=PARTICIPANT), settings, bootstrap, participant=PARTICIPANT
+    )
+    submitted: list[tuple[int, int]] = []
+    submit = runtime._work.submit
+
+    def recording_submit(msg: Any) -> None:
+        submitted.append((msg.partition(), msg.offset()))
+        submit(msg)
+
+    monkeypatch.setattr(runtime._work, "submit", recording_submit)
+    saga = "saga-moved"
+    body = canonical_json({"sku": "a", "quantity": 1})
+    command = ExecuteStep(
+        envelope=envelope_for(
+            ExecuteStep, saga_id=saga, tenant_id="t", producer="coordinator", now=1
+        ),
+        step_id="s1",
+        tool="reserve",
+        args=body,
+        idempotency_key=idempotency_key(saga, "s1", "reserve", body),
+        attempt=1,
+        deadline_ms=60_000,
+        principal="agent",
+    )
+    producer = create_producer(bootstrap)
+    key, value, headers = to_message(command, settings.signer())
+    # partition 1: the other member's once it joins (partitions go round-robin)
+    producer.produce(topic, key=key, value=value, headers=headers, partition=1)
+    assert producer.flush(30) == 0
+    thread = threading.Thread(target=runtime.run, daemon=True)
+    thread.start()
+    assert polls_after.acquire(timeout=60), "the loop did not poll again after the rebalance"
+    runtime.stop()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert submitted == [], "a command of a partition revoked from this replica was taken"
+    assert shop.count("reserve") == 0
+    moved = other.poll(30)  # the partition's owner reads it, from the committed offset
+    assert moved is not None and (moved.partition(), moved.offset()) == (1, 0)
+    other.close()
