@@ -1376,7 +1376,11 @@ class ParticipantRuntime:
             return False
         except Exception as exc:  # R16: never stop the service, never lose the record
             log.exception("handling %s %s failed", command.TYPE, command.event_id)
-            self._dead_letters.write(msg, "handler-error", f"{type(exc).__name__}: {exc}")
+            try:
+                self._dead_letters.write(msg, "handler-error", f"{type(exc).__name__}: {exc}")
+            except DeliveryFailed:  # tried again: its offset must not move past it
+                log.exception("dead-lettering %s %s failed", command.TYPE, command.event_id)
+                return False
             self.metrics.dlq("handler-error")
             return True
         if state == "accepted":
@@ -1892,7 +1896,11 @@ class _CommandLoop:
         rt = self._rt
 
         def write() -> bool:
-            rt._dead_letters.write(job.msg, reason, detail)
+            try:
+                rt._dead_letters.write(job.msg, reason, detail)
+            except DeliveryFailed:  # tried again: no offset moves past a record not kept
+                log.exception("dead-lettering offset %s failed", job.msg.offset())
+                return False
             rt.metrics.dlq(reason)
             return True
 

@@ -172,16 +172,27 @@ class _Rig:
             wrap(self.desk, name="desks"), "desks", self.journal, self._blocking_append
         )
         self.next_offset: dict[int, int] = defaultdict(int)
+        self.dead_letters: list[tuple[int, str]] = []  # (offset, reason) the DLQ has
+        self.dlq_refusals = 0  # how many DLQ writes the broker refuses next
         runtime = SimpleNamespace(
             participant="desks",
             handler=self.handler,
             signer=_SIGNER,
-            metrics=SimpleNamespace(observe_record=lambda r: None, observe_output=lambda r: None),
+            metrics=SimpleNamespace(
+                observe_record=lambda r: None, observe_output=lambda r: None, dlq=lambda r: None
+            ),
             _writer=SimpleNamespace(producer=self.broker),
+            _dead_letters=SimpleNamespace(write=self._dead_letter),
             send=self.broker.send_then,
             _assigned_end={},
         )
         self.loop = _CommandLoop(cast(ParticipantRuntime, runtime), workers)
+
+    def _dead_letter(self, msg: Message, reason: str, detail: str) -> None:
+        if self.dlq_refusals:
+            self.dlq_refusals -= 1
+            raise DeliveryFailed("the broker said no", topic="dlq", error=None)
+        self.dead_letters.append((msg.offset() or 0, reason))
 
     def _blocking_append(self, record: Record) -> None:
         raise AssertionError(f"the loop's fast path appended {record.TYPE} blocking")
@@ -316,6 +327,24 @@ def test_a_tool_error_whose_message_is_not_utf8_is_reported_and_its_saga_goes_on
     failed = rig.broker.of(StepFailed, "saga-a")
     assert len(failed) == 1 and failed[0].message.startswith("no such file: ")
     assert rig.desk.ran["saga-a"] == [0, 1]
+    assert rig.loop.committable() == {0: 2}
+    rig.close()
+
+
+def test_a_dead_letter_the_broker_refused_is_written_again_before_its_offset_commits(
+    tmp_path: Path,
+) -> None:
+    # R16: bad input never loses a record: its offset moves on only once the DLQ has it.
+    rig = _Rig(tmp_path)
+    rig.dlq_refusals = 1
+    bad = _Msg(_execute("saga-a", 0), 0, 0)
+    bad._value = b"not a record"
+    rig.next_offset[0] = 1
+    rig.loop.submit(cast(Message, bad))
+    rig.submit(_execute("saga-a", 1))
+    rig.run_until(lambda: rig.loop.pending == 0, "both commands done")
+    assert rig.dead_letters == [(0, "malformed")]
+    assert rig.desk.ran["saga-a"] == [1]
     assert rig.loop.committable() == {0: 2}
     rig.close()
 
