@@ -727,7 +727,7 @@ class Coordinator:
             self._producer.begin_transaction()
             try:
                 self._produce_saga(saga_id, pending)
-                self._producer.commit_transaction(30)
+                _commit_transaction(self._producer)
             except KafkaException as exc:
                 if not _record_fault(exc):
                     raise  # the broker is failing everyone: rewind, park nobody
@@ -739,7 +739,7 @@ class Coordinator:
             self._produce_saga(saga_id, pending)
         self._produce_tombstones(pending)
         self._send_offsets(self._positions(), self._consumer.consumer_group_metadata())
-        self._producer.commit_transaction(30)
+        _commit_transaction(self._producer)
 
     def _topics_for(self, output: Output) -> list[str]:
         if output.destination is Destination.COMMAND:
@@ -1127,12 +1127,30 @@ def _commit(producer: Producer, offsets: Future[None]) -> float:
     """Commit the open transaction once its offsets are in it (on the thread that
     sent them, after them); when it returned."""
     offsets.result()
+    _commit_transaction(producer)
+    return time.perf_counter()
+
+
+def _commit_transaction(producer: Producer) -> None:
+    """Commit the open transaction, asking again while librdkafka says it may.
+
+    A retriable error (the call's timeout ran out) is no abort: the commit goes on in
+    the background and may have committed the outputs, changelog and offsets, so
+    rewinding would skip a batch memory never took. Only the call again says how it
+    ended (an abortable error is raised and aborts the batch as usual)."""
     # The batch loop waits for this commit; a commit librdkafka never returns from
     # (as send_offsets_to_transaction can after a broker restart) must end the process
     # for its supervisor to restart, not stall every saga.
     with deadline("commit_transaction", 30):
-        producer.commit_transaction(30)
-    return time.perf_counter()
+        while True:
+            try:
+                producer.commit_transaction(30)
+                return
+            except KafkaException as exc:
+                error: KafkaError = exc.args[0]
+                if error.fatal() or error.txn_requires_abort() or not error.retriable():
+                    raise
+                log.warning("commit_transaction: %s; asking again how it ended", error)
 
 
 def _record_fault(exc: KafkaException) -> bool:
