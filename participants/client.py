@@ -231,7 +231,10 @@ class _Ledger:
             for loop, future in futures:
                 woken.setdefault(loop, []).append(future)
         for loop, batch in woken.items():
-            loop.call_soon_threadsafe(_wake, batch)
+            try:
+                loop.call_soon_threadsafe(_wake, batch)
+            except RuntimeError:  # the loop has closed since: nobody is left to wake
+                continue
 
     def wait_for(self, saga_id: str, check: Callable[[Record], Any], timeout_s: float) -> Any:
         """Scan the saga's records (old and new) until ``check`` returns non-None."""
@@ -277,14 +280,19 @@ class _Ledger:
                     feed.futures.append((loop, future))
             if found is not None:
                 return found
-            left = deadline - loop.time()
-            if left <= 0:
-                return None
             assert future is not None
             try:
+                left = deadline - loop.time()
+                if left <= 0:
+                    return None
                 await asyncio.wait_for(future, left)
             except TimeoutError:
                 return None
+            finally:
+                # A wait that gave up (timed out, cancelled) leaves no future behind for
+                # the listener to wake on a loop that may have closed since.
+                with feed.cond:
+                    feed.futures = [w for w in feed.futures if w[1] is not future]
 
 
 def _wake(futures: list[asyncio.Future[None]]) -> None:

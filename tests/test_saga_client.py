@@ -162,6 +162,33 @@ def test_async_with_completes_the_saga(local: tuple[System, Desk]) -> None:
     assert desk.log == ["book:tue"]
 
 
+def test_a_wait_given_up_on_a_closed_event_loop_leaves_nothing_to_stop_the_listener(
+    local: tuple[System, Desk],
+) -> None:
+    """An asyncio wait that gave up (timed out or cancelled) leaves no future behind:
+    the next record of its saga would otherwise be handed to a loop that has closed
+    since (``asyncio.run`` returned), and the one listener every saga of the client
+    shares would die on it, leaving every later wait to time out."""
+    system, _desk = local
+    ledger = system.client._ledger
+    with system.client.saga("desk", "agent") as saga:
+        with pytest.raises(TimeoutError):
+            asyncio.run(saga.await_terminal(0))  # gives up at once; its loop then closes
+
+        async def cancelled() -> None:
+            waiting = asyncio.create_task(saga.await_terminal(60))
+            while not ledger._feeds[saga.saga_id].futures:  # until it waits
+                await asyncio.sleep(0)
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+
+        asyncio.run(cancelled())
+        assert ledger._feeds[saga.saga_id].futures == []
+        assert saga.call("book_slot", day="sun") == {"slot": "slot-sun"}
+    assert saga.wait(60).status is TerminalStatus.COMPLETED
+
+
 def test_a_call_waits_for_its_steps_acknowledgement_as_long_as_for_its_outcome(
     local: tuple[System, Desk], monkeypatch: pytest.MonkeyPatch
 ) -> None:
