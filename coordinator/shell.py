@@ -245,6 +245,9 @@ class Coordinator:
         self._failures = 0  # consecutive failed transactions
         self._suspects: set[str] = set()  # sagas whose records failed to produce
         self._assigned: set[int] = set()
+        # Rebalances the callbacks served: a record poll() returned before one is left
+        # to its partition's owner (see _next_batch).
+        self._rebalances = 0
         # The consumer's group metadata for the transactions' offsets, asked of
         # librdkafka once per assignment (each ask is a round trip to its main
         # thread); dropped on every rebalance and after a failed transaction.
@@ -349,7 +352,15 @@ class Coordinator:
             first = self._consumer.poll(wait_s)
             if first is None:
                 return []
-        return [first, *self._consumer.consume(self._batch_size - 1, 0)]
+        rebalances = self._rebalances
+        rest = self._consumer.consume(self._batch_size - 1, 0)
+        if self._rebalances != rebalances:
+            # first is of the assignment before: its partition's owner now (another
+            # instance, or this one again) reads it from the committed offset, against
+            # the state restored there; deciding it here could write for a saga that
+            # is no longer ours, from a state we no longer hold.
+            return rest
+        return [first, *rest]
 
     def _due_sagas(self, now: int) -> list[str]:
         """Sagas with a timer due at ``now``, from the heap (no scan of every saga)."""
@@ -889,6 +900,7 @@ class Coordinator:
     # -------------------------------------------------------------- rebalancing
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._rebalances += 1
         self._settle()  # the changelog read below must hold our last batch
         self._group_metadata = None  # a new generation
         numbers = [p.partition for p in partitions]
@@ -897,11 +909,13 @@ class Coordinator:
         log.info("assigned %s; restored %d sagas", numbers, restored)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._rebalances += 1
         self._settle()  # our last batch commits (or aborts) before the partitions go
         self._group_metadata = None
         self._drop({p.partition for p in partitions})
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._rebalances += 1
         self._settle()
         self._group_metadata = None
         self._drop({p.partition for p in partitions})
