@@ -694,23 +694,27 @@ class Coordinator:
             if _record_fault(exc):
                 self._suspects.add(saga_id)
             raise
+
+    def _produce(self, messages: list[_Msg]) -> None:
+        """Queue ``messages`` in the open transaction. A full local queue
+        (``BufferError``) is raised as a ``KafkaException``, as the broker's errors
+        are: the batch is aborted and rewound, whichever of its records it hit."""
+        try:
+            for topic, key, value, headers, partition in messages:
+                kwargs: dict[str, Any] = {"key": key, "value": value, "headers": headers}
+                if partition is not None:
+                    kwargs["partition"] = partition
+                self._producer.produce(topic, **kwargs)
         except BufferError as exc:
             raise KafkaException(KafkaError(KafkaError._QUEUE_FULL, str(exc))) from exc
 
-    def _produce(self, messages: list[_Msg]) -> None:
-        for topic, key, value, headers, partition in messages:
-            kwargs: dict[str, Any] = {"key": key, "value": value, "headers": headers}
-            if partition is not None:
-                kwargs["partition"] = partition
-            self._producer.produce(topic, **kwargs)
-
     def _produce_tombstones(self, pending: _Pending) -> None:
-        for saga_id in pending.expired:
-            kwargs: dict[str, Any] = {"key": saga_id.encode(), "value": None}
-            partition = self._partition_of.get(saga_id)
-            if partition is not None:
-                kwargs["partition"] = partition
-            self._producer.produce(self.topics.state, **kwargs)
+        self._produce(
+            [
+                (self.topics.state, saga_id.encode(), None, [], self._partition_of.get(saga_id))
+                for saga_id in pending.expired
+            ]
+        )
 
     def _positions(self) -> list[TopicPartition]:
         """Where the consumer is: the offsets a batch commits once processed.
