@@ -25,6 +25,7 @@ import math
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any, TypeVar
@@ -186,14 +187,26 @@ AWAITED: frozenset[type[Record]] = frozenset(
 
 
 class _SagaFeed:
-    """One followed saga: its records so far and who waits for the next one."""
+    """One followed saga: its records so far and who waits for the next one.
 
-    __slots__ = ("cond", "futures", "records")
+    ``held``: the agent left the saga open on ``ApprovalPending`` (R7) and may still
+    ``resume()`` a step, so its records outlive its terminal record until it is ended
+    or waited for; ``terminal``: that record, once it arrived."""
+
+    __slots__ = ("cond", "futures", "held", "records", "terminal")
 
     def __init__(self) -> None:
         self.records: list[Record] = []
         self.cond = threading.Condition()
         self.futures: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self.held = False
+        self.terminal: SagaTerminal | None = None
+
+
+ENDED_SAGAS_KEPT = 4096
+"""How many recently ended sagas a client keeps the terminal record of, so that a
+``wait()`` after the block still returns the receipt: far more than end between a
+block and its wait(), and small (a 3-step saga's record is about 4 KB: 16 MB)."""
 
 
 class _Ledger:
@@ -202,19 +215,73 @@ class _Ledger:
     Each record wakes only the waiters of its own saga (a thread on the saga's
     condition, or an asyncio future), so a thousand sagas in flight cost a thousand
     wake-ups per thousand records, not a million.
+
+    A saga is let go as soon as its ``SagaTerminal`` arrives, whether or not anyone
+    waits for it (an agent need not call ``wait()``): its records go, and only that
+    record stays, in a table of the ``ended_kept`` most recently ended sagas. Waiters
+    in progress hold the feed itself, which already has the terminal record; every
+    wait ends at it, so nothing after it is needed.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, ended_kept: int = ENDED_SAGAS_KEPT) -> None:
         self._feeds: dict[str, _SagaFeed] = {}
+        self._ended: OrderedDict[str, SagaTerminal] = OrderedDict()
+        self.ended_kept = ended_kept
+        # Guards moving a saga from _feeds to _ended against follow() recreating it.
+        self._lock = threading.Lock()
 
     def follow(self, saga_id: str) -> None:
-        self._feeds.setdefault(saga_id, _SagaFeed())  # atomic under the GIL
-
-    def forget(self, saga_id: str) -> None:
-        self._feeds.pop(saga_id, None)
+        """Follow a saga; one that ended recently is not followed again (its terminal
+        record answers every wait, and no record of it would come)."""
+        with self._lock:
+            if saga_id not in self._ended:
+                self._feeds.setdefault(saga_id, _SagaFeed())
 
     def follows(self, saga_id: str) -> bool:
         return saga_id in self._feeds
+
+    def knows(self, saga_id: str) -> bool:
+        """Whether the saga is followed or among the recently ended ones."""
+        with self._lock:
+            return saga_id in self._feeds or saga_id in self._ended
+
+    def hold(self, saga_id: str) -> None:
+        """Keep the saga's records past its terminal record, until :meth:`release`."""
+        with self._lock:
+            feed = self._feeds.get(saga_id)
+            if feed is not None:
+                feed.held = True
+
+    def release(self, saga_id: str) -> None:
+        """Undo :meth:`hold`; a saga already terminal is let go now."""
+        with self._lock:
+            feed = self._feeds.get(saga_id)
+            if feed is None:
+                return
+            feed.held = False
+            if feed.terminal is not None:
+                self._let_go(saga_id, feed.terminal)
+
+    def _terminal_arrived(self, saga_id: str, feed: _SagaFeed, terminal: SagaTerminal) -> None:
+        with self._lock:
+            if feed.terminal is None:
+                feed.terminal = terminal
+            if not feed.held:
+                self._let_go(saga_id, feed.terminal)
+
+    def _let_go(self, saga_id: str, terminal: SagaTerminal) -> None:
+        """(Under the lock.) Keep the terminal record, drop the feed: in this order, so
+        a wait that finds no feed finds the record."""
+        self._ended[saga_id] = terminal
+        while len(self._ended) > self.ended_kept:
+            self._ended.popitem(last=False)
+        self._feeds.pop(saga_id, None)
+
+    def _after_end(self, saga_id: str, check: Callable[[Record], Any]) -> Any:
+        """A wait on a saga with no feed: answered by its terminal record, if kept."""
+        with self._lock:
+            terminal = self._ended.get(saga_id)
+        return None if terminal is None else check(terminal)
 
     def add(self, records: Iterable[Record]) -> None:
         """Hand each record to its saga's waiters; asyncio waiters are woken once per
@@ -228,6 +295,8 @@ class _Ledger:
                 feed.records.append(record)
                 feed.cond.notify_all()
                 futures, feed.futures = feed.futures, []
+            if type(record) is SagaTerminal:  # once per saga: the lock is no cost
+                self._terminal_arrived(record.saga_id, feed, record)
             for loop, future in futures:
                 woken.setdefault(loop, []).append(future)
         for loop, batch in woken.items():
@@ -240,7 +309,7 @@ class _Ledger:
         """Scan the saga's records (old and new) until ``check`` returns non-None."""
         feed = self._feeds.get(saga_id)
         if feed is None:
-            return None
+            return self._after_end(saga_id, check)
         deadline = time.monotonic() + timeout_s
         seen = 0
         with feed.cond:
@@ -261,7 +330,7 @@ class _Ledger:
         """:meth:`wait_for` for asyncio: the waiter is a future, not a thread."""
         feed = self._feeds.get(saga_id)
         if feed is None:
-            return None
+            return self._after_end(saga_id, check)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         seen = 0
@@ -305,7 +374,14 @@ def _wake(futures: list[asyncio.Future[None]]) -> None:
 
 
 class SagaClient:
-    """One per agent process: a producer, a listener and the known tool contracts."""
+    """One per agent process: a producer, a listener and the known tool contracts.
+
+    ``ended_sagas_kept`` (default 4096): for how many recently ended sagas the client
+    keeps the terminal record once their other records are let go, so that
+    ``saga.wait()`` after the block still returns the receipt. A saga's records go as
+    soon as it is terminal, waited for or not, so a long-lived agent's memory does
+    not grow with the sagas it ran.
+    """
 
     check_coordinator = True
     """Before the first saga, wait (briefly) for a coordinator to consume the ledger
@@ -322,6 +398,7 @@ class SagaClient:
         contracts: Mapping[str, StepContract] | None = None,
         catalogues: Iterable[Catalogue] = (),
         call_timeout_s: float = 60.0,
+        ended_sagas_kept: int = ENDED_SAGAS_KEPT,
     ) -> None:
         self.settings = settings
         self.bootstrap = bootstrap
@@ -331,7 +408,7 @@ class SagaClient:
         self.producer_name = producer_name or self.signer.signs_as or "agent"
         self.call_timeout_s = call_timeout_s
         self._writer = LedgerWriter(bootstrap, self.topics, self.signer, background_poll=True)
-        self._ledger = _Ledger()
+        self._ledger = _Ledger(ended_sagas_kept)
         self._contracts: dict[str, StepContract] = dict(contracts or {})
         self._secret_paths: dict[str, tuple[str, ...]] = {}
         self.sealer = settings.sealer()
@@ -593,6 +670,7 @@ class Saga:
             # Waiting for a person is not a failure (R7): the saga stays open, the step
             # runs once approved. Finish with resume() then end(), or abort() it.
             log.info("saga %s left open: %s", self.saga_id, exc)
+            self.client._ledger.hold(self.saga_id)  # resume() reads its records
         else:
             self.end(SagaOutcome.ABORT, reason=f"{type(exc).__name__}: {exc}")
 
@@ -605,6 +683,7 @@ class Saga:
             ),
             timeout_s=self.client.call_timeout_s,
         )
+        self.client._ledger.release(self.saga_id)  # ended: nothing left to resume
 
     def call(
         self,
@@ -737,12 +816,19 @@ class Saga:
         return self._terminal(found, timeout_s)
 
     def _terminal(self, found: SagaTerminal | None, timeout_s: float) -> Receipt:
-        """The receipt; the client stops following the saga once it is terminal (a
-        long-lived agent must not keep every saga's records)."""
+        """The receipt; a saga held open (R7) is let go now that it was waited for."""
+        ledger = self.client._ledger
+        if found is None and not ledger.knows(self.saga_id):
+            raise TimeoutError(
+                f"saga {self.saga_id} is not followed by this client: never started or "
+                "attached here, or it ended before the last "
+                f"{ledger.ended_kept} sagas that ended; read its receipt with "
+                f"`sagaline saga show {self.saga_id}`"
+            )
         if found is None:
             raise TimeoutError(f"saga {self.saga_id} is not terminal after {timeout_s} s")
         self._receipt = Receipt.from_json(found.receipt)
-        self.client._ledger.forget(self.saga_id)
+        ledger.release(self.saga_id)
         return self._receipt
 
     # ----------------------------------------------------------------- async
@@ -770,6 +856,7 @@ class Saga:
             await self.end_async(SagaOutcome.COMPLETE)
         elif isinstance(exc, ApprovalPending):
             log.info("saga %s left open: %s", self.saga_id, exc)  # as in __exit__ (R7)
+            self.client._ledger.hold(self.saga_id)
         else:
             await self.end_async(SagaOutcome.ABORT, reason=f"{type(exc).__name__}: {exc}")
 
@@ -780,6 +867,7 @@ class Saga:
             ),
             timeout_s=self.client.call_timeout_s,
         )
+        self.client._ledger.release(self.saga_id)
 
     async def acall(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -22,16 +23,20 @@ from participants import (
 )
 from participants import client as client_module
 from participants.client import (
+    ApprovalDeniedError,
     ApprovalPending,
+    AsyncSaga,
     BusinessRejected,
     OutcomeUnknown,
+    Saga,
+    SagaCallError,
     SagaClient,
     UnknownTool,
 )
 from participants.plan import PlannedCall, PlanReport
 from participants.readiness import CoordinatorNotRunning
 from sagaline.kafka import DeliveryFailed, LedgerReader, ensure_topics
-from sagaline.ops.actions import OperatorChannel, grant_approval
+from sagaline.ops.actions import OperatorChannel, deny_approval, grant_approval
 from schemas import (
     ApprovalRequested,
     CompensationRequested,
@@ -133,13 +138,11 @@ def test_the_client_keeps_only_records_a_wait_reads_and_lets_a_saga_go_once_term
     system, _desk = local
     ledger = system.client._ledger
     with pytest.raises(BusinessRejected), system.client.saga("desk", "agent") as saga:
+        feed = ledger._feeds[saga.saga_id]  # let go once terminal: read it from here
         saga.call("book_slot", day="wed")
         saga.call("refuse")
-    terminal = ledger.wait_for(
-        saga.saga_id, lambda r: r if isinstance(r, SagaTerminal) else None, 60
-    )
-    assert terminal is not None
-    kept = {type(r) for r in ledger._feeds[saga.saga_id].records}
+    assert _terminal_arrived(system.client, saga.saga_id)
+    kept = {type(r) for r in feed.records}
     # The listener skipped the saga's start, scheduled steps, intents and
     # compensation progress before decoding them; what a wait reads is there.
     assert kept <= client_module.AWAITED
@@ -148,6 +151,100 @@ def test_the_client_keeps_only_records_a_wait_reads_and_lets_a_saga_go_once_term
     assert receipt.status is TerminalStatus.COMPENSATED
     assert not ledger.follows(saga.saga_id)  # a long-lived agent keeps nothing of it
     assert saga.wait(0) == receipt  # asked again: the same receipt, no second wait
+
+
+def test_sagas_nobody_waits_for_are_let_go_once_terminal_and_a_later_wait_still_answers(
+    local: tuple[System, Desk],
+) -> None:
+    """The documented use ends a saga with its block and never calls wait(), sync or
+    ``async with``: the client kept each such saga's records for as long as it lived,
+    so a long-lived agent grew without bound. A saga is let go once its terminal
+    record arrives; a wait() after the block still returns the receipt (R1)."""
+    system, _desk = local
+    ledger = system.client._ledger
+    sagas: list[Saga | AsyncSaga] = []
+    for n in range(8):
+        with contextlib.suppress(SagaCallError), system.client.saga("desk", "agent") as saga:
+            saga.call("book_slot", day=f"d{n}")
+            if n % 2:
+                saga.call("refuse")  # aborted and compensated: let go all the same
+        sagas.append(saga)
+
+    async def agent(n: int) -> AsyncSaga:
+        async with system.client.saga("desk", "agent") as asaga:
+            await asaga.call("book_slot", day=f"a{n}")
+        return asaga
+
+    async def agents() -> list[AsyncSaga]:
+        return await asyncio.gather(*(agent(n) for n in range(8)))
+
+    sagas.extend(asyncio.run(agents()))
+    ids = [s.saga_id for s in sagas]
+    assert all(_terminal_arrived(system.client, saga_id) for saga_id in ids)
+    assert [i for i in ids if ledger.follows(i)] == []  # no feed, no records kept
+    assert ledger._feeds == {}
+    assert {type(r) for r in ledger._ended.values()} == {SagaTerminal}  # all it keeps
+    statuses = [
+        asyncio.run(s.wait(60)).status if isinstance(s, AsyncSaga) else s.wait(60).status
+        for s in sagas
+    ]
+    assert (
+        statuses
+        == [TerminalStatus.COMPENSATED if n % 2 else TerminalStatus.COMPLETED for n in range(8)]
+        + [TerminalStatus.COMPLETED] * 8
+    )
+
+
+def test_a_client_keeps_the_terminal_records_of_its_most_recently_ended_sagas_only(
+    local: tuple[System, Desk],
+) -> None:
+    """What a wait() after the block needs is kept for ``ended_sagas_kept`` sagas,
+    the newest; a wait on an older one says where its receipt is instead of timing
+    out."""
+    system, desk = local
+    client = SagaClient(
+        system.settings, system.bootstrap, catalogues=[wrap(desk, name="desk")], ended_sagas_kept=2
+    )
+    with client:
+        sagas = []
+        for n in range(3):
+            with client.saga("desk", "agent") as saga:
+                saga.call("book_slot", day=f"k{n}")
+            assert _terminal_arrived(client, saga.saga_id)
+            sagas.append(saga)
+        assert list(client._ledger._ended) == [s.saga_id for s in sagas[1:]]
+        oldest = sagas[0].saga_id
+        with pytest.raises(TimeoutError, match=f"sagaline saga show {oldest}"):
+            sagas[0].wait(60)
+        assert [s.wait(60).status for s in sagas[1:]] == [TerminalStatus.COMPLETED] * 2
+
+
+def test_a_saga_left_open_for_an_approval_keeps_its_records_for_resume_after_it_ended_R7(
+    local: tuple[System, Desk],
+) -> None:
+    """A saga left open on ApprovalPending may end without the agent (the approval is
+    denied, the saga compensated); resume() then still says why its step did not run,
+    from the records, not only that the saga is over."""
+    system, desk = local
+    with pytest.raises(ApprovalPending) as err, system.client.saga("desk", "agent") as saga:
+        saga.call("book_slot", day="fri")
+        saga.call("announce", text="hello", timeout_s=3)
+    pending = err.value
+    request = next(
+        r
+        for r in system.records(saga.saga_id)
+        if isinstance(r, ApprovalRequested) and r.step_id == pending.step_id
+    )
+    channel = OperatorChannel.from_settings(system.settings, system.bootstrap)
+    deny_approval(channel, request, operator="ops:alice", reason="not today")
+    channel.close()
+    assert _terminal_arrived(system.client, saga.saga_id)
+    assert system.client._ledger.follows(saga.saga_id)  # held for resume()
+    with pytest.raises(ApprovalDeniedError, match="not today"):
+        saga.resume(pending.step_id)
+    assert saga.wait(60).status is TerminalStatus.COMPENSATED
+    assert not system.client._ledger.follows(saga.saga_id)  # waited for: let go
+    assert desk.log == ["book:fri", "free:slot-fri"]
 
 
 def test_async_with_completes_the_saga(local: tuple[System, Desk]) -> None:
@@ -389,6 +486,15 @@ def test_a_start_that_was_not_acknowledged_queues_an_abort_behind_it(
     receipt = saga.wait(timeout_s=120)
     assert receipt.status is TerminalStatus.COMPENSATED and not receipt.steps
     assert "gave up on starting the saga" in receipt.end_reason
+
+
+def _terminal_arrived(client: SagaClient, saga_id: str) -> bool:
+    """Whether the client's listener has handed on the saga's terminal record (within
+    a generous bound), found the way a wait() finds it."""
+    terminal = client._ledger.wait_for(
+        saga_id, lambda r: r if isinstance(r, SagaTerminal) else None, 120
+    )
+    return terminal is not None
 
 
 def _record_waits(system: System, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, float]]:
