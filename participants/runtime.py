@@ -1276,7 +1276,20 @@ class ParticipantRuntime:
             self.bootstrap, group, **{"group.instance.id": f"{group}-{self.instance_id}"}
         )
 
+        # Rebalances served so far, and per partition the last one that assigned,
+        # revoked or lost it: a message poll() returned before a rebalance that moved
+        # its partition is fetched again from the committed offset by its owner.
+        rebalances = 0
+        moved_at: dict[int, int] = {}
+
+        def moved(partitions: list[TopicPartition]) -> None:
+            nonlocal rebalances
+            rebalances += 1
+            for tp in partitions:
+                moved_at[tp.partition] = rebalances
+
         def on_assign(c: Consumer, partitions: list[TopicPartition]) -> None:
+            moved(partitions)
             for tp in partitions:
                 _low, high = watermarks(c, TopicPartition(tp.topic, tp.partition))
                 self._assigned_end[tp.partition] = high
@@ -1284,6 +1297,7 @@ class ParticipantRuntime:
         def on_revoke(c: Consumer, partitions: list[TopicPartition]) -> None:
             # Finish what was taken from these partitions and commit it before another
             # member gets them: it must not run a command that is still running here.
+            moved(partitions)
             self._work.drain({p.partition for p in partitions})
             try:
                 self._commit(c, asynchronous=False)
@@ -1321,17 +1335,22 @@ class ParticipantRuntime:
                     self._writer.producer.poll(work.wait_s(0.2))
                 else:
                     msg = consumer.poll(work.wait_s(0.2))
-                    batch = [] if msg is None else [msg, *consumer.consume(self.max_in_flight, 0)]
+                    if msg is None:
+                        batch = []
+                    else:
+                        seen = rebalances
+                        batch = [msg, *consumer.consume(self.max_in_flight, 0)]
+                        if rebalances != seen and moved_at.get(msg.partition() or 0, 0) > seen:
+                            # Taken by poll() before a rebalance that consume() served
+                            # revoked its partition: its owner (another member, or this
+                            # one again) reads it from the committed offset, and must
+                            # take it only once.
+                            del batch[0]
                     for m in batch:
                         error = m.error()
                         if error is not None:
                             raise_if_fatal(error)  # a fenced consumer: exit, restart
                             log.warning("consumer error: %s", error)
-                            continue
-                        if m.partition() not in self._assigned_end:
-                            # Taken by poll() before a rebalance that consume() served
-                            # moved its partition: its new owner reads it from the
-                            # committed offset, and must be the only one to run it.
                             continue
                         work.submit(m)
                     if not batch:

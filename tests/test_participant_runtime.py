@@ -414,3 +414,130 @@ def test_a_command_fetched_before_its_partition_was_revoked_is_left_to_the_new_o
     moved = other.poll(30)  # the partition's owner reads it, from the committed offset
     assert moved is not None and (moved.partition(), moved.offset()) == (1, 0)
     other.close()
+
+
+def test_a_command_fetched_before_its_partition_was_revoked_and_assigned_back_runs_once(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R15: a rebalance served inside the ``consume()`` right after a ``poll()`` may
+    revoke the polled command's partition and assign it back here (the eager protocol
+    revokes everything). The partition is then fetched again from the committed
+    offset, so the polled copy must be left out: taken twice, the command would run
+    twice and leave one copy in the partition's offsets, whose commits would stop."""
+    import participants.runtime as runtime_module
+    from sagaline.kafka import create_consumer
+
+    settings = Settings(
+        bootstrap=kafka_bootstrap, topic_prefix=unique_prefix, partitions=1, state_dir=tmp_path
+    )
+    topic = settings.topics.commands(PARTICIPANT)
+    ensure_topics(kafka_bootstrap, settings.topics, [PARTICIPANT], 1)
+    shop = Shop(lambda key: True)
+    group = f"{settings.topics.prefix}sagaline-participant-{PARTICIPANT}"
+    # Joins the group for another topic: the rebalance gives this replica its
+    # partition back.
+    other = create_consumer(kafka_bootstrap, group)
+    other_stop = threading.Event()
+    assigns: list[int] = []  # partitions per assign served, in order
+
+    def other_polls() -> None:
+        while not other_stop.is_set():
+            other.poll(0.1)
+
+    class RebalancedWhileConsuming:
+        """The runtime's consumer; the other member joins right after the first poll()
+        that returns a command, and the consume() after it returns once the rebalance
+        has been served (its assign)."""
+
+        def __init__(self, consumer: Any) -> None:
+            self._consumer = consumer
+            self._joined = False
+            self._rebalanced_after = -1  # the assigns served when the other joined
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._consumer, name)
+
+        def subscribe(self, topics: list[str], **callbacks: Any) -> None:
+            on_assign = callbacks["on_assign"]
+
+            def counted(c: Any, partitions: list[Any]) -> None:
+                on_assign(c, partitions)
+                assigns.append(len(partitions))
+
+            self._consumer.subscribe(topics, **{**callbacks, "on_assign": counted})
+
+        def poll(self, timeout: float = -1) -> Any:
+            msg = self._consumer.poll(timeout)
+            if msg is not None and msg.error() is None and not self._joined:
+                self._joined = True
+                self._rebalanced_after = len(assigns)
+                other.subscribe([settings.topics.events])
+                threading.Thread(target=other_polls, daemon=True).start()
+            return msg
+
+        def consume(self, num_messages: int = 1, timeout: float = -1) -> Any:
+            if len(assigns) != self._rebalanced_after:
+                return self._consumer.consume(num_messages, timeout)
+            out: list[Any] = []
+            deadline = time.monotonic() + 60
+            while len(assigns) == self._rebalanced_after:  # until the rebalance is served
+                assert time.monotonic() < deadline, "no rebalance within 60 s"
+                out += self._consumer.consume(num_messages, 0.1)
+            assert assigns[-1] == 1, "the partition did not come back to this replica"
+            return out
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        return RebalancedWhileConsuming(create_consumer(*args, **kwargs))
+
+    monkeypatch.setattr(runtime_module, "create_consumer", wrapped)
+    runtime = ParticipantRuntime(
+        wrap(shop, name=PARTICIPANT), settings, kafka_bootstrap, participant=PARTICIPANT
+    )
+    submitted: list[tuple[int, int]] = []
+    submit = runtime._work.submit
+
+    def recording_submit(msg: Any) -> None:
+        submitted.append((msg.partition(), msg.offset()))
+        submit(msg)
+
+    monkeypatch.setattr(runtime._work, "submit", recording_submit)
+    committed = threading.Event()
+    committable = runtime._work.committable
+
+    def watched_committable() -> dict[int, int]:
+        out = committable()
+        if out.get(0) == 1:
+            committed.set()
+        return out
+
+    monkeypatch.setattr(runtime._work, "committable", watched_committable)
+    saga = f"saga-{unique_prefix.strip('.')}"
+    body = canonical_json({"sku": "a", "quantity": 1})
+    command = ExecuteStep(
+        envelope=envelope_for(
+            ExecuteStep, saga_id=saga, tenant_id="t", producer="coordinator", now=1
+        ),
+        step_id="s1",
+        tool="reserve",
+        args=body,
+        idempotency_key=idempotency_key(saga, "s1", "reserve", body),
+        attempt=1,
+        deadline_ms=60_000,
+        principal="agent",
+    )
+    producer = create_producer(kafka_bootstrap)
+    key, value, headers = to_message(command, settings.signer())
+    producer.produce(topic, key=key, value=value, headers=headers, partition=0)
+    assert producer.flush(30) == 0
+    thread = threading.Thread(target=runtime.run, daemon=True)
+    thread.start()
+    try:
+        assert committed.wait(60), f"offset 1 never committed (taken: {submitted})"
+    finally:
+        runtime.stop()
+        thread.join(30)
+        other_stop.set()
+    assert submitted == [(0, 0)], "the command was taken more than once"
+    assert shop.count("reserve") == 1
+    assert not thread.is_alive(), "the revoke on close did not drain"
+    other.close()
