@@ -1541,10 +1541,11 @@ class _Job:
 
     ``waiting``: what the tool still waits for ("intent", "started"); ``refused``: the
     broker's refusal of the intent. ``settled``: an outcome was taken (from the tool
-    or, past the deadline, from ``late()``), so a second one is dropped.
+    or, past the deadline, from ``late()``), so a second one is dropped. ``ended``:
+    finished or left to a retry, so a step of it that comes late ends nothing again.
     """
 
-    __slots__ = ("command", "loop", "msg", "plan", "refused", "settled", "waiting")
+    __slots__ = ("command", "ended", "loop", "msg", "plan", "refused", "settled", "waiting")
 
     def __init__(self, loop: _CommandLoop, msg: Message, command: Record | None) -> None:
         self.loop = loop
@@ -1554,11 +1555,12 @@ class _Job:
         self.waiting: set[str] = set()
         self.refused: BaseException | None = None
         self.settled = False
+        self.ended = False
 
     def take_over(self, late: Callable[[], _Outcome]) -> None:
         """The tool overran its deadline (watchdog thread): the loop answers with
         ``late()`` and the tool's thread leaves once the tool returns."""
-        self.loop.post(lambda: self.loop._overrun(self, late))
+        self.loop.post(self, lambda: self.loop._overrun(self, late))
 
 
 class _ToolThreads:
@@ -1658,8 +1660,9 @@ class _CommandLoop:
         self._handler = runtime.handler
         self._producer = runtime._writer.producer
         self._tools = _ToolThreads(runtime.participant, workers)
-        # posted by delivery reports and tool threads, run on the loop thread
-        self._inbox: collections.deque[Callable[[], None]] = collections.deque()
+        # posted by delivery reports and tool threads, run on the loop thread; each
+        # with the job it is a step of, which ends if the step raises
+        self._inbox: collections.deque[tuple[_Job, Callable[[], None]]] = collections.deque()
         self._rows: list[tuple[JournalRow, _Job, Callable[[], None]]] = []
         self._retries: list[tuple[float, int, Message]] = []
         self._seq = 0
@@ -1674,9 +1677,10 @@ class _CommandLoop:
 
     # ------------------------------------------------------------- the loop's turn
 
-    def post(self, work: Callable[[], None]) -> None:
-        """Run ``work`` on the loop thread at its next turn (any thread)."""
-        self._inbox.append(work)
+    def post(self, job: _Job, work: Callable[[], None]) -> None:
+        """Run ``work``, a step of ``job``, on the loop thread at its next turn (any
+        thread)."""
+        self._inbox.append((job, work))
         self._woken.set()
 
     def wait_s(self, idle_s: float) -> float:
@@ -1713,11 +1717,11 @@ class _CommandLoop:
         self._producer.poll(0)
         while True:
             while self._inbox:
-                work = self._inbox.popleft()
+                job, work = self._inbox.popleft()
                 try:
                     work()
-                except Exception:  # a bug in one command's step must not stop the rest
-                    log.exception("a command's step failed on the loop")
+                except Exception as exc:  # one command's step must not strand it
+                    self._broken(job, exc)
             if self._retries and self._retries[0][0] <= time.monotonic():
                 self._start(heapq.heappop(self._retries)[2])
                 continue
@@ -1730,8 +1734,11 @@ class _CommandLoop:
                 for _row, job, _then in rows:
                     self._fail(job, exc)
                 continue
-            for _row, _job, then in rows:
-                then()
+            for _row, job, then in rows:
+                try:
+                    then()
+                except Exception as exc:
+                    self._broken(job, exc)
 
     # ------------------------------------------------------------------ commands
 
@@ -1747,17 +1754,25 @@ class _CommandLoop:
         self._start(msg)
 
     def _start(self, msg: Message) -> None:
+        job = _Job(self, msg, None)
+        try:
+            self._begin(job)
+        except Exception as exc:  # not the caller's (another command's step, the run loop)
+            self._broken(job, exc)
+
+    def _begin(self, job: _Job) -> None:
         rt = self._rt
+        msg = job.msg
         try:
             command = from_message(msg.key(), msg.value(), msg.headers(), rt.signer)
             if not isinstance(command, (ExecuteStep, CompensateStep, ReconcileStep)):
                 raise _NotACommand(f"{command.TYPE} is not a participant command")
         except (CodecError, _NotACommand) as exc:
             reason = exc.reason if isinstance(exc, CodecError) else "not-a-command"
-            self._dead_letter(_Job(self, msg, None), reason, str(exc))
+            self._dead_letter(job, reason, str(exc))
             return
         rt.metrics.observe_record(command)
-        job = _Job(self, msg, command)
+        job.command = command
         # Only commands already on the partition when it was assigned here can have
         # been taken by another replica; the ledger probe is for those alone.
         maybe = (msg.offset() or 0) < rt._assigned_end.get(msg.partition() or 0, 0)
@@ -1782,7 +1797,7 @@ class _CommandLoop:
             try:
                 rt.send(
                     plan.intent,
-                    self._reported(lambda failure: self._intent_step(job, "intent", failure)),
+                    self._reported(job, lambda failure: self._intent_step(job, "intent", failure)),
                     None,
                 )
             except Exception as exc:  # not sent (a full local queue): nothing happened
@@ -1807,7 +1822,7 @@ class _CommandLoop:
             assert job.command is not None
             log.warning("%s; trying the command again", job.refused)
             self._handler.journal.forget(job.command.event_id)
-            self._retry(job.msg)
+            self._retry(job)
             return
         self._run_tool(job)
 
@@ -1816,7 +1831,7 @@ class _CommandLoop:
         run = job.plan.run
 
         def done(outcome: Any, error: BaseException | None) -> None:
-            self.post(lambda: self._tool_done(job, outcome, error))
+            self.post(job, lambda: self._tool_done(job, outcome, error))
 
         self._tools.submit(job, run, done)
 
@@ -1827,7 +1842,7 @@ class _CommandLoop:
             self._settle(job, outcome)
         elif isinstance(error, DeliveryFailed):  # a record of the tool's own (an incident)
             log.warning("%s; trying the command again", error)
-            self._retry(job.msg)
+            self._retry(job)
         else:
             self._fail(job, error)
 
@@ -1853,29 +1868,29 @@ class _CommandLoop:
         def delivered(failure: BaseException | None) -> None:
             if failure is not None:
                 log.warning("%s; sending the outcome again", failure)
-                self._retry(job.msg)  # the journal has it: the same outcome goes again
+                self._retry(job)  # the journal has it: the same outcome goes again
                 return
             if state == "accepted":
                 self._rt._confirm_in_background(
                     record.event_id if job.command is None else job.command.event_id,
                     job.msg.value() or b"",
                 )
-            self._finished(job.msg)
+            self._finished(job)
 
         try:
-            self._rt.send(record, self._reported(delivered), encoded)
+            self._rt.send(record, self._reported(job, delivered), encoded)
         except Exception as exc:  # not sent (a full local queue): the journal has it
             self._sending -= 1
             log.warning("sending %s failed (%s); sending it again", record.TYPE, exc)
-            self._retry(job.msg)
+            self._retry(job)
             return
         self._rt.metrics.observe_output(record)
 
     def _reported(
-        self, then: Callable[[BaseException | None], None]
+        self, job: _Job, then: Callable[[BaseException | None], None]
     ) -> Callable[[DeliveryFailed | None], None]:
         """A delivery report's callback (served by whichever thread polls the
-        producer) that runs ``then`` on the loop thread."""
+        producer) that runs ``then``, a step of ``job``, on the loop thread."""
 
         self._sending += 1
 
@@ -1884,7 +1899,7 @@ class _CommandLoop:
             then(failure)
 
         def on_delivered(failure: DeliveryFailed | None) -> None:
-            self.post(lambda: taken(failure))
+            self.post(job, lambda: taken(failure))
 
         return on_delivered
 
@@ -1893,13 +1908,13 @@ class _CommandLoop:
             def finish() -> None:
                 if error is not None:  # _process dead-letters what fails: a last resort
                     log.error("command at offset %s failed", job.msg.offset(), exc_info=error)
-                    self._finished(job.msg)
+                    self._finished(job)
                 elif ok:
-                    self._finished(job.msg)
+                    self._finished(job)
                 else:
-                    self._retry(job.msg)
+                    self._retry(job)
 
-            self.post(finish)
+            self.post(job, finish)
 
         return done
 
@@ -1910,6 +1925,23 @@ class _CommandLoop:
             log.error("handling %s %s failed", command.TYPE, command.event_id, exc_info=exc)
         job.settled = True
         self._dead_letter(job, "handler-error", f"{type(exc).__name__}: {exc}")
+
+    def _broken(self, job: _Job, exc: Exception) -> None:
+        """A step of ``job`` raised (a bug; the journal, an encoding or a metrics
+        hook failing): end the job as one the loop cannot complete, in the DLQ (R16),
+        so its saga's later commands and its partition's offsets move on. Not tried
+        again: its tool may have run (its "started" mark, if any, stays, so a
+        redelivery is an unknown outcome), and what failed may fail every time."""
+        if job.ended:
+            log.error(
+                "a step of the command at offset %s failed after it ended",
+                job.msg.offset(),
+                exc_info=exc,
+            )
+            return
+        if job.command is None:  # else _fail names it
+            log.error("a step of the command at offset %s failed", job.msg.offset(), exc_info=exc)
+        self._fail(job, exc)
 
     def _dead_letter(self, job: _Job, reason: str, detail: str) -> None:
         rt = self._rt
@@ -1925,18 +1957,26 @@ class _CommandLoop:
 
         self._tools.submit(job, write, self._blocking_done(job))
 
-    def _retry(self, msg: Message) -> None:
-        """Try ``msg`` again after a pause; its saga's later commands wait behind it,
-        so their order holds (the journal re-sends a stored outcome, never reruns a
-        tool). Closing, it is left undone: its offset stays uncommitted."""
+    def _retry(self, job: _Job) -> None:
+        """Try ``job``'s command again after a pause; its saga's later commands wait
+        behind it, so their order holds (the journal re-sends a stored outcome, never
+        reruns a tool). Closing, it is left undone: its offset stays uncommitted."""
+        if job.ended:
+            return
+        job.ended = True
+        msg = job.msg
         if self._closing:
             self._queues.pop(msg.key(), None)
             return
         self._seq += 1
         heapq.heappush(self._retries, (time.monotonic() + _RETRY_AFTER_S, self._seq, msg))
 
-    def _finished(self, msg: Message) -> None:
-        """``msg`` is done: its offset may be committed; its key's next one starts."""
+    def _finished(self, job: _Job) -> None:
+        """``job`` is done: its offset may be committed; its key's next one starts."""
+        if job.ended:
+            return
+        job.ended = True
+        msg = job.msg
         partition = msg.partition() or 0
         self._done.setdefault(partition, set()).add(msg.offset() or 0)
         self.pending -= 1

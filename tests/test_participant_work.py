@@ -349,6 +349,63 @@ def test_a_dead_letter_the_broker_refused_is_written_again_before_its_offset_com
     rig.close()
 
 
+def test_a_step_that_raises_after_the_tool_ran_dead_letters_its_command_and_its_saga_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # R10/R16: the tool ran but its outcome cannot be journalled (here outcome_row
+    # raises once): the command goes to the DLQ, as one whose outcome could not be
+    # built does, and is not tried again (its tool must not run twice; its journal
+    # mark stays "started", so a redelivery is reported as an unknown outcome). Its
+    # saga's next command runs and the partition's offsets commit past it.
+    rig = _Rig(tmp_path)
+    outcome_row = rig.handler.outcome_row
+    broken: list[str] = []
+
+    def raising_once(command: Record, *args: Any) -> Any:
+        if not broken:
+            broken.append(command.event_id)
+            raise TypeError("cannot encode the outcome")
+        return outcome_row(command, *args)
+
+    monkeypatch.setattr(rig.handler, "outcome_row", raising_once)
+    first = _execute("saga-a", 0)
+    rig.submit(first)
+    rig.submit(_execute("saga-a", 1))
+    rig.run_until(lambda: rig.loop.pending == 0, "both commands done")
+    assert broken == [first.event_id]
+    assert rig.dead_letters == [(0, "handler-error")]
+    assert rig.desk.ran["saga-a"] == [0, 1]  # each tool ran once
+    assert [r.step_id for r in rig.broker.of(StepCommitted, "saga-a")] == ["01-book"]
+    assert rig.journal.get(first.event_id) == ("started", None)
+    assert rig.loop.committable() == {0: 2}
+    rig.close()
+
+
+def test_a_refused_intent_whose_unmarking_raises_dead_letters_its_command_and_its_saga_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # R10/R16: the broker refused the intent and un-marking the command raises: its
+    # tool never runs, the command goes to the DLQ, the saga's next command runs
+    # and the partition's offsets commit past it.
+    from schemas import derived_event_id
+
+    rig = _Rig(tmp_path)
+    first = _execute("saga-a", 0)
+    rig.broker.refuse.add(derived_event_id(first.event_id, "intent"))
+
+    def raising(command_id: str) -> None:
+        raise OSError("disk I/O error")
+
+    monkeypatch.setattr(rig.journal, "forget", raising)
+    rig.submit(first)
+    rig.submit(_execute("saga-a", 1))
+    rig.run_until(lambda: rig.loop.pending == 0, "both commands done")
+    assert rig.dead_letters == [(0, "handler-error")]
+    assert rig.desk.ran["saga-a"] == [1]  # its intent was never on the ledger
+    assert rig.loop.committable() == {0: 2}
+    rig.close()
+
+
 def test_close_lets_the_running_command_finish_and_leaves_the_queued(tmp_path: Path) -> None:
     rig = _Rig(tmp_path, workers=1)
     gate = rig.desk.gates["saga-a/0"] = threading.Event()
