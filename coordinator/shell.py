@@ -245,9 +245,11 @@ class Coordinator:
         self._failures = 0  # consecutive failed transactions
         self._suspects: set[str] = set()  # sagas whose records failed to produce
         self._assigned: set[int] = set()
-        # Rebalances the callbacks served: a record poll() returned before one is left
-        # to its partition's owner (see _next_batch).
+        # Rebalances the callbacks served, and per partition the last one that assigned,
+        # revoked or lost it: a record poll() returned before a rebalance that moved its
+        # partition is left to the partition's owner (see _next_batch).
         self._rebalances = 0
+        self._moved_at: dict[int, int] = {}
         # The consumer's group metadata for the transactions' offsets, asked of
         # librdkafka once per assignment (each ask is a round trip to its main
         # thread); dropped on every rebalance and after a failed transaction.
@@ -354,11 +356,16 @@ class Coordinator:
                 return []
         rebalances = self._rebalances
         rest = self._consumer.consume(self._batch_size - 1, 0)
-        if self._rebalances != rebalances:
+        if (
+            self._rebalances != rebalances
+            and self._moved_at.get(first.partition() or 0, 0) > rebalances
+        ):
             # first is of the assignment before: its partition's owner now (another
             # instance, or this one again) reads it from the committed offset, against
             # the state restored there; deciding it here could write for a saga that
-            # is no longer ours, from a state we no longer hold.
+            # is no longer ours, from a state we no longer hold. A partition the
+            # rebalance left alone (cooperative assignment) keeps fetching forward, so
+            # its record stays in the batch.
             return rest
         return [first, *rest]
 
@@ -903,8 +910,13 @@ class Coordinator:
 
     # -------------------------------------------------------------- rebalancing
 
-    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+    def _moved(self, partitions: list[TopicPartition]) -> None:
         self._rebalances += 1
+        for tp in partitions:
+            self._moved_at[tp.partition] = self._rebalances
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._moved(partitions)
         self._settle()  # the changelog read below must hold our last batch
         self._group_metadata = None  # a new generation
         numbers = [p.partition for p in partitions]
@@ -913,13 +925,13 @@ class Coordinator:
         log.info("assigned %s; restored %d sagas", numbers, restored)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        self._rebalances += 1
+        self._moved(partitions)
         self._settle()  # our last batch commits (or aborts) before the partitions go
         self._group_metadata = None
         self._drop({p.partition for p in partitions})
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        self._rebalances += 1
+        self._moved(partitions)
         self._settle()
         self._group_metadata = None
         self._drop({p.partition for p in partitions})
