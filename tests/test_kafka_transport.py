@@ -6,9 +6,11 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from confluent_kafka import Consumer, TopicPartition
 
 from sagaline.kafka import (
     BrokerNotConfigured,
@@ -19,6 +21,7 @@ from sagaline.kafka import (
     LedgerReader,
     LedgerWriter,
     create_admin,
+    create_consumer,
     create_producer,
     ensure_topics,
     require_bootstrap,
@@ -316,3 +319,55 @@ def test_a_transaction_is_read_only_once_committed_and_never_once_aborted(
     assert [m.value() for m in reader.read(names.events)] == []  # still open
     producer.commit_transaction(30)
     assert [m.value() for m in reader.read(names.events)] == [b"committed"]
+
+
+@pytest.mark.kafka
+def test_every_rebalance_restarts_each_assigned_partition_at_its_committed_offset(
+    transport: str, unique_prefix: str
+) -> None:
+    """The eager protocol (librdkafka's default assignors): a rebalance revokes every
+    partition and assigns them again, and each starts at its committed offset: what
+    was read past it is read again, on a partition that stayed with the member too.
+    The coordinator and the participants rely on it: a batch they leave uncommitted
+    across a rebalance, or a record they leave out after one, is redelivered (R15)."""
+    names = TopicNames(unique_prefix)
+    ensure_topics(transport, names, [], 2)
+    producer = create_producer(transport)
+    for partition in (0, 1):
+        for n in range(3):
+            producer.produce(names.events, key=b"k", value=b"%d" % n, partition=partition)
+    producer.flush(30)
+    group = f"{unique_prefix}group"
+    committed = {0: 1, 1: 2}
+    # What the first member reads, each assignment opening a new list.
+    reads: list[list[tuple[int, int]]] = []
+    first = create_consumer(transport, group)
+    first.subscribe([names.events], on_assign=lambda c, ps: reads.append([]))
+
+    def poll_until(done: Callable[[], bool], *others: Consumer) -> None:
+        deadline = time.monotonic() + 60
+        while not done() and time.monotonic() < deadline:
+            for consumer in (first, *others):
+                msg = consumer.poll(0.1)
+                if consumer is first and msg is not None and not msg.error():
+                    reads[-1].append((msg.partition() or 0, msg.offset() or 0))
+
+    poll_until(lambda: bool(reads) and len(reads[-1]) == 6)
+    first.commit(
+        offsets=[TopicPartition(names.events, p, o) for p, o in committed.items()],
+        asynchronous=False,
+    )
+    second = create_consumer(transport, group)
+    second.subscribe([names.events])
+    poll_until(lambda: len(first.assignment()) == len(second.assignment()) == 1, second)
+    second.close()  # leaves the group: its partition comes back to the first member
+
+    def by_partition() -> dict[int, list[int]]:
+        return {p: [o for q, o in reads[-1] if q == p] for p in committed}
+
+    # Each partition read again from its committed offset, the one that stayed with
+    # the first member throughout as well as the one that came back.
+    again = {0: [1, 2], 1: [2]}
+    poll_until(lambda: len(first.assignment()) == 2 and by_partition() == again)
+    first.close()
+    assert by_partition() == again

@@ -117,22 +117,26 @@ class MemoryBroker:
             g = self.groups.setdefault(group, _Group())
             if member not in g.members:
                 g.members.append(member)
-            self._rebalance(g)
+            self._rebalance(g, rejoin=True)
 
     def leave(self, group: str, member: MemoryConsumer) -> None:
         with self.changed:
             g = self.groups.setdefault(group, _Group())
             if member in g.members:
                 g.members.remove(member)
-                self._rebalance(g)
+                self._rebalance(g, rejoin=True)
 
     def _rebalance_all(self) -> None:
         for g in self.groups.values():
-            self._rebalance(g)
+            self._rebalance(g, rejoin=False)
 
-    def _rebalance(self, g: _Group) -> None:
-        """Round-robin every subscribed partition over the members (eager protocol:
-        everything is revoked, then assigned, in each member's next poll)."""
+    def _rebalance(self, g: _Group, *, rejoin: bool) -> None:
+        """Round-robin every subscribed partition over the members.
+
+        The eager protocol of librdkafka's default assignors (``range,roundrobin``;
+        Sagaline sets no other): a member joining or leaving (``rejoin``), or a new
+        topic changing anyone's share, makes every member revoke everything and be
+        assigned again in its next poll, even the partitions it keeps."""
         members = [m for m in g.members if m.subscription]
         wanted: dict[MemoryConsumer, list[tuple[str, int]]] = {m: [] for m in members}
         topics = sorted({t for m in members for t in m.subscription if t in self.topics})
@@ -143,8 +147,12 @@ class MemoryBroker:
                 if subscribers:
                     wanted[subscribers[i % len(subscribers)]].append((topic, n))
                     i += 1
-        for m in members:
-            if sorted(wanted[m]) != sorted(m.owned):
+
+        def current(m: MemoryConsumer) -> list[tuple[str, int]]:
+            return m.owned if m.pending_assignment is None else m.pending_assignment
+
+        if rejoin or any(sorted(wanted[m]) != sorted(current(m)) for m in members):
+            for m in members:
                 m.pending_assignment = wanted[m]
         self.changed.notify_all()
 
@@ -344,15 +352,19 @@ class MemoryConsumer:
         revoked = [TopicPartition(t, n) for t, n in self.owned]
         if revoked and self._callbacks.get("revoke"):
             self._callbacks["revoke"](self, revoked)  # type: ignore[misc]
+        # As librdkafka does on an eager rebalance: what was fetched and not consumed
+        # is dropped, and every assigned partition, a kept one too, starts again at
+        # its committed offset (auto.offset.reset without one); a record polled and
+        # then left out, or a batch left uncommitted on revoke, is read again.
         self.owned = []
-        for key in [k for k in self._positions if k not in new]:
-            self._positions.pop(key)
+        self._positions.clear()
+        self._eof_sent.clear()
         assigned = [TopicPartition(t, n) for t, n in new]
         if self._callbacks.get("assign"):
             self._callbacks["assign"](self, assigned)  # type: ignore[misc]
         self.owned = list(new)
         for tp in assigned:
-            if (tp.topic, tp.partition) not in self._positions:
+            if (tp.topic, tp.partition) not in self._positions:  # not assigned by on_assign
                 self._set_position(TopicPartition(tp.topic, tp.partition, OFFSET_INVALID))
 
     # reading
