@@ -358,6 +358,7 @@ class Coordinator:
         rest = self._consumer.consume(self._batch_size - 1, 0)
         if (
             self._rebalances != rebalances
+            and first.error() is None  # an error is no record: it stays
             and self._moved_at.get(first.partition() or 0, 0) > rebalances
         ):
             # first is of the assignment before: its partition's owner now (another

@@ -1340,7 +1340,11 @@ class ParticipantRuntime:
                     else:
                         seen = rebalances
                         batch = [msg, *consumer.consume(self.max_in_flight, 0)]
-                        if rebalances != seen and moved_at.get(msg.partition() or 0, 0) > seen:
+                        if (
+                            rebalances != seen
+                            and msg.error() is None  # an error is no record: it stays
+                            and moved_at.get(msg.partition() or 0, 0) > seen
+                        ):
                             # Taken by poll() before a rebalance that consume() served
                             # revoked its partition: its owner (another member, or this
                             # one again) reads it from the committed offset, and must
