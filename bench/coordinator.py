@@ -14,6 +14,11 @@ check). One run, on a fresh uniquely prefixed set of topics of the project's bro
    a read_committed consumer and a transactional producer that, per batch of the same
    size, copies the same bytes to the same partition of another topic, sends the
    offsets and commits. The ratio says what deciding costs on top of EOS itself.
+   Both run ``--rounds`` times (default 3), alternated (pass-through, coordinator,
+   pass-through, ...), each round on its own copy of the input; the table shows each
+   one's median and the ratio of the medians. One pass-through takes a second or so,
+   and on a busy 2-core machine a single one moved by a factor of five from run to
+   run, so a ratio from one round of each says more about the moment than the code.
 3. **Compensation latency.** The real coordinator process (``sagaline coordinator
    run``) takes over the group (restoring state from the changelog), and for sagas
    with a committed step and a second one in flight a ``StepFailed``
@@ -364,6 +369,12 @@ class Throughput:
     @property
     def per_second(self) -> float:
         return self.records / self.seconds
+
+
+def _median(runs: list[Throughput]) -> Throughput:
+    """The run of median speed (the middle one; of two, the slower)."""
+    ordered = sorted(runs, key=lambda t: t.per_second)
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def run_coordinator(
@@ -724,6 +735,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--samples", type=int, help="latency samples (default 200; quick 30)")
     parser.add_argument("--batch-size", type=int, default=500, help="records per transaction")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="alternated pass-through and coordinator runs, each on its own copy of the "
+        "input; medians reported (default 3; quick 1)",
+    )
     parser.add_argument("--memory-sagas", type=int, help="sagas folded for tracemalloc")
     parser.add_argument(
         "--restore-sagas", type=int, help="in-flight sagas restored (default 100000; quick 5000)"
@@ -740,6 +757,9 @@ def main(argv: list[str] | None = None) -> int:
     samples = args.samples or (30 if args.quick else 200)
     memory_sagas = args.memory_sagas or (500 if args.quick else 2000)
     restore_sagas = args.restore_sagas or (5000 if args.quick else 100_000)
+    rounds = args.rounds or (1 if args.quick else 3)
+    if rounds < 1:
+        parser.error("--rounds must be at least 1")
     warmup = 5
     limit_s = 300.0
 
@@ -755,13 +775,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{machine_description()}; {_versions()}")
     print(f"{kafka}; topics {prefix}*, {settings.partitions} partitions")
 
-    ensure_topics(bootstrap, settings.topics, PARTICIPANTS, settings.partitions)
-    out_topic = f"{prefix}bench.passthrough"
-    _create_topic(bootstrap, out_topic, settings.partitions)
+    # Round i reads its own copy of the input (topics under f"{prefix}r{i}."): a
+    # coordinator's group and changelog start empty, as in the first round.
+    per_round = [
+        dataclasses.replace(settings, topic_prefix=f"{prefix}r{i}.") for i in range(rounds)
+    ]
+    for s in per_round:
+        ensure_topics(bootstrap, s.topics, PARTICIPANTS, settings.partitions)
+        _create_topic(bootstrap, f"{s.topic_prefix}bench.passthrough", settings.partitions)
     try:
         ledger = build_ledger(sagas, args.failing_share, samples + warmup, args.seed)
-        _produce_all(bootstrap, settings.topics.events, ledger.records, settings.signer())
-        ends = _end_offsets(bootstrap, settings.topics.events, settings.partitions)
+        for s in per_round:
+            _produce_all(bootstrap, s.topics.events, ledger.records, settings.signer())
+        ends = _end_offsets(bootstrap, per_round[0].topics.events, settings.partitions)
         # The ledger held here (tens of thousands of pydantic records) is the bench's,
         # not the coordinator's: keep it out of the full garbage collections that
         # would otherwise walk it during the timed phases (a coordinator process
@@ -773,21 +799,30 @@ def main(argv: list[str] | None = None) -> int:
             f"({len(ledger.failing)} compensating, {len(ledger.open)} left in flight)"
         )
 
-        passthrough = run_passthrough(
-            settings, bootstrap, ends, args.batch_size, out_topic, limit_s
-        )
-        print(
-            f"pass-through: {passthrough.per_second:,.0f} events/s "
-            f"({passthrough.records:,} in {passthrough.seconds:.2f} s, "
-            f"{passthrough.batches} transactions)"
-        )
-        through, held = run_coordinator(settings, bootstrap, ends, args.batch_size, ledger, limit_s)
-        print(
-            f"coordinator: {through.per_second:,.0f} events/s "
-            f"({through.records:,} in {through.seconds:.2f} s, {through.batches} transactions; "
-            f"{len(held)} sagas in flight "
-            f"at the end; {through.read - through.records} of its own records read back)"
-        )
+        passthroughs: list[Throughput] = []
+        throughs: list[Throughput] = []
+        for i, s in enumerate(per_round, 1):
+            passthrough = run_passthrough(
+                s, bootstrap, ends, args.batch_size, f"{s.topic_prefix}bench.passthrough", limit_s
+            )
+            passthroughs.append(passthrough)
+            print(
+                f"round {i}: pass-through: {passthrough.per_second:,.0f} events/s "
+                f"({passthrough.records:,} in {passthrough.seconds:.2f} s, "
+                f"{passthrough.batches} transactions)"
+            )
+            through, held = run_coordinator(s, bootstrap, ends, args.batch_size, ledger, limit_s)
+            throughs.append(through)
+            print(
+                f"round {i}: coordinator: {through.per_second:,.0f} events/s "
+                f"({through.records:,} in {through.seconds:.2f} s, {through.batches} "
+                f"transactions; {len(held)} sagas in flight at the end; "
+                f"{through.read - through.records} of its own records read back; "
+                f"ratio {through.per_second / passthrough.per_second:.2f})"
+            )
+        passthrough = _median(passthroughs)
+        through = _median(throughs)
+        settings = per_round[-1]  # the latency phase takes over the last round's group
 
         with tempfile.TemporaryDirectory(prefix="sagaline-bench-") as tmp:
             latency = run_latency(
@@ -803,9 +838,13 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep_topics:
             _delete_topics(bootstrap, prefix)
 
+    of = f", median of {rounds}" if rounds > 1 else ""
     rows = [
-        ["events/s through the coordinator (EOS transactions)", f"{through.per_second:,.0f}"],
-        ["events/s raw transactional pass-through", f"{passthrough.per_second:,.0f}"],
+        [
+            f"events/s through the coordinator (EOS transactions{of})",
+            f"{through.per_second:,.0f}",
+        ],
+        [f"events/s raw transactional pass-through{of}", f"{passthrough.per_second:,.0f}"],
         ["ratio coordinator / pass-through", f"{through.per_second / passthrough.per_second:.2f}"],
         ["StepFailed -> first CompensationRequested, p50", f"{latency.quantile(0.50):.1f} ms"],
         ["StepFailed -> first CompensationRequested, p99", f"{latency.quantile(0.99):.1f} ms"],
@@ -853,7 +892,8 @@ def main(argv: list[str] | None = None) -> int:
             "check). Method in the module docstring: a synthetic ledger on fresh topics of "
             "the real broker; the coordinator and a raw transactional pass-through "
             "(consume, copy the same bytes to the same partition, send offsets, commit; "
-            "same batch size) consume it in the same run; then the real `sagaline "
+            "same batch size) consume it in the same run, alternated over rounds, each "
+            "round on its own copy of the input (medians shown); then the real `sagaline "
             "coordinator run` process takes over and each `StepFailed` is timed to the "
             "first `CompensationRequested` seen by a read_committed consumer; heap per "
             "in-flight saga by tracemalloc over the folded states as the shell keeps them "
