@@ -337,7 +337,6 @@ def test_a_command_fetched_before_its_partition_was_revoked_is_left_to_the_new_o
     from the committed offset. This replica must not run it as well."""
     import uuid
 
-    import participants.runtime as runtime_module
     from sagaline.kafka import create_consumer
 
     bootstrap = f"memory://{uuid.uuid4().hex[:12]}"
@@ -369,40 +368,11 @@ def test_a_command_fetched_before_its_partition_was_revoked_is_left_to_the_new_o
                 rebalanced.set()
             return msg
 
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        return JoinedWhilePolling(create_consumer(*args, **kwargs))
-
-    monkeypatch.setattr(runtime_module, "create_consumer", wrapped)
-    runtime = ParticipantRuntime(
-        wrap(shop, name=PARTICIPANT), settings, bootstrap, participant=PARTICIPANT
+    runtime, submitted = _submits_recorded(
+        monkeypatch, JoinedWhilePolling, shop, settings, bootstrap
     )
-    submitted: list[tuple[int, int]] = []
-    submit = runtime._work.submit
-
-    def recording_submit(msg: Any) -> None:
-        submitted.append((msg.partition(), msg.offset()))
-        submit(msg)
-
-    monkeypatch.setattr(runtime._work, "submit", recording_submit)
-    saga = "saga-moved"
-    body = canonical_json({"sku": "a", "quantity": 1})
-    command = ExecuteStep(
-        envelope=envelope_for(
-            ExecuteStep, saga_id=saga, tenant_id="t", producer="coordinator", now=1
-        ),
-        step_id="s1",
-        tool="reserve",
-        args=body,
-        idempotency_key=idempotency_key(saga, "s1", "reserve", body),
-        attempt=1,
-        deadline_ms=60_000,
-        principal="agent",
-    )
-    producer = create_producer(bootstrap)
-    key, value, headers = to_message(command, settings.signer())
     # partition 1: the other member's once it joins (partitions go round-robin)
-    producer.produce(topic, key=key, value=value, headers=headers, partition=1)
-    assert producer.flush(30) == 0
+    _produce_reserve(bootstrap, settings, topic, "saga-moved", partition=1)
     thread = threading.Thread(target=runtime.run, daemon=True)
     thread.start()
     assert polls_after.acquire(timeout=60), "the loop did not poll again after the rebalance"
@@ -424,7 +394,6 @@ def test_a_command_fetched_before_its_partition_was_revoked_and_assigned_back_ru
     revokes everything). The partition is then fetched again from the committed
     offset, so the polled copy must be left out: taken twice, the command would run
     twice and leave one copy in the partition's offsets, whose commits would stop."""
-    import participants.runtime as runtime_module
     from sagaline.kafka import create_consumer
 
     settings = Settings(
@@ -486,21 +455,9 @@ def test_a_command_fetched_before_its_partition_was_revoked_and_assigned_back_ru
             assert assigns[-1] == 1, "the partition did not come back to this replica"
             return out
 
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        return RebalancedWhileConsuming(create_consumer(*args, **kwargs))
-
-    monkeypatch.setattr(runtime_module, "create_consumer", wrapped)
-    runtime = ParticipantRuntime(
-        wrap(shop, name=PARTICIPANT), settings, kafka_bootstrap, participant=PARTICIPANT
+    runtime, submitted = _submits_recorded(
+        monkeypatch, RebalancedWhileConsuming, shop, settings, kafka_bootstrap
     )
-    submitted: list[tuple[int, int]] = []
-    submit = runtime._work.submit
-
-    def recording_submit(msg: Any) -> None:
-        submitted.append((msg.partition(), msg.offset()))
-        submit(msg)
-
-    monkeypatch.setattr(runtime._work, "submit", recording_submit)
     committed = threading.Event()
     committable = runtime._work.committable
 
@@ -511,7 +468,27 @@ def test_a_command_fetched_before_its_partition_was_revoked_and_assigned_back_ru
         return out
 
     monkeypatch.setattr(runtime._work, "committable", watched_committable)
-    saga = f"saga-{unique_prefix.strip('.')}"
+    _produce_reserve(
+        kafka_bootstrap, settings, topic, f"saga-{unique_prefix.strip('.')}", partition=0
+    )
+    thread = threading.Thread(target=runtime.run, daemon=True)
+    thread.start()
+    try:
+        assert committed.wait(60), f"offset 1 never committed (taken: {submitted})"
+    finally:
+        runtime.stop()
+        thread.join(30)
+        other_stop.set()
+    assert submitted == [(0, 0)], "the command was taken more than once"
+    assert shop.count("reserve") == 1
+    assert not thread.is_alive(), "the revoke on close did not drain"
+    other.close()
+
+
+def _produce_reserve(
+    bootstrap: str, settings: Settings, topic: str, saga: str, *, partition: int
+) -> None:
+    """One signed ``ExecuteStep`` of ``reserve`` for ``saga``, on ``partition``."""
     body = canonical_json({"sku": "a", "quantity": 1})
     command = ExecuteStep(
         envelope=envelope_for(
@@ -525,19 +502,36 @@ def test_a_command_fetched_before_its_partition_was_revoked_and_assigned_back_ru
         deadline_ms=60_000,
         principal="agent",
     )
-    producer = create_producer(kafka_bootstrap)
+    producer = create_producer(bootstrap)
     key, value, headers = to_message(command, settings.signer())
-    producer.produce(topic, key=key, value=value, headers=headers, partition=0)
+    producer.produce(topic, key=key, value=value, headers=headers, partition=partition)
     assert producer.flush(30) == 0
-    thread = threading.Thread(target=runtime.run, daemon=True)
-    thread.start()
-    try:
-        assert committed.wait(60), f"offset 1 never committed (taken: {submitted})"
-    finally:
-        runtime.stop()
-        thread.join(30)
-        other_stop.set()
-    assert submitted == [(0, 0)], "the command was taken more than once"
-    assert shop.count("reserve") == 1
-    assert not thread.is_alive(), "the revoke on close did not drain"
-    other.close()
+
+
+def _submits_recorded(
+    monkeypatch: pytest.MonkeyPatch,
+    wrapper: Callable[[Any], Any],
+    shop: Shop,
+    settings: Settings,
+    bootstrap: str,
+) -> tuple[ParticipantRuntime, list[tuple[int, int]]]:
+    """A runtime whose consumer is ``wrapper(consumer)``, and the (partition, offset)
+    of every command its loop submits."""
+    import participants.runtime as runtime_module
+    from sagaline.kafka import create_consumer
+
+    monkeypatch.setattr(
+        runtime_module, "create_consumer", lambda *a, **k: wrapper(create_consumer(*a, **k))
+    )
+    runtime = ParticipantRuntime(
+        wrap(shop, name=PARTICIPANT), settings, bootstrap, participant=PARTICIPANT
+    )
+    submitted: list[tuple[int, int]] = []
+    submit = runtime._work.submit
+
+    def recording_submit(msg: Any) -> None:
+        submitted.append((msg.partition(), msg.offset()))
+        submit(msg)
+
+    monkeypatch.setattr(runtime._work, "submit", recording_submit)
+    return runtime, submitted
