@@ -1219,7 +1219,6 @@ class ParticipantRuntime:
         # during start-up must not be lost).
         self._running = threading.Event()
         self._running.set()
-        self._background: list[threading.Thread] = []
         self._work = _CommandLoop(self, max_in_flight)
         # Per command partition assigned to this replica, its end offset when assigned.
         self._assigned_end: dict[int, int] = {}
@@ -1411,14 +1410,14 @@ class ParticipantRuntime:
         return True
 
     def _confirm_in_background(self, command_id: str, command: bytes) -> None:
-        thread = threading.Thread(
+        # Not kept in a list: nothing joins them, and a list would grow by one thread
+        # per accepted command for the life of the process.
+        threading.Thread(
             target=self.handler.confirm_accepted,
             args=(command_id, command),
             name=f"{self.participant}-confirm",
             daemon=True,
-        )
-        thread.start()
-        self._background.append(thread)
+        ).start()
 
 
 class _NotACommand(Exception):
