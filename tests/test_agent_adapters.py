@@ -238,3 +238,27 @@ def _compensates(run: Any, served: Any, amount: int) -> None:
         ("charge_card", "NOT_COMMITTED"),
     ]
     assert trip.log[-2:] == ["reserve:LX38", "release:r-LX38"]
+
+
+# ------------------------------------------------------- the model's arguments
+
+
+def test_a_model_argument_named_like_a_saga_call_option_is_refused_not_obeyed(
+    served: Any,
+) -> None:
+    """``step_id``, ``depends_on`` and ``timeout_s`` are options of ``saga.call``, never
+    tool arguments (the catalogue refuses such parameters). A model that sends one
+    must not steer the saga with it: here ``step_id`` naming the earlier step would
+    hand back that step's result as if the charge had run."""
+    from participants.client import CallRefused
+    from sagaline.agents._core import saga_tools
+
+    client, catalogue, trip = served
+    with client.saga("trip", principal="agent:args") as saga:
+        tools = {t.name: t for t in saga_tools(saga, catalogue)}
+        assert tools["reserve_seat"]({"flight": "LX40"}) == "r-LX40"
+        with pytest.raises(CallRefused):
+            tools["charge_card"]({"amount": 140, "step_id": "01-reserve_seat"})
+        with pytest.raises(CallRefused):
+            asyncio.run(tools["charge_card"].acall({"amount": 141, "timeout_s": 5}))
+    assert "charge:140" not in trip.log and "charge:141" not in trip.log

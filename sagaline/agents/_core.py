@@ -16,7 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from participants.catalogue import Catalogue, ToolKind, ToolSpec
-from participants.client import Saga
+from participants.client import CallRefused, Saga
+
+# Options of ``saga.call``, never tool arguments (the catalogue refuses such names).
+SAGA_CALL_OPTIONS = frozenset({"step_id", "depends_on", "timeout_s"})
 
 __all__ = ["SagaTool", "saga_tools"]
 
@@ -49,10 +52,28 @@ class SagaTool:
         return self.spec.read_only
 
     def __call__(self, args: Mapping[str, Any]) -> Any:
-        return self.saga.call(self.spec.name, **dict(args))
+        return self.saga.call(self.spec.name, **tool_args(self.saga, self.spec.name, args))
 
     async def acall(self, args: Mapping[str, Any]) -> Any:
-        return await self.saga.acall(self.spec.name, **dict(args))
+        return await self.saga.acall(self.spec.name, **tool_args(self.saga, self.spec.name, args))
+
+
+def tool_args(saga: Saga, tool: str, args: Mapping[str, Any]) -> dict[str, Any]:
+    """The model's arguments as ``saga.call`` keywords; :class:`CallRefused` when one
+    is named like an option of ``saga.call`` (it would steer the saga, not reach the
+    tool: ``step_id`` naming an earlier step hands back that step's result)."""
+    clash = sorted(SAGA_CALL_OPTIONS.intersection(args))
+    if clash:
+        raise CallRefused(
+            f"{tool} got argument(s) {', '.join(clash)}, which no tool takes"
+            " (they are options of saga.call); nothing was written",
+            saga_id=saga.saga_id,
+            step_id="",
+            tool=tool,
+            limit="reserved-args",
+            size=len(clash),
+        )
+    return dict(args)
 
 
 def saga_tools(saga: Saga, catalogue: Catalogue | Iterable[ToolSpec]) -> list[SagaTool]:
