@@ -378,9 +378,7 @@ def test_a_proxy_killed_during_an_upstream_call_reconciles_it_by_lookup_R11(
         world.settings.topics.events, receipt["saga_id"], world.settings.signer()
     )
     reconciled = [r for r in records if isinstance(r, StepReconciled)]
-    assert [(r.step_id, r.outcome.value) for r in reconciled] == [
-        ("01-create_ticket", "COMMITTED")
-    ]
+    assert [(r.step_id, r.outcome.value) for r in reconciled] == [("01-create_ticket", "COMMITTED")]
 
 
 def test_a_saga_that_ended_while_the_proxy_was_down_is_not_continued(world: World) -> None:
@@ -515,3 +513,33 @@ def test_unknown_keys_and_template_roots_are_refused() -> None:
     message = str(err.value)
     assert "tool 'send_email': unknown key 'reversibilty'; did you mean 'reversibility'?" in message
     assert "template {reslt.id} names 'reslt'" in message and "did you mean 'result'?" in message
+
+
+def test_a_lookup_built_from_more_than_the_idempotency_key_is_refused() -> None:
+    """A lookup runs with the idempotency key alone (no input, result or saga id): a
+    template naming them would fail at reconciliation ({input.title}) or send the
+    upstream an empty value ({saga_id}), and the committed call would be taken for
+    one that never ran, its effect never undone."""
+    find = UpstreamTool(
+        "find_ticket", "desk", {"properties": {"request_id": {}, "title": {}, "saga": {}}}
+    )
+    decl = _decl(
+        {
+            "create_ticket": {
+                "compensation": {"tool": "delete_ticket", "args": {"ticket_id": "{result.id}"}},
+                "lookup": {
+                    "tool": "find_ticket",
+                    "args": {
+                        "request_id": "{idempotency_key}",
+                        "title": "{input.title}",
+                        "saga": "{saga_id}",
+                    },
+                },
+            },
+            "send_email": {"reversibility": "IRREVERSIBLE"},
+        }
+    )
+    problems = check(decl, [*DESK, find])
+    assert any("lookup find_ticket" in p and "{input.title}" in p for p in problems), problems
+    assert any("lookup find_ticket" in p and "{saga_id}" in p for p in problems), problems
+    assert not any("{idempotency_key} cannot" in p for p in problems), problems

@@ -397,6 +397,15 @@ def check(declaration: Declaration, listed: Sequence[UpstreamTool]) -> list[str]
             if call is None:
                 continue
             target = find(call.tool, upstream, f"tool {name!r}: {role}")
+            if role == "lookup":
+                # A lookup runs with the idempotency key alone (after a crash, with
+                # no input, result or saga id): anything else would be built empty.
+                for path in _placeholders(call.args):
+                    if path.split(".", 1)[0] != "idempotency_key":
+                        problems.append(
+                            f"tool {name!r}: lookup {call.tool}: {{{path}}} cannot be built;"
+                            " a lookup has only {idempotency_key}"
+                        )
             if target is not None:
                 problems += _args_problems(
                     f"tool {name!r}: {role} {call.tool}", call, forward, target
