@@ -16,6 +16,7 @@ import pytest
 import sagaline
 from participants.client import BusinessRejected, SagaClient
 from schemas import TerminalStatus
+from schemas.models import Reversibility
 from schemas.settings import Settings
 
 # One worker of a parallel run takes the whole module: its module fixture runs a coordinator.
@@ -156,7 +157,12 @@ def test_langgraph_run_whose_last_tool_fails_is_compensated(served: Any) -> None
 # ---------------------------------------------------------------- openai-agents
 
 
-def _openai_agents_run(served: tuple[SagaClient, Any, Trip], amount: int, sagas: list[Any]) -> None:
+def _openai_agents_run(
+    served: tuple[SagaClient, Any, Any],
+    amount: int,
+    sagas: list[Any],
+    script_steps: list[tuple[str, dict[str, Any]]] | None = None,
+) -> None:
     from agents import Agent, Runner, Usage, set_tracing_disabled
     from agents.items import ModelResponse
     from agents.models.interface import Model
@@ -170,7 +176,7 @@ def _openai_agents_run(served: tuple[SagaClient, Any, Trip], amount: int, sagas:
 
     set_tracing_disabled(True)
     client, catalogue, _trip = served
-    script = iter(_script(amount))
+    script = iter(_script(amount) if script_steps is None else script_steps)
 
     class Scripted(Model):
         async def get_response(self, *args: Any, **kwargs: Any) -> ModelResponse:
@@ -262,3 +268,35 @@ def test_a_model_argument_named_like_a_saga_call_option_is_refused_not_obeyed(
         with pytest.raises(CallRefused):
             asyncio.run(tools["charge_card"].acall({"amount": 141, "timeout_s": 5}))
     assert "charge:140" not in trip.log and "charge:141" not in trip.log
+
+
+class Notice:
+    @sagaline.tool(description="Announce to every customer")
+    @sagaline.compensable(reversibility=Reversibility.IRREVERSIBLE)
+    def announce(self, text: str) -> str:
+        return text
+
+
+def test_openai_agents_run_waiting_for_an_approval_leaves_the_saga_open_R7(served: Any) -> None:
+    """An IRREVERSIBLE step without approval within the call timeout raises
+    ApprovalPending: waiting for a person is not a failure, so the saga stays open
+    (R7) and nothing is compensated. The SDK wraps whatever a tool raises in its own
+    UserError unless it is one of its exceptions, and the saga's block then took it
+    for a failure and aborted the saga."""
+    from participants.client import ApprovalPending
+    from sagaline.kafka import LedgerReader
+    from schemas import SagaEndRequested
+
+    client, _catalogue, _trip = served
+    notice = sagaline.wrap(Notice(), name="notice")
+    with sagaline.connect(notice, settings=client.settings, call_timeout_s=5) as short:
+        sagas: list[Any] = []
+        with pytest.raises(Exception) as err:
+            _openai_agents_run((short, notice, None), 0, sagas, [("announce", {"text": "hi"})])
+        saga = sagas[0]
+        records = LedgerReader(short.bootstrap).saga_records(
+            short.settings.topics.events, saga.saga_id, short.settings.signer()
+        )
+        assert [r.reason for r in records if isinstance(r, SagaEndRequested)] == []
+        assert isinstance(err.value, ApprovalPending)  # as the agent's code catches it
+        saga.end(sagaline.SagaOutcome.ABORT, "test over")

@@ -10,7 +10,9 @@ calls are saga steps (needs ``sagaline[openai-agents]``)::
     # returned: the saga completes; raised: it aborts and is compensated
 
 A step that does not commit is not handed back to the model as text: it raises out
-of the run, so the saga aborts instead of the agent carrying on.
+of the run, so the saga aborts instead of the agent carrying on. A step waiting for
+approval raises :class:`~participants.client.ApprovalPending` itself (the SDK wraps
+other errors in its ``UserError``), so the saga stays open for the person (R7).
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from agents import FunctionTool
+from agents.exceptions import AgentsException
 from agents.tool import set_function_tool_failure_error_function
 from agents.tool_context import ToolContext
 
 from participants.catalogue import Catalogue, ToolSpec
-from participants.client import Saga
+from participants.client import ApprovalPending, Saga
 from sagaline.agents._core import SagaTool, saga_tools
 
 __all__ = ["tools"]
@@ -35,9 +38,24 @@ def tools(saga: Saga, catalogue: Catalogue | Iterable[ToolSpec]) -> list[Functio
     return [_function_tool(t) for t in saga_tools(saga, catalogue)]
 
 
+class _ApprovalPending(ApprovalPending, AgentsException):
+    """ApprovalPending as the SDK lets it through: it re-raises its own exceptions and
+    wraps any other in ``UserError``, which the saga's block would take for a failure
+    and abort the saga that waits for a person."""
+
+
 def _function_tool(bound: SagaTool) -> FunctionTool:
     async def invoke(_ctx: ToolContext[Any], arguments: str) -> str:
-        result = await bound.acall(json.loads(arguments or "{}"))
+        try:
+            result = await bound.acall(json.loads(arguments or "{}"))
+        except ApprovalPending as exc:
+            raise _ApprovalPending(
+                str(exc),
+                saga_id=exc.saga_id,
+                step_id=exc.step_id,
+                tool=exc.tool,
+                approval_id=exc.approval_id,
+            ) from exc
         return result if isinstance(result, str) else json.dumps(result)
 
     tool = FunctionTool(
