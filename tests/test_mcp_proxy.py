@@ -543,3 +543,18 @@ def test_a_lookup_built_from_more_than_the_idempotency_key_is_refused() -> None:
     assert any("lookup find_ticket" in p and "{input.title}" in p for p in problems), problems
     assert any("lookup find_ticket" in p and "{saga_id}" in p for p in problems), problems
     assert not any("{idempotency_key} cannot" in p for p in problems), problems
+
+
+def test_an_argument_named_like_a_saga_call_option_is_refused_not_obeyed(world: World) -> None:
+    """``timeout_s`` (like ``step_id``, ``depends_on``) is an option of ``saga.call``,
+    no upstream argument: sent by the model, it must not silently set the step's
+    wait (nor reach saga.call at all); the call is refused and nothing runs."""
+
+    async def run() -> types.CallToolResult:
+        async with world.proxy() as session:
+            await session.call_tool("create_ticket", {"title": "printer on fire"})
+            return await session.call_tool("charge", {"amount": 40, "timeout_s": 30})
+
+    refused = asyncio.run(run())
+    assert refused.is_error and "timeout_s" in _text(refused), _text(refused)
+    assert "charge" not in world.log()

@@ -62,6 +62,7 @@ from participants.declarations import (
 from participants.errors import CatalogueError
 from participants.plan import check_plan
 from participants.runtime import ParticipantRuntime
+from sagaline.agents._core import SAGA_CALL_OPTIONS
 from sagaline.agents.declaration import (
     Declaration,
     DeclarationError,
@@ -456,6 +457,11 @@ class McpProxy:
         mapping: ToolMapping,
         args: dict[str, Any],
     ) -> types.CallToolResult:
+        clash = sorted(SAGA_CALL_OPTIONS.intersection(args))
+        if clash:  # saga.call would take them for its own options: refuse, write nothing
+            return _text(
+                f"{name} takes no argument {', '.join(clash)}; nothing was called", error=True
+            )
         if self.session.saga is None:
             saga = self._saga()
             await asyncio.to_thread(saga.__enter__)
