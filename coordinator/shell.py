@@ -77,6 +77,7 @@ from sagaline.kafka import (
     KafkaError,
     KafkaException,
     Message,
+    PartitionMoves,
     Producer,
     TopicPartition,
     create_consumer,
@@ -245,11 +246,9 @@ class Coordinator:
         self._failures = 0  # consecutive failed transactions
         self._suspects: set[str] = set()  # sagas whose records failed to produce
         self._assigned: set[int] = set()
-        # Rebalances the callbacks served, and per partition the last one that assigned,
-        # revoked or lost it: a record poll() returned before a rebalance that moved its
-        # partition is left to the partition's owner (see _next_batch).
-        self._rebalances = 0
-        self._moved_at: dict[int, int] = {}
+        # A record poll() returned before a rebalance that moved its partition is left
+        # to the partition's owner (see _next_batch).
+        self._moves = PartitionMoves()
         # The consumer's group metadata for the transactions' offsets, asked of
         # librdkafka once per assignment (each ask is a round trip to its main
         # thread); dropped on every rebalance and after a failed transaction.
@@ -354,21 +353,7 @@ class Coordinator:
             first = self._consumer.poll(wait_s)
             if first is None:
                 return []
-        rebalances = self._rebalances
-        rest = self._consumer.consume(self._batch_size - 1, 0)
-        if (
-            self._rebalances != rebalances
-            and first.error() is None  # an error is no record: it stays
-            and self._moved_at.get(first.partition() or 0, 0) > rebalances
-        ):
-            # first is of the assignment before: its partition's owner now (another
-            # instance, or this one again) reads it from the committed offset, against
-            # the state restored there; deciding it here could write for a saga that
-            # is no longer ours, from a state we no longer hold. A partition the
-            # rebalance left alone (cooperative assignment) keeps fetching forward, so
-            # its record stays in the batch.
-            return rest
-        return [first, *rest]
+        return self._moves.batch(first, self._consumer, self._batch_size - 1)
 
     def _due_sagas(self, now: int) -> list[str]:
         """Sagas with a timer due at ``now``, from the heap (no scan of every saga)."""
@@ -911,13 +896,8 @@ class Coordinator:
 
     # -------------------------------------------------------------- rebalancing
 
-    def _moved(self, partitions: list[TopicPartition]) -> None:
-        self._rebalances += 1
-        for tp in partitions:
-            self._moved_at[tp.partition] = self._rebalances
-
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        self._moved(partitions)
+        self._moves.moved(partitions)
         self._settle()  # the changelog read below must hold our last batch
         self._group_metadata = None  # a new generation
         numbers = [p.partition for p in partitions]
@@ -926,13 +906,13 @@ class Coordinator:
         log.info("assigned %s; restored %d sagas", numbers, restored)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        self._moved(partitions)
+        self._moves.moved(partitions)
         self._settle()  # our last batch commits (or aborts) before the partitions go
         self._group_metadata = None
         self._drop({p.partition for p in partitions})
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        self._moved(partitions)
+        self._moves.moved(partitions)
         self._settle()
         self._group_metadata = None
         self._drop({p.partition for p in partitions})

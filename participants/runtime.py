@@ -62,6 +62,7 @@ from sagaline.kafka import (
     LedgerReader,
     LedgerWriter,
     Message,
+    PartitionMoves,
     TopicPartition,
     create_consumer,
     ensure_topics,
@@ -1275,20 +1276,12 @@ class ParticipantRuntime:
             self.bootstrap, group, **{"group.instance.id": f"{group}-{self.instance_id}"}
         )
 
-        # Rebalances served so far, and per partition the last one that assigned,
-        # revoked or lost it: a message poll() returned before a rebalance that moved
-        # its partition is fetched again from the committed offset by its owner.
-        rebalances = 0
-        moved_at: dict[int, int] = {}
-
-        def moved(partitions: list[TopicPartition]) -> None:
-            nonlocal rebalances
-            rebalances += 1
-            for tp in partitions:
-                moved_at[tp.partition] = rebalances
+        # A command poll() returned before a rebalance that moved its partition is left
+        # to the partition's owner, which reads it from the committed offset.
+        moves = PartitionMoves()
 
         def on_assign(c: Consumer, partitions: list[TopicPartition]) -> None:
-            moved(partitions)
+            moves.moved(partitions)
             for tp in partitions:
                 _low, high = watermarks(c, TopicPartition(tp.topic, tp.partition))
                 self._assigned_end[tp.partition] = high
@@ -1296,7 +1289,7 @@ class ParticipantRuntime:
         def on_revoke(c: Consumer, partitions: list[TopicPartition]) -> None:
             # Finish what was taken from these partitions and commit it before another
             # member gets them: it must not run a command that is still running here.
-            moved(partitions)
+            moves.moved(partitions)
             self._work.drain({p.partition for p in partitions})
             try:
                 self._commit(c, asynchronous=False)
@@ -1334,21 +1327,7 @@ class ParticipantRuntime:
                     self._writer.producer.poll(work.wait_s(0.2))
                 else:
                     msg = consumer.poll(work.wait_s(0.2))
-                    if msg is None:
-                        batch = []
-                    else:
-                        seen = rebalances
-                        batch = [msg, *consumer.consume(self.max_in_flight, 0)]
-                        if (
-                            rebalances != seen
-                            and msg.error() is None  # an error is no record: it stays
-                            and moved_at.get(msg.partition() or 0, 0) > seen
-                        ):
-                            # Taken by poll() before a rebalance that consume() served
-                            # revoked its partition: its owner (another member, or this
-                            # one again) reads it from the committed offset, and must
-                            # take it only once.
-                            del batch[0]
+                    batch = [] if msg is None else moves.batch(msg, consumer, self.max_in_flight)
                     for m in batch:
                         error = m.error()
                         if error is not None:

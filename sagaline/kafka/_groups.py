@@ -17,9 +17,9 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 
-__all__ = ["GroupInfo", "describe_group"]
+__all__ = ["GroupInfo", "PartitionMoves", "describe_group"]
 
 # The listing API is deprecated in confluent-kafka in favour of the call above, the one
 # this module exists to avoid.
@@ -92,3 +92,39 @@ def _assignment(raw: bytes | None) -> frozenset[tuple[str, int]]:
         raise KafkaException(
             KafkaError(KafkaError._BAD_MSG, f"cannot decode a group assignment: {exc}")
         ) from exc
+
+
+class PartitionMoves:
+    """The rebalances a consumer's callbacks served, and per partition the last one
+    that assigned, revoked or lost it (call :meth:`moved` from each callback).
+
+    A loop that takes one record with ``poll()`` and the rest with ``consume()`` must
+    not keep the first when the ``consume()`` served a rebalance that moved its
+    partition: the partition's owner (another member, or this one again) reads it
+    from the committed offset, so keeping it would process it twice, or for a
+    partition no longer ours. A partition the rebalance left alone (cooperative
+    assignment) keeps fetching forward, so its record stays; so does an error.
+    """
+
+    __slots__ = ("_at", "_count")
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._at: dict[int, int] = {}
+
+    def moved(self, partitions: list[TopicPartition]) -> None:
+        self._count += 1
+        for tp in partitions:
+            self._at[tp.partition] = self._count
+
+    def batch(self, first: Message, consumer: Any, more: int) -> list[Message]:
+        """``first`` (from ``poll()``) and up to ``more`` records already fetched."""
+        seen = self._count
+        rest: list[Message] = consumer.consume(more, 0)
+        if (
+            self._count != seen
+            and first.error() is None
+            and self._at.get(first.partition() or 0, 0) > seen
+        ):
+            return rest
+        return [first, *rest]
