@@ -77,7 +77,6 @@ from sagaline.kafka import (
     KafkaError,
     KafkaException,
     Message,
-    PartitionMoves,
     Producer,
     TopicPartition,
     create_consumer,
@@ -86,6 +85,7 @@ from sagaline.kafka import (
     raise_if_fatal,
     read_to_end,
 )
+from sagaline.kafka._groups import PartitionMoves
 from schemas import IncidentRaised, IncidentResolved, Record, derived_event_id, envelope_for
 from schemas.errors import CodecError
 from schemas.limits import PARKED_INCIDENT

@@ -62,13 +62,13 @@ from sagaline.kafka import (
     LedgerReader,
     LedgerWriter,
     Message,
-    PartitionMoves,
     TopicPartition,
     create_consumer,
     ensure_topics,
     raise_if_fatal,
     watermarks,
 )
+from sagaline.kafka._groups import PartitionMoves
 from schemas import (
     CompensateStep,
     CompensationAccepted,

@@ -50,7 +50,7 @@ from sagaline.kafka._config import (
     producer_config,
     redacted,
 )
-from sagaline.kafka._groups import GroupInfo, PartitionMoves, describe_group
+from sagaline.kafka._groups import GroupInfo, describe_group
 from sagaline.kafka._reader import LedgerReader, TopicMissing, read_to_end
 from sagaline.kafka._topics import TopicSetupError, ensure_topics
 from sagaline.kafka._writers import DeadLetterWriter, DeliveryFailed, LedgerWriter, deliver
@@ -70,7 +70,6 @@ __all__ = [
     "LedgerReader",
     "LedgerWriter",
     "Message",
-    "PartitionMoves",
     "Producer",
     "TopicMissing",
     "TopicPartition",
