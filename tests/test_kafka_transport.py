@@ -94,6 +94,16 @@ def test_an_unreadable_or_malformed_properties_file_is_refused_by_name(tmp_path:
         ClientConfig.from_env("b:1", {"SAGALINE_KAFKA_PROPERTIES_FILE": str(bad)})
 
 
+def test_a_malformed_properties_line_is_refused_without_its_value(tmp_path: Path) -> None:
+    # Java properties also allow "name: value"; such a line is refused, and the error
+    # (logged, printed at start-up) names the line, never what it holds.
+    bad = tmp_path / "client.properties"
+    bad.write_text("security.protocol=SASL_SSL\nsasl.password: hunter2-secret\n")
+    with pytest.raises(KafkaConfigError, match=r"client.properties:2") as refused:
+        ClientConfig.from_env("b:1", {"SAGALINE_KAFKA_PROPERTIES_FILE": str(bad)})
+    assert "hunter2" not in str(refused.value)
+
+
 @pytest.mark.parametrize(
     ("var", "value"),
     [

@@ -169,7 +169,12 @@ def read_properties(path: Path) -> dict[str, str]:
             continue
         name, sep, value = line.partition("=")
         if not sep or not name.strip():
-            raise KafkaConfigError(f"{path}:{number}: expected name=value, got {line[:40]!r}")
+            # Not the line itself: it may hold a secret ("sasl.password: ..." is valid
+            # Java properties syntax, but not ours), and this message is printed.
+            raise KafkaConfigError(
+                f"{path}:{number}: expected name=value (with '=', not ':' or a space); "
+                "the line is not shown, it may hold a secret"
+            )
         out[name.strip()] = value.strip()
     return out
 
