@@ -140,6 +140,15 @@ def test_secrets_never_appear_in_the_repr_or_the_description() -> None:
     assert "payments" in shown
 
 
+def test_the_oauthbearer_config_is_masked() -> None:
+    # librdkafka's sasl.oauthbearer.config carries the unsecured JWT settings or,
+    # for many providers, a token or client secret itself ("token=...").
+    config = ClientConfig.from_env(
+        "b:1", {"SAGALINE_KAFKA_SASL_OAUTHBEARER_CONFIG": "principal=svc token=eyJ-s3cret"}
+    )
+    assert "eyJ-s3cret" not in repr(config) + config.describe()
+
+
 def test_replication_must_be_achievable() -> None:
     assert Replication(3, 2).topic_config() == {"min.insync.replicas": "2"}
     assert Replication().topic_config() == {}

@@ -31,7 +31,16 @@ LAUNCHER_VARS = frozenset(
 )
 
 # Words that mark a property's value as secret (librdkafka names).
-_SECRET_MARKERS = ("password", "secret", "jaas", "key.pem", "private", "token")
+# sasl.oauthbearer.config may carry a token or client secret ("token=...").
+_SECRET_MARKERS = (
+    "password",
+    "secret",
+    "jaas",
+    "key.pem",
+    "private",
+    "token",
+    "oauthbearer.config",
+)
 _MASK = "*****"
 
 # What every producer and consumer needs for the design to hold; not overridable.
