@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from participants.catalogue import Catalogue, wrap
-from participants.client import SagaClient
+from participants.client import ENDED_SAGAS_KEPT, SagaClient
 from participants.readiness import require_coordinator
 from participants.runtime import ParticipantRuntime
 from sagaline.kafka import ensure_topics
@@ -40,6 +40,7 @@ def connect(
     settings: Settings | None = None,
     bootstrap: str | None = None,
     call_timeout_s: float = 60.0,
+    ended_sagas_kept: int = ENDED_SAGAS_KEPT,
 ) -> Iterator[SagaClient]:
     """Serve ``tools`` and yield a started :class:`SagaClient`.
 
@@ -53,6 +54,7 @@ def connect(
     - ``settings`` / ``bootstrap``: default to the environment
       (``SAGALINE_*``, ``KAFKA_BOOTSTRAP_SERVERS``); with no broker configured the
       project's local development broker is used (started if needed).
+    - ``call_timeout_s`` / ``ended_sagas_kept``: passed to the :class:`SagaClient`.
     """
     if settings is None:
         settings = Settings.from_env()
@@ -104,7 +106,11 @@ def connect(
                     f" {settings.topics.commands(catalogue.name)} (see the log above)"
                 )
         client = SagaClient(
-            settings, bootstrap, catalogues=catalogues, call_timeout_s=call_timeout_s
+            settings,
+            bootstrap,
+            catalogues=catalogues,
+            call_timeout_s=call_timeout_s,
+            ended_sagas_kept=ended_sagas_kept,
         )
         client.start()
         yield client

@@ -515,3 +515,18 @@ def _record_waits(system: System, monkeypatch: pytest.MonkeyPatch) -> list[tuple
     monkeypatch.setattr(writer, "append", append)
     monkeypatch.setattr(writer, "append_async", append_async)
     return waits
+
+
+def test_connect_passes_ended_sagas_kept_to_its_client(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    """``sagaline.connect()`` is how most agents get a client: the number of ended
+    sagas whose receipts it keeps must be settable there too, not only on
+    ``SagaClient``."""
+    import sagaline
+
+    settings = Settings(
+        bootstrap=kafka_bootstrap, topic_prefix=unique_prefix, state_dir=tmp_path, partitions=1
+    )
+    with sagaline.connect(settings=settings, ended_sagas_kept=2) as client:
+        assert client._ledger.ended_kept == 2
