@@ -129,7 +129,7 @@ class LedgerFollower:
         ready: list[TopicPartition] = []
         for tp in new:
             try:
-                _low, high = consumer.get_watermark_offsets(
+                low, high = consumer.get_watermark_offsets(
                     TopicPartition(tp.topic, tp.partition), timeout=5
                 )
             except KafkaException as exc:
@@ -139,7 +139,9 @@ class LedgerFollower:
                 log.warning("%s[%d] not followed yet: %s", tp.topic, tp.partition, exc)
                 continue
             if not self._targets_fixed:
-                self._targets[(tp.topic, tp.partition)] = high
+                # Nothing left to read (retention deleted every record: low == high > 0)
+                # counts as read: no position is ever reported for such a partition.
+                self._targets[(tp.topic, tp.partition)] = high if high > low else 0
             ready.append(tp)
         if ready:
             consumer.incremental_assign(ready)
