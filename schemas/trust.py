@@ -204,8 +204,11 @@ class TrustStore:
     ) -> TrustStore:
         if not isinstance(data, dict):
             raise TrustFileError(f"{where}: expected an object with identities and keys")
+        # Every shape is checked here: anything else escaping would end a reader whose
+        # refresh() meets a broken edit, instead of keeping the last good contents.
+        entries = _entries(data.get("identities"), "identities", where)
         identities: dict[str, Identity] = {}
-        for name, entry in (data.get("identities") or {}).items():
+        for name, entry in entries.items():
             try:
                 role = Role(entry["role"])
             except (KeyError, ValueError, TypeError):
@@ -213,22 +216,25 @@ class TrustStore:
                     f"{where}: identity {name!r} needs a role, one of "
                     f"{', '.join(r.value for r in Role)}"
                 ) from None
-            tenants = entry.get("tenants")
+            tenants = _names(entry.get("tenants"), f"identity {name!r}", "tenants", where)
+            principals = _names(entry.get("principals"), f"identity {name!r}", "principals", where)
             identities[name] = Identity(
                 name=name,
                 role=role,
                 tenants=None if tenants is None or "*" in tenants else frozenset(tenants),
-                principals=frozenset(entry.get("principals") or [name]),
+                principals=frozenset(principals or [name]),
             )
         operators = {n for n, i in identities.items() if i.role is Role.OPERATOR}
-        for name, entry in (data.get("identities") or {}).items():
-            acts_for = set(entry.get("acts_for") or ())
+        for name, entry in entries.items():
+            acts_for = set(
+                _names(entry.get("acts_for"), f"identity {name!r}", "acts_for", where) or ()
+            )
             if acts_for and identities[name].role is not Role.OPERATOR:
                 raise TrustFileError(f"{where}: only an operator identity may have acts_for")
             resolved = operators if "*" in acts_for else acts_for & operators
             identities[name] = dataclasses.replace(identities[name], acts_for=frozenset(resolved))
         keys: dict[str, TrustedKey] = {}
-        for kid, entry in (data.get("keys") or {}).items():
+        for kid, entry in _entries(data.get("keys"), "keys", where).items():
             owner = identities.get(entry.get("identity", ""))
             if owner is None:
                 raise TrustFileError(
@@ -244,7 +250,10 @@ class TrustStore:
                     f"{where}: key {kid!r} needs public_key, the base64 of a raw 32-byte "
                     "Ed25519 public key (as printed by `sagaline keys new`)"
                 ) from None
-            keys[kid] = TrustedKey(kid, owner, public, bool(entry.get("retired", False)))
+            retired = entry.get("retired", False)
+            if not isinstance(retired, bool):
+                raise TrustFileError(f"{where}: key {kid!r}: retired must be true or false")
+            keys[kid] = TrustedKey(kid, owner, public, retired)
         return cls(identities, keys, path)
 
     def key(self, key_id: str) -> TrustedKey:
@@ -271,6 +280,30 @@ class TrustStore:
             if _raw(entry.public_key) == raw:
                 found = kid
         return found
+
+
+def _entries(value: Any, section: str, where: str) -> dict[str, dict[str, Any]]:
+    """The ``identities`` or ``keys`` object: names to objects (absent: empty)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise TrustFileError(f"{where}: {section} must be an object of named entries")
+    for name, entry in value.items():
+        if not isinstance(entry, dict):
+            raise TrustFileError(f"{where}: {section} entry {name!r} must be an object")
+    return value
+
+
+def _names(value: Any, owner: str, field_name: str, where: str) -> list[str] | None:
+    """A list of names (absent: None). One string is refused, not read as its
+    characters: ``"tenants": "acme"`` would otherwise allow tenants "a", "c"..."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise TrustFileError(
+            f'{where}: {owner}: {field_name} must be a list of names, like ["acme"]'
+        )
+    return value
 
 
 def _stamp(path: Path) -> tuple[int, int, int] | None:

@@ -213,6 +213,37 @@ def test_a_broken_trust_file_names_what_to_fix(tmp_path: Path) -> None:
         TrustStore.load(tmp_path / "missing.json")
 
 
+@pytest.mark.parametrize(
+    ("data", "names"),
+    [
+        ({"identities": []}, "identities"),
+        ({"identities": {"x": "participant"}}, "'x'"),
+        ({"keys": {"k": "AAAA"}}, "'k'"),
+        # One string where a list belongs: it would be its characters ("a", "c"...).
+        ({"identities": {"x": {"role": "agent", "tenants": "acme"}}}, "tenants"),
+        ({"identities": {"x": {"role": "agent", "principals": "user:42"}}}, "principals"),
+        ({"identities": {"x": {"role": "operator", "acts_for": "alice"}}}, "acts_for"),
+        ({"identities": {"x": {"role": "participant", "tenants": 5}}}, "tenants"),
+    ],
+)
+def test_a_trust_file_of_the_wrong_shape_names_what_to_fix(
+    tmp_path: Path, data: dict[str, Any], names: str
+) -> None:
+    bad = tmp_path / "t.json"
+    bad.write_text(json.dumps(data))
+    with pytest.raises(TrustFileError, match=names):
+        TrustStore.load(bad)
+
+
+def test_a_broken_edit_of_the_trust_file_keeps_the_last_good_one(kit: TrustKit) -> None:
+    reader = kit.signer()
+    message = to_message(_grant("alice", "alice"), kit.signer("alice"))
+    assert from_message(*message, reader)
+    broken = {"identities": kit.data["identities"], "keys": {"k": "AAAA"}}
+    kit.trust_file.write_text(json.dumps(broken))
+    assert from_message(*message, reader)  # not an AttributeError out of the reader
+
+
 # ------------------------------------------------------------------ the core's checks
 
 BOUND = CorePolicy(bind_writers=True)
