@@ -192,6 +192,8 @@ class TrustStore:
                 f"cannot read trust file {path}: {exc.strerror}; set SAGALINE_TRUST_FILE "
                 "to an existing file"
             ) from None
+        except UnicodeDecodeError as exc:
+            raise TrustFileError(f"trust file {path} is not UTF-8: {exc.reason}") from None
         try:
             data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
         except (ValueError, tomllib.TOMLDecodeError) as exc:

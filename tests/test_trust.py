@@ -211,6 +211,9 @@ def test_a_broken_trust_file_names_what_to_fix(tmp_path: Path) -> None:
         TrustStore.load(bad)
     with pytest.raises(TrustFileError, match="cannot read"):
         TrustStore.load(tmp_path / "missing.json")
+    bad.write_bytes(b'{"identities": {"\xff": {}}}')  # not UTF-8
+    with pytest.raises(TrustFileError, match="not UTF-8"):
+        TrustStore.load(bad)
 
 
 @pytest.mark.parametrize(
