@@ -47,6 +47,9 @@ from schemas import (
 from schemas.receipt import ApprovalRecord, Disposition, IncidentRecord, StepReceipt
 
 T0 = 1_760_000_000_000
+# Long enough that a run years after T0 still finds the request live (a grant after
+# expiry is refused before anything is written).
+APPROVAL_TTL_MS = 50 * 365 * 86_400_000
 
 TOOLS: dict[str, dict[str, Any]] = {
     "place_hold": dict(participant="payments", reversibility=Reversibility.REVERSIBLE,
@@ -155,7 +158,7 @@ class SagaScript:
             ApprovalRequested, step_id=step_id, approval_id=f"apr-{self.saga_id}-{step_id}",
             purpose=ApprovalPurpose.FORWARD, principal=self.principal,
             args_fingerprint=args_fingerprint(args), scope=f"{self.workflow}:{tool}",
-            expires_at=self.now + 3_600_000,
+            expires_at=self.now + APPROVAL_TTL_MS,
         )  # fmt: skip
         return rec
 

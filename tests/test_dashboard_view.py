@@ -21,6 +21,7 @@ from dashboard_scenarios import (
 from starlette.testclient import TestClient
 
 from sagaline.ops.actions import (
+    ApprovalExpired,
     MissingOperatorIdentity,
     OperatorActionError,
     approval_denied,
@@ -52,6 +53,19 @@ def _state(*names: str) -> DashboardState:
         for record in ALL[name]().records:
             state.apply(record)
     return state
+
+
+class RecordingChannel:
+    """Stands in for an OperatorChannel: keeps what would be published."""
+
+    def __init__(self) -> None:
+        self.published: list[object] = []
+
+    def producer_for(self, operator: str, via: str) -> str | None:
+        return None
+
+    def publish(self, record: object) -> None:
+        self.published.append(record)
 
 
 def _receipt(script_records: list[object]) -> Receipt:
@@ -328,6 +342,34 @@ def test_a_grant_is_bound_to_exactly_what_was_requested() -> None:
         assert getattr(grant, name) == getattr(req, name)
     assert grant.envelope.causation_id == req.event_id
     assert grant.envelope.saga_id == req.saga_id
+
+
+def test_a_grant_after_the_request_expired_is_refused_not_recorded() -> None:
+    """R7: the coordinator rejects a grant made after ``expires_at`` (EXPIRED), so the
+    builder refuses it instead of writing it and telling the operator it was granted."""
+    req = _request()
+    assert approval_granted(req, operator="alice", now=req.expires_at).granted_by == "alice"
+    with pytest.raises(ApprovalExpired, match="expired"):
+        approval_granted(req, operator="alice", now=req.expires_at + 1)
+
+
+def test_the_dashboard_refuses_to_grant_an_expired_approval() -> None:
+    """The page said "granted (recorded on Kafka)" for a grant the coordinator drops."""
+    state = _state("awaiting_approval")
+    _, req = state.pending_approvals()[0]
+    channel = RecordingChannel()
+    client = TestClient(
+        create_app(state, channel, clock=lambda: req.expires_at + 60_000)  # type: ignore[arg-type]
+    )
+    page = client.get("/").text
+    assert f'id="approve-{req.approval_id}" disabled' in page
+    response = client.post(
+        f"/approvals/{req.saga_id}/{req.approval_id}/grant",
+        data={"operator": "alice"},
+        follow_redirects=False,
+    )
+    assert response.status_code == 400 and "expired" in response.text
+    assert channel.published == []
 
 
 def test_a_double_click_produces_the_same_event_id() -> None:

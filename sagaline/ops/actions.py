@@ -53,6 +53,10 @@ class UnknownRequest(OperatorActionError, LookupError):
     """The approval request or incident named is not in the saga's ledger."""
 
 
+class ApprovalExpired(OperatorActionError):
+    """The request expired: the coordinator would reject a grant for it (R7)."""
+
+
 class NoUsableKey(OperatorActionError):
     """This process holds no key the system accepts for an operator decision, so the
     coordinator would drop the record: refuse instead of pretending it counted."""
@@ -136,8 +140,16 @@ def approval_granted(
     producer: str | None = None,
 ) -> ApprovalGranted:
     """The grant bound to exactly what was requested (principal, step, fingerprint,
-    scope, expiry): a grant for anything else would not count (R7)."""
+    scope, expiry): a grant for anything else would not count (R7). A request is valid
+    through ``expires_at``; after it :class:`ApprovalExpired` is raised, as the
+    coordinator would reject the grant."""
     who = _operator(operator)
+    if now > request.expires_at:
+        raise ApprovalExpired(
+            f"approval {request.approval_id} of saga {request.saga_id} expired at "
+            f"{request.expires_at} (now {now}): the coordinator would reject a grant, so "
+            "nothing was recorded"
+        )
     return ApprovalGranted(
         envelope=_envelope(
             ApprovalGranted, request, "grant", request.approval_id, via, now, producer
@@ -366,6 +378,7 @@ def resolve_incident(
 
 
 __all__ = [
+    "ApprovalExpired",
     "MissingOperatorIdentity",
     "NoUsableKey",
     "OperatorActionError",

@@ -276,7 +276,7 @@ def _approval_html(
         f'<input type="hidden" name="next" value="{_e(back)}">{_who_html(viewer)}'
         '<input name="reason" placeholder="reason (for a denial)" aria-label="reason">'
         f'<button class="grant" type="submit" id="approve-{_e(req.approval_id)}"'
-        f"{_off(viewer)}>Approve</button>"
+        f"{' disabled' if expired else _off(viewer)}>Approve</button>"
         f'<button class="deny" type="submit" formaction="{base}/deny" '
         f'id="deny-{_e(req.approval_id)}"{_off(viewer)}>Deny</button></form></li>'
     )
@@ -639,7 +639,7 @@ def create_app(
             assert channel is not None
             req = _request_for(saga, approval_id)
             rec = operator_actions.grant_approval(
-                channel, req, operator=form["operator"], via="dashboard"
+                channel, req, operator=form["operator"], via="dashboard", now=now_ms()
             )
             return f"Approval {approval_id} granted by {rec.granted_by} (recorded on Kafka)."
 
