@@ -29,11 +29,16 @@ from sagaline.ops.actions import (
     incident_resolved,
 )
 from sagaline.ops.metrics import CoordinatorMetrics, SagalineMetrics
-from sagaline.ops.receipts import describe_receipt, render_receipt_html, render_receipt_text
+from sagaline.ops.receipts import (
+    describe_receipt,
+    format_ms,
+    render_receipt_html,
+    render_receipt_text,
+)
 from schemas import ApprovalRequested, IncidentRaised, Receipt, SagaStarted, SagaTerminal
 from services.dashboard.app import create_app
 from services.dashboard.timeline import render_timeline_svg
-from services.dashboard.view import DashboardState, SagaFilter, SagaStatus
+from services.dashboard.view import DashboardState, SagaFilter, SagaStatus, Span, SpanKind
 from services.refund import economic_effect
 
 EXPECTED = {
@@ -208,6 +213,30 @@ def test_timeline_draws_retries_compensations_and_approvals() -> None:
     assert "release_hold #1: verified" in comp  # verified compensation (R12)
     done = render_timeline_svg(state.sagas["s-completed"], now=0)
     assert "granted by lead@ops" in done
+
+
+def test_timeline_axis_stays_a_few_ticks_however_far_apart_the_records_are() -> None:
+    """One record dated by a broken clock (here 1000 days after the rest) made the axis
+    one tick per day: with a timestamp in microseconds, millions of ticks, rendered on
+    the event loop while holding the state lock, so every page and the follower hung."""
+    saga = _state("completed").sagas["s-completed"]
+    saga.steps["1"].spans.append(Span(SpanKind.ATTEMPT, saga.last_at + 1000 * 86_400_000))
+    svg = render_timeline_svg(saga, now=saga.last_at)
+    ET.fromstring(svg)
+    assert svg.count('stroke="#cfd8dc"') <= 10  # one grid line per tick
+
+
+def test_a_saga_dated_beyond_the_calendar_still_gets_its_page() -> None:
+    """A producer writing microseconds (or garbage) into occurred_at: the page of that
+    saga answered 500 (datetime: year out of range); the value is shown as is."""
+    assert format_ms(2**62) == f"{2**62} ms since the epoch (not a valid time)"
+    state = DashboardState(SagalineMetrics("dashboard"))
+    for record in completed("s-future").records:
+        env = record.envelope.model_copy(update={"occurred_at": 2**62})
+        state.apply(record.model_copy(update={"envelope": env}))
+    client = TestClient(create_app(state, clock=lambda: 1_760_000_100_000))
+    response = client.get("/sagas/s-future")
+    assert response.status_code == 200 and "not a valid time" in response.text
 
 
 # ------------------------------------------------------------------- receipts

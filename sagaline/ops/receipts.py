@@ -62,10 +62,14 @@ _DECISION = {
 
 
 def format_ms(epoch_ms: int | None) -> str:
-    """UTC wall time to the millisecond, or a dash."""
+    """UTC wall time to the millisecond, or a dash; a time no calendar holds is
+    shown as the number it is."""
     if epoch_ms is None:
         return "-"
-    moment = _dt.datetime.fromtimestamp(epoch_ms / 1000, tz=_dt.UTC)
+    try:
+        moment = _dt.datetime.fromtimestamp(epoch_ms / 1000, tz=_dt.UTC)
+    except (OverflowError, OSError, ValueError):  # a producer's clock gone wrong
+        return f"{epoch_ms} ms since the epoch (not a valid time)"
     return moment.strftime("%Y-%m-%d %H:%M:%S.") + f"{epoch_ms % 1000:03d} UTC"
 
 

@@ -51,10 +51,12 @@ def _esc(text: str) -> str:
 
 
 def _tick_step(span_ms: int) -> int:
+    """A round step giving at most 8 ticks; past the largest round step, an eighth of
+    the span (one record from a broken clock must not draw a tick per day of it)."""
     for step in _TICK_STEPS_MS:
         if span_ms / step <= 8:
             return step
-    return _TICK_STEPS_MS[-1]
+    return -(-span_ms // 8)
 
 
 def _rel(ms: int) -> str:
