@@ -22,9 +22,11 @@ import hashlib
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import is_dataclass
 from typing import Annotated, Any, Final, TypeVar
 
-from pydantic import BaseModel, SecretBytes, SecretStr
+from pydantic import AliasChoices, BaseModel, SecretBytes, SecretStr
+from pydantic.fields import FieldInfo
 
 from schemas.keys import canonical_json
 
@@ -78,11 +80,33 @@ def _walk_model(model: type[BaseModel], prefix: str, out: list[str], stack: set[
         return
     stack = stack | {model}
     for name, info in model.model_fields.items():
-        path = f"{prefix}{name}"
-        if any(isinstance(m, _SecretMarker) for m in info.metadata):
-            out.append(path)
-            continue
-        _walk_type(info.annotation, path, out, stack)
+        # Arguments carry a field under its name or its alias (a model's JSON schema
+        # shows the alias): list the secret under each key it can arrive as.
+        for key in _keys(name, info):
+            path = f"{prefix}{key}"
+            if any(isinstance(m, _SecretMarker) for m in info.metadata):
+                out.append(path)
+                continue
+            _walk_type(info.annotation, path, out, stack)
+
+
+def _keys(name: str, info: FieldInfo) -> list[str]:
+    """The keys a field's value may arrive under: its name and its aliases."""
+    keys = [name]
+    aliases: list[object] = [info.alias, info.validation_alias]
+    if isinstance(info.validation_alias, AliasChoices):
+        aliases += info.validation_alias.choices
+    keys += [a for a in aliases if isinstance(a, str)]
+    return list(dict.fromkeys(keys))
+
+
+def _walk_hints(tp: type, prefix: str, out: list[str], stack: set[type]) -> None:
+    """A TypedDict's or a dataclass's fields, by name (``Annotated`` kept)."""
+    if tp in stack:
+        return
+    stack = stack | {tp}
+    for name, hint in typing.get_type_hints(tp, include_extras=True).items():
+        _walk_type(hint, f"{prefix}{name}", out, stack)
 
 
 def _walk_type(tp: Any, path: str, out: list[str], stack: set[type]) -> None:
@@ -111,6 +135,13 @@ def _walk_type(tp: Any, path: str, out: list[str], stack: set[type]) -> None:
         out.append(path)
     elif isinstance(tp, type) and issubclass(tp, BaseModel):
         _walk_model(tp, f"{path}.", out, stack)
+    elif isinstance(tp, type) and (_is_typeddict(tp) or is_dataclass(tp)):
+        _walk_hints(tp, f"{path}.", out, stack)
+
+
+def _is_typeddict(tp: type) -> bool:
+    # typing.is_typeddict misses typing_extensions.TypedDict (pydantic's on 3.11).
+    return issubclass(tp, dict) and hasattr(tp, "__total__")
 
 
 def redact(args: Mapping[str, Any], secret_paths: Iterable[str]) -> dict[str, Any]:
@@ -119,9 +150,7 @@ def redact(args: Mapping[str, Any], secret_paths: Iterable[str]) -> dict[str, An
     Paths that are absent (an optional field left out) are skipped; already-redacted
     values are left alone, so redacting twice changes nothing.
     """
-    return map_secrets(
-        args, secret_paths, lambda v: v if is_redacted(v) else redaction_marker(v)
-    )
+    return map_secrets(args, secret_paths, lambda v: v if is_redacted(v) else redaction_marker(v))
 
 
 def map_secrets(

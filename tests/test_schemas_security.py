@@ -3,11 +3,14 @@ topic in clear (issue 2; R16 for the typed errors that route to the DLQ)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import orjson
 import pytest
-from pydantic import BaseModel, SecretStr
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr
+from pydantic.alias_generators import to_camel
+from typing_extensions import TypedDict
 
 from schemas.codec import encode
 from schemas.errors import BadSignature, MissingSignature
@@ -200,3 +203,42 @@ def test_secret_never_appears_in_the_encoded_step_scheduled() -> None:
     assert b"737" not in wire_bytes
     assert b"Ada" in wire_bytes, "non-secret arguments are kept"
     assert orjson.loads(record.args)["card"]["number"] == redaction_marker(card_number)
+
+
+class CamelCard(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel)
+    card_number: Secret
+    holder: str
+
+
+class Pin(TypedDict):
+    pin: Secret
+
+
+@dataclass
+class Login:
+    password: Secret
+
+
+class AliasedArgs(BaseModel):
+    card: CamelCard
+    pin: Pin
+    login: Login
+    api_key: Secret = Field(validation_alias=AliasChoices("apiKey", "api_key"))
+
+
+def test_secrets_are_redacted_under_the_names_the_arguments_use() -> None:
+    # Tool arguments arrive as the model validates them: aliased fields under their
+    # alias (a model's JSON schema shows the alias), TypedDict and dataclass fields
+    # by name. Each secret there must be redacted, not only model fields by name.
+    args = {
+        "card": {"cardNumber": "4111111111111111", "holder": "Ada"},
+        "pin": {"pin": "8642"},
+        "login": {"password": "hunter2"},
+        "apiKey": "sk_live_f00d",
+    }
+    AliasedArgs.model_validate(args)  # what the tool will be called with
+    body = redacted_json(args, secret_paths(AliasedArgs))
+    for secret in (b"4111111111111111", b"8642", b"hunter2", b"sk_live_f00d"):
+        assert secret not in body
+    assert b"Ada" in body
