@@ -119,6 +119,21 @@ def test_settings_the_design_depends_on_cannot_be_changed(var: str, value: str) 
         ClientConfig.from_env("b:1", {var: value})
 
 
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [
+        # librdkafka takes a topic-level property with a "topic." prefix too, and
+        # "acks" is its alias of request.required.acks: the same settings, other names.
+        ("SAGALINE_KAFKA_TOPIC_PARTITIONER", "consistent"),
+        ("SAGALINE_KAFKA_REQUEST_REQUIRED_ACKS", "1"),
+        ("SAGALINE_KAFKA_TOPIC_REQUEST_REQUIRED_ACKS", "1"),
+    ],
+)
+def test_a_pinned_setting_under_another_name_is_refused_too(var: str, value: str) -> None:
+    with pytest.raises(KafkaConfigError, match="is not allowed"):
+        ClientConfig.from_env("b:1", {var: value})
+
+
 def test_the_bootstrap_address_has_one_source() -> None:
     with pytest.raises(KafkaConfigError, match="KAFKA_BOOTSTRAP_SERVERS"):
         ClientConfig.from_env("b:1", {"SAGALINE_KAFKA_BOOTSTRAP_SERVERS": "other:1"})

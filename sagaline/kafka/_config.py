@@ -74,6 +74,8 @@ PRODUCER_DEFAULTS: Mapping[str, Any] = {
     "compression.type": "lz4",
 }
 CONSUMER_DEFAULTS: Mapping[str, Any] = {"auto.offset.reset": "earliest"}
+# librdkafka's other names of pinned properties.
+_ALIASES: Mapping[str, str] = {"request.required.acks": "acks"}
 
 
 class KafkaConfigError(ValueError):
@@ -124,10 +126,15 @@ class ClientConfig:
             )
         pinned = {**PINNED_PRODUCER, **PINNED_CONSUMER}
         for name, value in merged.items():
-            if name in pinned and str(value).lower() != str(pinned[name]).lower():
+            # librdkafka also takes a topic-level property as "topic.<name>", and
+            # "acks" is its alias of request.required.acks: pinned under any name.
+            # (A "topic.partitioner" listed after the pinned key won, silently.)
+            base = name.removeprefix("topic.")
+            base = _ALIASES.get(base, base)
+            if base in pinned and str(value).lower() != str(pinned[base]).lower():
                 raise KafkaConfigError(
-                    f"{name}={value!r} is not allowed: Sagaline needs {name}="
-                    f"{pinned[name]!r} (co-partitioning, durable intents, exactly-once); "
+                    f"{name}={value!r} is not allowed: Sagaline needs {base}="
+                    f"{pinned[base]!r} (co-partitioning, durable intents, exactly-once); "
                     f"remove it from {ENV_PREFIX}* / {PROPERTIES_FILE_VAR}"
                 )
         return cls(bootstrap, merged)
