@@ -6,10 +6,13 @@ The browser and Kafka version is tests/test_dashboard_login_browser.py.
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
+import pytest
 from starlette.testclient import TestClient
 
 from sagaline.ops.metrics import SagalineMetrics
+from services.dashboard import auth as auth_module
 from services.dashboard.app import create_app
 from services.dashboard.auth import (
     PROXY_SECRET_HEADER,
@@ -76,3 +79,18 @@ def test_proxy_header_counts_only_with_the_shared_secret_and_still_needs_csrf() 
 def test_without_logins_configured_the_dashboard_says_it_is_in_development_mode() -> None:
     page = _client(OperatorAuth()).get("/").text
     assert "development mode: actions are not authenticated" in page
+
+
+def test_expired_sessions_are_dropped_not_kept_forever(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Behind a proxy every request without the cookie (a script polling /api/state)
+    opens a session; one that is never presented again used to stay in memory for good."""
+    clock = [1_000_000.0]
+    monkeypatch.setattr(auth_module, "time", SimpleNamespace(time=lambda: clock[0]))
+    auth = OperatorAuth(proxy_secret="s3cret-of-the-proxy")
+    proxied = {PROXY_USER_HEADER: "alice", PROXY_SECRET_HEADER: "s3cret-of-the-proxy"}
+    for _ in range(100):
+        auth.session(None, proxied)
+    clock[0] += auth_module.SESSION_TTL_S + 1
+    session, token = auth.session(None, proxied)
+    assert session is not None and token is not None
+    assert len(auth._sessions) == 1

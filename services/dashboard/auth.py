@@ -128,9 +128,13 @@ class OperatorAuth:
 
     def _open(self, operator: str, via: str) -> str:
         token = secrets.token_urlsafe(32)
-        expires = time.time() + SESSION_TTL_S
-        session = Session(operator, secrets.token_urlsafe(32), expires, via)
+        now = time.time()
+        session = Session(operator, secrets.token_urlsafe(32), now + SESSION_TTL_S, via)
         with self._lock:
+            # Sessions never presented again (a client that keeps no cookie opens one
+            # per request behind a proxy) go when they expire, not never.
+            for stale in [t for t, s in self._sessions.items() if s.expires < now]:
+                del self._sessions[stale]
             self._sessions[token] = session
         return token
 
