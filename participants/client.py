@@ -19,6 +19,7 @@ runtime, so they take exactly the same path and are compensated the same way.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import math
@@ -282,6 +283,25 @@ class _Ledger:
         with self._lock:
             terminal = self._ended.get(saga_id)
         return None if terminal is None else check(terminal)
+
+    def backfill(self, saga_id: str, history: list[Record]) -> None:
+        """Put a followed saga's records read from the ledger (in log order) before
+        the ones the listener added since it was followed, each once."""
+        feed = self._feeds.get(saga_id)
+        if feed is None:
+            return
+        with feed.cond:
+            have = {r.event_id for r in feed.records}
+            earlier = [r for r in history if type(r) in AWAITED and r.event_id not in have]
+            feed.records[:0] = earlier
+            feed.cond.notify_all()
+            futures, feed.futures = feed.futures, []
+        for record in earlier:
+            if type(record) is SagaTerminal:
+                self._terminal_arrived(saga_id, feed, record)
+        for loop, future in futures:
+            with contextlib.suppress(RuntimeError):  # a loop closed since: nobody waits
+                loop.call_soon_threadsafe(_wake, [future])
 
     def add(self, records: Iterable[Record]) -> None:
         """Hand each record to its saga's waiters; asyncio waiters are woken once per
@@ -737,9 +757,37 @@ class Saga:
 
     def attach(self) -> Saga:
         """Follow this saga (already started, e.g. by a process that restarted) without
-        starting it again: new calls continue it."""
-        self.client.ensure_coordinator()
-        self.client._ledger.follow(self.saga_id)
+        starting it again: new calls continue it.
+
+        Its records so far are read from the ledger (its partition of
+        ``sagaline.events``, once), so ``results`` holds what its steps committed,
+        ``resume()`` waits for a step scheduled before, a call under the id of a step
+        already scheduled answers with that step's outcome (the coordinator does not
+        run a step twice), and new steps are numbered after the ones scheduled."""
+        client = self.client
+        client.ensure_coordinator()
+        # Followed first: what the listener reads from now on is kept, and the read
+        # below reaches at least as far, so no record falls between the two.
+        client._ledger.follow(self.saga_id)
+        history = LedgerReader(client.bootstrap).saga_records(
+            client.topics.events, self.saga_id, client.signer
+        )
+        client._ledger.backfill(self.saga_id, history)
+        numbered = 0
+        for record in history:
+            if isinstance(record, StepScheduled):
+                self._contracts[record.step_id] = record.contract
+                prefix = record.step_id.split("-", 1)[0]
+                numbered = max(numbered + 1, int(prefix) if prefix.isdigit() else 0)
+            elif isinstance(record, (StepCommitted, StepReconciled)):
+                if isinstance(record, StepReconciled) and (
+                    record.outcome is not ReconcileResult.COMMITTED
+                ):
+                    continue
+                result = orjson.loads(record.result or b"null")
+                if not is_omitted_result(result):
+                    self.results[record.step_id] = result
+        self._steps = itertools.count(numbered + 1)
         return self
 
     def approval_request(self, step_id: str, timeout_s: float) -> ApprovalRequested | None:

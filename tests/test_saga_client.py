@@ -530,3 +530,63 @@ def test_connect_passes_ended_sagas_kept_to_its_client(
     )
     with sagaline.connect(settings=settings, ended_sagas_kept=2) as client:
         assert client._ledger.ended_kept == 2
+
+
+def _restarted_agent(system: System, desk: Desk) -> SagaClient:
+    """The agent's process after a restart: a new client, listening from the end of
+    the ledger (the desk stays served by the first client's embedded runtime)."""
+    return SagaClient(
+        system.settings, system.bootstrap, catalogues=[wrap(desk, name="desk")], call_timeout_s=30
+    )
+
+
+def test_a_saga_attached_after_the_agent_restarted_continues_without_rerunning_a_step(
+    local: tuple[System, Desk],
+) -> None:
+    """attach() continues a saga another process started: the results of its
+    committed steps are there, a new call is a new step (not one that reuses the id
+    of an earlier one, which the coordinator refuses), and a step re-issued under
+    its own id answers with its outcome instead of running again."""
+    system, desk = local
+    saga = system.client.saga("desk", "agent")
+    saga.__enter__()  # started; the agent's process dies inside the block
+    first = saga.call("book_slot", day="fri")
+    with _restarted_agent(system, desk) as again:
+        resumed = again.saga("desk", "agent", saga_id=saga.saga_id).attach()
+        assert resumed.results == {"01-book_slot": first}
+        assert resumed.call("book_slot", day="sat") == {"slot": "slot-sat"}
+        assert resumed.call("book_slot", step_id="01-book_slot", day="fri") == first
+        resumed.end(SagaOutcome.COMPLETE)
+        assert resumed.wait(60).status is TerminalStatus.COMPLETED
+    scheduled = [r.step_id for r in system.records(saga.saga_id) if isinstance(r, StepCommitted)]
+    assert scheduled == ["01-book_slot", "02-book_slot"]
+    assert desk.log == ["book:fri", "book:sat"]  # each step ran once
+
+
+def test_a_step_waiting_for_approval_is_resumed_by_the_restarted_agent_R7(
+    local: tuple[System, Desk],
+) -> None:
+    """An IRREVERSIBLE step scheduled before the agent restarted: once approved,
+    resume() on the re-attached saga returns its result."""
+    system, desk = local
+    saga = system.client.saga("desk", "agent")
+    saga.__enter__()
+    # the call that the dying process was waiting in
+    threading.Thread(
+        target=lambda: saga.call("announce", text="hello", timeout_s=120), daemon=True
+    ).start()
+    found: list[ApprovalRequested] = []
+
+    def requested() -> bool:
+        found.extend(r for r in system.records(saga.saga_id) if isinstance(r, ApprovalRequested))
+        return bool(found)
+
+    wait_until(requested, 60, interval_s=0.2)
+    with _restarted_agent(system, desk) as again:
+        resumed = again.saga("desk", "agent", saga_id=saga.saga_id).attach()
+        channel = OperatorChannel.from_settings(system.settings, system.bootstrap)
+        grant_approval(channel, found[0], operator="ops:alice")
+        channel.close()
+        assert resumed.resume(found[0].step_id) == "hello"
+        resumed.end(SagaOutcome.COMPLETE)
+        assert resumed.wait(60).status is TerminalStatus.COMPLETED
