@@ -136,8 +136,14 @@ Clock = Callable[[], int]
 # How often the runtime commits offsets (asynchronously). A crash redelivers at most
 # this much finished work, which the journal recognises and answers without rerunning.
 _COMMIT_INTERVAL_S = 0.1
-# Why a step is an unknown outcome when its command was started before a crash.
-RESTARTED = "the participant restarted while the tool was running"
+# Why a step is an unknown outcome when its command was started before a crash, or
+# before a revoke gave it up (_CommandLoop.drain) while its tool ran.
+RESTARTED = (
+    "the participant restarted (or gave the command up on a rebalance) while the tool was running"
+)
+# How long a partition revoke waits for the commands taken from it (running tools,
+# their saga's queued commands) before it gives them up to the partition's next owner.
+REVOKE_DRAIN_S = 30.0
 R = TypeVar("R", bound=Record)
 
 
@@ -1083,6 +1089,8 @@ class CommandHandler:
         job: _Job | None = getattr(_here, "job", None)
         if job is None or command is None or late is None:
             return self._pool.submit(call).result(timeout=deadline_ms / 1000)
+        if job.ended:  # given up on a revoke: the partition's next owner has it
+            raise _GivenUp
         taken_by = job
 
         def take_over() -> None:
@@ -1175,6 +1183,7 @@ class ParticipantRuntime:
         metrics: RuntimeMetrics | None = None,
         clock: Clock = _now_ms,
         max_in_flight: int = 16,
+        revoke_drain_s: float = REVOKE_DRAIN_S,
     ) -> None:
         self.participant = participant or catalogue.name
         # Static group membership: a restarted process with the same instance id gets
@@ -1189,6 +1198,9 @@ class ParticipantRuntime:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1 (got {max_in_flight})")
         self.max_in_flight = max_in_flight
+        # How long a revoke waits for the commands of its partitions; past it they
+        # are given up to the partitions' next owner (_CommandLoop.drain).
+        self.revoke_drain_s = revoke_drain_s
         state = state_dir or settings.state_dir / self.participant
         self.journal = CommandJournal(state / "commands.sqlite")
         # No poller thread: the loop serves the delivery reports (and a blocking
@@ -1289,8 +1301,10 @@ class ParticipantRuntime:
         def on_revoke(c: Consumer, partitions: list[TopicPartition]) -> None:
             # Finish what was taken from these partitions and commit it before another
             # member gets them: it must not run a command that is still running here.
+            # Bounded: a tool that does not return must not hold the rebalance (every
+            # member waits for it); what is unfinished then is given up, uncommitted.
             moves.moved(partitions)
-            self._work.drain({p.partition for p in partitions})
+            self._work.drain({p.partition for p in partitions}, self.revoke_drain_s)
             try:
                 self._commit(c, asynchronous=False)
             except KafkaException as exc:  # lost, not revoked: the next owner redelivers
@@ -1401,6 +1415,12 @@ class ParticipantRuntime:
 
 class _NotACommand(Exception):
     pass
+
+
+class _GivenUp(BaseException):
+    """Raised on a tool thread instead of starting a tool for a command that a
+    partition revoke gave up (:meth:`_CommandLoop.drain`): its partition's next owner
+    decides it, so it must not run here too."""
 
 
 class _TakenOver(BaseException):
@@ -1649,6 +1669,7 @@ class _CommandLoop:
         self._retries: list[tuple[float, int, Message]] = []
         self._seq = 0
         self._queues: dict[bytes | None, collections.deque[Message]] = {}  # busy keys
+        self._running: dict[bytes | None, _Job] = {}  # per busy key, its command under way
         self._taken: dict[int, collections.deque[int]] = {}  # partition -> offsets in order
         self._done: dict[int, set[int]] = {}
         self._committed: dict[int, int] = {}
@@ -1736,7 +1757,7 @@ class _CommandLoop:
         self._start(msg)
 
     def _start(self, msg: Message) -> None:
-        job = _Job(self, msg, None)
+        job = self._running[msg.key()] = _Job(self, msg, None)
         try:
             self._begin(job)
         except Exception as exc:  # not the caller's (another command's step, the run loop)
@@ -1795,6 +1816,8 @@ class _CommandLoop:
         """The intent was acknowledged, or the ``started`` mark written: once both
         are, the tool runs (R10); an intent the broker refused un-marks the command
         (the tool did not run) and it is tried again."""
+        if job.ended:  # given up on a revoke (or dead-lettered): its tool does not run
+            return
         job.waiting.discard(what)
         if failure is not None:
             job.refused = failure
@@ -1829,9 +1852,9 @@ class _CommandLoop:
             self._fail(job, error)
 
     def _overrun(self, job: _Job, late: Callable[[], _Outcome]) -> None:
+        self._tools.replace()  # its thread leaves when the tool returns, settled or not
         if job.settled:
             return
-        self._tools.replace()
         self._settle(job, late())
 
     def _settle(self, job: _Job, outcome: _Outcome) -> None:
@@ -1888,6 +1911,8 @@ class _CommandLoop:
     def _blocking_done(self, job: _Job) -> Callable[[Any, BaseException | None], None]:
         def done(ok: Any, error: BaseException | None) -> None:
             def finish() -> None:
+                if job.ended:  # given up on a revoke: nothing of it counts here
+                    return
                 if error is not None:  # _process dead-letters what fails: a last resort
                     log.error("command at offset %s failed", job.msg.offset(), exc_info=error)
                     self._finished(job)
@@ -1947,6 +1972,7 @@ class _CommandLoop:
             return
         job.ended = True
         msg = job.msg
+        self._running.pop(msg.key(), None)
         if self._closing:
             self._queues.pop(msg.key(), None)
             return
@@ -1963,6 +1989,7 @@ class _CommandLoop:
         self._done.setdefault(partition, set()).add(msg.offset() or 0)
         self.pending -= 1
         key = msg.key()
+        self._running.pop(key, None)
         queue_ = self._queues.get(key)
         if not queue_ or self._closing:
             self._queues.pop(key, None)
@@ -1986,10 +2013,48 @@ class _CommandLoop:
                 out[partition] = self._committed[partition] = last + 1
         return out
 
-    def drain(self, partitions: set[int]) -> None:
-        """Serve until no command of ``partitions`` is queued or running."""
+    def drain(self, partitions: set[int], within_s: float) -> None:
+        """Serve until no command of ``partitions`` is queued or running, for at most
+        ``within_s``; then give up the ones that are (:meth:`_give_up`)."""
+        until = time.monotonic() + within_s
         while any(len(self._taken.get(p, ())) > len(self._done.get(p, ())) for p in partitions):
+            if time.monotonic() >= until:
+                self._give_up(partitions)
+                return
             self._pause()
+
+    def _give_up(self, partitions: set[int]) -> None:
+        """Leave the unfinished commands of ``partitions`` to their next owner.
+
+        Their offsets stay uncommitted, so the owner reads them again, and nothing of
+        them is done here any more: a tool not started yet never starts, one running
+        is answered for by nobody here (what it returns is dropped), a retry is
+        dropped, a saga's queued commands too. The journal and the ledger hold what
+        the owner needs to decide each without running a tool twice: an execution
+        whose tool may have run has its intent on the ledger and its "started" mark
+        here, so it is reported as an unknown outcome and reconciled (R11); one whose
+        intent never reached the ledger never ran; an outcome already journalled (or
+        on the ledger) is re-sent. A compensation runs again under its key (R8)."""
+        for key, job in list(self._running.items()):
+            if (job.msg.partition() or 0) in partitions:
+                job.ended = job.settled = True
+                del self._running[key]
+                self.pending -= 1 + len(self._queues.pop(key, ()))
+                log.warning(
+                    "partition %s revoked with the command at offset %s unfinished: left "
+                    "to the partition's next owner",
+                    job.msg.partition(),
+                    job.msg.offset(),
+                )
+        kept = []
+        for entry in self._retries:
+            msg = entry[2]
+            if (msg.partition() or 0) in partitions:
+                self.pending -= 1 + len(self._queues.pop(msg.key(), ()))
+            else:
+                kept.append(entry)
+        heapq.heapify(kept)
+        self._retries = kept
 
     def _pause(self) -> None:
         """Serve a turn, then block as the run loop would (without consuming)."""

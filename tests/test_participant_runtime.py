@@ -45,6 +45,7 @@ from schemas import (
 )
 from schemas.settings import Settings
 from schemas.wire import to_message
+from tests.system import wait_until
 
 pytestmark = pytest.mark.kafka
 
@@ -535,3 +536,126 @@ def _submits_recorded(
 
     monkeypatch.setattr(runtime._work, "submit", recording_submit)
     return runtime, submitted
+
+
+class Stuck:
+    """``hold`` never returns by itself (its deadline is an hour); ``note`` does."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.held = 0
+
+    @tool(description="Hold until released", deadline=3600.0)
+    @compensable(by="undo")
+    def hold(self, sku: str, quantity: int) -> str:
+        self.held += 1
+        self.entered.set()
+        assert self.gate.wait(120)
+        return "held"
+
+    @tool(description="Answer at once")
+    @compensable(by="undo")
+    def note(self, sku: str, quantity: int) -> str:
+        return "noted"
+
+    def undo(self) -> None:
+        pass
+
+
+def test_a_revoke_gives_up_a_tool_that_does_not_return_and_leaves_its_command_to_the_next_owner(
+    tmp_path: Path,
+) -> None:
+    """R10/R11/R15: a partition revoke drains the commands taken from it, but only for
+    ``revoke_drain_s``: a tool that does not return must not hold the rebalance (and
+    with it every other saga of the participant). Past it the command is given up:
+    its offset is not committed, so the partition's next owner reads it again; its
+    intent is on the ledger and its journal mark says started, so that owner reports
+    an unknown outcome (R11) instead of running it again; and what the tool returns
+    late is never published."""
+    import uuid
+
+    from sagaline.kafka import TopicPartition, create_consumer
+
+    bootstrap = f"memory://{uuid.uuid4().hex[:12]}"
+    settings = Settings(bootstrap=bootstrap, topic_prefix="t.", partitions=2, state_dir=tmp_path)
+    topic = settings.topics.commands("stuck")
+    ensure_topics(bootstrap, settings.topics, ["stuck"], 2)
+    stuck = Stuck()
+    runtime = ParticipantRuntime(wrap(stuck, name="stuck"), settings, bootstrap)
+    runtime.revoke_drain_s = 0.0  # give up at once: no race with a clock
+    late = threading.Event()
+    tool_done = runtime._work._tool_done
+
+    def watched_tool_done(job: Any, outcome: Any, error: BaseException | None) -> None:
+        tool_done(job, outcome, error)
+        if job.command is not None and job.command.tool == "hold":
+            late.set()
+
+    runtime._work._tool_done = watched_tool_done  # type: ignore[method-assign]
+    ready = threading.Event()
+    thread = threading.Thread(target=runtime.run, kwargs={"ready": ready}, daemon=True)
+    thread.start()
+    other = create_consumer(bootstrap, f"{settings.topics.prefix}sagaline-participant-stuck")
+    try:
+        assert ready.wait(60)
+        held = _command("hold", "saga-held")
+        _produce(bootstrap, settings, topic, held, partition=1)
+        assert stuck.entered.wait(60), "the tool did not start"
+        # Another replica joins: partition 1 (the stuck command's) moves to it.
+        other.subscribe([topic])
+        noted = _command("note", "saga-noted")
+        _produce(bootstrap, settings, topic, noted, partition=0)
+        reader = LedgerReader(bootstrap)
+
+        def on_ledger(saga: str) -> list[Record]:
+            return reader.saga_records(settings.topics.events, saga, settings.signer())
+
+        wait_until(
+            lambda: any(isinstance(r, StepCommitted) for r in on_ledger("saga-noted")),
+            what="another saga served after the rebalance (the drain waits for the "
+            "tool that does not return)",
+        )
+        assert runtime.journal.get(held.event_id) == ("started", None)
+        assert other.committed([TopicPartition(topic, 1)])[0].offset < 0  # nothing committed
+        moved = other.poll(30)  # the next owner reads the command again
+        assert moved is not None and (moved.partition(), moved.offset()) == (1, 0)
+        assert [type(r) for r in on_ledger("saga-held")] == [StepIntentRecorded]
+        stuck.gate.set()  # the tool returns, late: what it returned is dropped
+        assert late.wait(60)
+    finally:
+        stuck.gate.set()
+        runtime.stop()
+        thread.join(30)
+        other.close()
+    assert not thread.is_alive()
+    records = LedgerReader(bootstrap).saga_records(
+        settings.topics.events, "saga-held", settings.signer()
+    )
+    assert [type(r) for r in records] == [StepIntentRecorded]
+    assert stuck.held == 1
+
+
+def _command(tool_name: str, saga: str) -> ExecuteStep:
+    body = canonical_json({"sku": "a", "quantity": 1})
+    return ExecuteStep(
+        envelope=envelope_for(
+            ExecuteStep, saga_id=saga, tenant_id="t", producer="coordinator", now=1
+        ),
+        step_id="s1",
+        tool=tool_name,
+        args=body,
+        idempotency_key=idempotency_key(saga, "s1", tool_name, body),
+        attempt=1,
+        deadline_ms=3_600_000,
+        principal="agent",
+    )
+
+
+def _produce(
+    bootstrap: str, settings: Settings, topic: str, command: Record, *, partition: int
+) -> None:
+    producer = create_producer(bootstrap)
+    key, value, headers = to_message(command, settings.signer())
+    producer.produce(topic, key=key, value=value, headers=headers, partition=partition)
+    assert producer.flush(30) == 0

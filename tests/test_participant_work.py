@@ -427,6 +427,37 @@ def test_close_lets_the_running_command_finish_and_leaves_the_queued(tmp_path: P
     rig.journal.close()
 
 
+def test_a_drain_past_its_bound_gives_up_its_partitions_commands_and_runs_none_of_them(
+    tmp_path: Path,
+) -> None:
+    # R11/R15: a revoke's drain gives up what is unfinished on its partitions: the
+    # running tool's late answer is dropped, a tool waiting for a thread never
+    # starts, a saga's queued command never runs, no offset of theirs becomes
+    # committable; the other partitions' commands go on with the full thread count.
+    rig = _Rig(tmp_path, workers=1)
+    gate = rig.desk.gates["saga-a/0"] = threading.Event()
+    rig.submit(_execute("saga-a", 0))
+    rig.submit(_execute("saga-a", 1))  # queued behind it
+    rig.submit(_execute("saga-b", 2))  # waits for the one tool thread
+    rig.run_until(
+        lambda: "saga-a" in rig.desk.running and len(rig.broker.of(StepIntentRecorded)) == 2,
+        "the first tool running, the other's intent sent",
+    )
+    for _ in range(3):
+        rig.turn()
+    rig.loop.drain({0}, 0.0)
+    assert rig.loop.pending == 0
+    gate.set()
+    wait_until(lambda: rig.desk.ran["saga-a"] == [0], what="the given-up tool returned")
+    rig.submit(_execute("saga-c", 3), partition=1)
+    rig.run_until(lambda: rig.desk.ran["saga-c"] == [3], "the other partition's command ran")
+    rig.run_until(lambda: rig.loop.committable() == {1: 1}, "its offset committable")
+    assert dict(rig.desk.ran) == {"saga-a": [0], "saga-c": [3]}
+    assert [r.saga_id for r in rig.broker.of(StepCommitted)] == ["saga-c"]
+    assert rig.loop.pending == 0
+    rig.close()
+
+
 def test_journal_marks_queued_behind_a_write_go_in_one_transaction(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
