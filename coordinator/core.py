@@ -671,6 +671,10 @@ def _on_saga_started(ctx: _Ctx, r: SagaStarted) -> None:
             _reconcile_command(ctx, step)
         elif step.status in (StepStatus.COMPENSATING, StepStatus.COMPENSATION_ACCEPTED):
             _compensate_command(ctx, step)
+        elif step.approval is not None and _awaiting(step, step.approval.purpose):
+            # The request of the old run is stale now, and so would be a grant of it:
+            # ask again under this generation, with ids of its own (R7, R15).
+            _request_approval(ctx, step, step.approval.purpose)
 
 
 def _on_step_scheduled(ctx: _Ctx, r: StepScheduled) -> None:
@@ -1411,7 +1415,13 @@ def _request_approval(ctx: _Ctx, step: StepState, purpose: ApprovalPurpose) -> N
     contract = step.contract
     action = "execute" if purpose is ApprovalPurpose.FORWARD else (contract.compensation or "")
     scope = f"{contract.participant}/{contract.tool}:{action}"
-    approval_id = "appr-" + ctx.event_id("approval", step.step_id, purpose.value)
+    # One id per generation: a request asked again by a new run (and its grant) never
+    # shares ids with the old run's, which are stale. Generation 1 keeps the id earlier
+    # versions derived, so a replayed ledger folds to the same request.
+    if s.generation == 1:
+        approval_id = "appr-" + ctx.event_id("approval", step.step_id, purpose.value)
+    else:
+        approval_id = "appr-" + ctx.event_id("approval", s.generation, step.step_id, purpose.value)
     expires_at = ctx.now + ctx.policy.approval_ttl_ms
     step.approval = PendingApproval(
         approval_id=approval_id,

@@ -115,7 +115,9 @@ def _envelope(
     producer: str | None = None,
 ) -> Envelope:
     # A deterministic id per (action, request): a double click or a CLI retry produces
-    # the same event id, which the coordinator deduplicates (R15).
+    # the same event id, which the coordinator deduplicates (R15). That loses nothing:
+    # the coordinator asks each approval id at most once (a new generation asks again
+    # under a new id), so a grant it rejected for a request would be rejected again.
     return Envelope(
         event_id=derived_event_id("operator", action, cause.saga_id, ref),
         saga_id=cause.saga_id,
