@@ -7,15 +7,25 @@ showed a record. A stand-in consumer (no broker) raises that once for one partit
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from confluent_kafka import OFFSET_INVALID, KafkaError, KafkaException, TopicPartition
+from dashboard_scenarios import SagaScript, awaiting_approval, running
+from starlette.testclient import TestClient
 
+from schemas import ApprovalRequested
+from schemas.models import Record
 from schemas.signing import Signer
 from schemas.topics import TopicNames
+from schemas.wire import to_message
+from services.dashboard import consumer as consumer_module
+from services.dashboard import view as view_module
+from services.dashboard.app import create_app
 from services.dashboard.consumer import LedgerFollower
-from services.dashboard.view import DashboardState
+from services.dashboard.view import DashboardState, SagaView
 
 TOPICS = TopicNames("t.")
 
@@ -98,3 +108,150 @@ def test_a_partition_whose_records_all_expired_does_not_hold_back_caught_up() ->
     follower._refresh(consumer)  # type: ignore[arg-type]
     follower._check_caught_up(consumer)  # type: ignore[arg-type]
     assert follower.caught_up.is_set()
+
+
+# ------------------------------------------- one bad record, and a follower that died
+
+
+class Message:
+    """What ``consume`` hands over: one record of the events topic."""
+
+    def __init__(self, key: bytes, value: bytes, headers: list[tuple[str, bytes]]) -> None:
+        self._key, self._value, self._headers = key, value, headers
+
+    def error(self) -> None:
+        return None
+
+    def topic(self) -> str:
+        return TOPICS.events
+
+    def key(self) -> bytes:
+        return self._key
+
+    def value(self) -> bytes:
+        return self._value
+
+    def headers(self) -> list[tuple[str, bytes]]:
+        return self._headers
+
+
+class Scripted:
+    """The events topic, one partition, delivered one batch per ``consume``: the first
+    batch is all that existed at start (so the follower is caught up after it), the
+    others arrive later. ``done`` is set once the follower asks for more after the last
+    batch, or when it closes the consumer (its thread is ending): no sleeps, no polls."""
+
+    def __init__(self, batches: list[list[Message]], then: Exception | None = None) -> None:
+        self.batches = batches
+        self.then = then  # raised by the consume after the last batch
+        self.delivered = 0
+        self.produced = len(batches[0])
+        self.done = threading.Event()
+        self.closed = False
+        self._idle = threading.Event()
+
+    def list_topics(self, timeout: float) -> Any:
+        events = SimpleNamespace(error=None, partitions={0: None})
+        return SimpleNamespace(topics={TOPICS.events: events})
+
+    def get_watermark_offsets(self, tp: TopicPartition, timeout: float) -> tuple[int, int]:
+        return 0, self.produced
+
+    def incremental_assign(self, tps: list[TopicPartition]) -> None:
+        pass
+
+    def position(self, tps: list[TopicPartition]) -> list[TopicPartition]:
+        return [TopicPartition(tp.topic, tp.partition, self.delivered) for tp in tps]
+
+    def consume(self, num_messages: int, timeout: float) -> list[Message]:
+        if self.batches:
+            batch = self.batches.pop(0)
+            self.delivered += len(batch)
+            self.produced = max(self.produced, self.delivered)
+            return batch
+        if self.then is not None:
+            raise self.then
+        self.done.set()
+        self._idle.wait(timeout)  # an empty poll, as a real consumer's
+        return []
+
+    def close(self) -> None:
+        self.closed = True
+        self.done.set()
+
+    def settle(self, follower: LedgerFollower) -> threading.Thread:
+        """Wait until the follower asked for more or is ending (then until it ended)."""
+        assert self.done.wait(120), "the follower neither read everything nor ended"
+        thread = follower._thread
+        assert thread is not None
+        if self.closed:
+            thread.join()
+        return thread
+
+
+def _messages(signer: Signer, *scripts: SagaScript) -> list[Message]:
+    return [Message(*to_message(r, signer)) for s in scripts for r in s.records]
+
+
+def _follow(
+    monkeypatch: pytest.MonkeyPatch, consumer: Scripted, signer: Signer
+) -> tuple[LedgerFollower, DashboardState]:
+    monkeypatch.setattr(consumer_module, "create_consumer", lambda *a, **k: consumer)
+    state = DashboardState()
+    return LedgerFollower("unused:9092", TOPICS, signer, state), state
+
+
+def test_a_record_whose_fold_raises_is_counted_and_the_follower_goes_on_R16(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bug folding one record type stopped the follower thread for good: the page
+    showed the view as it was at that record for ever, and /healthz still said 200."""
+    real_fold = view_module._fold
+
+    def fold(saga: SagaView, record: Record) -> None:
+        if isinstance(record, ApprovalRequested):
+            raise ValueError("a fold bug for approval requests")
+        real_fold(saga, record)
+
+    monkeypatch.setattr(view_module, "_fold", fold)
+    signer = Signer(b"k" * 32)
+    consumer = Scripted(
+        [
+            _messages(signer, running("s-before")),
+            _messages(signer, awaiting_approval("s-bad")),
+            _messages(signer, running("s-after")),
+        ]
+    )
+    follower, state = _follow(monkeypatch, consumer, signer)
+    with TestClient(create_app(state, follower=follower)) as client:
+        thread = consumer.settle(follower)
+        health = client.get("/healthz")
+        # (follower alive, the later saga shown, /healthz) -- it was (False, False, 200).
+        assert (thread.is_alive(), "s-after" in state.sagas, health.status_code) == (
+            True,
+            True,
+            200,
+        )
+        assert follower.fold_errors == 1
+        assert health.json()["fold_errors"] == 1
+        assert client.get("/api/state").json()["fold_errors"] == 1
+    assert "s-bad" in caplog.text and "a fold bug for approval requests" in caplog.text
+    assert "ApprovalRequested" in caplog.text
+
+
+def test_healthz_answers_503_with_the_reason_once_the_follower_thread_has_stopped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whatever ends the follower (here its consumer breaks after it caught up), the
+    page would show a frozen view: /healthz must not keep answering 200."""
+    signer = Signer(b"k" * 32)
+    consumer = Scripted(
+        [_messages(signer, running("s-1"))], then=RuntimeError("the consumer is broken")
+    )
+    follower, state = _follow(monkeypatch, consumer, signer)
+    with TestClient(create_app(state, follower=follower)) as client:
+        assert not consumer.settle(follower).is_alive()
+        assert follower.caught_up.is_set() and "s-1" in state.sagas
+        health = client.get("/healthz")
+        assert health.status_code == 503, health.text
+        assert "the consumer is broken" in health.json()["follower"]

@@ -758,6 +758,7 @@ def create_app(
                 "caught_up": follower.caught_up.is_set() if follower else True,
                 "records_applied": state.records_applied,
                 "ledger_duplicates": state.ledger_duplicates,
+                "fold_errors": follower.fold_errors if follower else 0,
                 "counts": {s.slug: n for s, n in state.counts(flt).items()},
                 "sagas": [
                     {
@@ -786,8 +787,16 @@ def create_app(
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def healthz(request: Request) -> Response:
-        ready = follower.caught_up.is_set() if follower else True
-        return JSONResponse({"caught_up": ready}, status_code=200 if ready else 503)
+        if follower is None:
+            return JSONResponse({"caught_up": True})
+        ready = follower.caught_up.is_set()
+        body: dict[str, Any] = {"caught_up": ready, "fold_errors": follower.fold_errors}
+        # A follower thread that ended leaves a view that no longer moves: not healthy,
+        # however caught up it once was (the orchestrator restarts us, which rebuilds).
+        stopped = follower.health()
+        if stopped is not None:
+            body["follower"] = stopped
+        return JSONResponse(body, status_code=200 if ready and stopped is None else 503)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

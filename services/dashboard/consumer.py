@@ -45,6 +45,10 @@ class LedgerFollower:
         self.state = state
         self.caught_up = threading.Event()
         self.rejected = 0  # records that failed verification/decoding (the coordinator DLQs them)
+        # Records that verified but could not be folded into the view (a bug in the
+        # fold): logged with their saga and skipped, never a reason to stop (R16).
+        self.fold_errors = 0
+        self.stopped_by: str | None = None  # why the thread ended, when it did by itself
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._assigned: set[tuple[str, int]] = set()
@@ -58,6 +62,21 @@ class LedgerFollower:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="dashboard-ledger", daemon=True)
         self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        """The thread is running: the view still follows the topics."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def health(self) -> str | None:
+        """None while the view follows the topics; else why it no longer does."""
+        if self.alive:
+            return None
+        if self._thread is None:
+            return "the ledger follower has not started"
+        if self.stopped_by is not None:
+            return f"the ledger follower stopped: {self.stopped_by}"
+        return "the ledger follower stopped"
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
@@ -88,9 +107,13 @@ class LedgerFollower:
                         continue
                     self._apply(msg.topic() or "", msg.key(), msg.value(), msg.headers())
                 self._check_caught_up(consumer)
-        except Exception:  # keep the page up and say so in the log; restart rebuilds
-            log.exception("dashboard ledger follower stopped")
-            raise
+        except Exception as exc:
+            # The consumer itself broke (a record never gets here: _apply keeps those).
+            # The page stays up with a view that no longer moves, so /healthz says so
+            # (503, with this reason) and the orchestrator restarts the dashboard,
+            # which rebuilds the view from the topics.
+            self.stopped_by = f"{type(exc).__name__}: {exc}"
+            log.exception("dashboard ledger follower stopped; /healthz now answers 503")
         finally:
             consumer.close()
 
@@ -109,7 +132,33 @@ class LedgerFollower:
             self.rejected += 1
             log.debug("skipping a record on %s the codec rejects: %s", topic, exc)
             return
-        self.state.apply(record, from_ledger=topic == self.topics.events)
+        except Exception as exc:  # R16: not a codec refusal, but still one record
+            self.rejected += 1
+            log.error(
+                "skipping a record on %s (key %r) that could not be read (%s: %s)",
+                topic,
+                key,
+                type(exc).__name__,
+                exc,
+                exc_info=True,
+            )
+            return
+        try:
+            self.state.apply(record, from_ledger=topic == self.topics.events)
+        except Exception as exc:  # R16: one bad record never stops the dashboard
+            self.fold_errors += 1
+            log.error(
+                "skipping %s %s of saga %s on %s: folding it failed (%s: %s); the saga's "
+                "page may be incomplete (%d records skipped so far)",
+                record.TYPE,
+                record.event_id,
+                record.saga_id,
+                topic,
+                type(exc).__name__,
+                exc,
+                self.fold_errors,
+                exc_info=True,
+            )
 
     def _refresh(self, consumer: Consumer) -> None:
         """Assign partitions we do not follow yet (from the beginning); update lag."""
