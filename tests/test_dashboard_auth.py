@@ -9,6 +9,7 @@ import re
 from types import SimpleNamespace
 
 import pytest
+from dashboard_scenarios import T0, awaiting_approval, unknown_outcome
 from starlette.testclient import TestClient
 
 from sagaline.ops.metrics import SagalineMetrics
@@ -94,3 +95,117 @@ def test_expired_sessions_are_dropped_not_kept_forever(monkeypatch: pytest.Monke
     session, token = auth.session(None, proxied)
     assert session is not None and token is not None
     assert len(auth._sessions) == 1
+
+
+# --------------------------------------------------- requests from another web site
+
+
+class RecordingChannel:
+    """Stands in for an OperatorChannel: keeps what would be published."""
+
+    def __init__(self) -> None:
+        self.published: list[object] = []
+
+    def producer_for(self, operator: str, via: str) -> str | None:
+        return None
+
+    def publish(self, record: object) -> None:
+        self.published.append(record)
+
+
+def _pending(
+    auth: OperatorAuth,
+) -> tuple[TestClient, RecordingChannel, dict[str, tuple[str, dict[str, str]]]]:
+    """A dashboard with a pending approval and an open unknown-outcome incident, and
+    for each action its path and a form that records it."""
+    state = DashboardState(SagalineMetrics("dashboard"))
+    for record in [*awaiting_approval().records, *unknown_outcome().records]:
+        state.apply(record)
+    ((saga, req),) = state.pending_approvals()
+    ((other, incident),) = state.open_incidents()
+    channel = RecordingChannel()
+    client = TestClient(create_app(state, channel, auth=auth, clock=lambda: T0))  # type: ignore[arg-type]
+    approval = f"/approvals/{saga.saga_id}/{req.approval_id}"
+    actions = {
+        "grant": (f"{approval}/grant", {"operator": "mallory"}),
+        "deny": (f"{approval}/deny", {"operator": "mallory", "reason": "x"}),
+        "resolve": (
+            f"/incidents/{other.saga_id}/{incident.incident_id}/resolve",
+            {"operator": "mallory", "resolution": "NOT_FOUND"},
+        ),
+    }
+    return client, channel, actions
+
+
+CROSS_SITE = [
+    {"origin": "https://evil.example"},
+    {"origin": "http://testserver.evil.example"},
+    {"origin": "http://testserver:8089"},  # another port is another origin (same site)
+    {"origin": "null"},  # a sandboxed frame, a data: URL
+    {"sec-fetch-site": "cross-site"},  # a browser that sent no Origin
+    {"sec-fetch-site": "same-site"},
+    {"origin": "http://testserver", "sec-fetch-site": "cross-site"},
+]
+
+
+@pytest.mark.parametrize("action", ["grant", "deny", "resolve"])
+def test_a_decision_posted_from_another_web_site_is_refused_in_development_mode(
+    action: str,
+) -> None:
+    """Without logins any page the operator's browser opens could post a decision to
+    the local dashboard (CSRF): it was recorded, under whatever name the page chose."""
+    client, channel, actions = _pending(OperatorAuth())
+    path, form = actions[action]
+    for headers in CROSS_SITE:
+        response = client.post(path, data=form, headers=headers, follow_redirects=False)
+        assert (response.status_code, channel.published) == (403, []), headers
+        assert "another web site" in response.text and "nothing was recorded" in response.text
+    # The dashboard's own pages, and clients that are not browsers, still act.
+    for headers in (
+        {"origin": "http://testserver", "sec-fetch-site": "same-origin"},
+        {"origin": "http://testserver"},  # a browser that sends no Sec-Fetch-Site
+        {"sec-fetch-site": "same-origin"},
+        {},  # curl, scripts
+        # Behind a reverse proxy that rewrites Host: the browser's own word counts...
+        {"origin": "https://dash.example.com", "sec-fetch-site": "same-origin"},
+        # ... and, from an older browser, the host the proxy says it was asked for.
+        {"origin": "https://dash.example.com", "x-forwarded-host": "dash.example.com"},
+    ):
+        published = len(channel.published)
+        response = client.post(path, data=form, headers=headers, follow_redirects=False)
+        assert response.status_code == 303, (headers, response.text)
+        assert len(channel.published) == published + 1
+
+
+def test_with_logins_a_cross_site_post_is_refused_too_even_with_the_token() -> None:
+    """Logged in, the session cookie is SameSite=Strict (a browser does not send it
+    cross-site) and every action needs the session's CSRF token; a request that says it
+    comes from another web site is refused before either is looked at."""
+    client, channel, actions = _pending(
+        OperatorAuth(users={"alice": hash_password("pw-of-alice-123")})
+    )
+    login = {"name": "alice", "password": "pw-of-alice-123"}
+    refused = client.post(
+        "/login", data=login, headers={"origin": "https://evil.example"}, follow_redirects=False
+    )
+    assert refused.status_code == 403 and "set-cookie" not in refused.headers  # login CSRF
+    ok = client.post("/login", data=login, follow_redirects=False)
+    cookie = ok.headers["set-cookie"].lower()
+    assert "httponly" in cookie and "samesite=strict" in cookie and "path=/" in cookie
+    token = re.search(r'name="csrf" value="([^"]+)"', client.get("/").text)
+    assert token is not None
+    path, _form = actions["grant"]
+    for headers in CROSS_SITE:
+        response = client.post(
+            path, data={"csrf": token.group(1)}, headers=headers, follow_redirects=False
+        )
+        assert (response.status_code, channel.published) == (403, []), headers
+    same = {"origin": "http://testserver", "sec-fetch-site": "same-origin"}
+    response = client.post(
+        path, data={"csrf": token.group(1)}, headers=same, follow_redirects=False
+    )
+    assert response.status_code == 303 and len(channel.published) == 1
+    out = client.post(
+        "/logout", data={"csrf": token.group(1)}, headers={"origin": "https://evil.example"}
+    )
+    assert out.status_code == 403 and 'id="who">alice<' in client.get("/").text

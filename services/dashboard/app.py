@@ -17,14 +17,17 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote, urlencode
+from urllib.parse import quote, urlencode, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sagaline.ops import actions as operator_actions
 from sagaline.ops.metrics import HistogramSummary, MeasuresSnapshot
@@ -474,6 +477,68 @@ def _actions_html_for(saga: SagaView, now: int, viewer: Viewer = DEV) -> str:
     )
 
 
+# ------------------------------------------------- requests from another web site
+
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def cross_origin(headers: Headers) -> str | None:
+    """Why a state-changing request comes from a page of another origin (CSRF), or
+    None. Only browsers send ``Origin`` and ``Sec-Fetch-Site``, and no page can forge
+    them, so a client without them (curl, a script) is not a cross-site request.
+
+    ``Sec-Fetch-Site`` is the browser's own verdict and counts first (it is right
+    behind a reverse proxy that rewrites ``Host`` too); without it (an older browser)
+    ``Origin`` must name the host asked for (``Host``, or a proxy's
+    ``X-Forwarded-Host``: a page cannot add that header to a cross-origin request)."""
+    site = headers.get("sec-fetch-site", "").strip().lower()
+    origin = headers.get("origin", "").strip()
+    if site:
+        if site in ("same-origin", "none"):
+            return None
+        return f"Sec-Fetch-Site: {site}" + (f", Origin: {origin}" if origin else "")
+    if not origin:
+        return None
+    if origin == "null":
+        return "Origin: null"
+    asked = {headers.get("host", "").strip().lower()}
+    asked.update(
+        h.strip().lower() for h in headers.get("x-forwarded-host", "").split(",") if h.strip()
+    )
+    if urlsplit(origin).netloc.lower() not in asked - {""}:
+        return f"Origin: {origin}"
+    return None
+
+
+class SameOriginOnly:
+    """Refuses (403) any request other than GET/HEAD/OPTIONS that a browser says comes
+    from another origin: a page elsewhere cannot make an operator's browser approve,
+    deny, resolve, log in or out here. In development mode (no logins) this is the only
+    protection; with logins it adds to the SameSite=Strict cookie and the CSRF token."""
+
+    def __init__(self, app: ASGIApp, logins: bool = False) -> None:
+        self.app = app
+        self.logins = logins  # only for the page's header
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] not in _SAFE_METHODS:
+            why = cross_origin(Headers(scope=scope))
+            if why is not None:
+                response = _page(
+                    "Refused",
+                    '<p><a href="/">Open the dashboard</a> and act from its own pages.</p>',
+                    f"Refused: this request came from another web site ({why}); "
+                    "decisions are only taken from the dashboard's own pages, so "
+                    "nothing was recorded.",
+                    error=True,
+                    viewer=Viewer(auth=self.logins),
+                    status=403,
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 # --------------------------------------------------------------------- the app
 
 
@@ -827,5 +892,6 @@ def create_app(
             Route("/metrics", metrics),
             Route("/healthz", healthz),
         ],
+        middleware=[Middleware(SameOriginOnly, logins=auth.enabled)],
         lifespan=lifespan,
     )

@@ -16,7 +16,8 @@ operator recorded as approver is the session's, never a form field.
 ``SAGALINE_DASHBOARD_READ_OPEN=1`` lets anyone view (never act) without logging in.
 
 With neither configured the dashboard behaves as before (a free-text operator name),
-a development mode it states on every page.
+a development mode it states on every page. In both modes the app refuses a POST a
+browser marks as coming from another web site (``services.dashboard.app.SameOriginOnly``).
 """
 
 from __future__ import annotations
