@@ -209,3 +209,32 @@ def test_with_logins_a_cross_site_post_is_refused_too_even_with_the_token() -> N
         "/logout", data={"csrf": token.group(1)}, headers={"origin": "https://evil.example"}
     )
     assert out.status_code == 403 and 'id="who">alice<' in client.get("/").text
+
+
+# ------------------------------------------------------------------------ /metrics
+
+
+def test_metrics_need_a_login_when_viewing_does_unless_opened_for_a_scrape() -> None:
+    """/metrics shows tenant names and money amounts (the remaining economic effect by
+    tenant): it answered anyone while every page asked for a login."""
+    users = {"alice": hash_password("pw-of-alice-123")}
+    closed = _client(OperatorAuth(users=users))
+    refused = closed.get("/metrics", follow_redirects=False)
+    assert refused.status_code == 401, refused.text[:200]
+    closed.post("/login", data={"name": "alice", "password": "pw-of-alice-123"})
+    assert "sagaline_" in closed.get("/metrics").text  # logged in: the registry
+    proxied = {PROXY_USER_HEADER: "prometheus", PROXY_SECRET_HEADER: "s3cret-of-the-proxy"}
+    behind_proxy = _client(OperatorAuth(proxy_secret="s3cret-of-the-proxy"))
+    assert behind_proxy.get("/metrics").status_code == 401
+    assert behind_proxy.get("/metrics", headers=proxied).status_code == 200
+    # Opened for a Prometheus scrape (or with viewing open): /metrics alone, not the pages.
+    scrape = OperatorAuth.from_env(
+        {"SAGALINE_DASHBOARD_USERS": "", "SAGALINE_DASHBOARD_METRICS_OPEN": "1"}
+    )
+    assert scrape.metrics_open and not OperatorAuth.from_env({}).metrics_open
+    opened = _client(OperatorAuth(users=users, metrics_open=True))
+    assert opened.get("/metrics").status_code == 200
+    assert opened.get("/", follow_redirects=False).status_code == 303
+    assert opened.get("/api/state").status_code == 401
+    assert _client(OperatorAuth(users=users, read_open=True)).get("/metrics").status_code == 200
+    assert _client(OperatorAuth()).get("/metrics").status_code == 200  # development mode

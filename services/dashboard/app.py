@@ -577,13 +577,14 @@ def create_app(
         return response
 
     def viewing(
-        handler: Callable[[Request, Viewer], Any], page: bool = True
+        handler: Callable[[Request, Viewer], Any], page: bool = True, open_: bool = False
     ) -> Callable[[Request], Any]:
-        """Reads need a login unless viewing is open (SAGALINE_DASHBOARD_READ_OPEN)."""
+        """Reads need a login unless viewing is open (SAGALINE_DASHBOARD_READ_OPEN) or
+        ``open_`` (/metrics with SAGALINE_DASHBOARD_METRICS_OPEN)."""
 
         async def endpoint(request: Request) -> Response:
             viewer, fresh = _viewer(request)
-            if viewer.auth and viewer.operator is None and not auth.read_open:
+            if viewer.auth and viewer.operator is None and not (auth.read_open or open_):
                 if not page:
                     return Response("log in first", status_code=401)
                 target = urlencode({"next": request.url.path})
@@ -848,7 +849,9 @@ def create_app(
             }
         return JSONResponse(payload)
 
-    async def metrics(request: Request) -> Response:
+    async def metrics(request: Request, viewer: Viewer) -> Response:
+        # Tenant names and amounts of money: behind the login like the pages, unless
+        # opened for a scrape (SAGALINE_DASHBOARD_METRICS_OPEN, docs/security.md).
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def healthz(request: Request) -> Response:
@@ -889,7 +892,7 @@ def create_app(
             Route("/approvals/{saga_id}/{approval_id}/deny", deny, methods=["POST"]),
             Route("/incidents/{saga_id}/{incident_id}/resolve", resolve, methods=["POST"]),
             Route("/api/state", viewing(api_state, page=False)),
-            Route("/metrics", metrics),
+            Route("/metrics", viewing(metrics, page=False, open_=auth.metrics_open)),
             Route("/healthz", healthz),
         ],
         middleware=[Middleware(SameOriginOnly, logins=auth.enabled)],

@@ -13,7 +13,9 @@ Either way the dashboard keeps a server-side session (cookie ``sagaline_session`
 HttpOnly, SameSite=Strict) holding the operator and a CSRF token that every action
 form carries: a POST without a session, or with another token, is refused. The
 operator recorded as approver is the session's, never a form field.
-``SAGALINE_DASHBOARD_READ_OPEN=1`` lets anyone view (never act) without logging in.
+``SAGALINE_DASHBOARD_READ_OPEN=1`` lets anyone view (never act) without logging in;
+``SAGALINE_DASHBOARD_METRICS_OPEN=1`` lets anyone read ``/metrics`` alone (a
+Prometheus scrape), which otherwise needs a login like every page.
 
 With neither configured the dashboard behaves as before (a free-text operator name),
 a development mode it states on every page. In both modes the app refuses a POST a
@@ -65,6 +67,10 @@ def check_password(password: str, stored: str) -> bool:
     return hmac.compare_digest(given, digest)
 
 
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    return env.get(name, "").strip().lower() in ("1", "true", "yes")
+
+
 @dataclass(frozen=True)
 class Session:
     operator: str
@@ -82,10 +88,13 @@ class OperatorAuth:
         users: Mapping[str, str] | None = None,
         proxy_secret: str | None = None,
         read_open: bool = False,
+        metrics_open: bool = False,
     ) -> None:
         self._users = dict(users or {})
         self._proxy_secret = proxy_secret or None
         self.read_open = read_open
+        # /metrics without a login (a Prometheus scrape), the pages still behind one.
+        self.metrics_open = metrics_open
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
 
@@ -105,7 +114,8 @@ class OperatorAuth:
         return cls(
             users,
             env.get("SAGALINE_DASHBOARD_PROXY_SECRET"),
-            env.get("SAGALINE_DASHBOARD_READ_OPEN", "") in ("1", "true", "yes"),
+            _flag(env, "SAGALINE_DASHBOARD_READ_OPEN"),
+            _flag(env, "SAGALINE_DASHBOARD_METRICS_OPEN"),
         )
 
     @property
