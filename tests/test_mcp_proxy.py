@@ -558,3 +558,122 @@ def test_an_argument_named_like_a_saga_call_option_is_refused_not_obeyed(world: 
     refused = asyncio.run(run())
     assert refused.is_error and "timeout_s" in _text(refused), _text(refused)
     assert "charge" not in world.log()
+
+
+# ------------------------------------------------- the proxy's saga handling, in-process
+# A fake saga client stands in for the ledger: these tests pin what the proxy does
+# with each answer saga.call can give, which the broker cannot be made to give at will.
+
+
+class FakeSaga:
+    def __init__(self, saga_id: str, answer: BaseException | None) -> None:
+        self.saga_id = saga_id
+        self.answer = answer
+        self.results: dict[str, Any] = {}
+        self.calls: list[str] = []
+        self.approval_wait_ran_out: list[bool] = []
+        self.release = threading.Event()  # what would end a real wait: a record
+        self.ended: list[SagaOutcome] = []
+
+    def __enter__(self) -> FakeSaga:
+        return self
+
+    def attach(self) -> FakeSaga:
+        return self
+
+    def call(self, name: str, *, step_id: str, **args: Any) -> Any:
+        self.calls.append(step_id)
+        if self.answer is not None:
+            raise self.answer
+        return {"ok": step_id}
+
+    def approval_request(self, step_id: str, timeout_s: float) -> None:
+        # As the real one: waits up to timeout_s for the step's approval request or
+        # end, records that never come for a step never written; then None.
+        self.approval_wait_ran_out.append(not self.release.wait(timeout_s))
+
+    def end(self, outcome: SagaOutcome, reason: str) -> None:
+        self.ended.append(outcome)
+        self.release.set()  # its terminal record ends every wait on the saga
+
+    def wait(self, timeout_s: float) -> Any:
+        from types import SimpleNamespace
+
+        text = json.dumps({"saga_id": self.saga_id, "status": "COMPENSATED"})
+        return SimpleNamespace(model_dump_json=lambda indent: text)
+
+
+class FakeClient:
+    bootstrap = "unused:1"
+
+    def __init__(self, answer: BaseException | None = None) -> None:
+        self.answer = answer
+        self.sagas: list[FakeSaga] = []
+
+    def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
+        saga = FakeSaga(saga_id or f"s-{len(self.sagas) + 1}", self.answer)
+        self.sagas.append(saga)
+        return saga
+
+
+def _fake_proxy(tmp_path: Path, client: FakeClient, approval_wait_s: float = 600.0) -> Any:
+    from sagaline.agents.mcp_proxy import McpProxy, Upstreams, build_catalogue
+
+    decl = _decl(
+        {
+            "create_ticket": {
+                "compensation": {"tool": "delete_ticket", "args": {"ticket_id": "{result.id}"}}
+            },
+            "send_email": {"reversibility": "IRREVERSIBLE"},
+        },
+        participant="fake-desk",
+    )
+    upstreams = Upstreams(decl)
+    upstreams.tools = list(DESK)
+    settings = Settings(bootstrap="unused:1", state_dir=tmp_path / "state")
+    catalogue = build_catalogue(decl, upstreams)
+    return McpProxy(
+        decl,
+        upstreams,
+        catalogue,
+        client,
+        settings,
+        approval_wait_s=approval_wait_s,  # type: ignore[arg-type]
+    )
+
+
+def _no_elicitation() -> Any:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(session=SimpleNamespace(client_capabilities=None))
+
+
+def _call(proxy: Any, name: str, args: dict[str, Any]) -> types.CallToolResult:
+    params = types.CallToolRequestParams(name=name, arguments=args)
+    result: types.CallToolResult = asyncio.run(proxy._call_tool(_no_elicitation(), params))
+    return result
+
+
+def test_an_irreversible_call_refused_before_it_is_written_does_not_wait_for_an_approval(
+    tmp_path: Path,
+) -> None:
+    """saga.call refuses the call (nothing written, so no approval can be asked): the
+    proxy must answer at once, not wait approval_wait_s (600 s) for the request."""
+    from participants.client import CallRefused
+
+    refused = CallRefused(
+        "arguments of send_email are 99999 bytes as JSON, over the limit",
+        limit="max_args_bytes",
+        size=99999,
+        saga_id="s-1",
+        step_id="01-send_email",
+        tool="send_email",
+    )
+    client = FakeClient(refused)
+    proxy = _fake_proxy(tmp_path, client)
+    result = _call(proxy, "send_email", {"to": "a", "body": "x"})
+    (saga,) = client.sagas
+    assert True not in saga.approval_wait_ran_out, (
+        "answered only after the wait for an approval that cannot come"
+    )
+    assert result.is_error and "over the limit" in _text(result), _text(result)

@@ -499,8 +499,16 @@ class McpProxy:
         call: asyncio.Future[Any],
     ) -> types.CallToolResult | None:
         """An IRREVERSIBLE step: ask the person through elicitation if the client can,
-        else answer "awaiting approval" (the saga stays open)."""
-        request = await asyncio.to_thread(saga.approval_request, step_id, self.approval_wait_s)
+        else answer "awaiting approval" (the saga stays open). A call that ends first
+        (refused or never written, so no approval will be asked) is answered at once."""
+        asking = asyncio.ensure_future(
+            asyncio.to_thread(saga.approval_request, step_id, self.approval_wait_s)
+        )
+        await asyncio.wait({call, asking}, return_when=asyncio.FIRST_COMPLETED)
+        if not asking.done():
+            _forget(asking)  # its thread ends with the saga or its wait
+            return None  # the call ended without asking: see its outcome
+        request = asking.result()
         if request is None:
             return None  # the step ended without asking (e.g. rejected): see its outcome
         caps = ctx.session.client_capabilities
@@ -638,7 +646,7 @@ def _awaiting(saga: Saga, step_id: str, detail: str) -> types.CallToolResult:
 
 
 def _forget(call: asyncio.Future[Any]) -> None:
-    """The call keeps waiting in its thread; its eventual error is nobody's."""
+    """The call (or wait) goes on in its thread; its eventual error is nobody's."""
     call.add_done_callback(lambda f: f.exception() if not f.cancelled() else None)
 
 
