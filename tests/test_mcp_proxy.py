@@ -677,3 +677,22 @@ def test_an_irreversible_call_refused_before_it_is_written_does_not_wait_for_an_
         "answered only after the wait for an approval that cannot come"
     )
     assert result.is_error and "over the limit" in _text(result), _text(result)
+
+
+def test_a_timed_out_step_is_reported_as_an_unknown_outcome_not_as_a_failure_R11(
+    tmp_path: Path,
+) -> None:
+    from participants.client import OutcomeUnknown
+
+    client = FakeClient(
+        OutcomeUnknown(
+            "no outcome for create_ticket within 60.0 s",
+            saga_id="s-1",
+            step_id="01-create_ticket",
+            tool="create_ticket",
+        )
+    )
+    result = _call(_fake_proxy(tmp_path, client), "create_ticket", {"title": "t"})
+    text = _text(result)
+    assert result.is_error and "unknown" in text and "failed" not in text, text
+    assert client.sagas[0].ended == [SagaOutcome.ABORT]  # undone if it did happen

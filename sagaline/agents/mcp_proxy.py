@@ -47,6 +47,7 @@ from mcp.server.stdio import stdio_server
 from participants.catalogue import Catalogue, wrap
 from participants.client import (
     ApprovalPending,
+    OutcomeUnknown,
     Saga,
     SagaCallError,
     SagaClient,
@@ -482,6 +483,14 @@ class McpProxy:
             value = await call
         except ApprovalPending as exc:
             return _awaiting(saga, step_id, str(exc))
+        except OutcomeUnknown as exc:  # R11: not a failure, it may have happened
+            receipt = await self._finish(SagaOutcome.ABORT, f"{name}: outcome unknown: {exc}")
+            return _text(
+                f"the outcome of {name} is unknown ({exc}): it may have happened. The saga"
+                f" {saga.saga_id} was aborted, so it is undone if it did, with the earlier"
+                f" effects (status {receipt.get('status')}); read {RECEIPT_URI}.",
+                error=True,
+            )
         except SagaCallError as exc:
             receipt = await self._finish(SagaOutcome.ABORT, f"{name} failed: {exc}")
             return _text(
