@@ -696,3 +696,24 @@ def test_a_timed_out_step_is_reported_as_an_unknown_outcome_not_as_a_failure_R11
     text = _text(result)
     assert result.is_error and "unknown" in text and "failed" not in text, text
     assert client.sagas[0].ended == [SagaOutcome.ABORT]  # undone if it did happen
+
+
+def test_a_step_the_ledger_did_not_acknowledge_is_an_unknown_outcome_not_a_crash(
+    tmp_path: Path,
+) -> None:
+    """DeliveryFailed: the StepScheduled may still reach the ledger and the step run.
+    The agent gets a tool result saying so (not a protocol error), the saga is aborted
+    so the step is undone if it runs, and the next call starts afresh."""
+    from sagaline.kafka import DeliveryFailed
+
+    client = FakeClient(
+        DeliveryFailed("no acknowledgement within 60 s", topic="sagaline.events", error=None)
+    )
+    proxy = _fake_proxy(tmp_path, client)
+    result = _call(proxy, "create_ticket", {"title": "t"})
+    text = _text(result)
+    assert result.is_error and "unknown" in text and "may have happened" in text, text
+    assert client.sagas[0].ended == [SagaOutcome.ABORT]
+    client.answer = None
+    _call(proxy, "create_ticket", {"title": "t"})
+    assert [s.calls for s in client.sagas] == [["01-create_ticket"], ["01-create_ticket"]]

@@ -73,6 +73,7 @@ from sagaline.agents.declaration import (
     check,
     load_declaration,
 )
+from sagaline.kafka import DeliveryFailed
 from schemas.models import Reversibility, SagaOutcome, SagaTerminal
 from schemas.receipt import Receipt
 from schemas.settings import Settings
@@ -483,7 +484,8 @@ class McpProxy:
             value = await call
         except ApprovalPending as exc:
             return _awaiting(saga, step_id, str(exc))
-        except OutcomeUnknown as exc:  # R11: not a failure, it may have happened
+        except (OutcomeUnknown, DeliveryFailed) as exc:  # R11: not a failure: it may have
+            # happened (DeliveryFailed: the step's record may still reach the ledger)
             receipt = await self._finish(SagaOutcome.ABORT, f"{name}: outcome unknown: {exc}")
             return _text(
                 f"the outcome of {name} is unknown ({exc}): it may have happened. The saga"
