@@ -717,3 +717,38 @@ def test_a_step_the_ledger_did_not_acknowledge_is_an_unknown_outcome_not_a_crash
     client.answer = None
     _call(proxy, "create_ticket", {"title": "t"})
     assert [s.calls for s in client.sagas] == [["01-create_ticket"], ["01-create_ticket"]]
+
+
+def test_restarting_does_not_read_the_ledger_on_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The saga remembered on disk is checked on the ledger at start-up: a blocking
+    read, which must not stall the event loop the upstream sessions run on."""
+    import sagaline.kafka
+
+    read_on_loop: list[bool] = []
+
+    def saga_records(self: Any, topic: str, saga_id: str, signer: Any) -> list[Any]:
+        try:
+            asyncio.get_running_loop()
+            read_on_loop.append(True)
+        except RuntimeError:
+            read_on_loop.append(False)
+        return []
+
+    monkeypatch.setattr(sagaline.kafka.LedgerReader, "saga_records", saga_records)
+    state = tmp_path / "state" / "fake-desk" / "mcp-session.json"
+    state.parent.mkdir(parents=True)
+    state.write_text(json.dumps({"saga_id": "s-7", "next_step": 3}))
+    client = FakeClient()
+
+    async def start_and_call() -> types.CallToolResult:
+        proxy = _fake_proxy(tmp_path, client)
+        params = types.CallToolRequestParams(name="create_ticket", arguments={"title": "t"})
+        result: types.CallToolResult = await proxy._call_tool(_no_elicitation(), params)
+        return result
+
+    result = asyncio.run(start_and_call())
+    assert read_on_loop == [False]
+    assert result.structured_content == {"ok": "03-create_ticket"}  # the saga continued
+    assert [s.saga_id for s in client.sagas] == ["s-7"]

@@ -308,7 +308,14 @@ class McpProxy:
         state = settings.state_dir / declaration.participant / "mcp-session.json"
         self.session = _Session(state)
         self._lock = asyncio.Lock()
-        self._resume()
+        self._resumed = False
+
+    async def _ensure_resumed(self) -> None:
+        """Continue the saga remembered on disk, once, before the first request: its
+        ledger read is blocking, so it runs off the event loop the upstreams use."""
+        if not self._resumed:
+            await asyncio.to_thread(self._resume)
+            self._resumed = True
 
     def _resume(self) -> None:
         if not self.session.path.exists():
@@ -406,6 +413,8 @@ class McpProxy:
     ) -> types.ReadResourceResult:
         if params.uri != RECEIPT_URI:
             raise ValueError(f"unknown resource {params.uri!r}; this proxy serves {RECEIPT_URI}")
+        async with self._lock:
+            await self._ensure_resumed()
         if self.session.last_receipt is not None and self.session.saga is None:
             text = self.session.last_receipt
         elif self.session.saga is not None:
@@ -431,6 +440,7 @@ class McpProxy:
     ) -> types.CallToolResult:
         args = dict(params.arguments or {})
         async with self._lock:  # one saga, one step at a time (steps are ordered)
+            await self._ensure_resumed()
             if params.name == "saga_commit":
                 return await self._end(SagaOutcome.COMPLETE, "committed by the agent")
             if params.name == "saga_abort":
