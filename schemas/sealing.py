@@ -38,6 +38,8 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from schemas.redaction import map_secrets, redaction_marker
 
 SEALED = "$sealed"
+_NONCE = 12  # bytes of AES-GCM nonce before the ciphertext
+_TAG = 16  # bytes of AES-GCM tag at the ciphertext's end
 
 
 class SealError(ValueError):
@@ -102,7 +104,7 @@ class Sealer:
             def seal_one(value: Any, path: str = path) -> Any:
                 if is_sealed(value):
                     return value
-                nonce = os.urandom(12)
+                nonce = os.urandom(_NONCE)
                 clear = orjson.dumps(value)
                 box = aead.encrypt(nonce, clear, _aad(saga_id, path))
                 return {
@@ -132,9 +134,18 @@ class Sealer:
                         "which this process does not hold: set SAGALINE_SECRET_KEY (and "
                         "SAGALINE_OLD_SECRET_KEYS for rotated keys) as the agent has them"
                     )
-                data = base64.b64decode(value[SEALED])
                 try:
-                    clear = aead.decrypt(data[:12], data[12:], _aad(saga_id, path))
+                    data = base64.b64decode(value[SEALED])
+                except (ValueError, TypeError):  # binascii.Error is a ValueError
+                    data = b""
+                if len(data) < _NONCE + _TAG:
+                    raise SealError(
+                        f"argument {path!r} of saga {saga_id} is malformed: its sealed value "
+                        "is not the base64 of a 12-byte nonce and a ciphertext with its "
+                        "16-byte tag"
+                    )
+                try:
+                    clear = aead.decrypt(data[:_NONCE], data[_NONCE:], _aad(saga_id, path))
                 except InvalidTag:
                     raise SealError(
                         f"argument {path!r} of saga {saga_id} does not open with this key "

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+import orjson
 import pytest
 
 from participants import Accepted, CompensationContext, compensable, tool, wrap
@@ -22,13 +23,17 @@ from schemas import (
     CompensateStep,
     CompensationAccepted,
     ExecuteStep,
+    FailureKind,
     Record,
     StepCommitted,
+    StepFailed,
     StepIntentRecorded,
     StepOutcomeUnknown,
     envelope_for,
 )
 from schemas.codec import decode
+from schemas.redaction import Secret
+from schemas.sealing import Sealer
 
 R = TypeVar("R", bound=Record)
 
@@ -166,4 +171,48 @@ def test_an_accepted_compensation_keeps_its_command_without_a_started_mark(
     [(command_id, command)] = handler.journal.accepted()
     assert command_id == compensate.event_id
     assert decode(command, CompensateStep) == compensate
+    handler.close()
+
+
+class _Vault:
+    def __init__(self) -> None:
+        self.ran = 0
+
+    @tool(description="Check a secret", read_only=True)
+    def store(self, token: Secret) -> dict[str, str]:
+        self.ran += 1
+        return {"stored": "yes"}
+
+
+def test_a_malformed_sealed_argument_rejects_the_step_and_the_tool_never_runs(
+    tmp_path: Path,
+) -> None:
+    # A SealError is a business rejection (sending it again cannot open it), whatever
+    # is wrong with the sealed value: here its base64 does not even decode.
+    vault = _Vault()
+    out: list[Record] = []
+    handler = CommandHandler(
+        wrap(vault, name="vault"),
+        "vault",
+        CommandJournal(tmp_path / "journal.sqlite"),
+        out.append,
+        ledger=None,
+        sealer=Sealer(b"shared secret"),
+    )
+    args = {"token": {"$sealed": "not base64!", "fp": "x", "kid": "s1"}}
+    command = _cmd(
+        ExecuteStep,
+        step_id="01-store",
+        tool="store",
+        args=orjson.dumps(args),
+        idempotency_key="k-2",
+        attempt=1,
+        deadline_ms=5000,
+        principal="p",
+    )
+    assert handler.handle(command) == "done"
+    [failed] = [r for r in out if isinstance(r, StepFailed)]
+    assert (failed.kind, failed.error_type) == (FailureKind.BUSINESS_REJECTION, "SealError")
+    assert "malformed" in failed.message
+    assert vault.ran == 0
     handler.close()

@@ -44,3 +44,21 @@ def test_a_process_without_the_key_says_what_to_configure() -> None:
     sealed = Sealer(b"k").seal(ARGS, PATHS, "saga-1")
     with pytest.raises(SealError, match="SAGALINE_SECRET_KEY"):
         Sealer(None).open(sealed, PATHS, "saga-1")
+
+
+@pytest.mark.parametrize(
+    "box",
+    [
+        "not base64!",  # an invalid character
+        "abc",  # bad padding
+        "AAAA",  # 3 bytes: shorter than a nonce
+        "A" * 36,  # 27 bytes: a nonce and no whole tag
+        None,  # not text at all
+    ],
+)
+def test_a_malformed_sealed_value_is_a_seal_error_naming_the_argument(box: object) -> None:
+    sealer = Sealer(b"shared secret")
+    sealed = sealer.seal(ARGS, PATHS, "saga-1")
+    sealed["card"]["number"]["$sealed"] = box
+    with pytest.raises(SealError, match=r"argument 'card\.number' of saga saga-1 is malformed"):
+        sealer.open(sealed, PATHS, "saga-1")
