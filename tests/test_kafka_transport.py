@@ -3,6 +3,8 @@ replication, the acknowledged ledger writer, the reader, the dead-letter writer.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import subprocess
 import sys
 import time
@@ -265,6 +267,30 @@ def test_a_record_the_broker_does_not_take_raises_delivery_failed(
     with pytest.raises(DeliveryFailed, match=r"SagaStarted .* of saga saga-x") as caught:
         writer.append(record)
     assert caught.value.topic == names.events
+    writer.close()
+
+
+@pytest.mark.kafka
+def test_a_delivery_callback_that_raises_does_not_stop_the_poller(
+    transport: str, unique_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One broken callback must not strand every later report of the process."""
+    names = TopicNames(unique_prefix)
+    ensure_topics(transport, names, [], 1)
+    writer = LedgerWriter(transport, names, Signer(None), background_poll=True)
+    record = example_records(saga_id="saga-p")[0]
+
+    def broken(_failure: DeliveryFailed | None) -> None:
+        raise RuntimeError("a broken callback")
+
+    later: list[DeliveryFailed | None] = []
+    writer.append_then(record, broken)
+    writer.append_then(record, later.append)
+    with caplog.at_level(logging.ERROR, logger="sagaline.kafka._writers"):
+        writer.append(record)  # its report comes after both callbacks'
+        asyncio.run(writer.append_async(record))
+    assert later == [None]
+    assert "a broken callback" in caplog.text
     writer.close()
 
 

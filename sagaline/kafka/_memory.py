@@ -227,8 +227,15 @@ class MemoryProducer:
             if not self._reports and timeout > 0:
                 self._lock.wait(timeout)
             reports, self._reports = self._reports, []
-        for callback, error, msg in reports:
-            callback(error, msg)
+        for served, (callback, error, msg) in enumerate(reports):
+            try:
+                callback(error, msg)
+            except BaseException:
+                # As librdkafka: poll() raises the callback's error and the reports
+                # after it stay queued for the next poll.
+                with self._lock:
+                    self._reports[:0] = reports[served + 1 :]
+                raise
         return len(reports)
 
     def flush(self, timeout: float = 0) -> int:

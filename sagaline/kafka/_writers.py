@@ -8,6 +8,7 @@ threads waits for its record only, and a failure names the record that failed.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import weakref
@@ -21,6 +22,8 @@ from schemas.models import Record
 from schemas.signing import Headers, Signer
 from schemas.topics import TopicNames
 from schemas.wire import dlq_message, to_message
+
+log = logging.getLogger(__name__)
 
 
 class DeliveryFailed(RuntimeError):
@@ -155,7 +158,10 @@ class LedgerWriter:
 
     def _poll_forever(self) -> None:
         while not self._closed.is_set():
-            self.producer.poll(0.1)
+            try:
+                self.producer.poll(0.1)
+            except Exception:  # a callback raised: the reports after it are still served
+                log.exception("a delivery callback of the ledger writer raised")
 
     def append(self, record: Record, *, timeout_s: float = 30.0) -> None:
         """Write ``record`` to the ledger and wait for the broker's acknowledgement."""
@@ -183,8 +189,9 @@ class LedgerWriter:
         acknowledged it, or the :class:`DeliveryFailed` that says why not.
 
         It runs on the background poller's thread (``background_poll=True`` is
-        needed), so it must be quick and must not raise: a caller that has nothing to
-        do until the acknowledgement saves a thread switch by letting the poller carry
+        needed), so it must be quick and should not raise (one that does is logged and
+        the poller goes on with the other reports): a caller that has nothing to do
+        until the acknowledgement saves a thread switch by letting the poller carry
         on for it instead of being woken.
         """
         if self._poller is None:
