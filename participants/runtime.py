@@ -62,6 +62,7 @@ from sagaline.kafka import (
     LedgerReader,
     LedgerWriter,
     Message,
+    RecordTooLarge,
     TopicPartition,
     create_consumer,
     ensure_topics,
@@ -1803,7 +1804,12 @@ class _CommandLoop:
                     self._reported(job, lambda failure: self._intent_step(job, "intent", failure)),
                     None,
                 )
-            except Exception as exc:  # not sent (a full local queue): nothing happened
+            except DeliveryFailed as exc:  # not sent (a full local queue): nothing happened
+                self._sending -= 1
+                log.warning("%s; trying the command again", exc)
+                self._retry(job)
+                return
+            except Exception as exc:  # never sendable (RecordTooLarge), or a bug
                 self._sending -= 1
                 self._fail(job, exc)
                 return
@@ -1884,6 +1890,10 @@ class _CommandLoop:
 
         try:
             self._rt.send(record, self._reported(job, delivered), encoded)
+        except RecordTooLarge as exc:  # refused again each time: not retried for ever
+            self._sending -= 1
+            self._fail(job, exc)
+            return
         except Exception as exc:  # not sent (a full local queue): the journal has it
             self._sending -= 1
             log.warning("sending %s failed (%s); sending it again", record.TYPE, exc)

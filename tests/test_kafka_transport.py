@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from confluent_kafka import Consumer, TopicPartition
@@ -20,8 +22,12 @@ from sagaline.kafka import (
     DeadLetterWriter,
     DeliveryFailed,
     KafkaConfigError,
+    KafkaError,
+    KafkaException,
     LedgerReader,
     LedgerWriter,
+    Producer,
+    RecordTooLarge,
     create_admin,
     create_consumer,
     create_producer,
@@ -291,6 +297,111 @@ def test_a_delivery_callback_that_raises_does_not_stop_the_poller(
         asyncio.run(writer.append_async(record))
     assert later == [None]
     assert "a broken callback" in caplog.text
+    writer.close()
+
+
+class _Refusing:
+    """A producer whose ``produce`` raises ``error`` for the next ``times`` records."""
+
+    def __init__(self, producer: Producer, error: Exception, times: int = 1) -> None:
+        self._producer = producer
+        self._error = error
+        self.times = times
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._producer, name)
+
+    def produce(self, topic: str, *args: Any, **kwargs: Any) -> None:
+        if self.times:
+            self.times -= 1
+            raise self._error
+        self._producer.produce(topic, *args, **kwargs)
+
+
+def _produce_ways(writer: LedgerWriter, dlq_source: Any) -> dict[str, Callable[[], None]]:
+    record = example_records(saga_id="saga-q")[0]
+    events = writer.topics.events
+    return {
+        "append": lambda: writer.append(record),
+        "begin_append": lambda: writer.begin_append(record)(),
+        "append_then": lambda: writer.append_then(record, lambda f: None),
+        "send_then": lambda: writer.send_then(record, lambda f: None),
+        "append_async": lambda: asyncio.run(writer.append_async(record)),
+        "write": lambda: writer.write(events, b"k", b"v"),
+        "dead_letter": lambda: DeadLetterWriter(
+            writer.producer, writer.topics.dlq, acknowledged=True, polled=True
+        ).write(dlq_source, "malformed", "junk"),
+        "dead_letter_unacknowledged": lambda: DeadLetterWriter(
+            writer.producer, writer.topics.dlq, acknowledged=False
+        ).write(dlq_source, "malformed", "junk"),
+    }
+
+
+@pytest.mark.kafka
+@pytest.mark.parametrize(
+    "way",
+    [
+        "append",
+        "begin_append",
+        "append_then",
+        "send_then",
+        "append_async",
+        "write",
+        "dead_letter",
+        "dead_letter_unacknowledged",
+    ],
+)
+def test_a_full_local_queue_is_a_delivery_failure_to_retry(
+    transport: str, unique_prefix: str, way: str
+) -> None:
+    """librdkafka's ``BufferError``: nothing was sent, and a retry succeeds."""
+    names = TopicNames(unique_prefix)
+    ensure_topics(transport, names, [], 1)
+    writer = LedgerWriter(transport, names, Signer(None), background_poll=True)
+    writer.write(names.events, b"saga-z", b"junk")
+    source = next(LedgerReader(transport).read(names.events))
+    full = _Refusing(writer.producer, BufferError("Local: Queue full"))
+    writer.producer = full  # type: ignore[assignment]
+    produce = _produce_ways(writer, source)[way]
+    with pytest.raises(DeliveryFailed, match="local queue is full") as caught:
+        produce()
+    assert caught.value.topic in (names.events, names.dlq)
+    assert full.times == 0
+    produce()  # the same call again goes through
+    writer.close()
+
+
+@pytest.mark.kafka
+@pytest.mark.parametrize("way", ["append", "send_then", "write", "dead_letter"])
+def test_a_record_too_large_for_the_producer_is_refused_for_good_naming_topic_and_size(
+    transport: str, unique_prefix: str, way: str
+) -> None:
+    """Not a DeliveryFailed (which callers retry): writing it again never succeeds."""
+    names = TopicNames(unique_prefix)
+    ensure_topics(transport, names, [], 1)
+    writer = LedgerWriter(transport, names, Signer(None), background_poll=True)
+    writer.write(names.events, b"saga-z", b"junk")
+    source = next(LedgerReader(transport).read(names.events))
+    too_large = KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE))
+    writer.producer = _Refusing(writer.producer, too_large)  # type: ignore[assignment]
+    with pytest.raises(RecordTooLarge, match=r"is \d+ bytes") as caught:
+        _produce_ways(writer, source)[way]()
+    assert caught.value.topic in str(caught.value)
+    assert not isinstance(caught.value, DeliveryFailed)
+    assert caught.value.topic in (names.events, names.dlq) and caught.value.size > 0
+    writer.close()
+
+
+@pytest.mark.kafka
+def test_a_record_over_the_brokers_size_is_refused_for_good_naming_topic_and_size(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    """The real producer's refusal (``message.max.bytes``), not a stand-in's."""
+    names = TopicNames(unique_prefix)
+    ensure_topics(kafka_bootstrap, names, [], 1)
+    writer = LedgerWriter(kafka_bootstrap, names, Signer(None))
+    with pytest.raises(RecordTooLarge, match=rf"is 2000001 bytes .* on {re.escape(names.events)}"):
+        writer.write(names.events, b"k", b"x" * 2_000_000)
     writer.close()
 
 

@@ -25,7 +25,14 @@ from participants import (
 )
 from participants.context import current_call
 from participants.runtime import ParticipantRuntime
-from sagaline.kafka import LedgerReader, create_producer, ensure_topics
+from sagaline.kafka import (
+    KafkaError,
+    KafkaException,
+    LedgerReader,
+    Producer,
+    create_producer,
+    ensure_topics,
+)
 from schemas import (
     CompensateStep,
     CompensationCommitted,
@@ -44,7 +51,7 @@ from schemas import (
     idempotency_key,
 )
 from schemas.settings import Settings
-from schemas.wire import to_message
+from schemas.wire import read_dead_letter, to_message
 from tests.system import wait_until
 
 pytestmark = pytest.mark.kafka
@@ -116,10 +123,13 @@ class Harness:
             self.settings.topics.events, self.saga_id, self.settings.signer()
         )
 
-    def start(self) -> None:
+    def start(self, producer: Callable[[Producer], Any] | None = None) -> None:
+        """``producer``: wraps the runtime's producer (a stand-in that refuses some)."""
         self.runtime = ParticipantRuntime(
             self.catalogue, self.settings, self.bootstrap, participant=PARTICIPANT
         )
+        if producer is not None:
+            self.runtime._writer.producer = producer(self.runtime._writer.producer)
         ready = threading.Event()
         self.thread = threading.Thread(
             target=self.runtime.run, kwargs={"ready": ready}, daemon=True
@@ -659,3 +669,103 @@ def _produce(
     key, value, headers = to_message(command, settings.signer())
     producer.produce(topic, key=key, value=value, headers=headers, partition=partition)
     assert producer.flush(30) == 0
+
+
+class _Refusing:
+    """The runtime's producer, refusing with ``error`` the events records that
+    ``refused(n)`` names (``n``: how many events records it was handed before)."""
+
+    def __init__(
+        self, producer: Producer, topic: str, error: Exception, refused: Callable[[int], bool]
+    ) -> None:
+        self._producer = producer
+        self._topic = topic
+        self._error = error
+        self._refused = refused
+        self.seen = 0
+        self.refusals = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._producer, name)
+
+    def produce(self, topic: str, *args: Any, **kwargs: Any) -> None:
+        if topic == self._topic:
+            self.seen += 1
+            if self._refused(self.seen - 1):
+                self.refusals += 1
+                raise self._error
+        self._producer.produce(topic, *args, **kwargs)
+
+
+def _dead_letters(harness: Harness) -> list[tuple[str, str]]:
+    letters = []
+    for msg in LedgerReader(harness.bootstrap).read(harness.settings.topics.dlq):
+        letter = read_dead_letter(msg.headers())
+        letters.append((letter.reason, letter.detail))
+    return letters
+
+
+@pytest.mark.parametrize("sent", ["before-start", "after-start"])
+def test_a_full_local_queue_tries_the_command_again_and_loses_nothing_R16(
+    transport: str, unique_prefix: str, tmp_path: Path, sent: str
+) -> None:
+    # librdkafka's BufferError from produce(): the intent was never sent. Sent before
+    # the start, the command goes the blocking way (a ledger probe first); after it,
+    # the loop's own once the partition was assigned before it arrived (in-memory:
+    # always). Either way it is tried again, not dead-lettered.
+    harness = Harness(transport, unique_prefix, tmp_path)
+    command = harness.execute("s1", {"sku": "a", "quantity": 1})
+    if sent == "before-start":
+        harness.send(command)
+    full: list[_Refusing] = []
+
+    def queue_full_once(producer: Producer) -> _Refusing:
+        full.append(
+            _Refusing(
+                producer, harness.settings.topics.events, BufferError("Local: Queue full"),
+                lambda n: n == 0,
+            )
+        )  # fmt: skip
+        return full[0]
+
+    harness.start(queue_full_once)
+    try:
+        if sent == "after-start":
+            harness.send(command)
+        records = harness.wait_for(
+            lambda rs: bool(_of(rs, StepCommitted)) or bool(_dead_letters(harness))
+        )
+        assert _dead_letters(harness) == []
+        assert full[0].refusals == 1, "the queue was never full"
+        assert [type(r) for r in records] == [StepIntentRecorded, StepCommitted]
+        assert harness.shop.count("reserve") == 1
+    finally:
+        harness.stop()
+
+
+def test_an_outcome_too_large_for_the_producer_dead_letters_its_command_not_retried_forever(
+    transport: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    # Permanent: the same outcome is refused every time, so it is not sent again and
+    # again; the command goes to the DLQ saying what was too large.
+    harness = Harness(transport, unique_prefix, tmp_path)
+    too_large = KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE))
+    refusing: list[_Refusing] = []
+
+    def outcome_too_large(producer: Producer) -> _Refusing:
+        refusing.append(
+            _Refusing(producer, harness.settings.topics.events, too_large, lambda n: n >= 1)
+        )
+        return refusing[0]
+
+    harness.start(outcome_too_large)
+    try:
+        harness.send(harness.execute("s1", {"sku": "a", "quantity": 1}))
+        wait_until(lambda: _dead_letters(harness), what="the command dead-lettered")
+        [(reason, detail)] = _dead_letters(harness)
+        assert reason == "handler-error"
+        assert "RecordTooLarge" in detail and "StepCommitted" in detail, detail
+        assert refusing[0].refusals == 1
+        assert harness.shop.count("reserve") == 1
+    finally:
+        harness.stop()

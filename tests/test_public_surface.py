@@ -64,6 +64,7 @@ PUBLIC: dict[str, list[str]] = {
         "Message",
         "OFFSET_BEGINNING",
         "Producer",
+        "RecordTooLarge",
         "TopicMissing",
         "TopicPartition",
         "TopicSetupError",

@@ -53,7 +53,13 @@ from sagaline.kafka._config import (
 from sagaline.kafka._groups import GroupInfo, describe_group
 from sagaline.kafka._reader import LedgerReader, TopicMissing, read_to_end
 from sagaline.kafka._topics import TopicSetupError, ensure_topics
-from sagaline.kafka._writers import DeadLetterWriter, DeliveryFailed, LedgerWriter, deliver
+from sagaline.kafka._writers import (
+    DeadLetterWriter,
+    DeliveryFailed,
+    LedgerWriter,
+    RecordTooLarge,
+    deliver,
+)
 
 __all__ = [
     "OFFSET_BEGINNING",
@@ -71,6 +77,7 @@ __all__ = [
     "LedgerWriter",
     "Message",
     "Producer",
+    "RecordTooLarge",
     "TopicMissing",
     "TopicPartition",
     "TopicSetupError",

@@ -14,7 +14,7 @@ import time
 import weakref
 from collections.abc import Callable
 
-from confluent_kafka import KafkaError, Message, Producer
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from sagaline.kafka._clients import create_producer
 from sagaline.kafka._config import ClientConfig
@@ -39,6 +39,53 @@ class DeliveryFailed(RuntimeError):
         self.error = error
 
 
+class RecordTooLarge(ValueError):
+    """The producer refused a record for its size (over ``message.max.bytes``): it was
+    not sent, and sending it again is refused again. Not a :class:`DeliveryFailed`,
+    which callers retry: whatever wrote the record must give it up (a participant
+    dead-letters its command)."""
+
+    def __init__(self, message: str, *, topic: str, size: int) -> None:
+        super().__init__(message)
+        self.topic = topic
+        self.size = size
+
+
+def _refused(
+    exc: BufferError | KafkaException,
+    topic: str,
+    key: bytes | None,
+    value: bytes | None,
+    headers: Headers | None,
+    what: str,
+) -> Exception:
+    """What a ``produce`` that raised at once raises instead (only on that path: a
+    record that went out costs nothing more than the ``try``).
+
+    A full local queue (``BufferError``: ``queue.buffering.max.messages`` or ``-kbytes``
+    of records not yet acknowledged) is transient: a :class:`DeliveryFailed` to
+    retry. A record over ``message.max.bytes`` is permanent: :class:`RecordTooLarge`.
+    Any other error of the client is raised as it is."""
+    if isinstance(exc, BufferError):
+        return DeliveryFailed(
+            f"{what} was not sent to {topic}: the producer's local queue is full "
+            f"({exc}); try again once the queued records are acknowledged",
+            topic=topic,
+            error=None,
+        )
+    error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+    if error is not None and error.code() == KafkaError.MSG_SIZE_TOO_LARGE:
+        size = len(key or b"") + len(value or b"")
+        size += sum(len(name) + len(v or b"") for name, v in headers or ())
+        return RecordTooLarge(
+            f"{what} is {size} bytes (key, value and headers) on {topic}, more than the "
+            f"producer's message.max.bytes allows: it can never be written ({error.str()})",
+            topic=topic,
+            size=size,
+        )
+    return exc
+
+
 def deliver(
     producer: Producer,
     topic: str,
@@ -56,8 +103,10 @@ def deliver(
     :class:`LedgerWriter` with ``background_poll``), so this one only waits for its
     own report, woken the moment it is served.
 
-    Raises :class:`DeliveryFailed` with the broker's error, or when no delivery
-    report arrived within ``timeout_s``.
+    Raises :class:`DeliveryFailed` with the broker's error, when no delivery report
+    arrived within ``timeout_s``, or when the producer's local queue is full (not
+    sent; retry); :class:`RecordTooLarge` for a record over ``message.max.bytes``
+    (never retry it).
     """
     send(producer, topic, key, value, headers, timeout_s=timeout_s, what=what, polled=polled)()
 
@@ -90,9 +139,12 @@ def send(
             failure.append(err)
         done.release()
 
-    producer.produce(
-        topic, key=key, value=value, headers=list(headers or ()), on_delivery=on_delivery
-    )
+    try:
+        producer.produce(
+            topic, key=key, value=value, headers=list(headers or ()), on_delivery=on_delivery
+        )
+    except (BufferError, KafkaException) as exc:
+        raise _refused(exc, topic, key, value, headers, what) from exc
     deadline = time.monotonic() + timeout_s
 
     def wait() -> None:
@@ -193,6 +245,10 @@ class LedgerWriter:
         the poller goes on with the other reports): a caller that has nothing to do
         until the acknowledgement saves a thread switch by letting the poller carry
         on for it instead of being woken.
+
+        A record the producer does not even take raises here, not through
+        ``on_delivered``: :class:`DeliveryFailed` for a full local queue (retry),
+        :class:`RecordTooLarge` for one over ``message.max.bytes`` (never retry).
         """
         if self._poller is None:
             raise RuntimeError("append_then needs LedgerWriter(..., background_poll=True)")
@@ -223,7 +279,13 @@ class LedgerWriter:
             )
 
         key, value, headers = to_message(record, self.signer, encoded)
-        self.producer.produce(topic, key=key, value=value, headers=headers, on_delivery=on_delivery)
+        try:
+            self.producer.produce(
+                topic, key=key, value=value, headers=headers, on_delivery=on_delivery
+            )
+        except (BufferError, KafkaException) as exc:
+            what = f"{record.TYPE} {record.event_id} of saga {record.saga_id}"
+            raise _refused(exc, topic, key, value, headers, what) from exc
 
     async def append_async(self, record: Record, *, timeout_s: float = 30.0) -> None:
         """:meth:`append` for asyncio: the caller awaits a future that this record's
@@ -240,10 +302,13 @@ class LedgerWriter:
             inbox.put(future, err)
 
         key, value, headers = to_message(record, self.signer)
-        self.producer.produce(
-            self.topics.events, key=key, value=value, headers=headers, on_delivery=on_delivery
-        )
         what = f"{record.TYPE} {record.event_id} of saga {record.saga_id}"
+        try:
+            self.producer.produce(
+                self.topics.events, key=key, value=value, headers=headers, on_delivery=on_delivery
+            )
+        except (BufferError, KafkaException) as exc:
+            raise _refused(exc, self.topics.events, key, value, headers, what) from exc
         try:
             err = await asyncio.wait_for(future, timeout_s)
         except TimeoutError:
@@ -376,4 +441,8 @@ class DeadLetterWriter:
                 polled=self.polled,
             )
         else:
-            self.producer.produce(self.topic, key=key, value=value, headers=headers)
+            try:
+                self.producer.produce(self.topic, key=key, value=value, headers=headers)
+            except (BufferError, KafkaException) as exc:
+                what = f"DLQ copy ({reason})"
+                raise _refused(exc, self.topic, key, value, headers, what) from exc
