@@ -24,6 +24,7 @@ from mcp import ClientSession, StdioServerParameters, stdio_client
 
 from coordinator.shell import Coordinator
 from participants.client import SagaClient
+from participants.declarations import CompensationContext
 from sagaline.agents.declaration import (
     DeclarationError,
     UpstreamTool,
@@ -752,3 +753,58 @@ def test_restarting_does_not_read_the_ledger_on_the_event_loop(
     assert read_on_loop == [False]
     assert result.structured_content == {"ok": "03-create_ticket"}  # the saga continued
     assert [s.saga_id for s in client.sagas] == ["s-7"]
+
+
+# ------------------------------------- the proxy's upstream calls, in-process (no broker)
+
+FIND = UpstreamTool("find_ticket", "desk", {"properties": {"request_id": {}}})
+
+
+def _reconciling_upstreams(deadline: float = 10.0) -> tuple[Any, Any]:
+    """Upstreams for create_ticket with an idempotency key, a compensation and a lookup,
+    and the catalogue built on them."""
+    from sagaline.agents.mcp_proxy import Upstreams, build_catalogue
+
+    decl = _decl(
+        {
+            "create_ticket": {
+                "compensation": {"tool": "delete_ticket", "args": {"ticket_id": "{result.id}"}},
+                "lookup": {"tool": "find_ticket", "args": {"request_id": "{idempotency_key}"}},
+                "idempotency_arg": "request_id",
+                "deadline": deadline,
+            },
+            "send_email": {"reversibility": "IRREVERSIBLE"},
+        },
+        participant="fake-desk",
+    )
+    upstreams = Upstreams(decl)
+    upstreams.tools = [*DESK, FIND]
+    return upstreams, build_catalogue(decl, upstreams)
+
+
+def test_compensations_and_lookups_wait_as_long_as_the_declared_deadline_R8() -> None:
+    """A tool declared with a 600 s deadline: its compensation and lookup may take as
+    long as the forward call. A fixed 60 s cut a longer compensation short, and the
+    retry ran while the first attempt still ran upstream."""
+    from participants.context import CallContext, call_context
+
+    upstreams, catalogue = _reconciling_upstreams(deadline=600)
+    timeouts: dict[str, float] = {}
+
+    def call_sync(
+        upstream: str, name: str, args: dict[str, Any], timeout_s: float, **_: Any
+    ) -> Any:
+        timeouts[name] = timeout_s
+        return {"id": "T-1", "title": "t"}
+
+    upstreams.call_sync = call_sync
+    spec = catalogue["create_ticket"]
+    with call_context(CallContext("s-1", "01-create_ticket", "create_ticket", "key-1")):
+        spec.invoke({"title": "t"})
+    spec.compensate(
+        CompensationContext("s-1", "create_ticket", {"title": "t"}, {"id": "T-1"}, "key-1")
+    )
+    spec.lookup("key-1")
+    assert timeouts["create_ticket"] >= 600, timeouts
+    assert timeouts["delete_ticket"] == timeouts["create_ticket"], timeouts
+    assert timeouts["find_ticket"] == timeouts["create_ticket"], timeouts

@@ -225,12 +225,19 @@ def _forward(
         args = {k: v for k, v in kwargs.items() if v is not None or k in required}
         if mapping.idempotency_arg:
             args[mapping.idempotency_arg] = current_call().idempotency_key
-        return upstreams.call_sync(upstream, listed.name, args, mapping.deadline + 5)
+        return upstreams.call_sync(upstream, listed.name, args, _wait_s(mapping))
 
     call_upstream.__name__ = listed.name
     call_upstream.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     call_upstream.__annotations__ = annotations
     return call_upstream
+
+
+def _wait_s(mapping: ToolMapping) -> float:
+    """How long a thread of the runtime waits for an upstream call of ``mapping``'s
+    tool: the runtime gives the call, its compensation and its lookup the tool's
+    declared deadline (then settles the command itself), so wait a little past it."""
+    return mapping.deadline + 5
 
 
 def _compensation(
@@ -240,7 +247,9 @@ def _compensation(
     assert call is not None
 
     def undo(ctx: CompensationContext) -> Any:
-        return upstreams.call_sync(upstream, call.tool, build_args(call.args, ctx), 60)
+        return upstreams.call_sync(
+            upstream, call.tool, build_args(call.args, ctx), _wait_s(mapping)
+        )
 
     undo.__name__ = call.tool
     return undo
@@ -255,7 +264,9 @@ def _lookup(
     def find(idempotency_key: str) -> LookupResult | None:
         ctx = CompensationContext("", mapping.name, {}, None, idempotency_key)
         try:
-            found = upstreams.call_sync(upstream, call.tool, build_args(call.args, ctx), 60)
+            found = upstreams.call_sync(
+                upstream, call.tool, build_args(call.args, ctx), _wait_s(mapping)
+            )
         except UpstreamRejected:
             return None  # the upstream says it has no such operation
         return None if found in (None, "", {}, []) else LookupResult.committed(found)
