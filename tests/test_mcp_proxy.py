@@ -782,6 +782,59 @@ def _reconciling_upstreams(deadline: float = 10.0) -> tuple[Any, Any]:
     return upstreams, build_catalogue(decl, upstreams)
 
 
+def test_a_lookup_while_the_proxys_own_call_with_that_key_runs_answers_pending_R11() -> None:
+    """The forward call overran its deadline (an unknown outcome) and the coordinator
+    asks for a lookup while the proxy's upstream call with that key still runs. The
+    upstream has not acted yet, so it would answer "not found", and the step be taken
+    for one that never ran while its effect lands a moment later, unknown to the saga.
+    While the call runs the lookup answers PENDING, so reconciliation asks again."""
+    from participants.context import CallContext, call_context
+    from schemas.models import ReconcileResult
+
+    upstreams, catalogue = _reconciling_upstreams()
+    tickets: dict[str, dict[str, str]] = {}  # request_id -> ticket: the upstream's state
+    started = threading.Event()
+    release = threading.Event()
+
+    async def upstream_call(upstream: str, name: str, args: dict[str, Any]) -> Any:
+        if name == "create_ticket":
+            started.set()
+            await asyncio.to_thread(release.wait)  # the upstream is slow to act
+            tickets[args["request_id"]] = {"id": "T-1", "title": args["title"]}
+            return tickets[args["request_id"]]
+        assert name == "find_ticket"
+        return tickets.get(args["request_id"], {})
+
+    upstreams.call = upstream_call
+    loop = asyncio.new_event_loop()
+    loop_thread = threading.Thread(target=loop.run_forever, daemon=True)
+    loop_thread.start()
+    upstreams.loop = loop
+    forward_result: list[Any] = []
+
+    def forward() -> None:
+        ctx = CallContext("s-1", "01-create_ticket", "create_ticket", "key-1")
+        with call_context(ctx):
+            forward_result.append(catalogue["create_ticket"].invoke({"title": "t"}))
+
+    forward_thread = threading.Thread(target=forward, daemon=True)
+    forward_thread.start()
+    try:
+        assert started.wait(120), "the forward call never reached the upstream"
+        during = catalogue["create_ticket"].lookup("key-1")
+        release.set()
+        forward_thread.join(120)
+        after = catalogue["create_ticket"].lookup("key-1")
+    finally:
+        release.set()
+        loop.call_soon_threadsafe(loop.stop)
+        loop_thread.join(120)
+        loop.close()
+    assert during.status is ReconcileResult.PENDING, during
+    assert forward_result == [{"id": "T-1", "title": "t"}]
+    assert after.status is ReconcileResult.COMMITTED and after.result == forward_result[0]
+
+
 def test_compensations_and_lookups_wait_as_long_as_the_declared_deadline_R8() -> None:
     """A tool declared with a 600 s deadline: its compensation and lookup may take as
     long as the forward call. A fixed 60 s cut a longer compensation short, and the

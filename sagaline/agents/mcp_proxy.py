@@ -102,6 +102,10 @@ class Upstreams:
         self.sessions: dict[str, ClientSession] = {}
         self.tools: list[UpstreamTool] = []
         self.loop: asyncio.AbstractEventLoop | None = None
+        # Forward calls still running upstream, by idempotency key: until one ends its
+        # effect may still land, so a lookup of that key cannot say "not found" (R11).
+        self._running: dict[str, int] = {}
+        self._running_lock = threading.Lock()
 
     async def open(self, stack: AsyncExitStack) -> None:
         self.loop = asyncio.get_running_loop()
@@ -150,10 +154,42 @@ class Upstreams:
             raise UpstreamRejected(f"{name}: {value}")
         return value
 
-    def call_sync(self, upstream: str, name: str, args: Mapping[str, Any], timeout_s: float) -> Any:
+    def call_sync(
+        self,
+        upstream: str,
+        name: str,
+        args: Mapping[str, Any],
+        timeout_s: float,
+        *,
+        key: str | None = None,
+    ) -> Any:
+        """The call on the proxy's loop, waited for up to ``timeout_s``. With ``key`` it
+        counts as running for that idempotency key until the upstream call itself
+        ends, which may be after this wait gave up (:meth:`running`)."""
         assert self.loop is not None
-        future = asyncio.run_coroutine_threadsafe(self.call(upstream, name, args), self.loop)
+        if key is None:
+            future = asyncio.run_coroutine_threadsafe(self.call(upstream, name, args), self.loop)
+            return future.result(timeout_s)
+        with self._running_lock:
+            self._running[key] = self._running.get(key, 0) + 1
+        try:
+            future = asyncio.run_coroutine_threadsafe(self.call(upstream, name, args), self.loop)
+        except BaseException:
+            self._ended(key)
+            raise
+        future.add_done_callback(lambda _: self._ended(key))
         return future.result(timeout_s)
+
+    def _ended(self, key: str) -> None:
+        with self._running_lock:
+            left = self._running.pop(key, 1) - 1
+            if left:
+                self._running[key] = left
+
+    def running(self, key: str) -> bool:
+        """Whether a call made with idempotency key ``key`` is still running upstream."""
+        with self._running_lock:
+            return key in self._running
 
 
 def _result_value(result: types.CallToolResult) -> Any:
@@ -223,9 +259,10 @@ def _forward(
 
     def call_upstream(**kwargs: Any) -> Any:
         args = {k: v for k, v in kwargs.items() if v is not None or k in required}
+        key = current_call().idempotency_key
         if mapping.idempotency_arg:
-            args[mapping.idempotency_arg] = current_call().idempotency_key
-        return upstreams.call_sync(upstream, listed.name, args, _wait_s(mapping))
+            args[mapping.idempotency_arg] = key
+        return upstreams.call_sync(upstream, listed.name, args, _wait_s(mapping), key=key)
 
     call_upstream.__name__ = listed.name
     call_upstream.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
@@ -262,14 +299,20 @@ def _lookup(
     assert call is not None
 
     def find(idempotency_key: str) -> LookupResult | None:
+        # The proxy's own call with this key still runs (it overran its deadline, so
+        # the outcome is unknown): the upstream may not have acted yet and answer "not
+        # found" while the effect still lands. Pending: reconciliation asks again.
+        if upstreams.running(idempotency_key):
+            return LookupResult.pending()
         ctx = CompensationContext("", mapping.name, {}, None, idempotency_key)
+        args = build_args(call.args, ctx)
         try:
-            found = upstreams.call_sync(
-                upstream, call.tool, build_args(call.args, ctx), _wait_s(mapping)
-            )
+            found = upstreams.call_sync(upstream, call.tool, args, _wait_s(mapping))
         except UpstreamRejected:
-            return None  # the upstream says it has no such operation
-        return None if found in (None, "", {}, []) else LookupResult.committed(found)
+            found = None  # the upstream says it has no such operation
+        if found not in (None, "", {}, []):
+            return LookupResult.committed(found)
+        return LookupResult.pending() if upstreams.running(idempotency_key) else None
 
     find.__annotations__ = {"idempotency_key": str, "return": LookupResult | None}
     return find
