@@ -861,3 +861,31 @@ def test_compensations_and_lookups_wait_as_long_as_the_declared_deadline_R8() ->
     assert timeouts["create_ticket"] >= 600, timeouts
     assert timeouts["delete_ticket"] == timeouts["create_ticket"], timeouts
     assert timeouts["find_ticket"] == timeouts["create_ticket"], timeouts
+
+
+def test_a_receipt_that_is_not_in_yet_is_said_and_the_ended_saga_forgotten(
+    tmp_path: Path,
+) -> None:
+    """saga_commit asked the coordinator to end the saga but its receipt did not come
+    within the wait: the agent gets a tool result saying so and where to read the
+    receipt later (not a TimeoutError out of the handler), and the session does not
+    keep the ended saga: the next write starts a new one."""
+    client = FakeClient()
+    proxy = _fake_proxy(tmp_path, client)
+    _call(proxy, "create_ticket", {"title": "t"})
+    (saga,) = client.sagas
+
+    def no_receipt(timeout_s: float) -> Any:
+        raise TimeoutError(f"saga {saga.saga_id} is not terminal after {timeout_s} s")
+
+    saga.wait = no_receipt  # type: ignore[method-assign]
+    ended = _call(proxy, "saga_commit", {})
+    text = _text(ended)
+    assert saga.ended == [SagaOutcome.COMPLETE]
+    assert "not in yet" in text and f"sagaline saga show {saga.saga_id}" in text, text
+    receipt = asyncio.run(proxy._read_resource(None, types.ReadResourceRequestParams(uri=RECEIPT)))
+    note = json.loads(receipt.contents[0].text)
+    assert (note["saga_id"], note["status"]) == (saga.saga_id, "RECEIPT_PENDING"), note
+    again = _call(proxy, "create_ticket", {"title": "u"})
+    assert again.structured_content == {"ok": "01-create_ticket"}
+    assert [s.saga_id for s in client.sagas] == ["s-1", "s-2"]  # a new saga

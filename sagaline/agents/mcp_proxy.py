@@ -82,6 +82,7 @@ log = logging.getLogger("sagaline.mcp")
 
 RECEIPT_URI = "sagaline://saga/receipt"
 SAGA_TOOLS = ("saga_commit", "saga_abort", "saga_check_plan")
+RECEIPT_PENDING = "RECEIPT_PENDING"  # the saga was ended; its receipt is not in yet
 
 __all__ = ["RECEIPT_URI", "McpProxy", "UpstreamRejected", "main"]
 
@@ -352,6 +353,7 @@ class McpProxy:
         settings: Settings,
         *,
         approval_wait_s: float = 600.0,
+        receipt_wait_s: float = 300.0,
     ) -> None:
         self.declaration = declaration
         self.upstreams = upstreams
@@ -359,6 +361,7 @@ class McpProxy:
         self.client = client
         self.settings = settings
         self.approval_wait_s = approval_wait_s
+        self.receipt_wait_s = receipt_wait_s
         state = settings.state_dir / declaration.participant / "mcp-session.json"
         self.session = _Session(state)
         self._lock = asyncio.Lock()
@@ -626,17 +629,39 @@ class McpProxy:
         if self.session.saga is None:
             return _text("no saga is open: nothing was written in this session", error=False)
         receipt = await self._finish(outcome, reason)
+        if receipt.get("status") == RECEIPT_PENDING:
+            return types.CallToolResult(
+                content=[types.TextContent(text=str(receipt["note"]))],
+                structured_content=receipt,
+            )
         return _text(json.dumps(receipt, indent=2))
 
     async def _finish(self, outcome: SagaOutcome, reason: str) -> dict[str, Any]:
+        """End the saga and wait for its receipt. Either way the session lets go of it
+        (it was ended: the next write starts a new saga); a receipt not in within the
+        wait is a note saying where to read it later, also served as the resource."""
         saga = self.session.saga
         assert saga is not None
         await asyncio.to_thread(saga.end, outcome, reason)
-        receipt = await asyncio.to_thread(saga.wait, 300)
-        self.session.last_receipt = receipt.model_dump_json(indent=2)
+        try:
+            receipt = await asyncio.to_thread(saga.wait, self.receipt_wait_s)
+        except TimeoutError as exc:
+            log.warning("saga %s ended without its receipt in time: %s", saga.saga_id, exc)
+            result: dict[str, Any] = {
+                "saga_id": saga.saga_id,
+                "status": RECEIPT_PENDING,
+                "requested": outcome.value,
+                "note": f"the saga {saga.saga_id} was ended ({outcome.value} requested) but"
+                f" its receipt is not in yet after {self.receipt_wait_s:g} s; the coordinator"
+                f" settles it. Read it later with `sagaline saga show {saga.saga_id}`. The"
+                " next write starts a new saga.",
+            }
+            self.session.last_receipt = json.dumps(result, indent=2)
+        else:
+            self.session.last_receipt = receipt.model_dump_json(indent=2)
+            result = json.loads(self.session.last_receipt)
         self.session.saga = None
         self.session.save()
-        result: dict[str, Any] = json.loads(self.session.last_receipt)
         return result
 
 
