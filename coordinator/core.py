@@ -675,6 +675,38 @@ def _on_saga_started(ctx: _Ctx, r: SagaStarted) -> None:
             # The request of the old run is stale now, and so would be a grant of it:
             # ask again under this generation, with ids of its own (R7, R15).
             _request_approval(ctx, step, step.approval.purpose)
+    _ask_again_to_settle(ctx)
+
+
+def _ask_again_to_settle(ctx: _Ctx) -> None:
+    """A new generation asks again each person who must still settle an unknown
+    outcome (R11, R15).
+
+    A resolution copies its incident's generation, so one of an incident raised by an
+    earlier run is stale (and a retry of it a duplicate): the step would stay unknown
+    for good. One new incident per unsettled step, under this generation and with an
+    id of its own; the old one stays open and is resolved with it. Incidents of other
+    kinds are not raised again: no step waits on their resolution, which only records
+    what a person did.
+    """
+    s = ctx.s
+    asked: dict[str, IncidentRecord] = {}
+    for incident in s.open_incidents():
+        step_id = incident.step_id
+        if incident.kind != _UNKNOWN_OUTCOME or step_id is None or step_id in asked:
+            continue
+        step = s.steps.get(step_id)
+        if step is not None and step.status in (StepStatus.UNKNOWN, StepStatus.RECONCILING):
+            asked[step_id] = incident
+    for step_id, incident in asked.items():
+        _raise_incident(
+            ctx,
+            _UNKNOWN_OUTCOME,
+            s.steps[step_id],
+            f"{incident.inconsistency} (asked again for generation {s.generation}: "
+            f"{incident.incident_id} belongs to an earlier run, whose records are stale)",
+            incident.effect,
+        )
 
 
 def _on_step_scheduled(ctx: _Ctx, r: StepScheduled) -> None:

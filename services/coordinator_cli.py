@@ -353,15 +353,40 @@ def incident_feed(
     return raised, resolved
 
 
+def superseded_incidents(raised: dict[str, IncidentRaised]) -> dict[str, IncidentRaised]:
+    """Each incident that a later run (generation) of its saga raised again, mapped to
+    the newest incident of the same saga, step and kind.
+
+    A resolution copies its incident's generation, so the coordinator rejects one of
+    a superseded incident as stale: the operator must resolve the newer one.
+    """
+    newest: dict[tuple[str, str | None, str], IncidentRaised] = {}
+    for incident in raised.values():
+        key = (incident.saga_id, incident.step_id, incident.kind)
+        known = newest.get(key)
+        if known is None or incident.envelope.generation > known.envelope.generation:
+            newest[key] = incident
+    superseded: dict[str, IncidentRaised] = {}
+    for incident_id, incident in raised.items():
+        newer = newest[(incident.saga_id, incident.step_id, incident.kind)]
+        if newer.envelope.generation > incident.envelope.generation:
+            superseded[incident_id] = newer
+    return superseded
+
+
 def _cmd_incidents_list(args: argparse.Namespace) -> int:
     settings, bootstrap = configured_broker("sagaline")
     raised, resolved = incident_feed(settings, bootstrap)
+    superseded = superseded_incidents(raised)
     shown = 0
     for incident_id, incident in raised.items():
         done = resolved.get(incident_id)
-        if done is not None and not args.all:
+        newer = superseded.get(incident_id)
+        if (done is not None or newer is not None) and not args.all:
             continue
         state = f"resolved by {done.resolved_by}: {done.resolution}" if done else "OPEN"
+        if newer is not None and done is None:
+            state = f"superseded by {newer.incident_id} (generation {newer.envelope.generation})"
         print(
             f"{incident_id}  saga={incident.saga_id}  step={incident.step_id}  "
             f"owner={incident.owner}  [{state}]\n    {incident.kind}: "
@@ -387,6 +412,16 @@ def _cmd_incidents_resolve(args: argparse.Namespace) -> int:
         print(
             f"{args.command}: no incident {args.incident_id!r} on "
             f"{settings.topics.incidents}; `sagaline incidents list` shows the open ones",
+            file=sys.stderr,
+        )
+        return 1
+    newer = superseded_incidents(raised).get(args.incident_id)
+    if newer is not None:
+        print(
+            f"{args.command}: incident {args.incident_id} was raised by an earlier run of saga "
+            f"{incident.saga_id} (generation {incident.envelope.generation}); the coordinator "
+            f"would reject its resolution as stale and asks {newer.incident_id} (generation "
+            f"{newer.envelope.generation}) now: resolve that one. Nothing was recorded",
             file=sys.stderr,
         )
         return 1

@@ -31,11 +31,15 @@ from schemas import (
     CompensationRequested,
     ExecuteStep,
     FailureKind,
+    IncidentRaised,
     Record,
     Reversibility,
     derived_event_id,
 )
-from services.coordinator_cli import _pending_request
+from schemas.settings import Settings
+from services import coordinator_cli
+from services.cli import main
+from services.coordinator_cli import _pending_request, superseded_incidents
 from services.dashboard.view import DashboardState
 
 
@@ -173,16 +177,147 @@ def test_dashboard_offers_the_new_generation_request_and_its_grant_counts_R7_R15
     assert dashboard.pending_approvals() == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not fixed here: an IncidentResolved inherits the incident's generation, so an "
-    "unknown-outcome incident of an old generation can never be resolved (stale-generation, "
-    "then the retry is a duplicate) and the step stays UNKNOWN with no timer",
-)
-def test_incident_of_an_old_generation_can_be_resolved_R11_R15() -> None:
+def _unknown_pay() -> tuple[Ledger, Harness, IncidentRaised]:
+    """Step pay (no lookup) timed out: a person is asked to settle it (R11)."""
     ledger, h = fresh()
     h.feed(ledger.started(), ledger.scheduled("pay"))
     [incident] = incidents(h.feed(ledger.unknown("pay")))
+    assert h.status("pay") == "UNKNOWN"
+    return ledger, h, incident
+
+
+def _incident_the_operator_sees(h: Harness, step_id: str) -> IncidentRaised:
+    """The incident the coordinator's fold of the ledger waits on for the step."""
+    state = fold(h.log)[h.s.saga_id]
+    incident_id = state.steps[step_id].incident_id
+    [incident] = [
+        r for r in h.log if isinstance(r, IncidentRaised) and r.incident_id == incident_id
+    ]
+    return incident
+
+
+def test_first_generation_incident_ids_are_what_they_always_were_R15() -> None:
+    ledger, _h, incident = _unknown_pay()
+    assert incident.incident_id == "inc-" + derived_event_id(
+        ledger.saga_id, "incident", "unknown-outcome", "pay", 0
+    )
+    assert incident.event_id == derived_event_id(
+        ledger.saga_id, "IncidentRaised", incident.incident_id
+    )
+
+
+@pytest.mark.parametrize(
+    ("resolution", "status"), [("COMMITTED", "COMMITTED"), ("NOT_FOUND", "RETRY_WAIT")]
+)
+def test_incident_of_an_old_generation_can_be_resolved_R11_R15(
+    resolution: str, status: str
+) -> None:
+    """The operator resolved the incident they had on screen just as the saga moved to
+    a new generation: that resolution is stale (R15). The new run asks again; resolving
+    what is open now settles the step."""
+    ledger, h, first = _unknown_pay()
+    ledger.generation = 2
+    out = h.feed(ledger.started())
+    [again] = incidents(out)
+    assert again.envelope.generation == 2 and again.step_id == "pay"
+    assert again.kind == first.kind and again.incident_id != first.incident_id
+    assert _incident_the_operator_sees(h, "pay") == again
+    stale = incident_resolved(first, operator="carol", resolution=resolution, now=h.now)
+    assert [o.reason for o in rejections(h.feed(stale))] == ["stale-generation"]
+    assert h.status("pay") == "UNKNOWN"
+    current = incident_resolved(again, operator="carol", resolution=resolution, now=h.now)
+    assert current.event_id != stale.event_id and current.envelope.generation == 2
+    out = h.feed(current)
+    assert h.status("pay") == status, _why(out)
+    assert h.s.open_incidents() == []  # the superseded incident is settled with it
+
+
+def test_identical_resolution_replayed_or_double_clicked_still_dedups_R15() -> None:
+    ledger, h, _first = _unknown_pay()
     _new_generation(ledger, h)
-    out = h.feed(incident_resolved(incident, operator="carol", resolution="COMMITTED", now=h.now))
+    incident = _incident_the_operator_sees(h, "pay")
+    resolution = incident_resolved(incident, operator="carol", resolution="COMMITTED", now=h.now)
+    click = incident_resolved(incident, operator="carol", resolution="COMMITTED", now=h.now + 5)
+    assert click.event_id == resolution.event_id
+    h.feed(resolution)
+    assert h.status("pay") == "COMMITTED"
+    before = h.s.to_bytes()
+    assert h.feed(resolution) == [] and h.feed(click) == []
+    assert h.s.to_bytes() == before
+
+
+def test_each_generation_asks_once_per_unsettled_step_with_its_own_ids_R11_R15() -> None:
+    ledger, h, _first = _unknown_pay()
+    _new_generation(ledger, h, 2)
+    _new_generation(ledger, h, 3)
+    raised = [r for r in h.log if isinstance(r, IncidentRaised)]
+    assert [r.envelope.generation for r in raised] == [1, 2, 3]
+    assert len({r.incident_id for r in raised}) == 3 and len({r.event_id for r in raised}) == 3
+    assert h.s.steps["pay"].incident_id == raised[-1].incident_id
+    for old in raised[:-1]:
+        out = h.feed(incident_resolved(old, operator="carol", resolution="COMMITTED", now=h.now))
+        assert [o.reason for o in rejections(out)] == ["stale-generation"]
+    h.feed(incident_resolved(raised[-1], operator="carol", resolution="COMMITTED", now=h.now))
+    assert h.status("pay") == "COMMITTED"
+    # a settled step is not asked again by a later run
+    assert incidents(h.feed(ledger.started(generation=4))) == []
+
+
+def test_a_new_generation_raises_no_other_incident_again_R15() -> None:
+    """Only an unknown outcome waits on a person; the other incidents record an effect
+    left in the world and move nothing when resolved, so they are not paged again."""
+    ledger, h = fresh()
+    h.feed(
+        ledger.started(),
+        ledger.scheduled("mail", compensation=None),
+        ledger.committed("mail"),
+        ledger.scheduled("hold"),
+        ledger.committed("hold"),
+        ledger.scheduled("pay"),
+    )
+    out = h.feed(ledger.failed("pay", kind=FailureKind.BUSINESS_REJECTION))
+    assert [i.kind for i in incidents(out)] == ["no-compensation"]
+    assert h.status("hold") == "COMPENSATING"  # the saga is still running its unwind
+    assert incidents(h.feed(ledger.started(generation=2))) == []
+
+
+def test_dashboard_offers_the_new_generation_incident_and_its_resolution_counts_R11_R15() -> None:
+    ledger, h, _first = _unknown_pay()
+    _new_generation(ledger, h)
+    dashboard = DashboardState(SagalineMetrics("dashboard"))
+    for record in h.log:
+        dashboard.apply(record)
+    offered = [inc for _saga, inc in dashboard.open_incidents()]
+    assert [(i.incident_id, i.envelope.generation) for i in offered] == [
+        (h.s.steps["pay"].incident_id, 2)
+    ]
+    resolution = incident_resolved(offered[0], operator="carol", resolution="COMMITTED", now=h.now)
+    out = h.feed(resolution)
     assert h.status("pay") == "COMMITTED", _why(out)
+    assert all(
+        dashboard.apply(r) for r in [resolution, *(o.record for o in out if o.appends_to_events)]
+    )
+    assert dashboard.open_incidents() == []
+
+
+def test_cli_lists_the_superseded_incident_as_such_and_refuses_to_resolve_it_R15(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``sagaline incidents`` reads the incidents topic, where the first run's incident
+    stays: it is marked superseded, and resolving it (stale) is refused, naming the
+    incident to resolve instead."""
+    ledger, h, first = _unknown_pay()
+    _new_generation(ledger, h)
+    again = _incident_the_operator_sees(h, "pay")
+    feed = {first.incident_id: first, again.incident_id: again}
+    assert superseded_incidents(feed) == {first.incident_id: again}
+    monkeypatch.setattr(coordinator_cli, "configured_broker", lambda _c: (Settings(), "unused:1"))
+    monkeypatch.setattr(coordinator_cli, "incident_feed", lambda _s, _b: (feed, {}))
+    assert main(["incidents", "list"]) == 0
+    listing = capsys.readouterr().out
+    assert f"{again.incident_id}  saga=" in listing and f"{first.incident_id}  saga=" not in listing
+    assert main(["incidents", "list", "--all"]) == 0
+    assert f"superseded by {again.incident_id}" in capsys.readouterr().out
+    argv = ["incidents", "resolve", first.incident_id, "--operator", "carol"]
+    assert main([*argv, "--resolution", "COMMITTED"]) == 1
+    assert again.incident_id in capsys.readouterr().err
