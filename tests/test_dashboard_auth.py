@@ -23,6 +23,7 @@ from services.dashboard.auth import (
     hash_password,
 )
 from services.dashboard.view import DashboardState
+from tests.test_dashboard_view import RecordingChannel
 
 GRANT = "/approvals/s-1/a-1/grant"
 
@@ -98,19 +99,6 @@ def test_expired_sessions_are_dropped_not_kept_forever(monkeypatch: pytest.Monke
 
 
 # --------------------------------------------------- requests from another web site
-
-
-class RecordingChannel:
-    """Stands in for an OperatorChannel: keeps what would be published."""
-
-    def __init__(self) -> None:
-        self.published: list[object] = []
-
-    def producer_for(self, operator: str, via: str) -> str | None:
-        return None
-
-    def publish(self, record: object) -> None:
-        self.published.append(record)
 
 
 def _pending(
