@@ -224,6 +224,11 @@ def _is_own(record: Record) -> bool:
 
 _COORDINATOR_ONLY = (ApprovalRequested, StepRetryScheduled, CompensationRequested, SagaTerminal)
 _UNKNOWN_OUTCOME = "unknown-outcome"
+# What a participant's runtime raises when asked to look up a tool it declares no lookup
+# for (the contract the step was scheduled under said it had one): a person must settle
+# it exactly as an unknown-outcome incident (R11).
+_UNKNOWN_OUTCOME_NO_LOOKUP = "unknown-outcome-no-lookup"
+_SETTLES_UNKNOWN = frozenset({_UNKNOWN_OUTCOME, _UNKNOWN_OUTCOME_NO_LOOKUP})
 
 
 class _Ctx:
@@ -693,7 +698,7 @@ def _ask_again_to_settle(ctx: _Ctx) -> None:
     asked: dict[str, IncidentRecord] = {}
     for incident in s.open_incidents():
         step_id = incident.step_id
-        if incident.kind != _UNKNOWN_OUTCOME or step_id is None or step_id in asked:
+        if incident.kind not in _SETTLES_UNKNOWN or step_id is None or step_id in asked:
             continue
         step = s.steps.get(step_id)
         if step is not None and step.status in (StepStatus.UNKNOWN, StepStatus.RECONCILING):
@@ -701,7 +706,7 @@ def _ask_again_to_settle(ctx: _Ctx) -> None:
     for step_id, incident in asked.items():
         _raise_incident(
             ctx,
-            _UNKNOWN_OUTCOME,
+            incident.kind,  # the same kind, so `incidents list` shows the old one superseded
             s.steps[step_id],
             f"{incident.inconsistency} (asked again for generation {s.generation}: "
             f"{incident.incident_id} belongs to an earlier run, whose records are stale)",
@@ -1103,7 +1108,15 @@ def _on_incident_raised(ctx: _Ctx, r: IncidentRaised) -> None:
         )
     )
     step = s.steps.get(r.step_id) if r.step_id is not None else None
-    if step is not None and step.incident_id is None and r.kind == _UNKNOWN_OUTCOME:
+    if step is None:
+        return
+    if r.kind == _UNKNOWN_OUTCOME_NO_LOOKUP and step.status is StepStatus.RECONCILING:
+        # The participant cannot look the outcome up: a person is asked instead (R11),
+        # and nothing else is: no lookup on a new generation, no second incident.
+        step.status = StepStatus.UNKNOWN
+        step.timers.pop(TimerPurpose.RECONCILE_RETRY, None)
+        step.incident_id = r.incident_id
+    elif step.incident_id is None and r.kind in _SETTLES_UNKNOWN:
         step.incident_id = r.incident_id
 
 
@@ -1121,7 +1134,7 @@ def _on_incident_resolved(ctx: _Ctx, r: IncidentResolved) -> None:
         return
     step = s.steps.get(incident.step_id) if incident.step_id is not None else None
     unsettled = step is not None and step.status in (StepStatus.UNKNOWN, StepStatus.RECONCILING)
-    if incident.kind != _UNKNOWN_OUTCOME or step is None or not unsettled:
+    if incident.kind not in _SETTLES_UNKNOWN or step is None or not unsettled:
         _mark_resolved(ctx, incident.incident_id, f"{r.resolution} (by {r.resolved_by})")
         return
     resolution = r.resolution.strip().upper()
@@ -1244,7 +1257,7 @@ def _ask_person_to_settle(ctx: _Ctx, step: StepState, why: str) -> None:
     step.status = StepStatus.UNKNOWN
     step.timers.pop(TimerPurpose.RECONCILE_RETRY, None)
     for incident in ctx.s.open_incidents():
-        if incident.kind == _UNKNOWN_OUTCOME and incident.step_id == step.step_id:
+        if incident.kind in _SETTLES_UNKNOWN and incident.step_id == step.step_id:
             step.incident_id = incident.incident_id  # the participant already asked
             return
     _raise_incident(
@@ -1260,7 +1273,7 @@ def _ask_person_to_settle(ctx: _Ctx, step: StepState, why: str) -> None:
 
 def _resolve_unknown_incidents(ctx: _Ctx, step: StepState, resolution: str) -> None:
     for incident in ctx.s.open_incidents():
-        if incident.kind == _UNKNOWN_OUTCOME and incident.step_id == step.step_id:
+        if incident.kind in _SETTLES_UNKNOWN and incident.step_id == step.step_id:
             _mark_resolved(ctx, incident.incident_id, resolution)
 
 
