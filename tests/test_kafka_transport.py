@@ -308,6 +308,15 @@ class _Refusing:
         self._producer.produce(topic, *args, **kwargs)
 
 
+def _writer_with_a_record(transport: str, prefix: str) -> tuple[TopicNames, LedgerWriter, Any]:
+    """A polled ledger writer on fresh topics, and a record it wrote (to dead-letter)."""
+    names = TopicNames(prefix)
+    ensure_topics(transport, names, [], 1)
+    writer = LedgerWriter(transport, names, Signer(None), background_poll=True)
+    writer.write(names.events, b"saga-z", b"junk")
+    return names, writer, next(LedgerReader(transport).read(names.events))
+
+
 def _produce_ways(writer: LedgerWriter, dlq_source: Any) -> dict[str, Callable[[], None]]:
     record = example_records(saga_id="saga-q")[0]
     events = writer.topics.events
@@ -345,11 +354,7 @@ def test_a_full_local_queue_is_a_delivery_failure_to_retry(
     transport: str, unique_prefix: str, way: str
 ) -> None:
     """librdkafka's ``BufferError``: nothing was sent, and a retry succeeds."""
-    names = TopicNames(unique_prefix)
-    ensure_topics(transport, names, [], 1)
-    writer = LedgerWriter(transport, names, Signer(None), background_poll=True)
-    writer.write(names.events, b"saga-z", b"junk")
-    source = next(LedgerReader(transport).read(names.events))
+    names, writer, source = _writer_with_a_record(transport, unique_prefix)
     full = _Refusing(writer.producer, BufferError("Local: Queue full"))
     writer.producer = full  # type: ignore[assignment]
     produce = _produce_ways(writer, source)[way]
@@ -367,11 +372,7 @@ def test_a_record_too_large_for_the_producer_is_refused_for_good_naming_topic_an
     transport: str, unique_prefix: str, way: str
 ) -> None:
     """Not a DeliveryFailed (which callers retry): writing it again never succeeds."""
-    names = TopicNames(unique_prefix)
-    ensure_topics(transport, names, [], 1)
-    writer = LedgerWriter(transport, names, Signer(None), background_poll=True)
-    writer.write(names.events, b"saga-z", b"junk")
-    source = next(LedgerReader(transport).read(names.events))
+    names, writer, source = _writer_with_a_record(transport, unique_prefix)
     too_large = KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE))
     writer.producer = _Refusing(writer.producer, too_large)  # type: ignore[assignment]
     with pytest.raises(RecordTooLarge, match=r"is \d+ bytes") as caught:
