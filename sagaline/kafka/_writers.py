@@ -86,6 +86,27 @@ def _refused(
     return exc
 
 
+def _produce(
+    producer: Producer,
+    topic: str,
+    key: bytes | None,
+    value: bytes | None,
+    headers: Headers | None,
+    what: Callable[[], str],
+    on_delivery: Callable[[KafkaError | None, Message], None] | None = None,
+) -> None:
+    """``producer.produce``, with a record it refuses at once raised as :func:`_refused`
+    says; ``what`` names the record, built only then."""
+    try:
+        producer.produce(topic, key=key, value=value, headers=headers, on_delivery=on_delivery)
+    except (BufferError, KafkaException) as exc:
+        raise _refused(exc, topic, key, value, headers, what()) from exc
+
+
+def _named(record: Record) -> str:
+    return f"{record.TYPE} {record.event_id} of saga {record.saga_id}"
+
+
 def deliver(
     producer: Producer,
     topic: str,
@@ -139,12 +160,7 @@ def send(
             failure.append(err)
         done.release()
 
-    try:
-        producer.produce(
-            topic, key=key, value=value, headers=list(headers or ()), on_delivery=on_delivery
-        )
-    except (BufferError, KafkaException) as exc:
-        raise _refused(exc, topic, key, value, headers, what) from exc
+    _produce(producer, topic, key, value, list(headers or ()), lambda: what, on_delivery)
     deadline = time.monotonic() + timeout_s
 
     def wait() -> None:
@@ -230,7 +246,7 @@ class LedgerWriter:
             value,
             headers,
             timeout_s=timeout_s,
-            what=f"{record.TYPE} {record.event_id} of saga {record.saga_id}",
+            what=_named(record),
             polled=self._poller is not None,
         )
 
@@ -271,21 +287,14 @@ class LedgerWriter:
                 None
                 if err is None
                 else DeliveryFailed(
-                    f"the broker rejected {record.TYPE} {record.event_id} of saga "
-                    f"{record.saga_id} on {topic}: {err}",
+                    f"the broker rejected {_named(record)} on {topic}: {err}",
                     topic=topic,
                     error=err,
                 )
             )
 
         key, value, headers = to_message(record, self.signer, encoded)
-        try:
-            self.producer.produce(
-                topic, key=key, value=value, headers=headers, on_delivery=on_delivery
-            )
-        except (BufferError, KafkaException) as exc:
-            what = f"{record.TYPE} {record.event_id} of saga {record.saga_id}"
-            raise _refused(exc, topic, key, value, headers, what) from exc
+        _produce(self.producer, topic, key, value, headers, lambda: _named(record), on_delivery)
 
     async def append_async(self, record: Record, *, timeout_s: float = 30.0) -> None:
         """:meth:`append` for asyncio: the caller awaits a future that this record's
@@ -302,13 +311,8 @@ class LedgerWriter:
             inbox.put(future, err)
 
         key, value, headers = to_message(record, self.signer)
-        what = f"{record.TYPE} {record.event_id} of saga {record.saga_id}"
-        try:
-            self.producer.produce(
-                self.topics.events, key=key, value=value, headers=headers, on_delivery=on_delivery
-            )
-        except (BufferError, KafkaException) as exc:
-            raise _refused(exc, self.topics.events, key, value, headers, what) from exc
+        what = _named(record)
+        _produce(self.producer, self.topics.events, key, value, headers, lambda: what, on_delivery)
         try:
             err = await asyncio.wait_for(future, timeout_s)
         except TimeoutError:
@@ -441,8 +445,4 @@ class DeadLetterWriter:
                 polled=self.polled,
             )
         else:
-            try:
-                self.producer.produce(self.topic, key=key, value=value, headers=headers)
-            except (BufferError, KafkaException) as exc:
-                what = f"DLQ copy ({reason})"
-                raise _refused(exc, self.topic, key, value, headers, what) from exc
+            _produce(self.producer, self.topic, key, value, headers, lambda: f"DLQ copy ({reason})")
