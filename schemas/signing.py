@@ -22,6 +22,7 @@ from schemas.errors import BadSignature, MissingSignature
 
 if TYPE_CHECKING:
     from schemas.models import Record
+    from schemas.trust import Identity
 
 SIG_HEADER = "sagaline-sig"
 KID_HEADER = "sagaline-kid"
@@ -99,13 +100,16 @@ class Signer:
             (KID_HEADER, self.key_id.encode("utf-8")),
         ]
 
-    def verify(self, key: bytes | None, value: bytes, headers: HeaderList | None) -> None:
+    def verify(
+        self, key: bytes | None, value: bytes, headers: HeaderList | None
+    ) -> Identity | None:
         """Raise unless (key, value) carries a valid signature by this signer's key.
 
-        Passes without checking when no key is configured.
+        Passes without checking when no key is configured. Returns the writer's
+        identity (None here: a shared key names no one), to hand to :meth:`authorize`.
         """
         if self._key is None:
-            return
+            return None
         sig = header_value(headers, SIG_HEADER)
         if sig is None:
             raise MissingSignature(
@@ -127,10 +131,14 @@ class Signer:
                 f"HMAC-SHA256 mismatch for key {_show(key)} (key id {self.key_id!r}): the value "
                 "was altered, moved from another saga, or signed with another secret"
             )
+        return None
 
-    def authorize(self, record: Record, headers: HeaderList | None) -> None:
-        """Raise unless the signer of ``record`` may write it. A shared key names no
-        writer, so here every verified record passes."""
+    def authorize(
+        self, record: Record, headers: HeaderList | None, writer: Identity | None = None
+    ) -> None:
+        """Raise unless the signer of ``record`` may write it. ``writer``: what
+        :meth:`verify` returned for it. A shared key names no writer, so here every
+        verified record passes."""
 
 
 def _show(key: bytes | None) -> str:

@@ -446,8 +446,8 @@ class IdentitySigner(Signer):
             (ALG_HEADER, ED25519.encode("ascii")),
         ]
 
-    def verify(self, key: bytes | None, value: bytes, headers: HeaderList | None) -> None:
-        self.writer(key, value, headers)
+    def verify(self, key: bytes | None, value: bytes, headers: HeaderList | None) -> Identity:
+        return self.writer(key, value, headers)
 
     def writer(self, key: bytes | None, value: bytes, headers: HeaderList | None) -> Identity:
         """The identity whose live key signed (key, value); raises a SignatureError."""
@@ -474,10 +474,17 @@ class IdentitySigner(Signer):
             ) from None
         return entry.identity
 
-    def authorize(self, record: Record, headers: HeaderList | None) -> None:
-        kid = header_value(headers, KID_HEADER)
-        assert kid is not None  # verify() ran first
-        writer = self.trust.key(kid.decode("utf-8", "replace")).identity
+    def authorize(
+        self, record: Record, headers: HeaderList | None, writer: Identity | None = None
+    ) -> None:
+        """Check ``record`` against the permissions of ``writer``, the identity
+        :meth:`verify` found: the same trust-file entry whose key checked the signature.
+        Looking the key id up again would read a trust file edited in between, and
+        could authorize a record as an identity whose key never verified it."""
+        if writer is None:  # a caller that did not keep verify()'s answer
+            kid = header_value(headers, KID_HEADER)
+            assert kid is not None  # verify() ran first
+            writer = self.trust.key(kid.decode("utf-8", "replace")).identity
         authorize(writer, record, self.identity)
 
 

@@ -83,9 +83,11 @@ def from_message(
     """
     if value is None:
         raise MalformedRecord("record has no value (a tombstone on a record topic)")
-    signer.verify(key, value, headers)
+    writer = signer.verify(key, value, headers)
     record = decode(value, expected) if expected is not None else decode(value)
-    signer.authorize(record, headers)  # who wrote it may write it (schemas.trust)
+    # Who wrote it may write it (schemas.trust), judged as the writer whose key verified
+    # it: one reading of the trust file for both steps.
+    signer.authorize(record, headers, writer)
     saga_key = record.envelope.saga_id.encode("utf-8")
     if key is not None and key != saga_key:
         raise MalformedRecord(

@@ -405,3 +405,31 @@ def test_core_accepts_a_participant_incident_only_for_its_own_dispatched_step() 
     assert _reasons(decide(state, incident("payments", "st-1"), NOW, BOUND)) == []
     assert _reasons(decide(state, incident("mailer", "st-1"), NOW, BOUND)) == ["forbidden-writer"]
     assert _reasons(decide(state, incident("payments", None), NOW, BOUND)) == ["forbidden-writer"]
+
+
+def test_a_record_is_verified_and_authorized_against_one_reading_of_the_trust_file(
+    kit: TrustKit, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An edit landing between the signature check and the permission check must not
+    verify a record with one entry's key and authorize it as another entry's identity:
+    here a command signed by the mailer, whose key id is reassigned to the coordinator
+    (with the coordinator's public key) while the record is being read."""
+    import schemas.wire
+
+    reader = kit.signer()
+    mailer_kid = kit.current["mailer"]
+    forged = to_message(_execute("sagaline-coordinator"), kit.signer("mailer"))
+    coordinator_key = kit.data["keys"][kit.current["sagaline-coordinator"]]["public_key"]
+    real_decode = schemas.wire.decode
+
+    def decode_then_edit(value: bytes, *expected: Any) -> Record:
+        kit.data["keys"][mailer_kid] = {
+            "identity": "sagaline-coordinator",
+            "public_key": coordinator_key,
+        }
+        kit._write()
+        return real_decode(value, *expected)
+
+    monkeypatch.setattr(schemas.wire, "decode", decode_then_edit)
+    with pytest.raises(ForbiddenWriter, match="'mailer'"):
+        from_message(*forged, reader)
