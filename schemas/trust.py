@@ -196,7 +196,7 @@ class TrustStore:
             raise TrustFileError(f"trust file {path} is not UTF-8: {exc.reason}") from None
         try:
             data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-        except (ValueError, tomllib.TOMLDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:  # TOMLDecodeError is a ValueError
             raise TrustFileError(f"trust file {path} does not parse: {exc}") from None
         return cls.from_mapping(data, where=str(path), path=path)
 
@@ -237,7 +237,9 @@ class TrustStore:
             identities[name] = dataclasses.replace(identities[name], acts_for=frozenset(resolved))
         keys: dict[str, TrustedKey] = {}
         for kid, entry in _entries(data.get("keys"), "keys", where).items():
-            owner = identities.get(entry.get("identity", ""))
+            named = entry.get("identity")
+            # A list or object here is unhashable: refuse it as a wrong shape, not a TypeError.
+            owner = identities.get(named) if isinstance(named, str) else None
             if owner is None:
                 raise TrustFileError(
                     f"{where}: key {kid!r} names identity {entry.get('identity')!r}, which "

@@ -214,6 +214,9 @@ def test_a_broken_trust_file_names_what_to_fix(tmp_path: Path) -> None:
     bad.write_bytes(b'{"identities": {"\xff": {}}}')  # not UTF-8
     with pytest.raises(TrustFileError, match="not UTF-8"):
         TrustStore.load(bad)
+    bad.write_text("[" * 100_000)  # nested past the parser's recursion limit
+    with pytest.raises(TrustFileError, match="does not parse"):
+        TrustStore.load(bad)
 
 
 @pytest.mark.parametrize(
@@ -227,6 +230,7 @@ def test_a_broken_trust_file_names_what_to_fix(tmp_path: Path) -> None:
         ({"identities": {"x": {"role": "agent", "principals": "user:42"}}}, "principals"),
         ({"identities": {"x": {"role": "operator", "acts_for": "alice"}}}, "acts_for"),
         ({"identities": {"x": {"role": "participant", "tenants": 5}}}, "tenants"),
+        ({"keys": {"k": {"identity": ["x"], "public_key": "AAAA"}}}, "'k'"),
     ],
 )
 def test_a_trust_file_of_the_wrong_shape_names_what_to_fix(
@@ -238,11 +242,21 @@ def test_a_trust_file_of_the_wrong_shape_names_what_to_fix(
         TrustStore.load(bad)
 
 
-def test_a_broken_edit_of_the_trust_file_keeps_the_last_good_one(kit: TrustKit) -> None:
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {"k": "AAAA"},
+        # A key naming its identity as a list: unhashable, not a TrustFileError.
+        {"k": {"identity": ["alice"], "public_key": "AAAA"}},
+    ],
+)
+def test_a_broken_edit_of_the_trust_file_keeps_the_last_good_one(
+    kit: TrustKit, keys: dict[str, Any]
+) -> None:
     reader = kit.signer()
     message = to_message(_grant("alice", "alice"), kit.signer("alice"))
     assert from_message(*message, reader)
-    broken = {"identities": kit.data["identities"], "keys": {"k": "AAAA"}}
+    broken = {"identities": kit.data["identities"], "keys": keys}
     kit.trust_file.write_text(json.dumps(broken))
     assert from_message(*message, reader)  # not an AttributeError out of the reader
 
