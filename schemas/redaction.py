@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import collections.abc
 import hashlib
 import types
 import typing
@@ -123,14 +124,20 @@ def _walk_type(tp: Any, path: str, out: list[str], stack: set[type]) -> None:
             _walk_type(branch, path, out, stack)
         # Two branches may list the same path.
         out[before:] = list(dict.fromkeys(out[before:]))
-    elif origin in (list, tuple, set, frozenset, typing.Sequence, typing.MutableSequence):
-        for item in typing.get_args(tp):
-            if item is not Ellipsis:
-                _walk_type(item, f"{path}.*", out, stack)
-    elif origin in (dict, typing.Mapping, typing.MutableMapping):
+    # get_origin gives the runtime class (collections.abc.Sequence for typing.Sequence
+    # and for Sequence[...] alike): match by class, so every collection is walked.
+    elif isinstance(origin, type) and issubclass(origin, collections.abc.Mapping):
         args = typing.get_args(tp)
         if len(args) == 2:
             _walk_type(args[1], f"{path}.*", out, stack)
+    elif (
+        isinstance(origin, type)
+        and issubclass(origin, collections.abc.Iterable)
+        and not issubclass(origin, str | bytes)
+    ):
+        for item in typing.get_args(tp):
+            if item is not Ellipsis:
+                _walk_type(item, f"{path}.*", out, stack)
     elif tp in (SecretStr, SecretBytes):
         out.append(path)
     elif isinstance(tp, type) and issubclass(tp, BaseModel):

@@ -3,6 +3,8 @@ topic in clear (issue 2; R16 for the typed errors that route to the DLQ)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -240,5 +242,28 @@ def test_secrets_are_redacted_under_the_names_the_arguments_use() -> None:
     AliasedArgs.model_validate(args)  # what the tool will be called with
     body = redacted_json(args, secret_paths(AliasedArgs))
     for secret in (b"4111111111111111", b"8642", b"hunter2", b"sk_live_f00d"):
+        assert secret not in body
+    assert b"Ada" in body
+
+
+class AbstractCollections(BaseModel):
+    tokens: Sequence[Secret]
+    by_bank: Mapping[str, Secret]
+    cards: Sequence[Card] = ()
+    pins: AbstractSet[Secret] = frozenset()
+
+
+def test_secrets_in_abstract_collection_types_are_redacted() -> None:
+    # typing.get_origin(Sequence[X]) is collections.abc.Sequence, not typing.Sequence:
+    # fields typed with the abstract collections must be walked like list and dict.
+    args = {
+        "tokens": ["tok_live_1a2b"],
+        "by_bank": {"acme": "sk_live_3c4d"},
+        "cards": [{"number": "4111111111111111", "cvv": 737, "holder": "Ada"}],
+        "pins": ["8642"],
+    }
+    AbstractCollections.model_validate(args)
+    body = redacted_json(args, secret_paths(AbstractCollections))
+    for secret in (b"tok_live_1a2b", b"sk_live_3c4d", b"4111111111111111", b"737", b"8642"):
         assert secret not in body
     assert b"Ada" in body
