@@ -41,7 +41,7 @@ import signal
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -95,6 +95,7 @@ from schemas import (
 )
 from schemas.errors import CodecError
 from schemas.limits import DEFAULT_LIMITS, RESULT_TOO_LARGE, Limits, omitted_result
+from schemas.redaction import scrub
 from schemas.sealing import Sealer, SealError
 from schemas.settings import Settings
 from schemas.wire import from_message
@@ -653,6 +654,7 @@ class CommandHandler:
                 )
             )
 
+        args: dict[str, Any] = {}  # opened: the clear secrets to keep out of a failure
         try:
             args = self._sealer.open(orjson.loads(raw_args), spec.secret_paths, cmd.saga_id)
             result = self._run(
@@ -661,14 +663,18 @@ class CommandHandler:
         except concurrent.futures.TimeoutError:
             return late()
         except (InvalidArgumentsError, SealError) as exc:
-            return _Outcome(self._failed(cmd, common, FailureKind.BUSINESS_REJECTION, exc))
+            return _Outcome(
+                self._failed(
+                    cmd, common, FailureKind.BUSINESS_REJECTION, exc, args, spec.secret_paths
+                )
+            )
         except Exception as exc:
             kind = (
                 FailureKind.BUSINESS_REJECTION
                 if spec.is_business_rejection(exc)
                 else FailureKind.TRANSIENT
             )
-            return _Outcome(self._failed(cmd, common, kind, exc))
+            return _Outcome(self._failed(cmd, common, kind, exc, args, spec.secret_paths))
         body = self._bounded_result(cmd, spec, _json(result))
         return _Outcome(
             self._record(
@@ -720,8 +726,15 @@ class CommandHandler:
         return _json(omitted_result(len(body), limit, full_fingerprint))
 
     def _failed(
-        self, cmd: ExecuteStep, common: dict[str, Any], kind: FailureKind, exc: BaseException
+        self,
+        cmd: ExecuteStep,
+        common: dict[str, Any],
+        kind: FailureKind,
+        exc: BaseException,
+        args: Mapping[str, Any] | None = None,
+        secret_paths: tuple[str, ...] = (),
     ) -> StepFailed:
+        """``args``: the opened arguments, whose clear secrets the message must not hold."""
         return self._record(
             StepFailed,
             cmd,
@@ -729,7 +742,7 @@ class CommandHandler:
             **common,
             kind=kind,
             error_type=type(exc).__name__,
-            message=_utf8(str(exc)[:2000]),
+            message=_utf8(scrub(str(exc), args or {}, secret_paths)[:2000]),
         )
 
     # ----------------------------------------------------------- compensate step
@@ -766,6 +779,7 @@ class CommandHandler:
                 )
             )
 
+        ctx: CompensationContext | None = None
         try:
             ctx = self._compensation_context(cmd, spec)
             result = self._run(
@@ -803,7 +817,9 @@ class CommandHandler:
                     **common,
                     kind=kind,
                     error_type=type(exc).__name__,
-                    message=_utf8(str(exc)[:2000]),
+                    message=_utf8(
+                        scrub(str(exc), ctx.input if ctx else {}, spec.secret_paths)[:2000]
+                    ),
                 )
             )
         return _Outcome(

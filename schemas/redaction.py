@@ -193,6 +193,49 @@ def _map_at(node: Any, parts: list[str], fn: Callable[[Any], Any]) -> Any:
     return node
 
 
+def scrub(text: str, args: Mapping[str, Any], secret_paths: Iterable[str]) -> str:
+    """``text`` (an error message bound for the ledger) with every clear secret value
+    of ``args`` replaced by its marker.
+
+    Tools and provider SDKs quote their input in errors ("No such token: 'tok_...'");
+    redacting the arguments alone would let the secret reach the ledger there.
+    """
+    found: list[Any] = []
+
+    def collect(value: Any) -> Any:
+        found.append(value)
+        return value
+
+    map_secrets(args, secret_paths, collect)
+    clear: dict[str, str] = {}
+    for value in found:
+        for leaf in _leaves(value):
+            if isinstance(leaf, SecretStr | SecretBytes):
+                leaf = leaf.get_secret_value()
+            if isinstance(leaf, bytes):
+                shown = leaf.decode("utf-8", "replace")
+            elif isinstance(leaf, str | int | float) and not isinstance(leaf, bool):
+                shown = str(leaf)
+            else:
+                continue
+            if shown and not is_redacted(shown):
+                clear[shown] = redaction_marker(leaf)
+    for shown in sorted(clear, key=len, reverse=True):  # a longer secret holding a shorter
+        text = text.replace(shown, clear[shown])
+    return text
+
+
+def _leaves(value: Any) -> Iterable[Any]:
+    if isinstance(value, Mapping):
+        for v in value.values():
+            yield from _leaves(v)
+    elif isinstance(value, list | tuple | set | frozenset):
+        for v in value:
+            yield from _leaves(v)
+    else:
+        yield value
+
+
 def redacted_json(args: Mapping[str, Any], secret_paths: Iterable[str]) -> bytes:
     """Canonical JSON of ``redact(args, secret_paths)``: what goes into a record's
     ``args`` bytes (``StepScheduled``, ``ExecuteStep``, ...)."""
@@ -207,5 +250,6 @@ __all__ = [
     "redact",
     "redacted_json",
     "redaction_marker",
+    "scrub",
     "secret_paths",
 ]

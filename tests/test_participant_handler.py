@@ -22,6 +22,7 @@ from sagaline.kafka import DeliveryFailed
 from schemas import (
     CompensateStep,
     CompensationAccepted,
+    CompensationFailed,
     ExecuteStep,
     FailureKind,
     Record,
@@ -32,7 +33,7 @@ from schemas import (
     envelope_for,
 )
 from schemas.codec import decode
-from schemas.redaction import Secret
+from schemas.redaction import Secret, redaction_marker
 from schemas.sealing import Sealer
 
 R = TypeVar("R", bound=Record)
@@ -215,4 +216,62 @@ def test_a_malformed_sealed_argument_rejects_the_step_and_the_tool_never_runs(
     assert (failed.kind, failed.error_type) == (FailureKind.BUSINESS_REJECTION, "SealError")
     assert "malformed" in failed.message
     assert vault.ran == 0
+    handler.close()
+
+
+class _Provider:
+    @tool(description="Charge a saved card token")
+    @compensable(by="refund")
+    def charge(self, token: Secret, amount: int) -> dict[str, str]:
+        # What provider SDKs do: the error quotes the request.
+        raise ValueError(f"No such token: '{token}' (amount {amount})")
+
+    def refund(self, ctx: CompensationContext) -> None:
+        raise RuntimeError(f"refund refused for token {ctx.input['token']}")
+
+
+def test_a_tool_error_quoting_a_secret_argument_reaches_the_ledger_redacted(
+    tmp_path: Path,
+) -> None:
+    token = "tok_live_51HxQ9e2"
+    sealer = Sealer(b"shared secret")
+    out: list[Record] = []
+    handler = CommandHandler(
+        wrap(_Provider(), name="provider"),
+        "provider",
+        CommandJournal(tmp_path / "journal.sqlite"),
+        out.append,
+        ledger=None,
+        sealer=sealer,
+    )
+    args = orjson.dumps(sealer.seal({"token": token, "amount": 5}, ["token"], "s-1"))
+    execute = _cmd(
+        ExecuteStep,
+        step_id="01-charge",
+        tool="charge",
+        args=args,
+        idempotency_key="k-3",
+        attempt=1,
+        deadline_ms=5000,
+        principal="p",
+    )
+    compensate = _cmd(
+        CompensateStep,
+        step_id="01-charge",
+        tool="charge",
+        idempotency_key="k-3",
+        compensation="refund",
+        compensation_key="k-3:c",
+        attempt=1,
+        args=args,
+        result=b"{}",
+    )
+    assert handler.handle(execute) == "done"
+    assert handler.handle(compensate) == "done"
+    [failed] = [r for r in out if isinstance(r, StepFailed)]
+    [comp_failed] = [r for r in out if isinstance(r, CompensationFailed)]
+    for record in (failed, comp_failed):
+        assert token not in record.message
+        assert redaction_marker(token) in record.message
+    assert "amount 5" in failed.message  # the rest of the message is kept
     handler.close()

@@ -26,6 +26,7 @@ from schemas.redaction import (
     redact,
     redacted_json,
     redaction_marker,
+    scrub,
     secret_paths,
 )
 from schemas.settings import Settings
@@ -267,3 +268,17 @@ def test_secrets_in_abstract_collection_types_are_redacted() -> None:
     for secret in (b"tok_live_1a2b", b"sk_live_3c4d", b"4111111111111111", b"737", b"8642"):
         assert secret not in body
     assert b"Ada" in body
+
+
+def test_scrub_replaces_every_clear_secret_in_a_message_with_its_marker() -> None:
+    args = {
+        "amount_cents": 1999,
+        "card": {"number": "4111111111111111", "cvv": 737, "holder": "Ada"},
+        "backup_cards": [{"number": "41111111", "cvv": 999, "holder": "Ada"}],
+    }
+    message = "card 4111111111111111 (cvv 737) and 41111111 declined for Ada, 1500 cents"
+    scrubbed = scrub(message, args, secret_paths(ChargeArgs))
+    for secret in ("41111111", "737", "999"):
+        assert secret not in scrubbed
+    assert redaction_marker("4111111111111111") in scrubbed  # the longer one, whole
+    assert redaction_marker(737) in scrubbed and "Ada, 1500 cents" in scrubbed
