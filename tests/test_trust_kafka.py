@@ -344,3 +344,53 @@ def test_key_rotation_during_a_run_old_key_accepted_until_retired(
     assert main(["approve", saga.saga_id, request.step_id]) == 0
     assert saga.wait(60).status is TerminalStatus.COMPLETED
     assert world.payments.wires == ["a1", "a2", "a3", "a4"]
+
+
+def test_an_operator_decision_for_a_tenant_outside_the_key_is_refused_not_published(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    """The coordinator refuses a grant signed by an operator outside the saga's tenant
+    (tenant-mismatch, DLQ); the CLI and the dashboard must say so instead of reporting
+    the decision as recorded (docs/security.md, Operators)."""
+    from sagaline.kafka import ensure_topics
+    from sagaline.ops.actions import NoUsableKey, OperatorChannel, grant_approval
+    from schemas import ApprovalPurpose
+    from schemas.errors import TenantMismatch
+    from schemas.wire import from_message
+
+    kit = TrustKit(tmp_path / "keys")
+    kit.add("bob", Role.OPERATOR, tenants=[TENANT])
+    settings = kit.settings(Settings(topic_prefix=unique_prefix, partitions=1), "bob")
+    ensure_topics(kafka_bootstrap, settings.topics, partitions=1)
+    request = ApprovalRequested(
+        envelope=envelope_for(
+            ApprovalRequested,
+            producer="sagaline-coordinator",
+            saga_id="s-beta",
+            tenant_id="beta",
+            now=1,
+        ),
+        step_id="st-1",
+        approval_id="a-1",
+        purpose=ApprovalPurpose.FORWARD,
+        principal="user:1",
+        args_fingerprint="fp",
+        scope="payments/wire:execute",
+        expires_at=2**62,
+    )
+    channel = OperatorChannel.from_settings(settings, kafka_bootstrap)
+    try:
+        with pytest.raises(NoUsableKey, match="beta"):
+            grant_approval(channel, request, operator="bob")
+    finally:
+        channel.close()
+    # What every reader would have done with it:
+    grant = ApprovalGranted(
+        envelope=envelope_for(
+            ApprovalGranted, producer="bob", saga_id="s-beta", tenant_id="beta", now=1
+        ),
+        **{k: getattr(request, k) for k in _REQUEST_FIELDS},
+        granted_by="bob",
+    )
+    with pytest.raises(TenantMismatch):
+        from_message(*to_message(grant, kit.signer("bob")), kit.signer())

@@ -25,6 +25,7 @@ from collections.abc import Iterable
 import orjson
 
 from sagaline.kafka import DeliveryFailed, LedgerWriter, require_bootstrap
+from schemas.errors import CodecError
 from schemas.keys import derived_event_id
 from schemas.models import (
     ApprovalDenied,
@@ -38,7 +39,7 @@ from schemas.models import (
 from schemas.settings import Settings
 from schemas.signing import Signer
 from schemas.topics import TopicNames
-from schemas.trust import IdentitySigner, Role
+from schemas.trust import IdentitySigner, Role, authorize
 
 
 class OperatorActionError(RuntimeError):
@@ -303,7 +304,20 @@ class OperatorChannel:
         return name
 
     def publish(self, record: Record, timeout_s: float = 30.0) -> None:
-        """Produce ``record`` and wait until the broker acknowledges it."""
+        """Produce ``record`` and wait until the broker acknowledges it.
+
+        With an identity key, first the readers' own check (:func:`schemas.trust.authorize`):
+        a decision they would refuse (a saga of a tenant outside the key's ``tenants``)
+        raises :class:`NoUsableKey` instead of being reported as recorded."""
+        signer = self.signer
+        if isinstance(signer, IdentitySigner) and signer.identity is not None:
+            try:
+                authorize(signer.identity, record)
+            except CodecError as exc:
+                raise NoUsableKey(
+                    f"{exc}; the coordinator would refuse this {record.TYPE}, so nothing "
+                    "was recorded: decide with a key whose identity may act for it"
+                ) from None
         try:
             self._writer.append(record, timeout_s=timeout_s)
         except DeliveryFailed as exc:
