@@ -32,6 +32,11 @@ def _cmd_new(args: argparse.Namespace) -> int:
     except FileExistsError:
         print(f"keys new: {out} exists; choose another --out", file=sys.stderr)
         return 2
+    except OSError as exc:  # a missing directory, no permission: one line, not a traceback
+        print(
+            f"keys new: cannot create {out}: {exc.strerror}; choose another --out", file=sys.stderr
+        )
+        return 2
     with os.fdopen(fd, "wb") as handle:
         handle.write(pem)
     print(json.dumps(entry, indent=2))

@@ -447,3 +447,14 @@ def test_a_record_is_verified_and_authorized_against_one_reading_of_the_trust_fi
     monkeypatch.setattr(schemas.wire, "decode", decode_then_edit)
     with pytest.raises(ForbiddenWriter, match="'mailer'"):
         from_message(*forged, reader)
+
+
+def test_keys_new_into_a_missing_directory_says_so_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.cli import main
+
+    out = tmp_path / "no-such-dir" / "alice.pem"
+    assert main(["keys", "new", "alice", "--role", "operator", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert str(out) in err and "Traceback" not in err and not out.exists()
