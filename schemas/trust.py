@@ -177,7 +177,10 @@ class TrustStore:
         try:
             fresh = TrustStore.load(self._path)
         except TrustFileError as exc:
+            # Remember the broken version: re-reading and logging it at every record
+            # would flood the log; the next change (a new stamp) is read again.
             log.error("keeping the previous trust file: %s", exc)
+            self._stamp = stamp
             return
         self.identities, self.keys, self._stamp = fresh.identities, fresh.keys, stamp
 

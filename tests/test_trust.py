@@ -458,3 +458,19 @@ def test_keys_new_into_a_missing_directory_says_so_in_one_line(
     assert main(["keys", "new", "alice", "--role", "operator", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert str(out) in err and "Traceback" not in err and not out.exists()
+
+
+def test_a_broken_edit_is_read_and_logged_once_not_at_every_record(
+    kit: TrustKit, caplog: pytest.LogCaptureFixture
+) -> None:
+    reader = kit.signer()
+    message = to_message(_grant("alice", "alice"), kit.signer("alice"))
+    assert from_message(*message, reader)
+    kit.trust_file.write_text("{ not json")
+    with caplog.at_level("ERROR", logger="sagaline.trust"):
+        for _ in range(3):
+            assert from_message(*message, reader)  # the last good contents
+    assert len([r for r in caplog.records if "keeping the previous" in r.message]) == 1
+    kit.retire(kit.current["alice"])  # the next edit is read again
+    with pytest.raises(RetiredKey):
+        from_message(*message, reader)
