@@ -119,9 +119,12 @@ class Sealer:
     def open(
         self, args: Mapping[str, Any], secret_paths: Iterable[str], saga_id: str
     ) -> dict[str, Any]:
-        """``args`` with every sealed secret opened, for the tool itself."""
+        """``args`` with every sealed secret opened, for the tool itself.
+
+        In the reverse order of :meth:`seal`: a path sealed later may hold one sealed
+        earlier (``t.*`` around ``t.*.pin``), which opens only once the outer one has."""
         out: Mapping[str, Any] = args
-        for path in secret_paths:
+        for path in reversed(tuple(secret_paths)):
 
             def open_one(value: Any, path: str = path) -> Any:
                 if not is_sealed(value):

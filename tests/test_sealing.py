@@ -62,3 +62,15 @@ def test_a_malformed_sealed_value_is_a_seal_error_naming_the_argument(box: objec
     sealed["card"]["number"]["$sealed"] = box
     with pytest.raises(SealError, match=r"argument 'card\.number' of saga saga-1 is malformed"):
         sealer.open(sealed, PATHS, "saga-1")
+
+
+def test_a_secret_inside_a_sealed_secret_opens_too() -> None:
+    # tuple[Inner, Secret] lists "t.*.pin" and then "t.*": sealing seals the pin, then
+    # the whole item around it; opening must undo that in reverse, or the tool gets
+    # the pin still sealed.
+    paths = ("t.*.pin", "t.*")
+    args = {"t": [{"pin": 1234}, "x"]}
+    sealer = Sealer(b"shared secret")
+    sealed = sealer.seal(args, paths, "saga-1")
+    assert b"1234" not in canonical_json(sealed)
+    assert sealer.open(sealed, paths, "saga-1") == args
