@@ -51,6 +51,7 @@ class Severity(StrEnum):
 
 class FindingCode(StrEnum):
     UNKNOWN_TOOL = "UNKNOWN_TOOL"
+    AMBIGUOUS_TOOL = "AMBIGUOUS_TOOL"
     INVALID_ARGS = "INVALID_ARGS"
     IRREVERSIBLE_BEFORE_FALLIBLE = "IRREVERSIBLE_BEFORE_FALLIBLE"
     MULTIPLE_PIVOTS = "MULTIPLE_PIVOTS"
@@ -141,7 +142,7 @@ def check_plan(
     than one participant). ``calls`` are ``PlannedCall`` or ``{"tool": ..., "args":
     {...}}`` mappings.
     """
-    tools = _merge(catalogue)
+    tools, declared_by = _merge(catalogue)
     planned = [_planned(c) for c in calls]
     findings: list[Finding] = []
     classified: list[ClassifiedCall] = []
@@ -166,6 +167,20 @@ def check_plan(
         classified.append(
             ClassifiedCall(index, call.tool, _classify(spec), spec.compensation, spec.participant)
         )
+        owners = declared_by.get(call.tool, ())
+        if len(owners) > 1:
+            findings.append(
+                Finding(
+                    FindingCode.AMBIGUOUS_TOOL,
+                    Severity.ERROR,
+                    index,
+                    call.tool,
+                    f"is declared by {len(owners)} participants"
+                    f" ({', '.join(repr(o) for o in owners)}); a call by name reaches only"
+                    f" one of them, so this plan was checked against {spec.participant!r}'s"
+                    " and may run the other's. Rename one with @tool(name=...)",
+                )
+            )
         try:
             spec.validate_args(call.args)
         except InvalidArgumentsError as exc:
@@ -296,10 +311,17 @@ def _planned(call: PlannedCall | Mapping[str, Any]) -> PlannedCall:
 
 def _merge(
     catalogue: Mapping[str, ToolSpec] | Iterable[Mapping[str, ToolSpec]],
-) -> dict[str, ToolSpec]:
+) -> tuple[dict[str, ToolSpec], dict[str, tuple[str, ...]]]:
+    """The tools by name (a later catalogue's spec wins, as in ``SagaClient``), and
+    for each name the participants that declare it: tool names are one namespace for
+    an agent, so a name two participants declare is ambiguous (one participant's
+    catalogue given twice is not)."""
     if isinstance(catalogue, Mapping):
-        return dict(catalogue)
+        return dict(catalogue), {}
     merged: dict[str, ToolSpec] = {}
+    owners: dict[str, dict[str, None]] = {}
     for one in catalogue:
         merged.update(one)
-    return merged
+        for name, spec in one.items():
+            owners.setdefault(name, {})[spec.participant] = None
+    return merged, {name: tuple(found) for name, found in owners.items()}

@@ -170,3 +170,32 @@ def test_render_is_a_readable_report(refunds: Catalogue) -> None:
     text = check_plan(plan, refunds).render()
     assert "IRREVERSIBLE_BEFORE_FALLIBLE step 0 send_email" in text
     assert text.rstrip().endswith("NOT OK: fix the errors above before running")
+
+
+def test_a_tool_name_two_participants_declare_is_an_error(refunds: Catalogue) -> None:
+    """Tool names are one namespace for an agent (``saga.call("place_hold")``): when two
+    participants both declare ``place_hold``, the call reaches only one of them, so the
+    plan cannot be checked against "the" tool and must not be reported OK."""
+    from participants import compensable, tool
+
+    class Warehouse:
+        @tool(description="Hold stock in the warehouse")
+        @compensable(reversibility="IRREVERSIBLE")
+        def place_hold(self, order_id: str) -> str:
+            return "h-1"
+
+    report = check_plan(
+        [call("place_hold", order_id="o-1")], [refunds, wrap(Warehouse(), name="warehouse")]
+    )
+    assert not report.ok, report.render()
+    [finding] = [f for f in report.findings if f.code is FindingCode.AMBIGUOUS_TOOL]
+    assert (finding.severity, finding.step, finding.tool) == (Severity.ERROR, 0, "place_hold")
+    assert "'refunds'" in finding.message and "'warehouse'" in finding.message
+
+
+def test_the_same_participant_twice_is_not_ambiguous(refunds: Catalogue) -> None:
+    """Two catalogues of one participant (the same service listed twice) name one
+    command topic: nothing is ambiguous."""
+    report = check_plan(ATLAS, [refunds, refunds])
+    assert FindingCode.AMBIGUOUS_TOOL not in report.codes()
+    assert report.ok, report.render()
