@@ -60,6 +60,18 @@ def _to_ms(value: Duration | None) -> int | None:
     return None if value is None else round(_duration_s(value) * 1000)
 
 
+def _entries(value: Any) -> tuple[Any, ...]:
+    """A declared collection as a tuple; one string or one class is one entry.
+
+    ``resources=("inventory")`` (a forgotten trailing comma) is a string, and
+    ``tuple()`` of it would be one-letter resources; ``non_retryable=KeyError`` is one
+    class, and ``tuple()`` of it a TypeError at import naming no tool.
+    """
+    if isinstance(value, str | type):
+        return (value,)
+    return tuple(value)
+
+
 class BusinessRejection(Exception):
     """The provider said no for a business reason ("credit limit exceeded").
 
@@ -259,18 +271,18 @@ def tool(
         pivot=pivot,
         lookup=lookup,
         verify=verify,
-        resources=tuple(resources),
+        resources=_entries(resources),
         reversal_window_ms=_to_ms(reversal_window),
         compensation_approval=compensation_approval,
         retry=retry if retry is not None else RetryPolicy(),
         compensation_retry=(
             compensation_retry if compensation_retry is not None else DEFAULT_COMPENSATION_RETRY
         ),
-        non_retryable=tuple(non_retryable),
-        transient=tuple(transient),
+        non_retryable=_entries(non_retryable),
+        transient=_entries(transient),
         owner=owner,
         deadline_ms=round(_duration_s(deadline) * 1000),
-        secret_fields=tuple(secret_fields),
+        secret_fields=_entries(secret_fields),
         operation_id=operation_id,
     )
 

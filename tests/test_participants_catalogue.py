@@ -455,6 +455,35 @@ def test_contract_values_that_cannot_work_are_rejected() -> None:
     assert any("owner is empty" in m for m in messages)
 
 
+def test_one_string_or_one_exception_class_is_one_entry_not_a_sequence() -> None:
+    """``resources=("inventory")`` (the trailing comma forgotten) is the string
+    "inventory": it must be the one resource it names, not nine one-letter resources
+    in the contract (R2 serializes on them); ``secret_fields="card_number"`` the one
+    secret argument, not eleven unknown one-letter ones; ``non_retryable=KeyError``
+    one rejection type, not a TypeError at import naming no tool."""
+
+    class Card:
+        @tool(
+            description="Charge",
+            resources=("payments"),
+            secret_fields="card_number",
+            non_retryable=OverflowError,  # type: ignore[arg-type]
+            transient=KeyError,  # type: ignore[arg-type]
+        )
+        @compensable(by="refund")
+        def charge(self, card_number: str) -> str:
+            return "c"
+
+        def refund(self) -> None:
+            pass
+
+    spec = wrap(Card(), name="card")["charge"]
+    assert spec.contract().resources == ["payments"]
+    assert spec.secret_paths == ("card_number",)
+    assert spec.is_business_rejection(OverflowError())
+    assert not spec.is_business_rejection(KeyError("k"))  # transient wins over built-in
+
+
 def test_reversal_window_on_a_read_only_tool_is_rejected() -> None:
     class Reader:
         @tool(description="Read", read_only=True, reversal_window=60)
