@@ -602,9 +602,9 @@ class _Inspector:
             compensation_func=compensation_func,
             compensation_takes_context=takes_context,
             compensation_args=comp.args if comp is not None and compensation_func else None,
-            lookup_name=decl.lookup,
+            lookup_name=_helper_label(decl.lookup),
             lookup_func=lookup_func,
-            verify_name=decl.verify,
+            verify_name=_helper_label(decl.verify),
             verify_func=verify_func,
             read_only=decl.read_only,
             pivot=decl.pivot,
@@ -815,16 +815,40 @@ class _Inspector:
                 " -> ... | Accepted, or remove completion_within=",
             )
 
-    def _lookup(self, tool_name: str, method: str | None) -> Callable[[str], Any] | None:
-        if method is None:
+    def _helper(
+        self, tool_name: str, role: str, declared: str | Callable[..., Any]
+    ) -> tuple[str, Any, Callable[..., Any]] | None:
+        """The (label, function to read hints from, callable) of a ``lookup=`` or
+        ``verify=``: the name of a method of the same object, or, as with ``by=``,
+        a function or callable itself (a plain-function tool has no sibling methods).
+        None when it names nothing (a problem has been recorded)."""
+        if isinstance(declared, str):
+            target = self._function(declared)
+            if not callable(target):
+                self._missing(tool_name, role, declared, f'@tool({role}="{declared}")')
+                return None
+            bound = self._bound(declared)
+            assert bound is not None
+            return declared, target, bound
+        if callable(declared):
+            target = declared if inspect.isroutine(declared) else None
+            return _name(declared), target, declared
+        self.problem(
+            tool_name,
+            f"@tool({role}={declared!r}) is neither a method name nor a callable;"
+            f" pass the name of a method of this class or the {role} function itself",
+        )
+        return None
+
+    def _lookup(
+        self, tool_name: str, declared: str | Callable[..., Any] | None
+    ) -> Callable[[str], Any] | None:
+        if declared is None:
             return None
-        declared_as = f'@tool(lookup="{method}")'
-        target = self._function(method)
-        if not callable(target):
-            self._missing(tool_name, "lookup", method, declared_as)
+        found = self._helper(tool_name, "lookup", declared)
+        if found is None:
             return None
-        bound = self._bound(method)
-        assert bound is not None
+        method, target, bound = found
         wanted = "one argument, the idempotency key (key: str) -> LookupResult | None"
         hints = self._hints(tool_name, "lookup", method, target)
         required = self._required_positional(tool_name, "lookup", method, bound, wanted)
@@ -855,24 +879,24 @@ class _Inspector:
         return bound
 
     def _verify(
-        self, tool_name: str, method: str | None, compensation_name: str | None
+        self,
+        tool_name: str,
+        declared: str | Callable[..., Any] | None,
+        compensation_name: str | None,
     ) -> Callable[[CompensationContext], Any] | None:
-        if method is None:
+        if declared is None:
             return None
-        declared_as = f'@tool(verify="{method}")'
-        target = self._function(method)
-        if not callable(target):
-            self._missing(tool_name, "verify", method, declared_as)
+        found = self._helper(tool_name, "verify", declared)
+        if found is None:
             return None
+        method, target, bound = found
         if compensation_name is None:
             self.problem(
                 tool_name,
-                f"{declared_as} is declared but the tool has no compensation to verify;"
-                " remove verify= or declare @compensable(by=...)",
+                f'@tool(verify="{method}") is declared but the tool has no compensation to'
+                " verify; remove verify= or declare @compensable(by=...)",
             )
             return None
-        bound = self._bound(method)
-        assert bound is not None
         takes = self._check_context_signature(
             tool_name, "verify", method, target, bound, allow_none=False
         )
@@ -1073,6 +1097,13 @@ def _camel(name: str) -> str:
 
 def _name(obj: Any) -> str:
     return str(getattr(obj, "__name__", repr(obj)))
+
+
+def _helper_label(declared: str | Callable[..., Any] | None) -> str | None:
+    """How a ``lookup=`` / ``verify=`` is named in tables and messages."""
+    if declared is None or isinstance(declared, str):
+        return declared
+    return _name(declared)
 
 
 def _type_name(hint: Any) -> str:

@@ -176,8 +176,8 @@ class ToolDeclaration:
     name: str | None
     read_only: bool
     pivot: bool
-    lookup: str | None
-    verify: str | None
+    lookup: str | Callable[..., Any] | None
+    verify: str | Callable[..., Any] | None
     resources: tuple[str, ...]
     reversal_window_ms: int | None
     compensation_approval: CompensationApproval
@@ -212,8 +212,8 @@ def tool(
     name: str | None = None,
     read_only: bool = False,
     pivot: bool = False,
-    lookup: str | None = None,
-    verify: str | None = None,
+    lookup: str | Callable[..., Any] | None = None,
+    verify: str | Callable[..., Any] | None = None,
     resources: Sequence[str] = (),
     reversal_window: Duration | None = None,
     compensation_approval: CompensationApproval = CompensationApproval.INHERIT,
@@ -233,10 +233,11 @@ def tool(
     - ``name``: the tool name; defaults to the method name.
     - ``read_only``: the tool changes nothing, so needs no compensation.
     - ``pivot``: once this commits the saga goes forward only (R6).
-    - ``lookup``: name of a method ``(idempotency_key: str) -> LookupResult | None``
-      that finds an operation whose outcome is unknown (R11).
-    - ``verify``: name of a method ``(ctx: CompensationContext) -> bool`` that checks
-      the business state after the compensation (R12).
+    - ``lookup``: a method ``(idempotency_key: str) -> LookupResult | None`` that
+      finds an operation whose outcome is unknown (R11): its name, or (like ``by=``)
+      the function itself.
+    - ``verify``: a method ``(ctx: CompensationContext) -> bool`` that checks the
+      business state after the compensation (R12): its name, or the function.
     - ``resources``: what the tool touches; compensations on a shared resource are
       serialized (R2).
     - ``reversal_window``: how long the effect can be undone (``timedelta`` or

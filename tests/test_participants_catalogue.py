@@ -342,6 +342,61 @@ def test_verify_without_a_compensation_is_rejected() -> None:
     assert "no compensation to verify" in problem.message
 
 
+def test_lookup_and_verify_may_be_functions_like_by() -> None:
+    """R11/R12 for plain-function tools (docs/quickstart.md): a function passed to
+    wrap() is a tool, so a lookup cannot be a sibling method; ``lookup=`` and
+    ``verify=`` take the function itself, as ``by=`` does. Before, wrap() died with
+    "TypeError: 'function' object is not iterable", naming no tool."""
+    released: list[str] = []
+
+    def find_hold(idempotency_key: str) -> LookupResult | None:
+        return LookupResult.committed("h-1", "h-1") if idempotency_key == "k" else None
+
+    def is_released(ctx: CompensationContext) -> bool:
+        return ctx.result in released
+
+    def release(ctx: CompensationContext) -> None:
+        released.append(ctx.result)
+
+    @tool(lookup=find_hold, verify=is_released)  # type: ignore[arg-type]
+    @compensable(by=release)
+    def hold(sku: str) -> str:
+        """Hold stock."""
+        return "h-1"
+
+    spec = wrap(hold, name="holds")["hold"]
+    assert (spec.contract().has_lookup, spec.contract().has_verify) == (True, True)
+    assert (spec.lookup_name, spec.verify_name) == ("find_hold", "is_released")
+    assert spec.lookup("k") == LookupResult.committed("h-1", "h-1")
+    ctx = CompensationContext("s-1", "hold", {"sku": "A"}, "h-1", "k")
+    assert spec.verify(ctx) is False
+    spec.compensate(ctx)
+    assert spec.verify(ctx) is True
+
+
+def test_lookup_function_with_a_wrong_signature_or_neither_name_nor_callable() -> None:
+    def find(key: int) -> LookupResult | None:
+        return None
+
+    class Hold:
+        @tool(description="Hold", lookup=find)
+        @compensable(by="release")
+        def hold(self) -> str:
+            return "h"
+
+        @tool(description="Hold two", lookup=42)  # type: ignore[arg-type]
+        @compensable(by="release")
+        def hold_two(self) -> str:
+            return "h"
+
+        def release(self) -> None:
+            pass
+
+    problems = {p.tool: p.message for p in problems_of(Hold())}
+    assert "lookup method 'find' takes key: int" in problems["hold"]
+    assert "@tool(lookup=42) is neither a method name nor a callable" in problems["hold_two"]
+
+
 # ------------------------------------------------------------ other declarations
 
 
