@@ -590,7 +590,7 @@ class _Inspector:
 
         if len(self.problems) > before or args_model is None:
             return None
-        return ToolSpec(
+        spec = ToolSpec(
             name=tool_name,
             description=description or "",
             participant=self.participant,
@@ -621,6 +621,14 @@ class _Inspector:
             operation_id=decl.operation_id,
             completion_within_ms=comp.completion_within_ms if comp and compensation_name else None,
         )
+        # The runtime snapshots this contract for every step: a field pydantic refuses
+        # (retry=3) must fail here, naming the tool, not when the participant starts.
+        try:
+            spec.contract()
+        except pydantic.ValidationError as exc:
+            self.problem(tool_name, f"its contract cannot be built: {_short_errors(exc)}")
+            return None
+        return spec
 
     def _args_model(
         self, tool_name: str, target: Any, func: Callable[..., Any]
@@ -988,6 +996,12 @@ class _Inspector:
     def _contract_fields(
         self, tool_name: str, decl: ToolDeclaration, args_model: type[BaseModel] | None
     ) -> None:
+        if decl.compensation_approval not in tuple(CompensationApproval):
+            self.problem(
+                tool_name,
+                f"compensation_approval is {decl.compensation_approval!r}; use one of"
+                f" {', '.join(a.value for a in CompensationApproval)} (CompensationApproval)",
+            )
         if decl.deadline_ms <= 0:
             self.problem(tool_name, f"deadline must be positive, got {decl.deadline_ms} ms")
         if decl.reversal_window_ms is not None:

@@ -539,6 +539,32 @@ def test_one_string_or_one_exception_class_is_one_entry_not_a_sequence() -> None
     assert not spec.is_business_rejection(KeyError("k"))  # transient wins over built-in
 
 
+def test_contract_fields_of_the_wrong_type_are_problems_naming_the_tool() -> None:
+    """``retry=3`` used to pass wrap() and fail only when the participant built the
+    StepContract at run time (a pydantic error naming no tool); an unknown
+    ``compensation_approval`` escaped wrap() as a bare ValueError. Both are
+    declarations that cannot work: problems of the tool, reported with the others."""
+
+    class Odd:
+        @tool(description="Odd", retry=3)  # type: ignore[arg-type]
+        @compensable(by="undo")
+        def odd_retry(self) -> str:
+            return ""
+
+        @tool(description="Odd", compensation_approval="NEVER")  # type: ignore[arg-type]
+        @compensable(by="undo")
+        def odd_approval(self) -> str:
+            return ""
+
+        def undo(self) -> None:
+            pass
+
+    problems = {p.tool: p.message for p in problems_of(Odd())}
+    assert "retry" in problems["odd_retry"] and "RetryPolicy" in problems["odd_retry"]
+    assert "compensation_approval" in problems["odd_approval"]
+    assert "'NEVER'" in problems["odd_approval"] and "ALWAYS_ALLOWED" in problems["odd_approval"]
+
+
 def test_reversal_window_on_a_read_only_tool_is_rejected() -> None:
     class Reader:
         @tool(description="Read", read_only=True, reversal_window=60)
