@@ -662,7 +662,7 @@ class _Inspector:
             default = ... if param.default is param.empty else param.default
             fields[param.name] = (annotation, default)
         try:
-            return pydantic.create_model(
+            model = pydantic.create_model(
                 f"{_camel(tool_name)}Args",
                 __config__=ConfigDict(extra="forbid", arbitrary_types_allowed=False),
                 **fields,
@@ -675,6 +675,22 @@ class _Inspector:
                 " pydantic models)",
             )
             return None
+        # pydantic silently leaves out a field it reserves (``_private``,
+        # ``model_config``): a required parameter it dropped could never be passed, and
+        # every call would fail on the missing argument.
+        dropped = [
+            name
+            for name, (_annotation, default) in fields.items()
+            if default is ... and name not in model.model_fields
+        ]
+        for name in dropped:
+            self.problem(
+                tool_name,
+                f"parameter {name!r} cannot be an argument: pydantic reserves the name"
+                " (a leading underscore, or model_config), so no call could pass it;"
+                " rename it",
+            )
+        return None if dropped else model
 
     def _compensation(
         self,

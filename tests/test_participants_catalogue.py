@@ -459,6 +459,31 @@ def test_tool_with_variadic_arguments_is_rejected() -> None:
     assert "parameter 'ids' is variadic positional" in problem.message
 
 
+def test_a_required_parameter_the_schema_cannot_hold_is_rejected() -> None:
+    """pydantic drops a field named ``_token`` (private) or ``model_config`` (its
+    config) from the argument model: the JSON schema never shows it, so no call can
+    pass it, and every call failed with "missing 1 required positional argument"
+    (a TypeError, classified as a rejection). Such a tool can never work."""
+
+    class Odd:
+        @tool(description="Search", read_only=True)
+        def search(self, query: str, _token: str) -> str:
+            return query
+
+        @tool(description="Tune", read_only=True)
+        def tune(self, model_config: dict[str, str]) -> str:
+            return ""
+
+        @tool(description="Fine", read_only=True)
+        def fine(self, query: str, _page: int = 1) -> str:  # a default: never needed
+            return query
+
+    problems = {p.tool: p.message for p in problems_of(Odd())}
+    assert set(problems) == {"search", "tune"}
+    assert "parameter '_token'" in problems["search"] and "rename it" in problems["search"]
+    assert "parameter 'model_config'" in problems["tune"]
+
+
 def test_tool_with_unresolvable_type_hints_is_rejected() -> None:
     class Reader:
         @tool(description="Read", read_only=True)
