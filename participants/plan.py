@@ -143,7 +143,7 @@ def check_plan(
     {...}}`` mappings.
     """
     tools, declared_by = _merge(catalogue)
-    planned = [_planned(c) for c in calls]
+    planned = [_planned(i, c) for i, c in enumerate(calls)]
     findings: list[Finding] = []
     classified: list[ClassifiedCall] = []
     specs: list[ToolSpec | None] = []
@@ -297,16 +297,35 @@ def _classify(spec: ToolSpec) -> CallClass:
     }[spec.kind]
 
 
-def _planned(call: PlannedCall | Mapping[str, Any]) -> PlannedCall:
+def _planned(index: int, call: object) -> PlannedCall:
+    """A call as a ``PlannedCall``; ValueError naming the call (by its position, never
+    by its argument values, which may be secret) when it is not one."""
     if isinstance(call, PlannedCall):
         return call
+    if not isinstance(call, Mapping):
+        raise ValueError(
+            f'planned call {index} must be an object {{"tool": ..., "args": {{...}}}},'
+            f" got {type(call).__name__}{_short(call)}"
+        )
     tool = call.get("tool")
     if not isinstance(tool, str):
-        raise ValueError(f"a planned call needs a 'tool' name, got {dict(call)!r}")
+        raise ValueError(
+            f"planned call {index} needs a 'tool' name; it has the keys"
+            f" {sorted(str(k) for k in call)}"
+        )
     args = call.get("args", {})
     if not isinstance(args, Mapping):
-        raise ValueError(f"the 'args' of planned call {tool!r} must be an object, got {args!r}")
+        raise ValueError(
+            f"the 'args' of planned call {index} ({tool!r}) must be an object,"
+            f" got {type(args).__name__}"
+        )
     return PlannedCall(tool, args)
+
+
+def _short(value: object) -> str:
+    """A bare string (a tool name without its object) is shown; anything else only
+    by type, since it may hold arguments."""
+    return f" {value[:64]!r}" if isinstance(value, str) else ""
 
 
 def _merge(

@@ -158,3 +158,20 @@ def test_plan_check_of_an_unreadable_file_exits_2(
     broken.write_text("{not json")
     assert main(["plan", "check", str(broken)]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_plan_check_of_a_call_that_is_not_an_object_exits_2_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plan file is unreadable (exit 2) when a call is not a {"tool", "args"} object;
+    a bare tool name used to end the command in an AttributeError traceback. The
+    message points at the call without echoing argument values (they may be secret)."""
+    plan = write_plan(tmp_path, ["place_hold", {"name": "send_email", "args": {"pin": "4321"}}])
+    assert main(["plan", "check", str(plan)]) == 2
+    err = capsys.readouterr().err
+    assert "call 0" in err and "'place_hold'" in err and "object" in err
+
+    plan = write_plan(tmp_path, [{"name": "send_email", "args": {"pin": "4321"}}])
+    assert main(["plan", "check", str(plan)]) == 2
+    err = capsys.readouterr().err
+    assert "call 0" in err and "'tool'" in err and "4321" not in err
