@@ -490,7 +490,7 @@ def _refused_writer(ctx: _Ctx, record: Record) -> bool:
                 f"step {step.step_id} runs on participant {step.contract.participant!r}; "
                 f"{env.producer!r} may not report its outcome"
             )
-        elif step is not None and env.causation_id not in _commands_sent(s, step):
+        elif step is not None and env.causation_id not in _commands_sent(s, step, env.generation):
             problem = (
                 f"causation {env.causation_id!r} names no command sent to "
                 f"{step.contract.participant!r} for step {step.step_id}"
@@ -501,19 +501,27 @@ def _refused_writer(ctx: _Ctx, record: Record) -> bool:
     return True
 
 
-def _commands_sent(s: SagaState, step: StepState) -> set[str]:
-    """Event ids of every command the core can have sent for ``step`` (they are
-    derived deterministically, so the set is recomputed instead of stored)."""
+def _commands_sent(s: SagaState, step: StepState, generation: int) -> set[str]:
+    """Event ids of every command the core can have sent for ``step`` under
+    ``generation`` (they are derived deterministically, so the set is recomputed
+    instead of stored).
+
+    A participant answers under the generation of the command it answers (the runtime
+    copies it), so only that one generation is looked at. Walking every generation up
+    to the saga's made the cost grow with a number the agent chooses: a run numbered by
+    a timestamp stopped the coordinator, and every saga it owns, on the first outcome.
+    """
     sent: set[str] = set()
-    for gen in range(1, s.generation + 1):
-        for attempt in range(1, step.attempt + 1):
-            sent.add(derived_event_id(s.saga_id, gen, "ExecuteStep", step.step_id, attempt))
-            for rnd in range(step.reconcile_round + 1):
-                sent.add(
-                    derived_event_id(s.saga_id, gen, "ReconcileStep", step.step_id, attempt, rnd)
-                )
-        for attempt in range(1, step.compensation_attempt + 1):
-            sent.add(derived_event_id(s.saga_id, gen, "CompensateStep", step.step_id, attempt))
+    if generation > s.generation:
+        return sent  # no command of ours carries a generation the saga has not reached
+    for attempt in range(1, step.attempt + 1):
+        sent.add(derived_event_id(s.saga_id, generation, "ExecuteStep", step.step_id, attempt))
+        for rnd in range(step.reconcile_round + 1):
+            sent.add(
+                derived_event_id(s.saga_id, generation, "ReconcileStep", step.step_id, attempt, rnd)
+            )
+    for attempt in range(1, step.compensation_attempt + 1):
+        sent.add(derived_event_id(s.saga_id, generation, "CompensateStep", step.step_id, attempt))
     return sent
 
 

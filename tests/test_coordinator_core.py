@@ -837,3 +837,46 @@ def test_commands_on_the_events_topic_are_rejected_R16() -> None:
     )
     [rejected] = rejections(h.feed(forged))
     assert rejected.reason == "not-an-event"
+
+
+# ------------------------------------------------------------------ bound writers
+
+
+def _ids_derived_to_accept_a_commit(generation: int, monkeypatch: pytest.MonkeyPatch) -> int:
+    """With bound writers: how many event ids the core derives to accept one commit."""
+    import coordinator.core as core
+
+    bound = CorePolicy(bind_writers=True)
+    ledger = Ledger(generation=generation)
+    d = decide(None, ledger.started(), ledger.clock, bound)
+    d = decide(d.state, ledger.scheduled("charge"), ledger.clock, bound)
+    [command] = [o.record for o in d.outputs if isinstance(o.record, ExecuteStep)]
+    commit = ledger.committed("charge")
+    commit = commit.model_copy(
+        update={"envelope": commit.envelope.model_copy(update={"causation_id": command.event_id})}
+    )
+    calls: list[tuple[Any, ...]] = []
+    real = core.derived_event_id
+
+    def counting(*parts: Any) -> str:
+        calls.append(parts)
+        return real(*parts)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(core, "derived_event_id", counting)
+        out = decide(d.state, commit, ledger.clock, bound)
+    assert [o.reason for o in out.outputs if o.reason] == []
+    assert out.state is not None and out.state.steps["charge"].status.value == "COMMITTED"
+    return len(calls)
+
+
+def test_checking_who_answered_does_not_grow_with_the_generation_R15_R16(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An agent may number its runs as it likes (a long; a timestamp is a natural
+    choice). Checking that an outcome answers a command sent for its step must not
+    walk every generation below the saga's: at generation 10**12 that loop never ends
+    and the coordinator instance stops deciding every saga it owns."""
+    assert _ids_derived_to_accept_a_commit(5_000, monkeypatch) == _ids_derived_to_accept_a_commit(
+        1, monkeypatch
+    )
