@@ -541,8 +541,8 @@ class Simulator:
         assert state is not None
         if state.generation < 2:
             return
-        self._fire_due()
         self.now += 1
+        self._fire_due()  # at the stale record's time, as the shell and fold(...) do
         envelope = original.envelope.model_copy(
             update={"event_id": f"stale-{self.now}", "generation": 1, "occurred_at": self.now}
         )
