@@ -229,6 +229,7 @@ _UNKNOWN_OUTCOME = "unknown-outcome"
 # it exactly as an unknown-outcome incident (R11).
 _UNKNOWN_OUTCOME_NO_LOOKUP = "unknown-outcome-no-lookup"
 _SETTLES_UNKNOWN = frozenset({_UNKNOWN_OUTCOME, _UNKNOWN_OUTCOME_NO_LOOKUP})
+_FORWARD_FAILED_AFTER_PIVOT = "forward-failed-after-pivot"
 
 
 class _Ctx:
@@ -926,6 +927,18 @@ def _on_committed(ctx: _Ctx, r: StepCommitted) -> None:
             r.response_fingerprint,
             "COMMITTED",
         )
+        if late_after_escalation:
+            _obligation_met(ctx, step)
+
+
+def _obligation_met(ctx: _Ctx, step: StepState) -> None:
+    """A step escalated after the pivot committed after all (R6, R14): its incident
+    said the effect is still owed, so it is settled by the ledger, as an unknown
+    outcome's is; left open, the saga ended ESCALATED on a claim the ledger refutes."""
+    step.note = f"committed after it was escalated ({step.note})"
+    for incident in ctx.s.open_incidents():
+        if incident.kind == _FORWARD_FAILED_AFTER_PIVOT and incident.step_id == step.step_id:
+            _mark_resolved(ctx, incident.incident_id, "COMMITTED (observed in the ledger)")
 
 
 def _on_failed(ctx: _Ctx, r: StepFailed) -> None:
@@ -1247,7 +1260,7 @@ def _forward_failed_finally(ctx: _Ctx, step: StepState, why: str) -> None:
         step.status = StepStatus.ESCALATED
         _raise_incident(
             ctx,
-            "forward-failed-after-pivot",
+            _FORWARD_FAILED_AFTER_PIVOT,
             step,
             f"{step.contract.tool} (step {step.step_id}) could not complete after the pivot "
             f"{s.pivot_committed} committed: {why}",

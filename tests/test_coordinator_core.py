@@ -587,6 +587,26 @@ def test_exhausted_forward_work_after_the_pivot_escalates_R6() -> None:
     assert {s.step_id: s.disposition for s in receipt.steps}["credit"] is Disposition.RETAINED
 
 
+def test_a_commit_reported_after_the_escalation_after_the_pivot_settles_it_R6_R14() -> None:
+    """The ledger is the truth: the step did take effect after all. Its incident said
+    it did not and that it is still owed; left open, the saga ended ESCALATED with that
+    claim in the receipt and its owner was handed work that was already done."""
+    ledger, h = pivoted()
+    h.feed(ledger.scheduled("email", retry=RetryPolicy(max_attempts=2), owner="support"))
+    h.feed(ledger.failed("email"))
+    h.run_timers()
+    [incident] = incidents(h.feed(ledger.failed("email", attempt=2)))
+    assert h.status("email") == "ESCALATED"
+    h.feed(ledger.committed("email", attempt=2))
+    assert h.status("email") == "COMMITTED"
+    receipt = receipt_of(h.feed(ledger.end()))
+    [record] = [i for i in receipt.incidents if i.incident_id == incident.incident_id]
+    assert record.resolved, record
+    assert receipt.unresolved == [] and receipt.owner is None
+    assert receipt.status is TerminalStatus.COMPLETED
+    assert {s.step_id: s.disposition for s in receipt.steps}["email"] is Disposition.RETAINED
+
+
 def test_business_rejection_after_the_pivot_escalates_without_retry_R6_R9() -> None:
     ledger, h = pivoted()
     h.feed(ledger.scheduled("email"))
