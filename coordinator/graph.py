@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from coordinator.state import (
+    COMPENSATION_ACTIVE,
     COMPENSATION_FINAL,
     NEVER_COMMITTED,
     SagaState,
@@ -97,13 +98,10 @@ def resource_conflict(candidate: StepState, active: Iterable[StepState]) -> Step
     return None
 
 
+# Every compensation not finished: an accepted one is not done until it completes
+# (R12), and one waiting for its retry still has its effect in the world.
 _STILL_TO_UNDO = frozenset(
-    {
-        StepStatus.COMMITTED,
-        StepStatus.COMPENSATION_PENDING,
-        StepStatus.AWAITING_COMPENSATION_APPROVAL,
-        StepStatus.COMPENSATING,
-    }
+    {StepStatus.COMMITTED, StepStatus.COMPENSATION_PENDING} | COMPENSATION_ACTIVE
 )
 
 

@@ -476,6 +476,24 @@ def test_independent_branches_compensate_together_R2() -> None:
     assert sorted(compensates(h.feed(ledger.comp_committed("ship")))) == ["flight", "hotel"]
 
 
+def test_the_plan_keeps_compensations_that_are_accepted_or_waiting_to_retry_R2_R12() -> None:
+    """An accepted compensation is not done (R12), nor is one waiting for its retry:
+    the plan must still show them, and what depends on them after them."""
+    for answer in ("accepted", "transient"):
+        ledger, h = running("a", "b")
+        h.feed(ledger.end(SagaOutcome.ABORT))
+        assert compensation_order(h.s) == [["b"], ["a"]]
+        h.feed(ledger.comp_accepted("b") if answer == "accepted" else ledger.comp_failed("b"))
+        assert h.status("b") in ("COMPENSATION_ACCEPTED", "COMPENSATION_RETRY_WAIT")
+        assert compensation_order(h.s) == [["b"], ["a"]], answer
+        attempt = 1
+        if answer == "transient":
+            assert compensates(h.run_timers()) == ["b"]
+            attempt = 2
+        assert compensates(h.feed(ledger.comp_committed("b", attempt=attempt))) == ["a"]
+        assert compensation_order(h.s) == [["a"]]
+
+
 def test_steps_sharing_a_resource_are_compensated_one_at_a_time_R2() -> None:
     ledger, h = fresh()
     h.feed(ledger.started())
