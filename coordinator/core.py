@@ -1169,6 +1169,7 @@ def _on_incident_resolved(ctx: _Ctx, r: IncidentResolved) -> None:
             r.result if r.result is not None else b"null",
             "",
             "RESOLVED_COMMITTED",
+            referable=False,
         )
         _mark_resolved(ctx, incident.incident_id, f"COMMITTED (by {r.resolved_by})")
     elif resolution == ReconcileResult.NOT_FOUND.value:
@@ -1213,12 +1214,18 @@ def _commit(
     result: bytes,
     response_fingerprint: str,
     observation: str,
+    *,
+    referable: bool = True,
 ) -> None:
+    """The step took effect. ``referable=False`` keeps the result inline whatever its
+    size: a participant reads a result back only from a ``StepCommitted`` or
+    ``StepReconciled``, so a reference to any other record (a person's
+    ``IncidentResolved``) would make the step impossible to compensate."""
     s = ctx.s
     step.status = StepStatus.COMMITTED
     step.committed_at = at
     step.provider_operation_id = provider_operation_id
-    step.result, step.result_ref = ctx.payload(result)
+    step.result, step.result_ref = ctx.payload(result) if referable else (result, None)
     step.response_fingerprint = response_fingerprint
     step.observation = observation
     for purpose in (TimerPurpose.FORWARD_RETRY, TimerPurpose.RECONCILE_RETRY):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -34,6 +35,8 @@ from coordinator import (
     retry_delay_ms,
     tick,
 )
+from participants import CompensationContext, compensable, tool, wrap
+from participants.runtime import CommandHandler, CommandJournal
 from schemas import (
     ApprovalPurpose,
     ApprovalRequested,
@@ -51,6 +54,7 @@ from schemas import (
     derived_event_id,
     key_hash,
 )
+from schemas.models import CompensateStep, Record
 from schemas.receipt import Disposition
 
 
@@ -918,3 +922,71 @@ def test_checking_who_answered_does_not_grow_with_the_generation_R15_R16(
     assert _ids_derived_to_accept_a_commit(5_000, monkeypatch) == _ids_derived_to_accept_a_commit(
         1, monkeypatch
     )
+
+
+# ------------------------------------------------------------------ payload references
+
+
+class _Payments:
+    def __init__(self) -> None:
+        self.refunded: list[object] = []
+
+    @tool(description="Take a payment")
+    @compensable(by="refund")
+    def pay(self, cents: int) -> dict[str, str]:
+        return {"payment": "p-1"}
+
+    def refund(self, ctx: CompensationContext) -> None:
+        self.refunded.append(ctx.result)
+
+
+def test_a_large_result_a_person_settles_with_reaches_the_compensation_R11_R12(
+    tmp_path: Path,
+) -> None:
+    """A person settles an unknown outcome as COMMITTED and gives the tool's result.
+    Over the inline size the core kept it as a reference to the IncidentResolved, which
+    the participant cannot read a result from: the compensation failed for good and the
+    saga ended ESCALATED with the effect left in the world."""
+    payments = _Payments()
+    ledger = Ledger()
+    on_ledger: dict[tuple[int, int], Record] = {}
+    state: SagaState | None = None
+    sent: list[Record] = []
+
+    def feed(record: Record) -> None:
+        nonlocal state
+        position = (0, len(on_ledger))
+        on_ledger[position] = record
+        d = decide(state, record, record.envelope.occurred_at, position=position)
+        state = d.state
+        sent.extend(o.record for o in d.outputs if o.destination is Destination.COMMAND)
+
+    feed(ledger.started())
+    feed(
+        ledger.scheduled("pay", args={"cents": 500}, participant="payments", compensation="refund")
+    )
+    feed(ledger.unknown("pay"))
+    assert state is not None and state.incidents
+    big = {"payment": "p-7", "lines": ["x" * 40] * 50}  # about 2 KiB
+    resolution = ledger.resolve(state.incidents[0].incident_id, "COMMITTED").model_copy(
+        update={"provider_operation_id": "pay-op-7", "result": orjson.dumps(big)}
+    )
+    feed(resolution)
+    assert state.steps["pay"].status.value == "COMMITTED"
+    feed(ledger.end(SagaOutcome.ABORT))
+    [compensate] = [r for r in sent if isinstance(r, CompensateStep)]
+
+    out: list[Record] = []
+    handler = CommandHandler(
+        wrap(payments, name="payments"),
+        "payments",
+        CommandJournal(tmp_path / "journal.sqlite"),
+        out.append,
+        fetch=lambda ref: on_ledger.get((ref.partition, ref.offset)),
+    )
+    try:
+        handler.handle(compensate)
+    finally:
+        handler.close()
+    assert [type(r).__name__ for r in out] == ["CompensationCommitted"], out
+    assert payments.refunded == [big]
