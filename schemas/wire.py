@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import TypeVar, overload
 
@@ -35,8 +36,12 @@ DLQ_DETAIL = "sagaline-dlq-detail"
 DLQ_TOPIC = "sagaline-dlq-topic"
 DLQ_PARTITION = "sagaline-dlq-partition"
 DLQ_OFFSET = "sagaline-dlq-offset"
-_DLQ_HEADERS = frozenset({DLQ_REASON, DLQ_DETAIL, DLQ_TOPIC, DLQ_PARTITION, DLQ_OFFSET})
+DLQ_OMITTED = "sagaline-dlq-omitted"
+_DLQ_HEADERS = frozenset(
+    {DLQ_REASON, DLQ_DETAIL, DLQ_TOPIC, DLQ_PARTITION, DLQ_OFFSET, DLQ_OMITTED}
+)
 _MAX_DETAIL = 2000
+_MAX_SUMMARY_KEY = 1024
 
 
 def to_message(
@@ -125,15 +130,56 @@ def dlq_message(
     return key, value, kept
 
 
+def dlq_summary(
+    key: bytes | None,
+    value: bytes | None,
+    headers: HeaderList | None,
+    reason: str,
+    detail: str,
+    source_topic: str | None,
+    partition: int | None,
+    offset: int | None,
+) -> tuple[bytes | None, None, Headers]:
+    """The DLQ copy of a message too large to copy whole (the copy adds headers to a
+    record that may already be at the producer's or the topic's size limit).
+
+    Nothing of it may be lost without a trace (R16): this copy has no value and
+    none of the original headers, but the usual why and where-from headers plus
+    ``sagaline-dlq-omitted``, which gives the size and SHA-256 of what is missing, so
+    the original can be found at its source offset (while retention keeps it) and
+    checked. The key is kept (a saga id) unless it is over 1 KiB itself, when its
+    size and digest are given instead."""
+    pairs = headers.items() if isinstance(headers, dict) else headers or ()
+    header_bytes = sum(len(name) + len(v or b"") for name, v in pairs)
+    body = value or b""
+    size = len(key or b"") + len(body) + header_bytes
+    omitted = (
+        f"too large to copy whole: the value ({len(body)} bytes, sha256 "
+        f"{hashlib.sha256(body).hexdigest()}) and headers ({header_bytes} bytes) are "
+        f"omitted; {size} bytes in all"
+    )
+    kept = key
+    if key is not None and len(key) > _MAX_SUMMARY_KEY:
+        kept = None
+        omitted += f"; the key too ({len(key)} bytes, sha256 {hashlib.sha256(key).hexdigest()})"
+    _key, _value, copy = dlq_message(
+        kept, None, None, reason, detail, source_topic, partition, offset
+    )
+    copy.append((DLQ_OMITTED, omitted.encode("utf-8")))
+    return kept, None, copy
+
+
 @dataclass(frozen=True)
 class DeadLetter:
-    """Where a DLQ record came from and why it was rejected."""
+    """Where a DLQ record came from and why it was rejected; ``omitted``: what a copy
+    too large to write whole leaves out (:func:`dlq_summary`), else ``None``."""
 
     reason: str
     detail: str
     source_topic: str
     partition: int
     offset: int
+    omitted: str | None = None
 
 
 def read_dead_letter(headers: HeaderList | None) -> DeadLetter:
@@ -151,18 +197,21 @@ def read_dead_letter(headers: HeaderList | None) -> DeadLetter:
         source_topic=text(DLQ_TOPIC),
         partition=int(text(DLQ_PARTITION)),
         offset=int(text(DLQ_OFFSET)),
+        omitted=None if (o := header_value(headers, DLQ_OMITTED)) is None else o.decode(),
     )
 
 
 __all__ = [
     "DLQ_DETAIL",
     "DLQ_OFFSET",
+    "DLQ_OMITTED",
     "DLQ_PARTITION",
     "DLQ_REASON",
     "DLQ_TOPIC",
     "DeadLetter",
     "Headers",
     "dlq_message",
+    "dlq_summary",
     "from_message",
     "read_dead_letter",
     "to_message",

@@ -4,6 +4,7 @@ replication, the acknowledged ledger writer, the reader, the dead-letter writer.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import re
 import subprocess
@@ -367,7 +368,7 @@ def test_a_full_local_queue_is_a_delivery_failure_to_retry(
 
 
 @pytest.mark.kafka
-@pytest.mark.parametrize("way", ["append", "send_then", "write", "dead_letter"])
+@pytest.mark.parametrize("way", ["append", "send_then", "write"])
 def test_a_record_too_large_for_the_producer_is_refused_for_good_naming_topic_and_size(
     transport: str, unique_prefix: str, way: str
 ) -> None:
@@ -381,6 +382,27 @@ def test_a_record_too_large_for_the_producer_is_refused_for_good_naming_topic_an
     assert not isinstance(caught.value, DeliveryFailed)
     assert caught.value.topic in (names.events, names.dlq) and caught.value.size > 0
     writer.close()
+
+
+@pytest.mark.kafka
+@pytest.mark.parametrize("acknowledged", [True, False])
+def test_a_dead_letter_refused_for_its_size_is_written_without_its_value_R16(
+    transport: str, unique_prefix: str, acknowledged: bool
+) -> None:
+    """Unlike a ledger record, a DLQ copy is not given up: a copy without the value
+    that says what is missing is written instead (the real producer's refusal:
+    ``test_a_dead_letter_too_large_to_copy_whole_still_says_what_was_lost_R16``)."""
+    names, writer, source = _writer_with_a_record(transport, unique_prefix)
+    too_large = KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE))
+    writer.producer = _Refusing(writer.producer, too_large)  # type: ignore[assignment]
+    DeadLetterWriter(writer.producer, names.dlq, acknowledged=acknowledged).write(
+        source, "malformed", "junk"
+    )
+    writer.close()
+    [copy] = list(LedgerReader(transport).read(names.dlq))
+    letter = read_dead_letter(copy.headers())
+    assert (copy.key(), copy.value(), letter.reason) == (b"saga-z", None, "malformed")
+    assert letter.omitted is not None and hashlib.sha256(b"junk").hexdigest() in letter.omitted
 
 
 @pytest.mark.kafka
@@ -533,3 +555,39 @@ def test_every_rebalance_restarts_each_assigned_partition_at_its_committed_offse
     poll_until(lambda: len(first.assignment()) == 2 and by_partition() == again)
     first.close()
     assert by_partition() == again
+
+
+@pytest.mark.kafka
+def test_a_dead_letter_too_large_to_copy_whole_still_says_what_was_lost_R16(
+    kafka_bootstrap: str, unique_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A record that fits under the producer's ``message.max.bytes`` (1,000,000 by
+    default) whose DLQ copy does not (the copy adds the why and where-from headers):
+    the copy that can be written names the record, its size, digest and key, and
+    the operator is told."""
+    names = TopicNames(unique_prefix)
+    ensure_topics(kafka_bootstrap, names, [], 1)
+    writer = LedgerWriter(kafka_bootstrap, names, Signer(None))
+    value = b"\x00" + b"x" * 998_900  # fits alone, not with the DLQ headers
+    writer.write(names.events, b"saga-big", value, [("h", b"1")])
+    big = next(LedgerReader(kafka_bootstrap).read(names.events))
+    with caplog.at_level(logging.ERROR, logger="sagaline.kafka"):
+        DeadLetterWriter(writer.producer, names.dlq, acknowledged=True).write(
+            big, "malformed", "not an Avro record " + "." * 1_990
+        )
+    writer.close()
+    [copy] = list(LedgerReader(kafka_bootstrap).read(names.dlq))
+    letter = read_dead_letter(copy.headers())
+    assert (letter.reason, letter.source_topic, letter.partition, letter.offset) == (
+        "malformed",
+        names.events,
+        0,
+        0,
+    )
+    assert copy.key() == b"saga-big" and copy.value() is None
+    assert letter.omitted is not None
+    assert str(len(value)) in letter.omitted
+    assert hashlib.sha256(value).hexdigest() in letter.omitted
+    assert any(
+        names.events in r.getMessage() and "sha256" in r.getMessage() for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]

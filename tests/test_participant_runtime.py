@@ -769,3 +769,32 @@ def test_an_outcome_too_large_for_the_producer_dead_letters_its_command_not_retr
         assert harness.shop.count("reserve") == 1
     finally:
         harness.stop()
+
+
+@pytest.mark.kafka
+def test_a_command_whose_dlq_copy_is_too_large_is_still_dead_lettered_not_lost_R16(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    # A record on the command topic that fits under the producer's message.max.bytes
+    # but whose DLQ copy (with the why and where-from headers) does not: its offset
+    # must not be committed past it with nothing in the DLQ.
+    harness = Harness(kafka_bootstrap, unique_prefix, tmp_path)
+    topic = harness.settings.topics.commands(PARTICIPANT)
+    # As close to the limit as the producer takes (it counts some overhead too).
+    junk = b"\x00" + b"j" * (999_850 - len(harness.saga_id))
+    harness.producer.produce(topic, key=harness.saga_id.encode(), value=junk)
+    assert harness.producer.flush(30) == 0
+    harness.start()
+    try:
+        harness.send(harness.execute("s1", {"sku": "a", "quantity": 1}))
+        harness.wait_for(lambda rs: bool(_of(rs, StepCommitted)), timeout_s=60)
+        letters = [
+            (msg.key(), read_dead_letter(msg.headers()))
+            for msg in LedgerReader(harness.bootstrap).read(harness.settings.topics.dlq)
+        ]
+        assert [(key, letter.source_topic, letter.offset) for key, letter in letters] == [
+            (harness.saga_id.encode(), topic, 0)
+        ], letters
+        assert letters[0][1].omitted is not None and str(len(junk)) in letters[0][1].omitted
+    finally:
+        harness.stop()

@@ -19,9 +19,9 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from sagaline.kafka._clients import create_producer
 from sagaline.kafka._config import ClientConfig
 from schemas.models import Record
-from schemas.signing import Headers, Signer
+from schemas.signing import Headers, Signer, header_value
 from schemas.topics import TopicNames
-from schemas.wire import dlq_message, to_message
+from schemas.wire import DLQ_OMITTED, dlq_message, dlq_summary, to_message
 
 log = logging.getLogger(__name__)
 
@@ -423,17 +423,31 @@ class DeadLetterWriter:
         self.polled = polled
 
     def write(self, msg: Message, reason: str, detail: str) -> None:
-        """Dead-letter ``msg`` byte-for-byte, with ``reason`` and ``detail`` headers."""
-        key, value, headers = dlq_message(
-            msg.key(),
-            msg.value(),
-            msg.headers(),
-            reason,
-            detail,
-            msg.topic(),
-            msg.partition(),
-            msg.offset(),
-        )
+        """Dead-letter ``msg`` byte-for-byte, with ``reason`` and ``detail`` headers.
+
+        A copy too large to write (the headers it adds take a record near the size
+        limit over it) is written as :func:`~schemas.wire.dlq_summary` instead (no
+        value; its size, digest, key and where from), and the operator is told in an
+        error log line: the command's offset then moves on, but not past a record
+        nobody can find. Raises :class:`DeliveryFailed` (retry) when even that copy
+        was not acknowledged."""
+        where = (msg.key(), msg.value(), msg.headers())
+        position = (msg.topic(), msg.partition(), msg.offset())
+        try:
+            self._write(*dlq_message(*where, reason, detail, *position), reason)
+        except RecordTooLarge as exc:
+            key, value, headers = dlq_summary(*where, reason, detail, *position)
+            log.error(
+                "the DLQ copy of %s[%s]@%s (%s) is too large to write whole (%s); writing "
+                "one without its value instead: %s",
+                *position,
+                reason,
+                exc,
+                (header_value(headers, DLQ_OMITTED) or b"").decode(),
+            )
+            self._write(key, value, headers, reason)
+
+    def _write(self, key: bytes | None, value: bytes | None, headers: Headers, reason: str) -> None:
         if self.acknowledged:
             deliver(
                 self.producer,
