@@ -1401,22 +1401,29 @@ class ParticipantRuntime:
             state = self.handler.handle(
                 command, maybe_taken_elsewhere=maybe_taken_elsewhere, encoded=msg.value()
             )
-        except DeliveryFailed:
-            log.exception(
-                "appending for %s %s failed; reading it again", command.TYPE, command.event_id
-            )
-            return False
-        except Exception as exc:  # R16: never stop the service, never lose the record
-            log.exception("handling %s %s failed", command.TYPE, command.event_id)
-            try:
-                self._dead_letters.write(msg, "handler-error", f"{type(exc).__name__}: {exc}")
-            except DeliveryFailed:  # tried again: its offset must not move past it
-                log.exception("dead-lettering %s %s failed", command.TYPE, command.event_id)
+        except DeliveryFailed as exc:
+            if not exc.too_large:
+                log.exception(
+                    "appending for %s %s failed; reading it again", command.TYPE, command.event_id
+                )
                 return False
-            self.metrics.dlq("handler-error")
-            return True
+            # refused for its size: every time, so dead-lettered as RecordTooLarge is
+            return self._dead_letter_blocking(msg, command, exc)
+        except Exception as exc:  # R16: never stop the service, never lose the record
+            return self._dead_letter_blocking(msg, command, exc)
         if state == "accepted":
             self._confirm_in_background(command.event_id, msg.value() or _command_bytes(command))
+        return True
+
+    def _dead_letter_blocking(self, msg: Message, command: Record, exc: Exception) -> bool:
+        """:meth:`_process`'s last resort; False when the DLQ copy was not written."""
+        log.error("handling %s %s failed", command.TYPE, command.event_id, exc_info=exc)
+        try:
+            self._dead_letters.write(msg, "handler-error", f"{type(exc).__name__}: {exc}")
+        except DeliveryFailed:  # tried again: its offset must not move past it
+            log.exception("dead-lettering %s %s failed", command.TYPE, command.event_id)
+            return False
+        self.metrics.dlq("handler-error")
         return True
 
     def _confirm_in_background(self, command_id: str, command: bytes) -> None:
@@ -1847,8 +1854,11 @@ class _CommandLoop:
             return
         if job.refused is not None:
             assert job.command is not None
-            log.warning("%s; trying the command again", job.refused)
             self._handler.journal.forget(job.command.event_id)
+            if isinstance(job.refused, DeliveryFailed) and job.refused.too_large:
+                self._fail(job, job.refused)  # refused every time: as RecordTooLarge
+                return
+            log.warning("%s; trying the command again", job.refused)
             self._retry(job)
             return
         self._run_tool(job)
@@ -1867,7 +1877,7 @@ class _CommandLoop:
             return
         if error is None:
             self._settle(job, outcome)
-        elif isinstance(error, DeliveryFailed):  # a record of the tool's own (an incident)
+        elif isinstance(error, DeliveryFailed) and not error.too_large:  # its own (an incident)
             log.warning("%s; trying the command again", error)
             self._retry(job)
         else:
@@ -1893,6 +1903,9 @@ class _CommandLoop:
         command is done once the broker has it."""
 
         def delivered(failure: BaseException | None) -> None:
+            if isinstance(failure, DeliveryFailed) and failure.too_large:
+                self._fail(job, failure)  # the broker refuses it every time: RecordTooLarge's way
+                return
             if failure is not None:
                 log.warning("%s; sending the outcome again", failure)
                 self._retry(job)  # the journal has it: the same outcome goes again

@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +18,7 @@ from typing import Any
 
 import pytest
 from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka.admin import NewTopic
 
 from sagaline.kafka import (
     BrokerNotConfigured,
@@ -591,3 +594,70 @@ def test_a_dead_letter_too_large_to_copy_whole_still_says_what_was_lost_R16(
     assert any(
         names.events in r.getMessage() and "sha256" in r.getMessage() for r in caplog.records
     ), [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.kafka
+@pytest.mark.parametrize("way", ["append", "send_then"])
+def test_a_record_the_topic_refuses_for_its_size_is_a_permanent_failure_not_a_retry(
+    kafka_bootstrap: str, unique_prefix: str, way: str
+) -> None:
+    """The client takes the record (under its ``message.max.bytes``) but the topic's
+    ``max.message.bytes`` is smaller: the broker refuses it, and will every time."""
+    names = TopicNames(unique_prefix)
+    admin = create_admin(kafka_bootstrap)
+    [created] = admin.create_topics(
+        [NewTopic(names.events, 1, 1, config={"max.message.bytes": "2000"})]
+    ).values()
+    created.result(30)
+    ensure_topics(kafka_bootstrap, names, [], 1)
+    writer = LedgerWriter(kafka_bootstrap, names, Signer(None), background_poll=True)
+    record = example_records(saga_id="saga-" + os.urandom(4_000).hex())[0]
+    reports: list[DeliveryFailed | None] = []
+    reported = threading.Event()
+
+    def on_delivered(failure: DeliveryFailed | None) -> None:
+        reports.append(failure)
+        reported.set()
+
+    try:
+        if way == "append":
+            with pytest.raises(DeliveryFailed) as caught:
+                writer.append(record)
+            failure = caught.value
+        else:
+            writer.send_then(record, on_delivered)
+            assert reported.wait(60)
+            [report] = reports
+            assert report is not None
+            failure = report
+    finally:
+        writer.close()
+    assert failure.too_large, failure
+    assert "max.message.bytes" in str(failure) and names.events in str(failure)
+
+
+@pytest.mark.kafka
+def test_a_dead_letter_the_dlq_topic_refuses_for_its_size_is_written_without_its_value_R16(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    """The DLQ topic's ``max.message.bytes`` below the copy: refused by the broker,
+    every time, so the copy that says what was lost is written instead (not retried)."""
+    names = TopicNames(unique_prefix)
+    admin = create_admin(kafka_bootstrap)
+    [created] = admin.create_topics(
+        [NewTopic(names.dlq, 1, 1, config={"max.message.bytes": "3000"})]
+    ).values()
+    created.result(30)
+    ensure_topics(kafka_bootstrap, names, [], 1)
+    writer = LedgerWriter(kafka_bootstrap, names, Signer(None))
+    value = os.urandom(4_000).hex().encode()  # lz4 cannot shrink it under the limit
+    writer.write(names.events, b"saga-y", value)
+    source = next(LedgerReader(kafka_bootstrap).read(names.events))
+    DeadLetterWriter(writer.producer, names.dlq, acknowledged=True).write(
+        source, "malformed", "junk"
+    )
+    writer.close()
+    [copy] = list(LedgerReader(kafka_bootstrap).read(names.dlq))
+    letter = read_dead_letter(copy.headers())
+    assert (copy.key(), copy.value(), letter.offset) == (b"saga-y", None, 0)
+    assert letter.omitted is not None and hashlib.sha256(value).hexdigest() in letter.omitted

@@ -7,6 +7,7 @@ outcome then reconciliation, deduplication across restarts, compensation context
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,6 +16,7 @@ from typing import Any
 
 import orjson
 import pytest
+from confluent_kafka.admin import NewTopic
 
 from participants import (
     CompensationContext,
@@ -30,6 +32,7 @@ from sagaline.kafka import (
     KafkaException,
     LedgerReader,
     Producer,
+    create_admin,
     create_producer,
     ensure_topics,
 )
@@ -796,5 +799,71 @@ def test_a_command_whose_dlq_copy_is_too_large_is_still_dead_lettered_not_lost_R
             (harness.saga_id.encode(), topic, 0)
         ], letters
         assert letters[0][1].omitted is not None and str(len(junk)) in letters[0][1].omitted
+    finally:
+        harness.stop()
+
+
+class Bulky:
+    """A tool whose answer is larger than the events topic takes."""
+
+    def __init__(self) -> None:
+        self.runs = 0
+
+    @tool(description="Reserve stock, with a large receipt")
+    @compensable(by="release")
+    def reserve(self, sku: str, quantity: int) -> dict[str, str]:
+        self.runs += 1
+        # Random hex (lz4 cannot shrink it under the topic's limit) for sku "a" only.
+        return {"receipt": os.urandom(4_000 if sku == "a" else 8).hex(), "sku": sku}
+
+    def release(self, ctx: CompensationContext) -> None:
+        pass
+
+
+@pytest.mark.kafka
+@pytest.mark.parametrize("path", ["loop", "blocking"])
+@pytest.mark.parametrize("refused", ["outcome", "intent"])
+def test_a_record_the_events_topic_refuses_for_its_size_is_dead_lettered_not_retried_forever(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path, refused: str, path: str
+) -> None:
+    # The client takes the record (under its message.max.bytes), the broker refuses
+    # it (the topic's max.message.bytes is smaller): MSG_SIZE_TOO_LARGE in the
+    # delivery report, every time. As RecordTooLarge: the command goes to the DLQ
+    # saying why, and its saga's next command is served. Commands already on the
+    # partition when it is assigned take the blocking way (a ledger probe first);
+    # later ones the loop's own.
+    names = Settings(topic_prefix=unique_prefix).topics
+    admin = create_admin(kafka_bootstrap)
+    small = NewTopic(names.events, 1, 1, config={"max.message.bytes": "3000"})
+    [created] = admin.create_topics([small]).values()
+    created.result(30)
+    harness = Harness(kafka_bootstrap, unique_prefix, tmp_path)
+    bulky = Bulky()
+    harness.catalogue = wrap(bulky, name=PARTICIPANT)
+    # The intent carries the step id (random hex: lz4 cannot shrink it).
+    step = "s1-" + os.urandom(2_000).hex() if refused == "intent" else "s1"
+    commands = [
+        harness.execute(step, {"sku": "a", "quantity": 1}),
+        harness.execute("s2", {"sku": "b", "quantity": 1}),
+    ]
+    for command in commands if path == "blocking" else []:
+        harness.send(command)
+    harness.start()
+    try:
+        if path == "loop":
+            wait_until(lambda: harness.runtime and harness.runtime._assigned_end, what="assigned")
+            for command in commands:
+                harness.send(command)
+        # The saga's next command is not held behind it.
+        wait_until(
+            lambda: [r.step_id for r in _of(harness.records(), StepCommitted)] == ["s2"],
+            what="the next command served (not held behind one retried forever)",
+        )
+        [(reason, detail)] = _dead_letters(harness)
+        assert reason == "handler-error"
+        assert "max.message.bytes" in detail, detail
+        expected = "StepCommitted" if refused == "outcome" else "StepIntentRecorded"
+        assert expected in detail, detail
+        assert bulky.runs == (1 if refused == "outcome" else 0) + 1
     finally:
         harness.stop()

@@ -38,6 +38,32 @@ class DeliveryFailed(RuntimeError):
         self.topic = topic
         self.error = error
 
+    @property
+    def too_large(self) -> bool:
+        """The broker refused the record for its size: the client took it (under its
+        ``message.max.bytes``) but the topic's ``max.message.bytes`` is smaller. As
+        permanent as :class:`RecordTooLarge`: sending it again is refused again, so
+        a caller must give it up, not retry it for ever."""
+        return self.error is not None and self.error.code() in _SIZE_CODES
+
+
+# The broker's "too large" answers in a delivery report (MESSAGE_TOO_LARGE is also
+# what librdkafka itself raises from produce(), see _refused).
+_SIZE_CODES = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
+
+
+def _rejected(err: KafkaError, topic: str, what: str) -> DeliveryFailed:
+    """The :class:`DeliveryFailed` for a delivery report with ``err``; one refused for
+    its size says so (and that retrying is useless)."""
+    if err.code() in _SIZE_CODES:
+        message = (
+            f"the broker refused {what} on {topic} for its size ({err.str()}): the topic's "
+            "max.message.bytes is below it, so it can never be written"
+        )
+    else:
+        message = f"the broker rejected {what} on {topic}: {err}"
+    return DeliveryFailed(message, topic=topic, error=err)
+
 
 class RecordTooLarge(ValueError):
     """The producer refused a record for its size (over ``message.max.bytes``): it was
@@ -181,11 +207,7 @@ def send(
             producer.poll(min(remaining, 0.1))
             acknowledged = done.acquire(blocking=False)
         if failure:
-            raise DeliveryFailed(
-                f"the broker rejected {what} on {topic}: {failure[0]}",
-                topic=topic,
-                error=failure[0],
-            )
+            raise _rejected(failure[0], topic, what)
 
     return wait
 
@@ -283,15 +305,7 @@ class LedgerWriter:
         topic = self.topics.events
 
         def on_delivery(err: KafkaError | None, _msg: Message) -> None:
-            on_delivered(
-                None
-                if err is None
-                else DeliveryFailed(
-                    f"the broker rejected {_named(record)} on {topic}: {err}",
-                    topic=topic,
-                    error=err,
-                )
-            )
+            on_delivered(None if err is None else _rejected(err, topic, _named(record)))
 
         key, value, headers = to_message(record, self.signer, encoded)
         _produce(self.producer, topic, key, value, headers, lambda: _named(record), on_delivery)
@@ -323,11 +337,7 @@ class LedgerWriter:
                 error=None,
             ) from None
         if err is not None:
-            raise DeliveryFailed(
-                f"the broker rejected {what} on {self.topics.events}: {err}",
-                topic=self.topics.events,
-                error=err,
-            )
+            raise _rejected(err, self.topics.events, what)
 
     def write(
         self,
@@ -426,16 +436,19 @@ class DeadLetterWriter:
         """Dead-letter ``msg`` byte-for-byte, with ``reason`` and ``detail`` headers.
 
         A copy too large to write (the headers it adds take a record near the size
-        limit over it) is written as :func:`~schemas.wire.dlq_summary` instead (no
-        value; its size, digest, key and where from), and the operator is told in an
-        error log line: the command's offset then moves on, but not past a record
-        nobody can find. Raises :class:`DeliveryFailed` (retry) when even that copy
-        was not acknowledged."""
+        limit over it, or the DLQ topic's ``max.message.bytes`` is smaller) is
+        written as :func:`~schemas.wire.dlq_summary` instead (no value; its size,
+        digest, key and where from), and the operator is told in an error log line:
+        the command's offset then moves on, but not past a record nobody can find.
+        Raises :class:`DeliveryFailed` (retry) when even that copy was not
+        acknowledged."""
         where = (msg.key(), msg.value(), msg.headers())
         position = (msg.topic(), msg.partition(), msg.offset())
         try:
             self._write(*dlq_message(*where, reason, detail, *position), reason)
-        except RecordTooLarge as exc:
+        except (RecordTooLarge, DeliveryFailed) as exc:
+            if isinstance(exc, DeliveryFailed) and not exc.too_large:
+                raise  # not acknowledged: the caller writes it again
             key, value, headers = dlq_summary(*where, reason, detail, *position)
             log.error(
                 "the DLQ copy of %s[%s]@%s (%s) is too large to write whole (%s); writing "
