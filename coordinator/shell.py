@@ -90,9 +90,9 @@ from schemas import IncidentRaised, IncidentResolved, Record, derived_event_id, 
 from schemas.errors import CodecError
 from schemas.limits import PARKED_INCIDENT
 from schemas.settings import Settings
-from schemas.signing import Headers
+from schemas.signing import Headers, header_value
 from schemas.trust import IdentitySigner
-from schemas.wire import dlq_message, from_message, to_message
+from schemas.wire import DLQ_OMITTED, dlq_message, dlq_summary, from_message, to_message
 
 log = logging.getLogger("sagaline.coordinator")
 
@@ -778,17 +778,26 @@ class Coordinator:
         log.warning(
             "dlq: %s at %s[%s]@%s: %s", reason, msg.topic(), msg.partition(), msg.offset(), detail
         )
-        key, value, headers = dlq_message(
-            msg.key(),
-            msg.value(),
-            msg.headers(),
-            reason=reason,
-            detail=detail,
-            source_topic=msg.topic(),
-            partition=msg.partition(),
-            offset=msg.offset(),
+        where = (msg.key(), msg.value(), msg.headers())
+        position = (msg.topic(), msg.partition(), msg.offset())
+        copy: tuple[bytes | None, bytes | None, Headers] = dlq_message(
+            *where, reason, detail, *position
         )
-        into.append((self.topics.dlq, key, value, headers, None))
+        size = len(copy[0] or b"") + len(copy[1] or b"")
+        size += sum(len(name) + len(v or b"") for name, v in copy[2])
+        if size > self._limits.max_record_bytes:
+            # A record near the size limit whose copy (the headers added) is over it
+            # would be refused in every transaction: the batch, and every saga in it,
+            # would be rewound for ever. The copy that says what is missing instead.
+            copy = dlq_summary(*where, reason, detail, *position)
+            log.error(
+                "the DLQ copy of %s[%s]@%s is %d bytes, over SAGALINE_MAX_RECORD_BYTES: "
+                "writing one without its value instead: %s",
+                *position,
+                size,
+                (header_value(copy[2], DLQ_OMITTED) or b"").decode(),
+            )
+        into.append((self.topics.dlq, *copy, None))
         self.metrics.dlq(reason)
 
     def _expired_markers(self, now: int) -> list[str]:

@@ -7,6 +7,7 @@ Run on both transports."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import pytest
@@ -15,7 +16,8 @@ from coordinator.shell import Coordinator
 from coordinator.state import MarkerKind, SagaMarker
 from sagaline.kafka import LedgerReader, Producer, create_producer
 from schemas.settings import Settings
-from tests.coordinator_turns import one_saga, turn_until
+from schemas.wire import read_dead_letter
+from tests.coordinator_turns import append, executes, one_saga, turn_until
 from tests.test_coordinator_carry import _committed
 
 ENDED = "saga-ended"
@@ -88,3 +90,33 @@ def _changelog_values(settings: Settings, bootstrap: str) -> list[bytes | None]:
         for k, v, _h in LedgerReader(bootstrap).records(settings.topics.state)
         if k == ENDED.encode()
     ]
+
+
+@pytest.mark.kafka
+def test_a_rejected_record_whose_dlq_copy_is_too_large_stops_nothing_and_is_not_lost_R16(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    # A record on the ledger that fits under the producer's message.max.bytes but
+    # whose DLQ copy (the original plus the sagaline-dlq-* headers) does not: the
+    # copy the coordinator can write says what was lost, and the batch (another
+    # saga's records with it) commits.
+    settings, ledger, first, participant = one_saga(kafka_bootstrap, unique_prefix, "saga-next")
+    junk = b"\x00" + b"j" * (999_850 - len(JUNK))  # as close to the limit as it takes
+    producer = create_producer(kafka_bootstrap)
+    producer.produce(settings.topics.events, key=JUNK, value=junk)
+    assert producer.flush(30) == 0
+    append(settings, kafka_bootstrap, ledger.started(), first)
+
+    one = Coordinator(settings, kafka_bootstrap, instance_id="big-1", carry_ms=0, linger_ms=0)
+    one._join()
+    group = f"{unique_prefix}sagaline-coordinator"
+    turn_until(one, lambda: _committed(settings, kafka_bootstrap, group) == 3)
+    one._consumer.close()
+    assert executes(settings, kafka_bootstrap, participant) == ["reserve"]
+    [(_key, value, headers)] = [
+        r for r in LedgerReader(kafka_bootstrap).records(settings.topics.dlq) if r[0] == JUNK
+    ]
+    letter = read_dead_letter(headers)
+    assert (value, letter.source_topic, letter.offset) == (None, settings.topics.events, 0)
+    assert letter.omitted is not None
+    assert hashlib.sha256(junk).hexdigest() in letter.omitted
