@@ -889,3 +889,82 @@ def test_a_receipt_that_is_not_in_yet_is_said_and_the_ended_saga_forgotten(
     again = _call(proxy, "create_ticket", {"title": "u"})
     assert again.structured_content == {"ok": "01-create_ticket"}
     assert [s.saga_id for s in client.sagas] == ["s-1", "s-2"]  # a new saga
+
+
+def _end_not_acknowledged_once(saga: FakeSaga) -> None:
+    """The broker does not acknowledge the saga's first SagaEndRequested."""
+    from sagaline.kafka import DeliveryFailed
+
+    real_end = saga.end
+
+    def end(outcome: SagaOutcome, reason: str) -> None:
+        saga.ended.append(outcome)
+        if len(saga.ended) == 1:
+            raise DeliveryFailed("no acknowledgement within 60 s", topic="events", error=None)
+        saga.ended.pop()
+        real_end(outcome, reason)
+
+    saga.end = end  # type: ignore[method-assign]
+
+
+def test_an_end_the_ledger_did_not_acknowledge_is_said_and_can_be_retried(
+    tmp_path: Path,
+) -> None:
+    """saga_commit's SagaEndRequested is not acknowledged (DeliveryFailed): it may
+    still land, or not. The agent gets a tool result saying so (not a protocol error),
+    the session keeps the saga so the end can be retried, a write meanwhile is refused
+    (a step scheduled after an end that lands is rejected), and the retry asks for the
+    same outcome, after which the next write starts a new saga."""
+    client = FakeClient()
+    proxy = _fake_proxy(tmp_path, client)
+    _call(proxy, "create_ticket", {"title": "t"})
+    (saga,) = client.sagas
+    _end_not_acknowledged_once(saga)
+    ended = _call(proxy, "saga_commit", {})
+    text = _text(ended)
+    assert ended.is_error and "not acknowledged" in text and "saga_commit" in text, text
+    assert ended.structured_content is not None
+    assert ended.structured_content["status"] == "END_NOT_ACKNOWLEDGED"
+    refused = _call(proxy, "create_ticket", {"title": "u"})
+    assert refused.is_error and "nothing was called" in _text(refused), _text(refused)
+    assert saga.calls == ["01-create_ticket"]
+    # Retried with the outcome that may already be on the ledger, whatever is asked.
+    retried = _call(proxy, "saga_abort", {"reason": "changed my mind"})
+    assert not retried.is_error and "COMPENSATED" in _text(retried), _text(retried)
+    assert saga.ended == [SagaOutcome.COMPLETE, SagaOutcome.COMPLETE]
+    again = _call(proxy, "create_ticket", {"title": "v"})
+    assert again.structured_content == {"ok": "01-create_ticket"}
+    assert [s.saga_id for s in client.sagas] == ["s-1", "s-2"]
+
+
+def test_an_abort_after_a_failed_step_that_is_not_acknowledged_is_retried_as_an_abort(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step failed, so the proxy aborts the saga; that abort is not acknowledged. The
+    tool result still says the step failed and that the abort must be retried, and
+    saga_commit then retries the abort (the saga must be undone), never a completion,
+    also from a proxy restarted in between."""
+    import sagaline.kafka
+    from participants.client import BusinessRejected
+
+    monkeypatch.setattr(sagaline.kafka.LedgerReader, "saga_records", lambda *a: [])
+
+    client = FakeClient()
+    proxy = _fake_proxy(tmp_path, client)
+    _call(proxy, "create_ticket", {"title": "t"})
+    (saga,) = client.sagas
+    _end_not_acknowledged_once(saga)
+    saga.answer = BusinessRejected(
+        "no", saga_id="s-1", step_id="02-create_ticket", tool="create_ticket"
+    )
+    failed = _call(proxy, "create_ticket", {"title": "u"})
+    text = _text(failed)
+    assert failed.is_error and "failed" in text and "not acknowledged" in text, text
+    assert saga.ended == [SagaOutcome.ABORT]
+    # Restarted now, the proxy still knows the saga's abort must be retried.
+    retried = _call(_fake_proxy(tmp_path, client), "saga_commit", {})
+    assert not retried.is_error, _text(retried)
+    assert [(s.saga_id, s.ended) for s in client.sagas] == [
+        ("s-1", [SagaOutcome.ABORT]),
+        ("s-1", [SagaOutcome.ABORT]),  # the restarted proxy's handle on the same saga
+    ]

@@ -83,6 +83,7 @@ log = logging.getLogger("sagaline.mcp")
 RECEIPT_URI = "sagaline://saga/receipt"
 SAGA_TOOLS = ("saga_commit", "saga_abort", "saga_check_plan")
 RECEIPT_PENDING = "RECEIPT_PENDING"  # the saga was ended; its receipt is not in yet
+END_NOT_ACKNOWLEDGED = "END_NOT_ACKNOWLEDGED"  # the end may or may not be on the ledger
 
 __all__ = ["RECEIPT_URI", "McpProxy", "UpstreamRejected", "main"]
 
@@ -330,6 +331,10 @@ class _Session:
     saga: Saga | None = None
     next_step: int = 1
     last_receipt: str | None = None
+    # The end asked for but not acknowledged by the broker: it may be on the ledger, so
+    # the saga is kept until an end is acknowledged, and a retry asks for this outcome.
+    ending: SagaOutcome | None = None
+    ending_reason: str = ""
 
     def save(self) -> None:
         if self.saga is None:
@@ -337,7 +342,10 @@ class _Session:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"saga_id": self.saga.saga_id, "next_step": self.next_step}))
+        saved: dict[str, Any] = {"saga_id": self.saga.saga_id, "next_step": self.next_step}
+        if self.ending is not None:
+            saved.update(ending=self.ending.value, ending_reason=self.ending_reason)
+        tmp.write_text(json.dumps(saved))
         tmp.replace(self.path)
 
 
@@ -393,6 +401,9 @@ class McpProxy:
             return
         self.session.saga = self._saga(saved["saga_id"]).attach()
         self.session.next_step = int(saved["next_step"])
+        if saved.get("ending"):
+            self.session.ending = SagaOutcome(saved["ending"])
+            self.session.ending_reason = str(saved.get("ending_reason", ""))
         log.info("continuing saga %s after a restart", saved["saga_id"])
 
     def _saga(self, saga_id: str | None = None) -> Saga:
@@ -531,6 +542,15 @@ class McpProxy:
             return _text(
                 f"{name} takes no argument {', '.join(clash)}; nothing was called", error=True
             )
+        if self.session.saga is not None and self.session.ending is not None:
+            # A step scheduled after an end that lands is rejected by the coordinator.
+            return _text(
+                f"the saga {self.session.saga.saga_id} is being ended"
+                f" ({self.session.ending.value} requested, not acknowledged yet): call"
+                " saga_commit or saga_abort to retry its end before new writes; nothing was"
+                " called",
+                error=True,
+            )
         if self.session.saga is None:
             saga = self._saga()
             await asyncio.to_thread(saga.__enter__)
@@ -554,6 +574,12 @@ class McpProxy:
         except (OutcomeUnknown, DeliveryFailed) as exc:  # R11: not a failure: it may have
             # happened (DeliveryFailed: the step's record may still reach the ledger)
             receipt = await self._finish(SagaOutcome.ABORT, f"{name}: outcome unknown: {exc}")
+            if receipt.get("status") == END_NOT_ACKNOWLEDGED:
+                return _text(
+                    f"the outcome of {name} is unknown ({exc}): it may have happened."
+                    f" {receipt['note']}",
+                    error=True,
+                )
             return _text(
                 f"the outcome of {name} is unknown ({exc}): it may have happened. The saga"
                 f" {saga.saga_id} was aborted, so it is undone if it did, with the earlier"
@@ -562,6 +588,8 @@ class McpProxy:
             )
         except SagaCallError as exc:
             receipt = await self._finish(SagaOutcome.ABORT, f"{name} failed: {exc}")
+            if receipt.get("status") == END_NOT_ACKNOWLEDGED:
+                return _text(f"{name} failed: {exc}. {receipt['note']}", error=True)
             return _text(
                 f"{name} failed: {exc}. The saga {saga.saga_id} was aborted and its earlier"
                 f" effects compensated (status {receipt.get('status')}); read {RECEIPT_URI}.",
@@ -629,20 +657,44 @@ class McpProxy:
         if self.session.saga is None:
             return _text("no saga is open: nothing was written in this session", error=False)
         receipt = await self._finish(outcome, reason)
-        if receipt.get("status") == RECEIPT_PENDING:
+        if receipt.get("status") in (RECEIPT_PENDING, END_NOT_ACKNOWLEDGED):
             return types.CallToolResult(
                 content=[types.TextContent(text=str(receipt["note"]))],
                 structured_content=receipt,
+                is_error=receipt["status"] == END_NOT_ACKNOWLEDGED,
             )
         return _text(json.dumps(receipt, indent=2))
 
     async def _finish(self, outcome: SagaOutcome, reason: str) -> dict[str, Any]:
         """End the saga and wait for its receipt. Either way the session lets go of it
         (it was ended: the next write starts a new saga); a receipt not in within the
-        wait is a note saying where to read it later, also served as the resource."""
+        wait is a note saying where to read it later, also served as the resource.
+
+        An end the broker did not acknowledge (DeliveryFailed) may still land, or not:
+        the session keeps the saga, remembers the outcome asked for (on disk too) and
+        answers END_NOT_ACKNOWLEDGED; the next end retries that same outcome (the
+        coordinator keeps the first end it reads and ignores a repeat), so an abort the
+        proxy asked for after a failed step is never turned into a completion."""
         saga = self.session.saga
         assert saga is not None
-        await asyncio.to_thread(saga.end, outcome, reason)
+        if self.session.ending is not None:
+            outcome, reason = self.session.ending, self.session.ending_reason
+        try:
+            await asyncio.to_thread(saga.end, outcome, reason)
+        except DeliveryFailed as exc:
+            log.warning("saga %s: its end was not acknowledged: %s", saga.saga_id, exc)
+            self.session.ending, self.session.ending_reason = outcome, reason
+            self.session.save()
+            return {
+                "saga_id": saga.saga_id,
+                "status": END_NOT_ACKNOWLEDGED,
+                "requested": outcome.value,
+                "note": f"The request to {outcome.value.lower()} the saga {saga.saga_id} was"
+                f" not acknowledged by the broker ({exc}); it may still land, or not. The"
+                " saga stays open in this session: call saga_commit or saga_abort to retry"
+                f" (either asks again for {outcome.value.lower()}); no write is accepted"
+                " until its end is acknowledged.",
+            }
         try:
             receipt = await asyncio.to_thread(saga.wait, self.receipt_wait_s)
         except TimeoutError as exc:
@@ -661,6 +713,7 @@ class McpProxy:
             self.session.last_receipt = receipt.model_dump_json(indent=2)
             result = json.loads(self.session.last_receipt)
         self.session.saga = None
+        self.session.ending = None
         self.session.save()
         return result
 
