@@ -575,11 +575,18 @@ class FakeSaga:
         self.approval_wait_ran_out: list[bool] = []
         self.release = threading.Event()  # what would end a real wait: a record
         self.ended: list[SagaOutcome] = []
+        self.attached_on_loop: list[bool] = []
 
     def __enter__(self) -> FakeSaga:
         return self
 
     def attach(self) -> FakeSaga:
+        # As the real one: reads the saga's records from the ledger, a blocking read.
+        try:
+            asyncio.get_running_loop()
+            self.attached_on_loop.append(True)
+        except RuntimeError:
+            self.attached_on_loop.append(False)
         return self
 
     def call(self, name: str, *, step_id: str, **args: Any) -> Any:
@@ -600,6 +607,8 @@ class FakeSaga:
     def wait(self, timeout_s: float) -> Any:
         from types import SimpleNamespace
 
+        if not self.ended:  # as the real one: no receipt before the saga is ended
+            raise TimeoutError(f"saga {self.saga_id} is not terminal after {timeout_s} s")
         text = json.dumps({"saga_id": self.saga_id, "status": "COMPENSATED"})
         return SimpleNamespace(model_dump_json=lambda indent: text)
 
@@ -617,7 +626,12 @@ class FakeClient:
         return saga
 
 
-def _fake_proxy(tmp_path: Path, client: FakeClient, approval_wait_s: float = 600.0) -> Any:
+def _fake_proxy(
+    tmp_path: Path,
+    client: FakeClient,
+    approval_wait_s: float = 600.0,
+    settings: Settings | None = None,
+) -> Any:
     from sagaline.agents.mcp_proxy import McpProxy, Upstreams, build_catalogue
 
     decl = _decl(
@@ -631,7 +645,7 @@ def _fake_proxy(tmp_path: Path, client: FakeClient, approval_wait_s: float = 600
     )
     upstreams = Upstreams(decl)
     upstreams.tools = list(DESK)
-    settings = Settings(bootstrap="unused:1", state_dir=tmp_path / "state")
+    settings = settings or Settings(bootstrap="unused:1", state_dir=tmp_path / "state")
     catalogue = build_catalogue(decl, upstreams)
     return McpProxy(
         decl,
@@ -720,24 +734,9 @@ def test_a_step_the_ledger_did_not_acknowledge_is_an_unknown_outcome_not_a_crash
     assert [s.calls for s in client.sagas] == [["01-create_ticket"], ["01-create_ticket"]]
 
 
-def test_restarting_does_not_read_the_ledger_on_the_event_loop(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The saga remembered on disk is checked on the ledger at start-up: a blocking
-    read, which must not stall the event loop the upstream sessions run on."""
-    import sagaline.kafka
-
-    read_on_loop: list[bool] = []
-
-    def saga_records(self: Any, topic: str, saga_id: str, signer: Any) -> list[Any]:
-        try:
-            asyncio.get_running_loop()
-            read_on_loop.append(True)
-        except RuntimeError:
-            read_on_loop.append(False)
-        return []
-
-    monkeypatch.setattr(sagaline.kafka.LedgerReader, "saga_records", saga_records)
+def test_restarting_does_not_read_the_ledger_on_the_event_loop(tmp_path: Path) -> None:
+    """The saga remembered on disk is checked on the ledger at start-up (attach()): a
+    blocking read, which must not stall the event loop the upstream sessions run on."""
     state = tmp_path / "state" / "fake-desk" / "mcp-session.json"
     state.parent.mkdir(parents=True)
     state.write_text(json.dumps({"saga_id": "s-7", "next_step": 3}))
@@ -750,7 +749,7 @@ def test_restarting_does_not_read_the_ledger_on_the_event_loop(
         return result
 
     result = asyncio.run(start_and_call())
-    assert read_on_loop == [False]
+    assert [s.attached_on_loop for s in client.sagas] == [[False]]
     assert result.structured_content == {"ok": "03-create_ticket"}  # the saga continued
     assert [s.saga_id for s in client.sagas] == ["s-7"]
 
@@ -938,16 +937,13 @@ def test_an_end_the_ledger_did_not_acknowledge_is_said_and_can_be_retried(
 
 
 def test_an_abort_after_a_failed_step_that_is_not_acknowledged_is_retried_as_an_abort(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     """A step failed, so the proxy aborts the saga; that abort is not acknowledged. The
     tool result still says the step failed and that the abort must be retried, and
     saga_commit then retries the abort (the saga must be undone), never a completion,
     also from a proxy restarted in between."""
-    import sagaline.kafka
     from participants.client import BusinessRejected
-
-    monkeypatch.setattr(sagaline.kafka.LedgerReader, "saga_records", lambda *a: [])
 
     client = FakeClient()
     proxy = _fake_proxy(tmp_path, client)
@@ -968,3 +964,43 @@ def test_an_abort_after_a_failed_step_that_is_not_acknowledged_is_retried_as_an_
         ("s-1", [SagaOutcome.ABORT]),
         ("s-1", [SagaOutcome.ABORT]),  # the restarted proxy's handle on the same saga
     ]
+
+
+def test_a_restart_reads_the_saga_from_the_ledger_once(
+    world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The saga remembered on disk is read from the ledger at start-up: a scan of its
+    partition of the events topic, which grows with every saga. One scan tells both
+    whether it ended while the proxy was down and what it holds to continue it."""
+    import sagaline.kafka
+
+    reads: list[str] = []
+    real = sagaline.kafka.LedgerReader.saga_records
+
+    def counted(self: Any, topic: str, saga_id: str, signer: Any) -> list[Any]:
+        reads.append(saga_id)
+        return real(self, topic, saga_id, signer)
+
+    client = SagaClient(world.settings, world.bootstrap)
+    client.start()
+    try:
+        open_saga = client.saga("helpdesk", "agent:helpdesk").__enter__()
+        ended = client.saga("helpdesk", "agent:helpdesk").__enter__()
+        ended.end(SagaOutcome.ABORT, "done")
+        assert ended.wait(120).status.value == "COMPENSATED"
+        monkeypatch.setattr(sagaline.kafka.LedgerReader, "saga_records", counted)
+        answers = []
+        for saga in (open_saga, ended):
+            proxy = _fake_proxy(tmp_path, client, settings=world.settings)  # type: ignore[arg-type]
+            proxy.session.path.parent.mkdir(parents=True, exist_ok=True)
+            proxy.session.path.write_text(json.dumps({"saga_id": saga.saga_id, "next_step": 4}))
+            asyncio.run(proxy._ensure_resumed())
+            session = proxy.session
+            answers.append((session.saga, session.next_step, session.last_receipt))
+        open_saga.end(SagaOutcome.ABORT, "test over")
+    finally:
+        client.close()
+    (resumed, next_step, _), (gone, _, receipt) = answers
+    assert resumed is not None and resumed.saga_id == open_saga.saga_id and next_step == 4
+    assert gone is None and receipt is not None and ended.saga_id in receipt
+    assert reads == [open_saga.saga_id, ended.saga_id], reads

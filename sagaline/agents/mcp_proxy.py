@@ -74,8 +74,7 @@ from sagaline.agents.declaration import (
     load_declaration,
 )
 from sagaline.kafka import DeliveryFailed
-from schemas.models import Reversibility, SagaOutcome, SagaTerminal
-from schemas.receipt import Receipt
+from schemas.models import Reversibility, SagaOutcome
 from schemas.settings import Settings
 
 log = logging.getLogger("sagaline.mcp")
@@ -386,20 +385,19 @@ class McpProxy:
         if not self.session.path.exists():
             return
         saved = json.loads(self.session.path.read_text())
-        from sagaline.kafka import LedgerReader
-
-        records = LedgerReader(self.client.bootstrap).saga_records(
-            self.settings.topics.events, saved["saga_id"], self.settings.signer()
-        )
-        ended = [r for r in records if isinstance(r, SagaTerminal)]
-        if ended:  # it ended while the proxy was down: nothing to continue
-            self.session.last_receipt = Receipt.from_json(ended[-1].receipt).model_dump_json(
-                indent=2
-            )
+        # attach() reads the saga's records from the ledger (a scan of its partition):
+        # the one read tells both what to continue and whether it already ended.
+        saga = self._saga(saved["saga_id"]).attach()
+        try:
+            receipt = saga.wait(0)  # its terminal record, if that read found one
+        except TimeoutError:
+            receipt = None
+        if receipt is not None:  # it ended while the proxy was down: nothing to continue
+            self.session.last_receipt = receipt.model_dump_json(indent=2)
             self.session.path.unlink(missing_ok=True)
             log.info("saga %s ended while the proxy was down", saved["saga_id"])
             return
-        self.session.saga = self._saga(saved["saga_id"]).attach()
+        self.session.saga = saga
         self.session.next_step = int(saved["next_step"])
         if saved.get("ending"):
             self.session.ending = SagaOutcome(saved["ending"])
