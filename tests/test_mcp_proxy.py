@@ -1004,3 +1004,49 @@ def test_a_restart_reads_the_saga_from_the_ledger_once(
     assert resumed is not None and resumed.saga_id == open_saga.saga_id and next_step == 4
     assert gone is None and receipt is not None and ended.saga_id in receipt
     assert reads == [open_saga.saga_id, ended.saga_id], reads
+
+
+def test_a_read_only_call_is_bounded_by_its_deadline_and_does_not_hold_the_session(
+    tmp_path: Path,
+) -> None:
+    """A read-only tool is passed straight through, but its declared deadline bounds
+    that call too (docs/agents.md): an upstream that never answers got the call waited
+    for forever, under the session's lock, so every later call of the session hung."""
+    from sagaline.agents.mcp_proxy import McpProxy, Upstreams, build_catalogue
+
+    decl = _decl(
+        {
+            "create_ticket": {
+                "compensation": {"tool": "delete_ticket", "args": {"ticket_id": "{result.id}"}}
+            },
+            "send_email": {"reversibility": "IRREVERSIBLE"},
+            "list_tickets": {"read_only": True, "deadline": 0.05},
+        },
+        participant="fake-desk",
+    )
+    upstreams = Upstreams(decl)
+    upstreams.tools = [*DESK, UpstreamTool("list_tickets", "desk", {"properties": {}})]
+    settings = Settings(bootstrap="unused:1", state_dir=tmp_path / "state")
+    client = FakeClient()
+    proxy = McpProxy(decl, upstreams, build_catalogue(decl, upstreams), client, settings)  # type: ignore[arg-type]
+
+    async def never_answers(upstream: str, name: str, args: dict[str, Any]) -> Any:
+        await asyncio.Event().wait()
+
+    upstreams.call = never_answers  # type: ignore[method-assign]
+
+    async def run() -> tuple[types.CallToolResult, types.CallToolResult]:
+        def params(name: str) -> types.CallToolRequestParams:
+            return types.CallToolRequestParams(name=name, arguments={"title": "t"})
+
+        hung = asyncio.ensure_future(proxy._call_tool(_no_elicitation(), params("list_tickets")))
+        # A safety net only: the deadline ends the call long before.
+        read = await asyncio.wait_for(hung, 120)
+        write = await asyncio.wait_for(
+            proxy._call_tool(_no_elicitation(), params("create_ticket")), 120
+        )
+        return read, write
+
+    read, write = asyncio.run(run())
+    assert read.is_error and "list_tickets" in _text(read) and "0.05" in _text(read), _text(read)
+    assert write.structured_content == {"ok": "01-create_ticket"}

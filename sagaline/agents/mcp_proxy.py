@@ -518,12 +518,25 @@ class McpProxy:
             if mapping is None or params.name in self.declaration.internal_tools():
                 return _text(f"unknown tool {params.name!r}", error=True)
             if mapping.read_only:
-                return await self._read_only(params.name, args)
+                return await self._read_only(params.name, mapping, args)
             return await self._step(ctx, params.name, mapping, args)
 
-    async def _read_only(self, name: str, args: dict[str, Any]) -> types.CallToolResult:
+    async def _read_only(
+        self, name: str, mapping: ToolMapping, args: dict[str, Any]
+    ) -> types.CallToolResult:
+        """Passed straight through, within the tool's deadline like any upstream call:
+        an upstream that never answers must not hold the session (and its lock)."""
+        upstream = self.declaration.upstream_of(name)
         try:
-            value = await self.upstreams.call(self.declaration.upstream_of(name), name, args)
+            value = await asyncio.wait_for(
+                self.upstreams.call(upstream, name, args), mapping.deadline
+            )
+        except TimeoutError:
+            return _text(
+                f"{name}: upstream {upstream!r} did not answer within its deadline of"
+                f" {mapping.deadline:g} s; it is read-only, so nothing needs undoing",
+                error=True,
+            )
         except (UpstreamRejected, ConnectionError) as exc:
             return _text(str(exc), error=True)
         return _value(value)
