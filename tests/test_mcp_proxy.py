@@ -1050,3 +1050,47 @@ def test_a_read_only_call_is_bounded_by_its_deadline_and_does_not_hold_the_sessi
     read, write = asyncio.run(run())
     assert read.is_error and "list_tickets" in _text(read) and "0.05" in _text(read), _text(read)
     assert write.structured_content == {"ok": "01-create_ticket"}
+
+
+def test_a_commit_cancelled_while_its_receipt_is_awaited_lets_go_of_the_ended_saga(
+    tmp_path: Path,
+) -> None:
+    """The MCP client cancels saga_commit (its own request timeout, often 60 s, is
+    shorter than the proxy's 300 s receipt wait) after the end was acknowledged. The
+    saga is ended on the ledger, so the session must let go of it: the next write
+    starts a new saga instead of scheduling a step the coordinator rejects on the
+    ended one (the agent would be told its outcome is unknown, and its work lost)."""
+    client = FakeClient()
+    proxy = _fake_proxy(tmp_path, client)
+    waiting = threading.Event()
+    receipt_in = threading.Event()
+
+    async def run() -> types.CallToolResult:
+        first = types.CallToolRequestParams(name="create_ticket", arguments={"title": "t"})
+        await proxy._call_tool(_no_elicitation(), first)
+        (saga,) = client.sagas
+        real_wait = saga.wait
+
+        def slow_wait(timeout_s: float) -> Any:
+            waiting.set()
+            receipt_in.wait(120)
+            return real_wait(timeout_s)
+
+        saga.wait = slow_wait  # type: ignore[method-assign]
+        commit = asyncio.ensure_future(
+            proxy._call_tool(_no_elicitation(), types.CallToolRequestParams(name="saga_commit"))
+        )
+        assert await asyncio.to_thread(waiting.wait, 120), "the receipt was never awaited"
+        commit.cancel()  # what the MCP server does on notifications/cancelled
+        with suppress(asyncio.CancelledError):
+            await commit
+        second = types.CallToolRequestParams(name="create_ticket", arguments={"title": "u"})
+        try:
+            return await proxy._call_tool(_no_elicitation(), second)
+        finally:
+            receipt_in.set()
+
+    again = asyncio.run(run())
+    assert client.sagas[0].ended == [SagaOutcome.COMPLETE]
+    assert [s.saga_id for s in client.sagas] == ["s-1", "s-2"]  # a new saga
+    assert again.structured_content == {"ok": "01-create_ticket"}

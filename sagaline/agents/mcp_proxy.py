@@ -681,6 +681,11 @@ class McpProxy:
         (it was ended: the next write starts a new saga); a receipt not in within the
         wait is a note saying where to read it later, also served as the resource.
 
+        The session lets go as soon as the end is acknowledged, even if this request is
+        cancelled meanwhile (an MCP client's own request timeout is often shorter than
+        the receipt wait): the end stands on the ledger, and a write continuing the
+        ended saga would be rejected by the coordinator.
+
         An end the broker did not acknowledge (DeliveryFailed) may still land, or not:
         the session keeps the saga, remembers the outcome asked for (on disk too) and
         answers END_NOT_ACKNOWLEDGED; the next end retries that same outcome (the
@@ -690,12 +695,23 @@ class McpProxy:
         assert saga is not None
         if self.session.ending is not None:
             outcome, reason = self.session.ending, self.session.ending_reason
+        pending: dict[str, Any] = {
+            "saga_id": saga.saga_id,
+            "status": RECEIPT_PENDING,
+            "requested": outcome.value,
+            "note": f"the saga {saga.saga_id} was ended ({outcome.value} requested) but"
+            f" its receipt is not in yet after {self.receipt_wait_s:g} s; the coordinator"
+            f" settles it. Read it later with `sagaline saga show {saga.saga_id}`. The"
+            " next write starts a new saga.",
+        }
+        ending = asyncio.ensure_future(asyncio.to_thread(saga.end, outcome, reason))
+        # Runs when the end's thread ends, before this coroutine resumes, and also when
+        # this request was cancelled while the thread still ran.
+        ending.add_done_callback(lambda f: self._ended(saga, outcome, reason, f, pending))
         try:
-            await asyncio.to_thread(saga.end, outcome, reason)
+            await asyncio.shield(ending)
         except DeliveryFailed as exc:
             log.warning("saga %s: its end was not acknowledged: %s", saga.saga_id, exc)
-            self.session.ending, self.session.ending_reason = outcome, reason
-            self.session.save()
             return {
                 "saga_id": saga.saga_id,
                 "status": END_NOT_ACKNOWLEDGED,
@@ -710,23 +726,32 @@ class McpProxy:
             receipt = await asyncio.to_thread(saga.wait, self.receipt_wait_s)
         except TimeoutError as exc:
             log.warning("saga %s ended without its receipt in time: %s", saga.saga_id, exc)
-            result: dict[str, Any] = {
-                "saga_id": saga.saga_id,
-                "status": RECEIPT_PENDING,
-                "requested": outcome.value,
-                "note": f"the saga {saga.saga_id} was ended ({outcome.value} requested) but"
-                f" its receipt is not in yet after {self.receipt_wait_s:g} s; the coordinator"
-                f" settles it. Read it later with `sagaline saga show {saga.saga_id}`. The"
-                " next write starts a new saga.",
-            }
-            self.session.last_receipt = json.dumps(result, indent=2)
-        else:
-            self.session.last_receipt = receipt.model_dump_json(indent=2)
-            result = json.loads(self.session.last_receipt)
-        self.session.saga = None
-        self.session.ending = None
-        self.session.save()
+            return pending
+        self.session.last_receipt = receipt.model_dump_json(indent=2)
+        result: dict[str, Any] = json.loads(self.session.last_receipt)
         return result
+
+    def _ended(
+        self,
+        saga: Saga,
+        outcome: SagaOutcome,
+        reason: str,
+        end: asyncio.Future[None],
+        pending: dict[str, Any],
+    ) -> None:
+        """The session's part of ending ``saga`` (on the loop, once its end is answered):
+        acknowledged, let go of it (its receipt pending until it is in); not
+        acknowledged, keep it and remember the outcome to retry."""
+        if self.session.saga is not saga or end.cancelled():
+            return
+        failure = end.exception()
+        if isinstance(failure, DeliveryFailed):
+            self.session.ending, self.session.ending_reason = outcome, reason
+        elif failure is None:
+            self.session.saga = None
+            self.session.ending = None
+            self.session.last_receipt = json.dumps(pending, indent=2)
+        self.session.save()
 
 
 def _recovery_note(catalogue: Catalogue, name: str) -> str:
