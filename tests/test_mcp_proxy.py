@@ -1094,3 +1094,53 @@ def test_a_commit_cancelled_while_its_receipt_is_awaited_lets_go_of_the_ended_sa
     assert client.sagas[0].ended == [SagaOutcome.COMPLETE]
     assert [s.saga_id for s in client.sagas] == ["s-1", "s-2"]  # a new saga
     assert again.structured_content == {"ok": "01-create_ticket"}
+
+
+@pytest.mark.parametrize("cause", ["no coordinator", "start not acknowledged", "restarted"])
+def test_a_saga_that_cannot_start_is_a_tool_result_saying_why(tmp_path: Path, cause: str) -> None:
+    """The first write starts the saga; when that fails (no coordinator consumes the
+    ledger, or the broker does not acknowledge SagaStarted) the agent must be told why
+    and that nothing was called, not get the MCP server's bare "Internal server error"
+    with the reason only on the proxy's stderr. The next write tries afresh."""
+    from participants.readiness import CoordinatorNotRunning
+    from sagaline.kafka import DeliveryFailed
+
+    error: Exception = (
+        DeliveryFailed("no acknowledgement within 60 s", topic="events", error=None)
+        if cause == "start not acknowledged"
+        else CoordinatorNotRunning("no coordinator is consuming `sagaline.events`: start one")
+    )
+    failures = [error]
+
+    class StartFails(FakeSaga):
+        def __enter__(self) -> FakeSaga:
+            if failures:
+                raise failures.pop()
+            return self
+
+        def attach(self) -> FakeSaga:  # a restarted proxy continues the saga
+            return self.__enter__()
+
+    class Client(FakeClient):
+        def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
+            saga = StartFails(saga_id or f"s-{len(self.sagas) + 1}", None)
+            self.sagas.append(saga)
+            return saga
+
+    client = Client()
+    if cause == "restarted":  # with a saga open: continuing it finds no coordinator
+        state = tmp_path / "state" / "fake-desk" / "mcp-session.json"
+        state.parent.mkdir(parents=True)
+        state.write_text(json.dumps({"saga_id": "s-1", "next_step": 2}))
+    proxy = _fake_proxy(tmp_path, client)
+    refused = _call(proxy, "create_ticket", {"title": "t"})
+    text = _text(refused)
+    assert refused.is_error and str(error) in text and "nothing was called" in text, text
+    assert client.sagas[0].calls == []
+    again = _call(proxy, "create_ticket", {"title": "t"})
+    if cause == "restarted":  # the open saga is continued once the coordinator is back
+        assert again.structured_content == {"ok": "02-create_ticket"}
+        assert [s.saga_id for s in client.sagas] == ["s-1", "s-1"]
+    else:
+        assert again.structured_content == {"ok": "01-create_ticket"}
+        assert [s.saga_id for s in client.sagas] == ["s-1", "s-2"]

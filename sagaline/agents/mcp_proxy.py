@@ -62,6 +62,7 @@ from participants.declarations import (
 )
 from participants.errors import CatalogueError
 from participants.plan import check_plan
+from participants.readiness import CoordinatorNotRunning
 from participants.runtime import ParticipantRuntime
 from sagaline.agents._core import SAGA_CALL_OPTIONS
 from sagaline.agents.declaration import (
@@ -506,7 +507,14 @@ class McpProxy:
     ) -> types.CallToolResult:
         args = dict(params.arguments or {})
         async with self._lock:  # one saga, one step at a time (steps are ordered)
-            await self._ensure_resumed()
+            try:
+                await self._ensure_resumed()
+            except CoordinatorNotRunning as exc:  # said to the agent; retried next call
+                return _text(
+                    f"the saga this session had open cannot be continued yet: {exc};"
+                    " nothing was called",
+                    error=True,
+                )
             if params.name == "saga_commit":
                 return await self._end(SagaOutcome.COMPLETE, "committed by the agent")
             if params.name == "saga_abort":
@@ -564,7 +572,14 @@ class McpProxy:
             )
         if self.session.saga is None:
             saga = self._saga()
-            await asyncio.to_thread(saga.__enter__)
+            try:
+                await asyncio.to_thread(saga.__enter__)
+            except (CoordinatorNotRunning, DeliveryFailed) as exc:
+                # Said to the agent, not left to the MCP server's bare "Internal server
+                # error". A start not acknowledged has an abort queued behind it (R14).
+                return _text(
+                    f"could not start a saga for {name}: {exc}; nothing was called", error=True
+                )
             self.session.saga = saga
             self.session.next_step = 1
         saga = self.session.saga
