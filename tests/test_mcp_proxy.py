@@ -1144,3 +1144,46 @@ def test_a_saga_that_cannot_start_is_a_tool_result_saying_why(tmp_path: Path, ca
     else:
         assert again.structured_content == {"ok": "01-create_ticket"}
         assert [s.saga_id for s in client.sagas] == ["s-1", "s-2"]
+
+
+def test_an_upstream_lost_during_a_forward_call_is_an_unknown_outcome_R11() -> None:
+    """The upstream acted and then died (or its connection dropped) before answering:
+    the SDK says "Connection closed". Taken as a transient failure, the step was
+    retried on the dead session, failed for good and counted as never committed: its
+    effect neither compensated nor named anywhere (R1, R14). It is an unknown outcome,
+    which the participant runtime settles by lookup or hands to a person; the runtime
+    takes a tool's TimeoutError for one (participants/runtime.py, _call_tool)."""
+    import concurrent.futures
+
+    from mcp.shared.exceptions import MCPError
+
+    from participants.context import CallContext, call_context
+
+    upstreams, catalogue = _reconciling_upstreams()
+    sessions: dict[str, Any] = {}
+
+    class DeadSession:
+        async def call_tool(self, name: str, args: dict[str, Any]) -> Any:
+            sessions[name] = args  # the request was sent; the answer never comes
+            raise MCPError(-32000, "Connection closed")
+
+    upstreams.sessions = {"desk": DeadSession()}
+    loop = asyncio.new_event_loop()
+    loop_thread = threading.Thread(target=loop.run_forever, daemon=True)
+    loop_thread.start()
+    upstreams.loop = loop
+    spec = catalogue["create_ticket"]
+    try:
+        with (
+            call_context(CallContext("s-1", "01-create_ticket", "create_ticket", "key-1")),
+            pytest.raises(Exception) as raised,
+        ):
+            spec.invoke({"title": "t"})
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        loop_thread.join(120)
+        loop.close()
+    assert sessions["create_ticket"]["request_id"] == "key-1"
+    assert isinstance(raised.value, concurrent.futures.TimeoutError), repr(raised.value)
+    assert "Connection closed" in str(raised.value) and "unknown" in str(raised.value)
+    assert not spec.is_business_rejection(raised.value)

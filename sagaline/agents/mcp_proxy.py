@@ -85,11 +85,18 @@ SAGA_TOOLS = ("saga_commit", "saga_abort", "saga_check_plan")
 RECEIPT_PENDING = "RECEIPT_PENDING"  # the saga was ended; its receipt is not in yet
 END_NOT_ACKNOWLEDGED = "END_NOT_ACKNOWLEDGED"  # the end may or may not be on the ledger
 
-__all__ = ["RECEIPT_URI", "McpProxy", "UpstreamRejected", "main"]
+__all__ = ["RECEIPT_URI", "McpProxy", "UpstreamOutcomeUnknown", "UpstreamRejected", "main"]
 
 
 class UpstreamRejected(BusinessRejection):
     """The upstream tool answered with ``isError``: it said no, retrying will not help."""
+
+
+class UpstreamOutcomeUnknown(TimeoutError):
+    """A forward call whose transport failed (the upstream died or its connection
+    dropped): it may have acted before it went, so the outcome is unknown (R11), as for
+    a call past its deadline; the participant runtime takes a tool's TimeoutError for
+    one and has it settled by the lookup (or a person), never as a plain failure."""
 
 
 # ------------------------------------------------------------------- upstreams
@@ -264,7 +271,11 @@ def _forward(
         key = current_call().idempotency_key
         if mapping.idempotency_arg:
             args[mapping.idempotency_arg] = key
-        return upstreams.call_sync(upstream, listed.name, args, _wait_s(mapping), key=key)
+        try:
+            return upstreams.call_sync(upstream, listed.name, args, _wait_s(mapping), key=key)
+        except ConnectionError as exc:  # a transient failure would be retried, then
+            # taken for a step that never ran: its effect neither undone nor named
+            raise UpstreamOutcomeUnknown(f"{exc}; the outcome is unknown") from exc
 
     call_upstream.__name__ = listed.name
     call_upstream.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
