@@ -124,6 +124,8 @@ def list_tickets() -> list[str]:
 
 
 if __name__ == "__main__":
+    if os.environ.get("DESK_ENV_OUT"):  # what this server was given, for the tests to see
+        Path(os.environ["DESK_ENV_OUT"]).write_text(json.dumps(sorted(os.environ)))
     if os.environ.get("DESK_HTTP_PORT"):  # streamable HTTP instead of stdio
         server.run("streamable-http", host="127.0.0.1", port=int(os.environ["DESK_HTTP_PORT"]))
     else:

@@ -1187,3 +1187,38 @@ def test_an_upstream_lost_during_a_forward_call_is_an_unknown_outcome_R11() -> N
     assert isinstance(raised.value, concurrent.futures.TimeoutError), repr(raised.value)
     assert "Connection closed" in str(raised.value) and "unknown" in str(raised.value)
     assert not spec.is_business_rejection(raised.value)
+
+
+def test_an_upstream_server_is_not_given_the_proxys_keys(tmp_path: Path) -> None:
+    """A stdio upstream is started with the proxy's environment, so its own settings
+    (tokens, paths) reach it; but not Sagaline's: SAGALINE_HMAC_KEY would let the
+    upstream (often third-party code) sign ledger records, approvals included, and
+    SAGALINE_SECRET_KEY open every sealed argument. A variable the declaration's
+    env: names is passed as given."""
+    out = tmp_path / "upstream-env.json"
+    text = _declaration(tmp_path).read_text()
+    declaration = tmp_path / "desk.yaml"
+    declaration.write_text(
+        text.replace("args: [", "env: {SAGALINE_TENANT_ID: acme}\n    args: [", 1)
+    )
+    env = {
+        **os.environ,
+        "DESK_STATE": str(tmp_path / "desk.json"),
+        "DESK_ENV_OUT": str(out),
+        "PYTHONPATH": str(ROOT),
+        "SAGALINE_HMAC_KEY": "hmac-key-of-the-ledger",
+        "SAGALINE_SECRET_KEY": "sealing-key-of-the-ledger",
+        "SAGALINE_KAFKA_SASL_PASSWORD": "kafka-password",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "mcp", "proxy", str(declaration), "--check"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    given = set(json.loads(out.read_text()))
+    assert {"DESK_STATE", "PATH", "SAGALINE_TENANT_ID"} <= given, given
+    assert not {"SAGALINE_HMAC_KEY", "SAGALINE_SECRET_KEY", "SAGALINE_KAFKA_SASL_PASSWORD"} & given

@@ -129,7 +129,7 @@ class Upstreams:
                 params = StdioServerParameters(
                     command=spec.command,
                     args=list(spec.args),
-                    env={**os.environ, **(spec.env or {})},
+                    env={**_upstream_environment(), **(spec.env or {})},
                     cwd=spec.cwd,
                 )
                 read, write = await stack.enter_async_context(stdio_client(params))
@@ -199,6 +199,14 @@ class Upstreams:
         """Whether a call made with idempotency key ``key`` is still running upstream."""
         with self._running_lock:
             return key in self._running
+
+
+def _upstream_environment() -> dict[str, str]:
+    """The proxy's environment for a stdio upstream, minus Sagaline's own settings:
+    they carry its keys (SAGALINE_HMAC_KEY signs ledger records, approvals included;
+    SAGALINE_SECRET_KEY opens sealed arguments; SAGALINE_KAFKA_* holds broker
+    passwords), which are no upstream's business. The declaration's env: adds any."""
+    return {k: v for k, v in os.environ.items() if not k.upper().startswith("SAGALINE_")}
 
 
 def _result_value(result: types.CallToolResult) -> Any:
