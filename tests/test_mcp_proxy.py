@@ -1222,3 +1222,56 @@ def test_an_upstream_server_is_not_given_the_proxys_keys(tmp_path: Path) -> None
     given = set(json.loads(out.read_text()))
     assert {"DESK_STATE", "PATH", "SAGALINE_TENANT_ID"} <= given, given
     assert not {"SAGALINE_HMAC_KEY", "SAGALINE_SECRET_KEY", "SAGALINE_KAFKA_SASL_PASSWORD"} & given
+
+
+def test_a_first_write_cancelled_while_its_saga_starts_leaves_no_saga_open_for_good(
+    tmp_path: Path,
+) -> None:
+    """The MCP client cancels the first write while its saga is being started (the
+    coordinator check and SagaStarted's acknowledgement can take a while) and retries.
+    The start goes on in its thread and lands; the retry starts another saga. The
+    first one must not stay open for good with nothing to end it (R14): it is
+    aborted (or, with no other saga, continued)."""
+    entering = threading.Event()
+    let_start = threading.Event()
+    first_ended = threading.Event()
+
+    class SlowStart(FakeSaga):
+        def __enter__(self) -> FakeSaga:
+            entering.set()
+            let_start.wait(120)
+            return self
+
+        def end(self, outcome: SagaOutcome, reason: str) -> None:
+            super().end(outcome, reason)
+            first_ended.set()
+
+    class Client(FakeClient):
+        def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
+            kind = SlowStart if not self.sagas else FakeSaga
+            saga = kind(saga_id or f"s-{len(self.sagas) + 1}", None)
+            self.sagas.append(saga)
+            return saga
+
+    client = Client()
+    proxy = _fake_proxy(tmp_path, client)
+
+    async def run() -> types.CallToolResult:
+        def params() -> types.CallToolRequestParams:
+            return types.CallToolRequestParams(name="create_ticket", arguments={"title": "t"})
+
+        first = asyncio.ensure_future(proxy._call_tool(_no_elicitation(), params()))
+        assert await asyncio.to_thread(entering.wait, 120), "the saga never started"
+        first.cancel()  # what the MCP server does on notifications/cancelled
+        with suppress(asyncio.CancelledError):
+            await first
+        retried = await proxy._call_tool(_no_elicitation(), params())
+        let_start.set()  # the first start lands now
+        assert await asyncio.to_thread(first_ended.wait, 120), "the first saga stays open"
+        return retried
+
+    retried = asyncio.run(run())
+    first, second = client.sagas
+    assert first.ended == [SagaOutcome.ABORT] and first.calls == []
+    assert retried.structured_content == {"ok": "01-create_ticket"}
+    assert second.calls == ["01-create_ticket"] and proxy.session.saga is second

@@ -590,18 +590,21 @@ class McpProxy:
                 error=True,
             )
         if self.session.saga is None:
-            saga = self._saga()
+            starting = self._saga()
+            started = asyncio.ensure_future(asyncio.to_thread(starting.__enter__))
+            # Runs when the start's thread ends, before this coroutine resumes, and also
+            # when this request was cancelled while the thread still ran.
+            started.add_done_callback(lambda f: self._started(starting, f))
             try:
-                await asyncio.to_thread(saga.__enter__)
+                await asyncio.shield(started)
             except (CoordinatorNotRunning, DeliveryFailed) as exc:
                 # Said to the agent, not left to the MCP server's bare "Internal server
                 # error". A start not acknowledged has an abort queued behind it (R14).
                 return _text(
                     f"could not start a saga for {name}: {exc}; nothing was called", error=True
                 )
-            self.session.saga = saga
-            self.session.next_step = 1
         saga = self.session.saga
+        assert saga is not None  # this start, or one that landed meanwhile
         step_id = f"{self.session.next_step:02d}-{name}"
         self.session.next_step += 1
         self.session.save()
@@ -641,6 +644,22 @@ class McpProxy:
                 error=True,
             )
         return _value(value)
+
+    def _started(self, saga: Saga, start: asyncio.Future[Any]) -> None:
+        """The session's part of starting ``saga`` (on the loop, once it started): it
+        becomes the session's saga; if the request that started it was cancelled and
+        another saga has become the session's since, nothing will ever use or end this
+        one, so it is aborted (it has no steps), not left open for good (R14)."""
+        if start.cancelled() or start.exception() is not None:
+            return
+        if self.session.saga is None:
+            self.session.saga = saga
+            self.session.next_step = 1
+            self.session.save()
+        elif self.session.saga is not saga:
+            log.info("saga %s: started by a cancelled call, not used: aborting it", saga.saga_id)
+            reason = "started by a call the MCP client cancelled; never used"
+            _forget(asyncio.ensure_future(asyncio.to_thread(saga.end, SagaOutcome.ABORT, reason)))
 
     async def _approval(
         self,
