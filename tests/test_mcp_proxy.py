@@ -1275,3 +1275,57 @@ def test_a_first_write_cancelled_while_its_saga_starts_leaves_no_saga_open_for_g
     assert first.ended == [SagaOutcome.ABORT] and first.calls == []
     assert retried.structured_content == {"ok": "01-create_ticket"}
     assert second.calls == ["01-create_ticket"] and proxy.session.saga is second
+
+
+def test_an_approval_the_client_fails_to_ask_is_awaited_like_one_without_elicitation_R7(
+    tmp_path: Path,
+) -> None:
+    """The client declares elicitation, but asking fails (it answers with an error,
+    or its connection drops): the agent must be told the IRREVERSIBLE step waits for
+    a person and the saga stays open (as without elicitation), not get the MCP
+    server's bare "Internal server error" while the step silently waits."""
+    from types import SimpleNamespace
+
+    from mcp.shared.exceptions import MCPError
+
+    class AwaitsApproval(FakeSaga):
+        def call(self, name: str, *, step_id: str, **args: Any) -> Any:
+            self.calls.append(step_id)
+            self.release.wait(120)  # waits for a person, as the real call does
+            return {"ok": step_id}
+
+        def approval_request(self, step_id: str, timeout_s: float) -> Any:
+            return SimpleNamespace(approval_id="ap-1", step_id=step_id)
+
+    class Client(FakeClient):
+        def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
+            saga = AwaitsApproval(saga_id or f"s-{len(self.sagas) + 1}", None)
+            self.sagas.append(saga)
+            return saga
+
+    async def elicit_form(message: str, schema: Any) -> Any:
+        raise MCPError(-32603, "the client could not show the form")
+
+    ctx = SimpleNamespace(
+        session=SimpleNamespace(
+            client_capabilities=SimpleNamespace(elicitation=object()),
+            client_params=None,
+            elicit_form=elicit_form,
+        )
+    )
+    client = Client()
+    proxy = _fake_proxy(tmp_path, client)
+    params = types.CallToolRequestParams(name="send_email", arguments={"to": "a", "body": "b"})
+
+    async def run() -> types.CallToolResult:
+        try:
+            return await proxy._call_tool(ctx, params)
+        finally:  # the person never comes: let the call's thread go
+            for saga in client.sagas:
+                saga.release.set()
+
+    result = asyncio.run(run())
+    assert not result.is_error and result.structured_content is not None, _text(result)
+    assert result.structured_content["status"] == "awaiting_approval"
+    assert "could not show the form" in _text(result), _text(result)
+    assert proxy.session.saga is client.sagas[0] and client.sagas[0].ended == []

@@ -687,15 +687,25 @@ class McpProxy:
             return _awaiting(saga, step_id, f"approval {request.approval_id} requested")
         from sagaline.ops.actions import OperatorChannel, deny_approval, grant_approval
 
-        answer = await ctx.session.elicit_form(
-            f"Approve the IRREVERSIBLE call {request.step_id} of saga {saga.saga_id}?"
-            " It cannot be undone.",
-            {
-                "type": "object",
-                "properties": {"approve": {"type": "boolean", "title": "Approve"}},
-                "required": ["approve"],
-            },
-        )
+        try:
+            answer = await ctx.session.elicit_form(
+                f"Approve the IRREVERSIBLE call {request.step_id} of saga {saga.saga_id}?"
+                " It cannot be undone.",
+                {
+                    "type": "object",
+                    "properties": {"approve": {"type": "boolean", "title": "Approve"}},
+                    "required": ["approve"],
+                },
+            )
+        except Exception as exc:  # the client could not ask: as if it had no elicitation
+            log.warning("saga %s: asking for approval failed: %s", saga.saga_id, exc)
+            _forget(call)
+            return _awaiting(
+                saga,
+                step_id,
+                f"approval {request.approval_id} requested; asking through the client"
+                f" failed: {exc}",
+            )
         who = "mcp-user"
         client_info = ctx.session.client_params.client_info if ctx.session.client_params else None
         if client_info is not None:
