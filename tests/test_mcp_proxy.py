@@ -1329,3 +1329,49 @@ def test_an_approval_the_client_fails_to_ask_is_awaited_like_one_without_elicita
     assert result.structured_content["status"] == "awaiting_approval"
     assert "could not show the form" in _text(result), _text(result)
     assert proxy.session.saga is client.sagas[0] and client.sagas[0].ended == []
+
+
+def test_an_argument_the_upstream_marks_secret_never_reaches_the_ledger_in_clear(
+    tmp_path: Path,
+) -> None:
+    """An upstream lists an argument as a secret (JSON Schema writeOnly / format
+    password, what pydantic's SecretStr gives): the proxy's saga client must seal or
+    redact it like any secret argument, not write it to sagaline.events in clear."""
+    from sagaline.agents.mcp_proxy import Upstreams, build_catalogue
+
+    decl = _decl(
+        {
+            "connect": {"compensation": {"tool": "disconnect", "args": {"id": "{result.id}"}}},
+        },
+        participant="fake-desk",
+    )
+    upstreams = Upstreams(decl)
+    upstreams.tools = [
+        UpstreamTool(
+            "connect",
+            "desk",
+            {
+                "properties": {
+                    "user": {"type": "string"},
+                    "password": {"type": "string", "format": "password", "writeOnly": True},
+                    "token": {"type": "string", "writeOnly": True},
+                },
+                "required": ["user", "password"],
+            },
+            {"properties": {"id": {}}},
+        ),
+        UpstreamTool("disconnect", "desk", {"properties": {"id": {}}, "required": ["id"]}),
+    ]
+    catalogue = build_catalogue(decl, upstreams)
+    settings = Settings(bootstrap="unused:1", state_dir=tmp_path / "state")
+    client = SagaClient(settings, "unused:1", catalogues=[catalogue])
+    try:
+        saga = client.saga("helpdesk", "agent:helpdesk")
+        body = saga._checked_body(
+            "connect", "01-connect", 1, {"user": "ann", "password": "hunter2", "token": "t0k3n"}
+        )
+    finally:
+        client.close()
+    written = body.decode()
+    assert "ann" in written  # not a secret
+    assert "hunter2" not in written and "t0k3n" not in written, written

@@ -251,6 +251,7 @@ def build_catalogue(declaration: Declaration, upstreams: Upstreams) -> Catalogue
             resources=mapping.resources,
             deadline=mapping.deadline,
             owner=mapping.owner,
+            secret_fields=_secret_fields(listed, mapping),
         )(forward)
         if not mapping.read_only:
             undo = _compensation(upstreams, upstream, mapping) if mapping.compensation else None
@@ -258,6 +259,19 @@ def build_catalogue(declaration: Declaration, upstreams: Upstreams) -> Catalogue
         members[name] = staticmethod(forward)
     holder = type("McpUpstreamTools", (), members)()
     return wrap(holder, name=declaration.participant)
+
+
+def _secret_fields(listed: UpstreamTool, mapping: ToolMapping) -> tuple[str, ...]:
+    """The arguments the upstream lists as secrets (JSON Schema ``writeOnly`` or
+    ``format: password``, what pydantic's ``SecretStr`` gives): sealed or redacted on
+    the ledger like any secret argument, never written there in clear."""
+    return tuple(
+        arg
+        for arg, schema in listed.properties.items()
+        if arg != mapping.idempotency_arg
+        and isinstance(schema, Mapping)
+        and (schema.get("writeOnly") is True or schema.get("format") == "password")
+    )
 
 
 def _forward(
