@@ -1375,3 +1375,35 @@ def test_an_argument_the_upstream_marks_secret_never_reaches_the_ledger_in_clear
     written = body.decode()
     assert "ann" in written  # not a secret
     assert "hunter2" not in written and "t0k3n" not in written, written
+
+
+@pytest.mark.parametrize("broken", ["no such command", "exits at once", "nothing at the url"])
+def test_an_upstream_that_cannot_be_reached_is_refused_naming_it(
+    tmp_path: Path, broken: str
+) -> None:
+    """An upstream server that cannot be started, or exits before answering: the proxy
+    refuses to start saying which upstream and why, with exit status 2 (a service is
+    missing), not a Python traceback of nested exception groups."""
+    text = _declaration(tmp_path).read_text()
+    if broken == "no such command":
+        text = text.replace(f"command: {sys.executable}", "command: /nonexistent/mcp-server")
+    elif broken == "exits at once":
+        text = text.replace(f"args: [{UPSTREAM}]", "args: [-c, 'raise SystemExit(3)']")
+    else:  # with a password and a token, which the error must not show
+        url = f"http://ann:pw-123@127.0.0.1:{_free_port()}/mcp?token=tok-456"
+        start, end = text.index("  desk:\n"), text.index("tools:")
+        text = text[:start] + f"  desk: {{url: '{url}'}}\n" + text[end:]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "mcp", "proxy", str(bad), "--check"],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "sagaline mcp proxy: cannot start: upstream 'desk'" in done.stderr, done.stderr
+    assert "pw-123" not in done.stderr and "tok-456" not in done.stderr, done.stderr

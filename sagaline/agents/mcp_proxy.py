@@ -69,6 +69,7 @@ from sagaline.agents.declaration import (
     Declaration,
     DeclarationError,
     ToolMapping,
+    UpstreamSpec,
     UpstreamTool,
     build_args,
     check,
@@ -92,6 +93,10 @@ class UpstreamRejected(BusinessRejection):
     """The upstream tool answered with ``isError``: it said no, retrying will not help."""
 
 
+class UpstreamUnavailable(RuntimeError):
+    """An upstream server could not be started or reached at start-up."""
+
+
 class UpstreamOutcomeUnknown(TimeoutError):
     """A forward call whose transport failed (the upstream died or its connection
     dropped): it may have acted before it went, so the outcome is unknown (R11), as for
@@ -111,44 +116,67 @@ class Upstreams:
         self.sessions: dict[str, ClientSession] = {}
         self.tools: list[UpstreamTool] = []
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.opening: str | None = None  # the upstream being connected to at start-up
         # Forward calls still running upstream, by idempotency key: until one ends its
         # effect may still land, so a lookup of that key cannot say "not found" (R11).
         self._running: dict[str, int] = {}
         self._running_lock = threading.Lock()
 
     async def open(self, stack: AsyncExitStack) -> None:
+        """Connect to every upstream and list its tools; :class:`UpstreamUnavailable`
+        names the one that cannot be started or reached, and why."""
         self.loop = asyncio.get_running_loop()
         for name, spec in self.declaration.upstreams.items():
-            if spec.url:
-                from mcp.client.streamable_http import streamable_http_client
+            self.opening = name
+            try:
+                await self._open(stack, name, spec)
+            except Exception as exc:
+                raise self.unavailable(exc) from exc
+        self.opening = None
 
-                streams = await stack.enter_async_context(streamable_http_client(spec.url))
-                read, write = streams[0], streams[1]
-            else:
-                assert spec.command is not None
-                params = StdioServerParameters(
-                    command=spec.command,
-                    args=list(spec.args),
-                    env={**_upstream_environment(), **(spec.env or {})},
-                    cwd=spec.cwd,
+    def unavailable(self, exc: BaseException) -> UpstreamUnavailable:
+        """The upstream being opened cannot be reached, because of ``exc`` (its first
+        error, when the SDK's task groups wrapped it in exception groups)."""
+        while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+            exc = exc.exceptions[0]
+        name = self.opening or "?"
+        spec = self.declaration.upstreams.get(name)
+        where = f" ({_shown(spec)})" if spec is not None else ""
+        return UpstreamUnavailable(
+            f"upstream {name!r}{where} cannot be reached: {type(exc).__name__}: {exc}"
+        )
+
+    async def _open(self, stack: AsyncExitStack, name: str, spec: UpstreamSpec) -> None:
+        if spec.url:
+            from mcp.client.streamable_http import streamable_http_client
+
+            streams = await stack.enter_async_context(streamable_http_client(spec.url))
+            read, write = streams[0], streams[1]
+        else:
+            assert spec.command is not None
+            params = StdioServerParameters(
+                command=spec.command,
+                args=list(spec.args),
+                env={**_upstream_environment(), **(spec.env or {})},
+                cwd=spec.cwd,
+            )
+            read, write = await stack.enter_async_context(stdio_client(params))
+        session = await stack.enter_async_context(ClientSession(read, write))
+        await session.initialize()
+        self.sessions[name] = session
+        listed = await session.list_tools()
+        for t in listed.tools:
+            hint = t.annotations.read_only_hint if t.annotations else None
+            self.tools.append(
+                UpstreamTool(
+                    name=t.name,
+                    upstream=name,
+                    input_schema=t.input_schema,
+                    output_schema=t.output_schema,
+                    description=t.description or "",
+                    read_only_hint=hint,
                 )
-                read, write = await stack.enter_async_context(stdio_client(params))
-            session = await stack.enter_async_context(ClientSession(read, write))
-            await session.initialize()
-            self.sessions[name] = session
-            listed = await session.list_tools()
-            for t in listed.tools:
-                hint = t.annotations.read_only_hint if t.annotations else None
-                self.tools.append(
-                    UpstreamTool(
-                        name=t.name,
-                        upstream=name,
-                        input_schema=t.input_schema,
-                        output_schema=t.output_schema,
-                        description=t.description or "",
-                        read_only_hint=hint,
-                    )
-                )
+            )
 
     def find(self, upstream: str, name: str) -> UpstreamTool:
         return next(t for t in self.tools if t.upstream == upstream and t.name == name)
@@ -199,6 +227,18 @@ class Upstreams:
         """Whether a call made with idempotency key ``key`` is still running upstream."""
         with self._running_lock:
             return key in self._running
+
+
+def _shown(spec: UpstreamSpec) -> str:
+    """The upstream as said in an error: its command, or its URL without user, password
+    or query (arguments and queries may carry tokens)."""
+    if not spec.url:
+        return spec.command or ""
+    from urllib.parse import urlsplit
+
+    url = urlsplit(spec.url)
+    port = f":{url.port}" if url.port else ""
+    return f"{url.scheme}://{url.hostname}{port}{url.path}"
 
 
 def _upstream_environment() -> dict[str, str]:
@@ -933,31 +973,45 @@ def main(path: Path, *, check_only: bool = False) -> int:
     except (DeclarationError, CatalogueError) as exc:
         print(f"sagaline mcp proxy: refusing to start: {exc}", file=sys.stderr)
         return 1
+    except UpstreamUnavailable as exc:
+        print(f"sagaline mcp proxy: cannot start: {exc}", file=sys.stderr)
+        return 2
 
 
 async def _serve(declaration: Declaration, check_only: bool) -> int:
     refused: Exception | None = None
-    async with AsyncExitStack() as stack:
-        upstreams = Upstreams(declaration)
-        await upstreams.open(stack)
-        # Raised only after the upstream sessions are closed: raised inside them it
-        # would arrive wrapped in the SDK's task-group exception group.
-        try:
-            problems = check(declaration, upstreams.tools)
-            if problems:
-                raise DeclarationError(declaration.source, problems)
-            catalogue = build_catalogue(declaration, upstreams)
-        except (DeclarationError, CatalogueError) as exc:
-            refused = exc
+    upstreams = Upstreams(declaration)
+    try:
+        async with AsyncExitStack() as stack:
+            # Raised only after the upstream sessions are closed: raised inside them it
+            # would arrive wrapped in the SDK's task-group exception group.
+            try:
+                await upstreams.open(stack)
+                problems = check(declaration, upstreams.tools)
+                if problems:
+                    raise DeclarationError(declaration.source, problems)
+                catalogue = build_catalogue(declaration, upstreams)
+            except (DeclarationError, CatalogueError, UpstreamUnavailable) as exc:
+                refused = exc
+            else:
+                if check_only:
+                    print(
+                        f"{declaration.source}: OK, {len(catalogue)} tool(s) over"
+                        f" {len(declaration.upstreams)} upstream(s)",
+                        file=sys.stderr,
+                    )
+                    return 0
+                await _run(declaration, upstreams, catalogue, stack)
+    except Exception as exc:
+        # An upstream that cannot be reached fails in the SDK's task group (an HTTP
+        # transport's connection error) and arrives in an exception group, or again
+        # when its session is closed: said as the upstream that cannot be reached.
+        if isinstance(refused, UpstreamUnavailable):
+            pass
+        elif upstreams.opening is not None:
+            refused = upstreams.unavailable(exc)
         else:
-            if check_only:
-                print(
-                    f"{declaration.source}: OK, {len(catalogue)} tool(s) over"
-                    f" {len(declaration.upstreams)} upstream(s)",
-                    file=sys.stderr,
-                )
-                return 0
-            await _run(declaration, upstreams, catalogue, stack)
+            raise
     if refused is not None:
         raise refused
     return 0
