@@ -7,6 +7,7 @@ No broker here: these are folds and renderers of records built from the contract
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
+from typing import Any
 
 import pytest
 from dashboard_scenarios import (
@@ -35,7 +36,14 @@ from sagaline.ops.receipts import (
     render_receipt_html,
     render_receipt_text,
 )
-from schemas import ApprovalRequested, IncidentRaised, Receipt, SagaStarted, SagaTerminal
+from schemas import (
+    ApprovalGranted,
+    ApprovalRequested,
+    IncidentRaised,
+    Receipt,
+    SagaStarted,
+    SagaTerminal,
+)
 from services.dashboard.app import create_app
 from services.dashboard.timeline import render_timeline_svg
 from services.dashboard.view import DashboardState, SagaFilter, SagaStatus, Span, SpanKind
@@ -453,3 +461,61 @@ def test_posting_a_decision_without_operator_is_refused_with_a_reason() -> None:
     )  # fmt: skip
     assert response.status_code == 400
     assert "operator field is required" in response.text
+
+
+# ------------------------------------------- decisions the coordinator would not count
+
+
+def _late(grant: ApprovalGranted) -> ApprovalGranted:
+    env = grant.envelope.model_copy(update={"occurred_at": grant.expires_at + 1})
+    return grant.model_copy(update={"envelope": env})
+
+
+@pytest.mark.parametrize(
+    ("spoil", "why"),
+    [
+        (lambda g: g.model_copy(update={"args_fingerprint": "0" * 32}), "arguments"),
+        (lambda g: g.model_copy(update={"approval_id": "apr-another"}), "approval id"),
+        (lambda g: g.model_copy(update={"principal": "agent-evil"}), "principal"),
+        (lambda g: g.model_copy(update={"scope": "notify:charge_card"}), "scope"),
+        (_late, "after expiry"),
+        (
+            lambda g: g.model_copy(
+                update={"envelope": g.envelope.model_copy(update={"tenant_id": "globex"})}
+            ),
+            "tenant",
+        ),
+    ],
+    ids=["fingerprint", "approval-id", "principal", "scope", "expired", "tenant"],
+)
+def test_a_grant_the_coordinator_would_not_count_leaves_the_approval_pending(
+    spoil: Any, why: str
+) -> None:
+    """R7: the coordinator rejects a grant bound to anything but what was asked
+    (APPROVAL_MISMATCH) and the step goes on waiting; the page showed it granted, so
+    the operator believed the step released."""
+    state = _state("awaiting_approval")
+    saga = state.sagas["s-awaiting"]
+    _, req = state.pending_approvals()[0]
+    grant = spoil(approval_granted(req, operator="bob", now=req.expires_at - 10))
+    state.apply(grant)
+    assert [a.approval_id for _, a in state.pending_approvals()] == [req.approval_id]
+    assert saga.status is SagaStatus.AWAITING_APPROVAL
+    assert saga.steps[req.step_id].state == "awaiting approval"
+    (uncounted,) = saga.uncounted_decisions
+    assert uncounted.by == "bob" and why in uncounted.reason
+    page = TestClient(create_app(state, clock=lambda: req.expires_at - 5)).get("/sagas/s-awaiting")
+    assert "not counted" in page.text and why in page.text
+
+
+def test_a_denial_of_another_approval_does_not_deny_the_step() -> None:
+    """The coordinator rejects a denial whose approval id is not the pending one."""
+    state = _state("awaiting_approval")
+    saga = state.sagas["s-awaiting"]
+    _, req = state.pending_approvals()[0]
+    denial = approval_denied(req, operator="bob", reason="no", now=req.expires_at - 10)
+    state.apply(denial.model_copy(update={"approval_id": "apr-another"}))
+    assert saga.status is SagaStatus.AWAITING_APPROVAL
+    assert saga.steps[req.step_id].state == "awaiting approval"
+    assert saga.failure_at is None
+    assert "approval" in saga.uncounted_decisions[0].reason

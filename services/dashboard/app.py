@@ -36,7 +36,13 @@ from schemas.models import ApprovalRequested, IncidentRaised
 from services.dashboard.auth import SESSION_COOKIE, OperatorAuth
 from services.dashboard.consumer import LedgerFollower
 from services.dashboard.timeline import render_timeline_svg
-from services.dashboard.view import DashboardState, SagaFilter, SagaStatus, SagaView
+from services.dashboard.view import (
+    DashboardState,
+    SagaFilter,
+    SagaStatus,
+    SagaView,
+    UncountedDecision,
+)
 
 _e = html.escape
 
@@ -268,6 +274,7 @@ def _approval_html(
         else f"expires in {format_duration(req.expires_at - now)}"
     )
     base = f"/approvals/{quote(saga.saga_id)}/{quote(req.approval_id)}"
+    uncounted = [u for u in saga.uncounted_decisions if u.step_id == req.step_id]
     return (
         f'<li class="approval" data-approval="{_e(req.approval_id)}" '
         f'data-saga="{_e(saga.saga_id)}"><b>{_e(tool)}</b> '
@@ -275,6 +282,7 @@ def _approval_html(
         f'<a href="/sagas/{quote(saga.saga_id)}">{_e(saga.saga_id)}</a> · principal '
         f"{_e(req.principal)} · scope {_e(req.scope)} · arguments "
         f"<code>{_e(req.args_fingerprint[:12])}</code> · {expiry}"
+        f"{_uncounted_html(uncounted)}"
         f'<form class="inline" method="post" action="{base}/grant">'
         f'<input type="hidden" name="next" value="{_e(back)}">{_who_html(viewer)}'
         '<input name="reason" placeholder="reason (for a denial)" aria-label="reason">'
@@ -283,6 +291,19 @@ def _approval_html(
         f'<button class="deny" type="submit" formaction="{base}/deny" '
         f'id="deny-{_e(req.approval_id)}"{_off(viewer)}>Deny</button></form></li>'
     )
+
+
+def _uncounted_html(decisions: list[UncountedDecision]) -> str:
+    """Decisions on the ledger the coordinator rejects (R7): the step still waits."""
+    if not decisions:
+        return ""
+    items = "".join(
+        f'<li class="uncounted">{_e(u.kind)} by {_e(u.by)} of approval '
+        f"{_e(u.approval_id)} (step {_e(u.step_id)}) at {_e(format_ms(u.at))}: "
+        f"<b>not counted</b> by the coordinator: {_e(u.reason)}</li>"
+        for u in decisions
+    )
+    return f'<ul class="uncounted">{items}</ul>'
 
 
 def _incident_html(saga: SagaView, inc: IncidentRaised, back: str, viewer: Viewer = DEV) -> str:
@@ -468,12 +489,16 @@ def _actions_html_for(saga: SagaView, now: int, viewer: Viewer = DEV) -> str:
         if saga.terminal_status is None
     ]
     incidents = [_incident_html(saga, i, back, viewer) for i in saga.open_incidents.values()]
-    if not approvals and not incidents:
+    # Decisions not counted for a step no longer waiting (shown with it otherwise).
+    waiting = {a.step_id for a in saga.pending_approvals.values()} if approvals else set()
+    uncounted = _uncounted_html([u for u in saga.uncounted_decisions if u.step_id not in waiting])
+    if not approvals and not incidents and not uncounted:
         return '<p class="muted">Nothing pending.</p>'
     return (
         f'<ul class="approvals">{"".join(approvals)}</ul><ul class="incidents">'
         + "".join(incidents)
         + "</ul>"
+        + uncounted
     )
 
 

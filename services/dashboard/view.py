@@ -123,6 +123,19 @@ class StepView:
             span.outcome = outcome
 
 
+@dataclass(frozen=True)
+class UncountedDecision:
+    """An approval decision on the ledger that the coordinator rejects (R7): shown with
+    the reason, never as if it had released or stopped the step."""
+
+    at: int
+    kind: str  # "grant" or "denial"
+    by: str
+    step_id: str
+    approval_id: str
+    reason: str
+
+
 @dataclass
 class SagaView:
     saga_id: str
@@ -144,6 +157,7 @@ class SagaView:
     pending_approvals: dict[str, ApprovalRequested] = field(default_factory=dict)
     open_incidents: dict[str, IncidentRaised] = field(default_factory=dict)
     resolved_incidents: dict[str, IncidentResolved] = field(default_factory=dict)
+    uncounted_decisions: list[UncountedDecision] = field(default_factory=list)
     record_count: int = 0
 
     @property
@@ -353,12 +367,20 @@ def _fold(saga: SagaView, record: Record) -> None:
             )
         )
     elif isinstance(record, ApprovalGranted):
+        problems = _grant_problems(saga, record)
+        if problems:
+            _not_counted(saga, record, "grant", record.granted_by, problems)
+            return
         step = saga.step(record.step_id)
         saga.pending_approvals.pop(record.approval_id, None)
         _close_approval(step, record.approval_id, at, f"granted by {record.granted_by}")
         if step.state == "awaiting approval":
             step.state = "approved"
     elif isinstance(record, ApprovalDenied):
+        problems = _denial_problems(saga, record)
+        if problems:
+            _not_counted(saga, record, "denial", record.denied_by, problems)
+            return
         step = saga.step(record.step_id)
         saga.pending_approvals.pop(record.approval_id, None)
         _close_approval(step, record.approval_id, at, f"denied by {record.denied_by}")
@@ -491,6 +513,75 @@ def _fold(saga: SagaView, record: Record) -> None:
                 )
                 step.committed_at = sr.committed_at
                 step.state = sr.disposition.value.lower().replace("_", " ")
+
+
+def _awaited(saga: SagaView, step_id: str, purpose: ApprovalPurpose) -> ApprovalRequested | None:
+    """The request the step is waiting on for ``purpose`` (the coordinator keeps one)."""
+    for request in saga.pending_approvals.values():
+        if request.step_id == step_id and request.purpose is purpose:
+            return request
+    return None
+
+
+def _decision_problems(
+    saga: SagaView, record: ApprovalGranted | ApprovalDenied
+) -> tuple[ApprovalRequested | None, list[str]]:
+    """What the coordinator checks of any decision: the saga's tenant, a pending request
+    of the step for that purpose, and that request's approval id."""
+    problems: list[str] = []
+    if record.envelope.tenant_id != saga.tenant_id:
+        problems.append(
+            f"tenant {record.envelope.tenant_id!r} is not the saga's ({saga.tenant_id!r})"
+        )
+    pending = _awaited(saga, record.step_id, record.purpose)
+    if pending is None:
+        problems.append(f"step {record.step_id} is not awaiting a {record.purpose.value} approval")
+    elif record.approval_id != pending.approval_id:
+        problems.append(
+            f"approval id {record.approval_id} is not the one requested ({pending.approval_id})"
+        )
+    return pending, problems
+
+
+def _grant_problems(saga: SagaView, r: ApprovalGranted) -> list[str]:
+    """Why the coordinator would not count this grant (empty: it counts). Mirrors
+    ``coordinator.core._on_approval_granted`` (R7): bound to the request's approval id,
+    principal, argument fingerprint and scope, and made by its expiry."""
+    pending, problems = _decision_problems(saga, r)
+    if pending is None:
+        return problems
+    if r.principal != pending.principal:
+        problems.append(f"principal {r.principal!r} is not the saga's ({pending.principal!r})")
+    if r.args_fingerprint != pending.args_fingerprint:
+        problems.append(
+            f"arguments {r.args_fingerprint} differ from the step's ({pending.args_fingerprint})"
+        )
+    if r.scope != pending.scope:
+        problems.append(f"scope {r.scope!r} is not {pending.scope!r}")
+    at = r.envelope.occurred_at
+    if at > r.expires_at or at > pending.expires_at:
+        problems.append(f"granted at {at}, after expiry {min(r.expires_at, pending.expires_at)}")
+    return problems
+
+
+def _denial_problems(saga: SagaView, r: ApprovalDenied) -> list[str]:
+    """Why the coordinator would not count this denial (``_on_approval_denied``)."""
+    return _decision_problems(saga, r)[1]
+
+
+def _not_counted(
+    saga: SagaView, record: ApprovalGranted | ApprovalDenied, kind: str, by: str, why: list[str]
+) -> None:
+    saga.uncounted_decisions.append(
+        UncountedDecision(
+            record.envelope.occurred_at,
+            kind,
+            by,
+            record.step_id,
+            record.approval_id,
+            "; ".join(why),
+        )
+    )
 
 
 def _close_approval(step: StepView, approval_id: str, at: int, outcome: str) -> None:
