@@ -399,7 +399,7 @@ def test_the_dashboard_refuses_to_grant_an_expired_approval() -> None:
         create_app(state, channel, clock=lambda: req.expires_at + 60_000)  # type: ignore[arg-type]
     )
     page = client.get("/").text
-    assert f'id="approve-{req.approval_id}" disabled' in page
+    assert f'id="approve-{req.approval_id}"' not in page  # listed as expired instead
     response = client.post(
         f"/approvals/{req.saga_id}/{req.approval_id}/grant",
         data={"operator": "alice"},
@@ -519,3 +519,39 @@ def test_a_denial_of_another_approval_does_not_deny_the_step() -> None:
     assert saga.steps[req.step_id].state == "awaiting approval"
     assert saga.failure_at is None
     assert "approval" in saga.uncounted_decisions[0].reason
+
+
+# ------------------------------------------------------------- expired requests
+
+
+def test_an_expired_approval_request_is_shown_as_expired_not_pending() -> None:
+    """After ``expires_at`` the coordinator no longer waits for a decision (the step
+    failed, R7): the page listed the request as pending and the saga as awaiting
+    approval, with only its Approve button disabled."""
+    state = _state("awaiting_approval")
+    _, req = state.pending_approvals()[0]
+    client = TestClient(create_app(state, clock=lambda: req.expires_at + 60_000))
+    api = client.get("/api/state").json()
+    assert api["pending_approvals"] == []
+    assert api["counts"]["awaiting_approval"] == 0
+    assert api["expired_approvals"] == [
+        {"saga_id": req.saga_id, "approval_id": req.approval_id, "step_id": req.step_id}
+    ]
+    page = client.get("/").text
+    assert "Pending approvals (0)" in page and "Expired approvals (1)" in page
+    assert f'id="approve-{req.approval_id}"' not in page
+    saga_page = client.get(f"/sagas/{req.saga_id}").text
+    assert "approval expired" in saga_page and f'id="deny-{req.approval_id}"' not in saga_page
+
+
+def test_a_grant_made_in_time_counts_even_when_read_after_the_request_expired() -> None:
+    """The coordinator judges a grant by its own time, not by when it is read."""
+    state = _state("awaiting_approval")
+    saga = state.sagas["s-awaiting"]
+    _, req = state.pending_approvals()[0]
+    state.expire_approvals(req.expires_at + 1)
+    state.apply(approval_granted(req, operator="bob", now=req.expires_at))
+    assert saga.steps[req.step_id].state == "approved"
+    assert saga.expired_approvals == {} and saga.uncounted_decisions == []
+    span = saga.steps[req.step_id].open_span(SpanKind.APPROVAL)
+    assert span is None and saga.steps[req.step_id].spans[-1].outcome == "granted by bob"

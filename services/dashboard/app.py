@@ -293,6 +293,22 @@ def _approval_html(
     )
 
 
+def _expired_html(saga: SagaView, req: ApprovalRequested, now: int) -> str:
+    """A request past its expiry: nothing to decide any more (the coordinator failed the
+    step, or gave the compensation to a person), so no buttons."""
+    step = saga.steps.get(req.step_id)
+    return (
+        f'<li class="approval expired" data-approval="{_e(req.approval_id)}" '
+        f'data-saga="{_e(saga.saga_id)}"><b>{_e(step.tool if step else "?")}</b> '
+        f"({_e(req.purpose.value.lower())}) in saga "
+        f'<a href="/sagas/{quote(saga.saga_id)}">{_e(saga.saga_id)}</a> · '
+        f"{_e(req.purpose.value.lower())} approval expired "
+        f"{_e(format_duration(max(now - req.expires_at, 0)))} ago, undecided"
+        f"{_uncounted_html([u for u in saga.uncounted_decisions if u.step_id == req.step_id])}"
+        "</li>"
+    )
+
+
 def _uncounted_html(decisions: list[UncountedDecision]) -> str:
     """Decisions on the ledger the coordinator rejects (R7): the step still waits."""
     if not decisions:
@@ -344,6 +360,11 @@ def _actions_html(
         for s, a in state.pending_approvals()
         if saga_id is None or s.saga_id == saga_id
     ]
+    expired = [
+        _expired_html(s, a, now)
+        for s, a in state.expired_approvals()
+        if saga_id is None or s.saga_id == saga_id
+    ]
     incidents = [
         _incident_html(s, i, back, viewer)
         for s, i in state.open_incidents()
@@ -353,6 +374,12 @@ def _actions_html(
         f"<h3>Pending approvals ({len(approvals)})</h3>"
         + (f'<ul class="approvals">{"".join(approvals)}</ul>' if approvals else "")
         + ('<p class="muted">None.</p>' if not approvals else "")
+        + (
+            f'<h3>Expired approvals ({len(expired)})</h3><ul class="approvals">'
+            f"{''.join(expired)}</ul>"
+            if expired
+            else ""
+        )
         + f"<h3>Open incidents ({len(incidents)})</h3>"
         + (f'<ul class="incidents">{"".join(incidents)}</ul>' if incidents else "")
         + ('<p class="muted">None.</p>' if not incidents else "")
@@ -488,9 +515,15 @@ def _actions_html_for(saga: SagaView, now: int, viewer: Viewer = DEV) -> str:
         for a in saga.pending_approvals.values()
         if saga.terminal_status is None
     ]
+    if saga.terminal_status is None:
+        approvals += [_expired_html(saga, a, now) for a in saga.expired_approvals.values()]
     incidents = [_incident_html(saga, i, back, viewer) for i in saga.open_incidents.values()]
     # Decisions not counted for a step no longer waiting (shown with it otherwise).
-    waiting = {a.step_id for a in saga.pending_approvals.values()} if approvals else set()
+    waiting = (
+        {a.step_id for a in (*saga.pending_approvals.values(), *saga.expired_approvals.values())}
+        if approvals
+        else set()
+    )
     uncounted = _uncounted_html([u for u in saga.uncounted_decisions if u.step_id not in waiting])
     if not approvals and not incidents and not uncounted:
         return '<p class="muted">Nothing pending.</p>'
@@ -614,6 +647,7 @@ def create_app(
                     return Response("log in first", status_code=401)
                 target = urlencode({"next": request.url.path})
                 return RedirectResponse(f"/login?{target}", status_code=303)
+            state.expire_approvals(now_ms())  # what the coordinator no longer waits for
             response: Response = await handler(request, viewer)
             return _with_session(request, response, fresh)
 
@@ -715,7 +749,15 @@ def create_app(
 
     def _request_for(saga: SagaView, approval_id: str) -> ApprovalRequested:
         with state.lock:
+            state.expire_approvals(now_ms())
             req = saga.pending_approvals.get(approval_id)
+            expired = saga.expired_approvals.get(approval_id)
+        if expired is not None:
+            raise operator_actions.ApprovalExpired(
+                f"approval {approval_id} of saga {saga.saga_id} expired at "
+                f"{format_ms(expired.expires_at)}: the coordinator no longer waits for a "
+                "decision on it, so nothing was recorded"
+            )
         if req is None:
             raise operator_actions.UnknownRequest(
                 f"approval {approval_id} of saga {saga.saga_id} is not pending (already "
@@ -866,6 +908,10 @@ def create_app(
                 "pending_approvals": [
                     {"saga_id": s.saga_id, "approval_id": a.approval_id, "step_id": a.step_id}
                     for s, a in state.pending_approvals()
+                ],
+                "expired_approvals": [
+                    {"saga_id": s.saga_id, "approval_id": a.approval_id, "step_id": a.step_id}
+                    for s, a in state.expired_approvals()
                 ],
                 "open_incidents": [
                     {"saga_id": s.saga_id, "incident_id": i.incident_id, "kind": i.kind}

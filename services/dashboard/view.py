@@ -155,6 +155,9 @@ class SagaView:
     receipt: Receipt | None = None
     receipt_error: str | None = None
     pending_approvals: dict[str, ApprovalRequested] = field(default_factory=dict)
+    # Requests past their expiry (DashboardState.expire_approvals): the coordinator no
+    # longer waits for them, yet a grant made in time may still be read (and counts).
+    expired_approvals: dict[str, ApprovalRequested] = field(default_factory=dict)
     open_incidents: dict[str, IncidentRaised] = field(default_factory=dict)
     resolved_incidents: dict[str, IncidentResolved] = field(default_factory=dict)
     uncounted_decisions: list[UncountedDecision] = field(default_factory=list)
@@ -313,6 +316,28 @@ class DashboardState:
                 key=lambda pair: pair[1].envelope.occurred_at,
             )
 
+    def expired_approvals(self) -> list[tuple[SagaView, ApprovalRequested]]:
+        with self.lock:
+            return sorted(
+                (
+                    (s, a)
+                    for s in self.sagas.values()
+                    if s.terminal_status is None
+                    for a in s.expired_approvals.values()
+                ),
+                key=lambda pair: pair[1].envelope.occurred_at,
+            )
+
+    def expire_approvals(self, now: int) -> None:
+        """Move requests whose ``expires_at`` is before ``now`` out of the pending ones,
+        as the coordinator's expiry timer does (valid through ``expires_at``, R7): it no
+        longer waits for a decision, so neither is the saga shown awaiting one. Pages
+        call this with their clock before reading."""
+        with self.lock:
+            for saga in self.sagas.values():
+                for request in [a for a in saga.pending_approvals.values() if a.expires_at < now]:
+                    _expire(saga, request)
+
     def open_incidents(self) -> list[tuple[SagaView, IncidentRaised]]:
         with self.lock:
             return sorted(
@@ -373,8 +398,9 @@ def _fold(saga: SagaView, record: Record) -> None:
             return
         step = saga.step(record.step_id)
         saga.pending_approvals.pop(record.approval_id, None)
+        saga.expired_approvals.pop(record.approval_id, None)
         _close_approval(step, record.approval_id, at, f"granted by {record.granted_by}")
-        if step.state == "awaiting approval":
+        if step.state in ("awaiting approval", "approval expired"):
             step.state = "approved"
     elif isinstance(record, ApprovalDenied):
         problems = _denial_problems(saga, record)
@@ -383,6 +409,7 @@ def _fold(saga: SagaView, record: Record) -> None:
             return
         step = saga.step(record.step_id)
         saga.pending_approvals.pop(record.approval_id, None)
+        saga.expired_approvals.pop(record.approval_id, None)
         _close_approval(step, record.approval_id, at, f"denied by {record.denied_by}")
         step.state = "denied"
         _first_failure(saga, at)
@@ -493,6 +520,7 @@ def _fold(saga: SagaView, record: Record) -> None:
         saga.terminal_status = record.status
         saga.terminal_at = at
         saga.pending_approvals.clear()
+        saga.expired_approvals.clear()
         try:
             saga.receipt = Receipt.from_json(record.receipt)
         except ValueError as exc:
@@ -516,8 +544,10 @@ def _fold(saga: SagaView, record: Record) -> None:
 
 
 def _awaited(saga: SagaView, step_id: str, purpose: ApprovalPurpose) -> ApprovalRequested | None:
-    """The request the step is waiting on for ``purpose`` (the coordinator keeps one)."""
-    for request in saga.pending_approvals.values():
+    """The request the step is waiting on for ``purpose`` (the coordinator keeps one).
+    One past its expiry by the dashboard's clock still qualifies: the coordinator judges
+    a grant by the grant's own time, however late it is read."""
+    for request in (*saga.pending_approvals.values(), *saga.expired_approvals.values()):
         if request.step_id == step_id and request.purpose is purpose:
             return request
     return None
@@ -584,8 +614,32 @@ def _not_counted(
     )
 
 
+def _expire(saga: SagaView, request: ApprovalRequested) -> None:
+    saga.pending_approvals.pop(request.approval_id, None)
+    saga.expired_approvals[request.approval_id] = request
+    step = saga.steps.get(request.step_id)
+    if step is None:
+        return
+    span = step.open_span(SpanKind.APPROVAL, request.approval_id)
+    if span is not None:
+        span.end = max(request.expires_at, span.start)
+        span.outcome = "expired"
+        span.label = f"{request.purpose.value.lower()} approval expired"
+    if step.state == "awaiting approval":
+        step.state = "approval expired"
+
+
 def _close_approval(step: StepView, approval_id: str, at: int, outcome: str) -> None:
     span = step.open_span(SpanKind.APPROVAL, approval_id)
+    if span is None:  # expired by our clock, but decided in time after all
+        span = next(
+            (
+                s
+                for s in reversed(step.spans)
+                if s.kind is SpanKind.APPROVAL and s.ref == approval_id and s.outcome == "expired"
+            ),
+            None,
+        )
     if span is not None:
         span.end = max(at, span.start)
         span.outcome = outcome
