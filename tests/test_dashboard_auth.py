@@ -5,7 +5,9 @@ The browser and Kafka version is tests/test_dashboard_login_browser.py.
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,11 +15,14 @@ from dashboard_scenarios import T0, awaiting_approval, unknown_outcome
 from starlette.testclient import TestClient
 
 from sagaline.ops.metrics import SagalineMetrics
+from services.cli import main as cli_main
+from services.dashboard import Dashboard
 from services.dashboard import auth as auth_module
 from services.dashboard.app import create_app
 from services.dashboard.auth import (
     PROXY_SECRET_HEADER,
     PROXY_USER_HEADER,
+    AuthConfigError,
     OperatorAuth,
     check_password,
     hash_password,
@@ -226,3 +231,49 @@ def test_metrics_need_a_login_when_viewing_does_unless_opened_for_a_scrape() -> 
     assert opened.get("/api/state").status_code == 401
     assert _client(OperatorAuth(users=users, read_open=True)).get("/metrics").status_code == 200
     assert _client(OperatorAuth()).get("/metrics").status_code == 200  # development mode
+
+
+# ------------------------------------------------------------ the login configuration
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        ("{}", "no operator"),
+        ('["alice"]', "JSON object"),
+        ('{"alice": {"hash": "scrypt$x$y"}}', "alice"),
+        ('{"alice": "hunter2-in-clear"}', "alice"),
+    ],
+    ids=["empty", "a-list", "not-a-string", "not-a-hash"],
+)
+def test_a_users_file_without_usable_logins_is_refused_not_development_mode(
+    tmp_path: Path, content: str, why: str
+) -> None:
+    """SAGALINE_DASHBOARD_USERS set to a file with no usable entry must not leave the
+    dashboard open: an empty one turned logins off (development mode: anyone acts under
+    any name) and a malformed one failed at the first login, or with a bare TypeError."""
+    users = tmp_path / "users.json"
+    users.write_text(content, encoding="utf-8")
+    with pytest.raises(AuthConfigError, match=why):
+        OperatorAuth.from_env({"SAGALINE_DASHBOARD_USERS": str(users)})
+
+
+def test_a_valid_users_file_enables_logins(tmp_path: Path) -> None:
+    users = tmp_path / "users.json"
+    users.write_text(json.dumps({"alice": hash_password("pw-of-alice-123")}), encoding="utf-8")
+    auth = OperatorAuth.from_env({"SAGALINE_DASHBOARD_USERS": str(users)})
+    assert auth.enabled and auth.login("alice", "pw-of-alice-123") is not None
+
+
+def test_sagaline_dashboard_stops_with_the_reason_when_the_users_file_is_unusable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    users = tmp_path / "users.json"
+    users.write_text("{}", encoding="utf-8")
+    monkeypatch.setenv("SAGALINE_DASHBOARD_USERS", str(users))
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", "memory://dashboard-users-check")
+    served: list[int] = []  # a dashboard that starts anyway is caught here, not left serving
+    monkeypatch.setattr(Dashboard, "serve", lambda self, host, port: served.append(port))
+    assert cli_main(["dashboard", "--port", "0"]) == 2
+    assert served == []
+    assert "SAGALINE_DASHBOARD_USERS" in capsys.readouterr().err

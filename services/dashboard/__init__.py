@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 from sagaline.kafka import require_bootstrap
 from sagaline.ops.actions import OperatorChannel
 from sagaline.ops.metrics import SagalineMetrics
 from schemas.settings import Settings
 from services.dashboard.app import create_app
-from services.dashboard.auth import OperatorAuth
+from services.dashboard.auth import AuthConfigError, OperatorAuth
 from services.dashboard.consumer import LedgerFollower
 from services.dashboard.view import DashboardState, SagaFilter, SagaStatus, SagaView
 
@@ -69,7 +70,11 @@ def _exit_cleanly(signum: int, frame: object) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    dashboard = Dashboard.from_settings(Settings.from_env(), args.bootstrap)
+    try:
+        dashboard = Dashboard.from_settings(Settings.from_env(), args.bootstrap)
+    except AuthConfigError as exc:  # a message to fix the configuration, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(f"sagaline dashboard on http://{args.host}:{args.port}/", flush=True)
     dashboard.serve(args.host, args.port)
     return 0

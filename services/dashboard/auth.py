@@ -71,6 +71,35 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
     return env.get(name, "").strip().lower() in ("1", "true", "yes")
 
 
+def _read_users(path: str) -> dict[str, str]:
+    """The users file, refused unless it holds at least one name -> scrypt hash.
+
+    Logins are on exactly when some user exists, so an empty (or unreadable as such)
+    file must stop the dashboard: it silently ran in development mode, where anyone
+    acts under any name, and a malformed entry failed only at that operator's login."""
+    fix = "it must be a JSON object of name -> hash (`sagaline keys password NAME` prints one)"
+    try:
+        users = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise AuthConfigError(f"SAGALINE_DASHBOARD_USERS={path}: {exc}; {fix}") from None
+    if not isinstance(users, dict):
+        raise AuthConfigError(
+            f"SAGALINE_DASHBOARD_USERS={path}: a {type(users).__name__}, not a JSON object; {fix}"
+        )
+    if not users:
+        raise AuthConfigError(
+            f"SAGALINE_DASHBOARD_USERS={path} names no operator, so no one could log in "
+            f"and logins would be off; {fix}, or unset the variable for development mode"
+        )
+    for name, stored in users.items():
+        if not name.strip() or not isinstance(stored, str) or not stored.startswith("scrypt$"):
+            raise AuthConfigError(
+                f"SAGALINE_DASHBOARD_USERS={path}: the entry of {name!r} is not a password "
+                f"hash; {fix}"
+            )
+    return users
+
+
 @dataclass(frozen=True)
 class Session:
     operator: str
@@ -104,13 +133,7 @@ class OperatorAuth:
         users: dict[str, str] = {}
         path = env.get("SAGALINE_DASHBOARD_USERS")
         if path:
-            try:
-                users = json.loads(Path(path).read_text(encoding="utf-8"))
-            except (OSError, ValueError) as exc:
-                raise AuthConfigError(
-                    f"SAGALINE_DASHBOARD_USERS={path}: {exc}; it must be a JSON object of "
-                    "name -> hash (`sagaline keys password NAME` prints an entry)"
-                ) from None
+            users = _read_users(path)
         return cls(
             users,
             env.get("SAGALINE_DASHBOARD_PROXY_SECRET"),
