@@ -39,6 +39,7 @@ from sagaline.ops.receipts import (
 from schemas import (
     ApprovalGranted,
     ApprovalRequested,
+    FailureKind,
     IncidentRaised,
     Receipt,
     SagaStarted,
@@ -555,3 +556,23 @@ def test_a_grant_made_in_time_counts_even_when_read_after_the_request_expired() 
     assert saga.expired_approvals == {} and saga.uncounted_decisions == []
     span = saga.steps[req.step_id].open_span(SpanKind.APPROVAL)
     assert span is None and saga.steps[req.step_id].spans[-1].outcome == "granted by bob"
+
+
+def test_a_forward_approval_is_no_longer_pending_once_the_saga_compensates() -> None:
+    """When a saga turns around before its pivot, the coordinator cancels every step
+    still awaiting a forward approval (never dispatched) without a record of its own;
+    the page kept the approval pending, with live buttons, and the saga "awaiting
+    approval" while it compensated."""
+    script = awaiting_approval()
+    script.schedule("3", "issue_credit", amount_cents=2_500)
+    script.intent("3")
+    script.fail("3", FailureKind.BUSINESS_REJECTION)
+    script.compensate("1")
+    state = DashboardState()
+    for record in script.records:
+        state.apply(record)
+    saga = state.sagas["s-awaiting"]
+    assert state.pending_approvals() == [] and state.expired_approvals() == []
+    assert saga.status is SagaStatus.COMPENSATING
+    assert saga.steps["2"].state == "cancelled"
+    assert saga.steps["2"].open_span(SpanKind.APPROVAL) is None

@@ -761,7 +761,8 @@ def create_app(
         if req is None:
             raise operator_actions.UnknownRequest(
                 f"approval {approval_id} of saga {saga.saga_id} is not pending (already "
-                "decided, or the saga ended): nothing was recorded"
+                "decided, cancelled as the saga compensates, or the saga ended): nothing "
+                "was recorded"
             )
         return req
 

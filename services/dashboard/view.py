@@ -379,6 +379,8 @@ def _fold(saga: SagaView, record: Record) -> None:
         step.compensation = c.compensation
         step.scheduled_at = at
     elif isinstance(record, ApprovalRequested):
+        if record.purpose is ApprovalPurpose.COMPENSATION:
+            _cancel_forward_approvals(saga, at)
         step = saga.step(record.step_id)
         saga.pending_approvals[record.approval_id] = record
         if record.purpose is ApprovalPurpose.FORWARD:
@@ -468,6 +470,7 @@ def _fold(saga: SagaView, record: Record) -> None:
         if record.outcome is SagaOutcome.ABORT:
             _first_failure(saga, at)
     elif isinstance(record, CompensationRequested):
+        _cancel_forward_approvals(saga, at)
         step = saga.step(record.step_id, record.tool)
         step.compensation = step.compensation or record.compensation
         if saga.compensating_since is None:
@@ -612,6 +615,22 @@ def _not_counted(
             "; ".join(why),
         )
     )
+
+
+def _cancel_forward_approvals(saga: SagaView, at: int) -> None:
+    """A compensation is asked for only once the saga turned around, and then the
+    coordinator has cancelled every step still awaiting a forward approval (never
+    dispatched; ``_maybe_start_compensating``), writing no record of it: no one is
+    waited for any more, so none is shown pending."""
+    for requests in (saga.pending_approvals, saga.expired_approvals):
+        for request in [a for a in requests.values() if a.purpose is ApprovalPurpose.FORWARD]:
+            del requests[request.approval_id]
+            step = saga.steps.get(request.step_id)
+            if step is None:
+                continue
+            _close_approval(step, request.approval_id, at, "cancelled: the saga is compensating")
+            if step.state in ("awaiting approval", "approval expired"):
+                step.state = "cancelled"
 
 
 def _expire(saga: SagaView, request: ApprovalRequested) -> None:
