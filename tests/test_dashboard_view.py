@@ -10,6 +10,7 @@ import xml.etree.ElementTree as ET
 from typing import Any
 
 import pytest
+from coordinator_ledger import approval_requests, fresh
 from dashboard_scenarios import (
     ALL,
     awaiting_approval,
@@ -42,6 +43,8 @@ from schemas import (
     FailureKind,
     IncidentRaised,
     Receipt,
+    Reversibility,
+    SagaOutcome,
     SagaStarted,
     SagaTerminal,
 )
@@ -576,3 +579,28 @@ def test_a_forward_approval_is_no_longer_pending_once_the_saga_compensates() -> 
     assert saga.status is SagaStatus.COMPENSATING
     assert saga.steps["2"].state == "cancelled"
     assert saga.steps["2"].open_span(SpanKind.APPROVAL) is None
+
+
+def test_the_view_agrees_with_the_coordinator_on_approvals() -> None:
+    """The ledger the real coordinator core writes, folded by the dashboard: a grant it
+    rejects leaves the step waiting in both, and an abort cancels the approval in both."""
+    ledger, h = fresh()
+    h.feed(ledger.started(), ledger.scheduled("hold"), ledger.intent("hold"))
+    h.feed(ledger.committed("hold"))
+    [req] = approval_requests(
+        h.feed(ledger.scheduled("wire", reversibility=Reversibility.IRREVERSIBLE))
+    )
+    h.feed(ledger.grant(req, args_fingerprint="other-args"))
+    state = DashboardState()
+    for record in h.log:
+        state.apply(record)
+    saga = state.sagas[ledger.saga_id]
+    assert h.status("wire") == "AWAITING_APPROVAL"
+    assert saga.status is SagaStatus.AWAITING_APPROVAL and saga.uncounted_decisions
+
+    h.feed(ledger.end(SagaOutcome.ABORT, "the agent gave up"))
+    for record in h.log:
+        state.apply(record)
+    assert h.status("wire") == "CANCELLED"
+    assert state.sagas[ledger.saga_id].status is SagaStatus.COMPENSATING
+    assert state.pending_approvals() == []
