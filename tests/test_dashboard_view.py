@@ -10,9 +10,10 @@ import xml.etree.ElementTree as ET
 from typing import Any
 
 import pytest
-from coordinator_ledger import approval_requests, fresh
+from coordinator_ledger import approval_requests, fresh, incidents
 from dashboard_scenarios import (
     ALL,
+    T0,
     awaiting_approval,
     compensated,
     completed,
@@ -604,3 +605,36 @@ def test_the_view_agrees_with_the_coordinator_on_approvals() -> None:
     assert h.status("wire") == "CANCELLED"
     assert state.sagas[ledger.saga_id].status is SagaStatus.COMPENSATING
     assert state.pending_approvals() == []
+
+
+def test_an_unknown_outcome_settled_by_the_ledger_closes_its_incident() -> None:
+    """R11: once the step's commit is read (or a lookup answers), the coordinator marks
+    the open unknown-outcome incidents of that step resolved without writing a record;
+    the page went on listing the incident, asking a person whether the effect happened."""
+    ledger, h = fresh()
+    h.feed(ledger.started(), ledger.scheduled("hold"), ledger.intent("hold"))
+    [incident] = incidents(h.feed(ledger.unknown("hold")))
+    h.feed(ledger.committed("hold"))
+    assert [i.resolved for i in h.s.incidents] == [True]
+    state = DashboardState()
+    for record in h.log:
+        state.apply(record)
+    assert state.open_incidents() == []
+    saga = state.sagas[ledger.saga_id]
+    assert "COMMITTED" in saga.settled_incidents[incident.incident_id]
+    page = TestClient(create_app(state, clock=lambda: ledger.clock)).get("/").text
+    assert f'id="resolve-{incident.incident_id}"' not in page
+
+
+def test_a_person_settling_one_unknown_outcome_closes_every_incident_of_the_step() -> None:
+    """A participant's no-lookup incident and one asked again stand for one question."""
+    script = unknown_outcome()
+    first = next(r for r in script.records if isinstance(r, IncidentRaised))
+    second = script.incident("2", "unknown-outcome-no-lookup", owner="warehouse-oncall")
+    state = DashboardState()
+    for record in script.records:
+        state.apply(record)
+    assert len(state.open_incidents()) == 2
+    state.apply(incident_resolved(first, operator="bob", resolution="NOT_FOUND", now=T0 + 9_000))
+    assert state.open_incidents() == []
+    assert "NOT_FOUND" in state.sagas["s-unknown"].settled_incidents[second]

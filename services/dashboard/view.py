@@ -160,6 +160,9 @@ class SagaView:
     expired_approvals: dict[str, ApprovalRequested] = field(default_factory=dict)
     open_incidents: dict[str, IncidentRaised] = field(default_factory=dict)
     resolved_incidents: dict[str, IncidentResolved] = field(default_factory=dict)
+    # Unknown-outcome incidents the coordinator marks resolved without a record of their
+    # own, because their step was settled (incident id -> how).
+    settled_incidents: dict[str, str] = field(default_factory=dict)
     uncounted_decisions: list[UncountedDecision] = field(default_factory=list)
     record_count: int = 0
 
@@ -424,6 +427,7 @@ def _fold(saga: SagaView, record: Record) -> None:
             Span(SpanKind.ATTEMPT, at, label=f"attempt {record.attempt}", ref=str(record.attempt))
         )
     elif isinstance(record, StepCommitted):
+        _settle_unknown_incidents(saga, record.step_id, "COMMITTED (observed in the ledger)")
         step = saga.step(record.step_id, record.tool)
         step.close(SpanKind.ATTEMPT, at, "committed")
         step.close(SpanKind.UNKNOWN, at, "committed")
@@ -446,10 +450,12 @@ def _fold(saga: SagaView, record: Record) -> None:
     elif isinstance(record, StepReconciled):
         step = saga.step(record.step_id, record.tool)
         if record.outcome is ReconcileResult.COMMITTED:
+            _settle_unknown_incidents(saga, record.step_id, "COMMITTED (observed in the ledger)")
             step.close(SpanKind.UNKNOWN, at, "reconciled: committed")
             step.committed_at = step.committed_at or at
             step.state = "committed"
         elif record.outcome is ReconcileResult.NOT_FOUND:
+            _settle_unknown_incidents(saga, record.step_id, "NOT_FOUND (reconciled by lookup)")
             step.close(SpanKind.UNKNOWN, at, "reconciled: not found")
             step.state = "failed"
     elif isinstance(record, StepRetryScheduled):
@@ -503,7 +509,10 @@ def _fold(saga: SagaView, record: Record) -> None:
         step.state = "compensation failed"
     elif isinstance(record, IncidentRaised):
         _first_failure(saga, at)
-        if record.incident_id not in saga.resolved_incidents:
+        if (
+            record.incident_id not in saga.resolved_incidents
+            and record.incident_id not in saga.settled_incidents
+        ):
             saga.open_incidents[record.incident_id] = record
         if record.step_id is not None:
             step = saga.step(record.step_id, record.tool)
@@ -515,6 +524,8 @@ def _fold(saga: SagaView, record: Record) -> None:
         if incident is not None and incident.step_id is not None:
             step = saga.step(incident.step_id)
             if record.resolution in ("COMMITTED", "NOT_FOUND") and step.state == "unknown":
+                how = f"{record.resolution} (by {record.resolved_by})"
+                _settle_unknown_incidents(saga, incident.step_id, how)
                 step.close(SpanKind.UNKNOWN, at, f"resolved by {record.resolved_by}")
                 step.state = "committed" if record.resolution == "COMMITTED" else "failed"
                 if record.resolution == "COMMITTED":
@@ -615,6 +626,21 @@ def _not_counted(
             "; ".join(why),
         )
     )
+
+
+# The incident kinds that ask a person whether a step's effect happened (R11).
+_SETTLES_UNKNOWN = frozenset({"unknown-outcome", "unknown-outcome-no-lookup"})
+
+
+def _settle_unknown_incidents(saga: SagaView, step_id: str, how: str) -> None:
+    """The step's outcome is known now (its commit read, a lookup's answer, a person's
+    resolution): the coordinator marks every open unknown-outcome incident of the step
+    resolved (``_resolve_unknown_incidents``) and writes no record for it, so nothing is
+    left asking a person."""
+    for incident in list(saga.open_incidents.values()):
+        if incident.step_id == step_id and incident.kind in _SETTLES_UNKNOWN:
+            del saga.open_incidents[incident.incident_id]
+            saga.settled_incidents[incident.incident_id] = how
 
 
 def _cancel_forward_approvals(saga: SagaView, at: int) -> None:
