@@ -638,3 +638,41 @@ def test_a_person_settling_one_unknown_outcome_closes_every_incident_of_the_step
     state.apply(incident_resolved(first, operator="bob", resolution="NOT_FOUND", now=T0 + 9_000))
     assert state.open_incidents() == []
     assert "NOT_FOUND" in state.sagas["s-unknown"].settled_incidents[second]
+
+
+def test_a_new_generation_keeps_the_saga_as_the_coordinator_does_R15() -> None:
+    """A new run (generation) of a saga continues its steps: the coordinator keeps them
+    and asks again who must settle an unknown outcome. The view started the saga afresh:
+    the committed step vanished and the saga showed "running" while a person was asked."""
+    ledger, h = fresh()
+    h.feed(ledger.started(), ledger.scheduled("hold"), ledger.intent("hold"))
+    h.feed(ledger.committed("hold"), ledger.scheduled("wire"), ledger.intent("wire"))
+    [old] = incidents(h.feed(ledger.unknown("wire")))
+    [new] = incidents(h.feed(ledger.started(generation=2)))
+    state = DashboardState()
+    for record in h.log:
+        state.apply(record)
+    saga = state.sagas[ledger.saga_id]
+    assert h.status("hold") == "COMMITTED" and h.status("wire") == "UNKNOWN"
+    assert saga.generation == 2
+    assert {k: v.state for k, v in saga.steps.items()} == {"hold": "committed", "wire": "unknown"}
+    assert saga.status is SagaStatus.UNKNOWN_OUTCOME
+    # The old run's incident is superseded (its resolution would be stale): only the new.
+    assert [i.incident_id for _, i in state.open_incidents()] == [new.incident_id]
+    assert new.incident_id in saga.settled_incidents[old.incident_id]
+
+
+def test_a_record_of_a_later_generation_alone_does_not_make_the_current_run_stale() -> None:
+    """Only a SagaStarted begins a new generation (the coordinator's rule); a copy read
+    early from another topic moved the view's generation and every record of the current
+    run read after it was dropped as stale."""
+    script = running()
+    early = script.records[-1].model_copy(
+        update={"envelope": script.records[-1].envelope.model_copy(
+            update={"generation": 2, "event_id": "gen2-early"})}
+    )  # fmt: skip
+    state = DashboardState()
+    for record in [*script.records[:2], early, *script.records[2:]]:
+        state.apply(record)
+    assert state.stale_records == 0
+    assert state.sagas["s-running"].steps["2"].state == "running"

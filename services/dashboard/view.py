@@ -279,14 +279,15 @@ class DashboardState:
             return saga
         if env.generation < saga.generation:
             return None  # a superseded run: history, not the current saga (R15)
-        if env.generation > saga.generation:
-            if isinstance(record, SagaStarted):
-                # A new run of the saga replaces the old one's view.
-                saga = self.sagas[env.saga_id] = SagaView(
-                    saga_id=env.saga_id, tenant_id=env.tenant_id, generation=env.generation
-                )
-            else:
-                saga.generation = env.generation
+        if env.generation > saga.generation and isinstance(record, SagaStarted):
+            if saga.terminal_status is not None:
+                return None  # the coordinator ignores a late start of an ended saga
+            # A new run continues the saga's steps, as the coordinator does (only a
+            # SagaStarted begins one: a later record read early from another topic
+            # must not make the current run's records stale). What the old run asked
+            # a person is asked again under the new generation.
+            saga.generation = env.generation
+            _new_generation(saga, env.occurred_at)
         return saga
 
     # ----------------------------------------------------------------- reading
@@ -373,7 +374,7 @@ def _fold(saga: SagaView, record: Record) -> None:
         saga.workflow = record.workflow
         saga.principal = record.principal
         saga.tenant_id = record.envelope.tenant_id
-        saga.started_at = at
+        saga.started_at = at if saga.started_at is None else min(saga.started_at, at)
     elif isinstance(record, StepScheduled):
         step = saga.step(record.step_id)
         c = record.contract
@@ -509,6 +510,7 @@ def _fold(saga: SagaView, record: Record) -> None:
         step.state = "compensation failed"
     elif isinstance(record, IncidentRaised):
         _first_failure(saga, at)
+        _supersede_incidents(saga, record)
         if (
             record.incident_id not in saga.resolved_incidents
             and record.incident_id not in saga.settled_incidents
@@ -641,6 +643,35 @@ def _settle_unknown_incidents(saga: SagaView, step_id: str, how: str) -> None:
         if incident.step_id == step_id and incident.kind in _SETTLES_UNKNOWN:
             del saga.open_incidents[incident.incident_id]
             saga.settled_incidents[incident.incident_id] = how
+
+
+def _new_generation(saga: SagaView, at: int) -> None:
+    """The old run's approval requests are stale (a grant of them is rejected): the
+    coordinator asks again, with ids of its own, so none is shown pending."""
+    for requests in (saga.pending_approvals, saga.expired_approvals):
+        for request in list(requests.values()):
+            del requests[request.approval_id]
+            step = saga.steps.get(request.step_id)
+            if step is not None:
+                superseded = f"superseded by generation {saga.generation}"
+                _close_approval(step, request.approval_id, at, superseded)
+
+
+def _supersede_incidents(saga: SagaView, record: IncidentRaised) -> None:
+    """An incident a later run raised again (same step and kind) replaces the earlier
+    run's: a resolution copies its incident's generation, so one of the old incident
+    would be stale. As ``sagaline incidents list`` shows it."""
+    generation = record.envelope.generation
+    for old in list(saga.open_incidents.values()):
+        if (
+            old.step_id == record.step_id
+            and old.kind == record.kind
+            and old.envelope.generation < generation
+        ):
+            del saga.open_incidents[old.incident_id]
+            saga.settled_incidents[old.incident_id] = (
+                f"superseded by {record.incident_id} (generation {generation})"
+            )
 
 
 def _cancel_forward_approvals(saga: SagaView, at: int) -> None:
