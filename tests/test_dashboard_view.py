@@ -14,6 +14,7 @@ from coordinator_ledger import approval_requests, fresh, incidents
 from dashboard_scenarios import (
     ALL,
     T0,
+    SagaScript,
     awaiting_approval,
     compensated,
     completed,
@@ -676,3 +677,21 @@ def test_a_record_of_a_later_generation_alone_does_not_make_the_current_run_stal
         state.apply(record)
     assert state.stale_records == 0
     assert state.sagas["s-running"].steps["2"].state == "running"
+
+
+def test_a_commit_after_an_escalation_past_the_pivot_closes_its_incident() -> None:
+    """R6, R14: a step escalated after the pivot ("forward-failed-after-pivot": still
+    owed) that commits after all is settled by the ledger; the coordinator marks the
+    incident resolved without a record (coordinator 32ddeca), the page kept it open."""
+    s = SagaScript("s-late").start()
+    s.run("1", "issue_credit", amount_cents=2_500)
+    s.schedule("2", "restock_inventory")
+    s.intent("2")
+    s.fail("2", FailureKind.TRANSIENT)
+    incident_id = s.incident("2", "forward-failed-after-pivot")
+    s.commit("2")
+    state = DashboardState()
+    for record in s.records:
+        state.apply(record)
+    assert state.open_incidents() == []
+    assert "COMMITTED" in state.sagas["s-late"].settled_incidents[incident_id]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from sagaline.ops.metrics import SagalineMetrics
@@ -429,6 +429,12 @@ def _fold(saga: SagaView, record: Record) -> None:
         )
     elif isinstance(record, StepCommitted):
         _settle_unknown_incidents(saga, record.step_id, "COMMITTED (observed in the ledger)")
+        _settle_incidents(
+            saga,
+            record.step_id,
+            {"forward-failed-after-pivot"},
+            "COMMITTED (observed in the ledger)",
+        )
         step = saga.step(record.step_id, record.tool)
         step.close(SpanKind.ATTEMPT, at, "committed")
         step.close(SpanKind.UNKNOWN, at, "committed")
@@ -639,8 +645,15 @@ def _settle_unknown_incidents(saga: SagaView, step_id: str, how: str) -> None:
     resolution): the coordinator marks every open unknown-outcome incident of the step
     resolved (``_resolve_unknown_incidents``) and writes no record for it, so nothing is
     left asking a person."""
+    _settle_incidents(saga, step_id, _SETTLES_UNKNOWN, how)
+
+
+def _settle_incidents(saga: SagaView, step_id: str, kinds: Collection[str], how: str) -> None:
+    """Open incidents of ``kinds`` about the step, settled by what the ledger says (a
+    commit also settles a "forward-failed-after-pivot" escalation: the effect owed
+    happened after all, ``coordinator.core._obligation_met``)."""
     for incident in list(saga.open_incidents.values()):
-        if incident.step_id == step_id and incident.kind in _SETTLES_UNKNOWN:
+        if incident.step_id == step_id and incident.kind in kinds:
             del saga.open_incidents[incident.incident_id]
             saga.settled_incidents[incident.incident_id] = how
 
