@@ -24,6 +24,7 @@ from dashboard_scenarios import (
 )
 from starlette.testclient import TestClient
 
+from coordinator.core import CorePolicy, decide
 from sagaline.ops.actions import (
     ApprovalExpired,
     MissingOperatorIdentity,
@@ -485,14 +486,8 @@ def _late(grant: ApprovalGranted) -> ApprovalGranted:
         (lambda g: g.model_copy(update={"principal": "agent-evil"}), "principal"),
         (lambda g: g.model_copy(update={"scope": "notify:charge_card"}), "scope"),
         (_late, "after expiry"),
-        (
-            lambda g: g.model_copy(
-                update={"envelope": g.envelope.model_copy(update={"tenant_id": "globex"})}
-            ),
-            "tenant",
-        ),
     ],
-    ids=["fingerprint", "approval-id", "principal", "scope", "expired", "tenant"],
+    ids=["fingerprint", "approval-id", "principal", "scope", "expired"],
 )
 def test_a_grant_the_coordinator_would_not_count_leaves_the_approval_pending(
     spoil: Any, why: str
@@ -695,3 +690,47 @@ def test_a_commit_after_an_escalation_past_the_pivot_closes_its_incident() -> No
         state.apply(record)
     assert state.open_incidents() == []
     assert "COMMITTED" in state.sagas["s-late"].settled_incidents[incident_id]
+
+
+# ------------------------------------------------------ records the coordinator refuses
+
+
+def _forged(record: Any, **envelope: Any) -> Any:
+    return record.model_copy(
+        update={"envelope": record.envelope.model_copy(update={"event_id": "forged", **envelope})}
+    )
+
+
+@pytest.mark.parametrize(
+    ("forge", "bound"),
+    [
+        (lambda ledger: _forged(ledger.committed("hold"), producer="mallory"), True),
+        (lambda ledger: _forged(ledger.committed("hold"), tenant_id="globex"), False),
+        (lambda ledger: _forged(ledger.end(SagaOutcome.ABORT), producer="mallory"), True),
+    ],
+    ids=["other-participant", "other-tenant", "other-agent"],
+)
+def test_a_record_the_coordinator_refuses_is_not_shown_as_fact(forge: Any, bound: bool) -> None:
+    """With a trust file the coordinator takes a step's outcome only from the step's
+    participant and the saga's course only from the agent that started it, and any
+    record only for the saga's tenant (FORBIDDEN_WRITER / TENANT_MISMATCH, to the DLQ);
+    the page showed such a record as what happened."""
+    ledger, _ = fresh()
+    records = [ledger.started(), ledger.scheduled("hold"), ledger.intent("hold")]
+    forged = forge(ledger)
+    policy = CorePolicy(bind_writers=bound)
+    saga_state = None
+    for i, record in enumerate([*records, forged]):
+        decision = decide(saga_state, record, ledger.clock + i, policy)
+        saga_state = decision.state
+    assert saga_state is not None and saga_state.steps["hold"].status.value != "COMMITTED"
+    assert saga_state.status.value == "RUNNING"
+    assert {"forbidden-writer", "tenant-mismatch"} & {o.reason for o in decision.outputs}
+    state = DashboardState(bind_writers=bound)
+    for record in [*records, forged]:
+        state.apply(record)
+    saga = state.sagas[ledger.saga_id]
+    assert saga.steps["hold"].state == "running" and saga.end_requested is None
+    assert saga.status is SagaStatus.RUNNING and len(saga.refused) == 1
+    page = TestClient(create_app(state, clock=lambda: ledger.clock)).get(f"/sagas/{ledger.saga_id}")
+    assert "refused by the coordinator" in page.text and "forged" in page.text

@@ -23,6 +23,7 @@ from sagaline.kafka import require_bootstrap
 from sagaline.ops.actions import OperatorChannel
 from sagaline.ops.metrics import SagalineMetrics
 from schemas.settings import Settings
+from schemas.trust import IdentitySigner
 from services.dashboard.app import create_app
 from services.dashboard.auth import AuthConfigError, OperatorAuth
 from services.dashboard.consumer import LedgerFollower
@@ -40,9 +41,14 @@ class Dashboard:
         self.settings = settings
         from services.refund import economic_effect
 
-        self.state = DashboardState(SagalineMetrics("dashboard", effect=economic_effect))
-        self.follower = LedgerFollower(bootstrap, settings.topics, settings.signer(), self.state)
-        self.channel = OperatorChannel(bootstrap, settings.topics, settings.signer())
+        signer = settings.signer()
+        self.state = DashboardState(
+            SagalineMetrics("dashboard", effect=economic_effect),
+            # The coordinator binds writers with a trust file (identities): so does the view.
+            bind_writers=isinstance(signer, IdentitySigner),
+        )
+        self.follower = LedgerFollower(bootstrap, settings.topics, signer, self.state)
+        self.channel = OperatorChannel(bootstrap, settings.topics, signer)
         self.auth = auth or OperatorAuth.from_env()
         self.app = create_app(self.state, self.channel, self.follower, auth=self.auth)
 

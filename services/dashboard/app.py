@@ -481,6 +481,9 @@ def _saga_fragment(saga: SagaView, now: int, viewer: Viewer = DEV) -> str:
         ("ended", _e(format_ms(saga.terminal_at))),
         ("records", str(saga.record_count)),
     ]
+    if saga.refused:
+        listed = "".join(f"<li>{_e(why)}</li>" for why in saga.refused)
+        facts.append(("refused by the coordinator", f'<ul class="refused">{listed}</ul>'))
     rows = "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in facts)
     steps = "".join(
         f'<tr data-step="{_e(s.step_id)}"><td>{_e(s.step_id)}</td><td>{_e(s.tool)}</td>'
@@ -892,6 +895,7 @@ def create_app(
                 "caught_up": follower.caught_up.is_set() if follower else True,
                 "records_applied": state.records_applied,
                 "ledger_duplicates": state.ledger_duplicates,
+                "refused_records": state.refused_records,
                 "fold_errors": follower.fold_errors if follower else 0,
                 "counts": {s.slug: n for s, n in state.counts(flt).items()},
                 "sagas": [

@@ -19,6 +19,7 @@ import threading
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
+from coordinator.core import COORDINATOR_PRODUCER
 from sagaline.ops.metrics import SagalineMetrics
 from schemas.models import (
     ApprovalDenied,
@@ -164,6 +165,8 @@ class SagaView:
     # own, because their step was settled (incident id -> how).
     settled_incidents: dict[str, str] = field(default_factory=dict)
     uncounted_decisions: list[UncountedDecision] = field(default_factory=list)
+    started_by: str | None = None  # the SagaStarted's producer: the agent driving it
+    refused: list[str] = field(default_factory=list)  # records the coordinator refuses
     record_count: int = 0
 
     @property
@@ -224,8 +227,14 @@ class DashboardState:
     page handlers while reading.
     """
 
-    def __init__(self, metrics: SagalineMetrics | None = None) -> None:
+    def __init__(
+        self, metrics: SagalineMetrics | None = None, *, bind_writers: bool = False
+    ) -> None:
         self.lock = threading.RLock()
+        # With a trust file the coordinator takes a record only from the writer bound to
+        # it (the saga's agent, the step's participant); so does the view.
+        self.bind_writers = bind_writers
+        self.refused_records = 0
         self.metrics = metrics or SagalineMetrics("dashboard")
         self.sagas: dict[str, SagaView] = {}
         self._seen: set[str] = set()
@@ -258,11 +267,21 @@ class DashboardState:
                 self.metrics.observe_record(record)
             if event_id in self._seen:
                 return False
-            self._seen.add(event_id)
             saga = self._saga_for(record)
             if saga is None:
+                self._seen.add(event_id)
                 self.stale_records += 1
                 return False
+            refused = _refusal(saga, record, self.bind_writers)
+            if refused is not None:
+                # Not remembered, as the coordinator does not: the rightful record with
+                # this event id may follow.
+                self._seen_on_ledger.discard(event_id)
+                self.refused_records += 1
+                saga.refused.append(f"{record.TYPE} {event_id}: {refused}")
+                return False
+            self._seen.add(event_id)
+            _begin_generation(saga, record)
             self.records_applied += 1
             saga.record_count += 1
             saga.last_at = max(saga.last_at, record.envelope.occurred_at)
@@ -279,15 +298,12 @@ class DashboardState:
             return saga
         if env.generation < saga.generation:
             return None  # a superseded run: history, not the current saga (R15)
-        if env.generation > saga.generation and isinstance(record, SagaStarted):
-            if saga.terminal_status is not None:
-                return None  # the coordinator ignores a late start of an ended saga
-            # A new run continues the saga's steps, as the coordinator does (only a
-            # SagaStarted begins one: a later record read early from another topic
-            # must not make the current run's records stale). What the old run asked
-            # a person is asked again under the new generation.
-            saga.generation = env.generation
-            _new_generation(saga, env.occurred_at)
+        if (
+            env.generation > saga.generation
+            and isinstance(record, SagaStarted)
+            and saga.terminal_status is not None
+        ):
+            return None  # the coordinator ignores a late start of an ended saga
         return saga
 
     # ----------------------------------------------------------------- reading
@@ -371,6 +387,8 @@ def _first_failure(saga: SagaView, at: int) -> None:
 def _fold(saga: SagaView, record: Record) -> None:
     at = record.envelope.occurred_at
     if isinstance(record, SagaStarted):
+        if saga.started_by is None:
+            saga.started_by = record.envelope.producer
         saga.workflow = record.workflow
         saga.principal = record.principal
         saga.tenant_id = record.envelope.tenant_id
@@ -636,6 +654,19 @@ def _not_counted(
     )
 
 
+_AGENT_DRIVEN = (StepScheduled, SagaEndRequested, SagaStarted)
+_PARTICIPANT_OUTCOMES = (
+    StepIntentRecorded,
+    StepCommitted,
+    StepFailed,
+    StepOutcomeUnknown,
+    StepReconciled,
+    CompensationAccepted,
+    CompensationCommitted,
+    CompensationFailed,
+    IncidentRaised,  # participants raise one for a lookup they cannot do
+)
+
 # The incident kinds that ask a person whether a step's effect happened (R11).
 _SETTLES_UNKNOWN = frozenset({"unknown-outcome", "unknown-outcome-no-lookup"})
 
@@ -656,6 +687,43 @@ def _settle_incidents(saga: SagaView, step_id: str, kinds: Collection[str], how:
         if incident.step_id == step_id and incident.kind in kinds:
             del saga.open_incidents[incident.incident_id]
             saga.settled_incidents[incident.incident_id] = how
+
+
+def _begin_generation(saga: SagaView, record: Record) -> None:
+    """A new run continues the saga's steps, as the coordinator does (only a SagaStarted
+    begins one: a later record read early from another topic must not make the current
+    run's records stale). What the old run asked a person is asked again under the new
+    generation."""
+    env = record.envelope
+    if env.generation > saga.generation and isinstance(record, SagaStarted):
+        saga.generation = env.generation
+        _new_generation(saga, env.occurred_at)
+
+
+def _refusal(saga: SagaView, record: Record, bind_writers: bool) -> str | None:
+    """Why the coordinator refuses ``record`` before acting on it (TENANT_MISMATCH, and
+    with a trust file FORBIDDEN_WRITER: ``coordinator.core._refused_writer``), else
+    None. Its own records it never re-applies; they are the view's facts. (Its check
+    that an outcome answers a command it sent is not mirrored: commands are not read.)"""
+    env = record.envelope
+    if env.producer == COORDINATOR_PRODUCER or saga.started_by is None:
+        return None  # the saga's tenant and starter are known from its SagaStarted
+    if env.tenant_id != saga.tenant_id:
+        return f"tenant {env.tenant_id!r}, but the saga belongs to tenant {saga.tenant_id!r}"
+    if not bind_writers:
+        return None
+    if isinstance(record, _AGENT_DRIVEN) and env.producer != saga.started_by:
+        return f"the saga was started by {saga.started_by!r}; only it drives the saga"
+    if isinstance(record, _PARTICIPANT_OUTCOMES):
+        if record.step_id is None:
+            return "an incident from a participant must name a step of this saga"
+        step = saga.steps.get(record.step_id)
+        if step is not None and step.participant != "?" and env.producer != step.participant:
+            return (
+                f"step {record.step_id} runs on participant {step.participant!r}; "
+                f"{env.producer!r} may not report its outcome"
+            )
+    return None
 
 
 def _new_generation(saga: SagaView, at: int) -> None:
