@@ -300,3 +300,48 @@ def test_openai_agents_run_waiting_for_an_approval_leaves_the_saga_open_R7(serve
         assert [r.reason for r in records if isinstance(r, SagaEndRequested)] == []
         assert isinstance(err.value, ApprovalPending)  # as the agent's code catches it
         saga.end(sagaline.SagaOutcome.ABORT, "test over")
+
+
+class Ops:
+    """Tool arguments named like the keywords LangChain passes to its own tools."""
+
+    def __init__(self) -> None:
+        self.deployed: list[tuple[str, str, str]] = []
+
+    @sagaline.tool(description="Deploy a service")
+    @sagaline.compensable(by="rollback")
+    def deploy(self, service: str, config: str = "staging", run_manager: str = "ci") -> str:
+        self.deployed.append((service, config, run_manager))
+        return f"{service}@{config}"
+
+    def rollback(self, ctx: sagaline.CompensationContext) -> None:
+        pass
+
+
+def test_langchain_tool_arguments_named_config_or_run_manager_reach_the_tool(
+    served: Any,
+) -> None:
+    """LangChain's ``BaseTool.run`` passes ``config`` and ``run_manager`` keywords to
+    the tool's ``_run``, overwriting model arguments of the same names: the step ran
+    with the defaults (here: deployed to staging when the model asked for production)."""
+    from langchain_core.messages import AIMessage
+    from langgraph.graph import END, START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode
+
+    from sagaline.agents import langchain as adapter
+
+    client, _catalogue, _trip = served
+    ops = Ops()
+    catalogue = sagaline.wrap(ops, name="ops")
+    args = {"service": "web", "config": "production", "run_manager": "alice"}
+    with sagaline.connect(catalogue, settings=client.settings) as ops_client:
+        with ops_client.saga("ops", principal="agent:langgraph") as saga:
+            graph = StateGraph(MessagesState)
+            graph.add_node("tools", ToolNode(adapter.tools(saga, catalogue)))
+            graph.add_edge(START, "tools")
+            graph.add_edge("tools", END)
+            call = {"name": "deploy", "args": args, "id": "call-deploy"}
+            out = graph.compile().invoke({"messages": [AIMessage(content="", tool_calls=[call])]})
+        assert saga.wait(120).status is TerminalStatus.COMPLETED
+    assert out["messages"][-1].content == "web@production"
+    assert ops.deployed == [("web", "production", "alice")]

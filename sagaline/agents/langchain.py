@@ -30,14 +30,28 @@ def tools(saga: Saga, catalogue: Catalogue | Iterable[ToolSpec]) -> list[Structu
     return [_structured_tool(t) for t in saga_tools(saga, catalogue)]
 
 
+class _SagaStructuredTool(StructuredTool):
+    """A ``StructuredTool`` that hands the model's arguments to the saga as one dict.
+
+    ``BaseTool.run`` spreads the arguments as keywords of ``_run`` and then sets its
+    own ``config`` and ``run_manager`` keywords over them, so a tool argument of
+    either name never reached the tool (the step ran with its default)."""
+
+    def _to_args_and_kwargs(
+        self, tool_input: str | dict[str, Any], tool_call_id: str | None
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        _, arguments = super()._to_args_and_kwargs(tool_input, tool_call_id)
+        return (arguments,), {}
+
+
 def _structured_tool(bound: SagaTool) -> StructuredTool:
-    def run(**kwargs: Any) -> Any:
-        return bound(kwargs)
+    def run(arguments: dict[str, Any]) -> Any:
+        return bound(arguments)
 
-    async def arun(**kwargs: Any) -> Any:
-        return await bound.acall(kwargs)
+    async def arun(arguments: dict[str, Any]) -> Any:
+        return await bound.acall(arguments)
 
-    return StructuredTool(
+    return _SagaStructuredTool(
         name=bound.name,
         description=bound.description,
         args_schema=bound.parameters,  # JSON Schema, as the model sees it
