@@ -345,3 +345,96 @@ def test_langchain_tool_arguments_named_config_or_run_manager_reach_the_tool(
         assert saga.wait(120).status is TerminalStatus.COMPLETED
     assert out["messages"][-1].content == "web@production"
     assert ops.deployed == [("web", "production", "alice")]
+
+
+class Desk:
+    """A booking whose first run holds until the test lets it go."""
+
+    def __init__(self) -> None:
+        self.booked: list[str] = []
+        self.release = threading.Event()
+
+    @sagaline.tool(description="Book a room", deadline=300)
+    @sagaline.compensable(by="cancel")
+    def book(self, room: str) -> str:
+        self.booked.append(room)
+        self.release.wait(300)  # safety net only: the test sets it
+        return f"b-{room}"
+
+    def cancel(self, ctx: sagaline.CompensationContext) -> None:
+        pass
+
+
+def test_langgraph_retry_of_a_tool_call_is_the_same_step_not_a_second_effect_R11(
+    served: Any,
+) -> None:
+    """A call whose outcome is not in within the call timeout raises OutcomeUnknown
+    (R11: the effect may have happened). A LangGraph ``RetryPolicy`` on the tools node
+    retries it (its default ``retry_on`` takes any SagaCallError for transient), with
+    the same tool-call id: that must wait for the same step again, not schedule a new
+    one that books the room a second time."""
+    from langchain_core.messages import AIMessage
+    from langgraph.graph import END, START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode
+    from langgraph.types import RetryPolicy
+
+    from participants.client import OutcomeUnknown
+    from sagaline.agents import langchain as adapter
+
+    client, _catalogue, _trip = served
+    desk = Desk()
+    catalogue = sagaline.wrap(desk, name="desk")
+    retried: list[Exception] = []
+
+    def retry_on(exc: Exception) -> bool:
+        retried.append(exc)
+        desk.release.set()  # the first run may finish now
+        return isinstance(exc, OutcomeUnknown)
+
+    with sagaline.connect(catalogue, settings=client.settings, call_timeout_s=3) as desk_client:
+        with desk_client.saga("desk", principal="agent:langgraph") as saga:
+            graph = StateGraph(MessagesState)
+            graph.add_node(
+                "tools",
+                ToolNode(adapter.tools(saga, catalogue)),
+                retry_policy=RetryPolicy(
+                    max_attempts=100,
+                    initial_interval=0.1,
+                    max_interval=1.0,
+                    jitter=False,
+                    retry_on=retry_on,
+                ),
+            )
+            graph.add_edge(START, "tools")
+            graph.add_edge("tools", END)
+            call = {"name": "book", "args": {"room": "R1"}, "id": "call-book-1"}
+            try:
+                out = graph.compile().invoke(
+                    {"messages": [AIMessage(content="", tool_calls=[call])]}
+                )
+            finally:
+                desk.release.set()
+        receipt = saga.wait(120)
+    assert retried and isinstance(retried[0], OutcomeUnknown)
+    assert out["messages"][-1].content == "b-R1"
+    assert desk.booked == ["R1"]
+    assert [s.tool for s in receipt.steps] == ["book"]
+    assert receipt.status is TerminalStatus.COMPLETED
+
+
+def test_a_tool_call_id_names_one_step_and_distinct_calls_stay_distinct(served: Any) -> None:
+    """The same tool-call id with the same arguments is one step (one effect); another
+    id, or the same id with other arguments, is a call of its own."""
+    from sagaline.agents._core import saga_tools
+
+    client, catalogue, trip = served
+    with client.saga("trip", principal="agent:ids") as saga:
+        tools = {t.name: t for t in saga_tools(saga, catalogue)}
+        first = tools["reserve_seat"]({"flight": "LX50"}, "c-1")
+        again = asyncio.run(tools["reserve_seat"].acall({"flight": "LX50"}, "c-1"))
+        other_id = tools["reserve_seat"]({"flight": "LX50"}, "c-2")
+        other_args = tools["reserve_seat"]({"flight": "LX51"}, "c-1")
+    receipt = saga.wait(120)
+    assert (first, again, other_id, other_args) == ("r-LX50", "r-LX50", "r-LX50", "r-LX51")
+    assert trip.log.count("reserve:LX50") == 2 and trip.log.count("reserve:LX51") == 1
+    assert [s.tool for s in receipt.steps] == ["reserve_seat"] * 3

@@ -7,10 +7,20 @@ run returns, aborted (the committed steps compensated) when it raises. A step th
 does not commit raises its :class:`~participants.client.SagaCallError` out of the
 tool, through the framework, out of the run: the agent does not keep working on a
 saga that is already unwinding.
+
+A framework may run one tool call again (a LangGraph ``RetryPolicy`` retries a node
+whose tool raised ``OutcomeUnknown``; a resumed interrupt re-runs the node): a call
+that carries the framework's tool-call id is the step ``TOOL@CALLID``, so running it
+again with the same arguments waits for that step's outcome again (the coordinator
+does not run a step twice) instead of making the effect a second time.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import threading
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -51,11 +61,33 @@ class SagaTool:
     def read_only(self) -> bool:
         return self.spec.read_only
 
-    def __call__(self, args: Mapping[str, Any]) -> Any:
-        return self.saga.call(self.spec.name, **tool_args(self.saga, self.spec.name, args))
+    def __call__(self, args: Mapping[str, Any], call_id: str | None = None) -> Any:
+        kwargs = tool_args(self.saga, self.spec.name, args)
+        return self.saga.call(self.spec.name, step_id=self._step_id(call_id, kwargs), **kwargs)
 
-    async def acall(self, args: Mapping[str, Any]) -> Any:
-        return await self.saga.acall(self.spec.name, **tool_args(self.saga, self.spec.name, args))
+    async def acall(self, args: Mapping[str, Any], call_id: str | None = None) -> Any:
+        kwargs = tool_args(self.saga, self.spec.name, args)
+        step_id = self._step_id(call_id, kwargs)
+        return await self.saga.acall(self.spec.name, step_id=step_id, **kwargs)
+
+    def _step_id(self, call_id: str | None, kwargs: Mapping[str, Any]) -> str | None:
+        """The step of the framework's tool call ``call_id``: the same call run again
+        (same tool, same arguments) is the same step; without an id, or an id already
+        used for another call, the saga numbers a new step."""
+        if not call_id:
+            return None
+        dumped = json.dumps(kwargs, sort_keys=True, default=repr).encode()
+        call = (self.spec.name, hashlib.sha256(dumped).hexdigest())  # no clear args kept
+        with _CALLS_LOCK:
+            calls = _CALLS.setdefault(self.saga, {})
+            if calls.setdefault(call_id, call) != call:
+                return None
+        return f"{self.spec.name}@{call_id}"  # no tool name has "@": no step id is made twice
+
+
+# Per saga: tool-call id -> (tool, arguments) of the call it named first.
+_CALLS: weakref.WeakKeyDictionary[Any, dict[str, tuple[str, str]]] = weakref.WeakKeyDictionary()
+_CALLS_LOCK = threading.Lock()
 
 
 def tool_args(saga: Saga, tool: str, args: Mapping[str, Any]) -> dict[str, Any]:

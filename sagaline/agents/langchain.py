@@ -31,7 +31,8 @@ def tools(saga: Saga, catalogue: Catalogue | Iterable[ToolSpec]) -> list[Structu
 
 
 class _SagaStructuredTool(StructuredTool):
-    """A ``StructuredTool`` that hands the model's arguments to the saga as one dict.
+    """A ``StructuredTool`` that hands the model's arguments to the saga as one dict,
+    with the tool-call id (a retried call is the same step, see ``_core``).
 
     ``BaseTool.run`` spreads the arguments as keywords of ``_run`` and then sets its
     own ``config`` and ``run_manager`` keywords over them, so a tool argument of
@@ -41,15 +42,15 @@ class _SagaStructuredTool(StructuredTool):
         self, tool_input: str | dict[str, Any], tool_call_id: str | None
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         _, arguments = super()._to_args_and_kwargs(tool_input, tool_call_id)
-        return (arguments,), {}
+        return (arguments, tool_call_id), {}
 
 
 def _structured_tool(bound: SagaTool) -> StructuredTool:
-    def run(arguments: dict[str, Any]) -> Any:
-        return bound(arguments)
+    def run(arguments: dict[str, Any], call_id: str | None) -> Any:
+        return bound(arguments, call_id)
 
-    async def arun(arguments: dict[str, Any]) -> Any:
-        return await bound.acall(arguments)
+    async def arun(arguments: dict[str, Any], call_id: str | None) -> Any:
+        return await bound.acall(arguments, call_id)
 
     return _SagaStructuredTool(
         name=bound.name,

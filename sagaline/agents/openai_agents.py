@@ -45,9 +45,9 @@ class _ApprovalPending(ApprovalPending, AgentsException):
 
 
 def _function_tool(bound: SagaTool) -> FunctionTool:
-    async def invoke(_ctx: ToolContext[Any], arguments: str) -> str:
+    async def invoke(ctx: ToolContext[Any], arguments: str) -> str:
         try:
-            result = await bound.acall(json.loads(arguments or "{}"))
+            result = await bound.acall(json.loads(arguments or "{}"), ctx.tool_call_id)
         except ApprovalPending as exc:
             raise _ApprovalPending(
                 str(exc),

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from pydantic_ai import Tool
+from pydantic_ai import RunContext, Tool
 from pydantic_ai.toolsets import FunctionToolset
 
 from participants.catalogue import Catalogue, ToolSpec
@@ -31,10 +31,14 @@ def toolset(saga: Saga, catalogue: Catalogue | Iterable[ToolSpec]) -> FunctionTo
 
 
 def _tool(bound: SagaTool) -> Tool[Any]:
-    async def call(**kwargs: Any) -> Any:
-        return await bound.acall(kwargs)
+    async def call(ctx: RunContext[Any], /, **kwargs: Any) -> Any:
+        return await bound.acall(kwargs, ctx.tool_call_id)  # see _core: retried calls
 
     function: Callable[..., Any] = call
     return Tool.from_schema(
-        function, name=bound.name, description=bound.description, json_schema=bound.parameters
+        function,
+        name=bound.name,
+        description=bound.description,
+        json_schema=bound.parameters,
+        takes_ctx=True,
     )
