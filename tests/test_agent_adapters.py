@@ -438,3 +438,25 @@ def test_a_tool_call_id_names_one_step_and_distinct_calls_stay_distinct(served: 
     assert (first, again, other_id, other_args) == ("r-LX50", "r-LX50", "r-LX50", "r-LX51")
     assert trip.log.count("reserve:LX50") == 2 and trip.log.count("reserve:LX51") == 1
     assert [s.tool for s in receipt.steps] == ["reserve_seat"] * 3
+
+
+def test_langchain_sync_tool_call_in_an_async_saga_runs_the_step(served: Any) -> None:
+    """``async with client.saga(...)`` gives an AsyncSaga, whose ``call`` is a
+    coroutine: a LangChain tool invoked synchronously (``graph.invoke``, a sync
+    ``ToolNode``) returned that coroutine, never awaited, as the tool's result, so
+    the model was told the step ran while nothing was scheduled."""
+    from sagaline.agents import langchain as adapter
+
+    client, catalogue, trip = served
+    call = {"name": "reserve_seat", "args": {"flight": "LX60"}, "id": "c-60", "type": "tool_call"}
+
+    async def run() -> tuple[Any, sagaline.Receipt]:
+        async with client.saga("trip", principal="agent:async-langchain") as saga:
+            tool = {t.name: t for t in adapter.tools(saga, catalogue)}["reserve_seat"]
+            message = await asyncio.to_thread(tool.invoke, call)
+        return message, await saga.wait(120)
+
+    message, receipt = asyncio.run(run())
+    assert message.content == "r-LX60"
+    assert "reserve:LX60" in trip.log
+    assert [s.tool for s in receipt.steps] == ["reserve_seat"]

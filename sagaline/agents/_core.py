@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from participants.catalogue import Catalogue, ToolKind, ToolSpec
-from participants.client import CallRefused, Saga
+from participants.client import AsyncSaga, CallRefused, Saga
 
 # Options of ``saga.call``, never tool arguments (the catalogue refuses such names).
 SAGA_CALL_OPTIONS = frozenset({"step_id", "depends_on", "timeout_s"})
@@ -108,6 +108,12 @@ def tool_args(saga: Saga, tool: str, args: Mapping[str, Any]) -> dict[str, Any]:
     return dict(args)
 
 
-def saga_tools(saga: Saga, catalogue: Catalogue | Iterable[ToolSpec]) -> list[SagaTool]:
+def saga_tools(saga: Saga | AsyncSaga, catalogue: Catalogue | Iterable[ToolSpec]) -> list[SagaTool]:
+    """``catalogue``'s tools bound to ``saga``. An :class:`AsyncSaga` (from ``async
+    with``) is bound through its :class:`Saga`: its ``call`` is a coroutine, which a
+    framework calling a tool synchronously would hand back, never awaited, as the
+    tool's result (the model told the step ran while nothing was scheduled)."""
+    if isinstance(saga, AsyncSaga):
+        saga = saga._saga
     specs = catalogue.values() if isinstance(catalogue, Catalogue) else catalogue
     return [SagaTool(saga, spec) for spec in specs]

@@ -19,13 +19,15 @@ from typing import Any
 from langchain_core.tools import StructuredTool
 
 from participants.catalogue import Catalogue, ToolSpec
-from participants.client import Saga
+from participants.client import AsyncSaga, Saga
 from sagaline.agents._core import SagaTool, saga_tools
 
 __all__ = ["tools"]
 
 
-def tools(saga: Saga, catalogue: Catalogue | Iterable[ToolSpec]) -> list[StructuredTool]:
+def tools(
+    saga: Saga | AsyncSaga, catalogue: Catalogue | Iterable[ToolSpec]
+) -> list[StructuredTool]:
     """Every tool of ``catalogue`` as a ``StructuredTool`` running as a step of ``saga``."""
     return [_structured_tool(t) for t in saga_tools(saga, catalogue)]
 

@@ -27,13 +27,13 @@ from agents.tool import set_function_tool_failure_error_function
 from agents.tool_context import ToolContext
 
 from participants.catalogue import Catalogue, ToolSpec
-from participants.client import ApprovalPending, Saga
+from participants.client import ApprovalPending, AsyncSaga, Saga
 from sagaline.agents._core import SagaTool, saga_tools
 
 __all__ = ["tools"]
 
 
-def tools(saga: Saga, catalogue: Catalogue | Iterable[ToolSpec]) -> list[FunctionTool]:
+def tools(saga: Saga | AsyncSaga, catalogue: Catalogue | Iterable[ToolSpec]) -> list[FunctionTool]:
     """Every tool of ``catalogue`` as a ``FunctionTool`` running as a step of ``saga``."""
     return [_function_tool(t) for t in saga_tools(saga, catalogue)]
 

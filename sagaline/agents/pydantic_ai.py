@@ -19,13 +19,15 @@ from pydantic_ai import RunContext, Tool
 from pydantic_ai.toolsets import FunctionToolset
 
 from participants.catalogue import Catalogue, ToolSpec
-from participants.client import Saga
+from participants.client import AsyncSaga, Saga
 from sagaline.agents._core import SagaTool, saga_tools
 
 __all__ = ["toolset"]
 
 
-def toolset(saga: Saga, catalogue: Catalogue | Iterable[ToolSpec]) -> FunctionToolset[Any]:
+def toolset(
+    saga: Saga | AsyncSaga, catalogue: Catalogue | Iterable[ToolSpec]
+) -> FunctionToolset[Any]:
     """Every tool of ``catalogue`` in one toolset, each call a step of ``saga``."""
     return FunctionToolset([_tool(t) for t in saga_tools(saga, catalogue)])
 
