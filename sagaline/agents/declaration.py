@@ -283,11 +283,12 @@ def _tool(
     lookup = _call(problems, f"{where}: lookup", raw.get("lookup"))
     if read_only and (compensation or raw.get("reversibility")):
         problems.append(f"{where}: is read_only and declares an undo; remove one of them")
+    # ``compensation: null`` counts as none (wrap() would refuse it later, in terms of
+    # Python decorators a declaration cannot follow); a malformed one is named above.
     if (
         not read_only
-        and compensation is None
+        and raw.get("compensation") is None
         and reversibility is not Reversibility.IRREVERSIBLE
-        and "compensation" not in raw
     ):
         problems.append(
             f"{where}: a write tool needs compensation: {{tool: ..., args: {{...}}}},"
