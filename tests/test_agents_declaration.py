@@ -23,3 +23,27 @@ def test_a_write_tool_with_compensation_null_is_refused_in_the_declarations_term
         "tool 'create_ticket': a write tool needs compensation: {tool: ..., args: {...}},"
         " reversibility: IRREVERSIBLE, or read_only: true"
     ]
+
+
+def test_a_list_or_flag_key_given_another_shape_is_a_problem_not_misread() -> None:
+    """``resources: tickets`` (no brackets) was read as the resources ``t, i, c, k, e,
+    s`` (so compensations on tickets were not serialized with ``[tickets]``, R2),
+    ``args: server.py`` started the upstream with no arguments, and ``read_only:
+    "false"`` was read as true (a write tool without a compensation then passed
+    straight through, nothing to undo)."""
+    with pytest.raises(DeclarationError) as err:
+        parse_declaration(
+            {
+                "upstreams": {"desk": {"command": "python", "args": "desk_server.py"}},
+                "tools": {
+                    "create_ticket": {"compensation": "delete_ticket", "resources": "tickets"},
+                    "close_ticket": {"compensation": "reopen_ticket", "read_only": "false"},
+                },
+            },
+            "desk.yaml",
+        )
+    assert err.value.problems == [
+        "upstream 'desk': args must be a list, e.g. args: [desk_server.py]",
+        "tool 'create_ticket': resources must be a list, e.g. resources: [tickets]",
+        "tool 'close_ticket': read_only must be true or false, not 'false'",
+    ]

@@ -218,12 +218,14 @@ def parse_declaration(data: Any, source: str = "declaration") -> Declaration:
         _unknown_keys(problems, where, raw, _UPSTREAM_KEYS)
         if bool(raw.get("command")) == bool(raw.get("url")):
             problems.append(f"{where}: give exactly one of command: (stdio) or url: (HTTP)")
-        args = raw.get("args") or []
+        args = _list(problems, where, "args", raw.get("args"))
         env = raw.get("env")
+        if env is not None and not isinstance(env, Mapping):
+            problems.append(f"{where}: env must be a mapping of variable name to value")
         upstreams[str(name)] = UpstreamSpec(
             name=str(name),
             command=raw.get("command"),
-            args=tuple(str(a) for a in args) if isinstance(args, list) else (),
+            args=tuple(str(a) for a in args),
             env={str(k): str(v) for k, v in env.items()} if isinstance(env, Mapping) else None,
             cwd=raw.get("cwd"),
             url=raw.get("url"),
@@ -278,7 +280,7 @@ def _tool(
             " REVERSIBLE, COMPENSATABLE, IRREVERSIBLE"
         )
         reversibility = Reversibility.COMPENSATABLE
-    read_only = bool(raw.get("read_only", False))
+    read_only = _flag(problems, where, raw, "read_only")
     compensation = _call(problems, f"{where}: compensation", raw.get("compensation"))
     lookup = _call(problems, f"{where}: lookup", raw.get("lookup"))
     if read_only and (compensation or raw.get("reversibility")):
@@ -299,7 +301,8 @@ def _tool(
     except (TypeError, ValueError):
         problems.append(f"{where}: deadline must be a number of seconds")
         deadline = 10.0
-    resources = raw.get("resources") or []
+    resources = _list(problems, where, "resources", raw.get("resources"))
+    pivot = _flag(problems, where, raw, "pivot")
     if len(problems) > before:
         return None
     return ToolMapping(
@@ -311,10 +314,30 @@ def _tool(
         lookup=lookup,
         idempotency_arg=raw.get("idempotency_arg"),
         resources=tuple(str(r) for r in resources),
-        pivot=bool(raw.get("pivot", False)),
+        pivot=pivot,
         deadline=deadline,
         owner=str(raw.get("owner") or "operations"),
     )
+
+
+def _list(problems: list[str], where: str, key: str, raw: Any) -> list[Any]:
+    """A list-valued key; a lone string would be read letter by letter, so it is a
+    problem (``resources: tickets`` meant ``[tickets]``)."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        problems.append(f"{where}: {key} must be a list, e.g. {key}: [{raw}]")
+        return []
+    return raw
+
+
+def _flag(problems: list[str], where: str, raw: Mapping[str, Any], key: str) -> bool:
+    """A true/false key; ``bool("false")`` is True, so any other value is a problem."""
+    value = raw.get(key, False)
+    if isinstance(value, bool):
+        return value
+    problems.append(f"{where}: {key} must be true or false, not {value!r}")
+    return False
 
 
 def _call(problems: list[str], where: str, raw: Any) -> CallMapping | None:
