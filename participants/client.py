@@ -204,6 +204,10 @@ class _SagaFeed:
         self.terminal: SagaTerminal | None = None
 
 
+CATALOGUE_MAX_AGE_S = 30.0
+"""How old a client's copy of the published catalogue may be when it schedules a
+step from it (``SagaClient.contract``): a redeclared tool reaches agents within it."""
+
 ENDED_SAGAS_KEPT = 4096
 """How many recently ended sagas a client keeps the terminal record of, so that a
 ``wait()`` after the block still returns the receipt: far more than end between a
@@ -419,6 +423,7 @@ class SagaClient:
         catalogues: Iterable[Catalogue] = (),
         call_timeout_s: float = 60.0,
         ended_sagas_kept: int = ENDED_SAGAS_KEPT,
+        catalogue_max_age_s: float = CATALOGUE_MAX_AGE_S,
     ) -> None:
         self.settings = settings
         self.bootstrap = bootstrap
@@ -429,8 +434,18 @@ class SagaClient:
         self.call_timeout_s = call_timeout_s
         self._writer = LedgerWriter(bootstrap, self.topics, self.signer, background_poll=True)
         self._ledger = _Ledger(ended_sagas_kept)
+        # Contracts given to the client (contracts=, catalogues=, local=) win over the
+        # published ones: the agent pinned them, or runs the tools itself.
         self._contracts: dict[str, StepContract] = dict(contracts or {})
         self._secret_paths: dict[str, tuple[str, ...]] = {}
+        self._pinned_paths: dict[str, tuple[str, ...]] = {}
+        # The published catalogue as last read (refresh_catalogue): each tool's latest
+        # entry; the tools whose latest entry cannot be read, with why.
+        self._published: dict[str, StepContract] = {}
+        self._unreadable: dict[str, str] = {}
+        self._catalogue_read_at: float | None = None
+        self._catalogue_lock = threading.Lock()
+        self.catalogue_max_age_s = catalogue_max_age_s
         self.sealer = settings.sealer()
         self._local = local
         self._stop = threading.Event()
@@ -439,7 +454,8 @@ class SagaClient:
         self._local_thread: threading.Thread | None = None
         for catalogue in (*catalogues, *((local,) if local is not None else ())):
             self._contracts.update(catalogue.contracts())
-            self._secret_paths.update({n: s.secret_paths for n, s in catalogue.items()})
+            self._pinned_paths.update({n: s.secret_paths for n, s in catalogue.items()})
+        self._secret_paths = dict(self._pinned_paths)
         if any(self._secret_paths.values()) and not self.sealer.enabled:
             log.warning(
                 "tools declare secret arguments but SAGALINE_SECRET_KEY is not set: they "
@@ -487,18 +503,45 @@ class SagaClient:
         self.close()
 
     def refresh_catalogue(self) -> int:
-        """Load the contracts participants published on ``sagaline.catalogue``."""
-        count = 0
-        reader = LedgerReader(self.bootstrap)
-        for key, value, _headers in reader.records(self.topics.catalogue):
-            if key is None or value is None:
+        """Read the contracts participants published on ``sagaline.catalogue`` and
+        take each tool's latest one; returns how many tools are published.
+
+        The topic has one partition and is compacted by key (the tool name), but until
+        compaction runs it holds every version ever published: the last record of a
+        key, in offset order, is the participant's current declaration, and a
+        tombstone (a null value) removes the tool. Contracts given to the client
+        (``contracts=``, ``catalogues=``, ``local=``) still take precedence.
+        """
+        with self._catalogue_lock:
+            return self._read_catalogue()
+
+    def _read_catalogue(self) -> int:
+        """(Under ``_catalogue_lock``.) :meth:`refresh_catalogue`'s read."""
+        latest: dict[str, bytes] = {}
+        for key, value, _headers in LedgerReader(self.bootstrap).records(self.topics.catalogue):
+            if key is None:
                 continue
-            entry = orjson.loads(value)
-            name = key.decode()
-            self._contracts.setdefault(name, StepContract.model_validate(entry["contract"]))
-            self._secret_paths.setdefault(name, tuple(entry.get("secret_paths", ())))
-            count += 1
-        return count
+            name = key.decode("utf-8", "replace")
+            if value is None:
+                latest.pop(name, None)  # tombstone: the tool is withdrawn
+            else:
+                latest[name] = value  # a later offset replaces an earlier one
+        published: dict[str, StepContract] = {}
+        paths: dict[str, tuple[str, ...]] = {}
+        unreadable: dict[str, str] = {}
+        for name, value in latest.items():
+            try:
+                entry = orjson.loads(value)
+                published[name] = StepContract.model_validate(entry["contract"])
+                paths[name] = tuple(entry.get("secret_paths", ()))
+            except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                # The latest declaration is what applies; an older one must not
+                # stand in for it, so the tool is refused until it is republished.
+                unreadable[name] = f"{type(exc).__name__}: {exc}"[:300]
+        self._published, self._unreadable = published, unreadable
+        self._secret_paths = {**paths, **self._pinned_paths}
+        self._catalogue_read_at = time.monotonic()
+        return len(published)
 
     def ensure_coordinator(self) -> None:
         """Fail fast, saying what to start, when no coordinator consumes the ledger
@@ -508,16 +551,56 @@ class SagaClient:
             self._coordinator_seen = True
 
     def contract(self, tool: str) -> StepContract:
-        if tool not in self._contracts:
-            self.refresh_catalogue()
+        """The contract a step of ``tool`` is scheduled with (and the coordinator
+        decides from): a contract given to the client, else the published one.
+
+        When the published catalogue is re-read: on :meth:`refresh_catalogue`; for a
+        tool it does not hold; and before a step whose entry was read more than
+        ``catalogue_max_age_s`` ago (default 30 s), so a redeclared contract (a new
+        pivot, resources, retry policy, reversibility) reaches a long-running agent
+        within that bound, at the cost of one read of a small one-partition topic
+        per bound, not per call. The bound is not what keeps R7: a step scheduled
+        between a participant's redeploy and the next read still carries the old
+        contract, so the participant itself refuses to run an IRREVERSIBLE tool that
+        arrives without an approval (``ContractChanged``), and this client re-reads
+        the catalogue after such a refusal."""
+        found = self._cached_contract(tool)
+        if found is not None:
+            return found
+        with self._catalogue_lock:
+            # Another thread may have read it while this one waited for the lock.
+            if self._cached_contract(tool) is None:
+                self._read_catalogue()
         try:
-            return self._contracts[tool]
+            return self._contracts.get(tool) or self._published[tool]
         except KeyError:
+            if tool in self._unreadable:
+                raise UnknownTool(
+                    f"the latest published entry of tool {tool!r} cannot be read "
+                    f"({self._unreadable[tool]}); restart its participant to publish it "
+                    "again"
+                ) from None
             raise UnknownTool(
                 f"no participant declares a tool named {tool!r}: known tools are "
-                f"{sorted(self._contracts)}; start its participant (it publishes its "
-                "catalogue) or pass local=wrap(...)"
+                f"{sorted({*self._contracts, *self._published})}; start its participant "
+                "(it publishes its catalogue) or pass local=wrap(...)"
             ) from None
+
+    def _cached_contract(self, tool: str) -> StepContract | None:
+        """The contract of ``tool`` without I/O, or None when the published catalogue
+        must be read for it (never read, not in it, or read too long ago)."""
+        pinned = self._contracts.get(tool)
+        if pinned is not None:
+            return pinned
+        read_at = self._catalogue_read_at
+        if read_at is None or time.monotonic() - read_at >= self.catalogue_max_age_s:
+            return None
+        return self._published.get(tool)
+
+    def forget_published(self) -> None:
+        """Make the next call re-read the published catalogue (e.g. after a
+        participant refused a step scheduled with an outdated contract)."""
+        self._catalogue_read_at = None
 
     def saga(
         self,
@@ -929,9 +1012,8 @@ class Saga:
     ) -> Any:
         """:meth:`call` for asyncio (no thread per pending call)."""
         name = _tool_name(tool)
-        if name in self.client._contracts:
-            contract = self.client._contracts[name]
-        else:  # reading the published catalogue is blocking I/O, done once per tool
+        contract = self.client._cached_contract(name)
+        if contract is None:  # reading the published catalogue is blocking I/O
             contract = await asyncio.to_thread(self.client.contract, name)
         scheduled = self._scheduled(contract, step_id, depends_on, args)
         wait_s = timeout_s or self.client.call_timeout_s

@@ -1,0 +1,161 @@
+"""The published catalogue as an agent sees it, on the real broker (R7).
+
+Participants publish each tool's contract on the compacted ``sagaline.catalogue``,
+keyed by tool name. Until compaction runs (segments roll daily) the topic holds every
+version a participant ever published, so a client must take the *latest* one: the
+coordinator decides from the contract the client snapshots into ``StepScheduled``, and
+a tool that became IRREVERSIBLE must not run without approval because an agent read
+its first declaration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from participants import Reversibility, compensable, tool, wrap
+from participants.client import SagaClient, UnknownTool
+from participants.runtime import ParticipantRuntime
+from sagaline.kafka import LedgerWriter, ensure_topics
+from schemas.settings import Settings
+
+pytestmark = pytest.mark.kafka
+
+
+class MailerV1:
+    @tool(description="Send a message")
+    @compensable(by="retract")
+    def send(self, to: str) -> str:
+        return f"msg-{to}"
+
+    def retract(self) -> None:
+        return None
+
+
+class MailerV2:
+    """The same tool, redeclared: a sent message can no longer be taken back."""
+
+    @tool(description="Send a message")
+    @compensable(reversibility=Reversibility.IRREVERSIBLE)
+    def send(self, to: str) -> str:
+        return f"msg-{to}"
+
+
+@pytest.fixture
+def settings(kafka_bootstrap: str, unique_prefix: str, tmp_path: Path) -> Settings:
+    settings = Settings(
+        bootstrap=kafka_bootstrap, topic_prefix=unique_prefix, partitions=1, state_dir=tmp_path
+    )
+    ensure_topics(kafka_bootstrap, settings.topics, ["mailer"], 1)
+    return settings
+
+
+def publish(settings: Settings, participant: object, name: str = "mailer") -> None:
+    """What a participant runtime does as it starts: publish its catalogue."""
+    runtime = ParticipantRuntime(
+        wrap(participant, name=name),
+        settings,
+        settings.bootstrap,
+        state_dir=settings.state_dir / f"{name}-{type(participant).__name__}",
+    )
+    runtime.publish_catalogue()
+    runtime.journal.close()
+
+
+@pytest.fixture
+def clients(settings: Settings) -> Iterator[list[SagaClient]]:
+    made: list[SagaClient] = []
+    yield made
+    for client in made:
+        client.close()
+
+
+def new_client(settings: Settings, made: list[SagaClient], **kwargs: object) -> SagaClient:
+    client = SagaClient(settings, settings.bootstrap, **kwargs)  # type: ignore[arg-type]
+    made.append(client)
+    return client
+
+
+def test_a_catalogue_topic_has_one_partition_so_offsets_order_its_versions(
+    settings: Settings,
+) -> None:
+    """'Latest' is offset order, which is only a total order on one partition."""
+    from sagaline.kafka import LedgerReader
+
+    assert LedgerReader(settings.bootstrap).partition_count(settings.topics.catalogue) == 1
+
+
+def test_a_republished_contract_is_seen_new_by_a_new_client_R7(
+    settings: Settings, clients: list[SagaClient]
+) -> None:
+    publish(settings, MailerV1())
+    publish(settings, MailerV2())
+
+    contract = new_client(settings, clients).contract("send")
+
+    assert contract.reversibility is Reversibility.IRREVERSIBLE, (
+        f"a new client took the first published contract of 'send' "
+        f"({contract.reversibility.value}), not the latest (IRREVERSIBLE)"
+    )
+    assert contract.compensation is None
+
+
+def test_a_running_client_takes_the_new_contract_on_refresh_R7(
+    settings: Settings, clients: list[SagaClient]
+) -> None:
+    publish(settings, MailerV1())
+    client = new_client(settings, clients)
+    assert client.contract("send").reversibility is Reversibility.COMPENSATABLE
+
+    publish(settings, MailerV2())
+    client.refresh_catalogue()
+
+    assert client.contract("send").reversibility is Reversibility.IRREVERSIBLE
+
+
+def test_a_running_client_rereads_a_cached_contract_older_than_its_bound_R7(
+    settings: Settings, clients: list[SagaClient]
+) -> None:
+    """No explicit refresh: an entry older than ``catalogue_max_age_s`` (0 here, so
+    every one) is read again before a step is scheduled with it."""
+    publish(settings, MailerV1())
+    client = new_client(settings, clients, catalogue_max_age_s=0.0)
+    assert client.contract("send").reversibility is Reversibility.COMPENSATABLE
+
+    publish(settings, MailerV2())
+
+    assert client.contract("send").reversibility is Reversibility.IRREVERSIBLE
+
+
+def test_a_tombstone_removes_the_tool(settings: Settings, clients: list[SagaClient]) -> None:
+    publish(settings, MailerV1())
+    client = new_client(settings, clients)
+    assert client.contract("send").tool == "send"
+
+    writer = LedgerWriter(settings.bootstrap, settings.topics, settings.signer())
+    try:
+        writer.write(settings.topics.catalogue, b"send", None)
+    finally:
+        writer.close()
+    client.refresh_catalogue()
+
+    with pytest.raises(UnknownTool, match="'send'"):
+        client.contract("send")
+    with pytest.raises(UnknownTool, match="'send'"):
+        new_client(settings, clients).contract("send")
+
+
+def test_a_local_catalogue_takes_precedence_over_the_published_one(
+    settings: Settings, clients: list[SagaClient]
+) -> None:
+    """As documented: the client runs a local tool itself, so its own declaration is
+    the one that applies, whatever another process published under the name."""
+    publish(settings, MailerV2())
+    client = new_client(
+        settings, clients, catalogues=[wrap(MailerV1(), name="mailer")], catalogue_max_age_s=0.0
+    )
+    client.refresh_catalogue()
+
+    assert client.contract("send").reversibility is Reversibility.COMPENSATABLE
