@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import orjson
 
 from participants.catalogue import Catalogue, ToolSpec
+from participants.errors import ContractChanged
 from participants.readiness import (
     CoordinatorNotRunning,
     coordinator_group,
@@ -1061,6 +1062,10 @@ class Saga:
             ):
                 return ("ok", orjson.loads(record.result or b"null"))
             if isinstance(record, StepFailed) and record.step_id == step:
+                if record.error_type == ContractChanged.__name__:
+                    # The participant's declaration changed since the catalogue was
+                    # read: the next call reads it again.
+                    self.client.forget_published()
                 if record.kind is FailureKind.BUSINESS_REJECTION:
                     return (
                         "err",

@@ -14,6 +14,13 @@ class SagalineParticipantError(Exception):
     """Base of every error raised by ``participants``."""
 
 
+class ContractChanged(SagalineParticipantError):
+    """A step reached its participant scheduled with a contract that is not the
+    tool's current declaration in a way that matters for safety: an IRREVERSIBLE tool
+    without an approval (R7). The tool does not run; the step fails as a business
+    rejection, and the agent re-reads the published catalogue."""
+
+
 @dataclass(frozen=True)
 class CatalogueProblem:
     """One thing wrong with one declaration.

@@ -52,7 +52,7 @@ import orjson
 from participants.catalogue import Catalogue, ToolSpec
 from participants.context import CallContext, call_context, serve_async_tools
 from participants.declarations import Accepted, CompensationContext
-from participants.errors import InvalidArgumentsError, LedgerRefError
+from participants.errors import ContractChanged, InvalidArgumentsError, LedgerRefError
 from participants.ledger_probe import LedgerProbe
 from sagaline.kafka import (
     Consumer,
@@ -82,6 +82,7 @@ from schemas import (
     ReconcileResult,
     ReconcileStep,
     Record,
+    Reversibility,
     StepCommitted,
     StepFailed,
     StepIntentRecorded,
@@ -437,6 +438,9 @@ class CommandHandler:
             if seen is not None:
                 # Started before a crash and never finished: it may have acted (R11).
                 return _Plan(outcome=self._unknown_outcome(command, RESTARTED))
+            refused = self._outdated_contract(command)
+            if refused is not None:
+                return _Plan(outcome=refused)
             if command.args_ref is not None and not inline:
                 return _Plan(blocking=True)
             prepared = self._prepare_execute(command)
@@ -602,6 +606,40 @@ class CommandHandler:
             error_type="UnknownTool",
             message=message,
         )
+
+    def _outdated_contract(self, cmd: ExecuteStep) -> _Outcome | None:
+        """A business rejection, before any intent, for a step of a tool this
+        participant declares IRREVERSIBLE that arrives without an approval (R7).
+
+        The coordinator decides from the contract the agent recorded in
+        ``StepScheduled``, which the agent read from the published catalogue; a step
+        scheduled between this participant's redeploy (the tool newly IRREVERSIBLE)
+        and the agent's next read of the catalogue carries the old contract and was
+        dispatched without asking anyone. The command does not carry the contract,
+        but an approved forward step always carries its grant, so a missing one is
+        exactly that case. Nothing ran: the saga unwinds what came before (R9)."""
+        spec = self.catalogue[cmd.tool]
+        if (
+            spec.reversibility is not Reversibility.IRREVERSIBLE
+            or spec.read_only
+            or cmd.approval_id is not None
+        ):
+            return None
+        common: dict[str, Any] = {
+            "step_id": cmd.step_id,
+            "tool": cmd.tool,
+            "idempotency_key": cmd.idempotency_key,
+            "attempt": cmd.attempt,
+        }
+        exc = ContractChanged(
+            f"{cmd.tool} is declared IRREVERSIBLE by participant {self.participant}, but "
+            "this step arrived without an approval: it was scheduled with an outdated "
+            "contract (the agent's copy of the catalogue predates the declaration), so "
+            "it did not run (R7). Schedule it again: the agent re-reads the catalogue "
+            "and the step then waits for a person's approval"
+        )
+        log.warning("%s", exc)
+        return _Outcome(self._failed(cmd, common, FailureKind.BUSINESS_REJECTION, exc))
 
     # --------------------------------------------------------------- execute step
 

@@ -159,3 +159,44 @@ def test_a_local_catalogue_takes_precedence_over_the_published_one(
     client.refresh_catalogue()
 
     assert client.contract("send").reversibility is Reversibility.COMPENSATABLE
+
+
+class CountingMailerV2(MailerV2):
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    @tool(description="Send a message")
+    @compensable(reversibility=Reversibility.IRREVERSIBLE)
+    def send(self, to: str) -> str:
+        self.sent.append(to)
+        return f"msg-{to}"
+
+
+def test_a_participant_refuses_its_irreversible_tool_scheduled_with_an_outdated_contract_R7(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    """An agent read ``send`` as COMPENSATABLE; the participant now declares it
+    IRREVERSIBLE. The step reaches it without an approval: it must not run (R7), it
+    is a business rejection that says why, and the agent's next read takes the new
+    contract."""
+    from participants.client import BusinessRejected
+    from tests.system import System
+
+    mailer = CountingMailerV2()
+    system = System(kafka_bootstrap, unique_prefix, tmp_path, [wrap(mailer, name="mailer")])
+    publish(system.settings, MailerV1())  # what the agent reads: the old declaration
+    agent = SagaClient(
+        system.settings, kafka_bootstrap, call_timeout_s=60, catalogue_max_age_s=3600.0
+    )
+    assert agent.contract("send").reversibility is Reversibility.COMPENSATABLE
+    with system:  # the participant starts and publishes the new declaration
+        system.client.close()
+        system.client = agent.start()
+        with pytest.raises(BusinessRejected) as refused, agent.saga("notify", "agent:t") as saga:
+            saga.call("send", to="ops@example.com")
+
+        assert mailer.sent == [], "an IRREVERSIBLE tool ran without approval (R7)"
+        assert "IRREVERSIBLE" in str(refused.value) and "approval" in str(refused.value)
+        receipt = saga.wait(60)
+        assert receipt.status.value != "COMPLETED"
+        assert agent.contract("send").reversibility is Reversibility.IRREVERSIBLE
