@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from participants.catalogue import Catalogue, ToolKind, ToolSpec, wrap
 from participants.client import (
+    AmbiguousTool,
     ApprovalDeniedError,
     ApprovalPending,
     BusinessRejected,
@@ -76,6 +77,7 @@ from participants.declarations import (
 from participants.errors import (
     CatalogueError,
     CatalogueProblem,
+    ContractChanged,
     ContractViolation,
     InvalidArgumentsError,
     LedgerRefError,
@@ -97,6 +99,7 @@ from participants.runtime import ParticipantRuntime, RuntimeMetrics
 
 __all__ = [
     "Accepted",
+    "AmbiguousTool",
     "ApprovalDeniedError",
     "ApprovalPending",
     "BusinessRejected",
@@ -109,6 +112,7 @@ __all__ = [
     "CatalogueProblem",
     "CompensationApproval",
     "CompensationContext",
+    "ContractChanged",
     "ContractViolation",
     "CoordinatorNotRunning",
     "Finding",

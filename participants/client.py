@@ -35,6 +35,7 @@ import orjson
 
 from participants.catalogue import Catalogue, ToolSpec
 from participants.errors import ContractChanged
+from participants.published import fold
 from participants.readiness import (
     CoordinatorNotRunning,
     coordinator_group,
@@ -165,6 +166,28 @@ class InvalidSagaId(ValueError):
 
 class UnknownTool(LookupError):
     """No local or published catalogue declares the tool."""
+
+
+class AmbiguousTool(UnknownTool):
+    """Two or more participants declare the tool name, so a call by name cannot say
+    which one runs it (``participants`` lists them): nothing is scheduled."""
+
+    def __init__(self, message: str, *, tool: str, participants: list[str]) -> None:
+        super().__init__(message)
+        self.tool = tool
+        self.participants = participants
+
+
+def _ambiguous(tool: str, participants: list[str], verb: str) -> AmbiguousTool:
+    names = ", ".join(repr(p) for p in participants)
+    return AmbiguousTool(
+        f"tool {tool!r} is declared by {len(participants)} participants ({names}): a call "
+        "by name would reach only one of them, so it is not scheduled. Rename one with "
+        f"@tool(name=...), or withdraw it from the participant that should not "
+        f"{verb} (restart that participant without the tool)",
+        tool=tool,
+        participants=participants,
+    )
 
 
 # -------------------------------------------------------------------- listener
@@ -444,6 +467,7 @@ class SagaClient:
         # entry; the tools whose latest entry cannot be read, with why.
         self._published: dict[str, StepContract] = {}
         self._unreadable: dict[str, str] = {}
+        self._ambiguous: dict[str, list[str]] = {}
         self._catalogue_read_at: float | None = None
         self._catalogue_lock = threading.Lock()
         self.catalogue_max_age_s = catalogue_max_age_s
@@ -453,10 +477,18 @@ class SagaClient:
         self._listener: threading.Thread | None = None
         self._local_runtime: Any = None
         self._local_thread: threading.Thread | None = None
-        for catalogue in (*catalogues, *((local,) if local is not None else ())):
+        given = [*catalogues, *((local,) if local is not None else ())]
+        for catalogue in given:
             self._contracts.update(catalogue.contracts())
             self._pinned_paths.update({n: s.secret_paths for n, s in catalogue.items()})
         self._secret_paths = dict(self._pinned_paths)
+        # A tool name two of the given catalogues declare (as the plan check's
+        # AMBIGUOUS_TOOL): the client would route every call to one of them.
+        owners: dict[str, set[str]] = {}
+        for catalogue in given:
+            for name, contract in catalogue.contracts().items():
+                owners.setdefault(name, set()).add(contract.participant)
+        self._pinned_ambiguous = {n: sorted(p) for n, p in owners.items() if len(p) > 1}
         if any(self._secret_paths.values()) and not self.sealer.enabled:
             log.warning(
                 "tools declare secret arguments but SAGALINE_SECRET_KEY is not set: they "
@@ -518,28 +550,22 @@ class SagaClient:
 
     def _read_catalogue(self) -> int:
         """(Under ``_catalogue_lock``.) :meth:`refresh_catalogue`'s read."""
-        latest: dict[str, bytes] = {}
-        for key, value, _headers in LedgerReader(self.bootstrap).records(self.topics.catalogue):
-            if key is None:
-                continue
-            name = key.decode("utf-8", "replace")
-            if value is None:
-                latest.pop(name, None)  # tombstone: the tool is withdrawn
-            else:
-                latest[name] = value  # a later offset replaces an earlier one
+        records = LedgerReader(self.bootstrap).records(self.topics.catalogue)
+        found = fold((key, value) for key, value, _headers in records)
         published: dict[str, StepContract] = {}
         paths: dict[str, tuple[str, ...]] = {}
-        unreadable: dict[str, str] = {}
-        for name, value in latest.items():
-            try:
-                entry = orjson.loads(value)
-                published[name] = StepContract.model_validate(entry["contract"])
-                paths[name] = tuple(entry.get("secret_paths", ()))
-            except (ValueError, TypeError, KeyError, AttributeError) as exc:
-                # The latest declaration is what applies; an older one must not
-                # stand in for it, so the tool is refused until it is republished.
-                unreadable[name] = f"{type(exc).__name__}: {exc}"[:300]
-        self._published, self._unreadable = published, unreadable
+        ambiguous: dict[str, list[str]] = {}
+        for name, entries in found.tools.items():
+            if name in found.unreadable:
+                continue  # one declaration of it cannot be read: refused, not guessed
+            if len(entries) > 1:
+                ambiguous[name] = sorted(entries)
+                continue
+            (entry,) = entries.values()
+            published[name] = entry.contract
+            paths[name] = entry.secret_paths
+        self._published, self._unreadable = published, found.unreadable
+        self._ambiguous = ambiguous
         self._secret_paths = {**paths, **self._pinned_paths}
         self._catalogue_read_at = time.monotonic()
         return len(published)
@@ -565,6 +591,8 @@ class SagaClient:
         contract, so the participant itself refuses to run an IRREVERSIBLE tool that
         arrives without an approval (``ContractChanged``), and this client re-reads
         the catalogue after such a refusal."""
+        if tool in self._pinned_ambiguous:
+            raise _ambiguous(tool, self._pinned_ambiguous[tool], "declare it")
         found = self._cached_contract(tool)
         if found is not None:
             return found
@@ -575,6 +603,8 @@ class SagaClient:
         try:
             return self._contracts.get(tool) or self._published[tool]
         except KeyError:
+            if tool in self._ambiguous:
+                raise _ambiguous(tool, self._ambiguous[tool], "publish it") from None
             if tool in self._unreadable:
                 raise UnknownTool(
                     f"the latest published entry of tool {tool!r} cannot be read "
@@ -590,6 +620,8 @@ class SagaClient:
     def _cached_contract(self, tool: str) -> StepContract | None:
         """The contract of ``tool`` without I/O, or None when the published catalogue
         must be read for it (never read, not in it, or read too long ago)."""
+        if tool in self._pinned_ambiguous:
+            return None  # contract() raises
         pinned = self._contracts.get(tool)
         if pinned is not None:
             return pinned

@@ -54,6 +54,7 @@ from participants.context import CallContext, call_context, serve_async_tools
 from participants.declarations import Accepted, CompensationContext
 from participants.errors import ContractChanged, InvalidArgumentsError, LedgerRefError
 from participants.ledger_probe import LedgerProbe
+from participants.published import Published, entry_key, fold, stale_keys
 from sagaline.kafka import (
     Consumer,
     DeadLetterWriter,
@@ -1297,15 +1298,47 @@ class ParticipantRuntime:
 
     def publish_catalogue(self) -> None:
         """Publish every tool's contract and definition on the compacted catalogue
-        topic, so agents can call the tools by name."""
-        for spec in self.handler.catalogue.values():
+        topic, so agents can call the tools by name (``participants.published``).
+
+        First, what this participant published before for tools it no longer serves
+        is withdrawn (tombstoned), so a tool dropped or moved to another participant
+        is not declared by it any more. A tool another participant also declares is
+        published all the same, with an error in the log: agents refuse to call it
+        by name until one of the two is renamed or withdrawn."""
+        topic = self.topics.catalogue
+        catalogue = self.handler.catalogue
+        try:
+            current = fold((k, v) for k, v, _h in self._reader.records(topic))
+        except Exception as exc:  # e.g. no Read ACL on the topic: publish all the same
+            log.warning(
+                "catalogue: cannot read %s (%s): tools no longer served here are not "
+                "withdrawn, and a name another participant declares is not reported; "
+                "grant this participant Read on it (docs/security.md)",
+                topic,
+                exc,
+            )
+            current = Published()
+        for key in stale_keys(current, self.participant, catalogue):
+            log.info("catalogue: withdrawing %s (no longer served here)", key.decode())
+            self._writer.write(topic, key, None)
+        for spec in catalogue.values():
             entry = {
                 "participant": self.participant,
                 "contract": spec.contract(self.participant).model_dump(mode="json"),
                 "definition": spec.definition(),
                 "secret_paths": list(spec.secret_paths),
             }
-            self._writer.write(self.topics.catalogue, spec.name.encode(), orjson.dumps(entry))
+            body = orjson.dumps(entry)
+            self._writer.write(topic, spec.name.encode(), body)  # earlier versions' key
+            self._writer.write(topic, entry_key(self.participant, spec.name), body)
+            others = [p for p in current.owners(spec.name) if p != self.participant]
+            if others:
+                log.error(
+                    "tool %s is also declared by participant(s) %s: agents refuse to call "
+                    "it by name until one is renamed (@tool(name=...)) or withdrawn",
+                    spec.name,
+                    ", ".join(others),
+                )
 
     def _fetch(self, ref: LedgerRef) -> Record | None:
         """The ledger record a command's reference points to (signature checked)."""

@@ -134,6 +134,7 @@ PUBLIC: dict[str, list[str]] = {
     ],
     "participants": [
         "Accepted",
+        "AmbiguousTool",
         "ApprovalDeniedError",
         "ApprovalPending",
         "BusinessRejected",
@@ -146,6 +147,7 @@ PUBLIC: dict[str, list[str]] = {
         "CatalogueProblem",
         "CompensationApproval",
         "CompensationContext",
+        "ContractChanged",
         "ContractViolation",
         "CoordinatorNotRunning",
         "Finding",

@@ -13,10 +13,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import orjson
 import pytest
 
 from participants import Reversibility, compensable, tool, wrap
-from participants.client import SagaClient, UnknownTool
+from participants.client import AmbiguousTool, SagaClient, UnknownTool
+from participants.published import entry_key
 from participants.runtime import ParticipantRuntime
 from sagaline.kafka import LedgerWriter, ensure_topics
 from schemas.settings import Settings
@@ -136,7 +138,7 @@ def test_a_tombstone_removes_the_tool(settings: Settings, clients: list[SagaClie
 
     writer = LedgerWriter(settings.bootstrap, settings.topics, settings.signer())
     try:
-        writer.write(settings.topics.catalogue, b"send", None)
+        writer.write(settings.topics.catalogue, entry_key("mailer", "send"), None)
     finally:
         writer.close()
     client.refresh_catalogue()
@@ -200,3 +202,116 @@ def test_a_participant_refuses_its_irreversible_tool_scheduled_with_an_outdated_
         receipt = saga.wait(60)
         assert receipt.status.value != "COMPLETED"
         assert agent.contract("send").reversibility is Reversibility.IRREVERSIBLE
+
+
+class Notifier:
+    """Another participant that declares a tool named ``send`` too."""
+
+    @tool(description="Send a notification")
+    @compensable(reversibility=Reversibility.IRREVERSIBLE)
+    def send(self, to: str) -> str:
+        return f"note-{to}"
+
+
+class Pinger:
+    @tool(description="Ping", read_only=True)
+    def ping(self) -> str:
+        return "pong"
+
+
+def test_a_tool_name_two_participants_publish_is_refused_naming_both(
+    settings: Settings, clients: list[SagaClient]
+) -> None:
+    """Not whichever restarted last (before compaction: first; after: last): a call by
+    name cannot say which one runs it, so the client schedules nothing."""
+    publish(settings, MailerV1(), "mailer")
+    publish(settings, Notifier(), "notifier")
+    publish(settings, MailerV1(), "mailer")  # a restart changes nothing
+
+    for client in (new_client(settings, clients), new_client(settings, clients)):
+        with pytest.raises(AmbiguousTool, match="'mailer', 'notifier'") as refused:
+            client.contract("send")
+        assert refused.value.participants == ["mailer", "notifier"]
+
+
+def test_a_tool_moved_to_another_participant_is_not_ambiguous(
+    settings: Settings, clients: list[SagaClient]
+) -> None:
+    """The participant that stops serving a tool withdraws it as it starts."""
+    publish(settings, MailerV1(), "mailer")
+    publish(settings, Pinger(), "mailer")  # redeployed without send
+    assert isinstance(new_client(settings, clients).contract("ping").read_only, bool)
+    with pytest.raises(UnknownTool):
+        new_client(settings, clients).contract("send")
+
+    publish(settings, Notifier(), "notifier")
+
+    contract = new_client(settings, clients).contract("send")
+    assert contract.participant == "notifier"
+    assert contract.reversibility is Reversibility.IRREVERSIBLE
+
+
+def test_an_entry_keyed_by_tool_name_from_an_earlier_version_is_still_read(
+    settings: Settings, clients: list[SagaClient]
+) -> None:
+    contract = wrap(MailerV1(), name="old_mailer")["send"].contract("old_mailer")
+    body = orjson.dumps({"participant": "old_mailer", "contract": contract.model_dump(mode="json")})
+    writer = LedgerWriter(settings.bootstrap, settings.topics, settings.signer())
+    try:
+        writer.write(settings.topics.catalogue, b"send", body)
+    finally:
+        writer.close()
+
+    assert new_client(settings, clients).contract("send").participant == "old_mailer"
+
+
+def test_two_given_catalogues_declaring_one_tool_name_are_refused(
+    settings: Settings, clients: list[SagaClient]
+) -> None:
+    """As the plan check's AMBIGUOUS_TOOL: the later catalogue silently won before."""
+    client = new_client(
+        settings,
+        clients,
+        catalogues=[wrap(MailerV1(), name="mailer"), wrap(Notifier(), name="notifier")],
+    )
+
+    with pytest.raises(AmbiguousTool, match="'mailer', 'notifier'"):
+        client.contract("send")
+
+
+def test_a_tool_whose_latest_entry_cannot_be_read_is_refused_not_taken_from_an_older_one(
+    settings: Settings, clients: list[SagaClient]
+) -> None:
+    """Nor from another participant's entry: the unreadable one may be a second
+    declaration of the name."""
+    publish(settings, Notifier(), "notifier")
+    writer = LedgerWriter(settings.bootstrap, settings.topics, settings.signer())
+    try:
+        writer.write(settings.topics.catalogue, entry_key("mailer", "send"), b"{not json")
+    finally:
+        writer.close()
+
+    with pytest.raises(UnknownTool, match="cannot be read"):
+        new_client(settings, clients).contract("send")
+
+
+def test_a_participant_that_cannot_read_the_catalogue_still_publishes(
+    settings: Settings, clients: list[SagaClient], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A deployment whose ACLs grant the participant Write but not Read on the topic
+    (as docs/security.md did) must not stop it from starting."""
+
+    class NoRead:
+        def records(self, topic: str) -> Iterator[tuple[bytes, bytes, None]]:
+            raise PermissionError(f"TOPIC_AUTHORIZATION_FAILED: {topic}")
+
+    runtime = ParticipantRuntime(
+        wrap(MailerV2(), name="mailer"), settings, settings.bootstrap, state_dir=settings.state_dir
+    )
+    runtime._reader = NoRead()  # type: ignore[assignment]
+    with caplog.at_level("WARNING", logger="sagaline.participant"):
+        runtime.publish_catalogue()
+    runtime.journal.close()
+
+    assert "grant this participant Read" in caplog.text
+    assert new_client(settings, clients).contract("send").participant == "mailer"

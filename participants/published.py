@@ -1,0 +1,125 @@
+"""The published catalogue: what participants put on ``sagaline.catalogue``, folded.
+
+Each participant runtime publishes, as it starts, one entry per tool it serves::
+
+    key   "<participant>/<tool>"   (a participant name has no "/", a tool name neither)
+    value {"participant", "contract", "definition", "secret_paths"} as JSON
+
+and the same entry under the bare tool name, the key earlier versions used (so their
+agents still find the tool). The topic has one partition and is compacted, so the
+last record of a key in offset order is its current value, and a tombstone (a null
+value) deletes the key. Keys per participant let every participant's declaration of
+a tool survive compaction: two participants serving one tool name stay visible as
+two, instead of whichever restarted last silently taking every call.
+
+Folding, per tool: the live ``participant/tool`` entries; plus the bare-name entry
+when its participant has no ``participant/tool`` key of that tool (live or
+tombstoned), i.e. was published by a participant of an earlier version. More than
+one participant left: the tool is ambiguous.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from schemas import StepContract
+
+SEPARATOR = "/"
+
+
+def entry_key(participant: str, tool: str) -> bytes:
+    """The key of ``participant``'s entry for ``tool``."""
+    return f"{participant}{SEPARATOR}{tool}".encode()
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One participant's current declaration of one tool, as published."""
+
+    participant: str
+    contract: StepContract
+    secret_paths: tuple[str, ...]
+
+
+@dataclass
+class Published:
+    """The catalogue topic folded: per tool, the participants declaring it."""
+
+    tools: dict[str, dict[str, Entry]] = field(default_factory=dict)
+    unreadable: dict[str, str] = field(default_factory=dict)
+    """Tools whose latest entry cannot be read, with why (refused, never replaced
+    by an older entry)."""
+    latest: dict[str, bytes | None] = field(default_factory=dict)
+    """The current value of every key (None: tombstoned)."""
+
+    def owners(self, tool: str) -> list[str]:
+        return sorted(self.tools.get(tool, {}))
+
+
+def fold(records: Iterable[tuple[bytes | None, bytes | None]]) -> Published:
+    """Fold (key, value) records of the catalogue topic, in offset order."""
+    out = Published()
+    for raw_key, raw_value in records:
+        if raw_key is not None:
+            out.latest[raw_key.decode("utf-8", "replace")] = raw_value
+    qualified: dict[str, set[str]] = {}  # tool -> participants with a key (live or not)
+    for key in out.latest:
+        participant, sep, tool = key.partition(SEPARATOR)
+        if sep:
+            qualified.setdefault(tool, set()).add(participant)
+    for key, value in out.latest.items():
+        if value is None:
+            continue
+        _owner, sep, tool = key.partition(SEPARATOR)
+        if not sep:
+            tool = key
+        try:
+            entry = _entry(value)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            out.unreadable[tool] = f"{type(exc).__name__}: {exc}"[:300]
+            continue
+        if not sep and entry.participant in qualified.get(tool, ()):
+            continue  # a newer version of this participant publishes per participant
+        out.tools.setdefault(tool, {})[entry.participant] = entry
+    return out
+
+
+def _entry(value: bytes) -> Entry:
+    raw: Any = orjson.loads(value)
+    contract = StepContract.model_validate(raw["contract"])
+    participant = raw.get("participant") or contract.participant
+    if not isinstance(participant, str):
+        raise TypeError(f"participant {participant!r} is not a name")
+    return Entry(participant, contract, tuple(raw.get("secret_paths", ())))
+
+
+def stale_keys(published: Published, participant: str, serves: Iterable[str]) -> list[bytes]:
+    """The keys ``participant`` published for tools it no longer serves: to tombstone
+    as it starts, so a tool it dropped (or gave to another participant) is not
+    declared by it any more. A bare-name entry counts when it names this participant."""
+    served = set(serves)
+    out: list[bytes] = []
+    for key, value in published.latest.items():
+        if value is None:
+            continue
+        owner, sep, tool = key.partition(SEPARATOR)
+        if sep:
+            if owner == participant and tool not in served:
+                out.append(key.encode())
+            continue
+        if key in served:
+            continue
+        try:
+            named = _entry(value).participant
+        except (ValueError, TypeError, KeyError, AttributeError):
+            continue
+        if named == participant:
+            out.append(key.encode())
+    return out
+
+
+__all__ = ["SEPARATOR", "Entry", "Published", "entry_key", "fold", "stale_keys"]
