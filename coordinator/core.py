@@ -443,8 +443,10 @@ def _state_of(decision: Decision) -> SagaState:
 # --------------------------------------------------------------- new sagas
 
 
-_AGENT_DRIVEN = (StepScheduled, SagaEndRequested, SagaStarted)
-_PARTICIPANT_OUTCOMES = (
+# Who may write what in a saga once writers are bound (R15, R16); the dashboard
+# mirrors the same decision, so it imports these.
+AGENT_DRIVEN = (StepScheduled, SagaEndRequested, SagaStarted)
+PARTICIPANT_OUTCOMES = (
     StepIntentRecorded,
     StepCommitted,
     StepFailed,
@@ -480,9 +482,9 @@ def _refused_writer(ctx: _Ctx, record: Record) -> bool:
     if not ctx.policy.bind_writers:
         return False
     problem = None
-    if isinstance(record, _AGENT_DRIVEN) and s.started_by and env.producer != s.started_by:
+    if isinstance(record, AGENT_DRIVEN) and s.started_by and env.producer != s.started_by:
         problem = f"saga {s.saga_id} was started by {s.started_by!r}; only it drives the saga"
-    elif isinstance(record, _PARTICIPANT_OUTCOMES):
+    elif isinstance(record, PARTICIPANT_OUTCOMES):
         step = s.steps.get(record.step_id) if record.step_id is not None else None
         if step is None and isinstance(record, IncidentRaised):
             problem = "an incident from a participant must name a step of this saga"

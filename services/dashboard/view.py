@@ -19,7 +19,7 @@ import threading
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
-from coordinator.core import COORDINATOR_PRODUCER
+from coordinator.core import AGENT_DRIVEN, COORDINATOR_PRODUCER, PARTICIPANT_OUTCOMES
 from sagaline.ops.metrics import SagalineMetrics
 from schemas.models import (
     ApprovalDenied,
@@ -654,19 +654,6 @@ def _not_counted(
     )
 
 
-_AGENT_DRIVEN = (StepScheduled, SagaEndRequested, SagaStarted)
-_PARTICIPANT_OUTCOMES = (
-    StepIntentRecorded,
-    StepCommitted,
-    StepFailed,
-    StepOutcomeUnknown,
-    StepReconciled,
-    CompensationAccepted,
-    CompensationCommitted,
-    CompensationFailed,
-    IncidentRaised,  # participants raise one for a lookup they cannot do
-)
-
 # The incident kinds that ask a person whether a step's effect happened (R11).
 _SETTLES_UNKNOWN = frozenset({"unknown-outcome", "unknown-outcome-no-lookup"})
 
@@ -712,9 +699,9 @@ def _refusal(saga: SagaView, record: Record, bind_writers: bool) -> str | None:
         return f"tenant {env.tenant_id!r}, but the saga belongs to tenant {saga.tenant_id!r}"
     if not bind_writers:
         return None
-    if isinstance(record, _AGENT_DRIVEN) and env.producer != saga.started_by:
+    if isinstance(record, AGENT_DRIVEN) and env.producer != saga.started_by:
         return f"the saga was started by {saga.started_by!r}; only it drives the saga"
-    if isinstance(record, _PARTICIPANT_OUTCOMES):
+    if isinstance(record, PARTICIPANT_OUTCOMES):
         if record.step_id is None:
             return "an incident from a participant must name a step of this saga"
         step = saga.steps.get(record.step_id)
