@@ -814,6 +814,36 @@ def _log_approval(
     )
 
 
+def grant_mismatches(
+    r: ApprovalGranted,
+    *,
+    approval_id: str,
+    principal: str,
+    args_fingerprint: str,
+    scope: str,
+    expires_at: int,
+) -> list[str]:
+    """Why ``r`` does not release the request it answers (empty: it does), R7: bound
+    to the request's approval id, the saga's principal, the step's argument
+    fingerprint and scope, and made by the earlier of the two expiries. The dashboard
+    shows these same reasons for a grant it lists as not counted."""
+    at = r.envelope.occurred_at
+    problems = []
+    if r.approval_id != approval_id:
+        problems.append(f"approval id {r.approval_id} is not the one requested ({approval_id})")
+    if r.principal != principal:
+        problems.append(f"principal {r.principal!r} is not the saga's ({principal!r})")
+    if r.args_fingerprint != args_fingerprint:
+        problems.append(
+            f"arguments {r.args_fingerprint} differ from the step's ({args_fingerprint})"
+        )
+    if r.scope != scope:
+        problems.append(f"scope {r.scope!r} is not {scope!r}")
+    if at > r.expires_at or at > expires_at:
+        problems.append(f"granted at {at}, after expiry {min(r.expires_at, expires_at)}")
+    return problems
+
+
 def _on_approval_granted(ctx: _Ctx, r: ApprovalGranted) -> None:
     s = ctx.s
     step = _step(ctx, r, r.step_id)
@@ -830,22 +860,15 @@ def _on_approval_granted(ctx: _Ctx, r: ApprovalGranted) -> None:
         return
     # R7: bound to principal, saga (by key), step, fingerprint, scope and expiry.
     at = r.envelope.occurred_at
-    problems = []
-    if r.approval_id != pending.approval_id:
-        problems.append(
-            f"approval id {r.approval_id} is not the one requested ({pending.approval_id})"
-        )
-    if r.principal != s.principal:
-        problems.append(f"principal {r.principal!r} is not the saga's ({s.principal!r})")
-    if r.args_fingerprint != pending.args_fingerprint:
-        problems.append(
-            f"arguments {r.args_fingerprint} differ from the step's ({pending.args_fingerprint})"
-        )
-    if r.scope != pending.scope:
-        problems.append(f"scope {r.scope!r} is not {pending.scope!r}")
+    problems = grant_mismatches(
+        r,
+        approval_id=pending.approval_id,
+        principal=s.principal,
+        args_fingerprint=pending.args_fingerprint,
+        scope=pending.scope,
+        expires_at=pending.expires_at,
+    )
     expired = at > r.expires_at or at > pending.expires_at
-    if expired:
-        problems.append(f"granted at {at}, after expiry {min(r.expires_at, pending.expires_at)}")
     if problems:
         decision = "EXPIRED" if expired and len(problems) == 1 else "REJECTED_MISMATCH"
         _log_approval(ctx, step, r.purpose, decision, r.granted_by, r.args_fingerprint)

@@ -19,7 +19,12 @@ import threading
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
-from coordinator.core import AGENT_DRIVEN, COORDINATOR_PRODUCER, PARTICIPANT_OUTCOMES
+from coordinator.core import (
+    AGENT_DRIVEN,
+    COORDINATOR_PRODUCER,
+    PARTICIPANT_OUTCOMES,
+    grant_mismatches,
+)
 from sagaline.ops.metrics import SagalineMetrics
 from schemas.models import (
     ApprovalDenied,
@@ -596,8 +601,8 @@ def _awaited(saga: SagaView, step_id: str, purpose: ApprovalPurpose) -> Approval
 def _decision_problems(
     saga: SagaView, record: ApprovalGranted | ApprovalDenied
 ) -> tuple[ApprovalRequested | None, list[str]]:
-    """What the coordinator checks of any decision: the saga's tenant, a pending request
-    of the step for that purpose, and that request's approval id."""
+    """What the coordinator checks of any decision first: the saga's tenant and a
+    pending request of the step for that purpose."""
     problems: list[str] = []
     if record.envelope.tenant_id != saga.tenant_id:
         problems.append(
@@ -606,37 +611,33 @@ def _decision_problems(
     pending = _awaited(saga, record.step_id, record.purpose)
     if pending is None:
         problems.append(f"step {record.step_id} is not awaiting a {record.purpose.value} approval")
-    elif record.approval_id != pending.approval_id:
-        problems.append(
-            f"approval id {record.approval_id} is not the one requested ({pending.approval_id})"
-        )
     return pending, problems
 
 
 def _grant_problems(saga: SagaView, r: ApprovalGranted) -> list[str]:
-    """Why the coordinator would not count this grant (empty: it counts). Mirrors
-    ``coordinator.core._on_approval_granted`` (R7): bound to the request's approval id,
-    principal, argument fingerprint and scope, and made by its expiry."""
+    """Why the coordinator would not count this grant (empty: it counts): its own
+    checks (``coordinator.core.grant_mismatches``, R7) against the request."""
     pending, problems = _decision_problems(saga, r)
     if pending is None:
         return problems
-    if r.principal != pending.principal:
-        problems.append(f"principal {r.principal!r} is not the saga's ({pending.principal!r})")
-    if r.args_fingerprint != pending.args_fingerprint:
-        problems.append(
-            f"arguments {r.args_fingerprint} differ from the step's ({pending.args_fingerprint})"
-        )
-    if r.scope != pending.scope:
-        problems.append(f"scope {r.scope!r} is not {pending.scope!r}")
-    at = r.envelope.occurred_at
-    if at > r.expires_at or at > pending.expires_at:
-        problems.append(f"granted at {at}, after expiry {min(r.expires_at, pending.expires_at)}")
-    return problems
+    return problems + grant_mismatches(
+        r,
+        approval_id=pending.approval_id,
+        principal=pending.principal,
+        args_fingerprint=pending.args_fingerprint,
+        scope=pending.scope,
+        expires_at=pending.expires_at,
+    )
 
 
 def _denial_problems(saga: SagaView, r: ApprovalDenied) -> list[str]:
     """Why the coordinator would not count this denial (``_on_approval_denied``)."""
-    return _decision_problems(saga, r)[1]
+    pending, problems = _decision_problems(saga, r)
+    if pending is not None and r.approval_id != pending.approval_id:
+        problems.append(
+            f"approval id {r.approval_id} is not the one requested ({pending.approval_id})"
+        )
+    return problems
 
 
 def _not_counted(
