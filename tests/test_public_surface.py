@@ -17,6 +17,7 @@ PUBLIC: dict[str, list[str]] = {
         "ApprovalPending",
         "BusinessRejected",
         "BusinessRejection",
+        "CallRefused",
         "Catalogue",
         "CatalogueError",
         "CompensationApproval",
@@ -210,3 +211,12 @@ def test_the_client_the_runtime_and_the_coordinator_are_public() -> None:
     assert participants.SagaClient is SagaClient
     assert participants.ParticipantRuntime is ParticipantRuntime
     assert coordinator.Coordinator is Coordinator
+
+
+def test_the_error_an_agent_adapter_refuses_a_call_with_is_public() -> None:
+    """The adapters (and every saga call over a limit) raise ``CallRefused``; a user
+    catching it must not have to import it from a private module."""
+    import sagaline
+    from participants.client import CallRefused
+
+    assert sagaline.CallRefused is CallRefused
