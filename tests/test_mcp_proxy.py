@@ -1407,3 +1407,63 @@ def test_an_upstream_that_cannot_be_reached_is_refused_naming_it(
     assert "Traceback" not in done.stderr, done.stderr
     assert "sagaline mcp proxy: cannot start: upstream 'desk'" in done.stderr, done.stderr
     assert "pw-123" not in done.stderr and "tok-456" not in done.stderr, done.stderr
+
+
+def test_an_elicitation_nobody_answers_does_not_hold_the_session_for_good_R7(
+    tmp_path: Path,
+) -> None:
+    """The client accepts the elicitation but its person never answers (and the client
+    never cancels the call): the proxy must not wait for good holding the session's
+    lock, which would leave every later call, saga_abort included, waiting too. Past
+    its wait the call answers "awaiting approval" (the step waits for a person, who
+    approves with `sagaline approve`), the saga stays open, and the session serves."""
+    from types import SimpleNamespace
+
+    class AwaitsApproval(FakeSaga):
+        def call(self, name: str, *, step_id: str, **args: Any) -> Any:
+            self.calls.append(step_id)
+            self.release.wait(120)  # waits for a person, as the real call does
+            return {"ok": step_id}
+
+        def approval_request(self, step_id: str, timeout_s: float) -> Any:
+            return SimpleNamespace(approval_id="ap-1", step_id=step_id)
+
+    class Client(FakeClient):
+        def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
+            saga = AwaitsApproval(saga_id or f"s-{len(self.sagas) + 1}", None)
+            self.sagas.append(saga)
+            return saga
+
+    never = asyncio.Event()
+
+    async def elicit_form(message: str, schema: Any) -> Any:
+        await never.wait()  # the person walked away
+
+    ctx = SimpleNamespace(
+        session=SimpleNamespace(
+            client_capabilities=SimpleNamespace(elicitation=object()),
+            client_params=None,
+            elicit_form=elicit_form,
+        )
+    )
+    client = Client()
+    proxy = _fake_proxy(tmp_path, client, approval_wait_s=0.5)
+    params = types.CallToolRequestParams(name="send_email", arguments={"to": "a", "body": "b"})
+
+    async def run() -> tuple[types.CallToolResult, types.CallToolResult]:
+        try:
+            # The bound is only there so the unfixed proxy fails instead of hanging.
+            asked = await asyncio.wait_for(proxy._call_tool(ctx, params), 120)
+            plan = types.CallToolRequestParams(name="saga_check_plan", arguments={"calls": []})
+            after = await asyncio.wait_for(proxy._call_tool(ctx, plan), 120)
+            return asked, after
+        finally:
+            for saga in client.sagas:
+                saga.release.set()
+
+    asked, after = asyncio.run(run())
+    assert asked.structured_content is not None, _text(asked)
+    assert asked.structured_content["status"] == "awaiting_approval", _text(asked)
+    assert "sagaline approve" in _text(asked) and "no answer" in _text(asked), _text(asked)
+    assert after.content, "the session does not serve after the unanswered elicitation"
+    assert proxy.session.saga is client.sagas[0] and client.sagas[0].ended == []

@@ -742,14 +742,28 @@ class McpProxy:
         from sagaline.ops.actions import OperatorChannel, deny_approval, grant_approval
 
         try:
-            answer = await ctx.session.elicit_form(
-                f"Approve the IRREVERSIBLE call {request.step_id} of saga {saga.saga_id}?"
-                " It cannot be undone.",
-                {
-                    "type": "object",
-                    "properties": {"approve": {"type": "boolean", "title": "Approve"}},
-                    "required": ["approve"],
-                },
+            # Bounded: an answer that never comes (and a client that never cancels the
+            # call) would hold the session's lock, and every later call, for good.
+            answer = await asyncio.wait_for(
+                ctx.session.elicit_form(
+                    f"Approve the IRREVERSIBLE call {request.step_id} of saga {saga.saga_id}?"
+                    " It cannot be undone.",
+                    {
+                        "type": "object",
+                        "properties": {"approve": {"type": "boolean", "title": "Approve"}},
+                        "required": ["approve"],
+                    },
+                ),
+                self.approval_wait_s,
+            )
+        except TimeoutError:
+            log.warning("saga %s: no answer to the approval asked through the client", saga.saga_id)
+            _forget(call)
+            return _awaiting(
+                saga,
+                step_id,
+                f"approval {request.approval_id} requested; no answer through the client"
+                f" within {self.approval_wait_s:g} s",
             )
         except Exception as exc:  # the client could not ask: as if it had no elicitation
             log.warning("saga %s: asking for approval failed: %s", saga.saga_id, exc)
