@@ -1467,3 +1467,170 @@ def test_an_elicitation_nobody_answers_does_not_hold_the_session_for_good_R7(
     assert "sagaline approve" in _text(asked) and "no answer" in _text(asked), _text(asked)
     assert after.content, "the session does not serve after the unanswered elicitation"
     assert proxy.session.saga is client.sagas[0] and client.sagas[0].ended == []
+
+
+# ------------------------------------------------------------- upstreams that go away
+
+
+def _kill_upstream_servers() -> int:
+    """SIGKILL this process's children that run tests/mcp_upstream.py (the upstream
+    servers the test's own Upstreams started); how many."""
+    me = os.getpid()
+    killed = 0
+    for task in os.listdir(f"/proc/{me}/task"):
+        with suppress(OSError):
+            for pid in Path(f"/proc/{me}/task/{task}/children").read_text().split():
+                with suppress(OSError):
+                    if b"mcp_upstream" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                        os.kill(int(pid), signal.SIGKILL)
+                        killed += 1
+    return killed
+
+
+def _stdio_declaration(tmp_path: Path, flag: Path) -> Any:
+    """The desk over stdio, started by a launcher that refuses to start it again once
+    ``flag`` exists (an upstream that cannot be brought back)."""
+    launcher = (
+        "import os, runpy, sys\n"
+        f"if os.path.exists({str(flag)!r}): sys.exit(3)\n"
+        f"runpy.run_path({str(UPSTREAM)!r}, run_name='__main__')\n"
+    )
+    return _decl(
+        {"list_tickets": {"read_only": True}, "charge": {"reversibility": "IRREVERSIBLE"}},
+        participant="fake-desk",
+        upstreams={
+            "desk": {
+                "command": sys.executable,
+                "args": ["-c", launcher],
+                "env": {"DESK_STATE": str(tmp_path / "desk.json"), "PYTHONPATH": str(ROOT)},
+            }
+        },
+    )
+
+
+def test_an_upstream_that_died_is_reconnected_on_the_next_call(tmp_path: Path) -> None:
+    """The stdio upstream server exits (crash, OOM kill) while the proxy runs: the
+    proxy must start it again for the next call, not fail every later call, the
+    compensations and lookups of the open saga included, until it is restarted."""
+    from contextlib import AsyncExitStack
+
+    from sagaline.agents.mcp_proxy import Upstreams
+
+    upstreams = Upstreams(_stdio_declaration(tmp_path, tmp_path / "no-restart"))
+
+    async def run() -> list[Any]:
+        async with AsyncExitStack() as stack:
+            await upstreams.open(stack)
+            before = await upstreams.call("desk", "list_tickets", {})
+            assert _kill_upstream_servers() == 1
+            with suppress(ConnectionError):  # it may have been in flight: unknown
+                await upstreams.call("desk", "list_tickets", {})
+            after = await upstreams.call("desk", "list_tickets", {})
+            return [before, after]
+
+    assert asyncio.run(run()) == [{"result": []}, {"result": []}]
+
+
+def test_an_upstream_that_cannot_be_brought_back_is_a_clear_failure_not_an_unknown_outcome(
+    tmp_path: Path,
+) -> None:
+    """The upstream died and cannot be started again: a write then is refused before
+    anything is sent, so its outcome is known (it did not happen). It must say so and
+    which upstream, and be a failure the runtime retries and then fails (the saga
+    aborts), not an unknown outcome sent to reconciliation and a person."""
+    from contextlib import AsyncExitStack
+
+    from participants.context import CallContext, call_context
+    from sagaline.agents.mcp_proxy import UpstreamOutcomeUnknown, Upstreams, build_catalogue
+
+    flag = tmp_path / "no-restart"
+    decl = _stdio_declaration(tmp_path, flag)
+    upstreams = Upstreams(decl)
+    raised: list[BaseException] = []
+
+    async def run() -> None:
+        async with AsyncExitStack() as stack:
+            await upstreams.open(stack)
+            catalogue = build_catalogue(decl, upstreams)
+            flag.touch()
+            assert _kill_upstream_servers() == 1
+            with suppress(ConnectionError):  # it may have been in flight: unknown
+                await upstreams.call("desk", "list_tickets", {})
+
+            def write() -> None:
+                ctx = CallContext("s-1", "01-charge", "charge", "key-1")
+                with call_context(ctx):
+                    catalogue["charge"].invoke({"amount": 5})
+
+            try:
+                await asyncio.to_thread(write)
+            except Exception as exc:
+                raised.append(exc)
+
+    asyncio.run(run())
+    (exc,) = raised
+    assert not isinstance(exc, (UpstreamOutcomeUnknown, TimeoutError)), repr(exc)
+    assert isinstance(exc, ConnectionError), repr(exc)
+    assert "'desk'" in str(exc) and "nothing was called" in str(exc), str(exc)
+    desk = tmp_path / "desk.json"
+    assert not desk.exists() or "charge" not in [t for t, _ in json.loads(desk.read_text())["log"]]
+
+
+def test_an_http_upstream_going_down_does_not_take_the_proxy_down(tmp_path: Path) -> None:
+    """A streamable-HTTP upstream goes away (restarted, redeployed): its transport's
+    failure must end that connection only, not cancel the task that serves the agent
+    (the proxy exited with a traceback), and the upstream is reconnected once back."""
+    from contextlib import AsyncExitStack
+
+    from sagaline.agents.mcp_proxy import Upstreams
+
+    port = _free_port()
+    env = {**os.environ, "DESK_STATE": str(tmp_path / "desk.json"), "DESK_HTTP_PORT": str(port)}
+
+    def serve() -> subprocess.Popen[bytes]:
+        server = subprocess.Popen(
+            [sys.executable, str(UPSTREAM)], env=env, stderr=subprocess.DEVNULL
+        )
+        wait_until(lambda: _listening(port), 60, "the HTTP upstream to listen")
+        return server
+
+    decl = _decl(
+        {"list_tickets": {"read_only": True}, "charge": {"reversibility": "IRREVERSIBLE"}},
+        participant="fake-desk",
+        upstreams={"desk": {"url": f"http://127.0.0.1:{port}/mcp"}},
+    )
+    upstreams = Upstreams(decl)
+    server = serve()
+    answers: list[Any] = []
+
+    async def call() -> Any:  # as the runtime's threads do: in a task of its own
+        with suppress(ConnectionError):
+            return await asyncio.ensure_future(upstreams.call("desk", "list_tickets", {}))
+        return "failed"
+
+    async def run() -> None:
+        nonlocal server
+        async with AsyncExitStack() as stack:
+            await upstreams.open(stack)
+            answers.append(await call())
+            server.kill()
+            server.wait(60)
+            answers.append(await call())  # the upstream is down: fails
+            server = serve()
+            answers.append(await call())
+            answers.append(await call())
+
+    try:
+        asyncio.run(run())
+    finally:
+        server.kill()
+        server.wait(60)
+    assert answers[0] == {"result": []} and answers[1] == "failed", answers
+    assert {"result": []} in answers[2:], answers
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0

@@ -26,6 +26,7 @@ Read-only tools are passed straight through: there is nothing to undo.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import logging
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anyio
 import mcp_types as types
 from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.server.context import ServerRequestContext
@@ -97,6 +99,12 @@ class UpstreamUnavailable(RuntimeError):
     """An upstream server could not be started or reached at start-up."""
 
 
+class UpstreamDown(ConnectionError):
+    """The upstream's connection was lost and connecting again failed: the call was
+    not sent (nothing was called), so its outcome is known; a plain failure, which the
+    runtime retries (each retry tries to connect again) and then fails."""
+
+
 class UpstreamOutcomeUnknown(TimeoutError):
     """A forward call whose transport failed (the upstream died or its connection
     dropped): it may have acted before it went, so the outcome is unknown (R11), as for
@@ -109,7 +117,13 @@ class UpstreamOutcomeUnknown(TimeoutError):
 
 class Upstreams:
     """Sessions with the upstream servers, owned by the proxy's event loop. The
-    participant runtime's threads call through :meth:`call_sync`."""
+    participant runtime's threads call through :meth:`call_sync`.
+
+    Each connection lives in a task of its own (its transport's task group is entered
+    and left there): an upstream that goes away ends that connection only, not the
+    task serving the agent, and a connection found lost (a call answered "Connection
+    closed", the transport failed, an HTTP server forgot the session) is replaced by a
+    new one on the next call to that upstream."""
 
     def __init__(self, declaration: Declaration) -> None:
         self.declaration = declaration
@@ -121,15 +135,21 @@ class Upstreams:
         # effect may still land, so a lookup of that key cannot say "not found" (R11).
         self._running: dict[str, int] = {}
         self._running_lock = threading.Lock()
+        # Per upstream: its connection's task and what ends it; the lost ones.
+        self._connections: dict[str, tuple[asyncio.Task[None], asyncio.Event]] = {}
+        self._lost: dict[str, str] = {}  # upstream -> why its connection is taken for lost
+        self._reconnecting: dict[str, asyncio.Lock] = {}
 
     async def open(self, stack: AsyncExitStack) -> None:
         """Connect to every upstream and list its tools; :class:`UpstreamUnavailable`
         names the one that cannot be started or reached, and why."""
         self.loop = asyncio.get_running_loop()
+        stack.push_async_callback(self.close)
         for name, spec in self.declaration.upstreams.items():
             self.opening = name
             try:
-                await self._open(stack, name, spec)
+                session = await self._connect(name, spec)
+                await self._list(name, session)
             except Exception as exc:
                 raise self.unavailable(exc) from exc
         self.opening = None
@@ -146,7 +166,63 @@ class Upstreams:
             f"upstream {name!r}{where} cannot be reached: {type(exc).__name__}: {exc}"
         )
 
-    async def _open(self, stack: AsyncExitStack, name: str, spec: UpstreamSpec) -> None:
+    async def close(self) -> None:
+        """End every connection (at shutdown)."""
+        connections = list(self._connections.values())
+        self._connections.clear()
+        for _task, done in connections:
+            done.set()
+        for task, _done in connections:
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(task, 30)
+
+    async def _connect(self, name: str, spec: UpstreamSpec) -> ClientSession:
+        """A new connection to ``name``, in a task of its own, made its session; the
+        connection it replaces (if any) is ended."""
+        opened: asyncio.Future[ClientSession] = asyncio.get_running_loop().create_future()
+        done = asyncio.Event()
+        task = asyncio.ensure_future(self._hold(name, spec, opened, done))
+        try:
+            session = await asyncio.shield(opened)
+        except BaseException:
+            done.set()
+            if not opened.done():
+                task.cancel()  # still opening (given up on): it must not linger
+            raise
+        old = self._connections.get(name)
+        self._connections[name] = (task, done)
+        self.sessions[name] = session
+        self._lost.pop(name, None)
+        if old is not None:
+            old[1].set()
+        return session
+
+    async def _hold(
+        self,
+        name: str,
+        spec: UpstreamSpec,
+        opened: asyncio.Future[ClientSession],
+        done: asyncio.Event,
+    ) -> None:
+        """One connection's task: open it, hand its session over, keep it until told
+        to end it; if it ends on its own (its transport failed), it is lost."""
+        try:
+            async with AsyncExitStack() as stack:
+                session = await self._open(stack, spec)
+                opened.set_result(session)
+                await done.wait()
+        except BaseException as exc:  # this connection's end; nobody else's error
+            if not opened.done():
+                failure = exc if isinstance(exc, Exception) else ConnectionError(repr(exc))
+                opened.set_exception(failure)
+                return
+            while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+                exc = exc.exceptions[0]
+            if not done.is_set():
+                why = f"its connection failed ({type(exc).__name__}: {exc})"
+                self._mark_lost(name, opened.result(), why)
+
+    async def _open(self, stack: AsyncExitStack, spec: UpstreamSpec) -> ClientSession:
         if spec.url:
             from mcp.client.streamable_http import streamable_http_client
 
@@ -163,7 +239,9 @@ class Upstreams:
             read, write = await stack.enter_async_context(stdio_client(params))
         session = await stack.enter_async_context(ClientSession(read, write))
         await session.initialize()
-        self.sessions[name] = session
+        return session
+
+    async def _list(self, name: str, session: ClientSession) -> None:
         listed = await session.list_tools()
         for t in listed.tools:
             hint = t.annotations.read_only_hint if t.annotations else None
@@ -178,13 +256,44 @@ class Upstreams:
                 )
             )
 
+    def _mark_lost(self, name: str, session: ClientSession, why: str) -> None:
+        if self.sessions.get(name) is session and name not in self._lost:
+            self._lost[name] = why
+            log.warning("upstream %r: %s; the next call connects again", name, why)
+
+    async def _session(self, upstream: str) -> ClientSession:
+        """The upstream's session; a lost one is replaced first. :class:`UpstreamDown`
+        when that fails: the call is not sent."""
+        if upstream not in self._lost:
+            return self.sessions[upstream]
+        lock = self._reconnecting.setdefault(upstream, asyncio.Lock())
+        async with lock:
+            why = self._lost.get(upstream)
+            if why is None:  # replaced while this call waited
+                return self.sessions[upstream]
+            spec = self.declaration.upstreams[upstream]
+            try:
+                session = await asyncio.wait_for(self._connect(upstream, spec), RECONNECT_WAIT_S)
+            except Exception as exc:
+                while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+                    exc = exc.exceptions[0]  # type: ignore[assignment]
+                raise UpstreamDown(
+                    f"upstream {upstream!r} ({_shown(spec)}) is down: {why}, and connecting"
+                    f" again failed ({type(exc).__name__}: {exc}); nothing was called"
+                ) from exc
+            log.info("upstream %r: connected again", upstream)
+            return session
+
     def find(self, upstream: str, name: str) -> UpstreamTool:
         return next(t for t in self.tools if t.upstream == upstream and t.name == name)
 
     async def call(self, upstream: str, name: str, args: Mapping[str, Any]) -> Any:
+        session = await self._session(upstream)
         try:
-            result = await self.sessions[upstream].call_tool(name, dict(args))
+            result = await session.call_tool(name, dict(args))
         except Exception as exc:  # transport or protocol: the call may be retried
+            if _connection_lost(exc):
+                self._mark_lost(upstream, session, f"its connection was lost ({exc})")
             raise ConnectionError(f"upstream {upstream!r} call {name} failed: {exc}") from exc
         value = _result_value(result)
         if result.is_error:
@@ -227,6 +336,21 @@ class Upstreams:
         """Whether a call made with idempotency key ``key`` is still running upstream."""
         with self._running_lock:
             return key in self._running
+
+
+RECONNECT_WAIT_S = 60.0
+"""How long a call waits for a lost upstream to be connected again."""
+
+
+def _connection_lost(exc: BaseException) -> bool:
+    """Whether a call's error says its connection is gone (not that the call was bad):
+    the SDK's "Connection closed", an HTTP server that forgot the session (it was
+    restarted), a stream or socket that broke."""
+    from mcp.shared.exceptions import MCPError
+
+    if isinstance(exc, MCPError):
+        return exc.error.code == types.CONNECTION_CLOSED or "Session terminated" in str(exc)
+    return isinstance(exc, (OSError, anyio.ClosedResourceError, anyio.BrokenResourceError))
 
 
 def _shown(spec: UpstreamSpec) -> str:
@@ -335,6 +459,8 @@ def _forward(
             args[mapping.idempotency_arg] = key
         try:
             return upstreams.call_sync(upstream, listed.name, args, _wait_s(mapping), key=key)
+        except UpstreamDown:
+            raise  # not sent: it did not happen, a plain failure
         except ConnectionError as exc:  # a transient failure would be retried, then
             # taken for a step that never ran: its effect neither undone nor named
             raise UpstreamOutcomeUnknown(f"{exc}; the outcome is unknown") from exc
