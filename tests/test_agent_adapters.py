@@ -460,3 +460,78 @@ def test_langchain_sync_tool_call_in_an_async_saga_runs_the_step(served: Any) ->
     assert message.content == "r-LX60"
     assert "reserve:LX60" in trip.log
     assert [s.tool for s in receipt.steps] == ["reserve_seat"]
+
+
+def test_langgraph_run_stopped_at_an_interrupt_leaves_the_saga_open_for_the_resume(
+    served: Any,
+) -> None:
+    """A tool of the graph asks a person with LangGraph's ``interrupt()``: the graph
+    stops and ``graph.invoke`` returns (it does not raise), so leaving the saga's block
+    completed the saga with the effects so far, and the resumed run's steps met an
+    ended saga: a failure after the interrupt undid nothing. The adapter's ``invoke``
+    raises ``Interrupted`` (an ``ApprovalPending``: a person is awaited, R7), the saga
+    stays open, and the resumed run continues it: its failure compensates the step
+    made before the interrupt, which the resume (re-running the node) did not repeat."""
+    from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+    from langchain_core.messages import AIMessage, HumanMessage
+    from langchain_core.tools import tool
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.graph import END, START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode, tools_condition
+    from langgraph.types import Command, interrupt
+
+    from participants.client import ApprovalPending
+    from sagaline.agents import langchain as adapter
+
+    client, catalogue, trip = served
+
+    @tool
+    def ask_person(question: str) -> str:
+        """Ask the traveller."""
+        answer: str = interrupt(question)
+        return answer
+
+    replies = iter(
+        [
+            AIMessage(
+                content="",
+                tool_calls=[
+                    {"name": "reserve_seat", "args": {"flight": "LX70"}, "id": "call-r"},
+                    {"name": "ask_person", "args": {"question": "pay?"}, "id": "call-a"},
+                ],
+            ),
+            AIMessage(
+                content="",
+                tool_calls=[{"name": "charge_card", "args": {"amount": 960}, "id": "call-c"}],
+            ),
+            AIMessage(content="booked"),
+        ]
+    )
+    model = GenericFakeChatModel(messages=replies)
+    config: Any = {"configurable": {"thread_id": "trip-70"}}
+    saga = client.saga("trip", principal="agent:langgraph")
+
+    def graph() -> Any:
+        built = StateGraph(MessagesState)
+        built.add_node("agent", lambda state: {"messages": [model.invoke(state["messages"])]})
+        built.add_node("tools", ToolNode([*adapter.tools(saga, catalogue), ask_person]))
+        built.add_edge(START, "agent")
+        built.add_conditional_edges("agent", tools_condition, {"tools": "tools", END: END})
+        built.add_edge("tools", "agent")
+        return built.compile(checkpointer=checkpointer)
+
+    checkpointer = InMemorySaver()
+    with pytest.raises(adapter.Interrupted) as stopped, saga:
+        adapter.invoke(saga, graph(), {"messages": [HumanMessage("book LX70")]}, config)
+    assert isinstance(stopped.value, ApprovalPending) and stopped.value.saga_id == saga.saga_id
+    assert [i.value for i in stopped.value.interrupts] == ["pay?"]
+
+    with pytest.raises(BusinessRejected), adapter.resumed(saga):
+        adapter.invoke(saga, graph(), Command(resume="yes"), config)
+    receipt = saga.wait(120)
+    assert receipt.status is TerminalStatus.COMPENSATED
+    assert [(s.tool, s.disposition.value) for s in receipt.steps] == [
+        ("reserve_seat", "COMPENSATED"),
+        ("charge_card", "NOT_COMMITTED"),
+    ]
+    assert [e for e in trip.log if "LX70" in e] == ["reserve:LX70", "release:r-LX70"]

@@ -9,20 +9,37 @@ are saga steps, usable in a LangGraph ``ToolNode`` (needs ``sagaline[langchain]`
         graph = build_graph(model.bind_tools(tools), ToolNode(tools))
         graph.invoke({"messages": [...]})
     # returned: the saga completes; raised: it aborts and is compensated
+
+A graph that asks a person with LangGraph's ``interrupt()`` stops, and
+``graph.invoke`` *returns*: the block would complete the saga with the effects so far,
+and the resumed run would meet an ended saga. Run the graph with :func:`invoke`: a run
+stopped at an interrupt raises :class:`Interrupted` (an ``ApprovalPending``: the saga
+stays open, R7); continue it in :func:`resumed`, which ends the saga as the block
+would (completed, aborted, or left open at the next interrupt)::
+
+    try:
+        with client.saga("refund", principal="agent:atlas") as saga:
+            graph = build_graph(sagaline_langchain.tools(saga, catalogue), checkpointer)
+            sagaline_langchain.invoke(saga, graph, {"messages": [...]}, config)
+    except sagaline_langchain.Interrupted as stopped:
+        answer = ask_the_person(stopped.interrupts)
+    with sagaline_langchain.resumed(saga):  # or an attached saga, after a restart
+        sagaline_langchain.invoke(saga, graph, Command(resume=answer), config)
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from types import TracebackType
 from typing import Any
 
 from langchain_core.tools import StructuredTool
 
 from participants.catalogue import Catalogue, ToolSpec
-from participants.client import AsyncSaga, Saga
+from participants.client import ApprovalPending, AsyncSaga, Saga
 from sagaline.agents._core import SagaTool, saga_tools
 
-__all__ = ["tools"]
+__all__ = ["Interrupted", "ainvoke", "invoke", "resumed", "tools"]
 
 
 def tools(
@@ -63,3 +80,78 @@ def _structured_tool(bound: SagaTool) -> StructuredTool:
         handle_tool_error=False,  # a failed step ends the run: the saga aborts
         metadata={"irreversible": bound.irreversible, "read_only": bound.read_only},
     )
+
+
+class Interrupted(ApprovalPending):
+    """The graph stopped at a LangGraph ``interrupt()``: it waits for a person's answer.
+    Like any ``ApprovalPending`` it leaves the saga open (R7) when it leaves the saga's
+    block; ``interrupts`` are the graph's ``Interrupt`` objects (value, id)."""
+
+    def __init__(self, message: str, *, saga_id: str, interrupts: list[Any]) -> None:
+        ids = ",".join(str(getattr(i, "id", "") or "") for i in interrupts)
+        super().__init__(message, saga_id=saga_id, step_id="", tool="", approval_id=ids)
+        self.interrupts = interrupts
+
+
+def invoke(
+    saga: Saga | AsyncSaga, graph: Any, input: Any, config: Any = None, **kwargs: Any
+) -> Any:
+    """``graph.invoke(input, config, **kwargs)`` for a run that is ``saga``: its output,
+    or :class:`Interrupted` when the run stopped at an ``interrupt()``."""
+    return _checked(saga, graph.invoke(input, config, **kwargs))
+
+
+async def ainvoke(
+    saga: Saga | AsyncSaga, graph: Any, input: Any, config: Any = None, **kwargs: Any
+) -> Any:
+    """``await graph.ainvoke(...)``, as :func:`invoke`."""
+    return _checked(saga, await graph.ainvoke(input, config, **kwargs))
+
+
+def _checked(saga: Saga | AsyncSaga, output: Any) -> Any:
+    interrupts = getattr(output, "interrupts", None)  # invoke(..., version="v2")
+    if interrupts is None and isinstance(output, Mapping):
+        interrupts = output.get("__interrupt__")
+    if interrupts:
+        found = list(interrupts)
+        values = ", ".join(repr(getattr(i, "value", i)) for i in found)
+        raise Interrupted(
+            f"the graph stopped at {len(found)} interrupt(s) ({values[:200]}): saga"
+            f" {saga.saga_id} stays open; resume the graph with Command(resume=...) in"
+            " sagaline.agents.langchain.resumed(saga)",
+            saga_id=saga.saga_id,
+            interrupts=found,
+        )
+    return output
+
+
+class resumed:  # used as a function: ``with resumed(saga):``
+    """The rest of an open saga (one left open by :class:`Interrupted`, or attached after
+    a restart) as a block that ends it as its first block would have: completed when
+    the block returns, aborted when it raises, left open on ``ApprovalPending`` (and so
+    at the next interrupt); the saga is not started again. ``with`` or ``async with``."""
+
+    def __init__(self, saga: Saga | AsyncSaga) -> None:
+        self.saga = saga._saga if isinstance(saga, AsyncSaga) else saga
+
+    def __enter__(self) -> Saga:
+        return self.saga
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.saga.__exit__(exc_type, exc, tb)
+
+    async def __aenter__(self) -> AsyncSaga:
+        return AsyncSaga(self.saga)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.saga.__aexit__(exc_type, exc, tb)
