@@ -9,7 +9,9 @@ deterministic event id derived from the command's (``intent``, ``outcome``), so
 partition whose ``causation_id`` is the command's event id.
 
 The probe reads only that one partition, from the command's own timestamp (less
-:data:`CLOCK_SKEW_MS` for producer clocks that disagree) to its current end, and
+:data:`CLOCK_SKEW_MS` for producer clocks that disagree) to its current end (the high
+watermark: records of a coordinator transaction still open are read too, so an
+intent appended behind one is not missed), and
 decodes only records with the saga's key. So its cost is one partition's records
 since the command was sent: small while the participant keeps up.
 """
@@ -26,7 +28,7 @@ from sagaline.kafka import (
     KafkaError,
     KafkaException,
     TopicPartition,
-    create_consumer,
+    create_uncommitted_reader,
     watermarks,
 )
 from schemas import Record
@@ -65,8 +67,12 @@ class LedgerProbe:
         self._lock = threading.Lock()
         self._partitions: int | None = None
         # No group membership, no commits: a plain reader of assigned partitions, up
-        # to the end of committed data (the partition EOF under read_committed).
-        self._consumer = create_consumer(
+        # to the high watermark. Uncommitted reads: the coordinator writes the ledger
+        # in transactions, and under read_committed an intent appended after one began
+        # stays past the last stable offset (the end a committed reader sees) until it
+        # commits; a probe stopping there would miss it and run the tool again. What
+        # it looks for (a participant's intents and outcomes) no transaction writes.
+        self._consumer = create_uncommitted_reader(
             bootstrap,
             f"sagaline-probe-{uuid.uuid4().hex[:8]}",
             **{"enable.partition.eof": True},

@@ -14,8 +14,16 @@ from pathlib import Path
 
 import pytest
 
+from participants.ledger_probe import LedgerProbe
 from participants.runtime import NoMetrics, ParticipantRuntime
-from schemas import StepCommitted, StepIntentRecorded, StepOutcomeUnknown, derived_event_id
+from sagaline.kafka import create_producer
+from schemas import (
+    ExecuteStep,
+    StepCommitted,
+    StepIntentRecorded,
+    StepOutcomeUnknown,
+    derived_event_id,
+)
 from schemas.wire import to_message
 from tests.test_participant_runtime import PARTICIPANT, Harness, _of
 
@@ -101,13 +109,9 @@ def test_a_command_done_by_one_replica_is_not_run_again_by_the_other(
     assert replicas.duplicates_prevented() == 1
 
 
-def test_an_intent_without_outcome_from_another_replica_is_an_unknown_outcome(
-    replicas: Replicas,
-) -> None:
-    """A recorded the intent and was killed before it reported: the tool may have
-    acted. B reports an unknown outcome (reconciled by lookup), never re-runs it."""
-    command = replicas.execute("s1", {"sku": "a", "quantity": 1})
-    intent = StepIntentRecorded(  # what replica a appended before it died
+def _intent_of(replicas: Replicas, command: ExecuteStep) -> StepIntentRecorded:
+    """The intent replica a appends for ``command`` before its tool runs."""
+    return StepIntentRecorded(
         envelope=replicas._envelope(StepIntentRecorded, "unused").model_copy(
             update={
                 "event_id": derived_event_id(command.event_id, "intent"),
@@ -122,6 +126,15 @@ def test_an_intent_without_outcome_from_another_replica_is_an_unknown_outcome(
         attempt=command.attempt,
         principal=command.principal,
     )
+
+
+def test_an_intent_without_outcome_from_another_replica_is_an_unknown_outcome(
+    replicas: Replicas,
+) -> None:
+    """A recorded the intent and was killed before it reported: the tool may have
+    acted. B reports an unknown outcome (reconciled by lookup), never re-runs it."""
+    command = replicas.execute("s1", {"sku": "a", "quantity": 1})
+    intent = _intent_of(replicas, command)  # what replica a appended before it died
     key, value, headers = to_message(intent, replicas.settings.signer())
     replicas.producer.produce(
         replicas.settings.topics.events, key=key, value=value, headers=headers
@@ -136,6 +149,44 @@ def test_an_intent_without_outcome_from_another_replica_is_an_unknown_outcome(
     assert "another replica" in unknown.reason
     assert replicas.shop.count("reserve") == 0, "replica b ran the tool blind"
     assert not _of(records, StepCommitted)
+
+
+def test_the_probe_finds_an_intent_behind_an_open_coordinator_transaction(
+    replicas: Replicas,
+) -> None:
+    """The coordinator writes the ledger in transactions, so one is nearly always open
+    on a busy partition. Replica a's intent, written after such a transaction began,
+    sits past the partition's last stable offset until the coordinator commits: a
+    probe that stopped there would miss it, and B would run the tool a second time."""
+    topic = replicas.settings.topics.events
+    coordinator = create_producer(
+        replicas.bootstrap, **{"transactional.id": f"{topic}-coordinator"}
+    )
+    coordinator.init_transactions(30)
+    coordinator.begin_transaction()
+    other = replicas._envelope(StepIntentRecorded, "a coordinator output")
+    key, value, headers = to_message(
+        _intent_of(replicas, replicas.execute("s0", {"sku": "z", "quantity": 1})).model_copy(
+            update={"envelope": other}
+        ),
+        replicas.settings.signer(),
+    )
+    coordinator.produce(topic, key=key, value=value, headers=headers)
+    assert coordinator.flush(30) == 0  # on the partition, its transaction still open
+
+    command = replicas.execute("s1", {"sku": "a", "quantity": 1})
+    intent = _intent_of(replicas, command)
+    key, value, headers = to_message(intent, replicas.settings.signer())
+    replicas.producer.produce(topic, key=key, value=value, headers=headers)
+    assert replicas.producer.flush(30) == 0
+
+    probe = LedgerProbe(replicas.bootstrap, topic, replicas.settings.signer())
+    try:
+        found = probe.caused_by(command)
+    finally:
+        probe.close()
+        coordinator.abort_transaction(30)
+    assert [r.event_id for r in found] == [intent.event_id]
 
 
 def test_a_command_nobody_took_runs_once_on_the_new_replica(replicas: Replicas) -> None:

@@ -71,6 +71,22 @@ def create_consumer(bootstrap: str | ClientConfig, group_id: str, **overrides: A
     return Consumer(config.consumer(group_id, **overrides))
 
 
+def create_uncommitted_reader(
+    bootstrap: str | ClientConfig, group_id: str, **overrides: Any
+) -> Consumer:
+    """A consumer like :func:`create_consumer`'s that also reads records of
+    transactions still open (or aborted): up to the high watermark, not the last
+    stable offset. Only for a reader looking for records no transaction writes (a
+    participant's intents and outcomes), which an open coordinator transaction must
+    not hide from it."""
+    config = client_config(bootstrap)
+    settings = {**config.consumer(group_id, **overrides), "isolation.level": "read_uncommitted"}
+    if _memory.is_memory(config.bootstrap):
+        broker = _memory.broker_for(config.bootstrap)
+        return cast(Consumer, _memory.MemoryConsumer(broker, settings))
+    return Consumer(settings)
+
+
 def create_admin(bootstrap: str | ClientConfig, **overrides: Any) -> AdminClient:
     """An admin client on the deployment's settings."""
     config = client_config(bootstrap)
