@@ -53,7 +53,7 @@ from participants.catalogue import Catalogue, ToolSpec
 from participants.context import CallContext, call_context, serve_async_tools
 from participants.declarations import Accepted, CompensationContext
 from participants.errors import ContractChanged, InvalidArgumentsError, LedgerRefError
-from participants.ledger_probe import LedgerProbe
+from participants.ledger_probe import LedgerProbe, LedgerProbeError
 from participants.published import Published, entry_key, fold, stale_keys
 from sagaline.kafka import (
     Consumer,
@@ -1467,7 +1467,8 @@ class ParticipantRuntime:
     def _process(self, msg: Message, command: Record, maybe_taken_elsewhere: bool) -> bool:
         """Handle one decoded command on a tool thread, waiting where it must (the rare
         paths :meth:`CommandHandler.plan` leaves to ``handle``); False when its record
-        could not be appended (the loop tries it again)."""
+        could not be appended or the ledger probe could not read the ledger (the loop
+        tries it again)."""
         try:
             state = self.handler.handle(
                 command, maybe_taken_elsewhere=maybe_taken_elsewhere, encoded=msg.value()
@@ -1480,6 +1481,9 @@ class ParticipantRuntime:
                 return False
             # refused for its size: every time, so dead-lettered as RecordTooLarge is
             return self._dead_letter_blocking(msg, command, exc)
+        except LedgerProbeError as exc:  # the ledger is unreadable now, not the command bad
+            log.warning("%s; trying %s %s again", exc, command.TYPE, command.event_id)
+            return False
         except Exception as exc:  # R16: never stop the service, never lose the record
             return self._dead_letter_blocking(msg, command, exc)
         if state == "accepted":

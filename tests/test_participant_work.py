@@ -545,3 +545,52 @@ def test_the_watchdog_takes_over_only_calls_past_their_deadline_and_forgets_fini
     assert running.finish() is True
     watchdog.close()
     assert wrongly == []
+
+
+class _UnreadableLedger:
+    """A ledger probe that cannot read the ledger ``failures`` times (a broker outage
+    longer than its timeout), then finds nothing there."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.asked = 0
+
+    def caused_by(self, command: Record) -> list[Record]:
+        from participants.ledger_probe import LedgerProbeError
+
+        self.asked += 1
+        if self.asked <= self.failures:
+            raise LedgerProbeError(f"could not read the ledger for {command.event_id}")
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_command_whose_ledger_probe_fails_is_tried_again_not_dead_lettered(
+    tmp_path: Path,
+) -> None:
+    # R16/R15: a command on the partition before it was assigned here is looked up
+    # on the ledger first. The ledger being unreadable for a while (a broker outage)
+    # says nothing about the command: it is tried again once the ledger answers, its
+    # tool runs once, nothing goes to the DLQ (where its saga would wait for good).
+    from participants.runtime import _appended_by
+
+    rig = _Rig(tmp_path)
+    appended: list[Record] = []
+    rig.handler._ledger = cast(Any, _UnreadableLedger(failures=1))
+    rig.handler._append = rig.handler._publish = appended.append
+    rig.handler._begin_append = _appended_by(appended.append)
+    rt = cast(Any, rig.loop._rt)
+    rt._assigned_end = {0: 100}  # the command was there before the assignment
+    rt._process = lambda *a: ParticipantRuntime._process(rt, *a)
+    rt._dead_letter_blocking = lambda *a: ParticipantRuntime._dead_letter_blocking(rt, *a)
+    rt._confirm_in_background = lambda *a: None
+    rig.submit(_execute("saga-a", 0))
+    rig.submit(_execute("saga-a", 1))
+    rig.run_until(lambda: rig.loop.pending == 0, "both commands done")
+    assert rig.dead_letters == []
+    assert rig.desk.ran["saga-a"] == [0, 1]  # in order, each once
+    assert [r.step_id for r in appended if isinstance(r, StepCommitted)] == ["00-book", "01-book"]
+    assert rig.loop.committable() == {0: 2}
+    rig.close()
