@@ -268,10 +268,13 @@ class CommandJournal:
                     "command = COALESCE(excluded.command, command), at = excluded.at",
                     rows,
                 )
+                self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                # A failed COMMIT (SQLITE_BUSY, a full disk) leaves the transaction
+                # open: every later BEGIN would fail. These rows fail; later ones not.
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
                 raise
-            self._db.execute("COMMIT")
 
     def forget(self, command_id: str) -> None:
         """Drop a command's row: it was marked started but its tool never ran (the

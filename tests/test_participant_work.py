@@ -594,3 +594,28 @@ def test_a_command_whose_ledger_probe_fails_is_tried_again_not_dead_lettered(
     assert [r.step_id for r in appended if isinstance(r, StepCommitted)] == ["00-book", "01-book"]
     assert rig.loop.committable() == {0: 2}
     rig.close()
+
+
+def test_a_journal_commit_that_fails_does_not_wedge_the_journal(tmp_path: Path) -> None:
+    # R16: a transaction whose COMMIT fails (SQLITE_BUSY while another process reads
+    # the file in rollback-journal mode, where WAL is unavailable; a disk full) stays
+    # open in SQLite. Left open, every later write failed ("cannot start a
+    # transaction within a transaction") and every later command went to the DLQ
+    # until a restart; the failed one must fail alone.
+    import sqlite3
+
+    path = tmp_path / "j.sqlite"
+    journal = CommandJournal(path)
+    journal._db.execute("PRAGMA journal_mode=DELETE")  # as on a filesystem without WAL
+    journal._db.execute("PRAGMA busy_timeout=0")
+    reader = sqlite3.connect(str(path), isolation_level=None)
+    reader.execute("BEGIN")
+    reader.execute("SELECT count(*) FROM handled").fetchone()  # holds a shared lock
+    with pytest.raises(sqlite3.OperationalError, match="locked"):
+        journal.write([("c0", "started", None, None, 1)])
+    reader.execute("COMMIT")
+    reader.close()
+    journal.write([("c1", "started", None, None, 2)])
+    assert journal.get("c1") == ("started", None)
+    assert journal.get("c0") is None  # the failed transaction left nothing
+    journal.close()
