@@ -1404,11 +1404,24 @@ class ParticipantRuntime:
             for tp in partitions:
                 self._assigned_end.pop(tp.partition, None)
 
+        def on_lost(c: Consumer, partitions: list[TopicPartition]) -> None:
+            # Lost, not revoked (session timed out, poll interval exceeded): another
+            # member may own them already and run their commands from the committed
+            # offset. No drain: a saga's queued command started here would race the
+            # owner's ledger probe and run twice. Everything of them is given up at
+            # once (a running tool's intent is on the ledger: the owner reports an
+            # unknown outcome), and no commit is attempted for partitions not ours.
+            moves.moved(partitions)
+            self._work.drain({p.partition for p in partitions}, 0.0)
+            self._work.forget({p.partition for p in partitions})
+            for tp in partitions:
+                self._assigned_end.pop(tp.partition, None)
+
         consumer.subscribe(
             [self.topics.commands(self.participant)],
             on_assign=on_assign,
             on_revoke=on_revoke,
-            on_lost=on_revoke,
+            on_lost=on_lost,
         )
         self.publish_catalogue()
         for command_id, command in self.journal.accepted():

@@ -867,3 +867,90 @@ def test_a_record_the_events_topic_refuses_for_its_size_is_dead_lettered_not_ret
         assert bulky.runs == (1 if refused == "outcome" else 0) + 1
     finally:
         harness.stop()
+
+
+def test_a_lost_partition_starts_none_of_its_queued_commands_and_drops_late_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R15: partitions *lost* (session timed out, poll interval exceeded) may already
+    be another member's, which reads their commands from the committed offset and
+    runs them. Unlike a revoke, no drain may run them here as well: a saga's queued
+    command started here would race the new owner (both probing the ledger before
+    either's intent is on it: the tool runs twice). So nothing of a lost partition
+    starts here any more, and what a running tool returns is dropped (its intent is
+    on the ledger: the owner reports an unknown outcome, R11)."""
+    import uuid
+
+    import participants.runtime as runtime_module
+    from sagaline.kafka import TopicPartition, create_consumer
+
+    bootstrap = f"memory://{uuid.uuid4().hex[:12]}"
+    settings = Settings(bootstrap=bootstrap, topic_prefix="t.", partitions=1, state_dir=tmp_path)
+    topic = settings.topics.commands("stuck")
+    ensure_topics(bootstrap, settings.topics, ["stuck"], 1)
+    lose = threading.Event()
+    lost = threading.Event()
+
+    class LosesWhenTold:
+        """The runtime's consumer; once told, its next poll() serves a lost
+        assignment (on the loop's thread, as librdkafka does)."""
+
+        def __init__(self, consumer: Any) -> None:
+            self._consumer = consumer
+            self._on_lost: Callable[..., Any] | None = None
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._consumer, name)
+
+        def subscribe(self, topics: list[str], **callbacks: Any) -> None:
+            self._on_lost = callbacks["on_lost"]
+            self._consumer.subscribe(topics, **callbacks)
+
+        def poll(self, timeout: float = -1) -> Any:
+            if lose.is_set() and not lost.is_set():
+                lost.set()
+                assert self._on_lost is not None
+                self._on_lost(self, [TopicPartition(topic, 0)])
+            return self._consumer.poll(timeout)
+
+    monkeypatch.setattr(
+        runtime_module, "create_consumer", lambda *a, **k: LosesWhenTold(create_consumer(*a, **k))
+    )
+    stuck = Stuck()
+    runtime = ParticipantRuntime(wrap(stuck, name="stuck"), settings, bootstrap)
+    runtime.revoke_drain_s = 120.0  # a revoke would wait for the held tool
+    late = threading.Event()
+    tool_done = runtime._work._tool_done
+
+    def watched_tool_done(job: Any, outcome: Any, error: BaseException | None) -> None:
+        tool_done(job, outcome, error)
+        if job.command is not None and job.command.tool == "hold":
+            late.set()
+
+    runtime._work._tool_done = watched_tool_done  # type: ignore[method-assign]
+    ready = threading.Event()
+    thread = threading.Thread(target=runtime.run, kwargs={"ready": ready}, daemon=True)
+    thread.start()
+    held, queued = _command("hold", "saga-x"), _command("note", "saga-x")
+    queued = queued.model_copy(update={"step_id": "s2"})
+    try:
+        assert ready.wait(60)
+        _produce(bootstrap, settings, topic, held, partition=0)
+        _produce(bootstrap, settings, topic, queued, partition=0)  # behind it: same saga
+        assert stuck.entered.wait(60), "the tool did not start"
+        wait_until(lambda: runtime._work.pending == 2, what="the saga's next command queued")
+        lose.set()
+        assert lost.wait(60), "the loop did not poll"
+        stuck.gate.set()  # the held tool returns while (or after) the loss is served
+        assert late.wait(60)
+    finally:
+        stuck.gate.set()
+        runtime.stop()
+        thread.join(30)
+    assert not thread.is_alive()
+    records = LedgerReader(bootstrap).saga_records(
+        settings.topics.events, "saga-x", settings.signer()
+    )
+    assert [(type(r), r.envelope.causation_id) for r in records] == [
+        (StepIntentRecorded, held.event_id)
+    ], "a command of a lost partition was run (or answered) here"
