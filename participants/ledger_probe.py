@@ -106,6 +106,10 @@ class LedgerProbe:
             found = self._consumer.offsets_for_times(
                 [TopicPartition(self.topic, partition, since)], timeout=self._timeout_s
             )
+            if found[0].error is not None:
+                # A partition's failure (a leader moving) comes back in its ``error``,
+                # with no offset: not "nothing since the command", so ask again.
+                raise KafkaException(found[0].error)
             start = found[0].offset
             _low, high = watermarks(
                 self._consumer, TopicPartition(self.topic, partition), self._timeout_s

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -196,3 +197,51 @@ def test_a_command_nobody_took_runs_once_on_the_new_replica(replicas: Replicas) 
     replicas.wait_for(lambda rs: bool(_of(rs, StepCommitted)))
     assert replicas.shop.count("reserve") == 1
     assert replicas.duplicates_prevented() == 0
+
+
+def test_the_probe_retries_a_partition_error_of_its_time_lookup_instead_of_finding_nothing(
+    replicas: Replicas,
+) -> None:
+    """offsets_for_times reports a partition's failure (a leader moving, as on the
+    broker restart that also moves the group's partitions) in that partition's
+    ``error``, with no offset, rather than raising. Read as "nothing written since the
+    command was sent", the probe would let the new owner run a tool whose intent is
+    on the ledger; it must ask again."""
+    from types import SimpleNamespace
+
+    from sagaline.kafka import KafkaError
+
+    topic = replicas.settings.topics.events
+    command = replicas.execute("s1", {"sku": "a", "quantity": 1})
+    intent = _intent_of(replicas, command)
+    key, value, headers = to_message(intent, replicas.settings.signer())
+    replicas.producer.produce(topic, key=key, value=value, headers=headers)
+    assert replicas.producer.flush(30) == 0
+
+    probe = LedgerProbe(replicas.bootstrap, topic, replicas.settings.signer())
+    consumer = probe._consumer
+    failures = [KafkaError(KafkaError.NOT_LEADER_FOR_PARTITION)]
+
+    class LeaderMoving:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(consumer, name)
+
+        def offsets_for_times(self, partitions: Any, timeout: float = -1) -> Any:
+            found = consumer.offsets_for_times(partitions, timeout=timeout)
+            if failures:
+                return [
+                    SimpleNamespace(
+                        topic=tp.topic, partition=tp.partition, offset=-1, error=failures.pop()
+                    )
+                    for tp in found
+                ]
+            return found
+
+    probe._consumer = cast(Any, LeaderMoving())
+    try:
+        found = probe.caused_by(command)
+    finally:
+        probe._consumer = consumer
+        probe.close()
+    assert failures == []
+    assert [r.event_id for r in found] == [intent.event_id]
