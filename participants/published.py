@@ -97,6 +97,29 @@ def _entry(value: bytes) -> Entry:
     return Entry(participant, contract, tuple(raw.get("secret_paths", ())))
 
 
+def publishers(published: Published) -> set[str]:
+    """The participants that still publish at least one tool: the live entries as
+    :func:`fold` reads them (a bare-name entry only where its participant has no
+    ``participant/tool`` key of that tool). An entry whose contract this version cannot
+    read still names its participant, taken from the raw JSON."""
+    qualified = {key for key in published.latest if SEPARATOR in key}
+    found: set[str] = set()
+    for key, value in published.latest.items():
+        if value is None:
+            continue
+        try:
+            raw: Any = orjson.loads(value)
+        except ValueError:
+            continue
+        participant = raw.get("participant") if isinstance(raw, dict) else None
+        if not isinstance(participant, str):
+            continue
+        if SEPARATOR not in key and f"{participant}{SEPARATOR}{key}" in qualified:
+            continue  # superseded by that participant's own key (live or withdrawn)
+        found.add(participant)
+    return found
+
+
 def stale_keys(published: Published, participant: str, serves: Iterable[str]) -> list[bytes]:
     """The keys ``participant`` published for tools it no longer serves: to tombstone
     as it starts, so a tool it dropped (or gave to another participant) is not
@@ -122,4 +145,4 @@ def stale_keys(published: Published, participant: str, serves: Iterable[str]) ->
     return out
 
 
-__all__ = ["SEPARATOR", "Entry", "Published", "entry_key", "fold", "stale_keys"]
+__all__ = ["SEPARATOR", "Entry", "Published", "entry_key", "fold", "publishers", "stale_keys"]

@@ -18,7 +18,7 @@ def register(subparsers: Any) -> None:
         "status",
         help="is the coordinator and each participant consuming? (exit 1 if not)",
         description="Reads the consumer groups of the coordinator and of every participant"
-        " that published its catalogue (plus any named with --participant) through the Kafka"
+        " with tools on the catalogue (plus any named with --participant) through the Kafka"
         " admin API. Exit 0 when all consume, 1 when one does not, 2 when the broker does"
         " not answer.",
     )
@@ -98,22 +98,15 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _published_participants(bootstrap: str, topic: str) -> set[str]:
+    """The participants with tools on the catalogue now (a withdrawn one is not)."""
+    from participants.published import fold, publishers
     from sagaline.kafka import LedgerReader, TopicMissing
 
-    found: set[str] = set()
     try:
-        for _key, value, _headers in LedgerReader(bootstrap).records(topic):
-            if value is None:
-                continue
-            try:
-                entry = json.loads(value)
-            except ValueError:
-                continue
-            if isinstance(entry, dict) and isinstance(entry.get("participant"), str):
-                found.add(entry["participant"])
+        current = fold((k, v) for k, v, _h in LedgerReader(bootstrap).records(topic))
     except TopicMissing:
         return set()  # nothing published yet
-    return found
+    return publishers(current)
 
 
 def _cmd_mcp_proxy(args: argparse.Namespace) -> int:

@@ -1,0 +1,73 @@
+"""What an operator sees of, and does to, the published catalogue (``sagaline.catalogue``):
+``sagaline status`` names the participants that still publish tools, and ``sagaline
+catalogue withdraw`` takes a retired participant's tools out of it."""
+
+from __future__ import annotations
+
+import re
+
+import orjson
+import pytest
+
+from participants.published import entry_key, fold
+from sagaline.kafka import LedgerReader, create_producer, ensure_topics
+from schemas.settings import Settings
+from services.cli import main
+
+pytestmark = pytest.mark.kafka
+
+
+def _entry(participant: str, tool: str) -> bytes:
+    contract = {
+        "tool": tool,
+        "participant": participant,
+        "reversibility": "REVERSIBLE",
+    }
+    return orjson.dumps({"participant": participant, "contract": contract, "secret_paths": []})
+
+
+def _publish(bootstrap: str, topic: str, *records: tuple[bytes, bytes | None]) -> None:
+    producer = create_producer(bootstrap)
+    for key, value in records:
+        producer.produce(topic, key=key, value=value)
+    assert producer.flush(30) == 0
+
+
+@pytest.fixture
+def deployment(
+    kafka_bootstrap: str, unique_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> Settings:
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
+    monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
+    monkeypatch.setenv("SAGALINE_PARTITIONS", "1")
+    settings = Settings(bootstrap=kafka_bootstrap, topic_prefix=unique_prefix, partitions=1)
+    ensure_topics(kafka_bootstrap, settings.topics, [], 1)
+    return settings
+
+
+def _published(settings: Settings) -> dict[str, list[str]]:
+    reader = LedgerReader(settings.bootstrap or "")
+    current = fold((k, v) for k, v, _h in reader.records(settings.topics.catalogue))
+    return {tool: current.owners(tool) for tool in sorted(current.tools)}
+
+
+def test_status_leaves_out_a_participant_whose_tools_were_withdrawn(
+    deployment: Settings, capsys: pytest.CaptureFixture[str]
+) -> None:
+    topic = deployment.topics.catalogue
+    bootstrap = deployment.bootstrap or ""
+    _publish(
+        bootstrap,
+        topic,
+        (b"hold", _entry("legacy", "hold")),
+        (entry_key("legacy", "hold"), _entry("legacy", "hold")),
+        (b"pay", _entry("payments", "pay")),
+        (entry_key("payments", "pay"), _entry("payments", "pay")),
+        # legacy was retired: both of its keys tombstoned
+        (b"hold", None),
+        (entry_key("legacy", "hold"), None),
+    )
+    assert main(["status"]) == 1  # nothing runs here
+    out = capsys.readouterr().out
+    assert re.search(r"participant payments +NOT consuming", out)
+    assert "legacy" not in out
