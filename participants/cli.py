@@ -1,8 +1,11 @@
-"""``sagaline catalogue check`` and ``sagaline plan check``.
+"""``sagaline catalogue check``, ``sagaline catalogue withdraw`` and ``sagaline plan check``.
 
 ``catalogue check MODULE[:ATTR]`` imports a participant module (rule in
 ``participants.discovery``), prints its tools, and exits 1 listing every problem when
 a declaration cannot work (R4), so CI fails before a deploy does.
+
+``catalogue withdraw PARTICIPANT [--tool TOOL]...`` tombstones on ``sagaline.catalogue``
+what a participant taken out of service published (``participants.published``).
 
 ``plan check FILE`` reads a proposed plan (JSON) and prints the R17 report; it exits 1
 when a finding has ERROR severity. The file::
@@ -10,7 +13,8 @@ when a finding has ERROR severity. The file::
     {"module": "services.example_tools:CATALOGUE",      # or "modules": [...]
      "calls": [{"tool": "place_hold", "args": {"order_id": "o-1"}}, ...]}
 
-Exit codes: 0 fine, 1 problems found, 2 the module or file could not be read.
+Exit codes: 0 fine, 1 problems found (or nothing to withdraw, or refused), 2 the
+module, file or broker could not be read.
 """
 
 from __future__ import annotations
@@ -48,6 +52,24 @@ def register(subparsers: Any) -> None:
     check.add_argument("--name", help="participant name to wrap with (default: derived)")
     check.add_argument("--json", action="store_true", help="print the contracts as JSON")
     check.set_defaults(func=_catalogue_check)
+    withdraw = catalogue_sub.add_parser(
+        "withdraw",
+        help="take a retired participant's tools off the published catalogue",
+        description="Tombstone on sagaline.catalogue what PARTICIPANT published (every"
+        " tool, or those named with --tool), so agents no longer call them by name. Refused"
+        " while PARTICIPANT is consuming: a running participant publishes its tools again"
+        " when it restarts. Exit 0 withdrawn, 1 refused or nothing to withdraw, 2 the"
+        " broker does not answer.",
+    )
+    withdraw.add_argument("participant", metavar="PARTICIPANT")
+    withdraw.add_argument(
+        "--tool",
+        action="append",
+        default=None,
+        metavar="TOOL",
+        help="withdraw only this tool (repeatable; default: every tool it published)",
+    )
+    withdraw.set_defaults(func=_catalogue_withdraw)
 
     plan = subparsers.add_parser("plan", help="check a proposed plan of tool calls (R17)")
     plan_sub = plan.add_subparsers(dest="plan_command", metavar="COMMAND")
@@ -93,6 +115,73 @@ def _catalogue_check(args: argparse.Namespace) -> int:
         print(json.dumps({"participant": catalogue.name, "tools": contracts}, indent=2))
     else:
         print(render_catalogue(catalogue))
+    return EXIT_OK
+
+
+# --------------------------------------------------------------- catalogue withdraw
+
+
+def _catalogue_withdraw(args: argparse.Namespace) -> int:
+    from participants.published import SEPARATOR, fold, stale_keys
+    from participants.readiness import group_status, participant_group
+    from sagaline.kafka import (
+        DeliveryFailed,
+        KafkaException,
+        LedgerReader,
+        LedgerWriter,
+        TopicMissing,
+        configured_broker,
+    )
+
+    prog = "sagaline catalogue withdraw"
+    name: str = args.participant
+    settings, bootstrap = configured_broker(prog)
+    topic = settings.topics.catalogue
+    try:
+        try:
+            current = fold((k, v) for k, v, _h in LedgerReader(bootstrap).records(topic))
+        except TopicMissing:
+            print(f"{prog}: {topic} does not exist: nothing is published", file=sys.stderr)
+            return EXIT_PROBLEMS
+        published = sorted(t for t, owners in current.tools.items() if name in owners)
+        keys = stale_keys(current, name, ())
+        if not keys:
+            print(f"{prog}: participant {name!r} publishes no tools on {topic}", file=sys.stderr)
+            return EXIT_PROBLEMS
+        if args.tool:
+            unknown = sorted(set(args.tool) - set(published))
+            if unknown:
+                print(
+                    f"{prog}: participant {name!r} publishes no tool {', '.join(unknown)}"
+                    f" (it publishes {', '.join(published) or 'none readable'}); nothing"
+                    " withdrawn",
+                    file=sys.stderr,
+                )
+                return EXIT_PROBLEMS
+            keys = stale_keys(current, name, set(published) - set(args.tool))
+        status = group_status(bootstrap, participant_group(settings, name))
+        if status.consuming:
+            print(
+                f"{prog}: participant {name!r} is consuming ({status.members} member(s) in"
+                f" {status.group}): it would publish its tools again when it restarts; stop"
+                " it first (a stopped one leaves its group within its session timeout,"
+                " 45 s), or redeploy it without the tools; nothing withdrawn",
+                file=sys.stderr,
+            )
+            return EXIT_PROBLEMS
+        writer = LedgerWriter(bootstrap, settings.topics, settings.signer())
+        try:
+            for key in keys:
+                writer.write(topic, key, None)
+                shown = key.decode()
+                if SEPARATOR not in shown:
+                    shown += " (the key agents of earlier versions read)"
+                print(f"withdrew {shown}")
+        finally:
+            writer.close()
+    except (ConnectionError, KafkaException, DeliveryFailed, TimeoutError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return EXIT_UNREADABLE
     return EXIT_OK
 
 

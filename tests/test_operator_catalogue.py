@@ -10,7 +10,8 @@ import orjson
 import pytest
 
 from participants.published import entry_key, fold
-from sagaline.kafka import LedgerReader, create_producer, ensure_topics
+from participants.readiness import participant_group
+from sagaline.kafka import LedgerReader, create_consumer, create_producer, ensure_topics
 from schemas.settings import Settings
 from services.cli import main
 
@@ -71,3 +72,50 @@ def test_status_leaves_out_a_participant_whose_tools_were_withdrawn(
     out = capsys.readouterr().out
     assert re.search(r"participant payments +NOT consuming", out)
     assert "legacy" not in out
+
+
+def test_catalogue_withdraw_takes_a_retired_participants_tools_out(
+    deployment: Settings, capsys: pytest.CaptureFixture[str]
+) -> None:
+    topic = deployment.topics.catalogue
+    bootstrap = deployment.bootstrap or ""
+    _publish(
+        bootstrap,
+        topic,
+        (b"hold", _entry("legacy", "hold")),
+        (entry_key("legacy", "hold"), _entry("legacy", "hold")),
+        (entry_key("legacy", "audit"), _entry("legacy", "audit")),
+        (b"pay", _entry("payments", "pay")),
+        (entry_key("payments", "pay"), _entry("payments", "pay")),
+    )
+    # A tool it never published: one line, exit 1, nothing written.
+    assert main(["catalogue", "withdraw", "legacy", "--tool", "nope"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nope" in err and "audit, hold" in err
+    assert _published(deployment) == {"audit": ["legacy"], "hold": ["legacy"], "pay": ["payments"]}
+
+    assert main(["catalogue", "withdraw", "legacy", "--tool", "audit"]) == 0
+    assert _published(deployment) == {"hold": ["legacy"], "pay": ["payments"]}
+
+    # Still consuming: refused, nothing written.
+    consumer = create_consumer(bootstrap, participant_group(deployment, "legacy"))
+    try:
+        consumer.subscribe([topic])
+        for _ in range(600):  # a bound on polls, not a deadline
+            consumer.poll(0.5)
+            if consumer.assignment():
+                break
+        assert consumer.assignment()
+        assert main(["catalogue", "withdraw", "legacy"]) == 1
+        assert "is consuming" in capsys.readouterr().err
+        assert _published(deployment) == {"hold": ["legacy"], "pay": ["payments"]}
+    finally:
+        consumer.close()
+
+    assert main(["catalogue", "withdraw", "legacy"]) == 0
+    assert "withdrew legacy/hold" in capsys.readouterr().out
+    assert _published(deployment) == {"pay": ["payments"]}
+    assert main(["catalogue", "withdraw", "legacy"]) == 1  # nothing left to withdraw
+    assert "publishes no tools" in capsys.readouterr().err
+    assert main(["status"]) == 1
+    assert "legacy" not in capsys.readouterr().out
