@@ -558,7 +558,13 @@ class Coordinator:
                 saga_id, f"deciding {record.TYPE} raised {type(exc).__name__}: {exc}", now, pending
             )
             return
-        self.metrics.observe_record(record)
+        # A record the core refused (wrong tenant or writer, a mismatched grant, a stale
+        # generation) goes to the DLQ, counted there: it is no fact of the saga, so the
+        # measures (operator actions, failures, recoveries) must not fold it.
+        if not any(
+            o.destination is Destination.REJECTED and o.record is record for o in decision.outputs
+        ):
+            self.metrics.observe_record(record)
         if not decision.changed and record.envelope.producer != COORDINATOR_PRODUCER:
             self.metrics.duplicate_prevented()
         self._apply(decision, saga_id, pending, msg)

@@ -111,3 +111,50 @@ def test_coordinator_metrics_match_the_receipt(
         assert expected == {"reserve": 1.0, "charge": 1.0}
         assert wait_until(lambda: outcomes() == expected, 30, "compensation outcomes") is True
         assert _scrape(port)[duplicates] == before + 1
+
+
+def test_records_the_coordinator_refuses_are_not_counted_as_facts(
+    transport: str, unique_prefix: str
+) -> None:
+    """A resolution from another tenant is refused (DLQ ``tenant-mismatch``): it is no
+    operator action, and the metrics must not count it as one."""
+    from coordinator_ledger import Ledger
+
+    from coordinator.shell import Coordinator
+    from sagaline.ops.metrics import CoordinatorMetrics
+    from tests.coordinator_turns import append, one_saga, turn_until
+
+    settings, ledger, first, _participant = one_saga(transport, unique_prefix, "saga-forged")
+    metrics = CoordinatorMetrics()
+    coordinator = Coordinator(
+        settings, transport, instance_id="metrics-1", carry_ms=0, metrics=metrics
+    )
+    coordinator._join()
+    forger = Ledger(saga_id="saga-forged", tenant_id="evil", t0=ledger.clock)
+    forger._n = 100  # event ids of its own
+    forged = forger.resolve("inc-1", "refunded by hand")
+    append(settings, transport, ledger.started(), first, forged)
+
+    def refused() -> bool:
+        return metrics.snapshot().dlq_records.get("tenant-mismatch", 0) == 1
+
+    turn_until(coordinator, refused)
+    assert metrics.snapshot().manual_interventions == {}
+
+
+def test_the_dashboards_measures_leave_out_what_its_view_refuses() -> None:
+    """The dashboard mirrors the coordinator's refusal (another tenant's record) and
+    must not count the refused record as an operator action either."""
+    from coordinator_ledger import Ledger
+
+    from services.dashboard.view import DashboardState
+
+    ledger = Ledger(saga_id="saga-forged")
+    first = ledger.scheduled("reserve")
+    forger = Ledger(saga_id="saga-forged", tenant_id="evil", t0=ledger.clock)
+    forger._n = 100
+    state = DashboardState()
+    for record in (ledger.started(), first, forger.resolve("inc-1", "refunded by hand")):
+        state.apply(record)
+    assert state.refused_records == 1
+    assert state.metrics.snapshot().manual_interventions == {}

@@ -268,8 +268,11 @@ class DashboardState:
                     return False
                 self._seen_on_ledger.add(event_id)
                 # Measures fold the ledger only: within a saga it is in order (one
-                # partition), while the terminal/incident copies may come first.
-                self.metrics.observe_record(record)
+                # partition), while the terminal/incident copies may come first. A
+                # record the coordinator refuses is no fact: not folded there either.
+                known = self.sagas.get(record.saga_id)
+                if known is None or _refusal(known, record, self.bind_writers) is None:
+                    self.metrics.observe_record(record)
             if event_id in self._seen:
                 return False
             saga = self._saga_for(record)
