@@ -56,7 +56,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         group_status,
         participant_group,
     )
-    from sagaline.kafka import configured_broker
+    from sagaline.kafka import KafkaException, configured_broker
 
     settings, bootstrap = configured_broker("sagaline status")
     try:
@@ -69,7 +69,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
             (f"participant {n}", group_status(bootstrap, participant_group(settings, n)))
             for n in names
         ]
-    except ConnectionError as exc:
+    except (ConnectionError, KafkaException, TimeoutError) as exc:
         print(f"sagaline status: {exc}", file=sys.stderr)
         return 2
     if args.json:

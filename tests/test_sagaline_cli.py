@@ -156,3 +156,22 @@ def test_coordinator_run_takes_the_decoded_state_cache_size_from_a_flag_or_the_e
     with pytest.raises(SystemExit):
         build_parser().parse_args(["coordinator", "run", "--decoded-states", "-1"])
     assert "expected a whole number >= 0, got -1" in capsys.readouterr().err
+
+
+def test_status_says_in_one_line_when_the_broker_does_not_answer(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Documented: exit 2 when the broker does not answer (not a traceback, exit 1)."""
+    from sagaline.kafka import KafkaError, KafkaException, LedgerReader
+
+    def unreachable(self: LedgerReader, topic: str, partitions: object = None) -> object:
+        raise KafkaException(
+            KafkaError(KafkaError._TRANSPORT, "Failed to get metadata: Broker transport failure")
+        )
+
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:1")
+    monkeypatch.setattr(LedgerReader, "records", unreachable)
+    assert main(["status"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sagaline status: ") and err.count("\n") == 1
+    assert "Broker transport failure" in err
