@@ -175,3 +175,24 @@ def test_status_says_in_one_line_when_the_broker_does_not_answer(
     err = capsys.readouterr().err
     assert err.startswith("sagaline status: ") and err.count("\n") == 1
     assert "Broker transport failure" in err
+
+
+def test_a_bad_max_in_flight_is_a_usage_error_of_participant_run_only(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A wrong SAGALINE_MAX_IN_FLIGHT in the shared environment must not break every
+    other command (status, approve, ...) with a traceback, and 0 is refused up front."""
+    from services.cli import build_parser
+
+    monkeypatch.setenv("SAGALINE_MAX_IN_FLIGHT", "abc")
+    parser = build_parser()
+    assert parser.parse_args(["status"]).command == "status"
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["participant", "run", "seats"])
+    assert exited.value.code == 2
+    assert "--max-in-flight: expected a whole number >= 1, got 'abc'" in capsys.readouterr().err
+    monkeypatch.delenv("SAGALINE_MAX_IN_FLIGHT")
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["participant", "run", "seats", "--max-in-flight", "0"])
+    assert exited.value.code == 2
+    assert build_parser().parse_args(["participant", "run", "seats"]).max_in_flight == 16
