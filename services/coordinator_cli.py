@@ -152,6 +152,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------- saga
 
 
+@_one_line_errors
 def _cmd_show(args: argparse.Namespace) -> int:
     from sagaline.ops.receipts import render_receipt_text
 
@@ -205,6 +206,7 @@ def _folded(records: list[Record], saga_id: str, settings: Settings) -> SagaStat
     return fold(records, policy=policy).get(saga_id)
 
 
+@_one_line_errors
 def _cmd_wait(args: argparse.Namespace) -> int:
     """Block until the saga is terminal, then print its receipt like ``saga show``:
     scripts need no Kafka calls of their own. Exit 0 when terminal, 124 on timeout."""
@@ -374,6 +376,7 @@ def superseded_incidents(raised: dict[str, IncidentRaised]) -> dict[str, Inciden
     return superseded
 
 
+@_one_line_errors
 def _cmd_incidents_list(args: argparse.Namespace) -> int:
     settings, bootstrap = configured_broker("sagaline")
     raised, resolved = incident_feed(settings, bootstrap)

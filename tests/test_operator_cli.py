@@ -185,3 +185,27 @@ def test_incidents_list_and_resolve_on_the_cli_R8(
     assert "resolved by dave: unlocked" in capsys.readouterr().out
     resolutions = [r for r in system.records(saga.saga_id) if isinstance(r, IncidentResolved)]
     assert [r.resolved_by for r in resolutions] == ["dave"]
+
+
+def test_reading_commands_say_in_one_line_when_the_broker_does_not_answer(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """saga show, saga wait and incidents list fail like approve does: exit 2 and one
+    line naming the broker, not a librdkafka traceback."""
+    from sagaline.kafka import KafkaError, KafkaException, LedgerReader
+    from services.cli import main
+
+    def unreachable(self: LedgerReader, *args: object, **kwargs: object) -> object:
+        raise KafkaException(KafkaError(KafkaError._TRANSPORT, "Broker transport failure"))
+
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:1")
+    monkeypatch.setattr(LedgerReader, "records", unreachable)
+    monkeypatch.setattr(LedgerReader, "partition_count", unreachable)
+    for argv in (
+        ["saga", "show", "saga-1"],
+        ["saga", "wait", "saga-1", "--timeout", "0"],
+        ["incidents", "list"],
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "the broker did not answer" in err, (argv, err)
