@@ -351,7 +351,8 @@ def incident_feed(
         if isinstance(record, IncidentRaised):
             raised[record.incident_id] = record
         elif isinstance(record, IncidentResolved):
-            resolved[record.incident_id] = record
+            # The first one is what the coordinator acted on: it ignores later ones.
+            resolved.setdefault(record.incident_id, record)
     return raised, resolved
 
 
@@ -409,12 +410,21 @@ def _cmd_incidents_resolve(args: argparse.Namespace) -> int:
     operator = _operator(args, _key_operator(signer))
     if operator is None:
         return 2
-    raised, _resolved = incident_feed(settings, bootstrap)
+    raised, resolved = incident_feed(settings, bootstrap)
     incident = raised.get(args.incident_id)
     if incident is None:
         print(
             f"{args.command}: no incident {args.incident_id!r} on "
             f"{settings.topics.incidents}; `sagaline incidents list` shows the open ones",
+            file=sys.stderr,
+        )
+        return 1
+    done = resolved.get(args.incident_id)
+    if done is not None:
+        print(
+            f"{args.command}: incident {args.incident_id} is already resolved by "
+            f"{done.resolved_by}: {done.resolution}; the coordinator acts on the first "
+            "resolution only, so nothing was recorded",
             file=sys.stderr,
         )
         return 1

@@ -186,6 +186,16 @@ def test_incidents_list_and_resolve_on_the_cli_R8(
     resolutions = [r for r in system.records(saga.saga_id) if isinstance(r, IncidentResolved)]
     assert [r.resolved_by for r in resolutions] == ["dave"]
 
+    # Resolving it again would be ignored (the coordinator acts on the first resolution):
+    # refused, saying so, instead of reporting a resolution that never counts.
+    capsys.readouterr()
+    code = main(["incidents", "resolve", incident_id, "--operator", "erin", "--resolution", "redo"])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "already resolved by dave: unlocked" in err and err.count("\n") == 1
+    resolutions = [r for r in system.records(saga.saga_id) if isinstance(r, IncidentResolved)]
+    assert [r.resolved_by for r in resolutions] == ["dave"]
+
 
 def test_reading_commands_say_in_one_line_when_the_broker_does_not_answer(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
