@@ -18,13 +18,32 @@ from typing import Any
 from schemas.trust import Role, new_key_pair
 
 
+def _names(text: str | None) -> list[str] | None:
+    """A comma-separated list, each name stripped ("acme, globex": both)."""
+    if text is None:
+        return None
+    return [n for n in (part.strip() for part in text.split(",")) if n]
+
+
 def _cmd_new(args: argparse.Namespace) -> int:
-    pem, kid, entry = new_key_pair(args.identity, Role(args.role), args.key_id)
-    ident = entry["identities"][args.identity]
-    if args.tenants:
-        ident["tenants"] = [t for t in args.tenants.split(",") if t]
-    if args.principals:
-        ident["principals"] = [p for p in args.principals.split(",") if p]
+    identity = args.identity.strip()
+    tenants, principals = _names(args.tenants), _names(args.principals)
+    problem = None
+    if not identity:
+        problem = "the identity is blank: name who signs (a participant, an operator, ...)"
+    elif tenants == []:
+        problem = "--tenants names no tenant (the key could act for none); leave it out for all"
+    elif principals == []:
+        problem = "--principals names no principal; leave it out for the identity's own name"
+    if problem is not None:
+        print(f"keys new: {problem}; nothing written", file=sys.stderr)
+        return 2
+    pem, kid, entry = new_key_pair(identity, Role(args.role), args.key_id)
+    ident = entry["identities"][identity]
+    if tenants:
+        ident["tenants"] = tenants
+    if principals:
+        ident["principals"] = principals
     out = Path(args.out) if args.out else Path(f"{kid}.pem")
     try:
         # O_EXCL: never overwrite a key someone may still sign with.
@@ -41,7 +60,7 @@ def _cmd_new(args: argparse.Namespace) -> int:
         handle.write(pem)
     print(json.dumps(entry, indent=2))
     print(
-        f"# private key written to {out} (mode 600): give it to {args.identity} as "
+        f"# private key written to {out} (mode 600): give it to {identity} as "
         f"SAGALINE_SIGNING_KEY; merge the entry above into the trust file",
         file=sys.stderr,
     )

@@ -460,6 +460,29 @@ def test_keys_new_into_a_missing_directory_says_so_in_one_line(
     assert str(out) in err and "Traceback" not in err and not out.exists()
 
 
+def test_keys_new_refuses_names_no_process_could_use(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A blank identity, or --tenants/--principals naming nothing, would be an entry no
+    record could pass ("tenants": [] allows no tenant); "acme, globex" means both."""
+    from services.cli import main
+
+    out = tmp_path / "k.pem"
+    for argv in (
+        ["keys", "new", " ", "--role", "operator"],
+        ["keys", "new", "alice", "--role", "operator", "--tenants", ","],
+        ["keys", "new", "bot", "--role", "agent", "--principals", " "],
+    ):
+        assert main([*argv, "--out", str(out)]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("keys new: ") and err.count("\n") == 1, (argv, err)
+        assert not out.exists()
+    argv = ["keys", "new", "alice", "--role", "operator", "--tenants", "acme, globex"]
+    assert main([*argv, "--out", str(out)]) == 0
+    entry = json.loads(capsys.readouterr().out)
+    assert entry["identities"]["alice"]["tenants"] == ["acme", "globex"]
+
+
 def test_a_broken_edit_is_read_and_logged_once_not_at_every_record(
     kit: TrustKit, caplog: pytest.LogCaptureFixture
 ) -> None:
