@@ -540,6 +540,10 @@ class Coordinator:
                 self._reject(
                     msg, PARKED_REASON, f"saga {saga_id} is parked: {state.reason}", pending.loose
                 )
+            elif isinstance(record, IncidentResolved):
+                # A person settling what an ESCALATED saga left (the usual case): nothing
+                # to decide, but the measures count it (the intervention, the recovery).
+                self.metrics.observe_record(record)
             return  # history of a saga that ended here (late echo, duplicate, replay)
         pending.sources.setdefault(saga_id, []).append(msg)
         pending.last_record[saga_id] = record

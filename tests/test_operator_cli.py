@@ -21,6 +21,7 @@ from participants import (
 )
 from participants.client import ApprovalDeniedError, BusinessRejected
 from sagaline.kafka import LedgerReader
+from sagaline.ops.metrics import SagalineMetrics
 from schemas import ApprovalRequested, IncidentResolved, TerminalStatus
 from services.cli import main
 from tests.system import DrivenClock, RetryDriver, System, wait_until
@@ -219,3 +220,40 @@ def test_reading_commands_say_in_one_line_when_the_broker_does_not_answer(
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "the broker did not answer" in err, (argv, err)
+
+
+def test_resolving_an_ended_sagas_incident_shows_in_the_coordinators_metrics(
+    office: tuple[System, Office],
+) -> None:
+    """The usual case: the saga ended ESCALATED, then a person resolves its incident.
+    The coordinator's /metrics must count the intervention and the recovery, as the
+    dashboard's measures do (docs/operations-dashboard.md)."""
+    system, _desk = office
+    assert system.coordinator is not None
+    metrics = system.coordinator.metrics
+    assert isinstance(metrics, SagalineMetrics)
+    with RetryDriver(system):
+        with pytest.raises(BusinessRejected), system.client.saga("rooms", "agent") as saga:
+            saga.call("reserve_room", room="green")
+            saga.call("refuse")
+        receipt = saga.wait(120)
+    assert receipt.status is TerminalStatus.ESCALATED
+    before = metrics.snapshot()
+    assert before.manual_interventions.get("incident_resolved", 0) == 0
+    assert "ESCALATED" not in before.time_to_recovery  # an incident is still open
+
+    incident_id = receipt.incidents[0].incident_id
+    argv = ["incidents", "resolve", incident_id, "--operator", "dave", "--resolution", "done"]
+    assert main(argv) == 0
+    # Forwarded to the incidents topic in the transaction that consumed it: once it is
+    # there, the coordinator has folded it.
+    wait_until(
+        lambda: any(
+            b"IncidentResolved" in (v or b"")
+            for _k, v, _h in LedgerReader(system.bootstrap).records(system.topics.incidents)
+        ),
+        what="the resolution on the incidents topic",
+    )
+    after = metrics.snapshot()
+    assert after.manual_interventions.get("incident_resolved", 0) == 1
+    assert after.time_to_recovery["ESCALATED"].count == 1

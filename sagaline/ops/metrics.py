@@ -418,6 +418,8 @@ class SagalineMetrics:
                 tool = record.tool or track.tools.get(record.step_id or "", "unknown")
                 self.expired_windows.labels(tool).inc()
         elif isinstance(record, IncidentResolved):
+            if record.envelope.tenant_id != track.tenant_id:
+                return  # another tenant's: refused by the coordinator, no intervention
             self.manual_interventions.labels("incident_resolved").inc()
             self._resolve_incident(track, record.incident_id, at)
         elif isinstance(record, SagaTerminal):
