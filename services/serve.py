@@ -18,7 +18,7 @@ from typing import Any
 
 from participants.catalogue import Catalogue
 from participants.runtime import ParticipantRuntime
-from sagaline.kafka import TopicSetupError, configured_broker, ensure_topics
+from sagaline.kafka import KafkaException, TopicSetupError, configured_broker, ensure_topics
 from sagaline.ops.metrics import ParticipantMetrics, start_metrics_server
 from schemas.settings import Settings
 
@@ -39,6 +39,13 @@ def _cmd_topics_create(args: argparse.Namespace) -> int:
     except TopicSetupError as exc:
         print(f"sagaline topics create: {exc}", file=sys.stderr)
         return 1
+    except KafkaException as exc:
+        print(
+            f"sagaline topics create: the broker at {bootstrap} did not answer ({exc}); "
+            "run it again once the broker is up (it creates only what is missing)",
+            file=sys.stderr,
+        )
+        return 2
     for name in created:
         print(f"created {name}")
     print(f"topics ready on {bootstrap} ({len(created)} created)")

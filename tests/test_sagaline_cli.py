@@ -196,3 +196,22 @@ def test_a_bad_max_in_flight_is_a_usage_error_of_participant_run_only(
         build_parser().parse_args(["participant", "run", "seats", "--max-in-flight", "0"])
     assert exited.value.code == 2
     assert build_parser().parse_args(["participant", "run", "seats"]).max_in_flight == 16
+
+
+def test_topics_create_says_in_one_line_when_the_broker_does_not_answer(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The topics job of a deployment: a broker that is not up yet is one line and
+    exit 2 (retry later), not a librdkafka traceback."""
+    import services.serve
+    from sagaline.kafka import KafkaError, KafkaException
+
+    def unreachable(*args: object, **kwargs: object) -> list[str]:
+        raise KafkaException(KafkaError(KafkaError._TRANSPORT, "Broker transport failure"))
+
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:1")
+    monkeypatch.setattr(services.serve, "ensure_topics", unreachable)
+    assert main(["topics", "create", "--participants", "a,b"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sagaline topics create: ") and err.count("\n") == 1
+    assert "Broker transport failure" in err
