@@ -47,3 +47,33 @@ def test_a_list_or_flag_key_given_another_shape_is_a_problem_not_misread() -> No
         "tool 'create_ticket': resources must be a list, e.g. resources: [tickets]",
         "tool 'close_ticket': read_only must be true or false, not 'false'",
     ]
+
+
+def test_an_idempotency_arg_that_is_not_a_name_is_a_problem_not_a_traceback() -> None:
+    """``idempotency_arg: [request_id]`` (or a number) was accepted as is and then
+    crashed ``check()`` (``unhashable type: 'list'``) instead of being listed with the
+    declaration's other problems."""
+    from sagaline.agents.declaration import UpstreamTool, check
+
+    data = {
+        "upstreams": {"desk": {"command": "desk"}},
+        "tools": {
+            "create_ticket": {"reversibility": "IRREVERSIBLE", "idempotency_arg": ["request_id"]},
+            "close_ticket": {"reversibility": "IRREVERSIBLE", "idempotency_arg": 7},
+        },
+    }
+    schema = {"type": "object", "properties": {"request_id": {"type": "string"}}}
+    listed = [
+        UpstreamTool(upstream="desk", name=n, input_schema=schema)
+        for n in ("create_ticket", "close_ticket")
+    ]
+    try:
+        problems = check(parse_declaration(data, "desk.yaml"), listed)
+    except DeclarationError as err:
+        problems = err.problems
+    assert problems == [
+        "tool 'create_ticket': idempotency_arg must be the name of one argument,"
+        " e.g. idempotency_arg: request_id",
+        "tool 'close_ticket': idempotency_arg must be the name of one argument,"
+        " e.g. idempotency_arg: request_id",
+    ]

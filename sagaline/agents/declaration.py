@@ -301,6 +301,12 @@ def _tool(
     except (TypeError, ValueError):
         problems.append(f"{where}: deadline must be a number of seconds")
         deadline = 10.0
+    idempotency_arg = raw.get("idempotency_arg")
+    if idempotency_arg is not None and not isinstance(idempotency_arg, str):
+        problems.append(
+            f"{where}: idempotency_arg must be the name of one argument,"
+            " e.g. idempotency_arg: request_id"
+        )
     resources = _list(problems, where, "resources", raw.get("resources"))
     pivot = _flag(problems, where, raw, "pivot")
     if len(problems) > before:
@@ -312,7 +318,7 @@ def _tool(
         reversibility=Reversibility.REVERSIBLE if read_only else reversibility,
         compensation=compensation,
         lookup=lookup,
-        idempotency_arg=raw.get("idempotency_arg"),
+        idempotency_arg=idempotency_arg or None,
         resources=tuple(str(r) for r in resources),
         pivot=pivot,
         deadline=deadline,
