@@ -302,6 +302,96 @@ def test_openai_agents_run_waiting_for_an_approval_leaves_the_saga_open_R7(serve
         saga.end(sagaline.SagaOutcome.ABORT, "test over")
 
 
+def _scripted_openai_model(script: Any) -> Any:
+    """An OpenAI Agents ``Model`` that makes the calls of ``script`` in turn (one a
+    turn; ids ``c-TOOL``), then answers "booked"."""
+    from agents import Usage
+    from agents.items import ModelResponse
+    from agents.models.interface import Model
+    from openai.types.responses import (
+        ResponseFunctionToolCall,
+        ResponseOutputMessage,
+        ResponseOutputText,
+    )
+
+    class Scripted(Model):
+        async def get_response(self, *args: Any, **kwargs: Any) -> ModelResponse:
+            step = next(script, None)
+            if step is None:
+                text = ResponseOutputText(annotations=[], text="booked", type="output_text")
+                out: Any = ResponseOutputMessage(
+                    id="m-1", content=[text], role="assistant", status="completed", type="message"
+                )
+            else:
+                out = ResponseFunctionToolCall(
+                    arguments=__import__("json").dumps(step[1]),
+                    call_id=f"c-{step[0]}",
+                    name=step[0],
+                    type="function_call",
+                    id=f"f-{step[0]}",
+                )
+            return ModelResponse(output=[out], usage=Usage(), response_id=None)
+
+        def stream_response(self, *args: Any, **kwargs: Any) -> Any:
+            raise NotImplementedError
+
+    return Scripted()
+
+
+def test_openai_agents_run_paused_for_tool_approval_leaves_the_saga_open_for_the_resume(
+    served: Any,
+) -> None:
+    """A tool with ``needs_approval`` pauses the run: ``Runner.run`` returns (it does
+    not raise) with ``result.interruptions``, so leaving the saga's block completed the
+    saga with the step made so far, and a failure after the approval undid nothing.
+    The adapter's ``run``/``run_sync`` raise ``Interrupted`` (an ``ApprovalPending``:
+    the saga stays open, R7), and the approved run continues the saga in ``resumed``:
+    its failure compensates the step made before the pause."""
+    from agents import Agent, function_tool, set_tracing_disabled
+
+    from participants.client import ApprovalPending
+    from sagaline.agents import openai_agents as adapter
+
+    set_tracing_disabled(True)
+    client, catalogue, trip = served
+
+    @function_tool(needs_approval=True)
+    def confirm_payment(note: str) -> str:
+        """Ask the traveller to confirm the payment."""
+        return "confirmed"
+
+    script = iter(
+        [
+            ("reserve_seat", {"flight": "LX80"}),
+            ("confirm_payment", {"note": "pay?"}),
+            ("charge_card", {"amount": 980}),
+        ]
+    )
+    saga = client.saga("trip", principal="agent:openai")
+    agent = Agent(
+        name="booker",
+        model=_scripted_openai_model(script),
+        tools=[*adapter.tools(saga, catalogue), confirm_payment],
+    )
+    with pytest.raises(adapter.Interrupted) as stopped, saga:
+        adapter.run_sync(saga, agent, "book LX80")
+    assert isinstance(stopped.value, ApprovalPending) and stopped.value.saga_id == saga.saga_id
+    assert [i.tool_name for i in stopped.value.interruptions] == ["confirm_payment"]
+
+    state = stopped.value.result.to_state()
+    state.approve(stopped.value.interruptions[0])
+    with pytest.raises(Exception) as err, adapter.resumed(saga):
+        asyncio.run(adapter.run(saga, agent, state))
+    assert isinstance(err.value.__cause__, BusinessRejected)
+    receipt = saga.wait(120)
+    assert receipt.status is TerminalStatus.COMPENSATED
+    assert [(s.tool, s.disposition.value) for s in receipt.steps] == [
+        ("reserve_seat", "COMPENSATED"),
+        ("charge_card", "NOT_COMMITTED"),
+    ]
+    assert [e for e in trip.log if "LX80" in e] == ["reserve:LX80", "release:r-LX80"]
+
+
 class Ops:
     """Tool arguments named like the keywords LangChain passes to its own tools."""
 

@@ -13,6 +13,13 @@ whose tool raised ``OutcomeUnknown``; a resumed interrupt re-runs the node): a c
 that carries the framework's tool-call id is the step ``TOOL@CALLID``, so running it
 again with the same arguments waits for that step's outcome again (the coordinator
 does not run a step twice) instead of making the effect a second time.
+
+A framework run that pauses for a person (a LangGraph ``interrupt()``, an OpenAI
+Agents tool with ``needs_approval``, a pydantic-ai ``DeferredToolRequests`` output)
+*returns*: the block would complete the saga with the effects so far. Each adapter
+runs the agent through a helper that raises its ``Interrupted`` (an
+``ApprovalPending``: the saga stays open, R7) instead, and :class:`resumed` ends the
+rest of the saga once the run continues.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import threading
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 from participants.catalogue import Catalogue, ToolKind, ToolSpec
@@ -31,7 +39,7 @@ from participants.client import AsyncSaga, CallRefused, Saga
 # Options of ``saga.call``, never tool arguments (the catalogue refuses such names).
 SAGA_CALL_OPTIONS = frozenset({"step_id", "depends_on", "timeout_s"})
 
-__all__ = ["SagaTool", "saga_tools"]
+__all__ = ["SagaTool", "resumed", "saga_tools"]
 
 
 @dataclass(frozen=True)
@@ -117,3 +125,36 @@ def saga_tools(saga: Saga | AsyncSaga, catalogue: Catalogue | Iterable[ToolSpec]
         saga = saga._saga
     specs = catalogue.values() if isinstance(catalogue, Catalogue) else catalogue
     return [SagaTool(saga, spec) for spec in specs]
+
+
+class resumed:  # used as a function: ``with resumed(saga):``
+    """The rest of an open saga (one left open by an adapter's ``Interrupted``, or
+    attached after a restart) as a block that ends it as its first block would have:
+    completed when the block returns, aborted when it raises, left open on
+    ``ApprovalPending`` (and so when the run pauses again); the saga is not started
+    again. ``with`` or ``async with``."""
+
+    def __init__(self, saga: Saga | AsyncSaga) -> None:
+        self.saga = saga._saga if isinstance(saga, AsyncSaga) else saga
+
+    def __enter__(self) -> Saga:
+        return self.saga
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.saga.__exit__(exc_type, exc, tb)
+
+    async def __aenter__(self) -> AsyncSaga:
+        return AsyncSaga(self.saga)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.saga.__aexit__(exc_type, exc, tb)

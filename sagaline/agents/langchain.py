@@ -30,14 +30,13 @@ would (completed, aborted, or left open at the next interrupt)::
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from types import TracebackType
 from typing import Any
 
 from langchain_core.tools import StructuredTool
 
 from participants.catalogue import Catalogue, ToolSpec
 from participants.client import ApprovalPending, AsyncSaga, Saga
-from sagaline.agents._core import SagaTool, saga_tools
+from sagaline.agents._core import SagaTool, resumed, saga_tools
 
 __all__ = ["Interrupted", "ainvoke", "invoke", "resumed", "tools"]
 
@@ -123,35 +122,3 @@ def _checked(saga: Saga | AsyncSaga, output: Any) -> Any:
             interrupts=found,
         )
     return output
-
-
-class resumed:  # used as a function: ``with resumed(saga):``
-    """The rest of an open saga (one left open by :class:`Interrupted`, or attached after
-    a restart) as a block that ends it as its first block would have: completed when
-    the block returns, aborted when it raises, left open on ``ApprovalPending`` (and so
-    at the next interrupt); the saga is not started again. ``with`` or ``async with``."""
-
-    def __init__(self, saga: Saga | AsyncSaga) -> None:
-        self.saga = saga._saga if isinstance(saga, AsyncSaga) else saga
-
-    def __enter__(self) -> Saga:
-        return self.saga
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.saga.__exit__(exc_type, exc, tb)
-
-    async def __aenter__(self) -> AsyncSaga:
-        return AsyncSaga(self.saga)
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.saga.__aexit__(exc_type, exc, tb)

@@ -13,6 +13,25 @@ A step that does not commit is not handed back to the model as text: it raises o
 of the run, so the saga aborts instead of the agent carrying on. A step waiting for
 approval raises :class:`~participants.client.ApprovalPending` itself (the SDK wraps
 other errors in its ``UserError``), so the saga stays open for the person (R7).
+
+A tool with ``needs_approval`` pauses the run, and ``Runner.run`` *returns* (with
+``result.interruptions``): the block would complete the saga with the effects so far,
+and the approved run would meet an ended saga. Run the agent with :func:`run_sync`
+(or :func:`run`): a run paused for approval raises :class:`Interrupted` (an
+``ApprovalPending``: the saga stays open, R7); continue it in :func:`resumed`, which
+ends the saga as the block would (completed, aborted, or left open at the next
+pause)::
+
+    try:
+        with client.saga("refund", principal="agent:atlas") as saga:
+            agent = Agent(name="atlas", tools=[*openai_agents.tools(saga, catalogue), ...])
+            openai_agents.run_sync(saga, agent, "refund order o-1")
+    except openai_agents.Interrupted as stopped:
+        state = stopped.result.to_state()
+        for item in stopped.interruptions:
+            state.approve(item)  # or state.reject(item), as the person answers
+    with openai_agents.resumed(saga):  # or an attached saga, after a restart
+        openai_agents.run_sync(saga, agent, state)
 """
 
 from __future__ import annotations
@@ -21,16 +40,16 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from agents import FunctionTool
+from agents import Agent, FunctionTool, Runner, RunResult
 from agents.exceptions import AgentsException
 from agents.tool import set_function_tool_failure_error_function
 from agents.tool_context import ToolContext
 
 from participants.catalogue import Catalogue, ToolSpec
 from participants.client import ApprovalPending, AsyncSaga, Saga
-from sagaline.agents._core import SagaTool, saga_tools
+from sagaline.agents._core import SagaTool, resumed, saga_tools
 
-__all__ = ["tools"]
+__all__ = ["Interrupted", "resumed", "run", "run_sync", "tools"]
 
 
 def tools(saga: Saga | AsyncSaga, catalogue: Catalogue | Iterable[ToolSpec]) -> list[FunctionTool]:
@@ -67,3 +86,41 @@ def _function_tool(bound: SagaTool) -> FunctionTool:
     )
     # Raise instead of returning the error to the model (the SDK's default).
     return set_function_tool_failure_error_function(tool, None)
+
+
+class Interrupted(ApprovalPending):
+    """The run paused for tool approval (a tool with ``needs_approval``): it waits for
+    a person. Like any ``ApprovalPending`` it leaves the saga open (R7) when it leaves
+    the saga's block; ``result`` is the paused ``RunResult`` (``result.to_state()`` to
+    approve or reject and run again), ``interruptions`` its ``ToolApprovalItem``s."""
+
+    def __init__(self, message: str, *, saga_id: str, result: RunResult) -> None:
+        self.result = result
+        self.interruptions = list(result.interruptions)
+        ids = ",".join(str(getattr(i.raw_item, "call_id", "") or "") for i in self.interruptions)
+        super().__init__(message, saga_id=saga_id, step_id="", tool="", approval_id=ids)
+
+
+async def run(saga: Saga | AsyncSaga, agent: Agent[Any], input: Any, **kwargs: Any) -> RunResult:
+    """``await Runner.run(agent, input, **kwargs)`` for a run that is ``saga``: its
+    result, or :class:`Interrupted` when the run paused for tool approval."""
+    return _checked(saga, await Runner.run(agent, input, **kwargs))
+
+
+def run_sync(saga: Saga | AsyncSaga, agent: Agent[Any], input: Any, **kwargs: Any) -> RunResult:
+    """``Runner.run_sync(agent, input, **kwargs)``, as :func:`run`."""
+    return _checked(saga, Runner.run_sync(agent, input, **kwargs))
+
+
+def _checked(saga: Saga | AsyncSaga, result: RunResult) -> RunResult:
+    if result.interruptions:
+        names = ", ".join(str(i.tool_name) for i in result.interruptions)
+        raise Interrupted(
+            f"the run paused for approval of {len(result.interruptions)} tool call(s)"
+            f" ({names[:200]}): saga {saga.saga_id} stays open; approve or reject them on"
+            " result.to_state() and run it again in"
+            " sagaline.agents.openai_agents.resumed(saga)",
+            saga_id=saga.saga_id,
+            result=result,
+        )
+    return result
