@@ -111,6 +111,70 @@ def test_pydantic_ai_run_whose_last_tool_fails_is_compensated(served: Any) -> No
     _compensates(_pydantic_ai_run, served, 900)
 
 
+def test_pydantic_ai_run_ending_with_deferred_tool_requests_leaves_the_saga_open(
+    served: Any,
+) -> None:
+    """A tool with ``requires_approval`` ends a pydantic-ai run with
+    ``DeferredToolRequests`` as its output: ``run_sync`` returns, so leaving the saga's
+    block completed the saga with the step made so far, and a failure in the approved
+    run undid nothing. The adapter's ``run_sync`` raises ``Interrupted`` (an
+    ``ApprovalPending``: the saga stays open, R7), and the approved run continues the
+    saga in ``resumed``: its failure compensates the step made before the pause."""
+    from pydantic_ai import Agent, DeferredToolRequests, DeferredToolResults
+    from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
+    from pydantic_ai.models.function import AgentInfo, FunctionModel
+
+    from participants.client import ApprovalPending
+    from sagaline.agents import pydantic_ai as adapter
+
+    client, catalogue, trip = served
+    script = iter(
+        [
+            ("reserve_seat", {"flight": "LX90"}),
+            ("confirm_payment", {"note": "pay?"}),
+            ("charge_card", {"amount": 990}),
+        ]
+    )
+
+    def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        step = next(script, None)
+        if step is None:
+            return ModelResponse(parts=[TextPart("booked")])
+        return ModelResponse(parts=[ToolCallPart(step[0], step[1], tool_call_id=f"c-{step[0]}")])
+
+    saga = client.saga("trip", principal="agent:pydantic-ai")
+    agent = Agent(
+        FunctionModel(model),
+        toolsets=[adapter.toolset(saga, catalogue)],
+        output_type=[str, DeferredToolRequests],
+    )
+
+    @agent.tool_plain(requires_approval=True)
+    def confirm_payment(note: str) -> str:
+        return "confirmed"
+
+    with pytest.raises(adapter.Interrupted) as stopped, saga:
+        adapter.run_sync(saga, agent, "book LX90")
+    assert isinstance(stopped.value, ApprovalPending) and stopped.value.saga_id == saga.saga_id
+    assert [c.tool_name for c in stopped.value.requests.approvals] == ["confirm_payment"]
+
+    approved = DeferredToolResults(approvals={"c-confirm_payment": True})
+    with pytest.raises(BusinessRejected), adapter.resumed(saga):
+        adapter.run_sync(
+            saga,
+            agent,
+            message_history=stopped.value.result.all_messages(),
+            deferred_tool_results=approved,
+        )
+    receipt = saga.wait(120)
+    assert receipt.status is TerminalStatus.COMPENSATED
+    assert [(s.tool, s.disposition.value) for s in receipt.steps] == [
+        ("reserve_seat", "COMPENSATED"),
+        ("charge_card", "NOT_COMMITTED"),
+    ]
+    assert [e for e in trip.log if "LX90" in e] == ["reserve:LX90", "release:r-LX90"]
+
+
 # -------------------------------------------------------------------- langchain
 
 
