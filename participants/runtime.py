@@ -1765,7 +1765,7 @@ class _CommandLoop:
     per turn, and only the tools (and rare paths that block) run on
     :class:`_ToolThreads`. So a command's waits cost no thread switches: about ten
     a command instead of about twenty-four with a thread per command
-    (``docs/benchmarks.md``).
+    (``docs/benchmarks-log.md``).
 
     Offsets are tracked per partition so the runtime commits up to the lowest
     command not yet done; a crash redelivers only unfinished work, which the
