@@ -49,7 +49,6 @@ from sagaline.kafka import (
     LedgerWriter,
     TopicPartition,
     create_consumer,
-    watermarks,
 )
 from schemas import (
     ApprovalDenied,
@@ -499,7 +498,10 @@ class SagaClient:
 
     def start(self) -> SagaClient:
         """Start listening (from the current end of the ledger) and, for a local
-        catalogue, the embedded participant runtime."""
+        catalogue, the embedded participant runtime. Raises
+        :class:`~sagaline.kafka.TopicMissing` when the ledger topic does not exist yet
+        (``sagaline.connect()`` creates the topics; by hand, start the coordinator
+        first or run ``ensure_topics``)."""
         positions = self._end_positions()
         ready = threading.Event()
         self._listener = threading.Thread(
@@ -677,17 +679,13 @@ class SagaClient:
         await self._writer.append_async(record, timeout_s=timeout_s)
 
     def _end_positions(self) -> list[TopicPartition]:
-        probe = create_consumer(self.bootstrap, f"probe-{uuid.uuid4().hex[:8]}")
-        try:
-            topic = self.topics.events
-            meta = probe.list_topics(topic, timeout=30).topics[topic]
-            out = []
-            for n in meta.partitions:
-                _low, high = watermarks(probe, TopicPartition(topic, n))
-                out.append(TopicPartition(topic, n, high))
-            return out
-        finally:
-            probe.close()
+        """Where the listener starts: the end of every partition of the ledger.
+        :class:`~sagaline.kafka.TopicMissing` when the topic does not exist (a
+        listener with no partition would hear no outcome, and every call would time
+        out while its steps ran)."""
+        topic = self.topics.events
+        ends = LedgerReader(self.bootstrap).end_offsets(topic)
+        return [TopicPartition(topic, n, high) for n, high in sorted(ends.items())]
 
     def _listen(self, positions: list[TopicPartition], ready: threading.Event) -> None:
         consumer = create_consumer(

@@ -35,7 +35,7 @@ from participants.client import (
 )
 from participants.plan import PlannedCall, PlanReport
 from participants.readiness import CoordinatorNotRunning
-from sagaline.kafka import DeliveryFailed, LedgerReader, ensure_topics
+from sagaline.kafka import DeliveryFailed, LedgerReader, TopicMissing, ensure_topics
 from sagaline.ops.actions import OperatorChannel, deny_approval, grant_approval
 from schemas import (
     ApprovalRequested,
@@ -590,3 +590,17 @@ def test_a_step_waiting_for_approval_is_resumed_by_the_restarted_agent_R7(
         assert resumed.resume(found[0].step_id) == "hello"
         resumed.end(SagaOutcome.COMPLETE)
         assert resumed.wait(60).status is TerminalStatus.COMPLETED
+
+
+def test_a_client_started_before_the_ledger_exists_says_so_instead_of_hearing_nothing(
+    transport: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    """A client listens from the end of each partition of ``sagaline.events``; started
+    before the topic exists (an agent up before its coordinator created the topics) it
+    listened to no partition at all, so every later call waited out its timeout and
+    ended as an unknown outcome while its steps ran: start() now refuses, naming it."""
+    settings = Settings(bootstrap=transport, topic_prefix=unique_prefix, state_dir=tmp_path)
+    client = SagaClient(settings, transport)
+    with pytest.raises(TopicMissing, match=f"topic '{settings.topics.events}' does not exist"):
+        client.start()
+    client.close()
