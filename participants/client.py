@@ -1052,8 +1052,14 @@ class Saga:
         self._contracts[scheduled.step_id] = contract
         check, seen = self._step_check(scheduled.step_id, contract)
         found = await self.client._ledger.wait_for_async(self.saga_id, check, wait_s)
-        result = self._step_outcome(found, seen, scheduled.step_id, contract, wait_s)
-        self.results[scheduled.step_id] = result
+        step = scheduled.step_id
+        if found is None:  # the outcome asks the broker about the coordinator: not on the loop
+            result = await asyncio.to_thread(
+                self._step_outcome, found, seen, step, contract, wait_s
+            )
+        else:
+            result = self._step_outcome(found, seen, step, contract, wait_s)
+        self.results[step] = result
         return result
 
     async def await_terminal(self, timeout_s: float = 60.0) -> Receipt:

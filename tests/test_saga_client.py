@@ -604,3 +604,33 @@ def test_a_client_started_before_the_ledger_exists_says_so_instead_of_hearing_no
     with pytest.raises(TopicMissing, match=f"topic '{settings.topics.events}' does not exist"):
         client.start()
     client.close()
+
+
+def test_an_async_call_without_an_outcome_checks_the_coordinator_off_the_event_loop(
+    local: tuple[System, Desk], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a call's wait ends without an outcome the client asks the broker whether a
+    coordinator consumes (an admin client, a request of up to 10 s): on the event loop
+    that stalled every other saga of the process, and every delivery report, once per
+    timed-out call."""
+    system, _desk = local
+    threads: list[threading.Thread] = []
+
+    def status(bootstrap: str, group: str, **_: object) -> readiness.GroupStatus:
+        threads.append(threading.current_thread())
+        return readiness.GroupStatus(group, "STABLE", 1)
+
+    async def no_outcome(*_: object) -> None:
+        return None  # as a wait that timed out
+
+    monkeypatch.setattr(client_module, "group_status", status)
+    monkeypatch.setattr(system.client._ledger, "wait_for_async", no_outcome)
+
+    async def agent() -> threading.Thread:
+        with pytest.raises(OutcomeUnknown, match="no outcome for book_slot"):
+            async with system.client.saga("desk", "agent") as saga:
+                await saga.call("book_slot", day="wed")
+        return threading.current_thread()
+
+    loop_thread = asyncio.run(agent())
+    assert threads and loop_thread not in threads
