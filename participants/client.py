@@ -769,28 +769,33 @@ class Saga:
         self.client._ledger.follow(self.saga_id)
         try:
             self.client.append(self._start, timeout_s=self.client.call_timeout_s)
-        except DeliveryFailed as exc:
+        except BaseException as exc:  # DeliveryFailed, or interrupted while waiting
             self._abort_behind_start(exc)
             raise
         return self
 
-    def _abort_behind_start(self, exc: DeliveryFailed) -> None:
-        """``SagaStarted`` was not acknowledged, so the block does not run and nothing
-        will end this saga; but the record may still be in the producer's queue and
-        reach the ledger once the broker is back (seen in CI: a saga open for good,
-        R14). An abort queued behind it, on the same partition and in order, ends it
-        then; if the start never lands, the coordinator rejects the lone abort."""
+    def _abort_behind_start(self, exc: BaseException) -> None:
+        """``SagaStarted`` was not acknowledged (or the wait for it was cancelled or
+        interrupted), so the block does not run and nothing will end this saga; but
+        the record may still be in the producer's queue and reach the ledger once the
+        broker is back (seen in CI: a saga open for good, R14). An abort queued behind
+        it, on the same partition and in order, ends it then; if the start never
+        lands, the coordinator rejects the lone abort."""
+        why = str(exc) or type(exc).__name__
         end = SagaEndRequested(
             envelope=self._envelope(SagaEndRequested),
             outcome=SagaOutcome.ABORT,
-            reason=f"the agent gave up on starting the saga: {exc}"[:2000],
+            reason=f"the agent gave up on starting the saga: {why}"[:2000],
         )
 
         def delivered(failure: DeliveryFailed | None) -> None:
             if failure is not None:
                 log.warning("saga %s: the abort behind its start failed: %s", self.saga_id, failure)
 
-        self.client._writer.append_then(end, delivered)
+        try:
+            self.client._writer.append_then(end, delivered)
+        except Exception as failure:  # the start's own error is the one to raise
+            log.warning("saga %s: the abort behind its start failed: %s", self.saga_id, failure)
 
     def __exit__(
         self,
@@ -1003,7 +1008,7 @@ class Saga:
         self.client._ledger.follow(self.saga_id)
         try:
             await self.client.append_async(self._start, timeout_s=self.client.call_timeout_s)
-        except DeliveryFailed as exc:
+        except BaseException as exc:  # DeliveryFailed, or cancelled while awaiting it
             self._abort_behind_start(exc)
             raise
         return AsyncSaga(self)

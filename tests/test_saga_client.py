@@ -634,3 +634,70 @@ def test_an_async_call_without_an_outcome_checks_the_coordinator_off_the_event_l
 
     loop_thread = asyncio.run(agent())
     assert threads and loop_thread not in threads
+
+
+def test_a_start_cancelled_while_awaited_is_ended_not_left_open_R14(
+    local: tuple[System, Desk], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A task cancelled while ``async with client.saga(...)`` awaits the start's
+    acknowledgement (a request timeout, a shutdown) never runs the block nor
+    ``__aexit__``; the start is already on its way, so the saga landed and stayed
+    open for good. Now an abort goes out behind it, as after a start that was not
+    acknowledged."""
+    system, _desk = local
+    writer = system.client._writer
+    async_append = writer.append_async
+
+    async def main() -> Saga:
+        started = asyncio.Event()
+
+        async def append_async(record: Record, *, timeout_s: float = 30.0) -> None:
+            await async_append(record, timeout_s=timeout_s)
+            if isinstance(record, SagaStarted):
+                started.set()
+                await asyncio.get_running_loop().create_future()  # until cancelled
+
+        monkeypatch.setattr(writer, "append_async", append_async)
+        saga = system.client.saga("desk", "agent")
+        ran: list[str] = []
+
+        async def agent() -> None:
+            async with saga:
+                ran.append("the block")
+
+        task = asyncio.create_task(agent())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert ran == []
+        return saga
+
+    saga = asyncio.run(main())
+    receipt = saga.wait(timeout_s=120)
+    assert receipt.status is TerminalStatus.COMPENSATED and not receipt.steps
+    assert "gave up on starting the saga" in receipt.end_reason
+
+
+def test_a_start_interrupted_while_awaited_is_ended_not_left_open_R14(
+    local: tuple[System, Desk], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same for ``with client.saga(...)`` interrupted (Ctrl-C) while it waits for
+    the start's acknowledgement."""
+    system, _desk = local
+    writer = system.client._writer
+    sync_append = writer.append
+
+    def interrupted(record: Record, *, timeout_s: float = 30.0) -> None:
+        sync_append(record, timeout_s=timeout_s)
+        if isinstance(record, SagaStarted):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(writer, "append", interrupted)
+    saga = system.client.saga("desk", "agent")
+    with pytest.raises(KeyboardInterrupt), saga:
+        pass
+    monkeypatch.setattr(writer, "append", sync_append)
+    receipt = saga.wait(timeout_s=120)
+    assert receipt.status is TerminalStatus.COMPENSATED and not receipt.steps
+    assert "gave up on starting the saga" in receipt.end_reason
