@@ -257,6 +257,24 @@ class _Ledger:
         self.ended_kept = ended_kept
         # Guards moving a saga from _feeds to _ended against follow() recreating it.
         self._lock = threading.Lock()
+        # Why no record will come any more (the listener stopped): every wait ends.
+        self.failure: BaseException | None = None
+
+    def fail(self, failure: BaseException) -> None:
+        """No record will be added any more: wake every waiter, now and later, so that
+        it ends (its caller says why, from :attr:`failure`) instead of timing out."""
+        self.failure = failure
+        with self._lock:
+            feeds = list(self._feeds.values())
+        woken: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        for feed in feeds:
+            with feed.cond:
+                feed.cond.notify_all()
+                woken += feed.futures
+                feed.futures = []
+        for loop, future in woken:
+            with contextlib.suppress(RuntimeError):  # a loop closed since: nobody waits
+                loop.call_soon_threadsafe(_wake, [future])
 
     def follow(self, saga_id: str) -> None:
         """Follow a saga; one that ended recently is not followed again (its terminal
@@ -367,7 +385,7 @@ class _Ledger:
                         return found
                 seen = len(feed.records)
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or self.failure is not None:
                     return None
                 feed.cond.wait(left)
 
@@ -391,12 +409,11 @@ class _Ledger:
                     found = check(record)
                     if found is not None:
                         break
-                if found is None:
+                if found is None and self.failure is None:
                     future = loop.create_future()
                     feed.futures.append((loop, future))
-            if found is not None:
+            if found is not None or future is None:
                 return found
-            assert future is not None
             try:
                 left = deadline - loop.time()
                 if left <= 0:
@@ -409,6 +426,10 @@ class _Ledger:
                 # the listener to wake on a loop that may have closed since.
                 with feed.cond:
                     feed.futures = [w for w in feed.futures if w[1] is not future]
+
+
+def _why(failure: BaseException) -> str:
+    return f"{type(failure).__name__}: {failure}"
 
 
 def _wake(futures: list[asyncio.Future[None]]) -> None:
@@ -509,6 +530,10 @@ class SagaClient:
         )
         self._listener.start()
         ready.wait(30)
+        if self._ledger.failure is not None:
+            raise RuntimeError(
+                f"the saga client's listener did not start: {_why(self._ledger.failure)}"
+            ) from self._ledger.failure
         if self._local is not None:
             from participants.runtime import ParticipantRuntime
 
@@ -688,6 +713,19 @@ class SagaClient:
         return [TopicPartition(topic, n, high) for n, high in sorted(ends.items())]
 
     def _listen(self, positions: list[TopicPartition], ready: threading.Event) -> None:
+        """The listener thread. However it ends (the client closed, or it failed), the
+        waits still pending end too, rather than each waiting out its timeout."""
+        try:
+            self._follow_ledger(positions, ready)
+        except BaseException as exc:
+            log.exception("the saga client's listener stopped; no call can get its outcome")
+            self._ledger.fail(exc)
+        else:
+            self._ledger.fail(RuntimeError("the saga client was closed"))
+        finally:
+            ready.set()
+
+    def _follow_ledger(self, positions: list[TopicPartition], ready: threading.Event) -> None:
         consumer = create_consumer(
             self.bootstrap, f"{self.topics.prefix}agent-{uuid.uuid4().hex[:8]}"
         )
@@ -765,6 +803,7 @@ class Saga:
     # ------------------------------------------------------------------ sync
 
     def __enter__(self) -> Saga:
+        self._require_listener()
         self.client.ensure_coordinator()
         self.client._ledger.follow(self.saga_id)
         try:
@@ -773,6 +812,15 @@ class Saga:
             self._abort_behind_start(exc)
             raise
         return self
+
+    def _require_listener(self) -> None:
+        """Refuse, before anything is written, what could never learn its outcome."""
+        failure = self.client._ledger.failure
+        if failure is not None:
+            raise RuntimeError(
+                f"the saga client's listener stopped ({_why(failure)}), so no outcome "
+                f"would reach saga {self.saga_id}: nothing was written; use a new client"
+            ) from failure
 
     def _abort_behind_start(self, exc: BaseException) -> None:
         """``SagaStarted`` was not acknowledged (or the wait for it was cancelled or
@@ -861,6 +909,7 @@ class Saga:
         args: dict[str, Any],
     ) -> StepScheduled:
         """The ``StepScheduled`` record of the next call (sync and async alike)."""
+        self._require_listener()
         name = contract.tool
         number = next(self._steps)
         step = step_id or f"{number:02d}-{name}"
@@ -992,6 +1041,11 @@ class Saga:
                 f"{ledger.ended_kept} sagas that ended; read its receipt with "
                 f"`sagaline saga show {self.saga_id}`"
             )
+        if found is None and ledger.failure is not None:
+            raise TimeoutError(
+                f"saga {self.saga_id}: no terminal record can arrive, the client's listener "
+                f"stopped ({_why(ledger.failure)}); see `sagaline saga show {self.saga_id}`"
+            ) from ledger.failure
         if found is None:
             raise TimeoutError(f"saga {self.saga_id} is not terminal after {timeout_s} s")
         self._receipt = Receipt.from_json(found.receipt)
@@ -1003,6 +1057,7 @@ class Saga:
     async def __aenter__(self) -> AsyncSaga:
         """``async with client.saga(...) as saga``: the native asyncio view, whose
         pending calls are futures woken by the client's listener, not threads."""
+        self._require_listener()
         if self.client.check_coordinator and not self.client._coordinator_seen:  # once, I/O
             await asyncio.to_thread(self.client.ensure_coordinator)
         self.client._ledger.follow(self.saga_id)
@@ -1169,6 +1224,14 @@ class Saga:
         timeout_s: float,
     ) -> Any:
         where = {"saga_id": self.saga_id, "step_id": step, "tool": contract.tool}
+        failure = self.client._ledger.failure
+        if found is None and failure is not None:
+            raise OutcomeUnknown(
+                f"no outcome for {contract.tool} can arrive: the client's listener "
+                f"stopped ({_why(failure)}); the step may have run: see `sagaline saga "
+                f"show {self.saga_id}`, and use a new client",
+                **where,
+            ) from failure
         if found is None:
             if state["approval"] is not None:
                 raise ApprovalPending(

@@ -701,3 +701,33 @@ def test_a_start_interrupted_while_awaited_is_ended_not_left_open_R14(
     receipt = saga.wait(timeout_s=120)
     assert receipt.status is TerminalStatus.COMPENSATED and not receipt.steps
     assert "gave up on starting the saga" in receipt.end_reason
+
+
+def test_a_listener_that_died_fails_the_waits_saying_why_instead_of_timing_them_out(
+    local: tuple[System, Desk], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every wait of a client is woken by its one listener thread. When that thread
+    died, each pending call waited out its whole timeout and ended as "no outcome for
+    <tool> within 30 s", and so did every later call, with the cause only in a
+    thread's traceback on stderr: now the waits end at once, naming the cause."""
+    system, _desk = local
+    ledger = system.client._ledger
+
+    def broken(_records: object) -> None:
+        raise RuntimeError("handing records on broke")
+
+    first = system.client.saga("desk", "agent")
+
+    async def agent() -> None:
+        async with first as saga:
+            monkeypatch.setattr(ledger, "add", broken)
+            await saga.call("book_slot", day="mon")
+
+    with pytest.raises(OutcomeUnknown, match=r"listener stopped.*handing records on broke"):
+        asyncio.run(agent())
+    with pytest.raises(TimeoutError, match=r"listener stopped.*handing records on broke"):
+        first.wait(timeout_s=120)
+    # A saga that could never hear back is refused before anything is written.
+    later = system.client.saga("desk", "agent")
+    with pytest.raises(RuntimeError, match=r"listener stopped.*nothing was written"), later:
+        pass
