@@ -1110,17 +1110,24 @@ class Saga:
         wait_s = timeout_s or self.client.call_timeout_s
         await self.client.append_async(scheduled, timeout_s=wait_s)  # as long: see call()
         self._contracts[scheduled.step_id] = contract
-        check, seen = self._step_check(scheduled.step_id, contract)
-        found = await self.client._ledger.wait_for_async(self.saga_id, check, wait_s)
-        step = scheduled.step_id
-        if found is None:  # the outcome asks the broker about the coordinator: not on the loop
-            result = await asyncio.to_thread(
-                self._step_outcome, found, seen, step, contract, wait_s
-            )
-        else:
-            result = self._step_outcome(found, seen, step, contract, wait_s)
-        self.results[step] = result
+        result = await self._await_step_async(scheduled.step_id, contract, wait_s)
+        self.results[scheduled.step_id] = result
         return result
+
+    async def aresume(self, step_id: str, timeout_s: float | None = None) -> Any:
+        """:meth:`resume` for asyncio."""
+        result = await self._await_step_async(
+            step_id, self._contracts[step_id], timeout_s or self.client.call_timeout_s
+        )
+        self.results[step_id] = result
+        return result
+
+    async def _await_step_async(self, step: str, contract: StepContract, wait_s: float) -> Any:
+        check, seen = self._step_check(step, contract)
+        found = await self.client._ledger.wait_for_async(self.saga_id, check, wait_s)
+        if found is None:  # the outcome asks the broker about the coordinator: not on the loop
+            return await asyncio.to_thread(self._step_outcome, found, seen, step, contract, wait_s)
+        return self._step_outcome(found, seen, step, contract, wait_s)
 
     async def await_terminal(self, timeout_s: float = 60.0) -> Receipt:
         """:meth:`wait` for asyncio."""
@@ -1325,6 +1332,11 @@ class AsyncSaga:
         )
 
     acall = call
+
+    async def resume(self, step_id: str, timeout_s: float | None = None) -> Any:
+        """Wait again for a step this saga scheduled, e.g. after ``ApprovalPending``
+        left the block with the saga open (see :meth:`Saga.resume`)."""
+        return await self._saga.aresume(step_id, timeout_s)
 
     async def end(self, outcome: SagaOutcome, reason: str = "") -> None:
         await self._saga.end_async(outcome, reason)

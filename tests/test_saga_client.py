@@ -731,3 +731,33 @@ def test_a_listener_that_died_fails_the_waits_saying_why_instead_of_timing_them_
     later = system.client.saga("desk", "agent")
     with pytest.raises(RuntimeError, match=r"listener stopped.*nothing was written"), later:
         pass
+
+
+def test_an_async_saga_left_open_for_an_approval_is_resumed_with_await_R7(
+    local: tuple[System, Desk],
+) -> None:
+    """``async with`` leaves a saga open on ApprovalPending like ``with`` does, and the
+    docs say ``resume()`` then waits for the approved step; the async saga had no
+    ``resume()`` (only the sync one, which blocks the event loop)."""
+    system, desk = local
+
+    async def agent() -> tuple[object, TerminalStatus]:
+        with pytest.raises(ApprovalPending) as err:
+            async with system.client.saga("desk", "agent") as saga:
+                await saga.call("book_slot", day="mon")
+                await saga.call("announce", text="hello", timeout_s=10)
+        pending = err.value
+        request = next(
+            r
+            for r in system.records(saga.saga_id)
+            if isinstance(r, ApprovalRequested) and r.step_id == pending.step_id
+        )
+        channel = OperatorChannel.from_settings(system.settings, system.bootstrap)
+        grant_approval(channel, request, operator="ops:alice")
+        channel.close()
+        result = await saga.resume(pending.step_id)
+        await saga.end(SagaOutcome.COMPLETE)
+        return result, (await saga.wait(60)).status
+
+    assert asyncio.run(agent()) == ("hello", TerminalStatus.COMPLETED)
+    assert desk.log == ["book:mon"]
