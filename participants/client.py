@@ -979,10 +979,21 @@ class Saga:
         """Wait again for a step this saga scheduled, e.g. after ``ApprovalPending``:
         its result once approved and run, or the error it ended in."""
         result = self._await_step(
-            step_id, self._contracts[step_id], timeout_s or self.client.call_timeout_s
+            step_id, self._scheduled_contract(step_id), timeout_s or self.client.call_timeout_s
         )
         self.results[step_id] = result
         return result
+
+    def _scheduled_contract(self, step_id: str) -> StepContract:
+        """The contract ``step_id`` was scheduled with, or ValueError saying why not."""
+        try:
+            return self._contracts[step_id]
+        except KeyError:
+            raise ValueError(
+                f"saga {self.saga_id} scheduled no step {step_id!r} here (its steps: "
+                f"{sorted(self._contracts)}); a process that did not schedule it (one that "
+                "restarted) must attach() the saga first, which reads its steps"
+            ) from None
 
     def _checked_body(self, name: str, step: str, number: int, args: dict[str, Any]) -> bytes:
         """The ledger bytes of a call's arguments, or :class:`CallRefused` before
@@ -1117,7 +1128,7 @@ class Saga:
     async def aresume(self, step_id: str, timeout_s: float | None = None) -> Any:
         """:meth:`resume` for asyncio."""
         result = await self._await_step_async(
-            step_id, self._contracts[step_id], timeout_s or self.client.call_timeout_s
+            step_id, self._scheduled_contract(step_id), timeout_s or self.client.call_timeout_s
         )
         self.results[step_id] = result
         return result

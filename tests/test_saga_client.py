@@ -761,3 +761,22 @@ def test_an_async_saga_left_open_for_an_approval_is_resumed_with_await_R7(
 
     assert asyncio.run(agent()) == ("hello", TerminalStatus.COMPLETED)
     assert desk.log == ["book:mon"]
+
+
+def test_resuming_a_step_the_saga_does_not_know_says_what_to_do(
+    local: tuple[System, Desk],
+) -> None:
+    """``resume()`` of a step this Saga object never scheduled (a restarted agent that
+    did not ``attach()``, a typo) raised a bare ``KeyError: '02-announce'``."""
+    system, _desk = local
+    with system.client.saga("desk", "agent") as saga:
+        saga.call("book_slot", day="sat")
+    restarted = system.client.saga("desk", "agent", saga_id=saga.saga_id)
+    with pytest.raises(ValueError, match=r"no step '02-announce'.*attach\(\)"):
+        restarted.resume("02-announce")
+
+    async def agent() -> None:
+        with pytest.raises(ValueError, match=r"no step '02-announce'.*01-book_slot"):
+            await AsyncSaga(saga).resume("02-announce")
+
+    asyncio.run(agent())
