@@ -15,7 +15,9 @@ The rule, in order:
 
 Objects are wrapped with ``name=`` the given name, else the module's
 ``PARTICIPANT_NAME``, else the default of ``wrap()``. A module that calls ``wrap()``
-at import time and fails raises its ``CatalogueError`` here, unchanged.
+at import time (or a factory that calls it) and fails raises its ``CatalogueError``
+here, unchanged; any other error of an import or a factory is a ``DiscoveryError``
+naming it.
 """
 
 from __future__ import annotations
@@ -109,7 +111,12 @@ def _from_value(value: Any, where: str, name: str | None) -> Catalogue:
             ) from None
         except ValueError:
             pass  # no signature to check: try the call
-        made = value()
+        try:
+            made = value()
+        except CatalogueError:
+            raise  # wrap() inside the factory said what is wrong: unchanged, as at import
+        except Exception as exc:
+            raise DiscoveryError(f"{where}() failed: {type(exc).__name__}: {exc}") from exc
         if _is_factory(made):
             raise DiscoveryError(f"{where}() returned another function, not a catalogue")
         return _from_value(made, f"{where}()", name)

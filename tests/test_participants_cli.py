@@ -175,3 +175,15 @@ def test_plan_check_of_a_call_that_is_not_an_object_exits_2_naming_it(
     assert main(["plan", "check", str(plan)]) == 2
     err = capsys.readouterr().err
     assert "call 0" in err and "'tool'" in err and "4321" not in err
+
+
+def test_catalogue_check_of_a_factory_that_fails_exits_2_naming_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A factory that raises (a setting it reads is missing) ended the command in a
+    traceback; it is reported like a module that fails to import."""
+    reference = "tests.fixtures.participants_factory_fails:make_catalogue"
+    assert main(["catalogue", "check", reference]) == 2
+    err = capsys.readouterr().err
+    assert f"{reference}() failed: KeyError" in err
+    assert "SAGALINE_TEST_PAYMENTS_URL_THAT_IS_NEVER_SET" in err
