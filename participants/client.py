@@ -789,6 +789,9 @@ class Saga:
         self._steps = itertools.count(1)
         self.results: dict[str, Any] = {}
         self._contracts: dict[str, StepContract] = {}
+        # Every step id this object scheduled (or read back in attach()), as soon as
+        # its record is produced: what a later step may depend on.
+        self._step_ids: set[str] = set()
         self._receipt: Receipt | None = None
 
     def _envelope(self, cls: type[Record]) -> Any:
@@ -913,7 +916,22 @@ class Saga:
         name = contract.tool
         number = next(self._steps)
         step = step_id or f"{number:02d}-{name}"
+        missing = [d for d in depends_on or () if d not in self._step_ids]
+        if missing:
+            # The coordinator would reject the step to the dead-letter topic, and the
+            # call would wait out its timeout as if the step might have run.
+            raise CallRefused(
+                f"step {step} ({name}) depends on {missing}, which saga {self.saga_id} has "
+                f"not scheduled (its steps: {sorted(self._step_ids)}); nothing was "
+                "written. A process that restarted must attach() the saga first",
+                limit="depends_on",
+                size=len(missing),
+                saga_id=self.saga_id,
+                step_id=step,
+                tool=name,
+            )
         body = self._checked_body(name, step, number, args)
+        self._step_ids.add(step)
         return StepScheduled(
             envelope=self._envelope(StepScheduled),
             step_id=step,
@@ -945,6 +963,7 @@ class Saga:
         for record in history:
             if isinstance(record, StepScheduled):
                 self._contracts[record.step_id] = record.contract
+                self._step_ids.add(record.step_id)
                 prefix = record.step_id.split("-", 1)[0]
                 numbered = max(numbered + 1, int(prefix) if prefix.isdigit() else 0)
             elif isinstance(record, (StepCommitted, StepReconciled)):

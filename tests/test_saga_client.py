@@ -27,6 +27,7 @@ from participants.client import (
     ApprovalPending,
     AsyncSaga,
     BusinessRejected,
+    CallRefused,
     OutcomeUnknown,
     Saga,
     SagaCallError,
@@ -780,3 +781,20 @@ def test_resuming_a_step_the_saga_does_not_know_says_what_to_do(
             await AsyncSaga(saga).resume("02-announce")
 
     asyncio.run(agent())
+
+
+def test_a_call_depending_on_a_step_the_saga_never_scheduled_is_refused_at_once(
+    local: tuple[System, Desk],
+) -> None:
+    """The coordinator rejects a step whose ``depends_on`` names no scheduled step, and
+    the rejection goes to the dead-letter topic, not to the saga: the call waited out
+    its whole timeout and ended as "no outcome", as if the step might have run."""
+    system, desk = local
+    with system.client.saga("desk", "agent") as saga:
+        saga.call("book_slot", step_id="first", day="mon")
+        with pytest.raises(CallRefused, match=r"depends on \['frist'\].*not scheduled") as err:
+            saga.call("book_slot", depends_on=["first", "frist"], timeout_s=10, day="tue")
+        assert err.value.limit == "depends_on"
+        assert saga.call("book_slot", depends_on=["first"], day="wed") == {"slot": "slot-wed"}
+    assert saga.wait(60).status is TerminalStatus.COMPLETED
+    assert desk.log == ["book:mon", "book:wed"]
