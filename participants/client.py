@@ -539,12 +539,27 @@ class SagaClient:
 
             runtime = ParticipantRuntime(self._local, self.settings, self.bootstrap)
             up = threading.Event()
+            failed: list[BaseException] = []
+
+            def serve() -> None:
+                try:
+                    runtime.run(ready=up)
+                except BaseException as exc:
+                    log.exception("the local tools of %r stopped", runtime.participant)
+                    failed.append(exc)
+                finally:
+                    up.set()  # started, or never will: start() need not wait any more
+
             self._local_runtime = runtime
-            self._local_thread = threading.Thread(
-                target=runtime.run, kwargs={"ready": up}, name="local-tools", daemon=True
-            )
+            self._local_thread = threading.Thread(target=serve, name="local-tools", daemon=True)
             self._local_thread.start()
             up.wait(60)
+            if failed:
+                self.close()
+                raise RuntimeError(
+                    f"the local tools of {self._local.name!r} did not start: "
+                    f"{_why(failed[0])}; no call of them could run"
+                ) from failed[0]
         return self
 
     def close(self) -> None:

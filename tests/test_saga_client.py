@@ -798,3 +798,26 @@ def test_a_call_depending_on_a_step_the_saga_never_scheduled_is_refused_at_once(
         assert saga.call("book_slot", depends_on=["first"], day="wed") == {"slot": "slot-wed"}
     assert saga.wait(60).status is TerminalStatus.COMPLETED
     assert desk.log == ["book:mon", "book:wed"]
+
+
+def test_local_tools_that_cannot_start_fail_the_clients_start_saying_why(
+    transport: str, unique_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The embedded runtime of ``local=`` tools that failed to start (its catalogue
+    write refused, say by an ACL) let start() return after 60 s as if it ran: every
+    call of a local tool then waited out its timeout as "no outcome"."""
+    from participants.runtime import ParticipantRuntime
+
+    settings = Settings(
+        bootstrap=transport, topic_prefix=unique_prefix, state_dir=tmp_path, partitions=1
+    )
+    ensure_topics(transport, settings.topics, ["desk"], 1)
+
+    def refused(_runtime: ParticipantRuntime) -> None:
+        raise DeliveryFailed("TOPIC_AUTHORIZATION_FAILED", topic="catalogue", error=None)
+
+    monkeypatch.setattr(ParticipantRuntime, "publish_catalogue", refused)
+    client = SagaClient(settings, transport, local=wrap(Desk(), name="desk"))
+    with pytest.raises(RuntimeError, match=r"local tools of 'desk'.*TOPIC_AUTHORIZATION_FAILED"):
+        client.start()
+    client.close()
