@@ -734,3 +734,32 @@ def test_a_record_the_coordinator_refuses_is_not_shown_as_fact(forge: Any, bound
     assert saga.status is SagaStatus.RUNNING and len(saga.refused) == 1
     page = TestClient(create_app(state, clock=lambda: ledger.clock)).get(f"/sagas/{ledger.saga_id}")
     assert "refused by the coordinator" in page.text and "forged" in page.text
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        lambda g: g.model_copy(update={"args_fingerprint": "0" * 32}),
+        lambda g: g.model_copy(update={"principal": "agent-evil"}),
+        _late,
+    ],
+    ids=["fingerprint", "principal", "expired"],
+)
+def test_a_decision_the_view_marks_not_counted_is_not_measured_either(spoil: Any) -> None:
+    """The coordinator rejects such a grant (APPROVAL_MISMATCH, to the DLQ) and its
+    measures do not fold it; the dashboard listed it as "not counted" yet its
+    ``sagaline_manual_interventions`` counted an ``approval_granted``."""
+    state = _state("awaiting_approval")
+    _, req = state.pending_approvals()[0]
+    before = state.metrics.snapshot().manual_interventions.get("approval_granted", 0)
+    state.apply(spoil(approval_granted(req, operator="bob", now=req.expires_at - 10)))
+    denial = approval_denied(req, operator="bob", reason="no", now=req.expires_at - 10)
+    state.apply(denial.model_copy(update={"approval_id": "apr-another"}))
+    assert len(state.sagas["s-awaiting"].uncounted_decisions) == 2
+    measured = state.metrics.snapshot().manual_interventions
+    assert measured.get("approval_granted", 0) == before
+    assert measured.get("approval_denied", 0) == 0
+    # A grant the coordinator counts is still measured (its own event id: the
+    # spoiled copy above took the one derived from the request).
+    state.apply(_forged(approval_granted(req, operator="bob", now=req.expires_at - 10)))
+    assert state.metrics.snapshot().manual_interventions["approval_granted"] == before + 1

@@ -270,8 +270,7 @@ class DashboardState:
                 # Measures fold the ledger only: within a saga it is in order (one
                 # partition), while the terminal/incident copies may come first. A
                 # record the coordinator refuses is no fact: not folded there either.
-                known = self.sagas.get(record.saga_id)
-                if known is None or _refusal(known, record, self.bind_writers) is None:
+                if self._measured(record):
                     self.metrics.observe_record(record)
             if event_id in self._seen:
                 return False
@@ -295,6 +294,21 @@ class DashboardState:
             saga.last_at = max(saga.last_at, record.envelope.occurred_at)
             _fold(saga, record)
             return True
+
+    def _measured(self, record: Record) -> bool:
+        """Whether the coordinator takes ``record`` as a fact (and so measures it): not
+        one it refuses, nor a grant or denial it does not count (APPROVAL_MISMATCH,
+        not awaited), which the view lists as "not counted"."""
+        known = self.sagas.get(record.saga_id)
+        if known is None:
+            return not isinstance(record, ApprovalGranted | ApprovalDenied)
+        if _refusal(known, record, self.bind_writers) is not None:
+            return False
+        if isinstance(record, ApprovalGranted):
+            return not _grant_problems(known, record)
+        if isinstance(record, ApprovalDenied):
+            return not _denial_problems(known, record)
+        return True
 
     def _saga_for(self, record: Record) -> SagaView | None:
         env = record.envelope
