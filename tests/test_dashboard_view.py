@@ -10,7 +10,7 @@ import xml.etree.ElementTree as ET
 from typing import Any
 
 import pytest
-from coordinator_ledger import approval_requests, fresh, incidents
+from coordinator_ledger import approval_requests, fresh, incidents, rejections
 from dashboard_scenarios import (
     ALL,
     T0,
@@ -763,3 +763,33 @@ def test_a_decision_the_view_marks_not_counted_is_not_measured_either(spoil: Any
     # spoiled copy above took the one derived from the request).
     state.apply(_forged(approval_granted(req, operator="bob", now=req.expires_at - 10)))
     assert state.metrics.snapshot().manual_interventions["approval_granted"] == before + 1
+
+
+@pytest.mark.parametrize(
+    ("resolution", "settled"),
+    [(" committed ", "committed"), ("rebooted the box", None)],
+    ids=["lower-case-committed", "free-text"],
+)
+def test_an_unknown_outcome_resolution_is_read_as_the_coordinator_reads_it(
+    resolution: str, settled: str | None
+) -> None:
+    """R11: the coordinator reads a resolution of an unknown outcome case-blind
+    (" committed " commits the step) and rejects any other text while the step is
+    unsettled, so the incident stays open. The page kept the step "unknown outcome"
+    for the first, and for the second dropped the incident (and its Resolve button)
+    while the coordinator went on waiting for a person."""
+    ledger, h = fresh()
+    h.feed(ledger.started(), ledger.scheduled("hold"), ledger.intent("hold"))
+    [incident] = incidents(h.feed(ledger.unknown("hold")))
+    out = h.feed(ledger.resolve(incident.incident_id, resolution))
+    assert bool(rejections(out)) is (settled is None)
+    coordinator_open = [i.incident_id for i in h.s.incidents if not i.resolved]
+    state = DashboardState()
+    for record in h.log:
+        state.apply(record)
+    saga = state.sagas[ledger.saga_id]
+    assert [i.incident_id for _, i in state.open_incidents()] == coordinator_open
+    assert saga.steps["hold"].state == (settled or "unknown")
+    assert saga.status is (SagaStatus.UNKNOWN_OUTCOME if settled is None else SagaStatus.RUNNING)
+    measured = state.metrics.snapshot().manual_interventions
+    assert measured.get("incident_resolved", 0) == (0 if settled is None else 1)

@@ -571,12 +571,14 @@ def _fold(saga: SagaView, record: Record) -> None:
         incident = saga.open_incidents.pop(record.incident_id, None)
         if incident is not None and incident.step_id is not None:
             step = saga.step(incident.step_id)
-            if record.resolution in ("COMMITTED", "NOT_FOUND") and step.state == "unknown":
-                how = f"{record.resolution} (by {record.resolved_by})"
+            # Read as the coordinator reads it (``_on_incident_resolved``): case-blind.
+            resolution = record.resolution.strip().upper()
+            if resolution in _SETTLING_RESOLUTIONS and step.state == "unknown":
+                how = f"{resolution} (by {record.resolved_by})"
                 _settle_unknown_incidents(saga, incident.step_id, how)
                 step.close(SpanKind.UNKNOWN, at, f"resolved by {record.resolved_by}")
-                step.state = "committed" if record.resolution == "COMMITTED" else "failed"
-                if record.resolution == "COMMITTED":
+                step.state = "committed" if resolution == "COMMITTED" else "failed"
+                if resolution == "COMMITTED":
                     step.committed_at = step.committed_at or at
     elif isinstance(record, SagaTerminal):
         saga.terminal_status = record.status
@@ -674,6 +676,26 @@ def _not_counted(
 
 # The incident kinds that ask a person whether a step's effect happened (R11).
 _SETTLES_UNKNOWN = frozenset({"unknown-outcome", "unknown-outcome-no-lookup"})
+# The only answers to that question (R11).
+_SETTLING_RESOLUTIONS = frozenset({"COMMITTED", "NOT_FOUND"})
+
+
+def _resolution_refused(saga: SagaView, r: IncidentResolved) -> str | None:
+    """Why the coordinator rejects this resolution (``_on_incident_resolved``): an
+    unknown outcome still unsettled is answered only with COMMITTED or NOT_FOUND;
+    anything else leaves the incident open, waiting for a person."""
+    incident = saga.open_incidents.get(r.incident_id)
+    if incident is None or incident.kind not in _SETTLES_UNKNOWN or incident.step_id is None:
+        return None
+    step = saga.steps.get(incident.step_id)
+    if step is None or step.state != "unknown":
+        return None
+    if r.resolution.strip().upper() in _SETTLING_RESOLUTIONS:
+        return None
+    return (
+        f"incident {r.incident_id} is about an unknown outcome; resolve it with "
+        f"COMMITTED or NOT_FOUND, not {r.resolution!r}"
+    )
 
 
 def _settle_unknown_incidents(saga: SagaView, step_id: str, how: str) -> None:
@@ -715,6 +737,10 @@ def _refusal(saga: SagaView, record: Record, bind_writers: bool) -> str | None:
         return None  # the saga's tenant and starter are known from its SagaStarted
     if env.tenant_id != saga.tenant_id:
         return f"tenant {env.tenant_id!r}, but the saga belongs to tenant {saga.tenant_id!r}"
+    if isinstance(record, IncidentResolved):
+        refused = _resolution_refused(saga, record)
+        if refused is not None:
+            return refused
     if not bind_writers:
         return None
     if isinstance(record, AGENT_DRIVEN) and env.producer != saga.started_by:
