@@ -50,6 +50,7 @@ from schemas import (
     SagaOutcome,
     SagaStarted,
     SagaTerminal,
+    TerminalStatus,
 )
 from services.dashboard.app import create_app
 from services.dashboard.timeline import render_timeline_svg
@@ -793,3 +794,35 @@ def test_an_unknown_outcome_resolution_is_read_as_the_coordinator_reads_it(
     assert saga.status is (SagaStatus.UNKNOWN_OUTCOME if settled is None else SagaStatus.RUNNING)
     measured = state.metrics.snapshot().manual_interventions
     assert measured.get("incident_resolved", 0) == (0 if settled is None else 1)
+
+
+def test_a_terminal_copy_read_early_does_not_uncount_a_grant_made_before_it() -> None:
+    """The compacted terminal topic is read alongside the ledger, so on a restart a
+    saga's SagaTerminal can arrive between its ApprovalRequested and the grant (both
+    earlier in the ledger). The grant, counted by the coordinator, was then listed as
+    "not counted" (and left out of the measures)."""
+    records = completed().records
+    requested = next(i for i, r in enumerate(records) if isinstance(r, ApprovalRequested))
+    term = next(r for r in records if isinstance(r, SagaTerminal))
+    state = DashboardState()
+    for i, record in enumerate(records):
+        state.apply(record)
+        if i == requested:
+            state.apply(term, from_ledger=False)  # the terminal topic's copy, read early
+    saga = state.sagas["s-completed"]
+    assert saga.status is SagaStatus.COMPLETED and saga.uncounted_decisions == []
+    assert state.metrics.snapshot().manual_interventions == {"approval_granted": 1}
+
+
+def test_a_grant_after_the_saga_ended_in_the_ledger_is_not_counted() -> None:
+    """The coordinator leaves a record of a saga that has ended alone."""
+    script = awaiting_approval()
+    req = next(r for r in script.records if isinstance(r, ApprovalRequested))
+    script.terminal(TerminalStatus.COMPLETED)
+    state = DashboardState()
+    for record in script.records:
+        state.apply(record)
+    state.apply(approval_granted(req, operator="bob", now=req.expires_at - 10))
+    saga = state.sagas["s-awaiting"]
+    assert [u.kind for u in saga.uncounted_decisions] == ["grant"]
+    assert state.metrics.snapshot().manual_interventions.get("approval_granted", 0) == 0

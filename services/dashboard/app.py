@@ -753,8 +753,9 @@ def create_app(
     def _request_for(saga: SagaView, approval_id: str) -> ApprovalRequested:
         with state.lock:
             state.expire_approvals(now_ms())
-            req = saga.pending_approvals.get(approval_id)
-            expired = saga.expired_approvals.get(approval_id)
+            ended = saga.terminal_status is not None
+            req = None if ended else saga.pending_approvals.get(approval_id)
+            expired = None if ended else saga.expired_approvals.get(approval_id)
         if expired is not None:
             raise operator_actions.ApprovalExpired(
                 f"approval {approval_id} of saga {saga.saga_id} expired at "

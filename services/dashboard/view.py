@@ -158,6 +158,9 @@ class SagaView:
     compensating_since: int | None = None
     terminal_status: TerminalStatus | None = None
     terminal_at: int | None = None
+    # The SagaTerminal read in the ledger itself (not an early copy from the terminal
+    # topic): a decision after it in the ledger the coordinator leaves alone.
+    ended_in_ledger: bool = False
     receipt: Receipt | None = None
     receipt_error: str | None = None
     pending_approvals: dict[str, ApprovalRequested] = field(default_factory=dict)
@@ -273,6 +276,8 @@ class DashboardState:
                 if self._measured(record):
                     self.metrics.observe_record(record)
             if event_id in self._seen:
+                if from_ledger:
+                    self._ended_in_ledger(record)
                 return False
             saga = self._saga_for(record)
             if saga is None:
@@ -293,7 +298,17 @@ class DashboardState:
             saga.record_count += 1
             saga.last_at = max(saga.last_at, record.envelope.occurred_at)
             _fold(saga, record)
+            if from_ledger:
+                self._ended_in_ledger(record)
             return True
+
+    def _ended_in_ledger(self, record: Record) -> None:
+        """Ledger order decides what the coordinator still counts: decisions before its
+        SagaTerminal, however early the terminal topic's copy was read."""
+        if isinstance(record, SagaTerminal):
+            saga = self.sagas.get(record.saga_id)
+            if saga is not None and record.envelope.generation >= saga.generation:
+                saga.ended_in_ledger = True
 
     def _measured(self, record: Record) -> bool:
         """Whether the coordinator takes ``record`` as a fact (and so measures it): not
@@ -377,6 +392,8 @@ class DashboardState:
         call this with their clock before reading."""
         with self.lock:
             for saga in self.sagas.values():
+                if saga.terminal_status is not None:
+                    continue  # nothing is waited for any more
                 for request in [a for a in saga.pending_approvals.values() if a.expires_at < now]:
                     _expire(saga, request)
 
@@ -583,8 +600,8 @@ def _fold(saga: SagaView, record: Record) -> None:
     elif isinstance(record, SagaTerminal):
         saga.terminal_status = record.status
         saga.terminal_at = at
-        saga.pending_approvals.clear()
-        saga.expired_approvals.clear()
+        # Requests are kept (pages show none of an ended saga): this may be the terminal
+        # topic's copy, read before a grant the ledger has ahead of it.
         try:
             saga.receipt = Receipt.from_json(record.receipt)
         except ValueError as exc:
@@ -622,6 +639,8 @@ def _decision_problems(
 ) -> tuple[ApprovalRequested | None, list[str]]:
     """What the coordinator checks of any decision first: the saga's tenant and a
     pending request of the step for that purpose."""
+    if saga.ended_in_ledger:
+        return None, ["the saga had already ended"]
     problems: list[str] = []
     if record.envelope.tenant_id != saga.tenant_id:
         problems.append(
