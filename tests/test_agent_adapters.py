@@ -15,6 +15,7 @@ import pytest
 
 import sagaline
 from participants.client import BusinessRejected, SagaClient
+from sagaline.agents import Interrupted as AnyInterrupted
 from schemas import TerminalStatus
 from schemas.models import Reversibility
 from schemas.settings import Settings
@@ -157,6 +158,8 @@ def test_pydantic_ai_run_ending_with_deferred_tool_requests_leaves_the_saga_open
         adapter.run_sync(saga, agent, "book LX90")
     assert isinstance(stopped.value, ApprovalPending) and stopped.value.saga_id == saga.saga_id
     assert [c.tool_name for c in stopped.value.requests.approvals] == ["confirm_payment"]
+    assert isinstance(stopped.value, AnyInterrupted)  # what generic code catches
+    assert stopped.value.pending == stopped.value.requests.approvals
 
     approved = DeferredToolResults(approvals={"c-confirm_payment": True})
     with pytest.raises(BusinessRejected), adapter.resumed(saga):
@@ -441,6 +444,8 @@ def test_openai_agents_run_paused_for_tool_approval_leaves_the_saga_open_for_the
         adapter.run_sync(saga, agent, "book LX80")
     assert isinstance(stopped.value, ApprovalPending) and stopped.value.saga_id == saga.saga_id
     assert [i.tool_name for i in stopped.value.interruptions] == ["confirm_payment"]
+    assert isinstance(stopped.value, AnyInterrupted)
+    assert stopped.value.pending == stopped.value.interruptions
 
     state = stopped.value.result.to_state()
     state.approve(stopped.value.interruptions[0])
@@ -679,6 +684,8 @@ def test_langgraph_run_stopped_at_an_interrupt_leaves_the_saga_open_for_the_resu
         adapter.invoke(saga, graph(), {"messages": [HumanMessage("book LX70")]}, config)
     assert isinstance(stopped.value, ApprovalPending) and stopped.value.saga_id == saga.saga_id
     assert [i.value for i in stopped.value.interrupts] == ["pay?"]
+    assert isinstance(stopped.value, AnyInterrupted)
+    assert stopped.value.pending == stopped.value.interrupts
 
     with pytest.raises(BusinessRejected), adapter.resumed(saga):
         adapter.invoke(saga, graph(), Command(resume="yes"), config)

@@ -19,8 +19,7 @@ Agents tool with ``needs_approval``, a pydantic-ai ``DeferredToolRequests`` outp
 *returns*: the block would complete the saga with the effects so far. Each adapter
 runs the agent through a helper that raises its ``Interrupted`` (an
 ``ApprovalPending``: the saga stays open, R7) instead, and :class:`resumed` ends the
-rest of the saga once the run continues.
-"""
+rest of the saga once the run continues."""
 
 from __future__ import annotations
 
@@ -34,12 +33,12 @@ from types import TracebackType
 from typing import Any
 
 from participants.catalogue import Catalogue, ToolKind, ToolSpec
-from participants.client import AsyncSaga, CallRefused, Saga
+from participants.client import ApprovalPending, AsyncSaga, CallRefused, Saga
 
 # Options of ``saga.call``, never tool arguments (the catalogue refuses such names).
 SAGA_CALL_OPTIONS = frozenset({"step_id", "depends_on", "timeout_s"})
 
-__all__ = ["SagaTool", "resumed", "saga_tools"]
+__all__ = ["Interrupted", "SagaTool", "resumed", "saga_tools"]
 
 
 @dataclass(frozen=True)
@@ -158,3 +157,18 @@ class resumed:  # used as a function: ``with resumed(saga):``
         tb: TracebackType | None,
     ) -> None:
         await self.saga.__aexit__(exc_type, exc, tb)
+
+
+class Interrupted(ApprovalPending):
+    """A framework run paused for a person (the base of every adapter's
+    ``Interrupted``). Like any ``ApprovalPending`` it leaves the saga open (R7) when it
+    leaves the saga's block. ``pending`` lists what the run waits on, as the framework
+    gives it (LangGraph ``Interrupt``s, OpenAI Agents ``ToolApprovalItem``s, pydantic-ai
+    ``ToolCallPart``s), so code that handles any adapter's pause need not know which;
+    ``approval_id`` joins their ids with commas."""
+
+    def __init__(
+        self, message: str, *, saga_id: str, pending: list[Any], ids: Iterable[str]
+    ) -> None:
+        super().__init__(message, saga_id=saga_id, step_id="", tool="", approval_id=",".join(ids))
+        self.pending = pending

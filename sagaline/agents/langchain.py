@@ -35,7 +35,8 @@ from typing import Any
 from langchain_core.tools import StructuredTool
 
 from participants.catalogue import Catalogue, ToolSpec
-from participants.client import ApprovalPending, AsyncSaga, Saga
+from participants.client import AsyncSaga, Saga
+from sagaline.agents import _core
 from sagaline.agents._core import SagaTool, resumed, saga_tools
 
 __all__ = ["Interrupted", "ainvoke", "invoke", "resumed", "tools"]
@@ -81,14 +82,15 @@ def _structured_tool(bound: SagaTool) -> StructuredTool:
     )
 
 
-class Interrupted(ApprovalPending):
+class Interrupted(_core.Interrupted):
     """The graph stopped at a LangGraph ``interrupt()``: it waits for a person's answer.
     Like any ``ApprovalPending`` it leaves the saga open (R7) when it leaves the saga's
-    block; ``interrupts`` are the graph's ``Interrupt`` objects (value, id)."""
+    block; ``interrupts`` (and ``pending``) are the graph's ``Interrupt`` objects
+    (value, id)."""
 
     def __init__(self, message: str, *, saga_id: str, interrupts: list[Any]) -> None:
-        ids = ",".join(str(getattr(i, "id", "") or "") for i in interrupts)
-        super().__init__(message, saga_id=saga_id, step_id="", tool="", approval_id=ids)
+        ids = (str(getattr(i, "id", "") or "") for i in interrupts)
+        super().__init__(message, saga_id=saga_id, pending=interrupts, ids=ids)
         self.interrupts = interrupts
 
 

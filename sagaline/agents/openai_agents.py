@@ -47,6 +47,7 @@ from agents.tool_context import ToolContext
 
 from participants.catalogue import Catalogue, ToolSpec
 from participants.client import ApprovalPending, AsyncSaga, Saga
+from sagaline.agents import _core
 from sagaline.agents._core import SagaTool, resumed, saga_tools
 
 __all__ = ["Interrupted", "resumed", "run", "run_sync", "tools"]
@@ -88,17 +89,18 @@ def _function_tool(bound: SagaTool) -> FunctionTool:
     return set_function_tool_failure_error_function(tool, None)
 
 
-class Interrupted(ApprovalPending):
+class Interrupted(_core.Interrupted):
     """The run paused for tool approval (a tool with ``needs_approval``): it waits for
     a person. Like any ``ApprovalPending`` it leaves the saga open (R7) when it leaves
     the saga's block; ``result`` is the paused ``RunResult`` (``result.to_state()`` to
-    approve or reject and run again), ``interruptions`` its ``ToolApprovalItem``s."""
+    approve or reject and run again), ``interruptions`` (and ``pending``) its
+    ``ToolApprovalItem``s."""
 
     def __init__(self, message: str, *, saga_id: str, result: RunResult) -> None:
         self.result = result
         self.interruptions = list(result.interruptions)
-        ids = ",".join(str(getattr(i.raw_item, "call_id", "") or "") for i in self.interruptions)
-        super().__init__(message, saga_id=saga_id, step_id="", tool="", approval_id=ids)
+        ids = (str(getattr(i.raw_item, "call_id", "") or "") for i in self.interruptions)
+        super().__init__(message, saga_id=saga_id, pending=self.interruptions, ids=ids)
 
 
 async def run(saga: Saga | AsyncSaga, agent: Agent[Any], input: Any, **kwargs: Any) -> RunResult:

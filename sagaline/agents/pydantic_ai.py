@@ -40,7 +40,8 @@ from pydantic_ai import Agent, AgentRunResult, DeferredToolRequests, RunContext,
 from pydantic_ai.toolsets import FunctionToolset
 
 from participants.catalogue import Catalogue, ToolSpec
-from participants.client import ApprovalPending, AsyncSaga, Saga
+from participants.client import AsyncSaga, Saga
+from sagaline.agents import _core
 from sagaline.agents._core import SagaTool, resumed, saga_tools
 
 __all__ = ["Interrupted", "resumed", "run", "run_sync", "toolset"]
@@ -67,19 +68,19 @@ def _tool(bound: SagaTool) -> Tool[Any]:
     )
 
 
-class Interrupted(ApprovalPending):
+class Interrupted(_core.Interrupted):
     """The run ended waiting for deferred tool calls (approvals, or calls run outside
     the agent): it waits for a person. Like any ``ApprovalPending`` it leaves the saga
     open (R7) when it leaves the saga's block; ``result`` is the run's
     ``AgentRunResult`` (``result.all_messages()`` to continue it), ``requests`` its
-    ``DeferredToolRequests``."""
+    ``DeferredToolRequests``, ``pending`` their ``ToolCallPart``s (approvals first)."""
 
     def __init__(self, message: str, *, saga_id: str, result: AgentRunResult[Any]) -> None:
         self.result = result
         self.requests: DeferredToolRequests = result.output
         calls = [*self.requests.approvals, *self.requests.calls]
-        ids = ",".join(c.tool_call_id for c in calls)
-        super().__init__(message, saga_id=saga_id, step_id="", tool="", approval_id=ids)
+        ids = (c.tool_call_id for c in calls)
+        super().__init__(message, saga_id=saga_id, pending=calls, ids=ids)
 
 
 async def run(
