@@ -5,6 +5,7 @@ compensated; a run that succeeds ends COMPLETED."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import uuid
 from collections.abc import Iterator
@@ -371,11 +372,13 @@ def test_openai_agents_run_waiting_for_an_approval_leaves_the_saga_open_R7(serve
 
 def _scripted_openai_model(script: Any) -> Any:
     """An OpenAI Agents ``Model`` that makes the calls of ``script`` in turn (one a
-    turn; ids ``c-TOOL``), then answers "booked"."""
+    turn; ids ``c-TOOL``), then answers "booked"; streamed as one completed response."""
     from agents import Usage
     from agents.items import ModelResponse
     from agents.models.interface import Model
     from openai.types.responses import (
+        Response,
+        ResponseCompletedEvent,
         ResponseFunctionToolCall,
         ResponseOutputMessage,
         ResponseOutputText,
@@ -399,8 +402,22 @@ def _scripted_openai_model(script: Any) -> Any:
                 )
             return ModelResponse(output=[out], usage=Usage(), response_id=None)
 
-        def stream_response(self, *args: Any, **kwargs: Any) -> Any:
-            raise NotImplementedError
+        async def stream_response(self, *args: Any, **kwargs: Any) -> Any:
+            response = await self.get_response()
+            yield ResponseCompletedEvent(
+                response=Response(
+                    id="r-1",
+                    created_at=0,
+                    model="scripted",
+                    object="response",
+                    output=response.output,
+                    parallel_tool_calls=False,
+                    tool_choice="auto",
+                    tools=[],
+                ),
+                sequence_number=0,
+                type="response.completed",
+            )
 
     return Scripted()
 
@@ -696,3 +713,274 @@ def test_langgraph_run_stopped_at_an_interrupt_leaves_the_saga_open_for_the_resu
         ("charge_card", "NOT_COMMITTED"),
     ]
     assert [e for e in trip.log if "LX70" in e] == ["reserve:LX70", "release:r-LX70"]
+
+
+# ---------------------------------------------------------------- streamed runs
+
+
+def test_langgraph_streamed_run_stopped_at_an_interrupt_leaves_the_saga_open(
+    served: Any,
+) -> None:
+    """``graph.stream`` of a graph that stops at ``interrupt()`` just ends: inside the
+    saga's block that completed the saga with the effects so far. The adapter's
+    ``stream`` hands over the chunks and raises ``Interrupted`` after the last one,
+    also in a stream mode whose chunks carry no interrupts (here ``custom``: found in
+    the thread's state); the resumed ``astream`` continues the saga, and its failure
+    compensates the step made before the interrupt."""
+    from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+    from langchain_core.messages import AIMessage, HumanMessage
+    from langchain_core.tools import tool
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.graph import END, START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode, tools_condition
+    from langgraph.types import Command, interrupt
+
+    from sagaline.agents import langchain as adapter
+
+    client, catalogue, trip = served
+
+    @tool
+    def ask_person(question: str) -> str:
+        """Ask the traveller."""
+        answer: str = interrupt(question)
+        return answer
+
+    replies = iter(
+        [
+            AIMessage(
+                content="",
+                tool_calls=[
+                    {"name": "reserve_seat", "args": {"flight": "LX71"}, "id": "call-r"},
+                    {"name": "ask_person", "args": {"question": "pay?"}, "id": "call-a"},
+                ],
+            ),
+            AIMessage(
+                content="",
+                tool_calls=[{"name": "charge_card", "args": {"amount": 961}, "id": "call-c"}],
+            ),
+            AIMessage(content="booked"),
+        ]
+    )
+    model = GenericFakeChatModel(messages=replies)
+    config: Any = {"configurable": {"thread_id": "trip-71"}}
+    saga = client.saga("trip", principal="agent:langgraph")
+    built = StateGraph(MessagesState)
+    built.add_node("agent", lambda state: {"messages": [model.invoke(state["messages"])]})
+    built.add_node("tools", ToolNode([*adapter.tools(saga, catalogue), ask_person]))
+    built.add_edge(START, "agent")
+    built.add_conditional_edges("agent", tools_condition, {"tools": "tools", END: END})
+    built.add_edge("tools", "agent")
+    graph = built.compile(checkpointer=InMemorySaver())
+
+    chunks: list[Any] = []
+    with pytest.raises(adapter.Interrupted) as stopped, saga:
+        start = {"messages": [HumanMessage("book LX71")]}
+        chunks.extend(adapter.stream(saga, graph, start, config, stream_mode="custom"))
+    assert [i.value for i in stopped.value.interrupts] == ["pay?"]
+    assert stopped.value.saga_id == saga.saga_id
+
+    async def resume() -> list[Any]:
+        return [c async for c in adapter.astream(saga, graph, Command(resume="yes"), config)]
+
+    with pytest.raises(BusinessRejected), adapter.resumed(saga):
+        asyncio.run(resume())
+    receipt = saga.wait(120)
+    assert receipt.status is TerminalStatus.COMPENSATED
+    assert [(s.tool, s.disposition.value) for s in receipt.steps] == [
+        ("reserve_seat", "COMPENSATED"),
+        ("charge_card", "NOT_COMMITTED"),
+    ]
+    assert [e for e in trip.log if "LX71" in e] == ["reserve:LX71", "release:r-LX71"]
+
+
+def test_langgraph_stream_chunks_of_every_shape_show_the_interrupt() -> None:
+    """The interrupt is found in the chunks of each stream shape: ``updates`` and
+    ``values`` dicts, ``(mode, data)`` / ``(namespace, mode, data)`` tuples, and
+    ``version="v2"`` parts (once, though both parts carry it)."""
+    from langgraph.types import Interrupt
+
+    from sagaline.agents.langchain import _note_interrupts
+
+    stop = Interrupt(value="pay?", id="i-1")
+    for chunks in (
+        [{"agent": {}}, {"__interrupt__": (stop,)}],
+        [("updates", {"__interrupt__": (stop,)}), ("values", {"messages": []})],
+        [((), "updates", {"__interrupt__": (stop,)})],
+        [
+            {"type": "updates", "ns": (), "data": {"__interrupt__": (stop,)}},
+            {"type": "values", "ns": (), "data": {}, "interrupts": (stop,)},
+        ],
+    ):
+        found: dict[Any, Any] = {}
+        for chunk in chunks:
+            _note_interrupts(found, chunk)
+        assert list(found.values()) == [stop], chunks
+
+
+def test_openai_agents_streamed_run_paused_for_tool_approval_leaves_the_saga_open(
+    served: Any,
+) -> None:
+    """``Runner.run_streamed`` of a run that pauses for tool approval: its
+    ``stream_events()`` just ends, and the saga's block completed the saga. The
+    adapter's ``run_streamed`` gives the result whose ``stream_events()`` raises
+    ``Interrupted`` after the last event; the approved streamed run continues the
+    saga in ``resumed``, and its failure compensates the step made before the pause."""
+    from agents import Agent, function_tool, set_tracing_disabled
+
+    from sagaline.agents import openai_agents as adapter
+
+    set_tracing_disabled(True)
+    client, catalogue, trip = served
+
+    @function_tool(needs_approval=True)
+    def confirm_payment(note: str) -> str:
+        """Ask the traveller to confirm the payment."""
+        return "confirmed"
+
+    script = iter(
+        [
+            ("reserve_seat", {"flight": "LX81"}),
+            ("confirm_payment", {"note": "pay?"}),
+            ("charge_card", {"amount": 981}),
+        ]
+    )
+    saga = client.saga("trip", principal="agent:openai")
+    agent = Agent(
+        name="booker",
+        model=_scripted_openai_model(script),
+        tools=[*adapter.tools(saga, catalogue), confirm_payment],
+    )
+
+    async def consume(input: Any) -> list[Any]:
+        run = adapter.run_streamed(saga, agent, input)  # in the loop: it starts the run
+        return [event async for event in run.stream_events()]
+
+    with pytest.raises(adapter.Interrupted) as stopped, saga:
+        asyncio.run(consume("book LX81"))
+    assert [i.tool_name for i in stopped.value.interruptions] == ["confirm_payment"]
+    assert stopped.value.pending == stopped.value.interruptions
+
+    state = stopped.value.result.to_state()
+    state.approve(stopped.value.interruptions[0])
+    with pytest.raises(Exception) as err, adapter.resumed(saga):
+        asyncio.run(consume(state))
+    assert isinstance(err.value.__cause__, BusinessRejected)
+    receipt = saga.wait(120)
+    assert receipt.status is TerminalStatus.COMPENSATED
+    assert [(s.tool, s.disposition.value) for s in receipt.steps] == [
+        ("reserve_seat", "COMPENSATED"),
+        ("charge_card", "NOT_COMMITTED"),
+    ]
+    assert [e for e in trip.log if "LX81" in e] == ["reserve:LX81", "release:r-LX81"]
+
+
+def _deferring_pydantic_agent(saga: Any, catalogue: Any, flight: str, amount: int) -> Any:
+    """A pydantic-ai agent (streaming and not) that reserves ``flight``, asks for
+    approval of ``confirm_payment``, then charges ``amount``."""
+    from pydantic_ai import Agent, DeferredToolRequests
+    from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
+    from pydantic_ai.models.function import AgentInfo, DeltaToolCall, FunctionModel
+
+    from sagaline.agents import pydantic_ai as adapter
+
+    steps = [
+        ("reserve_seat", {"flight": flight}),
+        ("confirm_payment", {"note": "pay?"}),
+        ("charge_card", {"amount": amount}),
+    ]
+    script = iter(steps)
+
+    def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        step = next(script, None)
+        if step is None:
+            return ModelResponse(parts=[TextPart("booked")])
+        return ModelResponse(parts=[ToolCallPart(step[0], step[1], tool_call_id=f"c-{step[0]}")])
+
+    async def stream(messages: list[ModelMessage], info: AgentInfo) -> Any:
+        step = next(script, None)
+        if step is None:
+            yield "booked"
+            return
+        name, args = step
+        yield {0: DeltaToolCall(name=name, json_args=json.dumps(args), tool_call_id=f"c-{name}")}
+
+    agent = Agent(
+        FunctionModel(model, stream_function=stream),
+        toolsets=[adapter.toolset(saga, catalogue)],
+        output_type=[str, DeferredToolRequests],
+    )
+
+    @agent.tool_plain(requires_approval=True)
+    def confirm_payment(note: str) -> str:
+        return "confirmed"
+
+    return agent
+
+
+def test_pydantic_ai_streamed_run_ending_with_deferred_tool_requests_leaves_the_saga_open(
+    served: Any,
+) -> None:
+    """``agent.run_stream`` (likewise ``iter``, ``run_stream_events``) of a run ending
+    with ``DeferredToolRequests``: the ``async with`` block just ends, and the saga's
+    block completed the saga. The adapter's ``run_stream`` raises ``Interrupted`` when
+    that block ends; the approved run (``run_stream_events``) continues the saga in
+    ``resumed``, and its failure compensates the step made before the pause."""
+    from pydantic_ai import DeferredToolResults
+
+    from sagaline.agents import pydantic_ai as adapter
+
+    client, catalogue, trip = served
+    saga = client.saga("trip", principal="agent:pydantic-ai")
+    agent = _deferring_pydantic_agent(saga, catalogue, "LX91", 991)
+
+    async def paused() -> None:
+        async with saga, adapter.run_stream(saga, agent, "book LX91") as result:
+            [_ async for _ in result.stream_output()]
+
+    with pytest.raises(adapter.Interrupted) as stopped:
+        asyncio.run(paused())
+    assert [c.tool_name for c in stopped.value.pending] == ["confirm_payment"]
+    assert stopped.value.requests.approvals == stopped.value.pending
+
+    async def approved() -> None:
+        async with adapter.run_stream_events(
+            saga,
+            agent,
+            message_history=stopped.value.result.all_messages(),
+            deferred_tool_results=DeferredToolResults(approvals={"c-confirm_payment": True}),
+        ) as events:
+            [_ async for _ in events]
+
+    with pytest.raises(BusinessRejected), adapter.resumed(saga):
+        asyncio.run(approved())
+    receipt = saga.wait(120)
+    assert receipt.status is TerminalStatus.COMPENSATED
+    assert [(s.tool, s.disposition.value) for s in receipt.steps] == [
+        ("reserve_seat", "COMPENSATED"),
+        ("charge_card", "NOT_COMMITTED"),
+    ]
+    assert [e for e in trip.log if "LX91" in e] == ["reserve:LX91", "release:r-LX91"]
+
+
+def test_pydantic_ai_iter_run_ending_with_deferred_tool_requests_raises_interrupted(
+    served: Any,
+) -> None:
+    """``agent.iter`` through the adapter: a run ending with ``DeferredToolRequests``
+    raises ``Interrupted`` when its block ends, and the saga stays open."""
+    from sagaline.agents import pydantic_ai as adapter
+
+    client, catalogue, trip = served
+    saga = client.saga("trip", principal="agent:pydantic-ai")
+    agent = _deferring_pydantic_agent(saga, catalogue, "LX92", 92)
+
+    async def paused() -> None:
+        async with saga, adapter.iter(saga, agent, "book LX92") as run:
+            [_ async for _ in run]
+
+    with pytest.raises(adapter.Interrupted) as stopped:
+        asyncio.run(paused())
+    assert [c.tool_name for c in stopped.value.requests.approvals] == ["confirm_payment"]
+    saga.end(sagaline.SagaOutcome.ABORT, "test over")  # it was left open: this ends it
+    receipt = saga.wait(120)
+    assert receipt.status is TerminalStatus.COMPENSATED
+    assert [e for e in trip.log if "LX92" in e] == ["reserve:LX92", "release:r-LX92"]

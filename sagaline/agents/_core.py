@@ -27,10 +27,19 @@ import hashlib
 import json
 import threading
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+)
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from participants.catalogue import Catalogue, ToolKind, ToolSpec
 from participants.client import ApprovalPending, AsyncSaga, CallRefused, Saga
@@ -39,6 +48,8 @@ from participants.client import ApprovalPending, AsyncSaga, CallRefused, Saga
 SAGA_CALL_OPTIONS = frozenset({"step_id", "depends_on", "timeout_s"})
 
 __all__ = ["Interrupted", "SagaTool", "resumed", "saga_tools"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -172,3 +183,49 @@ class Interrupted(ApprovalPending):
     ) -> None:
         super().__init__(message, saga_id=saga_id, step_id="", tool="", approval_id=",".join(ids))
         self.pending = pending
+
+
+@asynccontextmanager
+async def checked_context(
+    opened: AbstractAsyncContextManager[T],
+    check: Callable[[T], Awaitable[Interrupted | None]],
+) -> AsyncIterator[T]:
+    """``async with opened`` whose block, when it ends without an error, raises what
+    ``check`` finds in the opened value (a run that paused), after ``opened`` closed:
+    the framework closes a finished run, and the saga's block sees ``Interrupted``."""
+    async with opened as value:
+        yield value
+        stopped = await check(value)
+    if stopped is not None:
+        raise stopped
+
+
+def checked_stream(
+    events: Iterable[T],
+    check: Callable[[], Interrupted | None],
+    seen: Callable[[T], object] | None = None,
+) -> Iterator[T]:
+    """``events`` as they come (each shown to ``seen`` first), then, once the last has
+    been handed over, what ``check`` finds (a run that paused) raised."""
+    for event in events:
+        if seen is not None:
+            seen(event)
+        yield event
+    stopped = check()
+    if stopped is not None:
+        raise stopped
+
+
+async def achecked_stream(
+    events: AsyncIterable[T],
+    check: Callable[[], Awaitable[Interrupted | None]],
+    seen: Callable[[T], object] | None = None,
+) -> AsyncIterator[T]:
+    """:func:`checked_stream` for an async stream."""
+    async for event in events:
+        if seen is not None:
+            seen(event)
+        yield event
+    stopped = await check()
+    if stopped is not None:
+        raise stopped

@@ -25,11 +25,19 @@ would (completed, aborted, or left open at the next interrupt)::
         answer = ask_the_person(stopped.interrupts)
     with sagaline_langchain.resumed(saga):  # or an attached saga, after a restart
         sagaline_langchain.invoke(saga, graph, Command(resume=answer), config)
+
+A streamed run (``graph.stream``/``astream``) stops the same way, and the stream just
+ends: run it with :func:`stream` (or :func:`astream`), which hands over the graph's
+chunks and raises :class:`Interrupted` after the last one when the run stopped at an
+interrupt (a stream left before its end is not checked)::
+
+    for chunk in sagaline_langchain.stream(saga, graph, input, config, stream_mode="messages"):
+        ...
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from typing import Any
 
 from langchain_core.tools import StructuredTool
@@ -39,7 +47,7 @@ from participants.client import AsyncSaga, Saga
 from sagaline.agents import _core
 from sagaline.agents._core import SagaTool, resumed, saga_tools
 
-__all__ = ["Interrupted", "ainvoke", "invoke", "resumed", "tools"]
+__all__ = ["Interrupted", "ainvoke", "astream", "invoke", "resumed", "stream", "tools"]
 
 
 def tools(
@@ -113,14 +121,88 @@ def _checked(saga: Saga | AsyncSaga, output: Any) -> Any:
     interrupts = getattr(output, "interrupts", None)  # invoke(..., version="v2")
     if interrupts is None and isinstance(output, Mapping):
         interrupts = output.get("__interrupt__")
-    if interrupts:
-        found = list(interrupts)
-        values = ", ".join(repr(getattr(i, "value", i)) for i in found)
-        raise Interrupted(
-            f"the graph stopped at {len(found)} interrupt(s) ({values[:200]}): saga"
-            f" {saga.saga_id} stays open; resume the graph with Command(resume=...) in"
-            " sagaline.agents.langchain.resumed(saga)",
-            saga_id=saga.saga_id,
-            interrupts=found,
-        )
+    stopped = _interrupted(saga, list(interrupts or ()))
+    if stopped is not None:
+        raise stopped
     return output
+
+
+def stream(
+    saga: Saga | AsyncSaga, graph: Any, input: Any, config: Any = None, **kwargs: Any
+) -> Iterator[Any]:
+    """``graph.stream(input, config, **kwargs)`` for a run that is ``saga``: its chunks
+    as they come, then, once the last one has been handed over, :class:`Interrupted`
+    when the run stopped at an ``interrupt()`` (seen in the chunks, or, in a stream
+    mode that does not carry interrupts, in the graph's state for the thread)."""
+    found: dict[Any, Any] = {}
+
+    def check() -> Interrupted | None:
+        return _interrupted(saga, list(found.values()) or _state_interrupts(graph, config))
+
+    chunks = graph.stream(input, config, **kwargs)
+    return _core.checked_stream(chunks, check, lambda chunk: _note_interrupts(found, chunk))
+
+
+def astream(
+    saga: Saga | AsyncSaga, graph: Any, input: Any, config: Any = None, **kwargs: Any
+) -> AsyncIterator[Any]:
+    """``graph.astream(...)``, as :func:`stream` (``async for``)."""
+    found: dict[Any, Any] = {}
+
+    async def check() -> Interrupted | None:
+        thread = _thread(config)
+        interrupts = list(found.values())
+        if not interrupts and thread is not None and getattr(graph, "checkpointer", None):
+            interrupts = list((await graph.aget_state(thread)).interrupts)
+        return _interrupted(saga, interrupts)
+
+    chunks = graph.astream(input, config, **kwargs)
+    return _core.achecked_stream(chunks, check, lambda chunk: _note_interrupts(found, chunk))
+
+
+def _note_interrupts(found: dict[Any, Any], chunk: Any) -> None:
+    """Adds the interrupts ``chunk`` carries, by id: a chunk of any stream mode
+    (``(mode, data)``, ``(namespace, data)``, ``(namespace, mode, data)`` with several
+    modes or subgraphs; ``version="v2"`` parts carry them as ``data`` or
+    ``interrupts``)."""
+    if isinstance(chunk, tuple) and chunk:
+        chunk = chunk[-1]
+    if not isinstance(chunk, Mapping):
+        return
+    interrupts = list(chunk.get("__interrupt__") or ())
+    if isinstance(chunk.get("type"), str) and "data" in chunk:  # a v2 stream part
+        interrupts += chunk.get("interrupts") or ()
+        data = chunk["data"]
+        if isinstance(data, Mapping):
+            interrupts += data.get("__interrupt__") or ()
+    for interrupt in interrupts:
+        found.setdefault(getattr(interrupt, "id", None) or id(interrupt), interrupt)
+
+
+def _thread(config: Any) -> Any:
+    """The thread ``config`` runs (its latest checkpoint, not one it replays from)."""
+    configurable = (config or {}).get("configurable") or {}
+    if "thread_id" not in configurable:
+        return None
+    keys = ("thread_id", "checkpoint_ns")
+    return {"configurable": {k: configurable[k] for k in keys if k in configurable}}
+
+
+def _state_interrupts(graph: Any, config: Any) -> list[Any]:
+    thread = _thread(config)
+    if thread is None or not getattr(graph, "checkpointer", None):
+        return []
+    return list(graph.get_state(thread).interrupts)
+
+
+def _interrupted(saga: Saga | AsyncSaga, interrupts: list[Any]) -> Interrupted | None:
+    if not interrupts:
+        return None
+    values = ", ".join(repr(getattr(i, "value", i)) for i in interrupts)
+    return Interrupted(
+        f"the graph stopped at {len(interrupts)} interrupt(s) ({values[:200]}): saga"
+        f" {saga.saga_id} stays open; resume the graph with Command(resume=...) in"
+        " sagaline.agents.langchain.resumed(saga)",
+        saga_id=saga.saga_id,
+        interrupts=interrupts,
+    )

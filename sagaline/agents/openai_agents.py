@@ -32,16 +32,26 @@ pause)::
             state.approve(item)  # or state.reject(item), as the person answers
     with openai_agents.resumed(saga):  # or an attached saga, after a restart
         openai_agents.run_sync(saga, agent, state)
+
+A streamed run (``Runner.run_streamed``) pauses the same way, and its
+``stream_events()`` just ends: run it with :func:`run_streamed`, whose
+``stream_events()`` raises :class:`Interrupted` after the last event when the run
+paused (a stream left before its end is not checked)::
+
+    result = openai_agents.run_streamed(saga, agent, "refund order o-1")
+    async for event in result.stream_events():
+        ...
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
-from agents import Agent, FunctionTool, Runner, RunResult
+from agents import Agent, FunctionTool, Runner, RunResult, RunResultStreaming
 from agents.exceptions import AgentsException
+from agents.stream_events import StreamEvent
 from agents.tool import set_function_tool_failure_error_function
 from agents.tool_context import ToolContext
 
@@ -50,7 +60,7 @@ from participants.client import ApprovalPending, AsyncSaga, Saga
 from sagaline.agents import _core
 from sagaline.agents._core import SagaTool, resumed, saga_tools
 
-__all__ = ["Interrupted", "resumed", "run", "run_sync", "tools"]
+__all__ = ["Interrupted", "StreamedRun", "resumed", "run", "run_streamed", "run_sync", "tools"]
 
 
 def tools(saga: Saga | AsyncSaga, catalogue: Catalogue | Iterable[ToolSpec]) -> list[FunctionTool]:
@@ -92,11 +102,13 @@ def _function_tool(bound: SagaTool) -> FunctionTool:
 class Interrupted(_core.Interrupted):
     """The run paused for tool approval (a tool with ``needs_approval``): it waits for
     a person. Like any ``ApprovalPending`` it leaves the saga open (R7) when it leaves
-    the saga's block; ``result`` is the paused ``RunResult`` (``result.to_state()`` to
-    approve or reject and run again), ``interruptions`` (and ``pending``) its
-    ``ToolApprovalItem``s."""
+    the saga's block; ``result`` is the paused ``RunResult`` (a ``RunResultStreaming``
+    for a streamed run; ``result.to_state()`` to approve or reject and run again),
+    ``interruptions`` (and ``pending``) its ``ToolApprovalItem``s."""
 
-    def __init__(self, message: str, *, saga_id: str, result: RunResult) -> None:
+    def __init__(
+        self, message: str, *, saga_id: str, result: RunResult | RunResultStreaming
+    ) -> None:
         self.result = result
         self.interruptions = list(result.interruptions)
         ids = (str(getattr(i.raw_item, "call_id", "") or "") for i in self.interruptions)
@@ -114,15 +126,53 @@ def run_sync(saga: Saga | AsyncSaga, agent: Agent[Any], input: Any, **kwargs: An
     return _checked(saga, Runner.run_sync(agent, input, **kwargs))
 
 
+def run_streamed(
+    saga: Saga | AsyncSaga, agent: Agent[Any], input: Any, **kwargs: Any
+) -> StreamedRun:
+    """``Runner.run_streamed(agent, input, **kwargs)`` for a run that is ``saga``: its
+    result, whose ``stream_events()`` raises :class:`Interrupted` after the last event
+    when the run paused for tool approval."""
+    return StreamedRun(saga, Runner.run_streamed(agent, input, **kwargs))
+
+
+class StreamedRun:
+    """A ``RunResultStreaming`` (``result``; its other attributes read through) whose
+    ``stream_events()`` hands over the run's events and then, once the last one has
+    been handed over, raises :class:`Interrupted` when the run paused for tool
+    approval (a stream left before its end is not checked)."""
+
+    def __init__(self, saga: Saga | AsyncSaga, result: RunResultStreaming) -> None:
+        self.saga = saga
+        self.result = result
+
+    def stream_events(self) -> AsyncIterator[StreamEvent]:
+        async def check() -> Interrupted | None:
+            return _interrupted(self.saga, self.result)
+
+        return _core.achecked_stream(self.result.stream_events(), check)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.result, name)
+
+
 def _checked(saga: Saga | AsyncSaga, result: RunResult) -> RunResult:
-    if result.interruptions:
-        names = ", ".join(str(i.tool_name) for i in result.interruptions)
-        raise Interrupted(
-            f"the run paused for approval of {len(result.interruptions)} tool call(s)"
-            f" ({names[:200]}): saga {saga.saga_id} stays open; approve or reject them on"
-            " result.to_state() and run it again in"
-            " sagaline.agents.openai_agents.resumed(saga)",
-            saga_id=saga.saga_id,
-            result=result,
-        )
+    stopped = _interrupted(saga, result)
+    if stopped is not None:
+        raise stopped
     return result
+
+
+def _interrupted(
+    saga: Saga | AsyncSaga, result: RunResult | RunResultStreaming
+) -> Interrupted | None:
+    if not result.interruptions:
+        return None
+    names = ", ".join(str(i.tool_name) for i in result.interruptions)
+    return Interrupted(
+        f"the run paused for approval of {len(result.interruptions)} tool call(s)"
+        f" ({names[:200]}): saga {saga.saga_id} stays open; approve or reject them on"
+        " result.to_state() and run it again in"
+        " sagaline.agents.openai_agents.resumed(saga)",
+        saga_id=saga.saga_id,
+        result=result,
+    )

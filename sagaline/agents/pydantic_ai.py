@@ -29,14 +29,27 @@ left open at the next pause)::
             saga, agent, message_history=stopped.result.all_messages(),
             deferred_tool_results=answers,
         )
+
+A streamed run (``agent.run_stream``, ``agent.iter``, ``agent.run_stream_events``)
+ends the same way once consumed, and its ``async with`` block just ends: use
+:func:`run_stream`, :func:`iter` or :func:`run_stream_events` (same arguments), which
+raise :class:`Interrupted` when that block ends and the run finished waiting for
+deferred tool calls (a stream left before its end is not checked)::
+
+    async with sagaline_pydantic_ai.run_stream(saga, agent, "refund order o-1") as result:
+        async for text in result.stream_output():
+            ...
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-from pydantic_ai import Agent, AgentRunResult, DeferredToolRequests, RunContext, Tool
+from pydantic_ai import Agent, AgentRun, AgentRunResult, DeferredToolRequests, RunContext, Tool
+from pydantic_ai.agent.abstract import AgentRunEvents
+from pydantic_ai.result import StreamedRunResult
 from pydantic_ai.toolsets import FunctionToolset
 
 from participants.catalogue import Catalogue, ToolSpec
@@ -44,7 +57,16 @@ from participants.client import AsyncSaga, Saga
 from sagaline.agents import _core
 from sagaline.agents._core import SagaTool, resumed, saga_tools
 
-__all__ = ["Interrupted", "resumed", "run", "run_sync", "toolset"]
+__all__ = [
+    "Interrupted",
+    "iter",
+    "resumed",
+    "run",
+    "run_stream",
+    "run_stream_events",
+    "run_sync",
+    "toolset",
+]
 
 
 def toolset(
@@ -72,12 +94,23 @@ class Interrupted(_core.Interrupted):
     """The run ended waiting for deferred tool calls (approvals, or calls run outside
     the agent): it waits for a person. Like any ``ApprovalPending`` it leaves the saga
     open (R7) when it leaves the saga's block; ``result`` is the run's
-    ``AgentRunResult`` (``result.all_messages()`` to continue it), ``requests`` its
+    ``AgentRunResult`` (a ``StreamedRunResult`` from :func:`run_stream`;
+    ``result.all_messages()`` to continue it), ``requests`` its
     ``DeferredToolRequests``, ``pending`` their ``ToolCallPart``s (approvals first)."""
 
-    def __init__(self, message: str, *, saga_id: str, result: AgentRunResult[Any]) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        saga_id: str,
+        result: AgentRunResult[Any] | StreamedRunResult[Any, Any],
+        requests: DeferredToolRequests | None = None,
+    ) -> None:
         self.result = result
-        self.requests: DeferredToolRequests = result.output
+        if requests is None:
+            assert isinstance(result, AgentRunResult)
+            requests = result.output
+        self.requests: DeferredToolRequests = requests
         calls = [*self.requests.approvals, *self.requests.calls]
         ids = (c.tool_call_id for c in calls)
         super().__init__(message, saga_id=saga_id, pending=calls, ids=ids)
@@ -98,17 +131,72 @@ def run_sync(
     return _checked(saga, agent.run_sync(*args, **kwargs))
 
 
+def run_stream(
+    saga: Saga | AsyncSaga, agent: Agent[Any, Any], *args: Any, **kwargs: Any
+) -> AbstractAsyncContextManager[StreamedRunResult[Any, Any]]:
+    """``async with agent.run_stream(*args, **kwargs)`` for a run that is ``saga``: its
+    ``StreamedRunResult``; when the block ends with the stream consumed and the run
+    ended waiting for deferred tool calls, :class:`Interrupted` (a stream left before
+    its end is not checked)."""
+
+    async def check(result: StreamedRunResult[Any, Any]) -> Interrupted | None:
+        if not result.is_complete:
+            return None
+        return _interrupted(saga, result, await result.get_output())
+
+    return _core.checked_context(agent.run_stream(*args, **kwargs), check)
+
+
+def iter(  # the name of agent.iter
+    saga: Saga | AsyncSaga, agent: Agent[Any, Any], *args: Any, **kwargs: Any
+) -> AbstractAsyncContextManager[AgentRun[Any, Any]]:
+    """``async with agent.iter(*args, **kwargs)`` for a run that is ``saga``: its
+    ``AgentRun``; when the block ends with the run finished waiting for deferred tool
+    calls, :class:`Interrupted`."""
+    return _core.checked_context(agent.iter(*args, **kwargs), _finished_check(saga))
+
+
+def run_stream_events(
+    saga: Saga | AsyncSaga, agent: Agent[Any, Any], *args: Any, **kwargs: Any
+) -> AbstractAsyncContextManager[AgentRunEvents[Any]]:
+    """``async with agent.run_stream_events(*args, **kwargs)`` for a run that is
+    ``saga``: its events; when the block ends with the run finished waiting for
+    deferred tool calls, :class:`Interrupted`."""
+    return _core.checked_context(agent.run_stream_events(*args, **kwargs), _finished_check(saga))
+
+
+def _finished_check(
+    saga: Saga | AsyncSaga,
+) -> Callable[[AgentRun[Any, Any] | AgentRunEvents[Any]], Awaitable[Interrupted | None]]:
+    async def check(run: AgentRun[Any, Any] | AgentRunEvents[Any]) -> Interrupted | None:
+        result = run.result  # None until the run finished
+        return None if result is None else _interrupted(saga, result, result.output)
+
+    return check
+
+
 def _checked(saga: Saga | AsyncSaga, result: AgentRunResult[Any]) -> AgentRunResult[Any]:
-    if isinstance(result.output, DeferredToolRequests):
-        requests = result.output
-        calls = [*requests.approvals, *requests.calls]
-        names = ", ".join(c.tool_name for c in calls)
-        raise Interrupted(
-            f"the run ended waiting for {len(calls)} deferred tool call(s) ({names[:200]}):"
-            f" saga {saga.saga_id} stays open; continue it with message_history="
-            "result.all_messages() and deferred_tool_results=... in"
-            " sagaline.agents.pydantic_ai.resumed(saga)",
-            saga_id=saga.saga_id,
-            result=result,
-        )
+    stopped = _interrupted(saga, result, result.output)
+    if stopped is not None:
+        raise stopped
     return result
+
+
+def _interrupted(
+    saga: Saga | AsyncSaga,
+    result: AgentRunResult[Any] | StreamedRunResult[Any, Any],
+    output: Any,
+) -> Interrupted | None:
+    if not isinstance(output, DeferredToolRequests):
+        return None
+    calls = [*output.approvals, *output.calls]
+    names = ", ".join(c.tool_name for c in calls)
+    return Interrupted(
+        f"the run ended waiting for {len(calls)} deferred tool call(s) ({names[:200]}):"
+        f" saga {saga.saga_id} stays open; continue it with message_history="
+        "result.all_messages() and deferred_tool_results=... in"
+        " sagaline.agents.pydantic_ai.resumed(saga)",
+        saga_id=saga.saga_id,
+        result=result,
+        requests=output,
+    )
