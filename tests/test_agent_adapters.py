@@ -984,3 +984,44 @@ def test_pydantic_ai_iter_run_ending_with_deferred_tool_requests_raises_interrup
     receipt = saga.wait(120)
     assert receipt.status is TerminalStatus.COMPENSATED
     assert [e for e in trip.log if "LX92" in e] == ["reserve:LX92", "release:r-LX92"]
+
+
+def test_langgraph_invoke_in_another_stream_mode_stopped_at_an_interrupt_raises(
+    served: Any,
+) -> None:
+    """``graph.invoke(..., stream_mode="updates")`` returns the list of chunks, with the
+    interrupt in one of them: the adapter's ``invoke`` looked only at a dict output, so
+    the run stopped at ``interrupt()`` returned and the block completed the saga."""
+    from langchain_core.messages import AIMessage
+    from langchain_core.tools import tool
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.graph import END, START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode
+    from langgraph.types import interrupt
+
+    from sagaline.agents import langchain as adapter
+
+    client, _catalogue, trip = served
+
+    @tool
+    def ask_person(question: str) -> str:
+        """Ask the traveller."""
+        answer: str = interrupt(question)
+        return answer
+
+    saga = client.saga("trip", principal="agent:langgraph")
+    built = StateGraph(MessagesState)
+    built.add_node("tools", ToolNode([ask_person]))
+    built.add_edge(START, "tools")
+    built.add_edge("tools", END)
+    graph = built.compile(checkpointer=InMemorySaver())
+    calls = [{"name": "ask_person", "args": {"question": "pay?"}, "id": "call-a"}]
+    config: Any = {"configurable": {"thread_id": "trip-72"}}
+    start = {"messages": [AIMessage(content="", tool_calls=calls)]}
+    with pytest.raises(adapter.Interrupted) as stopped, saga:
+        saga.call("reserve_seat", flight="LX72")
+        adapter.invoke(saga, graph, start, config, stream_mode="updates")
+    assert [i.value for i in stopped.value.interrupts] == ["pay?"]
+    saga.end(sagaline.SagaOutcome.ABORT, "test over")  # it was left open: this ends it
+    assert saga.wait(120).status is TerminalStatus.COMPENSATED
+    assert [e for e in trip.log if "LX72" in e] == ["reserve:LX72", "release:r-LX72"]

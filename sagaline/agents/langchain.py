@@ -121,6 +121,11 @@ def _checked(saga: Saga | AsyncSaga, output: Any) -> Any:
     interrupts = getattr(output, "interrupts", None)  # invoke(..., version="v2")
     if interrupts is None and isinstance(output, Mapping):
         interrupts = output.get("__interrupt__")
+    if interrupts is None and isinstance(output, list):  # another stream_mode: its chunks
+        found: dict[Any, Any] = {}
+        for chunk in output:
+            _note_interrupts(found, chunk)
+        interrupts = list(found.values())
     stopped = _interrupted(saga, list(interrupts or ()))
     if stopped is not None:
         raise stopped
