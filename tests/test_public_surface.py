@@ -74,6 +74,7 @@ PUBLIC: dict[str, list[str]] = {
         "create_admin",
         "create_consumer",
         "create_producer",
+        "create_uncommitted_reader",
         "deliver",
         "describe_group",
         "ensure_topics",
