@@ -10,6 +10,7 @@ happened. The demo only passes when the two agree (R1, R6, R8, R12, R14):
   compensated;
 * no credit was ever voided (the pivot is never clawed back), and every credit that
   stands has either a reply that mentions it or an incident in its saga;
+* a step the receipt calls not committed or read-only has no effect in the provider;
 * no provider effect is missing from the receipts (an effect nobody accounts for is
   exactly what Sagaline exists to prevent).
 
@@ -289,6 +290,13 @@ def _check_step(
             )
         return out
     if disposition is Disposition.READ_ONLY:
+        if found:  # these tools change the world: "read-only" would hide the effect
+            bad(
+                "R14",
+                f"the receipt says it was read-only (changed nothing), but"
+                f" {found[0].provider} has {found[0].kind} {found[0].operation_id}:"
+                " an effect nobody will undo",
+            )
         return out
 
     subjects = {s for s in (_subject_of_done(e) for e in found) if s is not None}

@@ -279,3 +279,15 @@ def test_read_world_reads_the_providers_own_files(tmp_path: Path) -> None:
         "credit.issued",
         "email.reply",
     ]
+
+
+def test_a_world_changing_step_the_receipt_calls_read_only_is_a_violation() -> None:
+    """R14: a receipt that calls a hold "read-only" (so nothing is undone) while the
+    provider holds it must not pass: the hold stands in a compensated saga."""
+    lying = receipt(
+        TerminalStatus.COMPENSATED,
+        [step("01", "place_hold", Disposition.READ_ONLY, key=HOLD_KEY, op="hold-1")],
+    )
+    world = ProviderWorld(effects=[hold_placed()], holds={"hold-1": "active"})
+    violations = check_invariants([lying], world)
+    assert any(v.saga_id == "saga-1" and "read-only" in v.message for v in violations), violations
