@@ -43,7 +43,13 @@ from typing import Any
 
 from participants.catalogue import Catalogue
 from participants.client import ApprovalPending, OutcomeUnknown, Saga, SagaCallError, SagaClient
-from sagaline.kafka import LedgerReader, ensure_topics
+from sagaline.kafka import (
+    DeliveryFailed,
+    KafkaException,
+    LedgerReader,
+    TopicSetupError,
+    ensure_topics,
+)
 from sagaline.ops.actions import OperatorChannel
 from schemas.models import Record, SagaTerminal
 from schemas.receipt import Receipt
@@ -356,6 +362,11 @@ def run_demo(options: DemoOptions) -> DemoRun:
     except ProcessFailed as exc:
         _say(f"sagaline demo: {exc}")
         run.exit_code = 1
+    except (KafkaException, TopicSetupError, DeliveryFailed) as exc:
+        _say(
+            f"sagaline demo: Kafka at {run.bootstrap} did not answer as needed: {_kafka_error(exc)}"
+        )
+        run.exit_code = 1
     finally:
         if options.keep:
             alive = {n: p.pid for n, p in supervisor.processes.items() if p.alive}
@@ -368,6 +379,13 @@ def run_demo(options: DemoOptions) -> DemoRun:
                 + (f" (exit codes {unclean})" if unclean else " cleanly")
             )
     return run
+
+
+def _kafka_error(exc: Exception) -> str:
+    """The words of a Kafka error (librdkafka's own text, not its repr)."""
+    error = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
+    text = getattr(error, "str", None)
+    return str(text()) if callable(text) else str(exc)
 
 
 def _service_env(run: DemoRun, fault_file: Path) -> dict[str, str]:
@@ -534,8 +552,9 @@ def _fault_injector(
                 # not wait for one forever, nor until the run is over: a compensation
                 # lasts tens of ms and a fast run ends in seconds.
                 wait_until(
-                    lambda: board.counts()[COMPENSATING] > 0
-                    or board.terminal_count() >= opts.sagas - 2,
+                    lambda: (
+                        board.counts()[COMPENSATING] > 0 or board.terminal_count() >= opts.sagas - 2
+                    ),
                     15.0,
                     0.01,
                 )

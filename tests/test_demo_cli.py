@@ -1,0 +1,40 @@
+"""``sagaline demo`` as a person runs it, when something around it is wrong: it ends
+with one clear line and exit 1, never a traceback."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = [sys.executable, "-m", "services.cli", "demo"]
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
+def test_the_demo_against_a_broker_that_does_not_answer_says_so_without_a_traceback(
+    tmp_path: Path,
+) -> None:
+    bootstrap, state = f"127.0.0.1:{_closed_port()}", tmp_path / "state"
+    env = {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": bootstrap, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [*DEMO, "--sagas", "1", "--no-ui", "--dashboard-port", "0", "--state-dir", str(state)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    output = done.stdout + done.stderr
+    assert "Traceback" not in output, output
+    assert done.returncode == 1, output
+    assert f"sagaline demo: Kafka at {bootstrap}" in done.stdout, output
