@@ -175,3 +175,36 @@ def test_sagaline_drill_prints_the_matrix(
     assert code == 0, out
     assert "after-commit" in out and "2:place_hold" in out
     assert "1 cases" in out and "1 converged" in out
+
+
+@pytest.mark.parametrize("step", ["0", "7"])
+def test_sagaline_drill_refuses_a_step_the_plan_does_not_have(
+    step: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The refund plan has 6 steps: --step 7 crashed with an IndexError after the
+    whole stage had started, and --step 0 silently drilled nothing (exit 0)."""
+    code = sagaline(["drill", "--plan", str(REFUND_PLAN), "--step", step])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"--step {step}" in err and "1 to 6" in err, err
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [{"calls": 5}, {"calls": []}, {"calls": [{"args": {}}]}, {"calls": ["place_hold"]}],
+)
+def test_sagaline_drill_refuses_a_malformed_plan_without_a_traceback(
+    plan: dict[str, object], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({**plan, "modules": ["services.refund:drill_catalogues"]}))
+    code = sagaline(["drill", "--plan", str(path), "--state-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "cannot read the plan" in err, err
+
+
+def test_run_drill_refuses_a_step_index_outside_the_plan(tmp_path: Path) -> None:
+    calls = json.loads(REFUND_PLAN.read_text())["calls"]
+    with pytest.raises(ValueError, match=r"steps \[6\] are not in the plan"):
+        run_drill([], calls, bootstrap="127.0.0.1:1", state_dir=tmp_path, steps=[6])

@@ -386,6 +386,11 @@ def run_drill(
     ]
     chosen = list(seams or list(Seam))
     indexes = list(steps if steps is not None else range(len(plan)))
+    outside = [i for i in indexes if not 0 <= i < len(plan)]
+    if outside:
+        raise ValueError(
+            f"steps {outside} are not in the plan: 0-based indexes 0 to {len(plan) - 1}"
+        )
     report = DrillReport(plan)
     started = time.monotonic()
     prefix = prefix or f"drill{uuid.uuid4().hex[:8]}."

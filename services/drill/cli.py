@@ -61,8 +61,17 @@ def _drill(args: argparse.Namespace) -> int:
     try:
         plan = json.loads(args.plan.read_text())
         calls = plan["calls"]
+        _check_calls(calls)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         print(f"sagaline drill: cannot read the plan {args.plan}: {exc}", file=sys.stderr)
+        return EXIT_UNREADABLE
+    outside = [n for n in args.step or [] if not 1 <= n <= len(calls)]
+    if outside:
+        print(
+            f"sagaline drill: --step {outside[0]}: the plan has {len(calls)} steps,"
+            f" numbered 1 to {len(calls)}",
+            file=sys.stderr,
+        )
         return EXIT_UNREADABLE
     refs = (
         args.catalogue
@@ -115,6 +124,17 @@ def _drill(args: argparse.Namespace) -> int:
     else:
         print(report.matrix())
     return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def _check_calls(calls: Any) -> None:
+    """``calls`` is a non-empty list of ``{"tool": NAME, "args": {...}}`` (ValueError)."""
+    if not isinstance(calls, list) or not calls:
+        raise ValueError('"calls" must be a non-empty list of {"tool": NAME, "args": {...}}')
+    for n, call in enumerate(calls, 1):
+        if not isinstance(call, dict) or not isinstance(call.get("tool"), str):
+            raise ValueError(f'call {n} is not {{"tool": NAME, "args": {{...}}}}: {call!r}')
+        if not isinstance(call.get("args", {}), dict):
+            raise ValueError(f'call {n} ({call["tool"]}): "args" must be an object')
 
 
 def load_catalogues(reference: str, state_dir: Path) -> list[Catalogue]:
