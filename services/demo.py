@@ -47,6 +47,7 @@ from sagaline.kafka import (
     DeliveryFailed,
     KafkaException,
     LedgerReader,
+    TopicMissing,
     TopicSetupError,
     ensure_topics,
 )
@@ -888,15 +889,20 @@ def _interrupt_on(*signals: signal.Signals) -> None:
 def _cmd_agent_run(args: argparse.Namespace) -> int:
     _interrupt_on(signal.SIGINT, signal.SIGTERM)
     with suppress(KeyboardInterrupt):
-        return run_agent(
-            args.sagas,
-            args.seed,
-            args.concurrency,
-            approve=not args.no_approve,
-            operator_identity=args.operator,
-            call_timeout_s=args.call_timeout,
-            timeout_s=args.timeout,
-        )
+        try:
+            return run_agent(
+                args.sagas,
+                args.seed,
+                args.concurrency,
+                approve=not args.no_approve,
+                operator_identity=args.operator,
+                call_timeout_s=args.call_timeout,
+                timeout_s=args.timeout,
+            )
+        except (TopicMissing, KafkaException, DeliveryFailed) as exc:
+            # The system is not there (yet): its topics, or the broker itself.
+            print(f"sagaline agent run: {_kafka_error(exc)}", file=sys.stderr)
+            return 1
     return 130
 
 

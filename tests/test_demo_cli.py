@@ -38,3 +38,27 @@ def test_the_demo_against_a_broker_that_does_not_answer_says_so_without_a_traceb
     assert "Traceback" not in output, output
     assert done.returncode == 1, output
     assert f"sagaline demo: Kafka at {bootstrap}" in done.stdout, output
+
+
+def test_agent_run_before_the_topics_exist_says_so_without_a_traceback(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    """``sagaline agent run`` against a system not started yet (compose's agent up
+    before the coordinator created ``sagaline.events``): one line naming the topic."""
+    env = {
+        **os.environ,
+        "KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap,
+        "SAGALINE_TOPIC_PREFIX": unique_prefix,
+        "PYTHONPATH": str(ROOT),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "agent", "run", "--sagas", "1"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 1, done.stderr
+    assert f"sagaline agent run: topic '{unique_prefix}sagaline.events'" in done.stderr
