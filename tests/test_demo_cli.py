@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from services.cli import build_parser
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = [sys.executable, "-m", "services.cli", "demo"]
 
@@ -62,3 +66,25 @@ def test_agent_run_before_the_topics_exist_says_so_without_a_traceback(
     assert "Traceback" not in done.stderr, done.stderr
     assert done.returncode == 1, done.stderr
     assert f"sagaline agent run: topic '{unique_prefix}sagaline.events'" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--sagas", "0"],
+        ["--sagas", "-3"],
+        ["--concurrency", "0"],
+        ["--partitions", "0"],
+        ["--kill-service", "inventory", "--kill-after", "0"],
+        ["--kill-coordinator-after", "-1"],
+    ],
+)
+def test_demo_flags_that_would_run_nothing_or_kill_nothing_are_refused(
+    flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--sagas 0`` ran the whole system and printed "demo OK" for no saga at all;
+    ``--kill-after 0`` killed nothing although the run was asked for a kill."""
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["demo", *flags])
+    assert exited.value.code == 2
+    assert "must be" in capsys.readouterr().err
