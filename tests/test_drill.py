@@ -11,16 +11,24 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from participants import CompensationContext, LookupResult, compensable, tool, wrap
 from participants.context import current_call
+from participants.plan import PlannedCall
+from schemas import Record, SagaTerminal, envelope_for
+from schemas.models import TerminalStatus
+from schemas.receipt import Disposition
 from services.cli import main as sagaline
 from services.drill import Seam, Verdict, instrument, run_drill
 from services.drill._inject import FaultBoard
+from services.drill._run import _judge
 from services.refund import drill_catalogues
+from tests.test_demo_invariants import receipt, step
 from tests.test_seed004_fixture import Steps
 
 pytestmark = pytest.mark.kafka
@@ -208,3 +216,45 @@ def test_run_drill_refuses_a_step_index_outside_the_plan(tmp_path: Path) -> None
     calls = json.loads(REFUND_PLAN.read_text())["calls"]
     with pytest.raises(ValueError, match=r"steps \[6\] are not in the plan"):
         run_drill([], calls, bootstrap="127.0.0.1:1", state_dir=tmp_path, steps=[6])
+
+
+class _RecordsOf:
+    """What the watcher holds for the one saga of a hand-made case."""
+
+    def __init__(self, records: list[Record]) -> None:
+        self.records = records
+
+    def wait(self, _saga_id: str, check: Callable[[list[Record]], object], _t: float) -> object:
+        return check(self.records)
+
+    def of(self, _saga_id: str) -> list[Record]:
+        return self.records
+
+
+def test_an_irreversible_step_that_ran_after_its_approval_expired_is_a_failed_case() -> None:
+    """docs/drill.md: expired-approval -> "the step never runs". A coordinator that ran
+    the email anyway (its approval expired, nobody granted it) must not be judged
+    converged because ledger and provider agree that it ran."""
+    saga_id = "drill-expired-approval-1-abc"
+    ran = receipt(
+        TerminalStatus.COMPLETED,
+        [step("s01-send_reply", "send_reply", Disposition.RETAINED, key="k", op="msg-1")],
+        saga_id=saga_id,
+    )
+    terminal = SagaTerminal(
+        envelope=envelope_for(
+            SagaTerminal, saga_id=saga_id, tenant_id="t", producer="coordinator", now=1
+        ),
+        status=TerminalStatus.COMPLETED,
+        receipt=ran.to_json(),
+    )
+    board = FaultBoard()
+    board.arm(saga_id, "s01-send_reply", Seam.EXPIRED_APPROVAL)
+    board.mark_fired(saga_id, "s01-send_reply", Seam.EXPIRED_APPROVAL)
+    stage = SimpleNamespace(watcher=_RecordsOf([terminal]), board=board, specs={})
+    plan = [PlannedCall("send_reply", {})]
+
+    result = _judge(stage, plan, Seam.EXPIRED_APPROVAL, 0, saga_id, "", {}, 1.0)  # type: ignore[arg-type]
+
+    assert result.verdict is Verdict.FAILED, result
+    assert "approval expired" in result.detail

@@ -644,6 +644,14 @@ def _judge(
     fired = stage.board.fired(saga_id)
     if seam is Seam.STALE_GENERATION and fired and "stale-generation" not in dlq.get(saga_id, []):
         problems.append("the stale-generation abort was not rejected to the DLQ")
+    if seam is Seam.EXPIRED_APPROVAL and fired:
+        target_id = _step_id(target, tool)
+        key = _keys(records).get(target_id)
+        ledger_ran = any(
+            s.step_id == target_id and s.committed_at is not None for s in receipt.steps
+        )
+        if ledger_ran or (key is not None and stage.board.ran(key) > 0):
+            problems.append(f"{target_id} ran although its approval expired (nobody granted it)")
     status = receipt.status.value
     if problems:
         return CaseResult(seam, target, tool, saga_id, Verdict.FAILED, status, "; ".join(problems))
