@@ -870,7 +870,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     try:
         return run_demo(options).exit_code
     except KeyboardInterrupt:
-        print("\ninterrupted: every process the demo started has been stopped", file=sys.stderr)
+        print(
+            "\ninterrupted: "
+            + (
+                "--keep: the services the demo started are left running (listed above)"
+                if options.keep
+                else "every process the demo started has been stopped"
+            ),
+            file=sys.stderr,
+        )
         return 130
 
 

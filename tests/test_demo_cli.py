@@ -88,3 +88,22 @@ def test_demo_flags_that_would_run_nothing_or_kill_nothing_are_refused(
         build_parser().parse_args(["demo", *flags])
     assert exited.value.code == 2
     assert "must be" in capsys.readouterr().err
+
+
+def test_an_interrupted_demo_with_keep_does_not_claim_it_stopped_everything(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With --keep the services are left running on Ctrl-C (as asked); the last line
+    said every process had been stopped."""
+    import services.demo as demo
+
+    def interrupted(_options: demo.DemoOptions) -> demo.DemoRun:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "run_demo", interrupted)
+    monkeypatch.setattr(demo, "_interrupt_on", lambda *_signals: None)
+    args = build_parser().parse_args(["demo", "--keep", "--no-ui"])
+    assert args.func(args) == 130
+    err = capsys.readouterr().err
+    assert "has been stopped" not in err, err
+    assert "--keep" in err, err
