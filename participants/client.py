@@ -38,6 +38,7 @@ from participants.errors import ContractChanged
 from participants.published import fold
 from participants.readiness import (
     CoordinatorNotRunning,
+    GroupStatus,
     coordinator_group,
     group_status,
     no_coordinator_message,
@@ -455,6 +456,8 @@ class SagaClient:
     """Before the first saga, wait (briefly) for a coordinator to consume the ledger
     and raise ``CoordinatorNotRunning`` if none does; set False to skip."""
     _coordinator_seen = False
+    coordinator_check_max_age_s = 5.0
+    """How long the answer of :meth:`coordinator_status` serves later calls."""
 
     def __init__(
         self,
@@ -491,6 +494,8 @@ class SagaClient:
         self._catalogue_read_at: float | None = None
         self._catalogue_lock = threading.Lock()
         self.catalogue_max_age_s = catalogue_max_age_s
+        self._coordinator_lock = threading.Lock()
+        self._coordinator_checked: tuple[float, GroupStatus | None] | None = None
         self.sealer = settings.sealer()
         self._local = local
         self._stop = threading.Event()
@@ -618,6 +623,27 @@ class SagaClient:
         if self.check_coordinator and not self._coordinator_seen:
             require_coordinator(self.settings, self.bootstrap)
             self._coordinator_seen = True
+
+    def coordinator_status(self) -> GroupStatus | None:
+        """The coordinator's consumer group as the broker reports it, or None when the
+        broker cannot say (it is away). Asked after a call ended without an outcome:
+        calls ending together (a thousand async calls timing out at once) share one
+        check, and its answer serves for ``coordinator_check_max_age_s``, instead of
+        each building an admin client of its own and waiting up to 10 s for it."""
+        with self._coordinator_lock:
+            checked = self._coordinator_checked
+            if checked is not None and time.monotonic() - checked[0] < (
+                self.coordinator_check_max_age_s
+            ):
+                return checked[1]
+            try:
+                status: GroupStatus | None = group_status(
+                    self.bootstrap, coordinator_group(self.settings)
+                )
+            except ConnectionError:  # a broker is away: the caller says what is known
+                status = None
+            self._coordinator_checked = (time.monotonic(), status)
+            return status
 
     def contract(self, tool: str) -> StepContract:
         """The contract a step of ``tool`` is scheduled with (and the coordinator
@@ -1292,12 +1318,7 @@ class Saga:
                     approval_id=state["approval"],
                     **where,
                 )
-            try:
-                status = group_status(
-                    self.client.bootstrap, coordinator_group(self.client.settings)
-                )
-            except ConnectionError:  # a broker is away: say what is known, the outcome
-                status = None
+            status = self.client.coordinator_status()
             if status is not None and not status.consuming:
                 raise CoordinatorNotRunning(no_coordinator_message(self.client.settings, status))
             if state["unknown"]:

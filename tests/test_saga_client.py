@@ -821,3 +821,37 @@ def test_local_tools_that_cannot_start_fail_the_clients_start_saying_why(
     with pytest.raises(RuntimeError, match=r"local tools of 'desk'.*TOPIC_AUTHORIZATION_FAILED"):
         client.start()
     client.close()
+
+
+def test_many_calls_without_an_outcome_share_one_check_of_the_coordinator(
+    local: tuple[System, Desk], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each call that ended without an outcome asked the broker about the coordinator
+    with an admin client of its own (a connection, up to 10 s when the broker is away):
+    a thousand async calls timing out together built a thousand admin clients, a few
+    at a time in the worker threads, and the last call heard of its outcome minutes
+    late. Calls ending together now share one check."""
+    system, _desk = local
+    system.client.coordinator_check_max_age_s = 600.0  # a busy machine: no expiry here
+    asked: list[str] = []
+
+    def status(bootstrap: str, group: str, **_: object) -> readiness.GroupStatus:
+        asked.append(group)
+        return readiness.GroupStatus(group, "STABLE", 1)
+
+    async def no_outcome(*_: object) -> None:
+        return None  # as a wait that timed out
+
+    monkeypatch.setattr(client_module, "group_status", status)
+    monkeypatch.setattr(system.client._ledger, "wait_for_async", no_outcome)
+
+    async def agent(n: int) -> None:
+        with pytest.raises(OutcomeUnknown, match="no outcome for book_slot"):
+            async with system.client.saga("desk", "agent") as saga:
+                await saga.call("book_slot", day=f"x{n}")
+
+    async def agents() -> None:
+        await asyncio.gather(*(agent(n) for n in range(20)))
+
+    asyncio.run(agents())
+    assert len(asked) == 1
