@@ -161,7 +161,8 @@ class CallRefused(SagaCallError, ValueError):
 
 
 class InvalidSagaId(ValueError):
-    """A saga id that cannot key a saga (empty or blank); refused, never replaced."""
+    """A saga id that cannot key a saga (empty or blank, or the id of a saga this
+    client already started or saw end); refused, never replaced."""
 
 
 class UnknownTool(LookupError):
@@ -283,6 +284,15 @@ class _Ledger:
         with self._lock:
             if saga_id not in self._ended:
                 self._feeds.setdefault(saga_id, _SagaFeed())
+
+    def follow_new(self, saga_id: str) -> bool:
+        """Follow a saga about to be started; False (nothing changed) when this client
+        already follows it or saw it end recently: its id is taken."""
+        with self._lock:
+            if saga_id in self._ended or saga_id in self._feeds:
+                return False
+            self._feeds[saga_id] = _SagaFeed()
+            return True
 
     def follows(self, saga_id: str) -> bool:
         return saga_id in self._feeds
@@ -849,13 +859,26 @@ class Saga:
     def __enter__(self) -> Saga:
         self._require_listener()
         self.client.ensure_coordinator()
-        self.client._ledger.follow(self.saga_id)
+        self._follow_new()
         try:
             self.client.append(self._start, timeout_s=self.client.call_timeout_s)
         except BaseException as exc:  # DeliveryFailed, or interrupted while waiting
             self._abort_behind_start(exc)
             raise
         return self
+
+    def _follow_new(self) -> None:
+        """Follow the saga about to be started, or :class:`InvalidSagaId` (nothing
+        written) when this client already started it, or saw it end: the coordinator
+        ignores a second ``SagaStarted`` under an id, and every step after it, so the
+        new saga would never run and its waits would read the old one's records."""
+        if not self.client._ledger.follow_new(self.saga_id):
+            raise InvalidSagaId(
+                f"saga {self.saga_id} was already started (it is in flight or ended "
+                "recently, seen by this client): saga ids are unique on the ledger, and "
+                "a second start under one is ignored, so nothing was written. Leave "
+                "saga_id out to get a fresh one, or attach() to continue that saga"
+            )
 
     def _require_listener(self) -> None:
         """Refuse, before anything is written, what could never learn its outcome."""
@@ -1131,7 +1154,7 @@ class Saga:
         self._require_listener()
         if self.client.check_coordinator and not self.client._coordinator_seen:  # once, I/O
             await asyncio.to_thread(self.client.ensure_coordinator)
-        self.client._ledger.follow(self.saga_id)
+        self._follow_new()
         try:
             await self.client.append_async(self._start, timeout_s=self.client.call_timeout_s)
         except BaseException as exc:  # DeliveryFailed, or cancelled while awaiting it

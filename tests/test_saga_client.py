@@ -28,6 +28,7 @@ from participants.client import (
     AsyncSaga,
     BusinessRejected,
     CallRefused,
+    InvalidSagaId,
     OutcomeUnknown,
     Saga,
     SagaCallError,
@@ -855,3 +856,33 @@ def test_many_calls_without_an_outcome_share_one_check_of_the_coordinator(
 
     asyncio.run(agents())
     assert len(asked) == 1
+
+
+def test_a_new_saga_under_the_id_of_one_that_ended_is_refused_not_answered_by_the_old_one(
+    local: tuple[System, Desk],
+) -> None:
+    """The coordinator ignores a SagaStarted (and every step) under the id of a saga
+    that ended, so a new saga reusing the id never runs; the client answered it from
+    the old saga's terminal record (its calls "unwinding", its wait() the old
+    receipt). Starting it is now refused before anything is written, sync and async."""
+    system, desk = local
+    saga_id = f"reused-{id(desk)}"
+    with system.client.saga("desk", "agent", saga_id=saga_id) as first:
+        first.call("book_slot", day="mon")
+    assert first.wait(60).status is TerminalStatus.COMPLETED
+    again = system.client.saga("desk", "agent", saga_id=saga_id)
+    with pytest.raises(InvalidSagaId, match="already started"), again:
+        again.call("book_slot", day="tue")
+
+    async def agent() -> None:
+        async with system.client.saga("desk", "agent", saga_id=saga_id) as asaga:
+            await asaga.call("book_slot", day="wed")
+
+    with pytest.raises(InvalidSagaId, match="already started"):
+        asyncio.run(agent())
+    assert [type(r) for r in system.records(saga_id)].count(SagaStarted) == 1
+    assert desk.log == ["book:mon"]
+    # Reading the ended saga back is still fine.
+    assert system.client.saga("desk", "agent", saga_id=saga_id).attach().wait(60) == (
+        first.wait(60)
+    )
