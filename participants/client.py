@@ -35,7 +35,7 @@ import orjson
 
 from participants.catalogue import Catalogue, ToolSpec
 from participants.errors import ContractChanged
-from participants.published import fold
+from participants.published import SEPARATOR, fold
 from participants.readiness import (
     CoordinatorNotRunning,
     GroupStatus,
@@ -500,6 +500,7 @@ class SagaClient:
         # entry; the tools whose latest entry cannot be read, with why.
         self._published: dict[str, StepContract] = {}
         self._unreadable: dict[str, str] = {}
+        self._skipped: list[str] = []
         self._ambiguous: dict[str, list[str]] = {}
         self._catalogue_read_at: float | None = None
         self._catalogue_lock = threading.Lock()
@@ -621,6 +622,17 @@ class SagaClient:
             (entry,) = entries.values()
             published[name] = entry.contract
             paths[name] = entry.secret_paths
+        skipped = sorted(k for keys in found.skipped.values() for k in keys)
+        if skipped and skipped != self._skipped:  # once per change, not per read
+            owners = sorted({k.partition(SEPARATOR)[0] for k in skipped if SEPARATOR in k})
+            log.warning(
+                "published catalogue entries this client cannot read were skipped, as their "
+                "tools were published readable after them: %s; if their participants are "
+                "gone, tombstone them with %s",
+                "; ".join(skipped),
+                ", ".join(f"`sagaline catalogue withdraw {o}`" for o in owners) or "a tombstone",
+            )
+        self._skipped = skipped
         self._published, self._unreadable = published, found.unreadable
         self._ambiguous = ambiguous
         self._secret_paths = {**paths, **self._pinned_paths}

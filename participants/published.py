@@ -51,8 +51,12 @@ class Published:
 
     tools: dict[str, dict[str, Entry]] = field(default_factory=dict)
     unreadable: dict[str, str] = field(default_factory=dict)
-    """Tools whose latest entry cannot be read, with why (refused, never replaced
-    by an older entry)."""
+    """Tools with an entry that cannot be read and may be a current declaration, with
+    why (refused, never replaced by an older entry)."""
+    skipped: dict[str, list[str]] = field(default_factory=dict)
+    """Per tool, the keys of unreadable entries left out because a readable declaration
+    of the tool was published after them (e.g. a stale key of a participant that no
+    longer exists): to report, and to tombstone."""
     latest: dict[str, bytes | None] = field(default_factory=dict)
     """The current value of every key (None: tombstoned)."""
 
@@ -63,29 +67,58 @@ class Published:
 def fold(records: Iterable[tuple[bytes | None, bytes | None]]) -> Published:
     """Fold (key, value) records of the catalogue topic, in offset order."""
     out = Published()
-    for raw_key, raw_value in records:
+    at: dict[str, int] = {}  # key -> position of its current value
+    for position, (raw_key, raw_value) in enumerate(records):
         if raw_key is not None:
-            out.latest[raw_key.decode("utf-8", "replace")] = raw_value
+            key = raw_key.decode("utf-8", "replace")
+            out.latest.pop(key, None)  # keep offset order in the dict too
+            out.latest[key] = raw_value
+            at[key] = position
     qualified: dict[str, set[str]] = {}  # tool -> participants with a key (live or not)
     for key in out.latest:
         participant, sep, tool = key.partition(SEPARATOR)
         if sep:
             qualified.setdefault(tool, set()).add(participant)
+    unreadable: dict[str, list[tuple[int, str, str]]] = {}  # tool -> (position, key, why)
+    readable_at: dict[str, int] = {}  # tool -> position of its first readable entry
     for key, value in out.latest.items():
         if value is None:
             continue
         _owner, sep, tool = key.partition(SEPARATOR)
         if not sep:
             tool = key
+            if _named(value) in qualified.get(tool, ()):
+                continue  # a newer version of this participant publishes per participant
         try:
             entry = _entry(value)
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            out.unreadable[tool] = f"{type(exc).__name__}: {exc}"[:300]
+            why = f"{type(exc).__name__}: {exc}"[:300]
+            unreadable.setdefault(tool, []).append((at[key], key, why))
             continue
         if not sep and entry.participant in qualified.get(tool, ()):
             continue  # a newer version of this participant publishes per participant
         out.tools.setdefault(tool, {})[entry.participant] = entry
+        readable_at.setdefault(tool, at[key])
+    for tool, bad in unreadable.items():
+        # Skipped only when older than every readable declaration of the tool: one
+        # published after may be a redeclaration (e.g. now IRREVERSIBLE, in a form
+        # this version cannot read) or the tool moved, so it is refused, not guessed.
+        first_readable = readable_at.get(tool)
+        if first_readable is not None and all(p < first_readable for p, _k, _w in bad):
+            out.skipped[tool] = [f"{k} ({why})" for _p, k, why in bad]
+        else:
+            out.unreadable[tool] = bad[-1][2]
     return out
+
+
+def _named(value: bytes) -> str | None:
+    """The participant an entry names, read from the raw JSON (None if it cannot be)."""
+    try:
+        raw: Any = orjson.loads(value)
+    except ValueError:
+        return None
+    participant = raw.get("participant") if isinstance(raw, dict) else None
+    return participant if isinstance(participant, str) else None
 
 
 def _entry(value: bytes) -> Entry:

@@ -315,3 +315,29 @@ def test_a_participant_that_cannot_read_the_catalogue_still_publishes(
 
     assert "grant this participant Read" in caplog.text
     assert new_client(settings, clients).contract("send").participant == "mailer"
+
+
+def test_an_unreadable_entry_older_than_a_readable_declaration_is_skipped_saying_so(
+    settings: Settings, clients: list[SagaClient], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stale key (a participant that no longer exists left an entry this version
+    cannot read) refused the tool for good, though its participant had published it
+    since; it is now skipped with a warning naming the key. An unreadable entry
+    published after the readable one may be a redeclaration (or the tool moved to
+    another participant), so it is still refused."""
+    writer = LedgerWriter(settings.bootstrap, settings.topics, settings.signer())
+    try:
+        writer.write(settings.topics.catalogue, entry_key("gone", "send"), b"{not json")
+        publish(settings, Notifier(), "notifier")
+
+        with caplog.at_level("WARNING", logger="sagaline.client"):
+            contract = new_client(settings, clients).contract("send")
+        assert contract.participant == "notifier"
+        assert contract.reversibility is Reversibility.IRREVERSIBLE
+        assert "gone/send" in caplog.text and "sagaline catalogue withdraw gone" in caplog.text
+
+        writer.write(settings.topics.catalogue, entry_key("gone", "send"), b"{still not json")
+    finally:
+        writer.close()
+    with pytest.raises(UnknownTool, match="cannot be read"):
+        new_client(settings, clients).contract("send")
