@@ -943,13 +943,17 @@ class Saga:
     def end(self, outcome: SagaOutcome, reason: str = "") -> None:
         """Ask the coordinator to complete or abort the saga (waits, like a call, up to
         the client's call timeout for the broker's acknowledgement)."""
-        self.client.append(
-            SagaEndRequested(
-                envelope=self._envelope(SagaEndRequested), outcome=outcome, reason=reason[:2000]
-            ),
-            timeout_s=self.client.call_timeout_s,
-        )
-        self.client._ledger.release(self.saga_id)  # ended: nothing left to resume
+        try:
+            self.client.append(
+                SagaEndRequested(
+                    envelope=self._envelope(SagaEndRequested),
+                    outcome=outcome,
+                    reason=reason[:2000],
+                ),
+                timeout_s=self.client.call_timeout_s,
+            )
+        finally:  # also when interrupted while waiting: the end is still queued
+            self.client._ledger.release(self.saga_id)  # ended: nothing left to resume
 
     def call(
         self,
@@ -1189,13 +1193,17 @@ class Saga:
             await self.end_async(SagaOutcome.ABORT, reason=f"{type(exc).__name__}: {exc}")
 
     async def end_async(self, outcome: SagaOutcome, reason: str = "") -> None:
-        await self.client.append_async(
-            SagaEndRequested(
-                envelope=self._envelope(SagaEndRequested), outcome=outcome, reason=reason[:2000]
-            ),
-            timeout_s=self.client.call_timeout_s,
-        )
-        self.client._ledger.release(self.saga_id)
+        try:
+            await self.client.append_async(
+                SagaEndRequested(
+                    envelope=self._envelope(SagaEndRequested),
+                    outcome=outcome,
+                    reason=reason[:2000],
+                ),
+                timeout_s=self.client.call_timeout_s,
+            )
+        finally:  # cancelled while awaited, the end is still queued: let the saga go
+            self.client._ledger.release(self.saga_id)
 
     async def acall(
         self,

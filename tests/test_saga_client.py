@@ -886,3 +886,40 @@ def test_a_new_saga_under_the_id_of_one_that_ended_is_refused_not_answered_by_th
     assert system.client.saga("desk", "agent", saga_id=saga_id).attach().wait(60) == (
         first.wait(60)
     )
+
+
+def test_a_held_saga_whose_end_is_cancelled_while_awaited_is_still_let_go_R7(
+    local: tuple[System, Desk], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A saga left open on ApprovalPending is held (its records kept for resume())
+    until it is ended or waited for. An ``end()`` whose task was cancelled while the
+    end record's acknowledgement was awaited skipped the release: the end landed, the
+    saga ended, and the client kept its records for as long as it lived."""
+    system, _desk = local
+    ledger = system.client._ledger
+    writer = system.client._writer
+    async_append = writer.append_async
+
+    async def main() -> str:
+        with pytest.raises(ApprovalPending):
+            async with system.client.saga("desk", "agent") as saga:
+                await saga.call("announce", text="hello", timeout_s=3)
+        assert ledger.follows(saga.saga_id)  # held for resume()
+        sent = asyncio.Event()
+
+        async def append_async(record: Record, *, timeout_s: float = 30.0) -> None:
+            await async_append(record, timeout_s=timeout_s)
+            sent.set()
+            await asyncio.get_running_loop().create_future()  # until cancelled
+
+        monkeypatch.setattr(writer, "append_async", append_async)
+        task = asyncio.create_task(saga.end(SagaOutcome.ABORT, "cancelled agent"))
+        await sent.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return saga.saga_id
+
+    saga_id = asyncio.run(main())
+    assert _terminal_arrived(system.client, saga_id)
+    assert not ledger.follows(saga_id)
