@@ -219,10 +219,13 @@ class _SagaFeed:
     ``resume()`` a step, so its records outlive its terminal record until it is ended
     or waited for; ``terminal``: that record, once it arrived."""
 
-    __slots__ = ("cond", "futures", "held", "records", "terminal")
+    __slots__ = ("cond", "futures", "held", "inserted", "records", "terminal")
 
     def __init__(self) -> None:
         self.records: list[Record] = []
+        # How many times earlier records were put before these (attach()'s backfill):
+        # a wait in progress, which counts what it read by position, reads again.
+        self.inserted = 0
         self.cond = threading.Condition()
         self.futures: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self.held = False
@@ -349,7 +352,9 @@ class _Ledger:
         with feed.cond:
             have = {r.event_id for r in feed.records}
             earlier = [r for r in history if type(r) in AWAITED and r.event_id not in have]
-            feed.records[:0] = earlier
+            if earlier:
+                feed.records[:0] = earlier
+                feed.inserted += 1
             feed.cond.notify_all()
             futures, feed.futures = feed.futures, []
         for record in earlier:
@@ -389,7 +394,10 @@ class _Ledger:
         deadline = time.monotonic() + timeout_s
         seen = 0
         with feed.cond:
+            inserted = feed.inserted
             while True:
+                if feed.inserted != inserted:  # records were put before those read
+                    seen, inserted = 0, feed.inserted
                 for record in feed.records[seen:]:
                     found = check(record)
                     if found is not None:
@@ -410,8 +418,11 @@ class _Ledger:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         seen = 0
+        inserted = feed.inserted
         while True:
             with feed.cond:
+                if feed.inserted != inserted:  # records were put before those read
+                    seen, inserted = 0, feed.inserted
                 records = feed.records[seen:]
                 seen = len(feed.records)
                 future: asyncio.Future[None] | None = None

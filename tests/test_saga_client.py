@@ -923,3 +923,37 @@ def test_a_held_saga_whose_end_is_cancelled_while_awaited_is_still_let_go_R7(
     saga_id = asyncio.run(main())
     assert _terminal_arrived(system.client, saga_id)
     assert not ledger.follows(saga_id)
+
+
+def test_a_wait_in_progress_reads_the_records_attach_puts_before_the_ones_it_saw(
+    local: tuple[System, Desk],
+) -> None:
+    """attach() puts the saga's earlier records, read from the ledger, before those the
+    listener added; a wait in progress on the same saga counted the records it had
+    read by position, so it skipped the ones put before them and waited out its
+    timeout for a record the client held."""
+    system, _desk = local
+    with system.client.saga("desk", "agent") as saga:
+        saga.call("book_slot", day="mon")
+        saga.call("book_slot", day="tue")
+    commits = [r for r in system.records(saga.saga_id) if isinstance(r, StepCommitted)]
+    first, second = commits
+    ledger = client_module._Ledger()
+    ledger.follow(saga.saga_id)
+    ledger.add([second])  # what the listener heard after the saga was followed
+    scanned = threading.Event()
+    found: list[object] = []
+
+    def check(record: Record) -> object:
+        if record is second:
+            scanned.set()  # read while the wait holds the feed: it waits next
+        return record if record is first else None
+
+    waiter = threading.Thread(
+        target=lambda: found.append(ledger.wait_for(saga.saga_id, check, 60)), daemon=True
+    )
+    waiter.start()
+    assert scanned.wait(60)
+    ledger.backfill(saga.saga_id, [first])  # attach(): the history, read from the ledger
+    waiter.join(120)
+    assert found == [first]
