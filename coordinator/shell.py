@@ -79,6 +79,7 @@ from sagaline.kafka import (
     Message,
     Producer,
     TopicPartition,
+    TopicSetupError,
     create_consumer,
     create_producer,
     ensure_topics,
@@ -529,7 +530,7 @@ class Coordinator:
                 log.exception("tick failed for %s", saga_id)
                 self._park(saga_id, f"tick raised {type(exc).__name__}: {exc}", now, pending)
                 continue
-            self._apply(decision, saga_id, pending)
+            self._apply_or_park(decision, saga_id, "a timer", now, pending)
 
     def _handle_message(self, msg: Message, record: Record, now: int, pending: _Pending) -> None:
         saga_id = record.saga_id
@@ -571,7 +572,29 @@ class Coordinator:
             self.metrics.observe_record(record)
         if not decision.changed and record.envelope.producer != COORDINATOR_PRODUCER:
             self.metrics.duplicate_prevented()
-        self._apply(decision, saga_id, pending, msg)
+        self._apply_or_park(decision, saga_id, record.TYPE, now, pending, msg)
+
+    def _apply_or_park(
+        self,
+        decision: Decision,
+        saga_id: str,
+        what: str,
+        now: int,
+        pending: _Pending,
+        source: Message | None = None,
+    ) -> None:
+        """Apply the decision; park the saga if its outputs cannot even be prepared
+        (e.g. a command for a participant whose name is no usable topic name): an
+        exception here would stop the coordinator, and every restart would stop on
+        the same record. The broker's errors still abort and rewind the batch."""
+        try:
+            self._apply(decision, saga_id, pending, source)
+        except (KafkaException, TopicSetupError):
+            raise
+        except Exception as exc:
+            log.exception("the outputs of saga %s could not be prepared", saga_id)
+            why = f"its outputs for {what} could not be prepared: {type(exc).__name__}: {exc}"
+            self._park(saga_id, why, now, pending)
 
     def _apply(
         self,

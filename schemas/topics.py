@@ -9,10 +9,13 @@ A ``prefix`` isolates a test run or a tenant deployment (``"t-1a2b."`` gives
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 DEFAULT_PARTITIONS = 6
+# What Kafka takes as a topic name: ASCII letters, digits, '.', '_', '-'; 249 at most.
+_TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
 _DAY_MS = 24 * 60 * 60 * 1000
 
 # The ledger is the authoritative record (R5): keep it a long time. Operators who
@@ -82,10 +85,13 @@ class TopicNames:
         return f"{self.prefix}sagaline.catalogue"
 
     def commands(self, participant: str) -> str:
-        """The command topic of one participant."""
-        if not participant or any(c in participant for c in " /\\"):
+        """The command topic of one participant; ``ValueError`` for a name Kafka would
+        refuse in a topic name (characters other than ASCII letters, digits, '.', '_'
+        and '-', or too long)."""
+        name = f"{self.prefix}sagaline.commands.{participant}"
+        if not participant or _TOPIC_NAME.fullmatch(name) is None:
             raise ValueError(f"participant name {participant!r} is not usable in a topic name")
-        return f"{self.prefix}sagaline.commands.{participant}"
+        return name
 
 
 @dataclass(frozen=True)
