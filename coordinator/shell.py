@@ -83,10 +83,12 @@ from sagaline.kafka import (
     create_consumer,
     create_producer,
     ensure_topics,
+    producer_config,
     raise_if_fatal,
     read_to_end,
 )
 from sagaline.kafka._groups import PartitionMoves
+from sagaline.kafka._topics import topic_max_message_bytes
 from schemas import IncidentRaised, IncidentResolved, Record, derived_event_id, envelope_for
 from schemas.errors import CodecError
 from schemas.limits import PARKED_INCIDENT
@@ -153,6 +155,13 @@ DECODED_STATES = 512
 beside their bytes, so that the next batch of a saga does not decode it again; about
 16 KiB each (8 MiB in all when full), a few times the sagas a batch touches under load.
 0 turns the cache off."""
+
+# librdkafka's default batch.size and message.max.bytes: the largest record batch a
+# producer sends unless the deployment sets them (SAGALINE_KAFKA_BATCH_SIZE, ...).
+_LIBRDKAFKA_BATCH_BYTES = 1_000_000
+# What a record batch adds to a DLQ copy's key, value and headers (the batch header,
+# the lengths of the record and of each header): room the DLQ topic must leave.
+_BATCH_FRAMING = 1024
 
 _Msg = tuple[str, bytes | None, bytes | None, Headers, int | None]
 """A prepared record: topic, key, value, headers, partition (None: by key)."""
@@ -321,14 +330,61 @@ class Coordinator:
             self._producer.flush(10)
 
     def _join(self) -> None:
-        """What comes before the loop: fence an older instance's open transaction
-        (same transactional id), then join the group."""
+        """What comes before the loop: check that the DLQ topic takes what the
+        coordinator writes to it, fence an older instance's open transaction (same
+        transactional id), then join the group."""
+        self._check_dlq_topic()
         self._producer.init_transactions(30)
         self._consumer.subscribe(
             [self.topics.events],
             on_assign=self._on_assign,
             on_revoke=self._on_revoke,
             on_lost=self._on_lost,
+        )
+
+    def _check_dlq_topic(self) -> None:
+        """Refuse to start (``TopicSetupError`` naming both sizes) when the DLQ topic's
+        ``max.message.bytes`` is below what the coordinator writes to it: DLQ copies of
+        up to ``limits.max_record_bytes`` (``SAGALINE_MAX_RECORD_BYTES``) plus their
+        batch's framing, batched up to the producer's ``batch.size``.
+
+        A DLQ copy is no saga's record, so no saga can be parked for it: the broker
+        would refuse it in every transaction (the saga-by-saga commit too, whose last
+        transaction carries the DLQ records), and the coordinator would rewind the
+        same batch for ever and decide no saga at all. Not checked (a warning) when
+        the broker does not say (no DESCRIBE_CONFIGS on the topic)."""
+        topic = self.topics.dlq
+        try:
+            limit = topic_max_message_bytes(self.bootstrap, topic)
+        except KafkaException as exc:
+            log.warning(
+                "could not read max.message.bytes of %s (%s): not checked against "
+                "SAGALINE_MAX_RECORD_BYTES=%d; grant DESCRIBE_CONFIGS on it to have it checked",
+                topic,
+                exc.args[0] if exc.args else exc,
+                self._limits.max_record_bytes,
+            )
+            return
+        if limit is None:
+            return
+        producer = producer_config(self.bootstrap, **self._producer_config)
+        batch = min(
+            int(producer.get("batch.size", _LIBRDKAFKA_BATCH_BYTES)),
+            int(producer.get("message.max.bytes", _LIBRDKAFKA_BATCH_BYTES)),
+        )
+        record = self._limits.max_record_bytes
+        needed = max(record + _BATCH_FRAMING, batch)
+        if limit >= needed:
+            return
+        raise TopicSetupError(
+            f"the DLQ topic {topic!r} takes records of at most {limit} bytes (its "
+            f"max.message.bytes), but the coordinator writes DLQ copies of up to "
+            f"SAGALINE_MAX_RECORD_BYTES={record} bytes (plus {_BATCH_FRAMING} bytes of "
+            f"framing), in batches of up to {batch} bytes (the producer's batch.size): "
+            "the broker would refuse them in every transaction and no saga would be "
+            f"decided. Raise the topic's max.message.bytes to at least {needed}, or "
+            f"lower SAGALINE_MAX_RECORD_BYTES to at most {limit - _BATCH_FRAMING} and "
+            f"SAGALINE_KAFKA_BATCH_SIZE to at most {limit}"
         )
 
     def _next_batch(self) -> list[Message]:

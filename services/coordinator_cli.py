@@ -125,27 +125,31 @@ def _cmd_run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     settings, bootstrap = configured_broker("sagaline coordinator run")
     from coordinator.shell import Coordinator
-    from sagaline.kafka import ensure_topics
+    from sagaline.kafka import TopicSetupError, ensure_topics
     from sagaline.ops.metrics import CoordinatorMetrics, start_metrics_server
     from services.refund import economic_effect
 
     participants = [p for p in args.participants.split(",") if p]
-    ensure_topics(
-        bootstrap,
-        settings.topics,
-        participants,
-        settings.partitions,
-        replication=settings.replication,
-    )
-    metrics = CoordinatorMetrics(effect=economic_effect)
-    sizes = {} if args.decoded_states is None else {"decoded_states": args.decoded_states}
-    coordinator = Coordinator(
-        settings, bootstrap, instance_id=args.instance_id, metrics=metrics, **sizes
-    )
-    if args.metrics_port:
-        start_metrics_server(args.metrics_port, metrics, settings.metrics_host)
-    coordinator.install_signal_handlers()
-    coordinator.run()
+    try:
+        ensure_topics(
+            bootstrap,
+            settings.topics,
+            participants,
+            settings.partitions,
+            replication=settings.replication,
+        )
+        metrics = CoordinatorMetrics(effect=economic_effect)
+        sizes = {} if args.decoded_states is None else {"decoded_states": args.decoded_states}
+        coordinator = Coordinator(
+            settings, bootstrap, instance_id=args.instance_id, metrics=metrics, **sizes
+        )
+        if args.metrics_port:
+            start_metrics_server(args.metrics_port, metrics, settings.metrics_host)
+        coordinator.install_signal_handlers()
+        coordinator.run()
+    except TopicSetupError as exc:  # a topic to fix first: one line, no traceback
+        print(f"coordinator run: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -11,8 +11,13 @@ from collections.abc import Iterable
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
-from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
+from confluent_kafka.admin import (  # type: ignore[attr-defined]
+    ConfigResource,
+    NewTopic,
+    ResourceType,
+)
 
+from sagaline.kafka import _memory
 from sagaline.kafka._clients import create_admin
 from sagaline.kafka._config import ClientConfig, client_config
 from schemas.topics import DEFAULT_PARTITIONS, Replication, TopicNames, topic_specs
@@ -104,3 +109,22 @@ def ensure_topics(
                 f"SAGALINE_PARTITIONS={actual}"
             )
     return sorted(created)
+
+
+def topic_max_message_bytes(
+    bootstrap: str | ClientConfig, topic: str, *, timeout_s: float = 30.0
+) -> int | None:
+    """The largest record batch ``topic`` takes: its ``max.message.bytes`` (its own,
+    or the broker's ``message.max.bytes`` it inherits). None on the in-process
+    transport, which has no such limit. Raises ``KafkaException`` when the broker does
+    not answer or refuses to say (DESCRIBE_CONFIGS not granted on the topic)."""
+    config = client_config(bootstrap)
+    if _memory.is_memory(config.bootstrap):
+        return None
+    admin = create_admin(config)
+    resource = ConfigResource(ResourceType.TOPIC, topic)
+    entries = admin.describe_configs([resource], request_timeout=timeout_s)[resource].result(
+        timeout=timeout_s
+    )
+    entry = entries.get("max.message.bytes")
+    return None if entry is None or entry.value is None else int(entry.value)
