@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from confluent_kafka.admin import NewTopic
 
 from sagaline.kafka import (
@@ -35,8 +35,10 @@ from sagaline.kafka import (
     create_admin,
     create_consumer,
     create_producer,
+    create_uncommitted_reader,
     ensure_topics,
     require_bootstrap,
+    watermarks,
 )
 from schemas import SagaStarted
 from schemas.examples import example_records
@@ -506,6 +508,52 @@ def test_a_transaction_is_read_only_once_committed_and_never_once_aborted(
     assert [m.value() for m in reader.read(names.events)] == []  # still open
     producer.commit_transaction(30)
     assert [m.value() for m in reader.read(names.events)] == [b"committed"]
+
+
+def _read_all(consumer: Consumer, topic: str) -> list[tuple[int, bytes | None]]:
+    """(offset, value) of every record of partition 0 from the start to its end."""
+    consumer.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
+    out: list[tuple[int, bytes | None]] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        msg = consumer.poll(1.0)
+        if msg is None:
+            continue
+        err = msg.error()
+        if err is not None and err.code() == KafkaError._PARTITION_EOF:
+            return out
+        assert err is None, err
+        out.append((msg.offset() or 0, msg.value()))
+    raise AssertionError(f"no end of {topic}[0] reached; read {out}")
+
+
+@pytest.mark.kafka
+def test_an_uncommitted_reader_sees_open_and_aborted_transactions_records(
+    transport: str, unique_prefix: str
+) -> None:
+    """``create_uncommitted_reader`` reads to the high watermark, as a real broker
+    serves read_uncommitted: a record of a transaction still open, and one aborted,
+    are read (the ledger probe must filter them itself); a committed reader sees
+    neither."""
+    names = TopicNames(unique_prefix)
+    ensure_topics(transport, names, [], 1)
+    producer = create_producer(transport, **{"transactional.id": f"{unique_prefix}tx"})
+    producer.init_transactions(30)
+    producer.begin_transaction()
+    producer.produce(names.events, key=b"k", value=b"open")
+    producer.flush(30)
+    uncommitted = create_uncommitted_reader(
+        transport, f"{unique_prefix}u", **{"enable.partition.eof": True}
+    )
+    try:
+        assert [v for _, v in _read_all(uncommitted, names.events)] == [b"open"]
+        _low, high = watermarks(uncommitted, TopicPartition(names.events, 0))
+        assert high == 1
+        producer.abort_transaction(30)
+        assert [v for _, v in _read_all(uncommitted, names.events)] == [b"open"]
+    finally:
+        uncommitted.close()
+    assert [m.value() for m in LedgerReader(transport).read(names.events)] == []
 
 
 @pytest.mark.kafka

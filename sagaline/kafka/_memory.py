@@ -4,7 +4,8 @@ It implements the part of the Kafka client API that Sagaline uses (the factories
 :mod:`sagaline.kafka` hand it out instead of librdkafka clients), with the semantics
 the code relies on: partitions with offsets, murmur2 partitioning, delivery reports
 served by ``poll``/``flush``, transactions whose records ``read_committed``
-consumers see only after commit (and never after abort), offsets committed with a
+consumers see only after commit (and never after abort) while ``read_uncommitted``
+ones read them at once, offsets committed with a
 transaction, consumer groups that split partitions among members and call
 ``on_assign``/``on_revoke``, committed offsets, watermarks, ``PARTITION_EOF``, seek by
 time. Everything lives in this process, so one behaviour suite can run against it
@@ -288,13 +289,17 @@ class MemoryProducer:
 
 
 class MemoryConsumer:
-    """``confluent_kafka.Consumer`` over a :class:`MemoryBroker` (read_committed)."""
+    """``confluent_kafka.Consumer`` over a :class:`MemoryBroker` (read_committed unless
+    ``isolation.level`` says read_uncommitted)."""
 
     def __init__(self, broker: MemoryBroker, config: dict[str, Any]) -> None:
         self.broker = broker
         self.group = str(config["group.id"])
         self.eof = bool(config.get("enable.partition.eof", False))
         self.earliest = str(config.get("auto.offset.reset", "earliest")) != "latest"
+        # read_uncommitted (create_uncommitted_reader) reads to the high watermark, as
+        # a real broker serves it: records of open and of aborted transactions too.
+        self.committed_only = config.get("isolation.level") != "read_uncommitted"
         self.subscription: list[str] = []
         self.owned: list[tuple[str, int]] = []
         self.pending_assignment: list[tuple[str, int]] | None = None
@@ -382,12 +387,16 @@ class MemoryConsumer:
             for topic, n in self.owned:
                 key = (topic, n)
                 log = self.broker.topics[topic][n]
-                stable = self.broker.stable_end(topic, n)
+                stable = self._end(topic, n)
                 position = self._positions.get(key, 0)
                 while position < stable and len(out) < limit:
                     record = log[position]
                     position += 1
-                    if record.txn is not None and record.txn.state == "aborted":
+                    if (
+                        record.txn is not None
+                        and record.txn.state == "aborted"
+                        and self.committed_only
+                    ):
                         continue
                     out.append(
                         Message(
@@ -418,6 +427,13 @@ class MemoryConsumer:
                 if len(out) >= limit:
                     break
         return out
+
+    def _end(self, topic: str, partition: int) -> int:
+        """What this consumer may read up to: the last stable offset (read_committed)
+        or the high watermark (read_uncommitted)."""
+        if self.committed_only:
+            return self.broker.stable_end(topic, partition)
+        return len(self.broker.topics[topic][partition])
 
     def consume(self, num_messages: int = 1, timeout: float = -1) -> list[Message]:
         deadline = time.monotonic() + max(timeout, 0)
@@ -477,7 +493,7 @@ class MemoryConsumer:
             parts = self.broker.topics.get(tp.topic)
             if parts is None or tp.partition >= len(parts):
                 raise KafkaException(KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART))
-            return 0, self.broker.stable_end(tp.topic, tp.partition)
+            return 0, self._end(tp.topic, tp.partition)
 
     def offsets_for_times(
         self, partitions: list[TopicPartition], timeout: float = 0
