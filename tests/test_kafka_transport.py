@@ -557,6 +557,33 @@ def test_an_uncommitted_reader_sees_open_and_aborted_transactions_records(
 
 
 @pytest.mark.kafka
+def test_a_transactions_commit_or_abort_marker_takes_an_offset(
+    transport: str, unique_prefix: str
+) -> None:
+    """A real broker writes a control record at the end of every transaction: the
+    offsets of what is read skip it, and the high watermark counts it, so code that
+    takes "the last record is at high - 1" must not rely on it."""
+    names = TopicNames(unique_prefix)
+    ensure_topics(transport, names, [], 1)
+    producer = create_producer(transport, **{"transactional.id": f"{unique_prefix}tx"})
+    producer.init_transactions(30)
+    producer.begin_transaction()
+    producer.produce(names.events, key=b"k", value=b"aborted")
+    producer.flush(30)
+    producer.abort_transaction(30)
+    producer.begin_transaction()
+    producer.produce(names.events, key=b"k", value=b"committed")
+    producer.flush(30)
+    producer.commit_transaction(30)
+    writer = LedgerWriter(transport, names, Signer(None))
+    writer.write(names.events, b"k", b"plain")
+    writer.close()
+    read = [(m.offset(), m.value()) for m in LedgerReader(transport).read(names.events)]
+    assert read == [(2, b"committed"), (4, b"plain")]
+    assert LedgerReader(transport).end_offsets(names.events) == {0: 5}
+
+
+@pytest.mark.kafka
 def test_every_rebalance_restarts_each_assigned_partition_at_its_committed_offset(
     transport: str, unique_prefix: str
 ) -> None:

@@ -5,7 +5,8 @@ It implements the part of the Kafka client API that Sagaline uses (the factories
 the code relies on: partitions with offsets, murmur2 partitioning, delivery reports
 served by ``poll``/``flush``, transactions whose records ``read_committed``
 consumers see only after commit (and never after abort) while ``read_uncommitted``
-ones read them at once, offsets committed with a
+ones read them at once, a control record taking an offset at each commit or abort,
+offsets committed with a
 transaction, consumer groups that split partitions among members and call
 ``on_assign``/``on_revoke``, committed offsets, watermarks, ``PARTITION_EOF``, seek by
 time. Everything lives in this process, so one behaviour suite can run against it
@@ -59,12 +60,15 @@ class _Record:
     headers: list[tuple[str, str | bytes | None]]
     timestamp: int
     txn: _Transaction | None = None  # None: committed at once (no transaction)
+    # A transaction's commit or abort marker: takes an offset, is never delivered.
+    control: bool = False
 
 
 @dataclass
 class _Transaction:
     state: str = "open"  # open | committed | aborted
     offsets: dict[str, dict[tuple[str, int], int]] = field(default_factory=dict)
+    partitions: set[tuple[str, int]] = field(default_factory=set)  # written to
 
 
 @dataclass
@@ -212,6 +216,8 @@ class MemoryProducer:
         n, offset = partition, -1
         try:
             n, offset = self.broker.append(topic, partition, record)
+            if self._txn is not None:
+                self._txn.partitions.add((topic, n))
         except KafkaException as exc:
             error = exc.args[0]
         if on_delivery is not None:
@@ -271,6 +277,7 @@ class MemoryProducer:
             return
         with self.broker.changed:
             txn.state = "committed"
+            self._end_markers(txn)
             for group, offsets in txn.offsets.items():
                 self.broker.groups.setdefault(group, _Group()).committed.update(offsets)
             self.broker.changed.notify_all()
@@ -281,8 +288,15 @@ class MemoryProducer:
         if txn is not None:
             with self.broker.changed:
                 txn.state = "aborted"
+                self._end_markers(txn)
                 self.broker.changed.notify_all()
         self.poll(0)
+
+    def _end_markers(self, txn: _Transaction) -> None:
+        """As a broker does: a control record ends the transaction on every partition
+        it wrote to, taking an offset no consumer is served (caller holds the lock)."""
+        for topic, n in sorted(txn.partitions):
+            self.broker.topics[topic][n].append(_Record(None, None, [], _now_ms(), txn, True))
 
 
 # ------------------------------------------------------------------ consumer
@@ -392,10 +406,8 @@ class MemoryConsumer:
                 while position < stable and len(out) < limit:
                     record = log[position]
                     position += 1
-                    if (
-                        record.txn is not None
-                        and record.txn.state == "aborted"
-                        and self.committed_only
+                    if record.txn is not None and (
+                        record.control or (record.txn.state == "aborted" and self.committed_only)
                     ):
                         continue
                     out.append(
@@ -502,7 +514,10 @@ class MemoryConsumer:
         with self.broker.changed:
             for tp in partitions:
                 log = self.broker.topics[tp.topic][tp.partition]
-                found = next((i for i, r in enumerate(log) if r.timestamp >= tp.offset), -1)
+                found = next(
+                    (i for i, r in enumerate(log) if r.timestamp >= tp.offset and not r.control),
+                    -1,
+                )
                 out.append(TopicPartition(tp.topic, tp.partition, found))
         return out
 
