@@ -412,12 +412,12 @@ def test_a_dead_letter_refused_for_its_size_is_written_without_its_value_R16(
 
 @pytest.mark.kafka
 def test_a_record_over_the_brokers_size_is_refused_for_good_naming_topic_and_size(
-    kafka_bootstrap: str, unique_prefix: str
+    transport: str, unique_prefix: str
 ) -> None:
     """The real producer's refusal (``message.max.bytes``), not a stand-in's."""
     names = TopicNames(unique_prefix)
-    ensure_topics(kafka_bootstrap, names, [], 1)
-    writer = LedgerWriter(kafka_bootstrap, names, Signer(None))
+    ensure_topics(transport, names, [], 1)
+    writer = LedgerWriter(transport, names, Signer(None))
     with pytest.raises(RecordTooLarge, match=rf"is 2000001 bytes .* on {re.escape(names.events)}"):
         writer.write(names.events, b"k", b"x" * 2_000_000)
     writer.close()
@@ -674,18 +674,18 @@ def test_a_dead_letter_too_large_to_copy_whole_still_says_what_was_lost_R16(
 @pytest.mark.kafka
 @pytest.mark.parametrize("way", ["append", "send_then"])
 def test_a_record_the_topic_refuses_for_its_size_is_a_permanent_failure_not_a_retry(
-    kafka_bootstrap: str, unique_prefix: str, way: str
+    transport: str, unique_prefix: str, way: str
 ) -> None:
     """The client takes the record (under its ``message.max.bytes``) but the topic's
     ``max.message.bytes`` is smaller: the broker refuses it, and will every time."""
     names = TopicNames(unique_prefix)
-    admin = create_admin(kafka_bootstrap)
+    admin = create_admin(transport)
     [created] = admin.create_topics(
         [NewTopic(names.events, 1, 1, config={"max.message.bytes": "2000"})]
     ).values()
     created.result(30)
-    ensure_topics(kafka_bootstrap, names, [], 1)
-    writer = LedgerWriter(kafka_bootstrap, names, Signer(None), background_poll=True)
+    ensure_topics(transport, names, [], 1)
+    writer = LedgerWriter(transport, names, Signer(None), background_poll=True)
     record = example_records(saga_id="saga-" + os.urandom(4_000).hex())[0]
     reports: list[DeliveryFailed | None] = []
     reported = threading.Event()
@@ -713,26 +713,26 @@ def test_a_record_the_topic_refuses_for_its_size_is_a_permanent_failure_not_a_re
 
 @pytest.mark.kafka
 def test_a_dead_letter_the_dlq_topic_refuses_for_its_size_is_written_without_its_value_R16(
-    kafka_bootstrap: str, unique_prefix: str
+    transport: str, unique_prefix: str
 ) -> None:
     """The DLQ topic's ``max.message.bytes`` below the copy: refused by the broker,
     every time, so the copy that says what was lost is written instead (not retried)."""
     names = TopicNames(unique_prefix)
-    admin = create_admin(kafka_bootstrap)
+    admin = create_admin(transport)
     [created] = admin.create_topics(
         [NewTopic(names.dlq, 1, 1, config={"max.message.bytes": "3000"})]
     ).values()
     created.result(30)
-    ensure_topics(kafka_bootstrap, names, [], 1)
-    writer = LedgerWriter(kafka_bootstrap, names, Signer(None))
+    ensure_topics(transport, names, [], 1)
+    writer = LedgerWriter(transport, names, Signer(None))
     value = os.urandom(4_000).hex().encode()  # lz4 cannot shrink it under the limit
     writer.write(names.events, b"saga-y", value)
-    source = next(LedgerReader(kafka_bootstrap).read(names.events))
+    source = next(LedgerReader(transport).read(names.events))
     DeadLetterWriter(writer.producer, names.dlq, acknowledged=True).write(
         source, "malformed", "junk"
     )
     writer.close()
-    [copy] = list(LedgerReader(kafka_bootstrap).read(names.dlq))
+    [copy] = list(LedgerReader(transport).read(names.dlq))
     letter = read_dead_letter(copy.headers())
     assert (copy.key(), copy.value(), letter.offset) == (b"saga-y", None, 0)
     assert letter.omitted is not None and hashlib.sha256(value).hexdigest() in letter.omitted

@@ -6,7 +6,8 @@ the code relies on: partitions with offsets, murmur2 partitioning, delivery repo
 served by ``poll``/``flush``, transactions whose records ``read_committed``
 consumers see only after commit (and never after abort) while ``read_uncommitted``
 ones read them at once, a control record taking an offset at each commit or abort,
-offsets committed with a
+the size limits (``message.max.bytes`` in ``produce``, a topic's ``max.message.bytes``
+in the delivery report), offsets committed with a
 transaction, consumer groups that split partitions among members and call
 ``on_assign``/``on_revoke``, committed offsets, watermarks, ``PARTITION_EOF``, seek by
 time. Everything lives in this process, so one behaviour suite can run against it
@@ -84,15 +85,20 @@ class MemoryBroker:
         self.name = name
         self.topics: dict[str, list[list[_Record]]] = {}
         self.groups: dict[str, _Group] = {}
+        # A topic's max.message.bytes when it was created with one: a record over it
+        # is refused in its delivery report, as a broker does (MSG_SIZE_TOO_LARGE).
+        self.max_bytes: dict[str, int] = {}
         self.changed = threading.Condition()
 
     # ----------------------------------------------------------------- topics
 
-    def create_topic(self, name: str, partitions: int) -> bool:
+    def create_topic(self, name: str, partitions: int, max_bytes: int | None = None) -> bool:
         with self.changed:
             if name in self.topics:
                 return False
             self.topics[name] = [[] for _ in range(partitions)]
+            if max_bytes is not None:
+                self.max_bytes[name] = max_bytes
             self._rebalance_all()
             return True
 
@@ -101,6 +107,9 @@ class MemoryBroker:
             parts = self.topics.get(topic)
             if parts is None:
                 raise KafkaException(KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART))
+            limit = self.max_bytes.get(topic)
+            if limit is not None and _size(record.key, record.value, record.headers) > limit:
+                raise KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE))
             if partition is None or partition < 0:
                 partition = partition_for(record.key, len(parts)) if record.key else 0
             parts[partition].append(record)
@@ -174,6 +183,12 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+def _size(key: bytes | None, value: bytes | None, headers: Any) -> int:
+    """A record's bytes as the size limits count them (key, value, headers)."""
+    size = len(key or b"") + len(value or b"")
+    return size + sum(len(name) + len(v or b"") for name, v in headers or ())
+
+
 def _headers(raw: Any) -> list[tuple[str, str | bytes | None]]:
     items = raw.items() if isinstance(raw, dict) else (raw or [])
     return [(k, v.encode() if isinstance(v, str) else v) for k, v in items if v is not None]
@@ -193,6 +208,8 @@ class MemoryProducer:
     def __init__(self, broker: MemoryBroker, config: dict[str, Any]) -> None:
         self.broker = broker
         self.transactional = "transactional.id" in config
+        # librdkafka refuses a record over message.max.bytes in produce() itself.
+        self.max_bytes = int(config.get("message.max.bytes", 1_000_000))
         self._reports: list[tuple[Callable[..., Any], KafkaError | None, Message]] = []
         self._txn: _Transaction | None = None
         # poll(timeout) waits on it for a delivery report, as librdkafka's does: a
@@ -212,6 +229,8 @@ class MemoryProducer:
         if self.transactional and self._txn is None:
             raise KafkaException(KafkaError(KafkaError._STATE, "produce outside a transaction"))
         record = _Record(key, value, _headers(headers), _now_ms(), self._txn)
+        if _size(key, value, record.headers) > self.max_bytes:
+            raise KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE))
         error: KafkaError | None = None
         n, offset = partition, -1
         try:
@@ -596,7 +615,11 @@ class MemoryAdmin:
         futures: dict[str, Future[None]] = {}
         for spec in new_topics:
             future: Future[None] = Future()
-            if self.broker.create_topic(spec.topic, spec.num_partitions):
+            limit = (getattr(spec, "config", None) or {}).get("max.message.bytes")
+            created = self.broker.create_topic(
+                spec.topic, spec.num_partitions, None if limit is None else int(limit)
+            )
+            if created:
                 future.set_result(None)
             else:
                 future.set_exception(KafkaException(KafkaError(KafkaError.TOPIC_ALREADY_EXISTS)))
