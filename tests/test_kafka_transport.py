@@ -736,3 +736,25 @@ def test_a_dead_letter_the_dlq_topic_refuses_for_its_size_is_written_without_its
     letter = read_dead_letter(copy.headers())
     assert (copy.key(), copy.value(), letter.offset) == (b"saga-y", None, 0)
     assert letter.omitted is not None and hashlib.sha256(value).hexdigest() in letter.omitted
+
+
+@pytest.mark.kafka
+def test_closing_a_subscribed_consumer_revokes_its_partitions_first(
+    transport: str, unique_prefix: str
+) -> None:
+    """``close()`` serves ``on_revoke`` for what the member owns, as a rebalance does:
+    a service's revoke handler (drain, commit) runs on shutdown too."""
+    names = TopicNames(unique_prefix)
+    ensure_topics(transport, names, [], 2)
+    revoked: list[list[int]] = []
+    consumer = create_consumer(transport, f"{unique_prefix}group")
+    consumer.subscribe(
+        [names.events],
+        on_revoke=lambda c, ps: revoked.append(sorted(tp.partition for tp in ps)),
+    )
+    deadline = time.monotonic() + 60
+    while len(consumer.assignment()) < 2 and time.monotonic() < deadline:
+        consumer.poll(0.1)
+    assert len(consumer.assignment()) == 2
+    consumer.close()
+    assert revoked == [[0, 1]]

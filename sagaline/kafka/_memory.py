@@ -547,6 +547,11 @@ class MemoryConsumer:
         raise NotImplementedError("the in-process transport does not pause partitions")
 
     def close(self) -> None:
+        # As librdkafka's close(): a subscribed member's partitions are revoked through
+        # its on_revoke (a service's drain-and-commit runs on shutdown), then it leaves.
+        revoke = self._callbacks.get("revoke")
+        if self.subscription and self.owned and revoke is not None and not self._closed:
+            revoke(self, [TopicPartition(t, n) for t, n in self.owned])
         self._closed = True
         if self.subscription:
             self.broker.leave(self.group, self)
