@@ -138,6 +138,23 @@ def test_settings_the_design_depends_on_cannot_be_changed(var: str, value: str) 
         ClientConfig.from_env("b:1", {var: value})
 
 
+@pytest.mark.parametrize(
+    "var",
+    [
+        "SAGALINE_KAFKA_GROUP_ID",
+        "SAGALINE_KAFKA_TRANSACTIONAL_ID",
+        "SAGALINE_KAFKA_GROUP_INSTANCE_ID",
+    ],
+)
+def test_a_per_client_identity_is_refused_not_silently_overridden(var: str) -> None:
+    """Sagaline gives each consumer its group (and each coordinator producer its
+    transactional id) itself: one from the environment was dropped for some clients
+    and applied to all the others (every ledger writer made transactional, every
+    consumer of a process the same static member)."""
+    with pytest.raises(KafkaConfigError, match="set by Sagaline per client"):
+        ClientConfig.from_env("b:1", {var: "mine"})
+
+
 def test_the_bootstrap_address_has_one_source() -> None:
     with pytest.raises(KafkaConfigError, match="KAFKA_BOOTSTRAP_SERVERS"):
         ClientConfig.from_env("b:1", {"SAGALINE_KAFKA_BOOTSTRAP_SERVERS": "other:1"})

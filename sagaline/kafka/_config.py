@@ -74,6 +74,11 @@ PRODUCER_DEFAULTS: Mapping[str, Any] = {
     "compression.type": "lz4",
 }
 CONSUMER_DEFAULTS: Mapping[str, Any] = {"auto.offset.reset": "earliest"}
+# Identities Sagaline gives each client itself (a consumer's group and static member
+# id, the coordinator producer's transactional id): one for the whole process would be
+# dropped for the clients that set theirs and applied to every other one (each ledger
+# writer made transactional, each reader's group the same).
+PER_CLIENT = ("group.id", "group.instance.id", "transactional.id")
 # librdkafka's other names of pinned properties.
 _ALIASES: Mapping[str, str] = {"request.required.acks": "acks"}
 
@@ -124,6 +129,12 @@ class ClientConfig:
                 f"bootstrap.servers is set by {ENV_PREFIX}BOOTSTRAP_SERVERS or the "
                 f"properties file; set {BOOTSTRAP_VAR} instead (its one source)"
             )
+        for name in PER_CLIENT:
+            if name in merged:
+                raise KafkaConfigError(
+                    f"{name} is set by Sagaline per client (from SAGALINE_TOPIC_PREFIX and "
+                    f"the instance); remove it from {ENV_PREFIX}* / {PROPERTIES_FILE_VAR}"
+                )
         pinned = {**PINNED_PRODUCER, **PINNED_CONSUMER}
         for name, value in merged.items():
             # librdkafka also takes a topic-level property as "topic.<name>", and
