@@ -775,3 +775,28 @@ def test_closing_a_subscribed_consumer_revokes_its_partitions_first(
     assert len(consumer.assignment()) == 2
     consumer.close()
     assert revoked == [[0, 1]]
+
+
+@pytest.mark.kafka
+def test_a_new_producer_with_the_same_transactional_id_fences_the_old_one(
+    transport: str, unique_prefix: str
+) -> None:
+    """A restarted coordinator (same instance, same transactional id) aborts what its
+    predecessor left open, so the partition's committed readers go on, and the
+    predecessor can commit nothing more (a zombie's batch must never count)."""
+    names = TopicNames(unique_prefix)
+    ensure_topics(transport, names, [], 1)
+    txid = f"{unique_prefix}tx"
+    old = create_producer(transport, **{"transactional.id": txid})
+    old.init_transactions(30)
+    old.begin_transaction()
+    old.produce(names.events, key=b"k", value=b"zombie")
+    old.flush(30)
+    new = create_producer(transport, **{"transactional.id": txid})
+    new.init_transactions(60)
+    new.begin_transaction()
+    new.produce(names.events, key=b"k", value=b"new")
+    new.commit_transaction(30)
+    with pytest.raises(KafkaException):
+        old.commit_transaction(30)
+    assert [m.value() for m in LedgerReader(transport).read(names.events)] == [b"new"]

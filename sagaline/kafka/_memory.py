@@ -6,13 +6,14 @@ the code relies on: partitions with offsets, murmur2 partitioning, delivery repo
 served by ``poll``/``flush``, transactions whose records ``read_committed``
 consumers see only after commit (and never after abort) while ``read_uncommitted``
 ones read them at once, a control record taking an offset at each commit or abort,
+fencing by ``transactional.id`` within the process,
 the size limits (``message.max.bytes`` in ``produce``, a topic's ``max.message.bytes``
 in the delivery report), offsets committed with a
 transaction, consumer groups that split partitions among members and call
 ``on_assign``/``on_revoke``, committed offsets, watermarks, ``PARTITION_EOF``, seek by
 time. Everything lives in this process, so one behaviour suite can run against it
 in seconds and against the real broker as well; the real-broker tier stays the
-authority (replication, networking, fencing across processes are not modelled).
+authority (replication, networking, anything across processes are not modelled).
 """
 
 from __future__ import annotations
@@ -88,6 +89,10 @@ class MemoryBroker:
         # A topic's max.message.bytes when it was created with one: a record over it
         # is refused in its delivery report, as a broker does (MSG_SIZE_TOO_LARGE).
         self.max_bytes: dict[str, int] = {}
+        # Per transactional id: the epoch of its newest producer, and its open
+        # transaction (a new producer's init_transactions aborts it and fences the old).
+        self.epochs: dict[str, int] = {}
+        self.open_txns: dict[str, _Transaction] = {}
         self.changed = threading.Condition()
 
     # ----------------------------------------------------------------- topics
@@ -115,6 +120,14 @@ class MemoryBroker:
             parts[partition].append(record)
             self.changed.notify_all()
             return partition, len(parts[partition]) - 1
+
+    def end_transaction(self, txn: _Transaction, state: str) -> None:
+        """Commit or abort ``txn``: as a broker does, a control record ends it on every
+        partition it wrote to, taking an offset no consumer is served (lock held)."""
+        txn.state = state
+        for topic, n in sorted(txn.partitions):
+            self.topics[topic][n].append(_Record(None, None, [], _now_ms(), txn, True))
+        self.changed.notify_all()
 
     def stable_end(self, topic: str, partition: int) -> int:
         """The last stable offset: nothing at or after it is visible to read_committed."""
@@ -208,6 +221,8 @@ class MemoryProducer:
     def __init__(self, broker: MemoryBroker, config: dict[str, Any]) -> None:
         self.broker = broker
         self.transactional = "transactional.id" in config
+        self.txid = str(config.get("transactional.id"))
+        self._epoch: int | None = None  # set by init_transactions
         # librdkafka refuses a record over message.max.bytes in produce() itself.
         self.max_bytes = int(config.get("message.max.bytes", 1_000_000))
         self._reports: list[tuple[Callable[..., Any], KafkaError | None, Message]] = []
@@ -226,8 +241,10 @@ class MemoryProducer:
         headers: Any = None,
         **_: Any,
     ) -> None:
-        if self.transactional and self._txn is None:
-            raise KafkaException(KafkaError(KafkaError._STATE, "produce outside a transaction"))
+        if self.transactional:
+            if self._txn is None:
+                raise KafkaException(KafkaError(KafkaError._STATE, "produce outside a transaction"))
+            self._check_fenced()
         record = _Record(key, value, _headers(headers), _now_ms(), self._txn)
         if _size(key, value, record.headers) > self.max_bytes:
             raise KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE))
@@ -278,10 +295,32 @@ class MemoryProducer:
     # transactions
 
     def init_transactions(self, timeout: float = 0) -> None:
-        pass
+        with self.broker.changed:
+            self._epoch = self.broker.epochs.get(self.txid, -1) + 1
+            self.broker.epochs[self.txid] = self._epoch
+            left_open = self.broker.open_txns.pop(self.txid, None)
+            if left_open is not None:  # the previous producer's: aborted, as a broker does
+                self.broker.end_transaction(left_open, "aborted")
+
+    def _check_fenced(self) -> None:
+        """Raise librdkafka's fatal error once a newer producer with the same
+        transactional id initialised (or without init_transactions, its state error)."""
+        if self._epoch is None:
+            raise KafkaException(KafkaError(KafkaError._STATE, "init_transactions not called"))
+        if self.broker.epochs.get(self.txid) != self._epoch:
+            raise KafkaException(
+                KafkaError(
+                    KafkaError._FENCED,
+                    "fenced by a newer producer with the same transactional.id",
+                    fatal=True,
+                )
+            )
 
     def begin_transaction(self) -> None:
-        self._txn = _Transaction()
+        with self.broker.changed:
+            self._check_fenced()
+            self._txn = _Transaction()
+            self.broker.open_txns[self.txid] = self._txn
 
     def send_offsets_to_transaction(
         self, positions: list[TopicPartition], metadata: _GroupMetadata, timeout: float = 0
@@ -295,27 +334,21 @@ class MemoryProducer:
         if txn is None:
             return
         with self.broker.changed:
-            txn.state = "committed"
-            self._end_markers(txn)
+            self._check_fenced()
+            self.broker.open_txns.pop(self.txid, None)
+            self.broker.end_transaction(txn, "committed")
             for group, offsets in txn.offsets.items():
                 self.broker.groups.setdefault(group, _Group()).committed.update(offsets)
-            self.broker.changed.notify_all()
         self.poll(0)
 
     def abort_transaction(self, timeout: float = 0) -> None:
         txn, self._txn = self._txn, None
         if txn is not None:
             with self.broker.changed:
-                txn.state = "aborted"
-                self._end_markers(txn)
-                self.broker.changed.notify_all()
+                self._check_fenced()
+                self.broker.open_txns.pop(self.txid, None)
+                self.broker.end_transaction(txn, "aborted")
         self.poll(0)
-
-    def _end_markers(self, txn: _Transaction) -> None:
-        """As a broker does: a control record ends the transaction on every partition
-        it wrote to, taking an offset no consumer is served (caller holds the lock)."""
-        for topic, n in sorted(txn.partitions):
-            self.broker.topics[topic][n].append(_Record(None, None, [], _now_ms(), txn, True))
 
 
 # ------------------------------------------------------------------ consumer
