@@ -126,6 +126,9 @@ def test_a_malformed_properties_line_is_refused_without_its_value(tmp_path: Path
         ("SAGALINE_KAFKA_ACKS", "1"),
         ("SAGALINE_KAFKA_ISOLATION_LEVEL", "read_uncommitted"),
         ("SAGALINE_KAFKA_ENABLE_AUTO_COMMIT", "true"),
+        # A group with no committed offset (new, or its offsets expired while it was
+        # down) would skip every command and ledger record already written.
+        ("SAGALINE_KAFKA_AUTO_OFFSET_RESET", "latest"),
         # librdkafka takes a topic-level property with a "topic." prefix too, and
         # "acks" is its alias of request.required.acks: the same settings, other names.
         ("SAGALINE_KAFKA_TOPIC_PARTITIONER", "consistent"),
@@ -153,6 +156,19 @@ def test_a_per_client_identity_is_refused_not_silently_overridden(var: str) -> N
     consumer of a process the same static member)."""
     with pytest.raises(KafkaConfigError, match="set by Sagaline per client"):
         ClientConfig.from_env("b:1", {var: "mine"})
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [
+        ("SAGALINE_KAFKA_ACKS", "-1"),
+        ("SAGALINE_KAFKA_AUTO_OFFSET_RESET", "smallest"),
+        ("SAGALINE_KAFKA_ENABLE_IDEMPOTENCE", "TRUE"),
+    ],
+)
+def test_another_name_of_a_pinned_value_is_accepted(var: str, value: str) -> None:
+    """librdkafka's synonyms of the pinned values (``acks=-1`` is ``all``)."""
+    ClientConfig.from_env("b:1", {var: value})
 
 
 def test_the_bootstrap_address_has_one_source() -> None:

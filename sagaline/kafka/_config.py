@@ -8,7 +8,8 @@ SASL_SSL`` sets ``security.protocol``). The bootstrap address has exactly one so
 ``KAFKA_BOOTSTRAP_SERVERS``.
 
 Settings the design depends on (the partitioner that co-partitions topics, producer
-idempotence and ``acks=all`` behind R10, read_committed reads behind exactly-once)
+idempotence and ``acks=all`` behind R10, read_committed reads behind exactly-once,
+``auto.offset.reset=earliest`` behind redelivery)
 are pinned: a source that tries to change them is refused at start-up, not ignored.
 Secret values (passwords, JAAS configs, private keys) never appear in a repr or log.
 """
@@ -56,6 +57,10 @@ PINNED_CONSUMER: Mapping[str, Any] = {
     # Commits only after processing; aborted coordinator transactions never seen.
     "enable.auto.commit": False,
     "isolation.level": "read_committed",
+    # A group with no committed offset (a new one, or one whose offsets expired while
+    # it was down) reads from the start: with "latest" it would skip every command and
+    # ledger record already written, never to be redelivered (R15).
+    "auto.offset.reset": "earliest",
 }
 # Defaults a deployment may tune (SAGALINE_KAFKA_LINGER_MS=...). linger.ms=0: every
 # Sagaline writer waits for its own record's acknowledgement on a saga's critical path
@@ -73,7 +78,7 @@ PRODUCER_DEFAULTS: Mapping[str, Any] = {
     "max.in.flight.requests.per.connection": 1,
     "compression.type": "lz4",
 }
-CONSUMER_DEFAULTS: Mapping[str, Any] = {"auto.offset.reset": "earliest"}
+CONSUMER_DEFAULTS: Mapping[str, Any] = {}
 # Identities Sagaline gives each client itself (a consumer's group and static member
 # id, the coordinator producer's transactional id): one for the whole process would be
 # dropped for the clients that set theirs and applied to every other one (each ledger
@@ -81,6 +86,8 @@ CONSUMER_DEFAULTS: Mapping[str, Any] = {"auto.offset.reset": "earliest"}
 PER_CLIENT = ("group.id", "group.instance.id", "transactional.id")
 # librdkafka's other names of pinned properties.
 _ALIASES: Mapping[str, str] = {"request.required.acks": "acks"}
+# librdkafka's other spellings of the pinned values: accepted (the pin is applied).
+_SYNONYMS: Mapping[str, str] = {"-1": "all", "smallest": "earliest", "beginning": "earliest"}
 
 
 class KafkaConfigError(ValueError):
@@ -142,11 +149,12 @@ class ClientConfig:
             # (A "topic.partitioner" listed after the pinned key won, silently.)
             base = name.removeprefix("topic.")
             base = _ALIASES.get(base, base)
-            if base in pinned and str(value).lower() != str(pinned[base]).lower():
+            given = str(value).strip().lower()
+            if base in pinned and _SYNONYMS.get(given, given) != str(pinned[base]).lower():
                 raise KafkaConfigError(
                     f"{name}={value!r} is not allowed: Sagaline needs {base}="
-                    f"{pinned[base]!r} (co-partitioning, durable intents, exactly-once); "
-                    f"remove it from {ENV_PREFIX}* / {PROPERTIES_FILE_VAR}"
+                    f"{pinned[base]!r} (co-partitioning, durable intents, exactly-once, "
+                    f"redelivery); remove it from {ENV_PREFIX}* / {PROPERTIES_FILE_VAR}"
                 )
         return cls(bootstrap, merged)
 
