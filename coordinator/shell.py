@@ -59,6 +59,7 @@ from coordinator.core import (
     Decision,
     Destination,
     Output,
+    RejectReason,
     decide,
     tick,
 )
@@ -565,11 +566,14 @@ class Coordinator:
         except CodecError as exc:
             self._reject(msg, exc.reason, str(exc), loose)
             return None
-        if isinstance(record, IncidentResolved):
-            # The operators' incident feed shows each resolution next to its incident,
-            # also for sagas that have already ended ESCALATED (the usual case).
-            loose.append((self.topics.incidents, msg.key(), msg.value(), _headers(msg), None))
         return record
+
+    def _to_incident_feed(self, msg: Message, pending: _Pending) -> None:
+        """The operators' incident feed shows each resolution the coordinator accepted
+        next to its incident, also for sagas that have already ended ESCALATED (the
+        usual case). A refused one (another tenant, no such incident) stays off it:
+        ``sagaline incidents list`` keeps the first resolution of an incident."""
+        pending.loose.append((self.topics.incidents, msg.key(), msg.value(), _headers(msg), None))
 
     def _decide_batch(
         self, records: list[tuple[Message, Record]], due: list[str], now: int, pending: _Pending
@@ -597,13 +601,19 @@ class Coordinator:
                 self._reject(
                     msg, PARKED_REASON, f"saga {saga_id} is parked: {state.reason}", pending.loose
                 )
+                if isinstance(record, IncidentResolved):
+                    self._to_incident_feed(msg, pending)  # a person closing the parked saga
             elif isinstance(record, IncidentResolved):
                 # A person settling what an ESCALATED saga left (the usual case): nothing
                 # to decide, but the measures count it (the intervention, the recovery).
                 self.metrics.observe_record(record)
+                self._to_incident_feed(msg, pending)
             return  # history of a saga that ended here (late echo, duplicate, replay)
         pending.sources.setdefault(saga_id, []).append(msg)
         pending.last_record[saga_id] = record
+        # Whether a resolution names an open incident of this saga, before the core
+        # (deciding in place) marks it resolved; a type check for every other record.
+        resolves = isinstance(record, IncidentResolved) and _names_open_incident(state, record)
         try:
             decision = decide(
                 state,
@@ -622,10 +632,21 @@ class Coordinator:
         # A record the core refused (wrong tenant or writer, a mismatched grant, a stale
         # generation) goes to the DLQ, counted there: it is no fact of the saga, so the
         # measures (operator actions, failures, recoveries) must not fold it.
-        if not any(
-            o.destination is Destination.REJECTED and o.record is record for o in decision.outputs
-        ):
+        refused = next(
+            (
+                o.reason
+                for o in decision.outputs
+                if o.destination is Destination.REJECTED and o.record is record
+            ),
+            None,
+        )
+        if refused is None:
             self.metrics.observe_record(record)
+        # A resolution of an open incident that the core did not refuse goes to the
+        # incident feed; so does one refused only as stale (an old run's incident that
+        # is never raised again: the feed is where a person sees it settled).
+        if resolves and refused in (None, RejectReason.STALE_GENERATION):
+            self._to_incident_feed(msg, pending)
         if not decision.changed and record.envelope.producer != COORDINATOR_PRODUCER:
             self.metrics.duplicate_prevented()
         self._apply_or_park(decision, saga_id, record.TYPE, now, pending, msg)
@@ -1274,3 +1295,10 @@ def _headers(msg: Message) -> Headers:
 
 def _is_own(record: Record) -> bool:
     return record.envelope.producer == COORDINATOR_PRODUCER
+
+
+def _names_open_incident(state: SagaState | None, record: IncidentResolved) -> bool:
+    """Whether ``record`` resolves an incident ``state`` holds open (a resolution of
+    another saga's incident, an unknown one or one already resolved does not)."""
+    incident = state.incident(record.incident_id) if state is not None else None
+    return incident is not None and not incident.resolved
