@@ -568,6 +568,39 @@ class Coordinator:
             return None
         return record
 
+    def _resolve_ended(
+        self,
+        msg: Message,
+        record: IncidentResolved,
+        marker: SagaMarker | None,
+        tenant: str | None,
+        open_ids: list[str] | None,
+        pending: _Pending,
+    ) -> None:
+        """A person settling what an ended (usually ESCALATED) or parked saga left:
+        nothing to decide, but the same authorisation as for a saga in flight (its
+        tenant, R15) and it must name an incident the saga left open (when the marker
+        says which). Accepted, the measures count it (the intervention, the recovery)
+        and the incident feed shows it; a parked saga's record also goes to the DLQ."""
+        saga_id, env = record.saga_id, record.envelope
+        if tenant is not None and env.tenant_id != tenant:
+            detail = (
+                f"{env.type} {record.event_id} from {env.producer!r} is for tenant "
+                f"{env.tenant_id!r} but saga {saga_id} belongs to tenant {tenant!r}"
+            )
+            self._reject(msg, RejectReason.TENANT_MISMATCH, detail, pending.loose)
+            return
+        if open_ids is not None and record.incident_id not in open_ids:
+            detail = f"no open incident {record.incident_id} in ended saga {saga_id}"
+            self._reject(msg, RejectReason.INVALID_TRANSITION, detail, pending.loose)
+            return
+        if marker is not None and marker.marker is MarkerKind.PARKED:
+            why = f"saga {saga_id} is parked: {marker.reason}"
+            self._reject(msg, PARKED_REASON, why, pending.loose)
+        else:
+            self.metrics.observe_record(record)
+        self._to_incident_feed(msg, pending)
+
     def _to_incident_feed(self, msg: Message, pending: _Pending) -> None:
         """The operators' incident feed shows each resolution the coordinator accepted
         next to its incident, also for sagas that have already ended ESCALATED (the
@@ -597,23 +630,25 @@ class Coordinator:
         pending.partitions.setdefault(saga_id, msg.partition() or 0)
         state = self._current(saga_id, pending)
         if isinstance(state, SagaMarker):
-            if state.marker is MarkerKind.PARKED and not _is_own(record):
+            if isinstance(record, IncidentResolved):
+                self._resolve_ended(msg, record, state, state.tenant_id, state.incidents, pending)
+            elif state.marker is MarkerKind.PARKED and not _is_own(record):
                 self._reject(
                     msg, PARKED_REASON, f"saga {saga_id} is parked: {state.reason}", pending.loose
                 )
-                if isinstance(record, IncidentResolved):
-                    self._to_incident_feed(msg, pending)  # a person closing the parked saga
-            elif isinstance(record, IncidentResolved):
-                # A person settling what an ESCALATED saga left (the usual case): nothing
-                # to decide, but the measures count it (the intervention, the recovery).
-                self.metrics.observe_record(record)
-                self._to_incident_feed(msg, pending)
             return  # history of a saga that ended here (late echo, duplicate, replay)
-        pending.sources.setdefault(saga_id, []).append(msg)
-        pending.last_record[saga_id] = record
         # Whether a resolution names an open incident of this saga, before the core
         # (deciding in place) marks it resolved; a type check for every other record.
-        resolves = isinstance(record, IncidentResolved) and _names_open_incident(state, record)
+        resolves = False
+        if isinstance(record, IncidentResolved) and state is not None:
+            if state.is_terminal and record.envelope.generation >= state.generation:
+                # Ended in this batch: as for its marker (the core ignores it).
+                open_ids = [i.incident_id for i in state.open_incidents()]
+                self._resolve_ended(msg, record, None, state.tenant_id, open_ids, pending)
+                return
+            resolves = _names_open_incident(state, record)
+        pending.sources.setdefault(saga_id, []).append(msg)
+        pending.last_record[saga_id] = record
         try:
             decision = decide(
                 state,
@@ -743,13 +778,23 @@ class Coordinator:
         for msg in pending.sources.pop(saga_id, []):
             self._reject(msg, PARKED_REASON, f"saga {saga_id} is parked: {why}", pending.loose)
         pending.values.pop(saga_id, None)
-        pending.states[saga_id] = SagaMarker(
-            marker=MarkerKind.PARKED, saga_id=saga_id, status="PARKED", at=now, reason=why[:2000]
-        )
         state = self._live(saga_id)
         record = pending.last_record.get(saga_id)
         tenant = state.tenant_id if state else record.envelope.tenant_id if record else "default"
         generation = state.generation if state else record.envelope.generation if record else 1
+        incident_id = derived_event_id(saga_id, "incident", PARKED_INCIDENT)
+        # What a resolution of the parked saga is checked against (None: not known).
+        open_ids = [i.incident_id for i in state.open_incidents()] if state else []
+        known = state is not None or record is not None
+        pending.states[saga_id] = SagaMarker(
+            marker=MarkerKind.PARKED,
+            saga_id=saga_id,
+            status="PARKED",
+            at=now,
+            reason=why[:2000],
+            tenant_id=tenant if known else None,
+            incidents=[*open_ids, incident_id] if known else None,
+        )
         incident = IncidentRaised(
             envelope=envelope_for(
                 IncidentRaised,
@@ -760,7 +805,7 @@ class Coordinator:
                 generation=generation,
                 event_id=derived_event_id(saga_id, "SagaParked"),
             ),
-            incident_id=derived_event_id(saga_id, "incident", PARKED_INCIDENT),
+            incident_id=incident_id,
             kind=PARKED_INCIDENT,
             step_id=getattr(record, "step_id", None),
             inconsistency=(

@@ -260,6 +260,11 @@ class SagaMarker(_StateModel):
     status: str  # the terminal status, or PARKED
     at: int  # ended_at, or when it was parked (epoch ms)
     reason: str = ""
+    # What an ``IncidentResolved`` for the saga is checked against once only the marker
+    # is left: the saga's tenant, and the ids of the incidents it left open. None: not
+    # known (a marker written before they were kept); then nothing is checked.
+    tenant_id: str | None = None
+    incidents: list[str] | None = None
 
     def to_bytes(self) -> bytes:
         return self.model_dump_json().encode()
@@ -286,4 +291,6 @@ def terminal_marker(state: SagaState) -> SagaMarker:
         saga_id=state.saga_id,
         status=state.status.value,
         at=state.ended_at or 0,
+        tenant_id=state.tenant_id,
+        incidents=[i.incident_id for i in state.open_incidents()],
     )

@@ -6,10 +6,13 @@ and a refused resolution never blocks the genuine one. Run on both transports.""
 from __future__ import annotations
 
 from coordinator.shell import Coordinator
+from coordinator.state import SagaMarker, load_changelog
 from sagaline.kafka import LedgerReader
 from schemas import IncidentRaised, IncidentResolved
 from schemas.codec import decode
 from schemas.settings import Settings
+from schemas.signing import header_value
+from schemas.wire import DLQ_REASON
 from tests.coordinator_turns import append, one_saga, turn_until
 
 
@@ -25,6 +28,13 @@ def _feed(settings: Settings, bootstrap: str) -> list[str]:
 
 def _dlq(settings: Settings, bootstrap: str) -> int:
     return sum(1 for _ in LedgerReader(bootstrap).records(settings.topics.dlq))
+
+
+def _dlq_reasons(settings: Settings, bootstrap: str) -> list[str]:
+    return [
+        (header_value(h, DLQ_REASON) or b"").decode()
+        for _k, _v, h in LedgerReader(bootstrap).records(settings.topics.dlq)
+    ]
 
 
 def _other_tenant(record: IncidentResolved) -> IncidentResolved:
@@ -76,3 +86,42 @@ def test_a_resolution_of_an_old_runs_incident_still_reaches_the_feed(
     turn_until(coordinator, lambda: coordinator.positions().get(0, -1) >= 5)
     assert _dlq(settings, transport) == 1  # refused stale-generation
     assert _feed(settings, transport) == [old.event_id]
+
+
+def test_an_ended_sagas_incident_is_resolved_only_by_its_own_tenant(
+    transport: str, unique_prefix: str
+) -> None:
+    """The saga has ended (the coordinator keeps only its marker, also after a
+    restart): a resolution from another tenant, or of an incident the saga did not
+    leave open, is refused as for a saga in flight; the genuine one is forwarded."""
+    settings, ledger, first, _participant = one_saga(transport, unique_prefix, "saga-end")
+    raised = ledger.participant_incident("reserve", "inc-1").model_copy(
+        update={"kind": "manual-check"}
+    )
+    ended = [ledger.intent("reserve"), ledger.committed("reserve"), ledger.end()]
+    one = Coordinator(settings, transport, instance_id="res-3", carry_ms=0)
+    one._join()
+    append(settings, transport, ledger.started(), first, raised, *ended)
+    turn_until(one, lambda: one.marker_of("saga-end") is not None)
+    marker = one.marker_of("saga-end")
+    assert marker is not None and marker.tenant_id == "acme"
+    assert marker.incidents == ["inc-1"]
+    one._consumer.close()
+
+    # A successor restores the marker from the changelog.
+    two = Coordinator(settings, transport, instance_id="res-3", carry_ms=0)
+    two._join()
+    foreign = _other_tenant(ledger.resolve("inc-1", "done"))
+    unknown = ledger.resolve("inc-nope", "done")
+    genuine = ledger.resolve("inc-1", "refunded by hand")
+    append(settings, transport, foreign, unknown, genuine)
+    turn_until(two, lambda: two.positions().get(0, -1) >= 9)
+    assert _dlq_reasons(settings, transport) == ["tenant-mismatch", "invalid-transition"]
+    assert _feed(settings, transport) == [genuine.event_id]
+
+
+def test_a_marker_written_before_it_kept_the_tenant_still_restores() -> None:
+    old = b'{"marker":"TERMINAL","saga_id":"s","status":"ESCALATED","at":5,"reason":""}'
+    marker = load_changelog(old)
+    assert isinstance(marker, SagaMarker)
+    assert marker.tenant_id is None and marker.incidents is None
