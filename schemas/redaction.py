@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections.abc
 import hashlib
+import json
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -219,10 +220,28 @@ def scrub(text: str, args: Mapping[str, Any], secret_paths: Iterable[str]) -> st
             else:
                 continue
             if shown and not is_redacted(shown):
-                clear[shown] = redaction_marker(leaf)
+                marker = redaction_marker(leaf)
+                # Errors quote their input as JSON or as a repr: every escaped spelling.
+                for spelling in _spellings(shown):
+                    clear.setdefault(spelling, marker)
     for shown in sorted(clear, key=len, reverse=True):  # a longer secret holding a shorter
         text = text.replace(shown, clear[shown])
     return text
+
+
+def _spellings(text: str) -> tuple[str, ...]:
+    """``text`` as it is, and as JSON and Python reprs quote it (escapes differ)."""
+    return tuple(
+        dict.fromkeys(
+            (
+                text,
+                json.dumps(text)[1:-1],
+                json.dumps(text, ensure_ascii=False)[1:-1],
+                repr(text)[1:-1],
+                ascii(text)[1:-1],
+            )
+        )
+    )
 
 
 def _leaves(value: Any) -> Iterable[Any]:

@@ -3,7 +3,8 @@ topic in clear (issue 2; R16 for the typed errors that route to the DLQ)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -282,3 +283,27 @@ def test_scrub_replaces_every_clear_secret_in_a_message_with_its_marker() -> Non
         assert secret not in scrubbed
     assert redaction_marker("4111111111111111") in scrubbed  # the longer one, whole
     assert redaction_marker(737) in scrubbed and "Ada, 1500 cents" in scrubbed
+
+
+@pytest.mark.parametrize(
+    ("secret", "quote"),
+    [
+        ("pässwörd-1", lambda s: orjson.dumps({"password": s}).decode()),  # JSON, raw
+        ("pässwörd-1", lambda s: json.dumps({"password": s})),  # JSON, \u escapes
+        ('s3"cr\\et', lambda s: json.dumps({"password": s})),  # JSON, \" and \\
+        ("it's\\mine", lambda s: str(KeyError(s))),  # a repr: \' and \\
+        ("line1\nline2", lambda s: f"bad token {s!r}"),  # a repr: \n
+        ("pässwörd-1", lambda s: ascii(s)),  # ascii(): \xe4
+    ],
+)
+def test_scrub_replaces_secrets_quoted_as_json_or_repr(
+    secret: str, quote: Callable[[str], str]
+) -> None:
+    # Tools and SDKs quote their input in errors as JSON bodies or Python reprs; the
+    # secret must not survive in its escaped spelling either.
+    message = f"request failed: {quote(secret)}"
+    scrubbed = scrub(message, {"password": secret}, ("password",))
+    assert redaction_marker(secret) in scrubbed, scrubbed
+    for part in ("sswö", "ss\\u00e4", "ss\\xe4", "cr\\\\", "s3\\", "line2", "mine"):
+        if part in message:
+            assert part not in scrubbed, scrubbed
