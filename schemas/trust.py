@@ -135,6 +135,11 @@ class Identity:
     principals: frozenset[str] = frozenset()
     # Operators a gateway (the dashboard) decides for, after it authenticated them.
     acts_for: frozenset[str] = frozenset()
+    # Their tenants (None: every tenant): a gateway decides for an operator only
+    # within the tenants that operator may act for with its own key.
+    acts_for_tenants: Mapping[str, frozenset[str] | None] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def may_act_for(self, tenant: str) -> bool:
         return self.tenants is None or tenant in self.tenants
@@ -237,7 +242,11 @@ class TrustStore:
             if acts_for and identities[name].role is not Role.OPERATOR:
                 raise TrustFileError(f"{where}: only an operator identity may have acts_for")
             resolved = operators if "*" in acts_for else acts_for & operators
-            identities[name] = dataclasses.replace(identities[name], acts_for=frozenset(resolved))
+            identities[name] = dataclasses.replace(
+                identities[name],
+                acts_for=frozenset(resolved),
+                acts_for_tenants={op: identities[op].tenants for op in resolved},
+            )
         keys: dict[str, TrustedKey] = {}
         for kid, entry in _entries(data.get("keys"), "keys", where).items():
             named = entry.get("identity")
@@ -359,6 +368,14 @@ def authorize(writer: Identity, record: Record, reader: Identity | None = None) 
             f"{writer.name!r} wrote {record.TYPE} for tenant {env.tenant_id!r}, outside its "
             f"tenants {sorted(writer.tenants or ())}"
         )
+    if claimed is not None and claimed != writer.name:
+        # A gateway deciding for an operator: within that operator's tenants too.
+        tenants = writer.acts_for_tenants.get(claimed, frozenset())
+        if tenants is not None and env.tenant_id not in tenants:
+            raise TenantMismatch(
+                f"{writer.name!r} decided as {claimed!r} ({record.TYPE}) for tenant "
+                f"{env.tenant_id!r}, outside {claimed!r}'s tenants {sorted(tenants)}"
+            )
     if reader is not None and not reader.may_act_for(env.tenant_id):
         raise TenantMismatch(
             f"{reader.name!r} serves tenants {sorted(reader.tenants or ())}, not "

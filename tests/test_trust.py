@@ -156,6 +156,32 @@ def test_writer_outside_its_tenants_is_a_tenant_mismatch(kit: TrustKit) -> None:
         _roundtrip(kit, "agent", scheduled)
 
 
+def test_a_gateway_decides_for_an_operator_only_within_that_operators_tenants(
+    kit: TrustKit,
+) -> None:
+    kit.add("bob", Role.OPERATOR, tenants=["acme"])
+    kit.add("dashboard", Role.OPERATOR, acts_for=["alice", "bob"])
+
+    def grant(granted_by: str, tenant: str) -> ApprovalGranted:
+        return _grant("dashboard", granted_by).model_copy(
+            update={"envelope": _env(ApprovalGranted, "dashboard", tenant=tenant)}
+        )
+
+    assert _roundtrip(kit, "dashboard", grant("bob", "acme"))
+    assert _roundtrip(kit, "dashboard", grant("alice", "beta"))  # alice: every tenant
+    # bob's own key cannot decide for tenant beta, so neither can the gateway as bob.
+    with pytest.raises(TenantMismatch, match="beta"):
+        _roundtrip(
+            kit,
+            "bob",
+            grant("bob", "beta").model_copy(
+                update={"envelope": _env(ApprovalGranted, "bob", tenant="beta")}
+            ),
+        )
+    with pytest.raises(TenantMismatch, match="bob"):
+        _roundtrip(kit, "dashboard", grant("bob", "beta"))
+
+
 def test_participant_limited_to_tenants_refuses_commands_of_others(kit: TrustKit) -> None:
     assert _roundtrip(kit, "sagaline-coordinator", _execute("sagaline-coordinator"), "payments")
     with pytest.raises(TenantMismatch, match="payments"):
