@@ -206,7 +206,8 @@ class ToolSpec:
     @property
     def secret_paths(self) -> tuple[str, ...]:
         """Argument paths never written in clear: ``@tool(secret_fields=...)`` plus
-        fields typed ``schemas.redaction.Secret`` (or ``SecretStr``)."""
+        fields typed ``schemas.redaction.Secret`` (or pydantic's ``SecretStr``,
+        ``SecretBytes``, ``Secret[T]``)."""
         return tuple(dict.fromkeys((*self.secret_fields, *secret_paths(self.args_model))))
 
     def redact(self, args: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Redaction of secret tool arguments before they reach a topic.
 
 A tool's argument schema marks secret fields with :data:`Secret` (or
-``Annotated[T, SECRET]``; pydantic's ``SecretStr``/``SecretBytes`` count too).
+``Annotated[T, SECRET]``; pydantic's ``SecretStr``/``SecretBytes``/``Secret[T]``
+and their subclasses count too).
 :func:`secret_paths` lists them as dotted paths (``*`` = every list item or dict
 value), and :func:`redact` replaces each secret value with
 ``"[redacted sha256:<first 12 hex>]"``: the ledger can still tell two values apart
@@ -28,6 +29,7 @@ from dataclasses import is_dataclass
 from typing import Annotated, Any, Final, TypeVar
 
 from pydantic import AliasChoices, BaseModel, SecretBytes, SecretStr
+from pydantic import Secret as PydanticSecret
 from pydantic.fields import FieldInfo
 
 from schemas.keys import canonical_json
@@ -52,10 +54,12 @@ Secret = Annotated[str, SECRET]
 
 REDACTED_PREFIX = "[redacted "
 
+_SECRET_TYPES = (SecretStr, SecretBytes, PydanticSecret)
+
 
 def redaction_marker(value: Any) -> str:
     """What replaces a secret: a short sha256 of the clear value, for correlation."""
-    if isinstance(value, SecretStr | SecretBytes):
+    if isinstance(value, _SECRET_TYPES):
         value = value.get_secret_value()
     if isinstance(value, str):
         data = value.encode("utf-8")
@@ -139,12 +143,18 @@ def _walk_type(tp: Any, path: str, out: list[str], stack: set[type]) -> None:
         for item in typing.get_args(tp):
             if item is not Ellipsis:
                 _walk_type(item, f"{path}.*", out, stack)
-    elif tp in (SecretStr, SecretBytes):
+    elif _is_secret_type(origin if isinstance(origin, type) else tp):
         out.append(path)
     elif isinstance(tp, type) and issubclass(tp, BaseModel):
         _walk_model(tp, f"{path}.", out, stack)
     elif isinstance(tp, type) and (_is_typeddict(tp) or is_dataclass(tp)):
         _walk_hints(tp, f"{path}.", out, stack)
+
+
+def _is_secret_type(tp: Any) -> bool:
+    """pydantic's secret types: ``SecretStr``, ``SecretBytes``, ``Secret[T]`` and
+    their subclasses."""
+    return isinstance(tp, type) and issubclass(tp, _SECRET_TYPES)
 
 
 def _is_typeddict(tp: type) -> bool:
@@ -211,7 +221,7 @@ def scrub(text: str, args: Mapping[str, Any], secret_paths: Iterable[str]) -> st
     clear: dict[str, str] = {}
     for value in found:
         for leaf in _leaves(value):
-            if isinstance(leaf, SecretStr | SecretBytes):
+            if isinstance(leaf, _SECRET_TYPES):
                 leaf = leaf.get_secret_value()
             if isinstance(leaf, bytes):
                 shown = leaf.decode("utf-8", "replace")

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 import orjson
 import pytest
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr
+from pydantic import Secret as PydanticSecret
 from pydantic.alias_generators import to_camel
 from typing_extensions import TypedDict
 
@@ -307,3 +308,26 @@ def test_scrub_replaces_secrets_quoted_as_json_or_repr(
     for part in ("sswö", "ss\\u00e4", "ss\\xe4", "cr\\\\", "s3\\", "line2", "mine"):
         if part in message:
             assert part not in scrubbed, scrubbed
+
+
+class ApiToken(SecretStr):
+    """A project's own secret type, derived from pydantic's."""
+
+
+class PydanticSecrets(BaseModel):
+    pin: PydanticSecret[int]
+    account: PydanticSecret[str] | None = None
+    token: ApiToken
+    note: str
+
+
+def test_pydantic_generic_secrets_and_secret_subclasses_are_redacted() -> None:
+    # pydantic.Secret[T] (and subclasses of SecretStr) are pydantic's own secret
+    # types: a tool declaring them must not have the value reach the ledger.
+    assert set(secret_paths(PydanticSecrets)) == {"pin", "account", "token"}
+    args = {"pin": 8642, "account": "DE44500105175407324931", "token": "tok_9z8y", "note": "hi"}
+    PydanticSecrets.model_validate(args)
+    body = redacted_json(args, secret_paths(PydanticSecrets))
+    for secret in (b"8642", b"DE44500105175407324931", b"tok_9z8y"):
+        assert secret not in body
+    assert b"hi" in body
