@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import is_dataclass
 from typing import Annotated, Any, Final, TypeVar
 
+import orjson
 from pydantic import AliasChoices, BaseModel, SecretBytes, SecretStr
 from pydantic import Secret as PydanticSecret
 from pydantic.fields import FieldInfo
@@ -57,6 +58,15 @@ REDACTED_PREFIX = "[redacted "
 _SECRET_TYPES = (SecretStr, SecretBytes, PydanticSecret)
 
 
+def reveal(value: Any) -> Any:
+    """``default=`` for orjson: a pydantic secret (``SecretStr``...) as its clear value,
+    for serialising a secret argument that holds one (to seal or to fingerprint it)."""
+    if isinstance(value, _SECRET_TYPES):
+        clear = value.get_secret_value()
+        return clear.decode("utf-8", "replace") if isinstance(clear, bytes) else clear
+    raise TypeError(f"Type is not JSON serializable: {type(value).__name__}")
+
+
 def redaction_marker(value: Any) -> str:
     """What replaces a secret: a short sha256 of the clear value, for correlation."""
     if isinstance(value, _SECRET_TYPES):
@@ -66,7 +76,7 @@ def redaction_marker(value: Any) -> str:
     elif isinstance(value, bytes):
         data = value
     else:
-        data = canonical_json(value)
+        data = orjson.dumps(value, default=reveal, option=orjson.OPT_SORT_KEYS)
     return f"{REDACTED_PREFIX}sha256:{hashlib.sha256(data).hexdigest()[:12]}]"
 
 
@@ -279,6 +289,7 @@ __all__ = [
     "redact",
     "redacted_json",
     "redaction_marker",
+    "reveal",
     "scrub",
     "secret_paths",
 ]

@@ -35,7 +35,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from schemas.redaction import map_secrets, redaction_marker
+from schemas.redaction import map_secrets, redaction_marker, reveal
 
 SEALED = "$sealed"
 _NONCE = 12  # bytes of AES-GCM nonce before the ciphertext
@@ -105,7 +105,7 @@ class Sealer:
                 if is_sealed(value):
                     return value
                 nonce = os.urandom(_NONCE)
-                clear = orjson.dumps(value)
+                clear = orjson.dumps(value, default=reveal)  # SecretStr: its value
                 box = aead.encrypt(nonce, clear, _aad(saga_id, path))
                 return {
                     SEALED: base64.b64encode(nonce + box).decode("ascii"),

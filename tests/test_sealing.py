@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import SecretStr
 
 from schemas.keys import canonical_json
 from schemas.redaction import is_redacted
@@ -74,3 +75,21 @@ def test_a_secret_inside_a_sealed_secret_opens_too() -> None:
     sealed = sealer.seal(args, paths, "saga-1")
     assert b"1234" not in canonical_json(sealed)
     assert sealer.open(sealed, paths, "saga-1") == args
+
+
+@pytest.mark.parametrize("key", [b"shared secret", None], ids=["sealed", "redacted"])
+def test_pydantic_secret_values_are_sealed_or_redacted_like_plain_ones(key: bytes | None) -> None:
+    # An agent passing a model's model_dump() hands over SecretStr objects, nested too.
+    args = {"amount": 500, "card": {"number": SecretStr(CARD), "cvv": SecretStr("123")}}
+    whole = {"amount": 500, "card": {"number": SecretStr(CARD), "cvv": "123"}}
+    sealer = Sealer(key)
+    sealed = sealer.seal(args, PATHS, "saga-1")
+    sealed_whole = sealer.seal(whole, ("card",), "saga-1")
+    for out in (sealed, sealed_whole):
+        assert CARD.encode() not in canonical_json(out)
+    if key is not None:
+        assert sealer.open(sealed, PATHS, "saga-1") == ARGS
+        assert sealer.open(sealed_whole, ("card",), "saga-1") == ARGS
+    else:
+        assert sealed == Sealer(None).seal(ARGS, PATHS, "saga-1")
+        assert sealed_whole == Sealer(None).seal(ARGS, ("card",), "saga-1")
