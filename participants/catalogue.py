@@ -1076,15 +1076,20 @@ def _call_sync(tool_name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        shared = async_tool_loop()  # the participant runtime's long-lived loop
-        if shared is not None:
-            return asyncio.run_coroutine_threadsafe(_await(result), shared).result()
+        pass  # none in this thread: run it to completion here
+    else:
+        _close(result)
+        raise RuntimeError(
+            f"tool {tool_name!r} is async and an event loop is already running in this"
+            " thread; use the async API (ainvoke, acompensate, alookup, averify)"
+        )
+    shared = async_tool_loop()  # the participant runtime's long-lived loop
+    if shared is None:
         return asyncio.run(_await(result))
-    _close(result)
-    raise RuntimeError(
-        f"tool {tool_name!r} is async and an event loop is already running in this"
-        " thread; use the async API (ainvoke, acompensate, alookup, averify)"
-    )
+    answer = asyncio.run_coroutine_threadsafe(_carried(result), shared).result()
+    if isinstance(answer, _Raised):
+        raise answer.error  # on this thread, where the runtime reports it
+    return answer
 
 
 async def _call_async(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -1100,6 +1105,27 @@ async def _call_async(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 async def _await(awaitable: Awaitable[Any]) -> Any:
     return await awaitable
+
+
+class _Raised:
+    """A SystemExit or KeyboardInterrupt an async tool raised on the shared loop."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+async def _carried(awaitable: Awaitable[Any]) -> Any:
+    """Await ``awaitable`` on the shared loop. A SystemExit (a click/argparse-based
+    library's bad input) or KeyboardInterrupt raised in a task leaves asyncio's task
+    machinery and stops the loop running it, so that call and every later async tool
+    of the process would hang: it is returned instead, and raised on the caller's
+    thread."""
+    try:
+        return await awaitable
+    except (SystemExit, KeyboardInterrupt) as exc:
+        return _Raised(exc)
 
 
 def _close(awaitable: object) -> None:

@@ -137,6 +137,11 @@ class NoMetrics:
 
 Clock = Callable[[], int]
 
+# What a tool, compensation, lookup or verification raising is a failure of its step:
+# every Exception, and SystemExit, which a library built on click or argparse raises
+# for a bad input. The runtime's own BaseExceptions (_TakenOver, _GivenUp) pass.
+_TOOL_ERRORS = (Exception, SystemExit)
+
 # How often the runtime commits offsets (asynchronously). A crash redelivers at most
 # this much finished work, which the journal recognises and answers without rerunning.
 _COMMIT_INTERVAL_S = 0.1
@@ -710,7 +715,7 @@ class CommandHandler:
                     cmd, common, FailureKind.BUSINESS_REJECTION, exc, args, spec.secret_paths
                 )
             )
-        except Exception as exc:
+        except _TOOL_ERRORS as exc:
             kind = (
                 FailureKind.BUSINESS_REJECTION
                 if spec.is_business_rejection(exc)
@@ -845,7 +850,7 @@ class CommandHandler:
             )
         except concurrent.futures.TimeoutError:
             return late()
-        except Exception as exc:
+        except _TOOL_ERRORS as exc:
             kind = (
                 FailureKind.BUSINESS_REJECTION
                 if spec.is_business_rejection(exc) or isinstance(exc, LedgerRefError)
@@ -916,7 +921,7 @@ class CommandHandler:
                 if self._run(call, lambda: spec.verify(ctx), spec.deadline_ms):
                     self._completed(command_id, cmd, verified=True)
                     return
-            except Exception:
+            except _TOOL_ERRORS:
                 log.exception("verification of %s failed; retrying", cmd.compensation_key)
             if self._clock() >= deadline:
                 log.warning(
@@ -1040,7 +1045,7 @@ class CommandHandler:
                 command=cmd,
                 late=lambda: pending(f"no answer within {spec.deadline_ms} ms"),
             )
-        except Exception as exc:
+        except _TOOL_ERRORS as exc:
             return pending(exc)
         if found.status is ReconcileResult.COMMITTED:
             body = self._bounded_result(cmd, spec, _json(found.result))
@@ -1500,13 +1505,15 @@ class ParticipantRuntime:
         except LedgerProbeError as exc:  # the ledger is unreadable now, not the command bad
             log.warning("%s; trying %s %s again", exc, command.TYPE, command.event_id)
             return False
-        except Exception as exc:  # R16: never stop the service, never lose the record
+        except (_GivenUp, _TakenOver):
+            raise  # the loop's own: nothing of this command is done here any more
+        except BaseException as exc:  # R16: never stop the service, never lose the record
             return self._dead_letter_blocking(msg, command, exc)
         if state == "accepted":
             self._confirm_in_background(command.event_id, msg.value() or _command_bytes(command))
         return True
 
-    def _dead_letter_blocking(self, msg: Message, command: Record, exc: Exception) -> bool:
+    def _dead_letter_blocking(self, msg: Message, command: Record, exc: BaseException) -> bool:
         """:meth:`_process`'s last resort; False when the DLQ copy was not written."""
         log.error("handling %s %s failed", command.TYPE, command.event_id, exc_info=exc)
         try:

@@ -4,8 +4,13 @@ their call context, instead of a fresh ``asyncio.run`` per call."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
+
+import pytest
 
 from participants import CompensationContext, compensable, current_call, tool, wrap
+from participants.catalogue import ToolSpec
 from participants.context import CallContext, call_context, serve_async_tools
 
 
@@ -36,3 +41,47 @@ def test_async_tools_share_the_runtime_loop_and_see_their_call_context() -> None
     assert shop.loops == [loop, loop, loop]
     assert shop.keys == ["key-0", "key-1", "key-2"]
     assert serve_async_tools() is loop  # one per process
+
+
+class ExitingShop:
+    @tool(description="Reserve through a CLI-style library")
+    @compensable(by="release")
+    async def reserve(self, sku: str) -> dict[str, str]:
+        await asyncio.sleep(0)
+        raise SystemExit(f"usage: reserve SKU (got {sku!r})")  # what click/argparse raise
+
+    async def release(self, ctx: CompensationContext) -> None:
+        pass
+
+
+def test_an_async_tool_raising_system_exit_fails_its_call_and_the_loop_serves_on() -> None:
+    # R16: SystemExit raised in a task leaves asyncio's task machinery and stops the
+    # loop running it. On the process's one loop for async tools that call would never
+    # answer and every later async tool of the process would hang with it. The call
+    # raises its SystemExit on the caller's thread (the runtime reports the step as
+    # failed), and the loop serves the next call.
+    loop = serve_async_tools()
+    failing = wrap(ExitingShop(), name="exiting")["reserve"]
+    working = wrap(AsyncShop(), name="shop")["reserve"]
+
+    def call(spec: ToolSpec) -> object:
+        with call_context(CallContext("saga-1", "s1", "reserve", "key-1")):
+            return spec.invoke({"sku": "a"})
+
+    def on_a_thread(spec: ToolSpec) -> concurrent.futures.Future[object]:
+        # a daemon thread: a call that never answers must fail the test, not hang it
+        answer: concurrent.futures.Future[object] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                answer.set_result(call(spec))
+            except BaseException as exc:
+                answer.set_exception(exc)
+
+        threading.Thread(target=run, daemon=True).start()
+        return answer
+
+    with pytest.raises(SystemExit, match="usage: reserve SKU"):
+        on_a_thread(failing).result(timeout=60)  # a TimeoutError: never answered
+    assert on_a_thread(working).result(timeout=60) == {"sku": "a"}
+    assert serve_async_tools() is loop and loop.is_running()

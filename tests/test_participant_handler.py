@@ -16,7 +16,7 @@ from typing import TypeVar
 import orjson
 import pytest
 
-from participants import Accepted, CompensationContext, compensable, tool, wrap
+from participants import Accepted, CompensationContext, LookupResult, compensable, tool, wrap
 from participants.runtime import CommandHandler, CommandJournal
 from sagaline.kafka import DeliveryFailed
 from schemas import (
@@ -274,4 +274,55 @@ def test_a_tool_error_quoting_a_secret_argument_reaches_the_ledger_redacted(
         assert token not in record.message
         assert redaction_marker(token) in record.message
     assert "amount 5" in failed.message  # the rest of the message is kept
+    handler.close()
+
+
+class _Cli:
+    """Tools over a click/argparse-style library: a bad input raises SystemExit."""
+
+    @tool(description="Charge through a CLI", lookup="find")
+    @compensable(by="refund")
+    def charge(self, amount: int) -> dict[str, str]:
+        raise SystemExit(2)
+
+    def refund(self, ctx: CompensationContext) -> None:
+        raise SystemExit("usage: refund ID")
+
+    def find(self, idempotency_key: str) -> LookupResult | None:
+        raise SystemExit(1)
+
+
+def test_a_compensation_or_lookup_raising_system_exit_is_its_steps_failure(
+    tmp_path: Path,
+) -> None:
+    # R8/R11/R16: SystemExit passes every ``except Exception``; it is the call's
+    # failure like any error: a CompensationFailed (tried again), a lookup that
+    # could not answer (PENDING), never a lost command.
+    from schemas import ReconcileResult, ReconcileStep, StepReconciled
+
+    out: list[Record] = []
+    handler = CommandHandler(
+        wrap(_Cli(), name="cli"), "cli", CommandJournal(tmp_path / "j.sqlite"), out.append
+    )
+    compensate = _cmd(
+        CompensateStep,
+        step_id="01-charge",
+        tool="charge",
+        idempotency_key="k-4",
+        compensation="refund",
+        compensation_key="k-4:c",
+        attempt=1,
+        args=b'{"amount":5}',
+        result=b"{}",
+    )
+    reconcile = _cmd(
+        ReconcileStep, step_id="01-charge", tool="charge", idempotency_key="k-4", attempt=1
+    )
+    assert handler.handle(compensate) == "done"
+    assert handler.handle(reconcile) == "done"
+    [failed, reconciled] = out
+    assert isinstance(failed, CompensationFailed)
+    assert (failed.kind, failed.error_type) == (FailureKind.TRANSIENT, "SystemExit")
+    assert isinstance(reconciled, StepReconciled)
+    assert reconciled.outcome is ReconcileResult.PENDING
     handler.close()

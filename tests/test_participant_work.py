@@ -120,7 +120,7 @@ class _Desk:
         self.overlaps: list[str] = []
         self.ran: dict[str, list[int]] = defaultdict(list)
         self.gates: dict[str, threading.Event] = {}
-        self.errors: dict[str, Exception] = {}
+        self.errors: dict[str, BaseException] = {}
 
     @tool(description="Book a desk")
     @compensable(by="release")
@@ -619,3 +619,49 @@ def test_a_journal_commit_that_fails_does_not_wedge_the_journal(tmp_path: Path) 
     assert journal.get("c1") == ("started", None)
     assert journal.get("c0") is None  # the failed transaction left nothing
     journal.close()
+
+
+class _EmptyLedger:
+    """A ledger probe that finds nothing of the command (never taken elsewhere)."""
+
+    def caused_by(self, command: Record) -> list[Record]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("blocking", [False, True], ids=["loop", "blocking"])
+def test_a_tool_raising_system_exit_fails_its_step_and_its_saga_goes_on(
+    tmp_path: Path, blocking: bool
+) -> None:
+    # R9/R16: a tool built on a click/argparse-style library raises SystemExit, which
+    # passes every ``except Exception``. It is that step's failure like any tool
+    # error: its outcome reaches the ledger, nothing is dead-lettered or dropped,
+    # the saga's next command runs and the offsets move past it. Both the loop's
+    # path and the blocking one (a command from before the assignment: the ledger
+    # probe first) are checked.
+    from participants.runtime import _appended_by
+
+    rig = _Rig(tmp_path)
+    rig.desk.errors["saga-a/0"] = SystemExit(2)
+    sent = rig.broker.sent
+    if blocking:
+        rig.handler._ledger = cast(Any, _EmptyLedger())
+        rig.handler._append = rig.handler._publish = sent.append
+        rig.handler._begin_append = _appended_by(sent.append)
+        rt = cast(Any, rig.loop._rt)
+        rt._assigned_end = {0: 100}  # the commands were there before the assignment
+        rt._process = lambda *a: ParticipantRuntime._process(rt, *a)
+        rt._dead_letter_blocking = lambda *a: ParticipantRuntime._dead_letter_blocking(rt, *a)
+        rt._confirm_in_background = lambda *a: None
+    rig.submit(_execute("saga-a", 0))
+    rig.submit(_execute("saga-a", 1))
+    rig.run_until(lambda: rig.loop.pending == 0, "both commands done")
+    assert rig.dead_letters == []
+    [failed] = rig.broker.of(StepFailed, "saga-a")
+    assert (failed.step_id, failed.error_type) == ("00-book", "SystemExit")
+    assert [r.step_id for r in rig.broker.of(StepCommitted, "saga-a")] == ["01-book"]
+    assert rig.desk.ran["saga-a"] == [0, 1]
+    assert rig.loop.committable() == {0: 2}
+    rig.close()
