@@ -2063,7 +2063,19 @@ class _CommandLoop:
         return done
 
     def _fail(self, job: _Job, exc: BaseException) -> None:
-        """R16: never stop the service, never lose the record: dead-letter it."""
+        """R16: never stop the service, never lose the record: dead-letter it.
+
+        Not a command already ended: one a revoke gave up is its partition's next
+        owner's to decide (a copy in the DLQ from here would be a second answer)."""
+        if job.ended:
+            log.warning(
+                "the command at offset %s failed after it was given up (%s: %s): left to "
+                "the partition's owner",
+                job.msg.offset(),
+                type(exc).__name__,
+                exc,
+            )
+            return
         command = job.command
         if command is not None:
             log.error("handling %s %s failed", command.TYPE, command.event_id, exc_info=exc)

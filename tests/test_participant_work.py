@@ -665,3 +665,41 @@ def test_a_tool_raising_system_exit_fails_its_step_and_its_saga_goes_on(
     assert rig.desk.ran["saga-a"] == [0, 1]
     assert rig.loop.committable() == {0: 2}
     rig.close()
+
+
+def test_an_outcome_refused_for_its_size_after_a_give_up_is_not_dead_lettered_here(
+    tmp_path: Path,
+) -> None:
+    # R15/R16: a revoke gave the command up (its partition's next owner decides it
+    # from the journal and ledger); the broker's late refusal of its outcome must not
+    # make this replica write a dead-letter copy of a command it no longer owns.
+    from confluent_kafka import KafkaError
+
+    from schemas import derived_event_id
+
+    rig = _Rig(tmp_path)
+    command = _execute("saga-a", 0)
+    rig.submit(command)
+    rig.run_until(lambda: bool(rig.broker.of(StepCommitted)), "the outcome sent")
+    refused = DeliveryFailed(
+        "too large", topic="events", error=KafkaError(KafkaError.MSG_SIZE_TOO_LARGE)
+    )
+    assert refused.too_large
+    outcome_id = derived_event_id(command.event_id, "outcome")
+    poll = rig.broker.poll
+
+    def refusing(timeout: float = 0) -> int:  # its report comes back: too large
+        with rig.broker._lock:
+            reports, rig.broker._reports = rig.broker._reports, []
+        for record, on_delivered in reports:
+            on_delivered(refused if record.event_id == outcome_id else None)
+        return len(reports) + poll(timeout)
+
+    rig.broker.poll = refusing  # type: ignore[method-assign]
+    rig.loop.drain({0}, 0.0)  # revoked before the report came: given up
+    assert rig.loop.pending == 0
+    rig.run_until(lambda: not rig.loop._sending, "the outcome's report taken")
+    wait_until(lambda: rig.loop._tools._busy == 0, what="no tool thread busy")
+    assert rig.dead_letters == []
+    assert rig.loop.committable() == {}
+    rig.close()
