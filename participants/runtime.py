@@ -1422,27 +1422,29 @@ class ParticipantRuntime:
             for tp in partitions:
                 self._assigned_end.pop(tp.partition, None)
 
-        consumer.subscribe(
-            [self.topics.commands(self.participant)],
-            on_assign=on_assign,
-            on_revoke=on_revoke,
-            on_lost=on_lost,
-        )
-        self.publish_catalogue()
-        for command_id, command in self.journal.accepted():
-            self._confirm_in_background(command_id, command)
-        log.info(
-            "participant %s serving %s (%d commands in flight at most)",
-            self.participant,
-            self.topics.commands(self.participant),
-            self.max_in_flight,
-        )
-        if ready is not None:
-            ready.set()
         limit = 2 * self.max_in_flight
         work = self._work
         next_commit = 0.0
+        # Inside the try: a start-up that fails (the catalogue not writable) closes
+        # the consumer and the journal like any other way out.
         try:
+            consumer.subscribe(
+                [self.topics.commands(self.participant)],
+                on_assign=on_assign,
+                on_revoke=on_revoke,
+                on_lost=on_lost,
+            )
+            self.publish_catalogue()
+            for command_id, command in self.journal.accepted():
+                self._confirm_in_background(command_id, command)
+            log.info(
+                "participant %s serving %s (%d commands in flight at most)",
+                self.participant,
+                self.topics.commands(self.participant),
+                self.max_in_flight,
+            )
+            if ready is not None:
+                ready.set()
             while self._running.is_set():
                 if work.pending >= limit:
                     # Backpressure by not taking more (pause/resume would drop and

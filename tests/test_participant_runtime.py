@@ -954,3 +954,50 @@ def test_a_lost_partition_starts_none_of_its_queued_commands_and_drops_late_answ
     assert [(type(r), r.envelope.causation_id) for r in records] == [
         (StepIntentRecorded, held.event_id)
     ], "a command of a lost partition was run (or answered) here"
+
+
+def test_a_failed_start_up_closes_the_consumer_and_the_journal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R16: publishing the catalogue can fail (the broker refuses the write, no Write
+    ACL on the catalogue topic). ``run`` then raises, and must close what it opened
+    (the group member, the journal's SQLite file) like any other way out: an embedding
+    process that retries ``run`` must not leak a consumer in the group each time."""
+    import sqlite3
+    import uuid
+
+    import participants.runtime as runtime_module
+
+    bootstrap = f"memory://{uuid.uuid4().hex[:12]}"
+    settings = Settings(bootstrap=bootstrap, topic_prefix="t.", partitions=1, state_dir=tmp_path)
+    closed: list[str] = []
+    create = runtime_module.create_consumer
+
+    class Recorded:
+        def __init__(self, consumer: Any) -> None:
+            self._consumer = consumer
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._consumer, name)
+
+        def close(self) -> None:
+            closed.append("consumer")
+            self._consumer.close()
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        return Recorded(create(*args, **kwargs))
+
+    monkeypatch.setattr(runtime_module, "create_consumer", recorded)
+    runtime = ParticipantRuntime(
+        wrap(Shop(lambda key: True), name=PARTICIPANT), settings, bootstrap
+    )
+
+    def refused() -> None:
+        raise KafkaException("catalogue write refused: TOPIC_AUTHORIZATION_FAILED")
+
+    monkeypatch.setattr(runtime, "publish_catalogue", refused)
+    with pytest.raises(KafkaException, match="catalogue write refused"):
+        runtime.run()
+    assert closed == ["consumer"]
+    with pytest.raises(sqlite3.ProgrammingError):  # closed
+        runtime.journal.get("c")
