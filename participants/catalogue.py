@@ -13,9 +13,11 @@ not during a refund.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import difflib
 import inspect
 import re
+import time
 import types
 import typing
 from collections.abc import Awaitable, Callable, Iterator, Mapping
@@ -26,7 +28,7 @@ from typing import Any
 import pydantic
 from pydantic import BaseModel, ConfigDict
 
-from participants.context import async_tool_loop
+from participants.context import async_tool_loop, call_deadline
 from participants.declarations import (
     DETERMINISTIC_ERRORS,
     Accepted,
@@ -1083,10 +1085,19 @@ def _call_sync(tool_name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any
             f"tool {tool_name!r} is async and an event loop is already running in this"
             " thread; use the async API (ainvoke, acompensate, alookup, averify)"
         )
+    # Past the call's deadline (set by the runtime) the coroutine is cancelled: left
+    # running it would keep its task, and this thread waiting on it, for good.
+    deadline = call_deadline()
+    timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
     shared = async_tool_loop()  # the participant runtime's long-lived loop
     if shared is None:
-        return asyncio.run(_await(result))
-    answer = asyncio.run_coroutine_threadsafe(_carried(result), shared).result()
+        return asyncio.run(asyncio.wait_for(_await(result), timeout))
+    future = asyncio.run_coroutine_threadsafe(_carried(result), shared)
+    try:
+        answer = future.result(timeout)
+    except concurrent.futures.TimeoutError:
+        future.cancel()  # no-op when the tool itself raised a TimeoutError
+        raise
     if isinstance(answer, _Raised):
         raise answer.error  # on this thread, where the runtime reports it
     return answer

@@ -66,6 +66,26 @@ def call_context(ctx: CallContext) -> Iterator[CallContext]:
         _current.reset(token)
 
 
+_deadline: ContextVar[float | None] = ContextVar("sagaline_deadline", default=None)
+
+
+def call_deadline() -> float | None:
+    """When (``time.monotonic()``) the call in progress stops counting, if it has a
+    deadline: an async tool still running then is cancelled (its outcome is what the
+    deadline says, R11)."""
+    return _deadline.get()
+
+
+@contextlib.contextmanager
+def deadline_at(when: float) -> Iterator[None]:
+    """Run a block under the deadline ``when`` (``time.monotonic()``; the runtime)."""
+    token = _deadline.set(when)
+    try:
+        yield
+    finally:
+        _deadline.reset(token)
+
+
 # One long-lived event loop per process for async tools: a participant runtime runs
 # its async tools, compensations, lookups and verifications there (with their call
 # context) instead of in a fresh ``asyncio.run`` per call, so connections and other

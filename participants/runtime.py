@@ -50,7 +50,7 @@ from typing import Any, Protocol, TypeVar
 import orjson
 
 from participants.catalogue import Catalogue, ToolSpec
-from participants.context import CallContext, call_context, serve_async_tools
+from participants.context import CallContext, call_context, deadline_at, serve_async_tools
 from participants.declarations import Accepted, CompensationContext
 from participants.errors import ContractChanged, InvalidArgumentsError, LedgerRefError
 from participants.ledger_probe import LedgerProbe, LedgerProbeError
@@ -1147,7 +1147,7 @@ class CommandHandler:
         """
 
         def call() -> Any:
-            with call_context(ctx):
+            with call_context(ctx), deadline_at(time.monotonic() + deadline_ms / 1000):
                 return fn()
 
         job: _Job | None = getattr(_here, "job", None)

@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+from pathlib import Path
 
 import pytest
 
 from participants import CompensationContext, compensable, current_call, tool, wrap
 from participants.catalogue import ToolSpec
 from participants.context import CallContext, call_context, serve_async_tools
+from participants.runtime import CommandHandler, CommandJournal
+from schemas import ExecuteStep, Record, StepIntentRecorded, StepOutcomeUnknown, envelope_for
 
 
 class AsyncShop:
@@ -85,3 +88,59 @@ def test_an_async_tool_raising_system_exit_fails_its_call_and_the_loop_serves_on
         on_a_thread(failing).result(timeout=60)  # a TimeoutError: never answered
     assert on_a_thread(working).result(timeout=60) == {"sku": "a"}
     assert serve_async_tools() is loop and loop.is_running()
+
+
+class HangingShop:
+    """An async tool whose provider never answers."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.cancelled = threading.Event()
+
+    @tool(description="Reserve at a provider that never answers")
+    @compensable(by="release")
+    async def reserve(self, sku: str) -> dict[str, str]:
+        self.started.set()
+        try:
+            await asyncio.Event().wait()  # never set
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        return {"sku": sku}
+
+    async def release(self, ctx: CompensationContext) -> None:
+        pass
+
+
+def test_a_hung_async_tool_is_cancelled_at_its_deadline_and_its_outcome_is_unknown(
+    tmp_path: Path,
+) -> None:
+    # R11: past its deadline the step is an unknown outcome (reconciled, never
+    # guessed). The coroutine must not be left running for good on the shared
+    # loop (its task, its connections) with a tool thread waiting on it: it is
+    # cancelled at the deadline.
+    serve_async_tools()
+    shop = HangingShop()
+    out: list[Record] = []
+    handler = CommandHandler(
+        wrap(shop, name="shop"), "shop", CommandJournal(tmp_path / "j.sqlite"), out.append
+    )
+    env = envelope_for(
+        ExecuteStep, saga_id="s-1", tenant_id="t", producer="sagaline-coordinator", now=1
+    )
+    command = ExecuteStep(
+        envelope=env,
+        step_id="01-reserve",
+        tool="reserve",
+        args=b'{"sku":"a"}',
+        idempotency_key="k-1",
+        attempt=1,
+        deadline_ms=50,
+        principal="p",
+    )
+    assert handler.handle(command) == "done"
+    assert [type(r) for r in out] == [StepIntentRecorded, StepOutcomeUnknown]  # R11
+    assert shop.started.is_set()
+    assert shop.cancelled.wait(60), "the hung coroutine was never cancelled"
+    handler.close()
+    handler.journal.close()
