@@ -789,7 +789,9 @@ class CommandHandler:
             **common,
             kind=kind,
             error_type=type(exc).__name__,
-            message=_utf8(scrub(str(exc), args or {}, secret_paths)[:2000]),
+            message=_utf8(
+                scrub(str(exc), args or {}, secret_paths, self._sealer.marker_key)[:2000]
+            ),
         )
 
     # ----------------------------------------------------------- compensate step
@@ -865,7 +867,12 @@ class CommandHandler:
                     kind=kind,
                     error_type=type(exc).__name__,
                     message=_utf8(
-                        scrub(str(exc), ctx.input if ctx else {}, spec.secret_paths)[:2000]
+                        scrub(
+                            str(exc),
+                            ctx.input if ctx else {},
+                            spec.secret_paths,
+                            self._sealer.marker_key,
+                        )[:2000]
                     ),
                 )
             )

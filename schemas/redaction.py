@@ -4,9 +4,18 @@ A tool's argument schema marks secret fields with :data:`Secret` (or
 ``Annotated[T, SECRET]``; pydantic's ``SecretStr``/``SecretBytes``/``Secret[T]``
 and their subclasses count too).
 :func:`secret_paths` lists them as dotted paths (``*`` = every list item or dict
-value), and :func:`redact` replaces each secret value with
-``"[redacted sha256:<first 12 hex>]"``: the ledger can still tell two values apart
-(or match one a person holds) but never holds the clear value.
+value), and :func:`redact` replaces each secret value with a marker that gives
+nothing of the value away:
+
+- with a marker key (derived from ``SAGALINE_SECRET_KEY``, see
+  :meth:`schemas.sealing.Sealer.marker`): ``"[redacted hmac:<first 12 hex>]"``, an
+  HMAC-SHA256 of the clear value, so whoever holds the key can tell two values apart
+  or match one they hold, and nobody else can test guesses against it;
+- without one: ``"[redacted]"``, the same for every value (an unkeyed digest of a
+  PIN or a CVV would be undone by hashing its 10,000 candidates).
+
+Markers written before this (``"[redacted sha256:<12 hex>]"``) still count as
+redacted (:func:`is_redacted`).
 
 Example::
 
@@ -21,6 +30,7 @@ from __future__ import annotations
 
 import collections.abc
 import hashlib
+import hmac
 import json
 import types
 import typing
@@ -54,6 +64,8 @@ Secret = Annotated[str, SECRET]
 """A secret string argument (the common case)."""
 
 REDACTED_PREFIX = "[redacted "
+REDACTED = "[redacted]"
+"""The marker of every secret when no marker key is configured."""
 
 _SECRET_TYPES = (SecretStr, SecretBytes, PydanticSecret)
 
@@ -67,8 +79,12 @@ def reveal(value: Any) -> Any:
     raise TypeError(f"Type is not JSON serializable: {type(value).__name__}")
 
 
-def redaction_marker(value: Any) -> str:
-    """What replaces a secret: a short sha256 of the clear value, for correlation."""
+def redaction_marker(value: Any, key: bytes | None = None) -> str:
+    """What replaces a secret: with a marker ``key``, a short HMAC-SHA256 of the clear
+    value (equal values, equal markers, for whoever holds the key); without one,
+    :data:`REDACTED`, which carries nothing of the value."""
+    if not key:
+        return REDACTED
     if isinstance(value, _SECRET_TYPES):
         value = value.get_secret_value()
     if isinstance(value, str):
@@ -77,11 +93,14 @@ def redaction_marker(value: Any) -> str:
         data = value
     else:
         data = orjson.dumps(value, default=reveal, option=orjson.OPT_SORT_KEYS)
-    return f"{REDACTED_PREFIX}sha256:{hashlib.sha256(data).hexdigest()[:12]}]"
+    digest = hmac.new(key, data, hashlib.sha256).hexdigest()[:12]
+    return f"{REDACTED_PREFIX}hmac:{digest}]"
 
 
 def is_redacted(value: Any) -> bool:
-    return isinstance(value, str) and value.startswith(REDACTED_PREFIX) and value.endswith("]")
+    return isinstance(value, str) and (
+        value == REDACTED or (value.startswith(REDACTED_PREFIX) and value.endswith("]"))
+    )
 
 
 def secret_paths(model: type[BaseModel]) -> tuple[str, ...]:
@@ -172,13 +191,18 @@ def _is_typeddict(tp: type) -> bool:
     return issubclass(tp, dict) and hasattr(tp, "__total__")
 
 
-def redact(args: Mapping[str, Any], secret_paths: Iterable[str]) -> dict[str, Any]:
-    """A copy of ``args`` with the value at every secret path replaced by its marker.
+def redact(
+    args: Mapping[str, Any], secret_paths: Iterable[str], key: bytes | None = None
+) -> dict[str, Any]:
+    """A copy of ``args`` with the value at every secret path replaced by its marker
+    (keyed by the marker ``key``, if any: :func:`redaction_marker`).
 
     Paths that are absent (an optional field left out) are skipped; already-redacted
     values are left alone, so redacting twice changes nothing.
     """
-    return map_secrets(args, secret_paths, lambda v: v if is_redacted(v) else redaction_marker(v))
+    return map_secrets(
+        args, secret_paths, lambda v: v if is_redacted(v) else redaction_marker(v, key)
+    )
 
 
 def map_secrets(
@@ -214,9 +238,11 @@ def _map_at(node: Any, parts: list[str], fn: Callable[[Any], Any]) -> Any:
     return node
 
 
-def scrub(text: str, args: Mapping[str, Any], secret_paths: Iterable[str]) -> str:
+def scrub(
+    text: str, args: Mapping[str, Any], secret_paths: Iterable[str], key: bytes | None = None
+) -> str:
     """``text`` (an error message bound for the ledger) with every clear secret value
-    of ``args`` replaced by its marker.
+    of ``args`` replaced by its marker (keyed by the marker ``key``, if any).
 
     Tools and provider SDKs quote their input in errors ("No such token: 'tok_...'");
     redacting the arguments alone would let the secret reach the ledger there.
@@ -240,7 +266,7 @@ def scrub(text: str, args: Mapping[str, Any], secret_paths: Iterable[str]) -> st
             else:
                 continue
             if shown and not is_redacted(shown):
-                marker = redaction_marker(leaf)
+                marker = redaction_marker(leaf, key)
                 # Errors quote their input as JSON or as a repr: every escaped spelling.
                 for spelling in _spellings(shown):
                     clear.setdefault(spelling, marker)
@@ -275,13 +301,16 @@ def _leaves(value: Any) -> Iterable[Any]:
         yield value
 
 
-def redacted_json(args: Mapping[str, Any], secret_paths: Iterable[str]) -> bytes:
-    """Canonical JSON of ``redact(args, secret_paths)``: what goes into a record's
+def redacted_json(
+    args: Mapping[str, Any], secret_paths: Iterable[str], key: bytes | None = None
+) -> bytes:
+    """Canonical JSON of ``redact(args, secret_paths, key)``: what goes into a record's
     ``args`` bytes (``StepScheduled``, ``ExecuteStep``, ...)."""
-    return canonical_json(redact(args, secret_paths))
+    return canonical_json(redact(args, secret_paths, key))
 
 
 __all__ = [
+    "REDACTED",
     "SECRET",
     "Secret",
     "is_redacted",

@@ -4,10 +4,13 @@ Redaction alone would starve the tool: a card number replaced by a marker cannot
 charged. So the agent seals each secret argument with AES-256-GCM under a key that
 the agent and the participants share (``SAGALINE_SECRET_KEY``), and the participant
 runtime opens it just before the tool runs. The ledger holds only the sealed form,
-plus a fingerprint of the clear value so a person can still match it.
+plus a keyed fingerprint of the clear value (an HMAC-SHA256 under a marker key
+derived from the same secret) so whoever holds the key can still match it, and
+nobody else can test guesses against it.
 
 With no key configured, secrets are redacted instead: the tool then receives the
-redaction marker, and the agent logs that the tool will not see the value.
+redaction marker (``"[redacted]"``, the same for every value), and the agent logs
+that the tool will not see the value.
 
 A sealed value is ``{"$sealed": "<base64 nonce|ciphertext>", "fp": "<marker>",
 "kid": "<key id>"}``. The saga id and the argument path are the associated data, so a
@@ -63,6 +66,18 @@ def derive_key(secret: str | bytes, key_id: str | None = None) -> bytes:
     ).derive(raw)
 
 
+def derive_marker_key(secret: str | bytes) -> bytes:
+    """The HMAC key of redaction markers (:func:`schemas.redaction.redaction_marker`),
+    from the configured secret: never the AES key itself."""
+    raw = secret.encode() if isinstance(secret, str) else secret
+    return HKDF(
+        algorithm=hashes.SHA256(),
+        length=32,
+        salt=b"sagaline-marker",
+        info=b"sagaline-marker-v1",
+    ).derive(raw)
+
+
 class Sealer:
     """Seals and opens secret arguments; ``key=None`` means redact only.
 
@@ -77,6 +92,8 @@ class Sealer:
     ) -> None:
         self.key_id = key_id
         self._aead = AESGCM(derive_key(key, key_id)) if key else None
+        self.marker_key: bytes | None = derive_marker_key(key) if key else None
+        """Keys redaction markers (``None``: every marker is ``"[redacted]"``)."""
         self._openers = {
             kid: AESGCM(derive_key(secret, kid)) for kid, secret in (old_keys or {}).items()
         }
@@ -91,13 +108,17 @@ class Sealer:
     def enabled(self) -> bool:
         return self._aead is not None
 
+    def marker(self, value: Any) -> str:
+        """The redaction marker of ``value`` under this process's marker key."""
+        return redaction_marker(value, self.marker_key)
+
     def seal(
         self, args: Mapping[str, Any], secret_paths: Iterable[str], saga_id: str
     ) -> dict[str, Any]:
         """``args`` with every secret sealed (or redacted when no key is configured)."""
         aead = self._aead
         if aead is None:
-            return map_secrets(args, secret_paths, redaction_marker)
+            return map_secrets(args, secret_paths, self.marker)
         out: Mapping[str, Any] = args
         for path in secret_paths:
 
@@ -109,7 +130,7 @@ class Sealer:
                 box = aead.encrypt(nonce, clear, _aad(saga_id, path))
                 return {
                     SEALED: base64.b64encode(nonce + box).decode("ascii"),
-                    "fp": redaction_marker(value),
+                    "fp": self.marker(value),
                     "kid": self.key_id,
                 }
 

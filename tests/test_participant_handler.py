@@ -272,7 +272,8 @@ def test_a_tool_error_quoting_a_secret_argument_reaches_the_ledger_redacted(
     [comp_failed] = [r for r in out if isinstance(r, CompensationFailed)]
     for record in (failed, comp_failed):
         assert token not in record.message
-        assert redaction_marker(token) in record.message
+        assert sealer.marker(token) in record.message  # keyed, as the sealed fp
+        assert redaction_marker(token, sealer.marker_key) in record.message
     assert "amount 5" in failed.message  # the rest of the message is kept
     handler.close()
 

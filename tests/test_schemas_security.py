@@ -157,7 +157,7 @@ def test_secret_paths_lists_marked_fields_of_nested_models_and_lists() -> None:
     )
 
 
-def test_redact_replaces_secrets_with_a_short_hash_and_keeps_the_rest() -> None:
+def test_redact_replaces_secrets_with_a_marker_and_keeps_the_rest() -> None:
     args: dict[str, Any] = {
         "amount_cents": 1999,
         "card": {"number": "4111111111111111", "cvv": 123, "holder": "Ada"},
@@ -167,9 +167,13 @@ def test_redact_replaces_secrets_with_a_short_hash_and_keeps_the_rest() -> None:
     redacted = redact(args, secret_paths(ChargeArgs))
     assert redacted["amount_cents"] == 1999
     assert redacted["card"]["holder"] == "Ada"
-    assert redacted["card"]["number"] == redaction_marker("4111111111111111")
-    assert redacted["card"]["number"].startswith("[redacted sha256:")
-    assert len(redacted["card"]["number"]) == len("[redacted sha256:]") + 12
+    assert redacted["card"]["number"] == redaction_marker("4111111111111111") == "[redacted]"
+    keyed = redact(args, secret_paths(ChargeArgs), KEY)
+    assert keyed["card"]["number"] == redaction_marker("4111111111111111", KEY)
+    assert keyed["card"]["number"].startswith("[redacted hmac:")
+    assert len(keyed["card"]["number"]) == len("[redacted hmac:]") + 12
+    assert is_redacted(keyed["card"]["number"])
+    assert is_redacted("[redacted sha256:a388f562e286]"), "markers already on a ledger"
     assert is_redacted(redacted["backup_cards"][0]["cvv"])
     assert is_redacted(redacted["api_token"])
     assert args["card"]["number"] == "4111111111111111", "the input is not mutated"
@@ -182,9 +186,12 @@ def test_redaction_is_idempotent_and_skips_absent_paths() -> None:
     assert "api_token" not in once
 
 
-def test_equal_secrets_redact_equally_so_the_ledger_can_correlate() -> None:
-    assert redaction_marker("4111") == redaction_marker("4111")
-    assert redaction_marker("4111") != redaction_marker("4112")
+def test_equal_secrets_redact_equally_so_the_key_holder_can_correlate() -> None:
+    assert redaction_marker("4111", KEY) == redaction_marker("4111", KEY)
+    assert redaction_marker("4111", KEY) != redaction_marker("4112", KEY)
+    assert redaction_marker("4111", KEY) != redaction_marker("4111", b"another deployment")
+    # Without a key nothing of the value is shown: every secret is the same marker.
+    assert redaction_marker("4111") == redaction_marker("4112") == "[redacted]"
 
 
 def test_secret_never_appears_in_the_encoded_step_scheduled() -> None:
@@ -279,11 +286,13 @@ def test_scrub_replaces_every_clear_secret_in_a_message_with_its_marker() -> Non
         "backup_cards": [{"number": "41111111", "cvv": 999, "holder": "Ada"}],
     }
     message = "card 4111111111111111 (cvv 737) and 41111111 declined for Ada, 1500 cents"
-    scrubbed = scrub(message, args, secret_paths(ChargeArgs))
+    scrubbed = scrub(message, args, secret_paths(ChargeArgs), KEY)
     for secret in ("41111111", "737", "999"):
         assert secret not in scrubbed
-    assert redaction_marker("4111111111111111") in scrubbed  # the longer one, whole
-    assert redaction_marker(737) in scrubbed and "Ada, 1500 cents" in scrubbed
+    assert redaction_marker("4111111111111111", KEY) in scrubbed  # the longer one, whole
+    assert redaction_marker(737, KEY) in scrubbed and "Ada, 1500 cents" in scrubbed
+    unkeyed = scrub(message, args, secret_paths(ChargeArgs))
+    assert unkeyed == "card [redacted] (cvv [redacted]) and [redacted] declined for Ada, 1500 cents"
 
 
 @pytest.mark.parametrize(
@@ -303,8 +312,8 @@ def test_scrub_replaces_secrets_quoted_as_json_or_repr(
     # Tools and SDKs quote their input in errors as JSON bodies or Python reprs; the
     # secret must not survive in its escaped spelling either.
     message = f"request failed: {quote(secret)}"
-    scrubbed = scrub(message, {"password": secret}, ("password",))
-    assert redaction_marker(secret) in scrubbed, scrubbed
+    scrubbed = scrub(message, {"password": secret}, ("password",), KEY)
+    assert redaction_marker(secret, KEY) in scrubbed, scrubbed
     for part in ("sswö", "ss\\u00e4", "ss\\xe4", "cr\\\\", "s3\\", "line2", "mine"):
         if part in message:
             assert part not in scrubbed, scrubbed

@@ -93,3 +93,19 @@ def test_pydantic_secret_values_are_sealed_or_redacted_like_plain_ones(key: byte
     else:
         assert sealed == Sealer(None).seal(ARGS, PATHS, "saga-1")
         assert sealed_whole == Sealer(None).seal(ARGS, ("card",), "saga-1")
+
+
+@pytest.mark.parametrize("key", [None, b"shared secret"], ids=["redacted", "sealed"])
+def test_a_short_secret_cannot_be_recovered_from_the_ledger_by_guessing(key: bytes | None) -> None:
+    """A PIN has 10,000 values: an unsalted digest of it on the ledger (marker or
+    sealed "fp") gives it back to anyone who hashes them all."""
+    import hashlib
+
+    pin = "4821"
+    written = canonical_json(Sealer(key).seal({"pin": pin}, ("pin",), "saga-1")).decode()
+    guesses = [f"{i:04d}" for i in range(10_000)]
+    recovered = [g for g in guesses if hashlib.sha256(g.encode()).hexdigest()[:12] in written]
+    recovered += [
+        g for g in guesses if Sealer(None).seal({"pin": g}, ("pin",), "s")["pin"] in written
+    ]
+    assert len(set(recovered)) != 1, f"the ledger gives the PIN away: {written}"
