@@ -48,6 +48,7 @@ from schemas.keys import (
     fingerprint,
     idempotency_key,
     key_hash,
+    step_id_problem,
 )
 from schemas.models import (
     COMMAND_TYPES,
@@ -136,6 +137,7 @@ class RejectReason(enum.StrEnum):
     INVALID_DEPENDENCY = "invalid-dependency"
     INVALID_ARGUMENTS = "invalid-arguments"
     DUPLICATE_STEP = "duplicate-step"
+    INVALID_STEP_ID = "invalid-step-id"
     APPROVAL_MISMATCH = "approval-mismatch"
     NOT_AN_EVENT = "not-an-event"
     FORBIDDEN_WRITER = "forbidden-writer"
@@ -727,6 +729,10 @@ def _ask_again_to_settle(ctx: _Ctx) -> None:
 
 def _on_step_scheduled(ctx: _Ctx, r: StepScheduled) -> None:
     s = ctx.s
+    problem = step_id_problem(r.step_id)
+    if problem is not None:
+        ctx.reject(r, RejectReason.INVALID_STEP_ID, problem)
+        return
     existing = s.steps.get(r.step_id)
     if existing is not None:
         if (

@@ -74,6 +74,7 @@ from schemas import (
 )
 from schemas.codec import record_type
 from schemas.errors import CodecError
+from schemas.keys import step_id_problem
 from schemas.limits import (
     PARKED_INCIDENT,
     RESULT_OMITTED,
@@ -1007,6 +1008,17 @@ class Saga:
         name = contract.tool
         number = next(self._steps)
         step = step_id or f"{number:02d}-{name}"
+        problem = step_id_problem(step)
+        if problem is not None:
+            # The coordinator would reject the step to the dead-letter topic.
+            raise CallRefused(
+                f"saga {self.saga_id}: {problem}; nothing was written",
+                limit="step_id",
+                size=len(step),
+                saga_id=self.saga_id,
+                step_id=step,
+                tool=name,
+            )
         missing = [d for d in depends_on or () if d not in self._step_ids]
         if missing:
             # The coordinator would reject the step to the dead-letter topic, and the

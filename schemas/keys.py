@@ -49,6 +49,24 @@ def key_hash(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+STEP_ID_SEPARATOR = "/"
+
+
+def step_id_problem(step_id: str) -> str | None:
+    """Why ``step_id`` cannot name a step, or ``None``.
+
+    :func:`derived_event_id` joins its parts with ``/``, so a step id holding one
+    would make ids collide (generation 1's step ``"2/x"`` and generation 2's step
+    ``"x"`` would get the same approval id). Checked where step ids enter: the
+    agent's client refuses the call, the coordinator rejects the record."""
+    if STEP_ID_SEPARATOR in step_id:
+        return (
+            f"step id {step_id!r} contains {STEP_ID_SEPARATOR!r}, which derived ids use "
+            "as their separator; use another character (e.g. '-' or ':')"
+        )
+    return None
+
+
 def derived_event_id(*parts: str | int) -> str:
     """A deterministic event id, so re-deciding the same input emits the same ids
     (replays and retries are deduplicated downstream).

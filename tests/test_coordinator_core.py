@@ -225,6 +225,18 @@ def test_step_id_reused_with_other_arguments_is_rejected() -> None:
     assert rejected.reason == "duplicate-step"
 
 
+def test_a_step_id_with_a_slash_is_rejected_not_decided() -> None:
+    """Derived ids join their parts with "/": generation 1's step "2/x" and
+    generation 2's step "x" would share an approval id and its event id."""
+    ledger, h = fresh()
+    h.feed(ledger.started())
+    out = h.feed(ledger.scheduled("2/x"))
+    [rejected] = rejections(out)
+    assert rejected.reason == "invalid-step-id"
+    assert "'2/x'" in rejected.detail and "/" in rejected.detail
+    assert "2/x" not in h.s.steps and executes(out) == []
+
+
 # ------------------------------------------------------------------ R7 approvals
 
 

@@ -801,6 +801,22 @@ def test_a_call_depending_on_a_step_the_saga_never_scheduled_is_refused_at_once(
     assert desk.log == ["book:mon", "book:wed"]
 
 
+def test_a_step_id_with_a_slash_is_refused_before_anything_is_written(
+    local: tuple[System, Desk],
+) -> None:
+    """Ids derived from a step id join their parts with "/": a step "2/x" would share
+    its approval id with step "x" of the saga's next run. The coordinator rejects such
+    a step to the DLQ, so the call would wait out its timeout as "no outcome"."""
+    system, desk = local
+    with system.client.saga("desk", "agent") as saga:
+        with pytest.raises(CallRefused, match=r"step id '2/x'.*'/'") as err:
+            saga.call("book_slot", step_id="2/x", timeout_s=10, day="mon")
+        assert err.value.limit == "step_id"
+        assert saga.call("book_slot", step_id="x", day="tue") == {"slot": "slot-tue"}
+    assert saga.wait(60).status is TerminalStatus.COMPLETED
+    assert desk.log == ["book:tue"]
+
+
 def test_local_tools_that_cannot_start_fail_the_clients_start_saying_why(
     transport: str, unique_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
