@@ -31,9 +31,10 @@ The trust file (JSON, or TOML when the name ends in ``.toml``)::
     }
 
 ``tenants`` omitted means every tenant; ``principals`` omitted means the identity's
-own name. An operator identity used by the dashboard lists ``"acts_for": ["alice",
-"bob"]`` (or ``["*"]``, every operator identity): it signs decisions of the operators
-it has authenticated, naming them as approver. ``sagaline keys new IDENTITY --role
+own name (an empty ``principals`` list is refused, naming the identity). An operator
+identity used by the dashboard lists ``"acts_for": ["alice", "bob"]`` (or ``["*"]``,
+every operator identity): it signs decisions of the operators it has authenticated,
+naming them as approver. ``sagaline keys new IDENTITY --role
 ROLE`` writes a key pair and prints its entry.
 """
 
@@ -228,6 +229,12 @@ class TrustStore:
                 ) from None
             tenants = _names(entry.get("tenants"), f"identity {name!r}", "tenants", where)
             principals = _names(entry.get("principals"), f"identity {name!r}", "principals", where)
+            if principals == []:
+                raise TrustFileError(
+                    f"{where}: identity {name!r}: principals is an empty list; list the "
+                    "principals it may start sagas for, or leave it out for the "
+                    "identity's own name"
+                )
             identities[name] = Identity(
                 name=name,
                 role=role,

@@ -268,6 +268,15 @@ def test_a_trust_file_of_the_wrong_shape_names_what_to_fix(
         TrustStore.load(bad)
 
 
+def test_an_empty_principals_list_is_refused_naming_the_identity(tmp_path: Path) -> None:
+    """``"principals": []`` silently became the identity's own name: an agent the file
+    says may start sagas for nobody could start them for itself."""
+    bad = tmp_path / "t.json"
+    bad.write_text(json.dumps({"identities": {"bot": {"role": "agent", "principals": []}}}))
+    with pytest.raises(TrustFileError, match=r"identity 'bot'.*principals.*leave it out"):
+        TrustStore.load(bad)
+
+
 @pytest.mark.parametrize(
     "keys",
     [
