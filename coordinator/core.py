@@ -1191,6 +1191,9 @@ def _on_incident_resolved(ctx: _Ctx, r: IncidentResolved) -> None:
         return
     resolution = r.resolution.strip().upper()
     if resolution == ReconcileResult.COMMITTED.value:
+        # Every incident asking about this step is settled by this person (an earlier
+        # run's too), before the commit would mark them "observed in the ledger".
+        _resolve_unknown_incidents(ctx, step, f"COMMITTED (by {r.resolved_by})")
         # The operator may know what the provider did: the compensation then gets it.
         _commit(
             ctx,
@@ -1202,7 +1205,6 @@ def _on_incident_resolved(ctx: _Ctx, r: IncidentResolved) -> None:
             "RESOLVED_COMMITTED",
             referable=False,
         )
-        _mark_resolved(ctx, incident.incident_id, f"COMMITTED (by {r.resolved_by})")
     elif resolution == ReconcileResult.NOT_FOUND.value:
         step.timers.pop(TimerPurpose.RECONCILE_RETRY, None)
         step.observation = "RESOLVED_NOT_FOUND"
