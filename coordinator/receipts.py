@@ -63,15 +63,16 @@ def step_receipt(step: StepState) -> StepReceipt:
 
 
 def unresolved(state: SagaState) -> list[str]:
-    """Step ids whose effect was handed to a person, then open incidents about
-    nothing else (as ``incident:<id>``)."""
-    steps = [s.step_id for s in state.steps.values() if disposition(s) is Disposition.ESCALATED]
+    """Step ids whose effect was handed to a person, then every other open incident
+    (as ``incident:<id>``): one about no step or a step not escalated, and one about
+    an escalated step other than the incident the step names (a participant's own,
+    say), which a person must deal with as well."""
+    escalated = [s for s in state.steps.values() if disposition(s) is Disposition.ESCALATED]
+    named = {s.incident_id for s in escalated if s.incident_id is not None}
     extra = [
-        f"incident:{i.incident_id}"
-        for i in state.open_incidents()
-        if i.step_id is None or i.step_id not in steps
+        f"incident:{i.incident_id}" for i in state.open_incidents() if i.incident_id not in named
     ]
-    return steps + extra
+    return [s.step_id for s in escalated] + extra
 
 
 def build_receipt(state: SagaState, status: TerminalStatus, ended_at: int) -> Receipt:

@@ -3,10 +3,11 @@ and what the text rendering (``saga show``, the dashboard) makes of it."""
 
 from __future__ import annotations
 
-from coordinator_ledger import fresh, incidents, receipt_of
+from coordinator_ledger import Ledger, fresh, incidents, receipt_of, terminal
 
 from sagaline.ops.actions import incident_resolved
-from schemas import SagaOutcome
+from sagaline.ops.receipts import render_receipt_text
+from schemas import FailureKind, IncidentRaised, SagaOutcome, TerminalStatus
 
 
 def test_an_unknown_outcome_settled_by_a_person_names_them_on_every_incident_R11_R14() -> None:
@@ -25,3 +26,44 @@ def test_an_unknown_outcome_settled_by_a_person_names_them_on_every_incident_R11
         first.incident_id: "COMMITTED (by carol)",
         again.incident_id: "COMMITTED (by carol)",
     }
+
+
+def _result_too_large(ledger: Ledger, step_id: str) -> IncidentRaised:
+    """What a participant's runtime raises when a tool's result is over the limit."""
+    return IncidentRaised(
+        envelope=ledger.env(IncidentRaised, "svc"),
+        incident_id=f"inc-large-{step_id}",
+        kind="result-too-large",
+        step_id=step_id,
+        tool=step_id,
+        inconsistency=f"{step_id} committed but returned too many bytes",
+        effect="committed; result not recorded",
+        owner="storage",
+    )
+
+
+def test_every_open_incident_of_an_escalated_saga_is_listed_unresolved_once_R14() -> None:
+    """hold's participant raised an incident of its own when hold committed; then the
+    saga unwound and hold's compensation failed (a second incident, the step's). Both
+    are open: both must be in ``unresolved`` (and ``SagaTerminal.unresolved``), and the
+    text names each once."""
+    ledger, h = fresh()
+    h.feed(
+        ledger.started(),
+        ledger.scheduled("hold"),
+        _result_too_large(ledger, "hold"),
+        ledger.committed("hold"),
+        ledger.scheduled("pay"),
+        ledger.failed("pay", kind=FailureKind.BUSINESS_REJECTION),
+    )
+    out = h.feed(ledger.comp_failed("hold", kind=FailureKind.BUSINESS_REJECTION))
+    receipt = receipt_of(out)
+    record = terminal(out)
+    assert record is not None and receipt.status is TerminalStatus.ESCALATED
+    [failed] = [i.incident_id for i in receipt.incidents if i.kind == "compensation-failed"]
+    assert h.s.steps["hold"].incident_id == failed
+    assert receipt.unresolved == ["hold", "incident:inc-large-hold"]
+    assert record.unresolved == receipt.unresolved
+    text = render_receipt_text(receipt)
+    assert text.count("inc-large-hold") == 1, text
+    assert text.count(failed) == 1, text

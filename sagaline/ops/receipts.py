@@ -133,6 +133,7 @@ def describe_receipt(receipt: Receipt) -> ReceiptStory:
     not_committed: list[Item] = []
 
     open_incidents = {i.incident_id: i for i in receipt.incidents if not i.resolved}
+    told: set[str] = set()  # the ``unresolved`` entries the pending items already name
     for step in receipt.steps:
         name = _step_name(step)
         if step.disposition is Disposition.READ_ONLY:
@@ -153,8 +154,10 @@ def describe_receipt(receipt: Receipt) -> ReceiptStory:
         if step.disposition is Disposition.ESCALATED:
             ref = f" (incident {step.incident_id})" if step.incident_id else ""
             raised = open_incidents.pop(step.incident_id or "", None)
+            told.add(step.step_id)
             what = ""
             if raised is not None:
+                told.add(f"incident:{raised.incident_id}")
                 where = f" on {', '.join(raised.resources)}" if raised.resources else ""
                 what = f" {raised.inconsistency}{where}. Still changed: {raised.effect}."
             pending.append(
@@ -185,6 +188,7 @@ def describe_receipt(receipt: Receipt) -> ReceiptStory:
             done.append(item)
 
     for incident in open_incidents.values():  # those not already told with their step
+        told.add(f"incident:{incident.incident_id}")
         where = f" on {', '.join(incident.resources)}" if incident.resources else ""
         pending.append(
             Item(
@@ -193,9 +197,8 @@ def describe_receipt(receipt: Receipt) -> ReceiptStory:
                 ((f"step {incident.step_id}",) if incident.step_id else ()),
             )
         )
-    listed = " ".join(i.text for i in pending)
     for text in receipt.unresolved:
-        if text not in listed:
+        if text not in told:
             pending.append(Item(f"Unresolved: {text}"))
 
     approvals = tuple(
