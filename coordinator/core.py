@@ -805,15 +805,23 @@ def _awaiting(step: StepState, purpose: ApprovalPurpose) -> PendingApproval | No
 
 
 def _log_approval(
-    ctx: _Ctx, step: StepState, purpose: ApprovalPurpose, decision: str, by: str, fp: str
+    ctx: _Ctx,
+    step: StepState,
+    purpose: ApprovalPurpose,
+    decision: str,
+    by: str,
+    fp: str,
+    principal: str | None = None,
 ) -> None:
+    """One line of the receipt's approvals: a grant is logged with the principal and
+    fingerprint it named (a refused one shows why it did not count)."""
     ctx.s.approvals.append(
         ApprovalRecord(
             step_id=step.step_id,
             purpose=purpose.value,
             decision=decision,
             by=by,
-            principal=ctx.s.principal,
+            principal=ctx.s.principal if principal is None else principal,
             args_fingerprint=fp,
             at=ctx.now,
         )
@@ -877,7 +885,7 @@ def _on_approval_granted(ctx: _Ctx, r: ApprovalGranted) -> None:
     expired = at > r.expires_at or at > pending.expires_at
     if problems:
         decision = "EXPIRED" if expired and len(problems) == 1 else "REJECTED_MISMATCH"
-        _log_approval(ctx, step, r.purpose, decision, r.granted_by, r.args_fingerprint)
+        _log_approval(ctx, step, r.purpose, decision, r.granted_by, r.args_fingerprint, r.principal)
         ctx.reject(r, RejectReason.APPROVAL_MISMATCH, "; ".join(problems))
         return
     _log_approval(ctx, step, r.purpose, "GRANTED", r.granted_by, r.args_fingerprint)

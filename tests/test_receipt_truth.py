@@ -3,11 +3,19 @@ and what the text rendering (``saga show``, the dashboard) makes of it."""
 
 from __future__ import annotations
 
-from coordinator_ledger import Ledger, fresh, incidents, receipt_of, terminal
+from coordinator_ledger import (
+    Ledger,
+    approval_requests,
+    fresh,
+    incidents,
+    receipt_of,
+    rejections,
+    terminal,
+)
 
 from sagaline.ops.actions import incident_resolved
 from sagaline.ops.receipts import render_receipt_text
-from schemas import FailureKind, IncidentRaised, SagaOutcome, TerminalStatus
+from schemas import FailureKind, IncidentRaised, Reversibility, SagaOutcome, TerminalStatus
 
 
 def test_an_unknown_outcome_settled_by_a_person_names_them_on_every_incident_R11_R14() -> None:
@@ -67,3 +75,24 @@ def test_every_open_incident_of_an_escalated_saga_is_listed_unresolved_once_R14(
     text = render_receipt_text(receipt)
     assert text.count("inc-large-hold") == 1, text
     assert text.count(failed) == 1, text
+
+
+def test_a_grant_that_did_not_count_shows_the_principal_it_named_R7_R14() -> None:
+    """mallory's grant names another principal than the saga's: the coordinator does
+    not count it. The receipt must show it under the principal it named (why it did
+    not count), not under the saga's, where it reads like alice's own approval."""
+    ledger, h = fresh()
+    h.feed(ledger.started())
+    [request] = approval_requests(
+        h.feed(ledger.scheduled("wire", reversibility=Reversibility.IRREVERSIBLE))
+    )
+    bad = ledger.grant(request, principal="mallory", granted_by="mallory")
+    assert [o.reason for o in rejections(h.feed(bad))] == ["approval-mismatch"]
+    h.feed(ledger.grant(request), ledger.committed("wire"))
+    receipt = receipt_of(h.feed(ledger.end(SagaOutcome.COMPLETE)))
+    assert [(a.decision, a.by, a.principal) for a in receipt.approvals] == [
+        ("REJECTED_MISMATCH", "mallory", "mallory"),
+        ("GRANTED", "bob", "alice"),
+    ]
+    text = render_receipt_text(receipt)
+    assert "principal mallory" in text, text
