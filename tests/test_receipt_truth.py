@@ -14,7 +14,7 @@ from coordinator_ledger import (
 )
 
 from sagaline.ops.actions import incident_resolved
-from sagaline.ops.receipts import render_receipt_text
+from sagaline.ops.receipts import format_ms, render_receipt_text
 from schemas import FailureKind, IncidentRaised, Reversibility, SagaOutcome, TerminalStatus
 
 
@@ -96,3 +96,26 @@ def test_a_grant_that_did_not_count_shows_the_principal_it_named_R7_R14() -> Non
     ]
     text = render_receipt_text(receipt)
     assert "principal mallory" in text, text
+
+
+def test_saga_show_text_names_every_intent_and_verification_like_the_json_R10_R14() -> None:
+    """``saga show`` (and the dashboard) print the receipt for a person; what --json
+    says about each intent and each verification must be there too."""
+    ledger, h = fresh()
+    h.feed(
+        ledger.started(),
+        ledger.scheduled("hold", has_verify=True),
+        ledger.intent("hold"),
+        ledger.committed("hold"),
+        ledger.scheduled("pay"),
+        ledger.intent("pay"),
+        ledger.failed("pay", kind=FailureKind.BUSINESS_REJECTION),
+    )
+    receipt = receipt_of(h.feed(ledger.comp_committed("hold", verified=False)))
+    hold, pay = receipt.steps
+    assert hold.intent_at is not None and pay.intent_at is not None
+    assert hold.verification == "FAILED"
+    text = render_receipt_text(receipt)
+    for step in (hold, pay):
+        assert f"intent recorded at {format_ms(step.intent_at)}" in text, text
+    assert "compensation verification: FAILED" in text, text

@@ -94,6 +94,8 @@ def _forward_details(step: StepReceipt) -> tuple[str, ...]:
         + ("; the pivot" if step.pivot else ""),
         f"forward attempts: {step.forward_attempts}; last observation: {step.observation}",
     ]
+    if step.intent_at is not None:
+        out.append(f"intent recorded at {format_ms(step.intent_at)}")
     if step.provider_operation_id:
         out.append(f"provider operation: {step.provider_operation_id}")
     if step.committed_at is not None:
@@ -113,6 +115,8 @@ def _compensation_details(step: StepReceipt) -> tuple[str, ...]:
         out.append(f"compensation operation: {step.compensation_provider_operation_id}")
     if step.compensation_key_hash:
         out.append(f"compensation key hash: {step.compensation_key_hash}")
+    if step.verification is not None:
+        out.append(f"compensation verification: {step.verification}")
     return tuple(out)
 
 
