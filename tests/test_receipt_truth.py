@@ -119,3 +119,17 @@ def test_saga_show_text_names_every_intent_and_verification_like_the_json_R10_R1
     for step in (hold, pay):
         assert f"intent recorded at {format_ms(step.intent_at)}" in text, text
     assert "compensation verification: FAILED" in text, text
+
+
+def test_an_approval_request_nobody_answered_is_not_shown_as_a_grant_R7_R14() -> None:
+    """The request expired with no answer: the receipt records it EXPIRED by "-". The
+    text must not call that an (expired) grant by "-": nobody granted anything."""
+    ledger, h = fresh()
+    h.feed(ledger.started())
+    h.feed(ledger.scheduled("wire", reversibility=Reversibility.IRREVERSIBLE))
+    h.feed(ledger.end(SagaOutcome.COMPLETE))
+    receipt = receipt_of(h.run_timers())
+    assert [(a.decision, a.by) for a in receipt.approvals] == [("EXPIRED", "-")]
+    text = render_receipt_text(receipt)
+    assert "grant" not in text.lower(), text
+    assert "request for step wire (forward) EXPIRED unanswered" in text, text

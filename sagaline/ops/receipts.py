@@ -19,7 +19,7 @@ import html
 from dataclasses import dataclass, field
 
 from schemas.models import Reversibility, TerminalStatus
-from schemas.receipt import Disposition, Receipt, StepReceipt
+from schemas.receipt import ApprovalRecord, Disposition, Receipt, StepReceipt
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,7 @@ _DECISION = {
     "EXPIRED": "EXPIRED grant (not counted)",
     "REJECTED_MISMATCH": "REJECTED grant, not matching the request (not counted)",
 }
+_UNANSWERED = "-"  # ``by`` of an approval request that expired with no decision
 
 
 def format_ms(epoch_ms: int | None) -> str:
@@ -126,6 +127,19 @@ def _verification_words(step: StepReceipt) -> str:
     if step.verification == "FAILED":
         return "undo ran but its verification FAILED"
     return "undone (the tool declares no verification)"
+
+
+def _approval_words(a: ApprovalRecord) -> str:
+    if a.decision == "EXPIRED" and a.by == _UNANSWERED:
+        # The coordinator's expiry timer: nobody decided, so there is no grant to name.
+        return (
+            f"request for step {a.step_id} ({a.purpose.lower()}) EXPIRED unanswered "
+            f"at {format_ms(a.at)}"
+        )
+    return (
+        f"{_DECISION.get(a.decision, a.decision.lower())} by {a.by} for step {a.step_id} "
+        f"({a.purpose.lower()}) at {format_ms(a.at)}"
+    )
 
 
 def describe_receipt(receipt: Receipt) -> ReceiptStory:
@@ -207,9 +221,7 @@ def describe_receipt(receipt: Receipt) -> ReceiptStory:
 
     approvals = tuple(
         Item(
-            f"{_DECISION.get(a.decision, a.decision.lower())} by {a.by} for step {a.step_id} "
-            f"({a.purpose.lower()}) "
-            f"at {format_ms(a.at)}",
+            _approval_words(a),
             (f"principal {a.principal}; arguments fingerprint {a.args_fingerprint}",),
         )
         for a in receipt.approvals
