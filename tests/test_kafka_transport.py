@@ -816,3 +816,22 @@ def test_a_new_producer_with_the_same_transactional_id_fences_the_old_one(
     with pytest.raises(KafkaException):
         old.commit_transaction(30)
     assert [m.value() for m in LedgerReader(transport).read(names.events)] == [b"new"]
+
+
+@pytest.mark.kafka
+def test_closing_a_writer_fails_every_record_it_could_not_deliver(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    """A record still undelivered when ``close()`` gives up (here: its topic does not
+    exist and auto-creation is off, so it waits for ever) is not dropped in silence:
+    its callback gets a DeliveryFailed saying so, and close() reports the count."""
+    names = TopicNames(unique_prefix)  # topics never created
+    writer = LedgerWriter(kafka_bootstrap, names, Signer(None), background_poll=True)
+    got: list[DeliveryFailed | None] = []
+    writer.append_then(example_records(saga_id="saga-c")[0], got.append)
+    left = writer.close(timeout_s=1)
+    assert len(got) == 1  # served before close() returns: nobody waits for ever
+    assert isinstance(got[0], DeliveryFailed)
+    assert got[0].topic == names.events
+    assert "closed" in str(got[0]) and "saga-c" in str(got[0])
+    assert left == 1

@@ -50,12 +50,19 @@ class DeliveryFailed(RuntimeError):
 # The broker's "too large" answers in a delivery report (MESSAGE_TOO_LARGE is also
 # what librdkafka itself raises from produce(), see _refused).
 _SIZE_CODES = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
+# What a record still queued or in flight when LedgerWriter.close() purges it gets.
+_PURGED_CODES = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
 
 
 def _rejected(err: KafkaError, topic: str, what: str) -> DeliveryFailed:
     """The :class:`DeliveryFailed` for a delivery report with ``err``; one refused for
     its size says so (and that retrying is useless)."""
-    if err.code() in _SIZE_CODES:
+    if err.code() in _PURGED_CODES:
+        message = (
+            f"{what} was not delivered to {topic} before its writer was closed ({err.str()}): "
+            "it may or may not be in the log"
+        )
+    elif err.code() in _SIZE_CODES:
         message = (
             f"the broker refused {what} on {topic} for its size ({err.str()}): the topic's "
             "max.message.bytes is below it, so it can never be written"
@@ -359,12 +366,28 @@ class LedgerWriter:
             polled=self._poller is not None,
         )
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Deliver whatever is still queued (nothing, after acknowledged writes)."""
-        self.producer.flush(timeout_s)
+    def close(self, timeout_s: float = 10.0) -> int:
+        """Deliver whatever is still queued (nothing, after acknowledged writes), for up
+        to ``timeout_s``; returns how many records were still undelivered then.
+
+        Those are given up, not dropped in silence: before this returns, each one's
+        delivery callback (:meth:`send_then`, :meth:`append_then`, a
+        :meth:`begin_append` wait) gets a :class:`DeliveryFailed` saying its writer was
+        closed first (it may or may not be in the log), and a warning says how many."""
+        left = self.producer.flush(timeout_s)
+        if left:
+            log.warning(
+                "ledger writer closed with %d record(s) not acknowledged within %.0f s: "
+                "each is reported as not delivered",
+                left,
+                timeout_s,
+            )
+            self.producer.purge(in_queue=True, in_flight=True, blocking=True)
+            self.producer.flush(timeout_s)  # serves the purged records' reports
         self._closed.set()
         if self._poller is not None:
             self._poller.join(timeout_s)
+        return left
 
 
 class _Inbox:
