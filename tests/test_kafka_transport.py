@@ -32,6 +32,7 @@ from sagaline.kafka import (
     LedgerWriter,
     Producer,
     RecordTooLarge,
+    TopicSetupError,
     create_admin,
     create_consumer,
     create_producer,
@@ -835,3 +836,34 @@ def test_closing_a_writer_fails_every_record_it_could_not_deliver(
     assert got[0].topic == names.events
     assert "closed" in str(got[0]) and "saga-c" in str(got[0])
     assert left == 1
+
+
+class _SlowAdmin:
+    """An admin client whose topic creations are never answered (a broker that takes
+    the request and does not reply within the timeout)."""
+
+    def __init__(self, admin: Any) -> None:
+        self._admin = admin
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._admin, name)
+
+    def create_topics(self, new_topics: list[NewTopic], **_: Any) -> dict[str, Any]:
+        from concurrent.futures import Future
+
+        return {t.topic: Future() for t in new_topics}
+
+
+@pytest.mark.kafka
+def test_a_topic_creation_that_times_out_is_a_setup_error_naming_the_topic(
+    transport: str, unique_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sagaline.kafka._topics as topics_module
+
+    monkeypatch.setattr(
+        topics_module, "create_admin", lambda config: _SlowAdmin(create_admin(config))
+    )
+    names = TopicNames(unique_prefix)
+    with pytest.raises(TopicSetupError, match=re.escape(unique_prefix)) as caught:
+        ensure_topics(transport, names, [], 1, timeout_s=1)
+    assert "no answer" in str(caught.value)

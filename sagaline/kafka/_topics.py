@@ -71,10 +71,17 @@ def ensure_topics(
         else {}
     )
     created: list[str] = []
+    answer_by = time.monotonic() + timeout_s  # one wait for them all, not one each
     for name, future in futures.items():
         try:
-            future.result(timeout=timeout_s)
+            future.result(timeout=max(0.0, answer_by - time.monotonic()))
             created.append(name)
+        except TimeoutError as exc:
+            raise TopicSetupError(
+                f"cannot create topic {name!r} on {config.bootstrap}: no answer from the "
+                f"broker within {timeout_s:.0f} s (is it reachable and healthy? it may "
+                "still create the topic: run again to check)"
+            ) from exc
         except KafkaException as exc:
             err: Any = exc.args[0] if exc.args else None
             if getattr(err, "code", lambda: None)() == KafkaError.TOPIC_ALREADY_EXISTS:
