@@ -1406,8 +1406,13 @@ class ParticipantRuntime:
             # member gets them: it must not run a command that is still running here.
             # Bounded: a tool that does not return must not hold the rebalance (every
             # member waits for it); what is unfinished then is given up, uncommitted.
+            # consumer.close() revokes too, after work.close() finished what was running
+            # and dropped what was queued: nothing is left to wait for then (a dropped
+            # command never finishes here, and waiting for it held the stop for
+            # revoke_drain_s); only what is done is committed.
             moves.moved(partitions)
-            self._work.drain({p.partition for p in partitions}, self.revoke_drain_s)
+            within = 0.0 if self._work._closing else self.revoke_drain_s
+            self._work.drain({p.partition for p in partitions}, within)
             try:
                 self._commit(c, asynchronous=False)
             except KafkaException as exc:  # lost, not revoked: the next owner redelivers

@@ -1001,3 +1001,33 @@ def test_a_failed_start_up_closes_the_consumer_and_the_journal(
     assert closed == ["consumer"]
     with pytest.raises(sqlite3.ProgrammingError):  # closed
         runtime.journal.get("c")
+
+
+def test_a_stop_with_a_command_queued_ends_and_leaves_it_to_the_next_run(
+    harness: Harness,
+) -> None:
+    """A stop finishes the running command and drops the queued ones, their offsets
+    uncommitted (read again by the next run). consumer.close() then revokes the
+    partitions (librdkafka's close() serves on_revoke): that revoke must not wait for
+    the dropped command, which never finishes here (the stop hung for revoke_drain_s),
+    nor commit past it."""
+    runtime, thread = harness.runtime, harness.thread
+    assert runtime is not None and thread is not None
+    runtime.revoke_drain_s = 3600.0  # a drain waiting for the dropped command never ends
+    harness.shop.answer_gates["a"] = gate = threading.Event()
+    harness.send(harness.execute("s1", {"sku": "a", "quantity": 1}))
+    harness.send(harness.execute("s2", {"sku": "b", "quantity": 1}))  # same saga: queued
+    wait_until(
+        lambda: harness.shop.count("reserve") == 1 and runtime._work.pending == 2,
+        what="s1's tool running and s2 queued behind it",
+    )
+    runtime.stop()
+    wait_until(lambda: runtime._work._closing, what="the loop closing its work")
+    gate.set()  # s1 finishes; s2 was dropped
+    thread.join(120)
+    assert not thread.is_alive(), "the stop waited for the command it dropped"
+    assert [c.step_id for c in _of(harness.records(), StepCommitted)] == ["s1"]
+    harness.start()  # the next run reads s2 again (its offset was not committed)
+    records = harness.wait_for(lambda rs: len(_of(rs, StepCommitted)) == 2)
+    assert [c.step_id for c in _of(records, StepCommitted)] == ["s1", "s2"]
+    assert harness.shop.count("reserve") == 2
