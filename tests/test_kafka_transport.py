@@ -867,3 +867,86 @@ def test_a_topic_creation_that_times_out_is_a_setup_error_naming_the_topic(
     with pytest.raises(TopicSetupError, match=re.escape(unique_prefix)) as caught:
         ensure_topics(transport, names, [], 1, timeout_s=1)
     assert "no answer" in str(caught.value)
+
+
+class _UndescribedAdmin:
+    """An admin client to whose principal the broker lists ``topic`` with an error
+    (what a metadata request naming a topic without DESCRIBE on it returns)."""
+
+    def __init__(self, admin: Any, topic: str, error: KafkaError) -> None:
+        self._admin = admin
+        self._topic = topic
+        self._error = error
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._admin, name)
+
+    def list_topics(self, *args: Any, **kwargs: Any) -> Any:
+        from types import SimpleNamespace
+
+        metadata = self._admin.list_topics(*args, **kwargs)
+        topics = dict(metadata.topics)
+        topics[self._topic] = SimpleNamespace(topic=self._topic, partitions={}, error=self._error)
+        return SimpleNamespace(topics=topics, brokers=metadata.brokers)
+
+
+def test_a_topic_listed_with_a_broker_error_is_a_setup_error_naming_it_at_once(
+    unique_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not "not visible after creation" once the timeout has passed: the broker said
+    why (here: no DESCRIBE on it), and no wait makes that go away. In memory: a broker
+    lists a topic with such an error only to a request naming it, which the listing
+    here stands in for."""
+    import sagaline.kafka._topics as topics_module
+
+    memory = f"memory://{unique_prefix.strip('.')}"
+    names = TopicNames(unique_prefix)
+    denied = KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED)
+    monkeypatch.setattr(
+        topics_module,
+        "create_admin",
+        lambda config: _UndescribedAdmin(create_admin(config), names.events, denied),
+    )
+    with pytest.raises(TopicSetupError, match=re.escape(repr(names.events))) as caught:
+        ensure_topics(memory, names, [], 1, timeout_s=1)
+    assert "TOPIC_AUTHORIZATION_FAILED" in str(caught.value)
+    assert "not visible" not in str(caught.value)
+
+
+class _HidingAdmin:
+    """An admin client whose principal may not DESCRIBE ``topic``: a broker leaves it
+    out of the topic listing, and refuses to create it as already existing."""
+
+    def __init__(self, admin: Any, topic: str) -> None:
+        self._admin = admin
+        self._topic = topic
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._admin, name)
+
+    def list_topics(self, *args: Any, **kwargs: Any) -> Any:
+        from types import SimpleNamespace
+
+        metadata = self._admin.list_topics(*args, **kwargs)
+        topics = {k: v for k, v in metadata.topics.items() if k != self._topic}
+        return SimpleNamespace(topics=topics, brokers=metadata.brokers)
+
+
+def test_an_existing_topic_the_client_cannot_describe_is_named_as_such(
+    unique_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It is not "not visible after creation" with no word of why: the broker said
+    it exists, so the likely cause (no DESCRIBE on it) is named with it."""
+    import sagaline.kafka._topics as topics_module
+
+    memory = f"memory://{unique_prefix.strip('.')}"
+    names = TopicNames(unique_prefix)
+    ensure_topics(memory, names, [], 1)
+    monkeypatch.setattr(
+        topics_module,
+        "create_admin",
+        lambda config: _HidingAdmin(create_admin(config), names.events),
+    )
+    with pytest.raises(TopicSetupError, match=re.escape(names.events)) as caught:
+        ensure_topics(memory, names, [], 1, timeout_s=1)
+    assert "exists but does not list it" in str(caught.value)

@@ -27,6 +27,12 @@ class TopicSetupError(RuntimeError):
     """A topic could not be created, or exists with settings that break the design."""
 
 
+# A topic's error in the metadata that no wait makes go away (others, such as
+# LEADER_NOT_AVAILABLE just after creation, clear up). librdkafka marks no metadata
+# error retriable, so the codes are listed here.
+_REFUSED = frozenset({KafkaError.TOPIC_AUTHORIZATION_FAILED})
+
+
 def ensure_topics(
     bootstrap: str | ClientConfig,
     names: TopicNames,
@@ -71,6 +77,7 @@ def ensure_topics(
         else {}
     )
     created: list[str] = []
+    unlisted: list[str] = []  # "already exists", yet not listed: created meanwhile, or hidden
     answer_by = time.monotonic() + timeout_s  # one wait for them all, not one each
     for name, future in futures.items():
         try:
@@ -85,6 +92,7 @@ def ensure_topics(
         except KafkaException as exc:
             err: Any = exc.args[0] if exc.args else None
             if getattr(err, "code", lambda: None)() == KafkaError.TOPIC_ALREADY_EXISTS:
+                unlisted.append(name)
                 continue
             raise TopicSetupError(
                 f"cannot create topic {name!r} on {config.bootstrap}: {exc}"
@@ -94,6 +102,17 @@ def ensure_topics(
     deadline = time.monotonic() + timeout_s
     while True:
         metadata = admin.list_topics(timeout=timeout_s)
+        errors = {
+            s.name: t.error
+            for s in specs
+            if (t := metadata.topics.get(s.name)) is not None and t.error is not None
+        }
+        for name, error in errors.items():
+            if error.code() in _REFUSED:
+                raise TopicSetupError(
+                    f"topic {name!r} on {config.bootstrap} is refused to this client: {error} "
+                    "(docs/deploying.md lists the ACLs each service needs)"
+                )
         invisible = [
             s.name
             for s in specs
@@ -102,9 +121,16 @@ def ensure_topics(
         if not invisible:
             break
         if time.monotonic() > deadline:
+            why = [f"{name}: {errors[name]}" for name in invisible if name in errors]
+            why += [
+                f"{name}: the broker says it exists but does not list it (no DESCRIBE on "
+                "it for this client? docs/deploying.md)"
+                for name in invisible
+                if name in unlisted and name not in errors
+            ]
             raise TopicSetupError(
                 f"topics {invisible} are not visible on {config.bootstrap} {timeout_s:.0f} s "
-                "after creation"
+                "after creation" + (f" ({'; '.join(why)})" if why else "")
             )
         time.sleep(0.1)
     for spec in specs:
