@@ -232,6 +232,7 @@ _UNKNOWN_OUTCOME = "unknown-outcome"
 _UNKNOWN_OUTCOME_NO_LOOKUP = "unknown-outcome-no-lookup"
 _SETTLES_UNKNOWN = frozenset({_UNKNOWN_OUTCOME, _UNKNOWN_OUTCOME_NO_LOOKUP})
 _FORWARD_FAILED_AFTER_PIVOT = "forward-failed-after-pivot"
+_WINDOW_EXPIRED = "reversal-window-expired"
 
 
 class _Ctx:
@@ -1110,6 +1111,20 @@ def _on_compensation_committed(ctx: _Ctx, r: CompensationCommitted) -> None:
         TimerPurpose.COMPLETION_DEADLINE,
     ):
         step.timers.pop(purpose, None)
+    if step.window_expired:
+        _undone_after_window(ctx, step)
+
+
+def _undone_after_window(ctx: _Ctx, step: StepState) -> None:
+    """R13, R14: the compensation in flight when the window passed committed after all
+    (and verified, where declared: R12). Its incident said the effect may remain; the
+    ledger says it is undone, so the ledger settles it, as ``_obligation_met`` does for
+    a forward step. Left open, the saga ended ESCALATED on a claim the ledger refutes."""
+    how = "and verified " if step.verification == "PASSED" else ""
+    step.note = f"compensated {how}after its reversal window expired"
+    for incident in ctx.s.open_incidents():
+        if incident.kind == _WINDOW_EXPIRED and incident.step_id == step.step_id:
+            _mark_resolved(ctx, incident.incident_id, f"COMPENSATED {how}(observed in the ledger)")
 
 
 def _on_compensation_failed(ctx: _Ctx, r: CompensationFailed) -> None:
@@ -1649,14 +1664,14 @@ def _expire_window(ctx: _Ctx, step: StepState) -> None:
         StepStatus.COMPENSATION_RETRY_WAIT,
     ):
         step.window_expired = True
-        _compensation_failed_finally(ctx, step, "reversal-window-expired", why)
+        _compensation_failed_finally(ctx, step, _WINDOW_EXPIRED, why)
     elif step.status in (StepStatus.COMPENSATING, StepStatus.COMPENSATION_ACCEPTED):
         # Already sent: its outcome is still recorded truthfully, but a person is told now
         # and no further attempt is made.
         step.window_expired = True
         _raise_incident(
             ctx,
-            "reversal-window-expired",
+            _WINDOW_EXPIRED,
             step,
             f"{step.contract.tool} (step {step.step_id}) may not be undone: {why}",
             _effect(step),

@@ -732,6 +732,73 @@ def test_expired_reversal_window_becomes_an_incident_R13() -> None:
     assert receipt_of(out).status is TerminalStatus.ESCALATED
 
 
+def _window_passes_in_flight(*, accepted: bool = False) -> tuple[Ledger, Harness, str]:
+    """booking's compensation (with a declared verification) is in flight when its
+    reversal window passes: the incident is raised at once, the step stays in flight."""
+    ledger, h = failing_after(
+        "booking", reversal_window_ms=1_000, has_verify=True, completion_within_ms=60_000
+    )
+    assert compensates(h.outputs) == ["booking"]
+    if accepted:
+        h.feed(ledger.comp_accepted("booking"))
+    window = h.s.steps["booking"].reversal_deadline
+    assert window is not None
+    [raised] = incidents(h.advance(window - h.now))
+    assert raised.kind == "reversal-window-expired"
+    assert terminal(h.outputs) is None
+    return ledger, h, raised.incident_id
+
+
+@pytest.mark.parametrize("accepted", [False, True])
+def test_compensation_verified_after_the_window_passed_settles_its_incident_R13_R14(
+    accepted: bool,
+) -> None:
+    """The compensation that was in flight when the window passed committed and its
+    verification passed: the ledger says the effect is undone, so the window's incident
+    is settled by it, as a late forward commit settles its obligation. Left open, the
+    saga ended ESCALATED and the receipt listed the step both as undone and verified
+    and as "Still changed: effect remains in the world"."""
+    ledger, h, incident_id = _window_passes_in_flight(accepted=accepted)
+    out = h.feed(ledger.comp_committed("booking", verified=True))
+    receipt = receipt_of(out)
+    assert receipt.status is TerminalStatus.COMPENSATED
+    [step] = [s for s in receipt.steps if s.step_id == "booking"]
+    assert step.disposition is Disposition.COMPENSATED and step.verification == "PASSED"
+    [incident] = [i for i in receipt.incidents if i.incident_id == incident_id]
+    assert incident.resolved
+    assert incident.resolution is not None and "COMPENSATED" in incident.resolution
+    assert receipt.unresolved == []
+
+
+def test_compensation_failing_verification_after_the_window_leaves_its_incident_R12_R13() -> None:
+    ledger, h, incident_id = _window_passes_in_flight()
+    out = h.feed(ledger.comp_committed("booking", verified=False))
+    receipt = receipt_of(out)
+    assert receipt.status is TerminalStatus.ESCALATED
+    assert [i.incident_id for i in receipt.incidents if not i.resolved] == [incident_id]
+
+
+def test_compensation_failing_after_the_window_leaves_its_incident_R13() -> None:
+    ledger, h, incident_id = _window_passes_in_flight()
+    out = h.feed(ledger.comp_failed("booking"))
+    assert compensates(out) == []  # no further attempt past the window
+    receipt = receipt_of(out)
+    assert receipt.status is TerminalStatus.ESCALATED
+    assert [i.incident_id for i in receipt.incidents if not i.resolved] == [incident_id]
+
+
+def test_compensation_only_accepted_after_the_window_leaves_its_incident_R12_R13() -> None:
+    ledger, h, incident_id = _window_passes_in_flight(accepted=True)
+    out = h.run_timers()  # the completion wait passes with no completion
+    receipt = receipt_of(out)
+    assert receipt.status is TerminalStatus.ESCALATED
+    assert [i.incident_id for i in receipt.incidents if not i.resolved] == [incident_id]
+    # a completion arriving after that changes nothing: a person owns it
+    assert terminal(h.feed(ledger.comp_committed("booking", verified=True))) is None
+    still = h.s.incident(incident_id)
+    assert still is not None and not still.resolved
+
+
 def test_compensation_requiring_approval_asks_before_compensating_R13() -> None:
     ledger, h = failing_after("refund", compensation_approval=CompensationApproval.REQUIRE)
     [request] = approval_requests(h.outputs)

@@ -133,3 +133,28 @@ def test_an_approval_request_nobody_answered_is_not_shown_as_a_grant_R7_R14() ->
     text = render_receipt_text(receipt)
     assert "grant" not in text.lower(), text
     assert "request for step wire (forward) EXPIRED unanswered" in text, text
+
+
+def test_a_compensation_verified_after_its_window_passed_is_not_also_still_changed_R13_R14() -> (
+    None
+):
+    """booking's compensation was in flight when its reversal window passed, then
+    committed and its verification passed. ``saga show`` listed it as undone and
+    verified and, in the same receipt, as "Still changed: ... effect remains in the
+    world" under a pending incident."""
+    ledger, h = fresh()
+    h.feed(
+        ledger.started(),
+        ledger.scheduled("booking", reversal_window_ms=1_000, has_verify=True),
+        ledger.committed("booking"),
+        ledger.scheduled("boom"),
+        ledger.failed("boom", kind=FailureKind.BUSINESS_REJECTION),
+    )
+    deadline = h.s.steps["booking"].reversal_deadline
+    assert deadline is not None
+    [raised] = incidents(h.advance(deadline - h.now))
+    assert raised.kind == "reversal-window-expired"
+    receipt = receipt_of(h.feed(ledger.comp_committed("booking", verified=True)))
+    text = render_receipt_text(receipt)
+    assert "Still changed" not in text, text
+    assert receipt.status is TerminalStatus.COMPENSATED, text
