@@ -864,6 +864,15 @@ def ensure_running(
             shutil.rmtree(state / DATA_DIR, ignore_errors=True)
             (state / CLUSTER_ID_FILE).unlink(missing_ok=True)
             pid = None
+        if pid is not None and not bootstrap and _is_our_broker(pid, state):
+            # An `up` stopped (Ctrl-C, killed) after starting the broker and before it
+            # answered: the broker is ours, on the ports written before its start.
+            # Adopt it; a second JVM on the same data dir would die on its lock.
+            saved = (_read(state / PORTS_FILE) or "").split()
+            if saved and saved[0].isdigit():
+                bootstrap = f"{HOST}:{saved[0]}"
+            else:
+                _terminate(pid, DEFAULT_STOP_TIMEOUT)
         if pid is not None and bootstrap and _is_our_broker(pid, state):
             wanted_port = port or (int(os.environ.get("SAGALINE_KAFKA_PORT") or 0) or None)
             if wanted_port is not None and bootstrap != f"{HOST}:{wanted_port}":
@@ -880,6 +889,8 @@ def ensure_running(
             running_port = int(bootstrap.rpartition(":")[2])
             try:
                 _wait_ready(state, pid, bootstrap, running_port, min(wait, 60.0))
+                if _read(state / BOOTSTRAP_FILE) != bootstrap:  # adopted just above
+                    (state / BOOTSTRAP_FILE).write_text(bootstrap + "\n")
                 return UpResult(bootstrap, False, pid, recorded_version or "?", state)
             except StartupError:
                 _terminate(pid, DEFAULT_STOP_TIMEOUT)  # alive but deaf: restart it
@@ -903,10 +914,10 @@ def ensure_running(
         _format(java, libs, state)
         bootstrap = f"{HOST}:{p}"
         pid = _spawn(java, libs, state)
-        (state / PID_FILE).write_text(f"{pid}\n")
         try:
+            (state / PID_FILE).write_text(f"{pid}\n")
             _wait_ready(state, pid, bootstrap, p, wait)
-        except KafkaLauncherError:
+        except BaseException:  # a failed start, or Ctrl-C: leave no half-started broker
             _terminate(pid, 5.0)
             (state / PID_FILE).unlink(missing_ok=True)
             raise

@@ -242,6 +242,55 @@ def test_up_fresh_restarts_on_an_empty_data_dir_with_the_same_address(
         kafka_local.down(state)
 
 
+@pytest.mark.kafka
+def test_up_after_an_interrupted_up_reuses_the_half_started_broker(tmp_path: Path) -> None:
+    """An `up` stopped (Ctrl-C, killed) after it started the broker but before it
+    answered leaves a running broker with a pid file and no bootstrap file. The next
+    `up` must adopt that broker, not start a second JVM on the same data dir (which
+    dies on the data-dir lock and leaves the first one running, unstoppable)."""
+    state = tmp_path / "broker"
+    first = _local_or_skip(state_dir=state)
+    try:
+        (state / "bootstrap").unlink()  # what an interrupted up leaves behind
+        second = kafka_local.ensure_running(state, timeout=120)
+        assert second.pid == first.pid and not second.started
+        assert second.bootstrap == first.bootstrap
+        assert (state / "bootstrap").read_text().strip() == first.bootstrap
+    finally:
+        kafka_local.down(state)
+    assert not kafka_local._pid_alive(first.pid)
+
+
+def test_up_interrupted_while_waiting_stops_the_broker_it_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C during `up`'s wait for the broker stops the JVM it just started."""
+    spawned: list[int] = []
+    real_spawn = kafka_local._spawn
+
+    def spawn(*args: object, **kwargs: object) -> int:
+        pid = real_spawn(*args, **kwargs)  # type: ignore[arg-type]
+        spawned.append(pid)
+        return pid
+
+    def interrupted(*_args: object, **_kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kafka_local, "_spawn", spawn)
+    monkeypatch.setattr(kafka_local, "_wait_ready", interrupted)
+    state = tmp_path / "broker"
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _local_or_skip(state_dir=state)
+        assert len(spawned) == 1
+        assert not kafka_local._pid_alive(spawned[0])
+        assert not (state / "broker.pid").exists()
+    finally:
+        for pid in spawned:
+            if kafka_local._is_our_broker(pid, state.resolve()):
+                os.kill(pid, signal.SIGKILL)
+
+
 # ----------------------------------------------------------------- unit level
 
 
