@@ -196,13 +196,19 @@ class BrokerStatus:
 
 
 def default_cache_dir() -> Path:
-    """``$SAGALINE_CACHE_DIR``, else ``$XDG_CACHE_HOME/sagaline``, else ``~/.cache/sagaline``."""
+    """``$SAGALINE_CACHE_DIR``, else ``$XDG_CACHE_HOME/sagaline``, else ``~/.cache/sagaline``.
+
+    Always absolute (a relative setting is taken from the current directory): the
+    broker runs with its state dir as working directory, where a relative jar or
+    config path would point nowhere. Not resolved, so a running broker's command
+    line, which names this path, still matches it.
+    """
     env = os.environ.get("SAGALINE_CACHE_DIR")
     if env:
-        return Path(env).expanduser()
+        return Path(env).expanduser().absolute()
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "sagaline"
+    return (base / "sagaline").absolute()
 
 
 def default_state_dir() -> Path:
@@ -373,7 +379,7 @@ def resolve_jars(
     candidate wins (so an offline machine keeps working); otherwise the candidates
     are resolved in order until one succeeds.
     """
-    cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    cache = Path(cache_dir).expanduser().absolute() if cache_dir else default_cache_dir()
     pinned = version or os.environ.get("SAGALINE_KAFKA_VERSION") or None
     candidates = (pinned,) if pinned else CANDIDATE_VERSIONS
     for v in candidates:

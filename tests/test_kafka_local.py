@@ -261,6 +261,19 @@ def test_up_after_an_interrupted_up_reuses_the_half_started_broker(tmp_path: Pat
     assert not kafka_local._pid_alive(first.pid)
 
 
+def test_relative_cache_dir_gives_absolute_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`SAGALINE_CACHE_DIR=.cache sagaline kafka up`: the broker runs with its state
+    dir as working directory, so a relative state dir or jar dir would point
+    nowhere (java cannot find kafka.Kafka, or reads the wrong config)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SAGALINE_CACHE_DIR", "rel-cache")
+    assert kafka_local.default_cache_dir() == tmp_path.resolve() / "rel-cache"
+    assert kafka_local.default_state_dir() == tmp_path.resolve() / "rel-cache" / "broker"
+    assert kafka_local.default_cluster_dir(3).is_absolute()
+
+
 def test_up_interrupted_while_waiting_stops_the_broker_it_started(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
