@@ -615,8 +615,10 @@ def _is_our_broker(pid: int, state: Path) -> bool:
     if not _pid_alive(pid):
         return False
     cmd = _cmdline(pid)
-    if not cmd:  # no /proc (not Linux): trust the pid
-        return True
+    if not cmd:
+        # No /proc (not Linux): trust the pid. With /proc, an empty command line is
+        # a kernel thread (a pid reused after a reboot), never our JVM.
+        return not Path("/proc/self/cmdline").exists()
     return "kafka.Kafka" in cmd and str(state / SERVER_PROPERTIES) in cmd
 
 

@@ -353,6 +353,34 @@ def test_status_and_down_of_an_empty_state_dir(tmp_path: Path) -> None:
     assert cli_main(["kafka", "status", "--state-dir", str(tmp_path)]) == 1
 
 
+def _kernel_thread_pid() -> int | None:
+    """A live process with an empty command line (a kernel thread), if /proc shows one."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if not (entry / "cmdline").read_bytes() and " Z " not in (entry / "stat").read_text():
+                return int(entry.name)
+        except OSError:
+            continue
+    return None
+
+
+def test_a_stale_pid_naming_a_kernel_thread_is_not_our_broker(tmp_path: Path) -> None:
+    """After a reboot the pid file can name a kernel thread (empty /proc cmdline). It
+    is not our broker: `up` must not wait for it and signal it, `down` must not
+    claim to have stopped it."""
+    pid = _kernel_thread_pid()
+    if pid is None:
+        pytest.skip("no kernel thread visible in /proc here")
+    (tmp_path / "broker.pid").write_text(f"{pid}\n")
+    (tmp_path / "bootstrap").write_text("127.0.0.1:9\n")
+    st = kafka_local.status(tmp_path)
+    assert not st.running
+    assert "stale pid file" in st.detail
+    assert kafka_local.down(tmp_path) is False  # nothing of ours was running
+
+
 def test_missing_tools_give_an_actionable_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kafka_local.shutil, "which", lambda _name: None)
     monkeypatch.setenv("SAGALINE_NO_APT", "1")
