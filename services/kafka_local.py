@@ -863,6 +863,15 @@ def ensure_running(
     state = _state(state_dir)
     wait = _start_timeout(timeout)
     with _locked(state):
+        size = _cluster_size(state)
+        if size is not None:
+            # `down`/`status` on this dir act on the cluster: a single broker started
+            # here could never be stopped.
+            raise KafkaLauncherError(
+                f"{state} holds a {size}-node cluster, not a single broker: use "
+                f"`sagaline kafka up --brokers {size} --state-dir {state}`, or another "
+                "--state-dir for a single broker."
+            )
         pid = _read_pid(state)
         bootstrap = _read(state / BOOTSTRAP_FILE)
         recorded_version = _read(state / VERSION_FILE)

@@ -381,6 +381,20 @@ def test_a_stale_pid_naming_a_kernel_thread_is_not_our_broker(tmp_path: Path) ->
     assert kafka_local.down(tmp_path) is False  # nothing of ours was running
 
 
+def test_up_on_a_cluster_state_dir_is_refused(tmp_path: Path) -> None:
+    """`up --state-dir <a cluster's dir>` (no --brokers) must not start a single broker
+    there: `down`/`status` on that dir act on the cluster, so nothing could stop it."""
+    (tmp_path / "nodes").write_text("3\n")
+    with pytest.raises(kafka_local.KafkaLauncherError, match="3-node cluster"):
+        try:
+            res = kafka_local.ensure_running(tmp_path, timeout=120)
+        except kafka_local.ToolMissingError:
+            pytest.skip("no Java/Maven here")
+        else:
+            os.kill(res.pid, signal.SIGKILL)  # the broker `down` could not have stopped
+    assert not (tmp_path / "broker.pid").exists()
+
+
 def test_missing_tools_give_an_actionable_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kafka_local.shutil, "which", lambda _name: None)
     monkeypatch.setenv("SAGALINE_NO_APT", "1")
