@@ -446,6 +446,8 @@ def _port_freed(port: int, timeout: float = PORT_RELEASE_WAIT) -> bool:
 
 def ensure_port_free(port: int, host: str = HOST, *, what: str = "Kafka") -> None:
     """Raise :class:`PortInUseError` if ``host:port`` cannot be bound."""
+    if not 0 < port < 65536:
+        raise KafkaLauncherError(f"{what} port {port} is not a TCP port (1-65535).")
     if not _port_free(port, host):
         raise PortInUseError(
             f"{what} port {host}:{port} is already in use by another process. Stop "
@@ -675,9 +677,8 @@ def _choose_ports(state: Path, port: int | None, controller_port: int | None) ->
     saved = (_read(state / PORTS_FILE) or "").split()
     saved_port = int(saved[0]) if len(saved) == 2 and saved[0].isdigit() else None
     saved_cport = int(saved[1]) if len(saved) == 2 and saved[1].isdigit() else None
-    env_port = os.environ.get("SAGALINE_KAFKA_PORT")
-    if port is None and env_port:
-        port = int(env_port)
+    if port is None:
+        port = _env_port()
 
     def pick(explicit: int | None, remembered: int | None, what: str, avoid: int) -> int:
         if explicit is not None:
@@ -823,11 +824,32 @@ def _terminate(pid: int, timeout: float) -> None:
         time.sleep(0.1)
 
 
+def _env_number(name: str, kind: type[int] | type[float]) -> int | float | None:
+    """A numeric launcher variable, or None when unset; a malformed one is a
+    :class:`KafkaLauncherError` naming it (not a traceback)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = -1
+    if value <= 0 or (kind is int and value > 65535):
+        what = "a port number" if kind is int else "a number of seconds"
+        raise KafkaLauncherError(f"{name}={raw!r} is not {what}; fix or unset it.")
+    return value
+
+
+def _env_port() -> int | None:
+    port = _env_number("SAGALINE_KAFKA_PORT", int)
+    return None if port is None else int(port)
+
+
 def _start_timeout(timeout: float | None) -> float:
     if timeout is not None:
         return timeout
-    env = os.environ.get("SAGALINE_KAFKA_START_TIMEOUT")
-    return float(env) if env else DEFAULT_START_TIMEOUT
+    env = _env_number("SAGALINE_KAFKA_START_TIMEOUT", float)
+    return float(env) if env is not None else DEFAULT_START_TIMEOUT
 
 
 # --------------------------------------------------------------------------- API
@@ -862,6 +884,7 @@ def ensure_running(
     """
     state = _state(state_dir)
     wait = _start_timeout(timeout)
+    env_port = _env_port()
     with _locked(state):
         size = _cluster_size(state)
         if size is not None:
@@ -891,7 +914,7 @@ def ensure_running(
             else:
                 _terminate(pid, DEFAULT_STOP_TIMEOUT)
         if pid is not None and bootstrap and _is_our_broker(pid, state):
-            wanted_port = port or (int(os.environ.get("SAGALINE_KAFKA_PORT") or 0) or None)
+            wanted_port = port or env_port
             if wanted_port is not None and bootstrap != f"{HOST}:{wanted_port}":
                 raise PortInUseError(
                     f"the local broker already runs on {bootstrap} (pid {pid}), not on port "

@@ -395,6 +395,36 @@ def test_up_on_a_cluster_state_dir_is_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "broker.pid").exists()
 
 
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("SAGALINE_KAFKA_START_TIMEOUT", "2min"),
+        ("SAGALINE_KAFKA_PORT", "nine-thousand"),
+        ("SAGALINE_KAFKA_PORT", "90920"),
+    ],
+)
+def test_a_malformed_launcher_variable_is_a_clear_error_not_a_traceback(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    name: str,
+    value: str,
+) -> None:
+    monkeypatch.setenv(name, value)
+    assert cli_main(["kafka", "up", "--state-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert name in err and repr(value) in err
+    assert not (tmp_path / "broker.pid").exists()
+
+
+def test_a_port_out_of_range_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli_main(["kafka", "up", "--state-dir", str(tmp_path), "--port", "90920"]) == 1
+    assert "90920 is not a TCP port" in capsys.readouterr().err
+    assert not (tmp_path / "broker.pid").exists()
+
+
 def test_missing_tools_give_an_actionable_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kafka_local.shutil, "which", lambda _name: None)
     monkeypatch.setenv("SAGALINE_NO_APT", "1")
