@@ -425,6 +425,20 @@ def test_a_port_out_of_range_is_a_clear_error(
     assert not (tmp_path / "broker.pid").exists()
 
 
+def test_up_fresh_never_deletes_a_data_dir_the_launcher_did_not_make(tmp_path: Path) -> None:
+    """`up --fresh --state-dir DIR` empties DIR/data: only when DIR is a broker state
+    dir of ours, never someone's own `data/` folder (a mistyped --state-dir)."""
+    precious = tmp_path / "data" / "precious.csv"
+    precious.parent.mkdir()
+    precious.write_text("keep me\n")
+    try:
+        with pytest.raises(kafka_local.KafkaLauncherError, match="not a broker state dir"):
+            _local_or_skip(state_dir=tmp_path, fresh=True, timeout=120)
+    finally:
+        kafka_local.down(tmp_path)
+    assert precious.read_text() == "keep me\n"
+
+
 def test_missing_tools_give_an_actionable_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kafka_local.shutil, "which", lambda _name: None)
     monkeypatch.setenv("SAGALINE_NO_APT", "1")
