@@ -303,6 +303,8 @@ class DemoRun:
     violations: list[Violation] = field(default_factory=list)
     stop_codes: dict[str, int | None] = field(default_factory=dict)
     exit_code: int = 1
+    fault_problems: list[str] = field(default_factory=list)  # faults that failed
+    faults_closed: threading.Event = field(default_factory=threading.Event, repr=False)
 
 
 @dataclass(frozen=True)
@@ -537,40 +539,55 @@ def _fault_injector(
 
     def apply_all() -> None:
         for name, after, fault in sorted(jobs, key=lambda j: j[1]):
-            if not board.wait_count(after, opts.timeout_s):
-                return
-            if fault is not None:
-                terminal, compensating = board.terminal_count(), board.counts()[COMPENSATING]
-                event = FaultEvent(
-                    name, None, None, terminal, compensating, detail=fault.act(supervisor)
+            while not board.wait_count(after, 1.0):
+                if run.faults_closed.is_set():
+                    return
+            try:
+                event = apply(name, fault)
+            except Exception as exc:  # the run fails naming it; the schedule goes on
+                problem = (
+                    f"{name} (due after {after} terminal sagas) failed: {type(exc).__name__}: {exc}"
                 )
+                run.fault_problems.append(problem)
+                display.log(f"fault FAILED: {problem}")
+            else:
                 run.faults.append(event)
                 display.log(f"fault: {event}")
-                gate.fired()
-                continue
-            if name == "coordinator":
-                # Aim for the middle of a compensation (issue 4's acceptance), but do
-                # not wait for one forever, nor until the run is over: a compensation
-                # lasts tens of ms and a fast run ends in seconds.
-                wait_until(
-                    lambda: (
-                        board.counts()[COMPENSATING] > 0 or board.terminal_count() >= opts.sagas - 2
-                    ),
-                    15.0,
-                    0.01,
-                )
-            process = supervisor.processes[name]
-            old, terminal = process.pid, board.terminal_count()
-            compensating = board.counts()[COMPENSATING]
-            process.kill9()
-            process.start()
-            event = FaultEvent(name, old, process.pid, terminal, compensating)
-            run.faults.append(event)
-            display.log(f"fault: {event}")
             gate.fired()
+
+    def apply(name: str, fault: DemoFault | None) -> FaultEvent:
+        if fault is not None:
+            with supervisor.lock:
+                _refuse_after_the_run(run, supervisor)
+                terminal, compensating = board.terminal_count(), board.counts()[COMPENSATING]
+                return FaultEvent(
+                    name, None, None, terminal, compensating, detail=fault.act(supervisor)
+                )
+        if name == "coordinator":
+            # Aim for the middle of a compensation (issue 4's acceptance), but do
+            # not wait for one forever, nor until the run is over: a compensation
+            # lasts tens of ms and a fast run ends in seconds.
+            wait_until(
+                lambda: (
+                    board.counts()[COMPENSATING] > 0 or board.terminal_count() >= opts.sagas - 2
+                ),
+                15.0,
+                0.01,
+            )
+        with supervisor.lock:
+            _refuse_after_the_run(run, supervisor)
+            terminal, compensating = board.terminal_count(), board.counts()[COMPENSATING]
+            old, new = supervisor.restart(name)
+        return FaultEvent(name, old, new, terminal, compensating)
 
     threading.Thread(target=inject, name="fault-injector", daemon=True).start()
     return gate
+
+
+def _refuse_after_the_run(run: DemoRun, supervisor: Supervisor) -> None:
+    """Under ``supervisor.lock``: no fault once the run has ended or is stopping."""
+    if run.faults_closed.is_set() or supervisor.stopping:
+        raise ProcessFailed("not applied: the run had already ended")
 
 
 def _run(run: DemoRun, supervisor: Supervisor) -> int:
@@ -616,12 +633,15 @@ def _run(run: DemoRun, supervisor: Supervisor) -> int:
         outcomes = agent.run_all(plans, opts.concurrency, gate=gate)
         all_terminal = board.wait_terminal(set(run.saga_of.values()), opts.timeout_s)
         run.ended_at = time.monotonic()
+        with supervisor.lock:  # a fault under way ends first; none starts after this
+            run.faults_closed.set()
         display.stop()
         crashed = supervisor.crashed()
         if crashed:
             _say(f"services that exited on their own: {crashed} (logs in {run.state_dir}/logs)")
         return _summarise(run, settings, outcomes, operator, all_terminal)
     finally:
+        run.faults_closed.set()
         display._stop.set()
         follower.stop()
         operator.stop()
@@ -676,6 +696,8 @@ def _summarise(
     _say(f"  agents       {total - aborted} asked to complete, {aborted} aborted on a call error")
     for event in run.faults:
         _say(f"  fault        {event}")
+    for problem in run.fault_problems:
+        _say(f"  fault FAILED {problem}")
 
     _say()
     _say(_scenario_table(run, ours))
@@ -697,7 +719,7 @@ def _summarise(
     run.receipts, run.violations = ours, violations
     _say()
     _say(_invariant_report(world, ours, violations, run.state_dir))
-    ok = all_terminal and not violations and len(ours) == total
+    ok = all_terminal and not violations and len(ours) == total and not run.fault_problems
     _say()
     _say(
         "demo OK: every saga is terminal and each provider's own state agrees with the receipts"

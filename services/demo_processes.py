@@ -125,12 +125,34 @@ class Supervisor:
     def __init__(self, bootstrap: str) -> None:
         self.bootstrap = bootstrap
         self.processes: dict[str, ManagedProcess] = {}
+        # Held by whatever starts or kills processes from another thread (a fault
+        # test, the fault injector) and by stop_all: once the run is stopping,
+        # nothing starts a service again behind its back.
+        self.lock = threading.RLock()
+        self.stopping = False
 
     def start(self, spec: ServiceSpec) -> ManagedProcess:
-        process = ManagedProcess(spec)
-        self.processes[spec.name] = process
-        process.start()
-        return process
+        with self.lock:
+            self._refuse_if_stopping(spec.name)
+            process = ManagedProcess(spec)
+            self.processes[spec.name] = process
+            process.start()
+            return process
+
+    def restart(self, name: str) -> tuple[int | None, int | None]:
+        """``kill -9`` service ``name`` and start it again; (old pid, new pid).
+        Raises :class:`ProcessFailed` once the run is stopping."""
+        with self.lock:
+            self._refuse_if_stopping(name)
+            process = self.processes[name]
+            old = process.pid
+            process.kill9()
+            process.start()
+            return old, process.pid
+
+    def _refuse_if_stopping(self, name: str) -> None:
+        if self.stopping:
+            raise ProcessFailed(f"{name} not started: the run is stopping every process")
 
     def wait_ready(self, names: Sequence[str], timeout_s: float = 90.0) -> None:
         """Block until every named service's consumer group owns all its partitions.
@@ -178,10 +200,12 @@ class Supervisor:
 
     def stop_all(self, timeout_s: float = 15.0) -> dict[str, int | None]:
         """Stop every process (reverse start order); returns their exit codes."""
-        codes: dict[str, int | None] = {}
-        for name in reversed(list(self.processes)):
-            codes[name] = self.processes[name].stop(timeout_s)
-        return codes
+        with self.lock:  # waits for a restart under way, then refuses any later one
+            self.stopping = True
+            codes: dict[str, int | None] = {}
+            for name in reversed(list(self.processes)):
+                codes[name] = self.processes[name].stop(timeout_s)
+            return codes
 
 
 def release_in_background(holder: list[Any]) -> None:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import threading
+from pathlib import Path
 
-from services.demo import FaultGate
+from services.demo import DemoFault, DemoOptions, DemoRun, FaultGate, _fault_injector
+from services.demo_processes import ManagedProcess, ServiceSpec, Supervisor
+from services.demo_progress import ProgressDisplay, SagaBoard
 
 
 def _start(gate: FaultGate, index: int) -> threading.Thread:
@@ -33,3 +37,91 @@ def test_a_later_saga_waits_until_the_fault_has_fired() -> None:
     gate.open()  # the injector ended (all applied, or it gave up): nobody waits
     later.join(30)
     assert not later.is_alive()
+
+
+# ------------------------------------------------------------- the fault injector
+
+
+class _FakeProcess(ManagedProcess):
+    """A service that records what was done to it instead of running anything."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(ServiceSpec(name, [], {}, Path("/nonexistent") / f"{name}.log"))
+        self.calls: list[str] = []
+
+    def start(self) -> None:
+        self.calls.append("start")
+        self.starts += 1
+
+    def kill9(self) -> None:
+        self.calls.append("kill9")
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        self.calls.append("stop")
+        return 0
+
+
+class _DoneBoard(SagaBoard):
+    """Every saga the injector waits for is already terminal."""
+
+    def wait_count(self, count: int, timeout_s: float) -> bool:
+        return True
+
+
+def _demo(tmp_path: Path, **options: object) -> DemoRun:
+    fields: dict[str, object] = {"sagas": 10, "concurrency": 2, "ui": False, **options}
+    return DemoRun(
+        options=DemoOptions(**fields),  # type: ignore[arg-type]
+        run_id="test",
+        prefix="test.",
+        state_dir=tmp_path,
+        bootstrap="unused:0",
+        tickets=[],
+        scenarios={},
+    )
+
+
+def _inject(run: DemoRun, supervisor: Supervisor) -> list[threading.ExceptHookArgs]:
+    """Run the run's fault schedule to its end; the exceptions its thread leaked."""
+    leaked: list[threading.ExceptHookArgs] = []
+    board = _DoneBoard()
+    display = ProgressDisplay(board, 10, live=False, out=io.StringIO())
+    previous = threading.excepthook
+    threading.excepthook = leaked.append
+    try:
+        assert _fault_injector(run, supervisor, board, display) is not None
+        for thread in threading.enumerate():
+            if thread.name == "fault-injector":
+                thread.join(60)
+    finally:
+        threading.excepthook = previous
+    return leaked
+
+
+def test_a_fault_that_raises_fails_the_run_instead_of_dying_in_its_thread(
+    tmp_path: Path,
+) -> None:
+    """A DemoFault whose act raised killed the injector thread with a traceback and the
+    run went on (and could end "demo OK") as if the fault had happened."""
+
+    def broken(_supervisor: Supervisor) -> str:
+        raise RuntimeError("the broker would not stop")
+
+    run = _demo(tmp_path, faults=(DemoFault(3, "broker", broken),))
+    leaked = _inject(run, Supervisor("unused:0"))
+    assert not leaked, f"the injector thread died: {leaked[0].exc_value!r}"
+    assert run.faults == []
+    assert any("broker" in p and "the broker would not stop" in p for p in run.fault_problems)
+
+
+def test_a_kill_due_after_the_demo_stopped_everything_restarts_nothing(tmp_path: Path) -> None:
+    """The injector restarted a service after stop_all (the demo stopping): a
+    participant left running after the demo said it had stopped everything."""
+    supervisor = Supervisor("unused:0")
+    inventory = _FakeProcess("inventory")
+    supervisor.processes["inventory"] = inventory
+    supervisor.stop_all()
+    run = _demo(tmp_path, kill_service="inventory", kill_after=3)
+    _inject(run, supervisor)
+    assert inventory.calls == ["stop"], "a service was started again after stop_all"
+    assert run.fault_problems, "the kill that did not happen is not reported"
