@@ -305,6 +305,7 @@ class DemoRun:
     exit_code: int = 1
     fault_problems: list[str] = field(default_factory=list)  # faults that failed
     faults_closed: threading.Event = field(default_factory=threading.Event, repr=False)
+    fault_thread: threading.Thread | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -538,12 +539,20 @@ def _fault_injector(
             gate.open()
 
     def apply_all() -> None:
-        for name, after, fault in sorted(jobs, key=lambda j: j[1]):
-            while not board.wait_count(after, 1.0):
-                if run.faults_closed.is_set():
-                    return
+        ordered = sorted(jobs, key=lambda j: j[1])
+        for index, (name, after, fault) in enumerate(ordered):
             try:
+                while not board.wait_count(after, 1.0):
+                    if run.faults_closed.is_set():
+                        raise _RunOver
                 event = apply(name, fault)
+            except _RunOver:
+                for late, late_after, _fault in ordered[index:]:
+                    run.fault_problems.append(
+                        f"{late} (due after {late_after} terminal sagas) never fired: the run"
+                        f" ended with {board.terminal_count()} of {opts.sagas} sagas terminal"
+                    )
+                return
             except Exception as exc:  # the run fails naming it; the schedule goes on
                 problem = (
                     f"{name} (due after {after} terminal sagas) failed: {type(exc).__name__}: {exc}"
@@ -553,6 +562,11 @@ def _fault_injector(
             else:
                 run.faults.append(event)
                 display.log(f"fault: {event}")
+                if event.terminal_before >= opts.sagas:
+                    run.fault_problems.append(
+                        f"{name} (due after {after} terminal sagas) fired only after all"
+                        f" {opts.sagas} sagas had ended: it exercised nothing"
+                    )
             gate.fired()
 
     def apply(name: str, fault: DemoFault | None) -> FaultEvent:
@@ -580,13 +594,20 @@ def _fault_injector(
             old, new = supervisor.restart(name)
         return FaultEvent(name, old, new, terminal, compensating)
 
-    threading.Thread(target=inject, name="fault-injector", daemon=True).start()
+    run.fault_thread = threading.Thread(target=inject, name="fault-injector", daemon=True)
+    run.fault_thread.start()
     return gate
+
+
+class _RunOver(Exception):
+    """The run ended (every saga terminal, or it gave up) before a fault was due."""
 
 
 def _refuse_after_the_run(run: DemoRun, supervisor: Supervisor) -> None:
     """Under ``supervisor.lock``: no fault once the run has ended or is stopping."""
-    if run.faults_closed.is_set() or supervisor.stopping:
+    if run.faults_closed.is_set():
+        raise _RunOver
+    if supervisor.stopping:
         raise ProcessFailed("not applied: the run had already ended")
 
 
@@ -635,6 +656,8 @@ def _run(run: DemoRun, supervisor: Supervisor) -> int:
         run.ended_at = time.monotonic()
         with supervisor.lock:  # a fault under way ends first; none starts after this
             run.faults_closed.set()
+        if run.fault_thread is not None:  # it notes the faults that never fired
+            run.fault_thread.join(60)
         display.stop()
         crashed = supervisor.crashed()
         if crashed:
@@ -873,6 +896,22 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if (args.kill_service is None) != (args.kill_after is None):
         print("--kill-service and --kill-after go together", file=sys.stderr)
         return 2
+    # A kill lands mid-run only if some saga is held back until it has fired
+    # (FaultGate): saga number K + concurrency must exist.
+    latest = args.sagas - args.concurrency - 1
+    for flag, after in (
+        ("--kill-after", args.kill_after),
+        ("--kill-coordinator-after", args.kill_coordinator_after),
+    ):
+        if after and after > latest:
+            print(
+                f"{flag} {after}: must be below --sagas minus --concurrency"
+                f" ({args.sagas} - {args.concurrency} = {args.sagas - args.concurrency}),"
+                " or the kill may come after the last saga ended, or never; raise --sagas"
+                " or lower --concurrency",
+                file=sys.stderr,
+            )
+            return 2
     options = DemoOptions(
         sagas=args.sagas,
         seed=args.seed,

@@ -6,6 +6,9 @@ import io
 import threading
 from pathlib import Path
 
+import pytest
+
+from services.cli import build_parser
 from services.demo import DemoFault, DemoOptions, DemoRun, FaultGate, _fault_injector
 from services.demo_processes import ManagedProcess, ServiceSpec, Supervisor
 from services.demo_progress import ProgressDisplay, SagaBoard
@@ -125,3 +128,56 @@ def test_a_kill_due_after_the_demo_stopped_everything_restarts_nothing(tmp_path:
     _inject(run, supervisor)
     assert inventory.calls == ["stop"], "a service was started again after stop_all"
     assert run.fault_problems, "the kill that did not happen is not reported"
+
+
+class _NeverBoard(SagaBoard):
+    """The sagas end without ever reaching the count a fault waits for."""
+
+    def wait_count(self, count: int, timeout_s: float) -> bool:
+        return False
+
+
+def test_a_kill_that_never_fired_before_the_run_ended_fails_the_run(tmp_path: Path) -> None:
+    """--kill-after at or above what the run reaches: the kill never fired, nothing
+    said so and the run could end "demo OK"."""
+    run = _demo(tmp_path, kill_service="inventory", kill_after=9, timeout_s=1)
+    supervisor = Supervisor("unused:0")
+    inventory = _FakeProcess("inventory")
+    supervisor.processes["inventory"] = inventory
+    board = _NeverBoard()
+    display = ProgressDisplay(board, 10, live=False, out=io.StringIO())
+    assert _fault_injector(run, supervisor, board, display) is not None
+    with supervisor.lock:  # the run is over: every saga ended
+        run.faults_closed.set()
+    for thread in threading.enumerate():
+        if thread.name == "fault-injector":
+            thread.join(60)
+    assert inventory.calls == []
+    assert any("inventory" in p and "never fired" in p for p in run.fault_problems), (
+        run.fault_problems
+    )
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--sagas", "20", "--kill-service", "inventory", "--kill-after", "10"],
+        ["--sagas", "20", "--concurrency", "4", "--kill-service", "payments", "--kill-after", "16"],
+        ["--sagas", "5", "--kill-coordinator-after", "5"],
+    ],
+)
+def test_a_kill_due_too_late_to_land_mid_run_is_a_usage_error(
+    flags: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No saga waits for a kill due after K terminal sagas when K >= sagas - concurrency:
+    it may fire after the last saga, or never (K >= sagas), and the run said OK."""
+    import services.demo as demo
+
+    def must_not_run(_options: demo.DemoOptions) -> demo.DemoRun:
+        raise AssertionError("the demo ran with a kill that cannot land mid-run")
+
+    monkeypatch.setattr(demo, "run_demo", must_not_run)
+    monkeypatch.setattr(demo, "_interrupt_on", lambda *_signals: None)
+    args = build_parser().parse_args(["demo", "--no-ui", *flags])
+    assert args.func(args) == 2
+    assert "--sagas minus --concurrency" in capsys.readouterr().err
