@@ -543,7 +543,7 @@ def _fault_injector(
         for index, (name, after, fault) in enumerate(ordered):
             try:
                 while not board.wait_count(after, 1.0):
-                    if run.faults_closed.is_set():
+                    if run.faults_closed.is_set() or board.failure is not None:
                         raise _RunOver
                 event = apply(name, fault)
             except _RunOver:
@@ -629,7 +629,11 @@ def _run(run: DemoRun, supervisor: Supervisor) -> int:
     board = SagaBoard()
     operator = DemoOperator(OperatorChannel.from_settings(settings, run.bootstrap), OPERATOR)
     follower = LedgerFollower(
-        run.bootstrap, settings.topics.events, settings.signer(), [board.apply, operator.observe]
+        run.bootstrap,
+        settings.topics.events,
+        settings.signer(),
+        [board.apply, operator.observe],
+        on_failure=board.abandon,
     )
     live = opts.ui and sys.stdout.isatty()
     display = ProgressDisplay(board, len(plans), live=live)
@@ -654,6 +658,8 @@ def _run(run: DemoRun, supervisor: Supervisor) -> int:
         outcomes = agent.run_all(plans, opts.concurrency, gate=gate)
         all_terminal = board.wait_terminal(set(run.saga_of.values()), opts.timeout_s)
         run.ended_at = time.monotonic()
+        if board.failure is not None:
+            raise ProcessFailed(f"{board.failure}; the sagas' endings are unknown")
         with supervisor.lock:  # a fault under way ends first; none starts after this
             run.faults_closed.set()
         if run.fault_thread is not None:  # it notes the faults that never fired
@@ -851,7 +857,9 @@ def run_agent(
 
         handlers.append(approve_ours)
         operator.start()
-    follower = LedgerFollower(bootstrap, settings.topics.events, settings.signer(), handlers)
+    follower = LedgerFollower(
+        bootstrap, settings.topics.events, settings.signer(), handlers, on_failure=board.abandon
+    )
     client.start()
     follower.start()
     started = time.monotonic()
@@ -869,6 +877,9 @@ def run_agent(
             print(fixed, flush=True)
         outcomes = agent.run_all(plans, concurrency)
         done = board.wait_terminal(ours, timeout_s)
+        if board.failure is not None:
+            print(f"sagaline agent run: {board.failure}", file=sys.stderr)
+            return 1
         terminal = board.terminal()
         statuses = Counter(terminal[s].status.value for s in ours if s in terminal)
         elapsed = time.monotonic() - started

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
 
-from sagaline.kafka import OFFSET_BEGINNING, TopicPartition, create_consumer
+from sagaline.kafka import OFFSET_BEGINNING, KafkaException, TopicPartition, create_consumer
 from sagaline.ops.actions import OperatorActionError, OperatorChannel, grant_approval
 from schemas.errors import CodecError
 from schemas.models import (
@@ -66,7 +66,15 @@ class SagaBoard:
         self._status: dict[str, str] = {}
         self._terminal: dict[str, SagaTerminal] = {}
         self.incidents: dict[str, list[IncidentRaised]] = {}
+        self.failure: str | None = None  # why the board stopped hearing of the ledger
         self._cond = threading.Condition()
+
+    def abandon(self, reason: str) -> None:
+        """No more records will come (the ledger follower failed): every wait ends
+        now, returning False, and :attr:`failure` says why."""
+        with self._cond:
+            self.failure = reason
+            self._cond.notify_all()
 
     def apply(self, record: Record) -> None:
         with self._cond:
@@ -113,7 +121,7 @@ class SagaBoard:
         with self._cond:
             while not saga_ids <= self._terminal.keys():
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or self.failure is not None:
                     return False
                 self._cond.wait(min(left, 1.0))
             return True
@@ -124,14 +132,18 @@ class SagaBoard:
         with self._cond:
             while len(self._terminal) < count:
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or self.failure is not None:
                     return False
                 self._cond.wait(min(left, 1.0))
             return True
 
 
 class LedgerFollower:
-    """One background consumer of the run's ledger, fanning records out to handlers."""
+    """One background consumer of the run's ledger, fanning records out to handlers.
+
+    If it cannot follow the ledger (no metadata, no such topic, a handler raised) it
+    stops, sets :attr:`failure` and calls ``on_failure`` with the reason, so nobody
+    waits for records that will never come."""
 
     def __init__(
         self,
@@ -139,11 +151,14 @@ class LedgerFollower:
         topic: str,
         signer: Signer,
         handlers: list[Callable[[Record], None]],
+        on_failure: Callable[[str], None] | None = None,
     ) -> None:
         self.bootstrap = bootstrap
         self.topic = topic
         self.signer = signer
         self.handlers = handlers
+        self.on_failure = on_failure
+        self.failure: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ledger-follower", daemon=True)
         self.records = 0
@@ -156,9 +171,22 @@ class LedgerFollower:
         self._thread.join(10)
 
     def _run(self) -> None:
+        try:
+            self._follow()
+        except Exception as exc:  # not a thread traceback: the waiters learn why
+            error = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
+            text = getattr(error, "str", None)
+            words = text() if callable(text) else exc
+            self.failure = f"cannot follow the ledger {self.topic}: {words}"
+            if self.on_failure is not None:
+                self.on_failure(self.failure)
+
+    def _follow(self) -> None:
         consumer = create_consumer(self.bootstrap, f"demo-follower-{uuid.uuid4().hex[:8]}")
         try:
             meta = consumer.list_topics(self.topic, timeout=30).topics[self.topic]
+            if meta.error is not None or not meta.partitions:
+                raise LookupError(f"no such topic on {self.bootstrap} ({meta.error})")
             consumer.assign(
                 [TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in meta.partitions]
             )

@@ -8,6 +8,9 @@ from __future__ import annotations
 import io
 from collections import Counter
 
+import pytest
+from confluent_kafka import KafkaError, KafkaException
+
 from schemas import envelope_for
 from schemas.models import (
     ApprovalGranted,
@@ -20,7 +23,9 @@ from schemas.models import (
     SagaTerminal,
     TerminalStatus,
 )
-from services.demo_progress import STATUSES, ProgressDisplay, SagaBoard
+from schemas.signing import Signer
+from services import demo_progress
+from services.demo_progress import STATUSES, LedgerFollower, ProgressDisplay, SagaBoard
 
 
 def env(cls: type[Record], saga: str) -> Envelope:
@@ -133,3 +138,57 @@ def test_on_a_terminal_the_table_is_redrawn_in_place() -> None:
     lines = len(display.render(board.counts(), 0.0))
     assert f"\x1b[{lines}F\x1b[J" in text  # cursor back up over the previous table
     assert "running" in text and "0/1 terminal" in text
+
+
+# -------------------------------------------------------------- the ledger follower
+
+
+class _UnreachableConsumer:
+    """A consumer whose broker does not answer the metadata request."""
+
+    def list_topics(self, *_args: object, **_kwargs: object) -> object:
+        raise KafkaException(KafkaError(KafkaError._TRANSPORT, "all brokers down"))
+
+    def close(self) -> None:
+        pass
+
+
+def _follow(bootstrap: str, topic: str) -> tuple[SagaBoard, LedgerFollower]:
+    board = SagaBoard()
+    follower = LedgerFollower(
+        bootstrap, topic, Signer(b"k"), [board.apply], on_failure=board.abandon
+    )
+    follower.start()
+    return board, follower
+
+
+def test_a_follower_that_cannot_read_the_ledger_ends_the_wait_and_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """list_topics failing killed the follower's thread; the demo then waited its whole
+    --timeout (300 s) and reported every saga "NOT terminal", never the cause."""
+    monkeypatch.setattr(demo_progress, "create_consumer", lambda *_a: _UnreachableConsumer())
+    board, follower = _follow("unused:0", "demo.sagaline.events")
+    try:
+        ended = board.wait_terminal({"s1"}, timeout_s=120)
+        assert getattr(board, "failure", None), "the wait ran out its timeout, cause unsaid"
+        assert not ended
+        assert "all brokers down" in str(board.failure)
+        assert "demo.sagaline.events" in str(board.failure)
+    finally:
+        follower.stop()
+
+
+@pytest.mark.kafka
+def test_a_follower_on_a_ledger_topic_that_does_not_exist_says_so(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    """A missing topic: the follower assigned no partition and read nothing, silently."""
+    topic = f"{unique_prefix}sagaline.events"
+    board, follower = _follow(kafka_bootstrap, topic)
+    try:
+        assert not board.wait_terminal({"s1"}, timeout_s=120)
+        assert getattr(board, "failure", None), "the wait ran out its timeout, cause unsaid"
+        assert topic in str(board.failure)
+    finally:
+        follower.stop()
