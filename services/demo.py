@@ -57,7 +57,13 @@ from schemas.receipt import Receipt
 from schemas.settings import Settings
 from schemas.topics import DEFAULT_PARTITIONS
 from services.cli import PARENT_PID_VAR
-from services.demo_invariants import ProviderWorld, Violation, check_invariants, read_world
+from services.demo_invariants import (
+    ProviderFileUnreadable,
+    ProviderWorld,
+    Violation,
+    check_invariants,
+    read_world,
+)
 from services.demo_processes import ProcessFailed, ServiceSpec, Supervisor, python_env, wait_until
 from services.demo_progress import (
     COMPENSATING,
@@ -743,9 +749,17 @@ def _summarise(
         )
         _say(_indent(render_receipt_text(sample), "  "))
 
-    world = read_world(run.state_dir)
+    run.receipts = ours
+    try:
+        world = read_world(run.state_dir)
+    except ProviderFileUnreadable as exc:
+        _say()
+        _say(f"Invariant NOT checked: {exc}")
+        _say()
+        _say("demo FAILED: see above")
+        return 1
     violations = check_invariants(ours.values(), world, expected_sagas=run.saga_of.values())
-    run.receipts, run.violations = ours, violations
+    run.violations = violations
     _say()
     _say(_invariant_report(world, ours, violations, run.state_dir))
     ok = all_terminal and not violations and len(ours) == total and not run.fault_problems

@@ -45,6 +45,7 @@ from services.refund.providers import (
 __all__ = [
     "FORWARD_EFFECTS",
     "ProviderEffect",
+    "ProviderFileUnreadable",
     "ProviderWorld",
     "Violation",
     "check_invariants",
@@ -361,6 +362,11 @@ _FILES: Mapping[str, str] = {
 }
 
 
+class ProviderFileUnreadable(RuntimeError):
+    """A provider's SQLite file exists but cannot be read as one: the invariant
+    cannot be checked (it is not an empty world)."""
+
+
 def _connect_read_only(path: Path) -> sqlite3.Connection:
     try:
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
@@ -375,14 +381,18 @@ def _connect_read_only(path: Path) -> sqlite3.Connection:
 def _rows(conn: sqlite3.Connection, sql: str) -> list[tuple[Any, ...]]:
     try:
         return list(conn.execute(sql).fetchall())
-    except sqlite3.OperationalError:
-        return []  # the provider never created the table (it never ran)
+    except sqlite3.OperationalError as exc:
+        if str(exc).startswith("no such table"):
+            return []  # the provider never created the table (it never ran)
+        raise
 
 
 def read_world(state_dir: Path) -> ProviderWorld:
     """Open each provider's SQLite file under ``state_dir/<participant>/`` read-only.
 
-    A provider that never started has no file: it contributes nothing.
+    A provider that never started has no file (or no tables): it contributes
+    nothing. A file that exists but cannot be read raises
+    :class:`ProviderFileUnreadable` naming it.
     """
     effects: list[ProviderEffect] = []
     tables: dict[str, list[tuple[Any, ...]]] = {}
@@ -399,17 +409,20 @@ def read_world(state_dir: Path) -> ProviderWorld:
         path = Path(state_dir) / provider / file_name
         if not path.exists():
             continue
-        conn = _connect_read_only(path)
         try:
-            for kind, key, op, detail in _rows(
-                conn,
-                "SELECT kind, idempotency_key, operation_id, detail FROM effects ORDER BY seq",
-            ):
-                effects.append(ProviderEffect(provider, kind, key, op, orjson.loads(detail)))
-            for table, sql in queries.get(provider, {}).items():
-                tables[table] = _rows(conn, sql)
-        finally:
-            conn.close()
+            conn = _connect_read_only(path)
+            try:
+                for kind, key, op, detail in _rows(
+                    conn,
+                    "SELECT kind, idempotency_key, operation_id, detail FROM effects ORDER BY seq",
+                ):
+                    effects.append(ProviderEffect(provider, kind, key, op, orjson.loads(detail)))
+                for table, sql in queries.get(provider, {}).items():
+                    tables[table] = _rows(conn, sql)
+            finally:
+                conn.close()
+        except sqlite3.DatabaseError as exc:  # OperationalError included
+            raise ProviderFileUnreadable(f"cannot read {provider}'s file {path}: {exc}") from exc
     emails = tables.get("emails", [])
     return ProviderWorld(
         effects=tuple(effects),

@@ -8,13 +8,17 @@ against real provider files.
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
+
+import pytest
 
 from schemas.keys import key_hash
 from schemas.models import Reversibility, TerminalStatus
 from schemas.receipt import Disposition, IncidentRecord, Receipt, StepReceipt
 from services.demo_invariants import (
     ProviderEffect,
+    ProviderFileUnreadable,
     ProviderWorld,
     Violation,
     check_invariants,
@@ -291,3 +295,36 @@ def test_a_world_changing_step_the_receipt_calls_read_only_is_a_violation() -> N
     world = ProviderWorld(effects=[hold_placed()], holds={"hold-1": "active"})
     violations = check_invariants([lying], world)
     assert any(v.saga_id == "saga-1" and "read-only" in v.message for v in violations), violations
+
+
+def test_a_provider_file_that_cannot_be_read_is_an_error_not_an_empty_world(
+    tmp_path: Path,
+) -> None:
+    """Every sqlite3.OperationalError read as "the table was never created": an
+    unreadable provider file counted as a provider that did nothing, so the invariant
+    could pass on no data at all."""
+    (tmp_path / "payments" / PaymentsProvider.file_name).mkdir(parents=True)
+    with pytest.raises(ProviderFileUnreadable, match="payments"):
+        read_world(tmp_path)
+
+
+def test_a_provider_file_of_another_shape_is_an_error_not_an_empty_world(
+    tmp_path: Path,
+) -> None:
+    """A table without the columns the check reads ("no such column") is not "never
+    created" either."""
+    (tmp_path / "inventory").mkdir()
+    conn = sqlite3.connect(tmp_path / "inventory" / InventoryProvider.file_name)
+    conn.execute("CREATE TABLE effects (seq INTEGER, kind TEXT)")
+    conn.execute("INSERT INTO effects VALUES (1, 'hold.placed')")
+    conn.commit()
+    conn.close()
+    with pytest.raises(ProviderFileUnreadable, match="no such column"):
+        read_world(tmp_path)
+
+
+def test_a_provider_that_never_created_a_table_contributes_nothing(tmp_path: Path) -> None:
+    (tmp_path / "mailer").mkdir()
+    sqlite3.connect(tmp_path / "mailer" / MailerProvider.file_name).close()
+    world = read_world(tmp_path)
+    assert world.effects == () and world.reply_credits == {}
