@@ -258,3 +258,83 @@ def test_an_irreversible_step_that_ran_after_its_approval_expired_is_a_failed_ca
 
     assert result.verdict is Verdict.FAILED, result
     assert "approval expired" in result.detail
+
+
+def _case(
+    seam: Seam, disposition: Disposition, status: TerminalStatus, *, fired: bool
+) -> tuple[object, str]:
+    """A one-step case whose saga ended with step 1 ``disposition``; its fault fired or not."""
+    saga_id = f"drill-{seam.value}-1-abc"
+    ended = receipt(
+        status,
+        [
+            step(
+                "s01-place_hold",
+                "place_hold",
+                disposition,
+                key="k",
+                op=None if disposition is Disposition.NOT_COMMITTED else "hold-1",
+            )
+        ],
+        saga_id=saga_id,
+    )
+    terminal = SagaTerminal(
+        envelope=envelope_for(
+            SagaTerminal, saga_id=saga_id, tenant_id="t", producer="coordinator", now=1
+        ),
+        status=status,
+        receipt=ended.to_json(),
+    )
+    board = FaultBoard()
+    board.arm(saga_id, "s01-place_hold", seam)
+    if fired:
+        board.mark_fired(saga_id, "s01-place_hold", seam)
+    return SimpleNamespace(watcher=_RecordsOf([terminal]), board=board, specs={}), saga_id
+
+
+@pytest.mark.parametrize(
+    ("seam", "disposition", "status"),
+    [
+        (Seam.BEFORE_RECEIPT, Disposition.COMPENSATED, TerminalStatus.COMPENSATED),
+        (Seam.LEDGER_APPEND, Disposition.COMPENSATED, TerminalStatus.COMPENSATED),
+        (Seam.THROTTLING, Disposition.RETAINED, TerminalStatus.COMPLETED),
+        (Seam.CONCURRENT_CANCELLATION, Disposition.COMPENSATED, TerminalStatus.COMPENSATED),
+        (Seam.DURING_COMPENSATION, Disposition.COMPENSATED, TerminalStatus.COMPENSATED),
+        (Seam.BEFORE_COMPENSATION_ACK, Disposition.COMPENSATED, TerminalStatus.COMPENSATED),
+    ],
+)
+def test_a_fault_that_never_fired_where_the_saga_went_past_it_is_a_failed_case(
+    seam: Seam, disposition: Disposition, status: TerminalStatus
+) -> None:
+    """A broken injection point (a wrapper the runtime no longer calls, an outcome
+    published by a path the guard does not see) showed as n/a, "never reached",
+    although the step committed (or was compensated) right where the fault was armed."""
+    stage, saga_id = _case(seam, disposition, status, fired=False)
+    plan = [PlannedCall("place_hold", {})]
+
+    result = _judge(stage, plan, seam, 0, saga_id, "", {}, 1.0)  # type: ignore[arg-type]
+
+    assert result.verdict is Verdict.FAILED, result
+    assert "never fired" in result.detail
+
+
+@pytest.mark.parametrize(
+    ("seam", "disposition", "status"),
+    [
+        # the step failed before it committed: nothing to lose an answer of, no commit
+        (Seam.BEFORE_RECEIPT, Disposition.NOT_COMMITTED, TerminalStatus.COMPENSATED),
+        (Seam.LEDGER_APPEND, Disposition.NOT_COMMITTED, TerminalStatus.COMPENSATED),
+        # a step kept by a completed saga is never compensated
+        (Seam.DURING_COMPENSATION, Disposition.RETAINED, TerminalStatus.COMPLETED),
+        (Seam.BEFORE_COMPENSATION_ACK, Disposition.RETAINED, TerminalStatus.COMPLETED),
+    ],
+)
+def test_a_fault_at_a_point_the_saga_never_reached_is_not_applicable(
+    seam: Seam, disposition: Disposition, status: TerminalStatus
+) -> None:
+    stage, saga_id = _case(seam, disposition, status, fired=False)
+    plan = [PlannedCall("place_hold", {})]
+
+    result = _judge(stage, plan, seam, 0, saga_id, "", {}, 1.0)  # type: ignore[arg-type]
+
+    assert result.verdict is Verdict.NOT_APPLICABLE, result

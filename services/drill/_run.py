@@ -658,9 +658,38 @@ def _judge(
     if status == "ESCALATED" or incidents:
         kinds = ", ".join(sorted({i.kind for i in incidents})) or "escalated"
         return CaseResult(seam, target, tool, saga_id, Verdict.ESCALATED, status, kinds)
+    if not fired:
+        passed = _passed_unfired(seam, receipt, _step_id(target, tool))
+        if passed:
+            return CaseResult(seam, target, tool, saga_id, Verdict.FAILED, status, passed)
     detail = "" if fired else "the fault was never reached (the saga did not get there)"
     verdict = Verdict.CONVERGED if fired else Verdict.NOT_APPLICABLE
     return CaseResult(seam, target, tool, saga_id, verdict, status, detail)
+
+
+COMMIT_SEAMS = frozenset(
+    {Seam.BEFORE_RECEIPT, Seam.LEDGER_APPEND, Seam.THROTTLING, Seam.CONCURRENT_CANCELLATION}
+)
+"""Seams injected in the tool call or its commit: a step that committed went past them."""
+
+COMPENSATION_SEAMS = frozenset({Seam.DURING_COMPENSATION, Seam.BEFORE_COMPENSATION_ACK})
+"""Seams injected in the compensation: a step compensated went past them."""
+
+
+def _passed_unfired(seam: Seam, receipt: Receipt, step_id: str) -> str:
+    """Why a fault that never fired should have ("" when the saga never got there).
+
+    A fault armed in a tool call, its commit or its compensation that did not fire
+    although the ledger shows the step committed (or compensated) is a broken
+    injection point, not a step the plan never reaches."""
+    step = next((s for s in receipt.steps if s.step_id == step_id), None)
+    if step is None:
+        return ""
+    if seam in COMMIT_SEAMS and step.committed_at is not None:
+        return f"{step_id} committed, but the {seam.value} fault armed on it never fired"
+    if seam in COMPENSATION_SEAMS and step.disposition is Disposition.COMPENSATED:
+        return f"{step_id} was compensated, but the {seam.value} fault armed on it never fired"
+    return ""
 
 
 def _disagreements(stage: _Stage, records: list[Record], receipt: Receipt) -> list[str]:
