@@ -328,7 +328,14 @@ class Coordinator:
         finally:
             self._sender.shutdown()
             self._consumer.close()
-            self._producer.flush(10)
+            try:
+                self._producer.flush(10)
+            except KafkaException as exc:
+                # Everything the coordinator writes goes in transactions: what a failed
+                # or fenced producer still holds was never committed, and the next owner
+                # decides its batch again. A failure here must not hide why the loop
+                # ended (this runs while its exception propagates).
+                log.warning("coordinator %s: flush at close: %s", self.instance_id, exc)
 
     def _join(self) -> None:
         """What comes before the loop: check that the DLQ topic takes what the

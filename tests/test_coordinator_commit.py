@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from coordinator.shell import Coordinator
 from coordinator.state import StepStatus
 from sagaline.kafka import KafkaError, KafkaException, Producer
@@ -85,3 +87,50 @@ def test_a_commit_that_timed_out_but_went_through_is_not_taken_for_an_abort_R5(
     turn_until(one, lambda: settled_at(5))
     assert executes(settings, transport, participant) == ["reserve", "charge"]
     one._consumer.close()
+
+
+class _FlushRefused:
+    """A producer whose close-time flush fails, as a fenced or failed transactional
+    producer's can (seen in the drill: INVALID_TXN_STATE from ``flush`` at close)."""
+
+    def __init__(self, producer: Producer) -> None:
+        self._producer = producer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._producer, name)
+
+    def flush(self, timeout: float) -> int:
+        raise KafkaException(KafkaError(KafkaError._STATE, "INVALID_TXN_STATE at close"))
+
+
+def test_a_flush_that_fails_at_close_neither_crashes_a_clean_stop_nor_hides_why_the_loop_ended(
+    transport: str, unique_prefix: str
+) -> None:
+    """Everything the coordinator writes is transactional, so what a failed producer
+    still holds at close was never committed: its flush failing must not turn a clean
+    stop into a crash, nor replace the exception that ended the loop."""
+    settings, _ledger, _first, _participant = one_saga(transport, unique_prefix, "saga-close")
+    clean = Coordinator(settings, transport, instance_id="close-1", carry_ms=0)
+    real_join = clean._join
+
+    def join_then_refuse_flush(coordinator: Coordinator = clean) -> None:
+        real_join()
+        coordinator._producer = _FlushRefused(coordinator._producer)  # type: ignore[assignment]
+
+    clean._join = join_then_refuse_flush  # type: ignore[method-assign]
+    clean.run(until=lambda: True)  # returns: the stop was clean
+
+    failing = Coordinator(settings, transport, instance_id="close-2", carry_ms=0)
+    real_join_2 = failing._join
+
+    def join_then_refuse_flush_2(coordinator: Coordinator = failing) -> None:
+        real_join_2()
+        coordinator._producer = _FlushRefused(coordinator._producer)  # type: ignore[assignment]
+
+    def broken_batch(*_args: Any, **_kwargs: Any) -> None:
+        raise RuntimeError("why the loop ended")
+
+    failing._join = join_then_refuse_flush_2  # type: ignore[method-assign]
+    failing._process_batch = broken_batch  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="why the loop ended"):
+        failing.run()
