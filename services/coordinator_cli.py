@@ -30,6 +30,7 @@ from schemas.partitioning import partition_for
 from schemas.receipt import Receipt
 from schemas.settings import Settings
 from schemas.signing import HeaderList, Signer
+from services._args import at_least
 
 if TYPE_CHECKING:
     from coordinator.state import SagaState
@@ -462,17 +463,6 @@ def _cmd_incidents_resolve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _count(text: str) -> int:
-    """A whole number >= 0, or an error that says what was given."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {value}")
-    return value
-
-
 def register(subparsers: Any) -> None:
     coordinator = subparsers.add_parser("coordinator", help="the saga coordinator")
     coordinator_sub = coordinator.add_subparsers(dest="coordinator_command", required=True)
@@ -490,7 +480,7 @@ def register(subparsers: Any) -> None:
     run.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
     run.add_argument(
         "--decoded-states",
-        type=_count,
+        type=at_least(0),
         default=os.environ.get("SAGALINE_DECODED_STATES"),
         help="decoded saga states kept in memory beside their bytes, about 16 KiB each "
         "(default $SAGALINE_DECODED_STATES, else coordinator.shell.DECODED_STATES, 512; "

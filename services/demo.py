@@ -56,6 +56,7 @@ from schemas.models import Record, SagaTerminal
 from schemas.receipt import Receipt
 from schemas.settings import Settings
 from schemas.topics import DEFAULT_PARTITIONS
+from services._args import at_least
 from services.cli import PARENT_PID_VAR
 from services.demo_invariants import (
     ProviderFileUnreadable,
@@ -1000,21 +1001,6 @@ def _cmd_agent_run(args: argparse.Namespace) -> int:
     return 130
 
 
-def _at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer of at least ``minimum`` (else a usage error)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, not {value}")
-        return value
-
-    return parse
-
-
 def register(subparsers: Any) -> None:
     demo = subparsers.add_parser(
         "demo",
@@ -1026,11 +1012,11 @@ def register(subparsers: Any) -> None:
             "and consistent."
         ),
     )
-    demo.add_argument("--sagas", type=_at_least(1), default=200, help="how many sagas (200)")
+    demo.add_argument("--sagas", type=at_least(1), default=200, help="how many sagas (200)")
     demo.add_argument("--seed", type=int, default=7, help="tickets and faults (7)")
-    demo.add_argument("--concurrency", type=_at_least(1), default=16, help="agent threads (16)")
+    demo.add_argument("--concurrency", type=at_least(1), default=16, help="agent threads (16)")
     demo.add_argument(
-        "--partitions", type=_at_least(1), default=DEFAULT_PARTITIONS, help="partitions per topic"
+        "--partitions", type=at_least(1), default=DEFAULT_PARTITIONS, help="partitions per topic"
     )
     demo.add_argument(
         "--state-dir", type=Path, default=None, help="default: .sagaline/demo-<time>-<id>"
@@ -1038,10 +1024,10 @@ def register(subparsers: Any) -> None:
     demo.add_argument("--keep", action="store_true", help="leave the processes running")
     demo.add_argument("--no-ui", action="store_true", help="plain log lines (CI, tests)")
     demo.add_argument("--kill-service", choices=list(PARTICIPANTS), help="participant to kill -9")
-    demo.add_argument("--kill-after", type=_at_least(1), help="... after this many terminal sagas")
+    demo.add_argument("--kill-after", type=at_least(1), help="... after this many terminal sagas")
     demo.add_argument(
         "--kill-coordinator-after",
-        type=_at_least(0),
+        type=at_least(0),
         default=0,
         help="kill -9 the coordinator after this many terminal sagas (then restart it)",
     )
@@ -1060,9 +1046,9 @@ def register(subparsers: Any) -> None:
     agent = subparsers.add_parser("agent", help="the scripted refund agent")
     agent_sub = agent.add_subparsers(dest="agent_command", required=True)
     run = agent_sub.add_parser("run", help="run refund sagas against a running system")
-    run.add_argument("--sagas", type=_at_least(1), default=50)
+    run.add_argument("--sagas", type=at_least(1), default=50)
     run.add_argument("--seed", type=int, default=7)
-    run.add_argument("--concurrency", type=_at_least(1), default=8)
+    run.add_argument("--concurrency", type=at_least(1), default=8)
     run.add_argument("--operator", default=OPERATOR, help=f"who approves the replies ({OPERATOR})")
     run.add_argument(
         "--no-approve",

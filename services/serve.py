@@ -21,6 +21,7 @@ from participants.runtime import ParticipantRuntime
 from sagaline.kafka import KafkaException, TopicSetupError, configured_broker, ensure_topics
 from sagaline.ops.metrics import ParticipantMetrics, start_metrics_server
 from schemas.settings import Settings
+from services._args import at_least
 
 log = logging.getLogger("sagaline.serve")
 
@@ -97,17 +98,6 @@ def _cmd_participant_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _at_least_one(text: str) -> int:
-    """A whole number >= 1, or an error that says what was given."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
-    return value
-
-
 def register(subparsers: Any) -> None:
     topics = subparsers.add_parser("topics", help="create the Sagaline topics")
     topics_sub = topics.add_subparsers(dest="topics_command", required=True)
@@ -131,7 +121,7 @@ def register(subparsers: Any) -> None:
     run.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
     run.add_argument(
         "--max-in-flight",
-        type=_at_least_one,
+        type=at_least(1),
         # A string: argparse converts it only when this command runs, so a bad value in
         # the environment is this command's usage error, not every command's traceback.
         default=os.environ.get("SAGALINE_MAX_IN_FLIGHT", "16"),
