@@ -65,6 +65,7 @@ from sagaline.kafka import (
     Message,
     RecordTooLarge,
     TopicPartition,
+    consumer_config,
     create_consumer,
     ensure_topics,
     raise_if_fatal,
@@ -1387,6 +1388,7 @@ class ParticipantRuntime:
             replication=self.settings.replication,
         )
         group = f"{self.topics.prefix}sagaline-participant-{self.participant}"
+        pause_after_s = _max_poll_interval_s(self.bootstrap, group) / 2
         consumer = create_consumer(
             self.bootstrap, group, **{"group.instance.id": f"{group}-{self.instance_id}"}
         )
@@ -1394,9 +1396,11 @@ class ParticipantRuntime:
         # A command poll() returned before a rebalance that moved its partition is left
         # to the partition's owner, which reads it from the committed offset.
         moves = PartitionMoves()
+        backpressure = _Backpressure(consumer, pause_after_s)
 
         def on_assign(c: Consumer, partitions: list[TopicPartition]) -> None:
             moves.moved(partitions)
+            backpressure.assigned(partitions)
             for tp in partitions:
                 _low, high = watermarks(c, TopicPartition(tp.topic, tp.partition))
                 self._assigned_end[tp.partition] = high
@@ -1411,6 +1415,7 @@ class ParticipantRuntime:
             # command never finishes here, and waiting for it held the stop for
             # revoke_drain_s); only what is done is committed.
             moves.moved(partitions)
+            backpressure.moved(partitions)
             within = 0.0 if self._work._closing else self.revoke_drain_s
             self._work.drain({p.partition for p in partitions}, within)
             try:
@@ -1429,6 +1434,7 @@ class ParticipantRuntime:
             # once (a running tool's intent is on the ledger: the owner reports an
             # unknown outcome), and no commit is attempted for partitions not ours.
             moves.moved(partitions)
+            backpressure.moved(partitions)
             self._work.drain({p.partition for p in partitions}, 0.0)
             self._work.forget({p.partition for p in partitions})
             for tp in partitions:
@@ -1458,13 +1464,24 @@ class ParticipantRuntime:
             if ready is not None:
                 ready.set()
             while self._running.is_set():
-                if work.pending >= limit:
+                if backpressure.paused and work.pending >= self.max_in_flight:
+                    backpressure.poll(work.wait_s(0.2))  # stays in the group, takes nothing
+                elif work.pending >= limit:
                     # Backpressure by not taking more (pause/resume would drop and
-                    # refetch what librdkafka holds, a stall of hundreds of ms).
-                    self._writer.producer.poll(work.wait_s(0.2))
+                    # refetch what librdkafka holds, a stall of hundreds of ms, at every
+                    # burst); only when it lasts half of max.poll.interval.ms, past which
+                    # the group would expel this replica, are the partitions paused.
+                    if not backpressure.due(self.max_in_flight):
+                        self._writer.producer.poll(work.wait_s(0.2))
                 else:
-                    msg = consumer.poll(work.wait_s(0.2))
-                    batch = [] if msg is None else moves.batch(msg, consumer, self.max_in_flight)
+                    backpressure.off()
+                    if backpressure.held:  # polled while paused: before anything newer
+                        batch = backpressure.take(self.max_in_flight)
+                    else:
+                        msg = consumer.poll(work.wait_s(0.2))
+                        batch = (
+                            [] if msg is None else moves.batch(msg, consumer, self.max_in_flight)
+                        )
                     for m in batch:
                         error = m.error()
                         if error is not None:
@@ -1547,6 +1564,99 @@ class ParticipantRuntime:
             name=f"{self.participant}-confirm",
             daemon=True,
         ).start()
+
+
+def _max_poll_interval_s(bootstrap: str, group: str) -> float:
+    """The consumer's effective ``max.poll.interval.ms``, in seconds."""
+    setting = consumer_config(bootstrap, group).get("max.poll.interval.ms", 300_000)
+    return int(str(setting)) / 1000
+
+
+class _Backpressure:
+    """Keeps the runtime's consumer in its group while the loop takes no command.
+
+    The loop stops polling the consumer at its limit of commands taken. If that
+    lasted ``max.poll.interval.ms``, the group would expel this replica, which would
+    then give up everything it holds (``on_lost``). So once it has lasted
+    ``pause_after_s``, the assigned partitions are paused and the consumer is polled
+    again (which also serves rebalances: partitions assigned meanwhile are paused
+    too), until fewer than ``max_in_flight`` commands are left; then they are
+    resumed, once. A record poll() returns after the pause (librdkafka may hand out
+    what it had fetched) is held, in order, and taken before anything newer.
+    """
+
+    def __init__(self, consumer: Consumer, pause_after_s: float) -> None:
+        self._consumer = consumer
+        self.pause_after_s = pause_after_s
+        self.paused = False
+        self.held: collections.deque[Message] = collections.deque()
+        self._since: float | None = None  # when the loop reached its limit
+        self._assigned: list[TopicPartition] = []  # while paused, not paused yet
+
+    def due(self, max_in_flight: int) -> bool:
+        """At the limit: pause if it has lasted ``pause_after_s`` (True then)."""
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+            return False
+        if now - self._since < self.pause_after_s:
+            return False
+        partitions = self._consumer.assignment()
+        if partitions:
+            self._consumer.pause(partitions)
+        self.paused = True
+        self._assigned = []
+        log.warning(
+            "commands taken at the limit for %.0f s (tools slow to return, or outcomes "
+            "not acknowledged): command partitions paused, the consumer still polled to "
+            "stay in its group, until fewer than %d commands are left",
+            now - self._since,
+            max_in_flight,
+        )
+        return True
+
+    def poll(self, timeout_s: float) -> None:
+        """Poll the paused consumer: serves rebalances, holds what it returns."""
+        msg = self._consumer.poll(timeout_s)
+        if self._assigned:
+            partitions, self._assigned = self._assigned, []
+            self._consumer.pause(partitions)
+        if msg is None:
+            return
+        error = msg.error()
+        if error is not None:
+            raise_if_fatal(error)
+            log.warning("consumer error: %s", error)
+            return
+        self.held.append(msg)
+
+    def off(self) -> None:
+        """Below the limit (below ``max_in_flight`` once paused): resume, once."""
+        self._since = None
+        if not self.paused:
+            return
+        self.paused = False
+        partitions = self._consumer.assignment()
+        if partitions:
+            self._consumer.resume(partitions)
+        log.info("command partitions resumed")
+
+    def take(self, count: int) -> list[Message]:
+        return [self.held.popleft() for _ in range(min(count, len(self.held)))]
+
+    def assigned(self, partitions: list[TopicPartition]) -> None:
+        """From ``on_assign``: these are paused after the poll that assigned them."""
+        if self.paused:
+            self._assigned.extend(partitions)
+
+    def moved(self, partitions: list[TopicPartition]) -> None:
+        """From ``on_revoke`` and ``on_lost``: what is held of these partitions is
+        dropped, their next owner reads it from the committed offset."""
+        gone = {tp.partition for tp in partitions}
+        if self.held:
+            kept = [m for m in self.held if m.partition() not in gone]
+            self.held = collections.deque(kept)
+        self._assigned = [tp for tp in self._assigned if tp.partition not in gone]
 
 
 class _NotACommand(Exception):

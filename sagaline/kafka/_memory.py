@@ -371,6 +371,7 @@ class MemoryConsumer:
         self.pending_assignment: list[tuple[str, int]] | None = None
         self._positions: dict[tuple[str, int], int] = {}
         self._eof_sent: set[tuple[str, int]] = set()
+        self._paused: set[tuple[str, int]] = set()
         self._callbacks: dict[str, Callable[..., Any] | None] = {}
         self._closed = False
 
@@ -437,6 +438,7 @@ class MemoryConsumer:
         self.owned = []
         self._positions.clear()
         self._eof_sent.clear()
+        self._paused.clear()
         assigned = [TopicPartition(t, n) for t, n in new]
         if self._callbacks.get("assign"):
             self._callbacks["assign"](self, assigned)  # type: ignore[misc]
@@ -452,6 +454,8 @@ class MemoryConsumer:
         with self.broker.changed:
             for topic, n in self.owned:
                 key = (topic, n)
+                if key in self._paused:
+                    continue
                 log = self.broker.topics[topic][n]
                 stable = self._end(topic, n)
                 position = self._positions.get(key, 0)
@@ -577,7 +581,12 @@ class MemoryConsumer:
         return _metadata(self.broker)
 
     def pause(self, partitions: list[TopicPartition]) -> None:
-        raise NotImplementedError("the in-process transport does not pause partitions")
+        # Nothing is prefetched here: a paused partition's next record is simply not
+        # returned until it is resumed (an assignment starts unpaused).
+        self._paused.update((tp.topic, tp.partition) for tp in partitions)
+
+    def resume(self, partitions: list[TopicPartition]) -> None:
+        self._paused.difference_update((tp.topic, tp.partition) for tp in partitions)
 
     def close(self) -> None:
         # As librdkafka's close(): a subscribed member's partitions are revoked through
