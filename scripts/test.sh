@@ -101,8 +101,17 @@ else
     # by topic prefix and tmp_path; a module whose fixture starts something expensive
     # stays on one worker: xdist_group + --dist loadgroup). Then the secret scan, which
     # reads every topic the suite left on the broker, so it runs alone and last.
-    run_pytest -n "${SAGALINE_TEST_WORKERS:-4}" --dist loadgroup -m "not secretscan"
+    # Each session deletes its own topics when it ends (tests/conftest.py); here the
+    # workers only record their topic prefixes, and the topics go after the scan.
+    prefix_file="$(mktemp)"
+    SAGALINE_TEST_TOPIC_PREFIX_FILE="$prefix_file" \
+        run_pytest -n "${SAGALINE_TEST_WORKERS:-4}" --dist loadgroup -m "not secretscan"
     run_pytest -m secretscan
+    if [ "${SAGALINE_KEEP_TEST_TOPICS:-}" != "1" ]; then
+        python -m tests.topic_cleanup "$prefix_file" "$KAFKA_BOOTSTRAP_SERVERS" \
+            || failed+=("test topic cleanup")
+    fi
+    rm -f "$prefix_file"
 fi
 
 wait "$static_pid"

@@ -7,7 +7,11 @@
   next run reuses it in a fraction of a second) unless ``SAGALINE_STOP_BROKER=1``
   (not in a pytest-xdist worker: the others still use it).
 * ``unique_prefix``: a fresh topic-name prefix per test, so tests never share
-  topics and need no cleanup between runs on the shared broker.
+  topics. ``new_topic_prefix(kind)`` makes more (``kind`` = lower-case letters).
+  Every topic whose name starts with a prefix the session handed out is deleted
+  when the session (each pytest-xdist worker's) ends: a long-lived broker would
+  otherwise pile up every run's topics until it runs out of open files
+  (tests/topic_cleanup.py; ``SAGALINE_KEEP_TEST_TOPICS=1`` keeps them).
 * ``admin``: a confluent_kafka ``AdminClient`` on that broker.
 * ``transport``: for behaviour suites written once and run twice, the bootstrap of
   the real broker and of a fresh in-process transport (``memory://...``,
@@ -20,14 +24,17 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from confluent_kafka.admin import AdminClient
 
 from services import broker, kafka_local
+from tests.topic_cleanup import SessionTopics
 
 _chosen: list[broker.BrokerChoice] = []
+_topics = SessionTopics()
+_cleanup_report: list[str] = []
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -76,10 +83,14 @@ def pytest_terminal_summary(
 ) -> None:
     for choice in _chosen:
         terminalreporter.write_line(f"kafka: {choice.description}")
+    for line in _cleanup_report:
+        terminalreporter.write_line(line)
     parallel = config.getoption("numprocesses", None)
     if parallel and "secretscan" not in (config.getoption("markexpr") or ""):
         terminalreporter.write_line(
-            "secretscan tests do not run in a parallel run: `pytest -m secretscan` after it"
+            "secretscan tests do not run in a parallel run, and its sessions delete their "
+            "topics at the end: scripts/test.sh scans them before deleting them (by hand: "
+            "SAGALINE_KEEP_TEST_TOPICS=1, then `pytest -m secretscan`)"
         )
 
 
@@ -88,6 +99,13 @@ def kafka_bootstrap() -> Iterator[str]:
     choice = broker.choose_broker()
     _chosen.append(choice)
     yield choice.bootstrap
+    # This session's topics go (only those: their names carry its unique prefixes).
+    try:
+        line = _topics.finish(choice.bootstrap)
+    except Exception as exc:  # a broker already gone must not fail the last test
+        line = f"could not delete this session's test topics: {exc}"
+    if line:
+        _cleanup_report.append(f"kafka: {line}")
     # Each pytest-xdist worker has a session of its own: the first to finish must not
     # stop the broker under the others (scripts/test.sh stops it after the run).
     if (
@@ -100,8 +118,15 @@ def kafka_bootstrap() -> Iterator[str]:
 
 @pytest.fixture
 def unique_prefix() -> str:
-    """E.g. ``t3f9a0c1d.``: prepend it to every topic (and group id) a test creates."""
-    return f"t{uuid.uuid4().hex[:8]}."
+    """E.g. ``t3f9a0c1d.``: prepend it to every topic (and group id) a test creates.
+    Its topics are deleted when the session ends."""
+    return _topics.new_prefix()
+
+
+@pytest.fixture(scope="session")
+def new_topic_prefix() -> Callable[..., str]:
+    """``new_topic_prefix("drill")`` -> ``drill3f9a0c1d.``; deleted like ``unique_prefix``."""
+    return _topics.new_prefix
 
 
 @pytest.fixture

@@ -7,8 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,13 +58,15 @@ class Trip:
 
 @pytest.fixture(scope="module")
 def served(
-    kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory
+    kafka_bootstrap: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    new_topic_prefix: Callable[[], str],
 ) -> Iterator[tuple[SagaClient, sagaline.Catalogue, Trip]]:
     trip = Trip()
     catalogue = sagaline.wrap(trip, name="trip")
     settings = Settings(
         bootstrap=kafka_bootstrap,
-        topic_prefix=f"t{uuid.uuid4().hex[:8]}.",
+        topic_prefix=new_topic_prefix(),
         partitions=1,
         state_dir=Path(tmp_path_factory.mktemp("state")),
     )
