@@ -9,9 +9,11 @@
 #     and we are root), because CI starts from a fresh clone.
 #   * `pip install -e '.[dev]'` only when pyproject.toml changed since the last
 #     install (stamp file with its sha256), so repeated runs take a second.
-#   * Java 17 + Maven via apt when missing and we are root: the local Kafka broker
+#   * Java 17+ + Maven via apt when missing and we are root: the local Kafka broker
 #     (services/kafka_local.py) resolves its jars with Maven and runs on the JVM.
-#     Skipped when KAFKA_BOOTSTRAP_SERVERS points at a broker elsewhere.
+#     The launcher's ensure_tools() does it (Java package: the first of
+#     openjdk-17/openjdk-21/default-jre-headless the distribution has). Skipped when
+#     KAFKA_BOOTSTRAP_SERVERS points at a broker elsewhere.
 
 _sagaline_bootstrap() {
     local root py stamp want have
@@ -83,18 +85,21 @@ _sagaline_bootstrap() {
         printf '%s\n' "$want" >"$stamp"
     fi
 
-    # 3. Java + Maven for the local Kafka broker
+    # 3. Java + Maven for the local Kafka broker: the launcher's own check and apt
+    #    install (services/kafka_local.py ensure_tools: which Java package the
+    #    distribution has, e.g. openjdk-17 on Debian 12, openjdk-21 on Debian 13).
     if [ -z "${KAFKA_BOOTSTRAP_SERVERS:-}" ]; then
-        local missing=()
-        command -v java >/dev/null 2>&1 || missing+=(openjdk-17-jre-headless)
-        command -v mvn >/dev/null 2>&1 || missing+=(maven)
-        if [ "${#missing[@]}" -gt 0 ]; then
-            _sl_apt_install "${missing[@]}" || {
-                _sl_log "error: ${missing[*]} missing and cannot be installed here (need root + apt-get)."
-                _sl_log "       Install Java 17 and Maven, or set KAFKA_BOOTSTRAP_SERVERS to a running broker."
-                return 1
-            }
+        if ! command -v java >/dev/null 2>&1 || ! command -v mvn >/dev/null 2>&1; then
+            _sl_log "installing Java and Maven for the local Kafka broker"
         fi
+        (cd "$root" && .venv/bin/python -c '
+import sys
+from services import kafka_local
+try:
+    kafka_local.ensure_tools()
+except kafka_local.ToolMissingError as exc:
+    sys.exit(f"bootstrap: error: {exc}")
+') || return 1
     fi
 
     export VIRTUAL_ENV="$root/.venv"

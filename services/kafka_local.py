@@ -57,7 +57,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -238,16 +238,53 @@ def _apt_allowed() -> bool:
     )
 
 
-def _apt_install(packages: list[str]) -> str | None:
-    """Install Debian packages; return None on success, else the error output."""
+# The Debian/Ubuntu package that gives Java 17+, first one the archive has: Debian 12
+# and Ubuntu 22.04/24.04 ship openjdk-17, Debian 13 only openjdk-21 (and its
+# default-jre-headless). scripts/bootstrap.sh installs through ensure_tools() too.
+JAVA_APT_PACKAGES = ("openjdk-17-jre-headless", "openjdk-21-jre-headless", "default-jre-headless")
+MAVEN_APT_PACKAGE = "maven"
+_TOOLS_HINT = (
+    f"Install Java 17+ and Maven (Debian/Ubuntu: `sudo apt-get install JAVA {MAVEN_APT_PACKAGE}`,"
+    f" JAVA the first of {', '.join(JAVA_APT_PACKAGES)} that `apt-cache policy` offers), "
+    "or point KAFKA_BOOTSTRAP_SERVERS at a running Kafka broker."
+)
+
+
+def choose_java_package(available: Callable[[str], bool]) -> str | None:
+    """The first of :data:`JAVA_APT_PACKAGES` for which ``available`` says yes."""
+    return next((pkg for pkg in JAVA_APT_PACKAGES if available(pkg)), None)
+
+
+def _apt_has_candidate(package: str) -> bool:
+    """Whether apt can install ``package`` (``apt-cache policy`` names a candidate)."""
+    proc = subprocess.run(
+        ["apt-cache", "policy", package], capture_output=True, text=True, check=False
+    )
+    match = re.search(r"^\s*Candidate:\s*(\S+)", proc.stdout, re.MULTILINE)
+    return proc.returncode == 0 and match is not None and match.group(1) != "(none)"
+
+
+def _apt_install(tools: list[str]) -> str | None:
+    """Install the Debian packages for ``tools`` (``java``, ``mvn``); return None on
+    success, else what went wrong."""
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for cmd in (
-        ["apt-get", "update", "-qq"],
-        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages],
-    ):
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            return (proc.stdout + proc.stderr)[-2000:]
+    update = ["apt-get", "-o", "DPkg::Lock::Timeout=600", "update", "-qq"]
+    proc = subprocess.run(update, env=env, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        return (proc.stdout + proc.stderr)[-2000:]
+    packages = []
+    if "java" in tools:
+        java = choose_java_package(_apt_has_candidate)
+        if java is None:
+            return f"apt offers none of {', '.join(JAVA_APT_PACKAGES)}"
+        packages.append(java)
+    if "mvn" in tools:
+        packages.append(MAVEN_APT_PACKAGE)
+    install = ["apt-get", "-o", "DPkg::Lock::Timeout=600", "install", "-y", "-qq"]
+    install += ["--no-install-recommends", *packages]
+    proc = subprocess.run(install, env=env, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        return f"`apt-get install {' '.join(packages)}`: " + (proc.stdout + proc.stderr)[-2000:]
     return None
 
 
@@ -266,25 +303,19 @@ def ensure_tools() -> tuple[str, str]:
     Installing is only attempted as root with apt-get present (CI runs as root on a
     fresh machine); otherwise the error tells the user what to install.
     """
-    missing = [
-        pkg
-        for tool, pkg in (("java", "openjdk-17-jre-headless"), ("mvn", "maven"))
-        if shutil.which(tool) is None
-    ]
+    missing = [tool for tool in ("java", "mvn") if shutil.which(tool) is None]
     if missing:
         if not _apt_allowed():
             raise ToolMissingError(
                 f"the local Kafka broker needs Java 17+ and Maven, but {', '.join(missing)} "
-                "is not installed. Install it (Debian/Ubuntu: "
-                f"`sudo apt-get install {' '.join(missing)}`), or point "
-                "KAFKA_BOOTSTRAP_SERVERS at a running Kafka broker."
+                f"is not installed (and apt-get is not used here: not root, or "
+                f"SAGALINE_NO_APT). {_TOOLS_HINT}"
             )
         err = _apt_install(missing)
         if err is not None:
             raise ToolMissingError(
-                f"`apt-get install {' '.join(missing)}` failed, so the local Kafka broker "
-                f"cannot run. apt said:\n{err}\nInstall Java 17+ and Maven by hand, or set "
-                "KAFKA_BOOTSTRAP_SERVERS to a running broker."
+                f"installing {', '.join(missing)} with apt-get failed, so the local Kafka "
+                f"broker cannot run:\n{err}\n{_TOOLS_HINT}"
             )
     java, mvn = shutil.which("java"), shutil.which("mvn")
     if java is None or mvn is None:
@@ -292,8 +323,8 @@ def ensure_tools() -> tuple[str, str]:
     major = _java_major(java)
     if major is not None and major < 17:
         raise ToolMissingError(
-            f"{java} is Java {major}; Kafka 4.x needs Java 17 or newer. Install "
-            "openjdk-17-jre-headless (or newer) and put it first on PATH."
+            f"{java} is Java {major}; Kafka 4.x needs Java 17 or newer. Install one of "
+            f"{', '.join(JAVA_APT_PACKAGES)} and put it first on PATH."
         )
     return java, mvn
 

@@ -451,3 +451,68 @@ def test_cli_registers_kafka_commands() -> None:
     kafka_cli.register(parser.add_subparsers())
     for cmd in ("up", "down", "status"):
         assert callable(parser.parse_args(["kafka", cmd]).func)
+
+
+# A Debian 13 (trixie) apt, faked: no openjdk-17 there, Java 21 is the default.
+_FAKE_APT_CACHE = """#!/bin/sh
+# apt-cache policy PKG: trixie has no openjdk-17-jre-headless
+[ "$1" = policy ] || exit 1
+case "$2" in
+    openjdk-17-jre-headless) exit 0 ;;
+    openjdk-21-jre-headless|default-jre-headless|maven)
+        printf '%s:\\n  Installed: (none)\\n  Candidate: 1.0\\n' "$2" ;;
+esac
+"""
+_FAKE_APT_GET = """#!/bin/sh
+echo "$@" >>"$(dirname "$0")/apt.log"
+case " $* " in *" update "*) exit 0 ;; esac
+for pkg in "$@"; do
+    case "$pkg" in
+        openjdk-17-jre-headless)
+            echo "E: Package 'openjdk-17-jre-headless' has no installation candidate" >&2
+            exit 100 ;;
+        openjdk-21-jre-headless|default-jre-headless)
+            printf '#!/bin/sh\\necho '"'"'openjdk version "21.0.8" 2025-07-15'"'"' >&2\\n' \\
+                >"$(dirname "$0")/java"; chmod +x "$(dirname "$0")/java" ;;
+        maven)
+            printf '#!/bin/sh\\n' >"$(dirname "$0")/mvn"; chmod +x "$(dirname "$0")/mvn" ;;
+    esac
+done
+"""
+
+
+def test_tools_install_on_a_debian_without_openjdk_17(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("apt-cache", _FAKE_APT_CACHE), ("apt-get", _FAKE_APT_GET)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setattr(
+        kafka_local.shutil,
+        "which",
+        lambda name: str(bin_dir / name) if (bin_dir / name).exists() else None,
+    )
+    monkeypatch.setattr(kafka_local.os, "geteuid", lambda: 0)
+    monkeypatch.delenv("SAGALINE_NO_APT", raising=False)
+    java, mvn = kafka_local.ensure_tools()
+    assert (java, mvn) == (str(bin_dir / "java"), str(bin_dir / "mvn"))
+    installs = [
+        line.split() for line in (bin_dir / "apt.log").read_text().splitlines() if "install" in line
+    ]
+    assert [words[-2:] for words in installs] == [["openjdk-21-jre-headless", "maven"]]
+
+
+def test_java_package_candidates_are_tried_in_order() -> None:
+    assert kafka_local.JAVA_APT_PACKAGES[0] == "openjdk-17-jre-headless"
+    assert kafka_local.JAVA_APT_PACKAGES[-1] == "default-jre-headless"
+    assert kafka_local.choose_java_package(lambda p: True) == "openjdk-17-jre-headless"
+    assert kafka_local.choose_java_package(lambda p: p != "openjdk-17-jre-headless") == (
+        "openjdk-21-jre-headless"
+    )
+    assert kafka_local.choose_java_package(lambda p: p == "default-jre-headless") == (
+        "default-jre-headless"
+    )
+    assert kafka_local.choose_java_package(lambda p: False) is None
