@@ -80,7 +80,10 @@ def _docker_answers() -> bool:
 def _testcontainers_bootstrap() -> str:
     global _container
     if _container is None:
-        from testcontainers.community.kafka import KafkaContainer
+        try:  # testcontainers >= 4.15 (its testcontainers.kafka is a deprecated alias)
+            from testcontainers.community.kafka import KafkaContainer
+        except ImportError:  # 4.8 - 4.14, which pyproject.toml allows
+            from testcontainers.kafka import KafkaContainer
 
         container = KafkaContainer().with_kraft()
         container.start()

@@ -14,14 +14,16 @@ import base64
 import os
 import signal
 import socket
+import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
 from confluent_kafka import Consumer, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from services import kafka_cli, kafka_local
+from services import broker, kafka_cli, kafka_local
 
 
 def cli_main(argv: list[str]) -> int:
@@ -516,3 +518,29 @@ def test_java_package_candidates_are_tried_in_order() -> None:
         "default-jre-headless"
     )
     assert kafka_local.choose_java_package(lambda p: False) is None
+
+
+class _LegacyKafkaContainer:
+    """testcontainers 4.8-4.14's ``testcontainers.kafka.KafkaContainer``, faked."""
+
+    def with_kraft(self) -> _LegacyKafkaContainer:
+        return self
+
+    def start(self) -> None:
+        pass
+
+    def get_bootstrap_server(self) -> str:
+        return "legacy-container:9093"
+
+
+def test_testcontainers_fallback_works_with_the_oldest_allowed_testcontainers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before 4.15 there is no testcontainers.community (None: the import fails).
+    monkeypatch.setitem(sys.modules, "testcontainers.community.kafka", None)
+    monkeypatch.setitem(sys.modules, "testcontainers.community", None)
+    legacy = types.ModuleType("testcontainers.kafka")
+    legacy.KafkaContainer = _LegacyKafkaContainer  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "testcontainers.kafka", legacy)
+    monkeypatch.setattr(broker, "_container", None)
+    assert broker._testcontainers_bootstrap() == "legacy-container:9093"
