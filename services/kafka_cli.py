@@ -74,7 +74,11 @@ def _cmd_down(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    st = kafka_local.status(_state_dir(args))
+    try:
+        st = kafka_local.status(_state_dir(args))
+    except kafka_local.KafkaLauncherError as exc:  # e.g. a cluster's damaged ports file
+        print(f"sagaline kafka status: {exc}", file=sys.stderr)
+        return 1
     print(f"kafka: {st.detail}")
     print(f"state dir: {st.state_dir}")
     print(f"log: {st.log_file}")

@@ -544,3 +544,16 @@ def test_testcontainers_fallback_works_with_the_oldest_allowed_testcontainers(
     monkeypatch.setitem(sys.modules, "testcontainers.kafka", legacy)
     monkeypatch.setattr(broker, "_container", None)
     assert broker._testcontainers_bootstrap() == "legacy-container:9093"
+
+
+def test_status_of_a_cluster_with_a_damaged_ports_file_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "nodes").write_text("3\n")
+    for node in (1, 2, 3):
+        (tmp_path / f"node-{node}").mkdir()
+        (tmp_path / f"node-{node}" / "ports").write_text("not ports\n")
+    assert cli_main(["kafka", "status", "--state-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "sagaline kafka status:" in err
+    assert "missing or damaged" in err
