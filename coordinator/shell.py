@@ -89,7 +89,7 @@ from sagaline.kafka import (
     read_to_end,
 )
 from sagaline.kafka._groups import PartitionMoves
-from sagaline.kafka._topics import topic_max_message_bytes
+from sagaline.kafka._topics import topics_max_message_bytes
 from schemas import IncidentRaised, IncidentResolved, Record, derived_event_id, envelope_for
 from schemas.errors import CodecError
 from schemas.limits import PARKED_INCIDENT
@@ -161,7 +161,7 @@ beside their bytes, so that the next batch of a saga does not decode it again; a
 # producer sends unless the deployment sets them (SAGALINE_KAFKA_BATCH_SIZE, ...).
 _LIBRDKAFKA_BATCH_BYTES = 1_000_000
 # What a record batch adds to a DLQ copy's key, value and headers (the batch header,
-# the lengths of the record and of each header): room the DLQ topic must leave.
+# the lengths of the record and of each header): room a topic it writes must leave.
 _BATCH_FRAMING = 1024
 
 _Msg = tuple[str, bytes | None, bytes | None, Headers, int | None]
@@ -338,10 +338,10 @@ class Coordinator:
                 log.warning("coordinator %s: flush at close: %s", self.instance_id, exc)
 
     def _join(self) -> None:
-        """What comes before the loop: check that the DLQ topic takes what the
-        coordinator writes to it, fence an older instance's open transaction (same
-        transactional id), then join the group."""
-        self._check_dlq_topic()
+        """What comes before the loop: check that the topics the coordinator writes
+        records of no saga to take them, fence an older instance's open transaction
+        (same transactional id), then join the group."""
+        self._check_topic_sizes()
         self._producer.init_transactions(30)
         self._consumer.subscribe(
             [self.topics.events],
@@ -350,31 +350,37 @@ class Coordinator:
             on_lost=self._on_lost,
         )
 
-    def _check_dlq_topic(self) -> None:
-        """Refuse to start (``TopicSetupError`` naming both sizes) when the DLQ topic's
-        ``max.message.bytes`` is below what the coordinator writes to it: DLQ copies of
-        up to ``limits.max_record_bytes`` (``SAGALINE_MAX_RECORD_BYTES``) plus their
-        batch's framing, batched up to the producer's ``batch.size``.
+    def _unparkable_topics(self) -> dict[str, tuple[str, str]]:
+        """The topics the transaction ending each batch writes records of no saga to
+        (``_Pending.loose``, tombstones, parked markers): what each is, what they are."""
+        return {
+            self.topics.dlq: ("DLQ", "DLQ copies of bad records"),
+            self.topics.incidents: (
+                "incident feed",
+                "copies of accepted IncidentResolved records and saga-parked incidents",
+            ),
+            self.topics.events: ("events", "saga-parked incidents"),
+            self.topics.state: ("changelog", "parked markers and tombstones"),
+        }
 
-        A DLQ copy is no saga's record, so no saga can be parked for it: the broker
-        would refuse it in every transaction (the saga-by-saga commit too, whose last
-        transaction carries the DLQ records), and the coordinator would rewind the
-        same batch for ever and decide no saga at all. Not checked (a warning) when
-        the broker does not say (no DESCRIBE_CONFIGS on the topic)."""
-        topic = self.topics.dlq
-        try:
-            limit = topic_max_message_bytes(self.bootstrap, topic)
-        except KafkaException as exc:
-            log.warning(
-                "could not read max.message.bytes of %s (%s): not checked against "
-                "SAGALINE_MAX_RECORD_BYTES=%d; grant DESCRIBE_CONFIGS on it to have it checked",
-                topic,
-                exc.args[0] if exc.args else exc,
-                self._limits.max_record_bytes,
-            )
-            return
-        if limit is None:
-            return
+    def _check_topic_sizes(self) -> None:
+        """Refuse to start (``TopicSetupError`` naming both sizes) when a topic's
+        ``max.message.bytes`` is below what the coordinator writes to it outside any
+        saga's records: records of up to ``limits.max_record_bytes``
+        (``SAGALINE_MAX_RECORD_BYTES``) plus their batch's framing, batched up to the
+        producer's ``batch.size``.
+
+        A saga's own record the broker refuses parks that saga (saga by saga after
+        repeated failures); ``sagaline.terminal`` and the command topics take nothing
+        else. The records of ``_unparkable_topics`` (DLQ copies, the incident feed's
+        copies of resolutions, saga-parked incidents, parked markers, tombstones) are
+        no saga's, so no saga can be parked for them: the broker would refuse them in
+        every transaction (the saga-by-saga commit too, whose last transaction carries
+        them), and the coordinator would rewind the same batch for ever and decide no
+        saga at all. One DescribeConfigs request for them all; a topic is not checked
+        (a warning) when the broker does not say (no DESCRIBE_CONFIGS on it)."""
+        carried = self._unparkable_topics()
+        limits = topics_max_message_bytes(self.bootstrap, carried)
         producer = producer_config(self.bootstrap, **self._producer_config)
         batch = min(
             int(producer.get("batch.size", _LIBRDKAFKA_BATCH_BYTES)),
@@ -382,18 +388,31 @@ class Coordinator:
         )
         record = self._limits.max_record_bytes
         needed = max(record + _BATCH_FRAMING, batch)
-        if limit >= needed:
-            return
-        raise TopicSetupError(
-            f"the DLQ topic {topic!r} takes records of at most {limit} bytes (its "
-            f"max.message.bytes), but the coordinator writes DLQ copies of up to "
-            f"SAGALINE_MAX_RECORD_BYTES={record} bytes (plus {_BATCH_FRAMING} bytes of "
-            f"framing), in batches of up to {batch} bytes (the producer's batch.size): "
-            "the broker would refuse them in every transaction and no saga would be "
-            f"decided. Raise the topic's max.message.bytes to at least {needed}, or "
-            f"lower SAGALINE_MAX_RECORD_BYTES to at most {limit - _BATCH_FRAMING} and "
-            f"SAGALINE_KAFKA_BATCH_SIZE to at most {limit}"
-        )
+        for topic, (name, what) in carried.items():
+            limit = limits[topic]
+            if isinstance(limit, KafkaException):
+                log.warning(
+                    "could not read max.message.bytes of %s (%s): not checked against "
+                    "SAGALINE_MAX_RECORD_BYTES=%d; grant DESCRIBE_CONFIGS on it to have it "
+                    "checked",
+                    topic,
+                    limit.args[0] if limit.args else limit,
+                    record,
+                )
+                continue
+            if limit is None or limit >= needed:
+                continue
+            raise TopicSetupError(
+                f"the {name} topic {topic!r} takes records of at most {limit} bytes (its "
+                f"max.message.bytes), but the coordinator writes {what} there, no saga's "
+                f"records, of up to SAGALINE_MAX_RECORD_BYTES={record} bytes (plus "
+                f"{_BATCH_FRAMING} bytes of framing), in batches of up to {batch} bytes "
+                "(the producer's batch.size): the broker would refuse them in every "
+                "transaction and no saga would be decided. Raise the topic's "
+                f"max.message.bytes to at least {needed}, or lower SAGALINE_MAX_RECORD_BYTES "
+                f"to at most {limit - _BATCH_FRAMING} and SAGALINE_KAFKA_BATCH_SIZE to at "
+                f"most {limit}"
+            )
 
     def _next_batch(self) -> list[Message]:
         """Block until the first record arrives (or the next timer is due), then take

@@ -151,13 +151,39 @@ def topic_max_message_bytes(
     or the broker's ``message.max.bytes`` it inherits). None on the in-process
     transport, which has no such limit. Raises ``KafkaException`` when the broker does
     not answer or refuses to say (DESCRIBE_CONFIGS not granted on the topic)."""
+    answer = topics_max_message_bytes(bootstrap, [topic], timeout_s=timeout_s)[topic]
+    if isinstance(answer, KafkaException):
+        raise answer
+    return answer
+
+
+def topics_max_message_bytes(
+    bootstrap: str | ClientConfig, topics: Iterable[str], *, timeout_s: float = 30.0
+) -> dict[str, int | KafkaException | None]:
+    """``max.message.bytes`` of each of ``topics``, in one DescribeConfigs request: per
+    topic its limit, None when it has none (the in-process transport), or the
+    ``KafkaException`` that says why the broker did not tell (no answer,
+    DESCRIBE_CONFIGS not granted on that topic)."""
+    names = list(dict.fromkeys(topics))
     config = client_config(bootstrap)
     if _memory.is_memory(config.bootstrap):
-        return None
+        return dict.fromkeys(names)
     admin = create_admin(config)
-    resource = ConfigResource(ResourceType.TOPIC, topic)
-    entries = admin.describe_configs([resource], request_timeout=timeout_s)[resource].result(
-        timeout=timeout_s
-    )
-    entry = entries.get("max.message.bytes")
-    return None if entry is None or entry.value is None else int(entry.value)
+    resources = {name: ConfigResource(ResourceType.TOPIC, name) for name in names}
+    answers: dict[str, int | KafkaException | None] = {}
+    try:
+        futures = admin.describe_configs(list(resources.values()), request_timeout=timeout_s)
+    except KafkaException as exc:
+        return dict.fromkeys(names, exc)
+    for name, resource in resources.items():
+        try:
+            entries = futures[resource].result(timeout=timeout_s)
+        except KafkaException as exc:
+            answers[name] = exc
+            continue
+        except TimeoutError as exc:
+            answers[name] = KafkaException(KafkaError(KafkaError._TIMED_OUT, str(exc)))
+            continue
+        entry = entries.get("max.message.bytes")
+        answers[name] = None if entry is None or entry.value is None else int(entry.value)
+    return answers
