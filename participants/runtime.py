@@ -1273,6 +1273,9 @@ class ParticipantRuntime:
         # How long a revoke waits for the commands of its partitions; past it they
         # are given up to the partitions' next owner (_CommandLoop.drain).
         self.revoke_drain_s = revoke_drain_s
+        # What a revoke waits at most: revoke_drain_s, below half the consumer's
+        # max.poll.interval.ms (set by run, which reads it).
+        self.revoke_drain_bound_s = revoke_drain_s
         state = state_dir or settings.state_dir / self.participant
         self.journal = CommandJournal(state / "commands.sqlite")
         # No poller thread: the loop serves the delivery reports (and a blocking
@@ -1388,7 +1391,9 @@ class ParticipantRuntime:
             replication=self.settings.replication,
         )
         group = f"{self.topics.prefix}sagaline-participant-{self.participant}"
-        pause_after_s = _max_poll_interval_s(self.bootstrap, group) / 2
+        poll_interval_s = _max_poll_interval_s(self.bootstrap, group)
+        pause_after_s = poll_interval_s / 2
+        self.revoke_drain_bound_s = _revoke_drain_bound_s(self.revoke_drain_s, poll_interval_s)
         consumer = create_consumer(
             self.bootstrap, group, **{"group.instance.id": f"{group}-{self.instance_id}"}
         )
@@ -1416,7 +1421,7 @@ class ParticipantRuntime:
             # revoke_drain_s); only what is done is committed.
             moves.moved(partitions)
             backpressure.moved(partitions)
-            within = 0.0 if self._work._closing else self.revoke_drain_s
+            within = 0.0 if self._work._closing else self.revoke_drain_bound_s
             self._work.drain({p.partition for p in partitions}, within)
             try:
                 self._commit(c, asynchronous=False)
@@ -1570,6 +1575,27 @@ def _max_poll_interval_s(bootstrap: str, group: str) -> float:
     """The consumer's effective ``max.poll.interval.ms``, in seconds."""
     setting = consumer_config(bootstrap, group).get("max.poll.interval.ms", 300_000)
     return int(str(setting)) / 1000
+
+
+def _revoke_drain_bound_s(revoke_drain_s: float, poll_interval_s: float) -> float:
+    """How long a revoke drains at most: ``revoke_drain_s``, unless that is over half
+    of ``max.poll.interval.ms`` (then half of it, with a warning). The drain runs
+    inside the rebalance callback, between two polls, and the commit follows it: a
+    drain that outlasted the interval would have the group expel this replica during
+    the revoke (while a tool hangs), which then gives up everything it holds."""
+    bound = poll_interval_s / 2
+    if revoke_drain_s <= bound:
+        return revoke_drain_s
+    log.warning(
+        "max.poll.interval.ms=%d is not above twice revoke_drain_s=%g s: a revoke that "
+        "waited that long for a hanging tool would get this replica expelled from its "
+        "group; a revoke drains for at most %g s (half the interval) instead. Raise "
+        "max.poll.interval.ms (SAGALINE_KAFKA_MAX_POLL_INTERVAL_MS) or lower revoke_drain_s",
+        round(poll_interval_s * 1000),
+        revoke_drain_s,
+        bound,
+    )
+    return bound
 
 
 class _Backpressure:

@@ -1031,3 +1031,34 @@ def test_a_stop_with_a_command_queued_ends_and_leaves_it_to_the_next_run(
     records = harness.wait_for(lambda rs: len(_of(rs, StepCommitted)) == 2)
     assert [c.step_id for c in _of(records, StepCommitted)] == ["s1", "s2"]
     assert harness.shop.count("reserve") == 2
+
+
+def test_a_poll_interval_not_above_the_revoke_drain_bounds_the_drain_below_it_and_says_so(
+    transport: str,
+    unique_prefix: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The revoke drain runs inside the rebalance callback, between two polls: an
+    operator who tuned ``max.poll.interval.ms`` down to near ``revoke_drain_s`` (here
+    50 s against 30 s, a drain and its commit) would have the replica expelled during a
+    revoke while a tool hangs, losing all it holds. The runtime says so at start,
+    naming both values, and drains for at most half the interval."""
+    monkeypatch.setenv("SAGALINE_KAFKA_MAX_POLL_INTERVAL_MS", "50000")
+    h = Harness(transport, unique_prefix, tmp_path)
+    with caplog.at_level("WARNING", logger="sagaline.participant"):
+        h.start()
+    try:
+        assert h.runtime is not None
+        assert h.runtime.revoke_drain_s == 30.0  # what was asked for
+        assert h.runtime.revoke_drain_bound_s == 25.0  # what a revoke waits at most
+        warned = [r.getMessage() for r in caplog.records if "revoke_drain_s" in r.getMessage()]
+        assert warned and "50000" in warned[0] and "30" in warned[0], warned
+    finally:
+        h.stop()
+
+
+def test_the_default_poll_interval_keeps_the_revoke_drain_asked_for(harness: Harness) -> None:
+    assert harness.runtime is not None
+    assert harness.runtime.revoke_drain_bound_s == harness.runtime.revoke_drain_s == 30.0
