@@ -140,7 +140,8 @@ class RestartOnFailure:
     Kubernetes by default): start again any process of the run that exits with a
     failure status, e.g. a coordinator whose transactional producer hit a fatal
     error, or :data:`~coordinator.watchdog.EXIT_WEDGED`. A process stopped by the run
-    exits 0, one it kills with SIGKILL exits -9: both are left alone."""
+    exits 0, one it kills with SIGKILL exits -9: both are left alone; and nothing is
+    started once the run is stopping its processes (``supervisor.lock``)."""
 
     def __init__(self, supervisor: Supervisor) -> None:
         self.supervisor = supervisor
@@ -154,7 +155,13 @@ class RestartOnFailure:
             for name, process in list(self.supervisor.processes.items()):
                 popen = process.popen
                 code = popen.poll() if popen is not None else None
-                if code is not None and code > 0:
+                if code is None or code <= 0:
+                    continue
+                # The run's final stop (Supervisor.stop_all) takes this lock and then
+                # refuses every start: never start a service again behind it.
+                with self.supervisor.lock:
+                    if self.supervisor.stopping:
+                        continue
                     why = "wedged in librdkafka" if code == EXIT_WEDGED else "failed"
                     process.start()
                     self.restarts.append(
