@@ -7,7 +7,8 @@
   next run reuses it in a fraction of a second) unless ``SAGALINE_STOP_BROKER=1``
   (not in a pytest-xdist worker: the others still use it).
 * ``unique_prefix``: a fresh topic-name prefix per test, so tests never share
-  topics. ``new_topic_prefix(kind)`` makes more (``kind`` = lower-case letters).
+  topics. ``new_topic_prefix(kind)`` makes more (``kind`` = lower-case letters);
+  ``tests.topic_cleanup.record_prefix`` records one a test learned (a demo run's).
   Every topic whose name starts with a prefix the session handed out is deleted
   when the session (each pytest-xdist worker's) ends: a long-lived broker would
   otherwise pile up every run's topics until it runs out of open files
@@ -30,10 +31,10 @@ import pytest
 from confluent_kafka.admin import AdminClient
 
 from services import broker, kafka_local
-from tests.topic_cleanup import SessionTopics
+from tests.topic_cleanup import SESSION
 
 _chosen: list[broker.BrokerChoice] = []
-_topics = SessionTopics()
+_topics = SESSION
 _cleanup_report: list[str] = []
 
 

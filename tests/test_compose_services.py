@@ -21,8 +21,7 @@ import socket
 import subprocess
 import time
 import urllib.request
-import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,10 +110,12 @@ def readiness_group(command: list[str], topics: TopicNames) -> tuple[str, str] |
 
 @pytest.fixture(scope="module")
 def system(
-    kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory
+    kafka_bootstrap: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    new_topic_prefix: Callable[..., str],
 ) -> Iterator[ComposeSystem]:
     """topics-init run to completion, then every long-running service started."""
-    prefix = f"compose-{uuid.uuid4().hex[:8]}."
+    prefix = new_topic_prefix("compose")  # its topics go when the session ends
     state = tmp_path_factory.mktemp("compose")
     shell = ComposeSystem(prefix, kafka_bootstrap, state, None, {})  # type: ignore[arg-type]
     init_args, _ = local_command(SAGALINE["topics-init"]["command"])

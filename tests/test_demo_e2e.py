@@ -28,6 +28,7 @@ from schemas.settings import Settings
 from schemas.wire import from_message
 from services.demo import DemoOptions, DemoRun, run_demo, terminal_receipts
 from services.demo_invariants import FORWARD_EFFECTS
+from tests.topic_cleanup import record_prefix
 
 pytestmark = pytest.mark.kafka
 
@@ -47,7 +48,9 @@ def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bootstrap: str, **kw: o
         "timeout_s": 150,
     }
     options = DemoOptions(**{**fields, **kw})  # type: ignore[arg-type]
-    return run_demo(options)
+    result = run_demo(options)
+    record_prefix(result.prefix)  # the run chose it: its topics go when the session ends
+    return result
 
 
 def effect_log(state_dir: Path, provider: str) -> list[tuple[str, str | None, str | None, str]]:

@@ -8,6 +8,7 @@ steps on a slow machine; by default every step runs.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
@@ -25,6 +26,7 @@ from schemas.models import TerminalStatus
 from schemas.receipt import Disposition
 from services.cli import main as sagaline
 from services.drill import Seam, Verdict, instrument, run_drill
+from services.drill import cli as drill_cli
 from services.drill._inject import FaultBoard
 from services.drill._run import _judge
 from services.refund import drill_catalogues
@@ -38,7 +40,7 @@ REFUND_PLAN = Path(__file__).parent.parent / "services" / "refund" / "drill-plan
 
 @pytest.mark.timeout(900)  # 72 sagas on the real broker; minutes on a loaded machine
 def test_refund_example_every_seam_every_step_converges_or_escalates_truthfully(
-    kafka_bootstrap: str, tmp_path: Path
+    kafka_bootstrap: str, tmp_path: Path, new_topic_prefix: Callable[..., str]
 ) -> None:
     steps_env = os.environ.get("SAGALINE_DRILL_STEPS", "")
     steps = [int(n) - 1 for n in steps_env.split(",") if n.strip()] or None
@@ -49,6 +51,7 @@ def test_refund_example_every_seam_every_step_converges_or_escalates_truthfully(
         bootstrap=kafka_bootstrap,
         state_dir=tmp_path,
         steps=steps,
+        prefix=new_topic_prefix("drill"),
     )
     print(report.matrix())
     assert report.ok, report.matrix()
@@ -64,10 +67,16 @@ def test_refund_example_every_seam_every_step_converges_or_escalates_truthfully(
         assert verdicts[(Seam.EXPIRED_APPROVAL, "send_reply")] is Verdict.ESCALATED
 
 
-def test_seed004_fixture_every_seam_every_step(kafka_bootstrap: str, tmp_path: Path) -> None:
+def test_seed004_fixture_every_seam_every_step(
+    kafka_bootstrap: str, tmp_path: Path, new_topic_prefix: Callable[..., str]
+) -> None:
     calls = [{"tool": "reserve"}, {"tool": "charge"}, {"tool": "email"}]
     report = run_drill(
-        [wrap(Steps(), name="fixture")], calls, bootstrap=kafka_bootstrap, state_dir=tmp_path
+        [wrap(Steps(), name="fixture")],
+        calls,
+        bootstrap=kafka_bootstrap,
+        state_dir=tmp_path,
+        prefix=new_topic_prefix("drill"),
     )
     print(report.matrix())
     assert report.ok, report.matrix()
@@ -109,7 +118,7 @@ class ForgetfulVault:
 
 
 def test_a_compensation_that_undoes_nothing_is_escalated_not_called_compensated_R12(
-    kafka_bootstrap: str, tmp_path: Path
+    kafka_bootstrap: str, tmp_path: Path, new_topic_prefix: Callable[..., str]
 ) -> None:
     report = run_drill(
         [wrap(ForgetfulVault(), name="vault")],
@@ -117,6 +126,7 @@ def test_a_compensation_that_undoes_nothing_is_escalated_not_called_compensated_
         bootstrap=kafka_bootstrap,
         state_dir=tmp_path,
         seams=[Seam.AFTER_COMMIT],
+        prefix=new_topic_prefix("drill"),
     )
     [result] = report.results
     assert result.verdict is Verdict.ESCALATED
@@ -133,7 +143,7 @@ class BlindVault(ForgetfulVault):
 
 
 def test_a_lookup_that_cannot_find_a_committed_operation_is_a_failed_case_R11(
-    kafka_bootstrap: str, tmp_path: Path
+    kafka_bootstrap: str, tmp_path: Path, new_topic_prefix: Callable[..., str]
 ) -> None:
     report = run_drill(
         [wrap(BlindVault(), name="vault")],
@@ -141,6 +151,7 @@ def test_a_lookup_that_cannot_find_a_committed_operation_is_a_failed_case_R11(
         bootstrap=kafka_bootstrap,
         state_dir=tmp_path,
         seams=[Seam.BEFORE_RECEIPT],
+        prefix=new_topic_prefix("drill"),
     )
     [result] = report.results
     assert result.verdict is Verdict.FAILED
@@ -164,8 +175,13 @@ def test_sagaline_drill_prints_the_matrix(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
+    new_topic_prefix: Callable[..., str],
 ) -> None:
     monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
+    # The command picks a fresh prefix itself; give it one the session deletes.
+    monkeypatch.setattr(
+        drill_cli, "run_drill", functools.partial(run_drill, prefix=new_topic_prefix("drill"))
+    )
     code = sagaline(
         [
             "drill",

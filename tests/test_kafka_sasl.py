@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import os
 import time
-import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -70,8 +69,9 @@ def test_coordinator_and_participant_run_on_sasl_from_environment_settings_only(
     sasl_broker: kafka_local.SaslListener,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
+    new_topic_prefix: Callable[..., str],
 ) -> None:
-    prefix = f"sasl-{uuid.uuid4().hex[:8]}."
+    prefix = new_topic_prefix("sasl")
     common = {
         "SAGALINE_TOPIC_PREFIX": prefix,
         "SAGALINE_PARTITIONS": "2",

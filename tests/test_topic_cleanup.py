@@ -23,11 +23,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 INNER = """
 import os
+import time
+import uuid
 from pathlib import Path
 from confluent_kafka.admin import AdminClient, NewTopic
+from tests.topic_cleanup import record_prefix
 
 def test_makes_topics(kafka_bootstrap, unique_prefix, new_topic_prefix):
-    names = [f"{unique_prefix}made", f"{new_topic_prefix('drill')}made"]
+    # As services/demo.py names a run's topics; the test learns it from the run.
+    demo = f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}."
+    names = [f"{unique_prefix}made", f"{new_topic_prefix('drill')}made", f"{demo}made"]
+    record_prefix(demo)
     admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
     for future in admin.create_topics([NewTopic(n, 1, 1) for n in names]).values():
         future.result(timeout=60)
@@ -75,7 +81,7 @@ def test_a_sessions_topics_are_deleted_when_it_ends_and_no_other_topic(
     try:
         made = _run_inner_session(tmp_path, kafka_bootstrap)
         listed = _listed(admin)
-        assert len(made) == 2
+        assert len(made) == 3
         assert [n for n in made if n in listed] == []
         assert other in listed
     finally:
@@ -100,7 +106,9 @@ def test_with_a_prefix_file_the_topics_stay_until_the_file_is_cleaned_up(
     assert [n for n in made if n in _listed(admin)] == []
 
 
-@pytest.mark.parametrize("prefix", ["", "t.", "sagaline.", "t3f9a0c1d", "demo-"])
+@pytest.mark.parametrize(
+    "prefix", ["", "t.", "sagaline.", "t3f9a0c1d", "demo-", "demo-20261203-054500.", "compose-"]
+)
 def test_cleanup_refuses_a_prefix_that_is_not_a_sessions(prefix: str) -> None:
     with pytest.raises(ValueError, match="not unique"):
         topic_cleanup.delete_topics_with_prefixes("127.0.0.1:1", ["t3f9a0c1d.", prefix])

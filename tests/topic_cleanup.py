@@ -4,7 +4,8 @@ A long-lived development broker keeps every topic ever created: a suite that lea
 its uniquely prefixed topics behind on every run eventually gives the broker more
 partition directories than it may open files, and it shuts down ("Too many open
 files", then "all log dirs have failed"). So every prefix a session hands out
-(``unique_prefix``, ``new_topic_prefix``) is recorded here, and at the end of the
+(``unique_prefix``, ``new_topic_prefix``), and every prefix a test learns from what it
+ran (``record_prefix``: a demo run's), is recorded here, and at the end of the
 session (each pytest-xdist worker has its own) the topics whose names start with one
 of *those* prefixes -- and no other topic -- are deleted.
 
@@ -34,11 +35,15 @@ PREFIX_FILE_VAR = "SAGALINE_TEST_TOPIC_PREFIX_FILE"
 # a dot. Anything else (an empty prefix, "t.", "sagaline.") is refused, so a cleanup
 # can never match topics it did not make.
 _PREFIX = re.compile(r"[a-z]{1,16}[0-9a-f]{8,32}\.")
+# ``sagaline demo`` picks its run's prefix itself (services/demo.py: ``demo-`` + the
+# run id, its start second and 4 random hex digits): the tests that run the demo learn
+# it from the run and record it (:func:`record_prefix`). Just as unique to that run.
+_DEMO_RUN_PREFIX = re.compile(r"demo-[0-9]{8}-[0-9]{6}-[0-9a-f]{4}\.")
 _BATCH = 200
 
 
 def is_session_prefix(prefix: str) -> bool:
-    return _PREFIX.fullmatch(prefix) is not None
+    return any(p.fullmatch(prefix) is not None for p in (_PREFIX, _DEMO_RUN_PREFIX))
 
 
 def delete_topics_with_prefixes(
@@ -97,6 +102,14 @@ class SessionTopics:
         self.prefixes.append(prefix)
         return prefix
 
+    def record(self, prefix: str) -> str:
+        """Record a prefix something else chose (a demo run's), for deletion at the end."""
+        if not is_session_prefix(prefix):
+            raise ValueError(f"not a unique test topic prefix, not recorded: {prefix!r}")
+        if prefix not in self.prefixes:
+            self.prefixes.append(prefix)
+        return prefix
+
     def finish(self, bootstrap: str) -> str:
         """At the session's end: delete (or record, or keep) its topics. Returns a
         line for the report."""
@@ -112,6 +125,16 @@ class SessionTopics:
             return f"test topic prefixes recorded in {record} for deletion later"
         deleted = delete_topics_with_prefixes(bootstrap, prefixes)
         return f"test topics deleted: {len(deleted)}"
+
+
+# This process's session (tests/conftest.py hands its prefixes out and deletes them).
+SESSION = SessionTopics()
+
+
+def record_prefix(prefix: str) -> str:
+    """For a helper without fixtures: record ``prefix`` (e.g. a demo run's, learned
+    from the run) so the session deletes its topics like ``unique_prefix``'s."""
+    return SESSION.record(prefix)
 
 
 def main(argv: list[str]) -> int:
