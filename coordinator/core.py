@@ -103,7 +103,10 @@ __all__ = [
     "fold",
     "record_time",
     "retry_delay_ms",
+    "tenant_mismatch",
     "tick",
+    "unknown_outcome_answer",
+    "unknown_outcome_refusal",
 ]
 
 LedgerPosition = tuple[int, int]
@@ -231,6 +234,42 @@ _UNKNOWN_OUTCOME = "unknown-outcome"
 # it exactly as an unknown-outcome incident (R11).
 _UNKNOWN_OUTCOME_NO_LOOKUP = "unknown-outcome-no-lookup"
 _SETTLES_UNKNOWN = frozenset({_UNKNOWN_OUTCOME, _UNKNOWN_OUTCOME_NO_LOOKUP})
+
+SETTLES_UNKNOWN = _SETTLES_UNKNOWN
+"""Incident kinds that ask a person to settle an unknown outcome (R11)."""
+
+
+def unknown_outcome_answer(resolution: str) -> ReconcileResult | None:
+    """A person's answer to an unknown-outcome incident as the core reads it (case-blind,
+    spaces ignored): COMMITTED or NOT_FOUND; None for anything else, which the core
+    refuses (:func:`unknown_outcome_refusal`) while the step is unsettled."""
+    answer = resolution.strip().upper()
+    if answer == ReconcileResult.COMMITTED.value:
+        return ReconcileResult.COMMITTED
+    if answer == ReconcileResult.NOT_FOUND.value:
+        return ReconcileResult.NOT_FOUND
+    return None
+
+
+def unknown_outcome_refusal(incident_id: str, resolution: str) -> str:
+    """Why the core refuses an answer that is not :func:`unknown_outcome_answer`."""
+    return (
+        f"incident {incident_id} is about an unknown outcome; resolve it with "
+        f"COMMITTED or NOT_FOUND, not {resolution!r}"
+    )
+
+
+def tenant_mismatch(record: Record, saga_id: str, tenant_id: str) -> str | None:
+    """Why ``record`` is refused for a saga of ``tenant_id`` (None: same tenant)."""
+    env = record.envelope
+    if env.tenant_id == tenant_id:
+        return None
+    return (
+        f"{env.type} {record.event_id} from {env.producer!r} is for tenant "
+        f"{env.tenant_id!r} but saga {saga_id} belongs to tenant {tenant_id!r}"
+    )
+
+
 _FORWARD_FAILED_AFTER_PIVOT = "forward-failed-after-pivot"
 _WINDOW_EXPIRED = "reversal-window-expired"
 
@@ -466,11 +505,8 @@ def _refused_writer(ctx: _Ctx, record: Record) -> bool:
     """Reject (and report) a record from the wrong tenant or, with bound writers, from
     a writer with no say over this saga; True when it was refused."""
     s, env = ctx.s, record.envelope
-    if env.tenant_id != s.tenant_id:
-        detail = (
-            f"{env.type} {record.event_id} from {env.producer!r} is for tenant "
-            f"{env.tenant_id!r} but saga {s.saga_id} belongs to tenant {s.tenant_id!r}"
-        )
+    detail = tenant_mismatch(record, s.saga_id, s.tenant_id)
+    if detail is not None:
         ctx.reject(record, RejectReason.TENANT_MISMATCH, detail)
         # One open incident per saga is enough for a person to look; more would be spam.
         if not any(i.kind == "tenant-mismatch" for i in s.open_incidents()):
@@ -1212,8 +1248,8 @@ def _on_incident_resolved(ctx: _Ctx, r: IncidentResolved) -> None:
     if incident.kind not in _SETTLES_UNKNOWN or step is None or not unsettled:
         _mark_resolved(ctx, incident.incident_id, f"{r.resolution} (by {r.resolved_by})")
         return
-    resolution = r.resolution.strip().upper()
-    if resolution == ReconcileResult.COMMITTED.value:
+    answer = unknown_outcome_answer(r.resolution)
+    if answer is ReconcileResult.COMMITTED:
         # Every incident asking about this step is settled by this person (an earlier
         # run's too), before the commit would mark them "observed in the ledger".
         _resolve_unknown_incidents(ctx, step, f"COMMITTED (by {r.resolved_by})")
@@ -1228,7 +1264,7 @@ def _on_incident_resolved(ctx: _Ctx, r: IncidentResolved) -> None:
             "RESOLVED_COMMITTED",
             referable=False,
         )
-    elif resolution == ReconcileResult.NOT_FOUND.value:
+    elif answer is ReconcileResult.NOT_FOUND:
         step.timers.pop(TimerPurpose.RECONCILE_RETRY, None)
         step.observation = "RESOLVED_NOT_FOUND"
         _resolve_unknown_incidents(ctx, step, f"NOT_FOUND (by {r.resolved_by})")
@@ -1239,8 +1275,7 @@ def _on_incident_resolved(ctx: _Ctx, r: IncidentResolved) -> None:
         ctx.reject(
             r,
             RejectReason.INVALID_TRANSITION,
-            f"incident {incident.incident_id} is about an unknown outcome; resolve it with "
-            f"COMMITTED or NOT_FOUND, not {r.resolution!r}",
+            unknown_outcome_refusal(incident.incident_id, r.resolution),
         )
 
 

@@ -61,6 +61,7 @@ from coordinator.core import (
     Output,
     RejectReason,
     decide,
+    tenant_mismatch,
     tick,
 )
 from coordinator.state import (
@@ -608,13 +609,10 @@ class Coordinator:
         tenant, R15) and it must name an incident the saga left open (when the marker
         says which). Accepted, the measures count it (the intervention, the recovery)
         and the incident feed shows it; a parked saga's record also goes to the DLQ."""
-        saga_id, env = record.saga_id, record.envelope
-        if tenant is not None and env.tenant_id != tenant:
-            detail = (
-                f"{env.type} {record.event_id} from {env.producer!r} is for tenant "
-                f"{env.tenant_id!r} but saga {saga_id} belongs to tenant {tenant!r}"
-            )
-            self._reject(msg, RejectReason.TENANT_MISMATCH, detail, pending.loose)
+        saga_id = record.saga_id
+        mismatch = None if tenant is None else tenant_mismatch(record, saga_id, tenant)
+        if mismatch is not None:
+            self._reject(msg, RejectReason.TENANT_MISMATCH, mismatch, pending.loose)
             return
         if open_ids is not None and record.incident_id not in open_ids:
             detail = f"no open incident {record.incident_id} in ended saga {saga_id}"

@@ -23,7 +23,10 @@ from coordinator.core import (
     AGENT_DRIVEN,
     COORDINATOR_PRODUCER,
     PARTICIPANT_OUTCOMES,
+    SETTLES_UNKNOWN,
     grant_mismatches,
+    unknown_outcome_answer,
+    unknown_outcome_refusal,
 )
 from sagaline.ops.metrics import SagalineMetrics
 from schemas.models import (
@@ -588,14 +591,15 @@ def _fold(saga: SagaView, record: Record) -> None:
         incident = saga.open_incidents.pop(record.incident_id, None)
         if incident is not None and incident.step_id is not None:
             step = saga.step(incident.step_id)
-            # Read as the coordinator reads it (``_on_incident_resolved``): case-blind.
-            resolution = record.resolution.strip().upper()
-            if resolution in _SETTLING_RESOLUTIONS and step.state == "unknown":
-                how = f"{resolution} (by {record.resolved_by})"
+            # Read as the coordinator reads it (``_on_incident_resolved``).
+            answer = unknown_outcome_answer(record.resolution)
+            if answer is not None and step.state == "unknown":
+                how = f"{answer.value} (by {record.resolved_by})"
                 _settle_unknown_incidents(saga, incident.step_id, how)
                 step.close(SpanKind.UNKNOWN, at, f"resolved by {record.resolved_by}")
-                step.state = "committed" if resolution == "COMMITTED" else "failed"
-                if resolution == "COMMITTED":
+                committed = answer is ReconcileResult.COMMITTED
+                step.state = "committed" if committed else "failed"
+                if committed:
                     step.committed_at = step.committed_at or at
     elif isinstance(record, SagaTerminal):
         saga.terminal_status = record.status
@@ -693,28 +697,19 @@ def _not_counted(
     )
 
 
-# The incident kinds that ask a person whether a step's effect happened (R11).
-_SETTLES_UNKNOWN = frozenset({"unknown-outcome", "unknown-outcome-no-lookup"})
-# The only answers to that question (R11).
-_SETTLING_RESOLUTIONS = frozenset({"COMMITTED", "NOT_FOUND"})
-
-
 def _resolution_refused(saga: SagaView, r: IncidentResolved) -> str | None:
     """Why the coordinator rejects this resolution (``_on_incident_resolved``): an
     unknown outcome still unsettled is answered only with COMMITTED or NOT_FOUND;
     anything else leaves the incident open, waiting for a person."""
     incident = saga.open_incidents.get(r.incident_id)
-    if incident is None or incident.kind not in _SETTLES_UNKNOWN or incident.step_id is None:
+    if incident is None or incident.kind not in SETTLES_UNKNOWN or incident.step_id is None:
         return None
     step = saga.steps.get(incident.step_id)
     if step is None or step.state != "unknown":
         return None
-    if r.resolution.strip().upper() in _SETTLING_RESOLUTIONS:
+    if unknown_outcome_answer(r.resolution) is not None:
         return None
-    return (
-        f"incident {r.incident_id} is about an unknown outcome; resolve it with "
-        f"COMMITTED or NOT_FOUND, not {r.resolution!r}"
-    )
+    return unknown_outcome_refusal(r.incident_id, r.resolution)
 
 
 def _settle_unknown_incidents(saga: SagaView, step_id: str, how: str) -> None:
@@ -722,7 +717,7 @@ def _settle_unknown_incidents(saga: SagaView, step_id: str, how: str) -> None:
     resolution): the coordinator marks every open unknown-outcome incident of the step
     resolved (``_resolve_unknown_incidents``) and writes no record for it, so nothing is
     left asking a person."""
-    _settle_incidents(saga, step_id, _SETTLES_UNKNOWN, how)
+    _settle_incidents(saga, step_id, SETTLES_UNKNOWN, how)
 
 
 def _settle_incidents(saga: SagaView, step_id: str, kinds: Collection[str], how: str) -> None:
