@@ -100,7 +100,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result: int = func(args)
     except (BrokerNotConfigured, KafkaConfigError, SettingsError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        text = str(exc)
+        if isinstance(exc, BrokerNotConfigured) and hasattr(args, "dev_broker"):
+            # Only the commands that take the flag are told about it.
+            text = text.removesuffix(".") + ", or pass --dev-broker."
+        print(f"error: {text}", file=sys.stderr)
         return 2
     return result
 

@@ -223,7 +223,9 @@ def test_a_production_process_without_a_broker_is_told_what_to_set() -> None:
     assert "sagaline coordinator run" in message
     assert "KAFKA_BOOTSTRAP_SERVERS" in message
     assert "sagaline kafka up" in message
-    assert "--dev-broker" in message
+    # A flag of the sagaline commands that have one (added by services.cli), not of
+    # every process that calls this.
+    assert "--dev-broker" not in message
 
 
 @pytest.mark.parametrize(
@@ -249,6 +251,38 @@ def test_production_commands_fail_fast_without_a_broker(command: list[str]) -> N
     assert done.returncode == 2, done.stderr
     assert "KAFKA_BOOTSTRAP_SERVERS" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["coordinator", "run"],
+        ["participant", "run", "payments"],
+        ["topics", "create"],
+        ["dashboard"],
+        ["saga", "show", "saga-1"],
+        ["saga", "wait", "saga-1"],
+        ["approve", "saga-1", "01-x", "--operator", "alice"],
+        ["deny", "saga-1", "01-x", "--operator", "alice", "--reason", "no"],
+        ["incidents", "list"],
+        ["incidents", "resolve", "inc-1", "--operator", "alice"],
+        ["status"],
+        ["catalogue", "withdraw", "legacy"],
+    ],
+)
+def test_the_no_broker_error_offers_dev_broker_only_where_the_command_takes_it(
+    command: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A new user follows the error's advice: the flag it names must be accepted."""
+    from services.cli import build_parser, main
+
+    monkeypatch.delenv("KAFKA_BOOTSTRAP_SERVERS", raising=False)
+    monkeypatch.delenv("SAGALINE_OPERATOR", raising=False)
+    assert main(command) == 2
+    message = capsys.readouterr().err
+    assert "KAFKA_BOOTSTRAP_SERVERS" in message
+    takes_flag = hasattr(build_parser().parse_args(command), "dev_broker")
+    assert ("--dev-broker" in message) == takes_flag, message
 
 
 # ---------------------------------------- real broker (and, where marked, in-process)

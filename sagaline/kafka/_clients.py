@@ -32,7 +32,7 @@ def require_bootstrap(settings: Settings, command: str = "this command") -> str:
         f"{command}: no Kafka broker configured. Set {BOOTSTRAP_VAR}=host:port (plus "
         "SAGALINE_KAFKA_* client settings for SASL/SSL, see docs/deploying.md). For "
         "development, start the local broker with `sagaline kafka up` and export the "
-        "address it prints, or pass --dev-broker."
+        "address it prints."
     )
 
 
