@@ -40,7 +40,7 @@ def register(subparsers: Any) -> None:
         description="Serve, over stdio, the tools of the upstream MCP servers named in"
         " DECLARATION (YAML or JSON). Each MCP session is one saga; compensations and"
         " lookups call the upstream servers. Refuses to start on a declaration that cannot"
-        " work. See docs/mcp-proxy.md.",
+        ' work. See docs/agents.md ("sagaline mcp proxy").',
     )
     proxy.add_argument("declaration", type=Path, metavar="DECLARATION")
     proxy.add_argument(

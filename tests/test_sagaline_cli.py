@@ -3,6 +3,7 @@ to name a catalogue (working directory, factories), ``status`` and ``saga wait``
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import signal
@@ -215,3 +216,28 @@ def test_topics_create_says_in_one_line_when_the_broker_does_not_answer(
     err = capsys.readouterr().err
     assert err.startswith("sagaline topics create: ") and err.count("\n") == 1
     assert "Broker transport failure" in err
+
+
+def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    found = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found += _parsers(sub)
+    return found
+
+
+def test_every_doc_the_help_names_exists() -> None:
+    """`--help` sends a newcomer to docs/...: each file it names must be there."""
+    from services.cli import build_parser
+
+    root = Path(__file__).resolve().parents[1]
+    named: dict[str, str] = {}
+    for parser in _parsers(build_parser()):
+        texts = [parser.description or "", *(a.help or "" for a in parser._actions)]
+        for text in texts:
+            for doc in re.findall(r"docs/[\w.-]+\.md", text):
+                named[doc] = parser.prog
+    assert named, "no help text names a doc: the check reads the wrong thing"
+    missing = {doc: prog for doc, prog in named.items() if not (root / doc).is_file()}
+    assert not missing, missing
