@@ -1,0 +1,85 @@
+"""What the newcomer's docs state, checked against the code: README's configuration
+table names every variable a process reads, with the defaults the code uses."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from schemas.limits import Limits
+from schemas.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+CODE_DIRS = ("schemas", "sagaline", "participants", "coordinator", "services")
+
+# Read by the code but documented elsewhere on purpose: the local development
+# launcher's (docs/kafka-local.md), the supervisor's hand-over to its children
+# (docs/running-the-demo.md), and the librdkafka pass-through whose row is the
+# pattern `SAGALINE_KAFKA_<NAME>`.
+ELSEWHERE = {
+    "SAGALINE_CACHE_DIR": "docs/kafka-local.md",
+    "SAGALINE_NO_APT": "docs/kafka-local.md",
+    "SAGALINE_KAFKA_VERSION": "docs/kafka-local.md",
+    "SAGALINE_KAFKA_PORT": "docs/kafka-local.md",
+    "SAGALINE_KAFKA_START_TIMEOUT": "docs/kafka-local.md",
+    "SAGALINE_PARENT_PID": "docs/running-the-demo.md",
+}
+
+
+def _readme_table() -> dict[str, str]:
+    """variable -> its default cell, from README's "Configuration" table."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Configuration", 1)[1].split("\n## ", 1)[0]
+    rows: dict[str, str] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        match = re.fullmatch(r"`([A-Z0-9_<>]+)`", cells[0]) if len(cells) >= 3 else None
+        if match:
+            rows[match.group(1)] = cells[1]
+    return rows
+
+
+def _variables_read_by_the_code() -> set[str]:
+    found: set[str] = set()
+    for folder in CODE_DIRS:
+        for path in (ROOT / folder).rglob("*.py"):
+            found |= set(re.findall(r"[\"'](SAGALINE_[A-Z0-9_]*[A-Z0-9])[\"']", path.read_text()))
+    return found
+
+
+def test_readme_lists_every_variable_the_code_reads() -> None:
+    table = _readme_table()
+    assert "KAFKA_BOOTSTRAP_SERVERS" in table and "SAGALINE_KAFKA_<NAME>" in table
+    missing = []
+    for var in sorted(_variables_read_by_the_code()):
+        if var in table or var in ELSEWHERE:
+            continue
+        if var.startswith("SAGALINE_KAFKA_"):  # a client setting: the pattern row
+            continue
+        missing.append(var)
+    assert not missing, f"README.md's Configuration table does not list {missing}"
+    for var, doc in ELSEWHERE.items():
+        assert var in (ROOT / doc).read_text(), (var, doc)
+
+
+def test_readme_defaults_are_the_codes() -> None:
+    table = _readme_table()
+    settings, limits = Settings(), Limits()
+    expected = {
+        "SAGALINE_TOPIC_PREFIX": '`""`',
+        "SAGALINE_PARTITIONS": f"`{settings.partitions}`",
+        "SAGALINE_REPLICATION_FACTOR": f"`{settings.replication.factor}`",
+        "SAGALINE_HMAC_KEY_ID": f"`{settings.hmac_key_id}`",
+        "SAGALINE_TENANT_ID": f"`{settings.tenant_id}`",
+        "SAGALINE_STATE_DIR": f"`{settings.state_dir}`",
+        "SAGALINE_SECRET_KEY_ID": f"`{settings.secret_key_id}`",
+        "SAGALINE_METRICS_HOST": f"`{settings.metrics_host}`",
+        "SAGALINE_MAX_ARGS_BYTES": f"`{limits.max_args_bytes}`",
+        "SAGALINE_MAX_RESULT_BYTES": f"`{limits.max_result_bytes}`",
+        "SAGALINE_MAX_STEPS": f"`{limits.max_steps}`",
+        "SAGALINE_MAX_RECORD_BYTES": f"`{limits.max_record_bytes}`",
+    }
+    wrong = {
+        var: (table.get(var), want) for var, want in expected.items() if table.get(var) != want
+    }
+    assert not wrong, wrong
