@@ -83,3 +83,17 @@ def test_readme_defaults_are_the_codes() -> None:
         var: (table.get(var), want) for var, want in expected.items() if table.get(var) != want
     }
     assert not wrong, wrong
+
+
+def test_every_file_the_docs_name_exists() -> None:
+    """A doc that sends the reader to `some.md` or `tests/x.py` names a file that is
+    there (the docs stand alone: nothing outside this repository)."""
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    missing = []
+    for doc in docs:
+        for name in re.findall(r"`([A-Za-z0-9_./-]+\.(?:md|py))`", doc.read_text()):
+            if "/" not in name and not name.endswith(".md"):
+                continue  # a bare module file name, not a path
+            if not ((ROOT / name).exists() or (ROOT / "docs" / name).exists()):
+                missing.append(f"{doc.relative_to(ROOT)} -> {name}")
+    assert not missing, missing
