@@ -76,3 +76,22 @@ def test_the_facade_exports_the_first_saga_names() -> None:
 def test_every_exported_name_resolves() -> None:
     for name in sagaline.__all__:
         assert getattr(sagaline, name) is not None, name
+
+
+def _code_lines(text: str) -> list[str]:
+    """Non-blank lines, without the linter's `# noqa` remarks."""
+    lines = (line.split("  # noqa")[0].rstrip() for line in text.splitlines())
+    return [line for line in lines if line.strip()]
+
+
+def test_the_quickstart_shows_the_example_in_full() -> None:
+    """docs/quickstart.md prints examples/first_saga.py "in full": the block is the file
+    (less its docstring, blank lines and linter remarks), so the two cannot drift."""
+    doc = (EXAMPLE.parents[1] / "docs" / "quickstart.md").read_text()
+    after = doc.split("`examples/first_saga.py` (in this repository), in full:", 1)[1]
+    block = after.split("```python\n", 1)[1].split("\n```", 1)[0]
+    source = EXAMPLE.read_text()
+    docstring = ast.get_docstring(ast.parse(source), clean=False)
+    assert docstring is not None
+    body = source.split('"""', 2)[2]
+    assert _code_lines(block) == _code_lines(body)

@@ -120,6 +120,16 @@ def test_approve_on_the_cli_lets_the_irreversible_step_run_and_show_prints_the_r
     receipt = orjson.loads(capsys.readouterr().out)
     assert receipt["status"] == "COMPLETED" and receipt["approvals"][0]["by"] == "alice"
 
+    # docs/operating.md: a grant that would not count for the saga is refused with one
+    # line and exit code 1 (exit code 2 is for the key), and nothing is written.
+    before = len(system.records(saga.saga_id))
+    assert main(["approve", saga.saga_id, request.step_id, "--operator", "alice"]) == 1
+    err = capsys.readouterr().err
+    assert "is not awaiting approval" in err and err.count("\n") == 1, err
+    assert main(["approve", "no-such-saga", request.step_id, "--operator", "alice"]) == 1
+    assert "no saga 'no-such-saga'" in capsys.readouterr().err
+    assert len(system.records(saga.saga_id)) == before
+
 
 def test_deny_on_the_cli_is_a_business_rejection_R7(
     office: tuple[System, Office],
