@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from sagaline.agents.declaration import DeclarationError, parse_declaration
@@ -77,3 +80,18 @@ def test_an_idempotency_arg_that_is_not_a_name_is_a_problem_not_a_traceback() ->
         "tool 'close_ticket': idempotency_arg must be the name of one argument,"
         " e.g. idempotency_arg: request_id",
     ]
+
+
+def test_the_declaration_in_docs_agents_md_is_accepted(tmp_path: Path) -> None:
+    """The example a newcomer copies from docs/agents.md loads as it stands."""
+    from sagaline.agents.declaration import load_declaration
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "agents.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)\n```", doc, re.S)
+    assert len(blocks) == 1
+    path = tmp_path / "desk.yaml"
+    path.write_text(blocks[0])
+    declared = load_declaration(path)
+    assert declared.participant == "helpdesk" and set(declared.upstreams) == {"desk", "billing"}
+    assert set(declared.tools) == {"create_ticket", "charge", "send_email", "list_tickets"}
+    assert declared.internal_tools() >= {"delete_ticket", "find_ticket", "refund"}

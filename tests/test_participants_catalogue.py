@@ -4,6 +4,7 @@ snapshot and call handles."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any
 
 import pytest
@@ -820,3 +821,45 @@ def test_a_lookup_returning_something_else_is_a_contract_violation() -> None:
     spec = wrap(Hold(), name="hold")["hold"]
     with pytest.raises(ContractViolation, match="returned str"):
         spec.lookup("idem-1")
+
+
+class _Store:
+    """The provider the first participant of docs/writing-a-participant.md talks to."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, str] = {}
+
+    def reserve(self, sku: str, qty: int, key: str) -> str:
+        self.held[key] = f"res-{sku}-{qty}"
+        return self.held[key]
+
+    def release(self, reservation: str, key: str) -> None:
+        self.held = {k: v for k, v in self.held.items() if v != reservation}
+
+    def by_key(self, key: str) -> None:
+        return None
+
+    def state(self, reservation: str) -> str:
+        return "held" if reservation in self.held.values() else "released"
+
+
+def test_the_first_participant_of_the_guide_wraps_and_runs() -> None:
+    """docs/writing-a-participant.md's first example, executed as printed (with a store
+    of ours): wrap() accepts it and the tool runs under a call context."""
+    from participants import CallContext, Catalogue, call_context
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "writing-a-participant.md").read_text()
+    block = doc.split("## A first participant", 1)[1].split("```python\n", 1)[1]
+    namespace: dict[str, object] = {"store": _Store()}
+    exec(compile(block.split("\n```", 1)[0], "writing-a-participant.md", "exec"), namespace)
+    catalogue = namespace["catalogue"]
+    assert isinstance(catalogue, Catalogue) and catalogue.name == "inventory"
+    names = sorted(d["name"] for d in catalogue.tool_definitions())  # what a model reads
+    assert names == ["reserve_inventory", "send_wire_transfer"]
+    spec = catalogue["reserve_inventory"]
+    contract = spec.contract()
+    assert contract.has_lookup and contract.has_verify and contract.resources == ["inventory"]
+    assert catalogue["send_wire_transfer"].contract().reversibility.value == "IRREVERSIBLE"
+    call = CallContext("s-1", "01-reserve_inventory", "reserve_inventory", "k-1")
+    with call_context(call):
+        assert spec.invoke({"sku": "A"}) == "res-A-1"
