@@ -1026,3 +1026,86 @@ def test_langgraph_invoke_in_another_stream_mode_stopped_at_an_interrupt_raises(
     saga.end(sagaline.SagaOutcome.ABORT, "test over")  # it was left open: this ends it
     assert saga.wait(120).status is TerminalStatus.COMPENSATED
     assert [e for e in trip.log if "LX72" in e] == ["reserve:LX72", "release:r-LX72"]
+
+
+def _breakpoint_graph(saga: Any, catalogue: Any, flight: str, amount: int, **compile: Any) -> Any:
+    """A LangGraph agent (checkpointed) that reserves ``flight``, then charges ``amount``,
+    compiled with ``compile`` (a static breakpoint: ``interrupt_before`` /
+    ``interrupt_after``)."""
+    from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+    from langchain_core.messages import AIMessage
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.graph import END, START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode, tools_condition
+
+    from sagaline.agents import langchain as adapter
+
+    replies = iter(
+        [
+            AIMessage(
+                content="",
+                tool_calls=[{"name": "reserve_seat", "args": {"flight": flight}, "id": "call-r"}],
+            ),
+            AIMessage(
+                content="",
+                tool_calls=[{"name": "charge_card", "args": {"amount": amount}, "id": "call-c"}],
+            ),
+            AIMessage(content="booked"),
+        ]
+    )
+    model = GenericFakeChatModel(messages=replies)
+    built = StateGraph(MessagesState)
+    built.add_node("agent", lambda state: {"messages": [model.invoke(state["messages"])]})
+    built.add_node("tools", ToolNode(adapter.tools(saga, catalogue)))
+    built.add_edge(START, "agent")
+    built.add_conditional_edges("agent", tools_condition, {"tools": "tools", END: END})
+    built.add_edge("tools", "agent")
+    return built.compile(checkpointer=InMemorySaver(), **compile)
+
+
+@pytest.mark.parametrize("mode", ["invoke", "stream", "astream"])
+def test_langgraph_run_stopped_at_a_static_breakpoint_leaves_the_saga_open(
+    served: Any, mode: str
+) -> None:
+    """A graph compiled with ``interrupt_after=["tools"]`` stops after the tool node and
+    ``invoke`` returns with no ``__interrupt__`` in its output (a stream's last chunk
+    carries an empty one, and the thread's state lists no interrupt, only its ``next``
+    node): the adapter took the run for finished, the block completed the saga with
+    the reservation, and the resumed run met an ended saga. It raises ``Interrupted``
+    (with the ``next`` nodes), and the resumed run continues the saga: its failure
+    compensates the reservation made before the breakpoint."""
+    from sagaline.agents import langchain as adapter
+
+    client, catalogue, trip = served
+    flight, amount = {"invoke": ("LX74", 974), "stream": ("LX75", 975), "astream": ("LX76", 976)}[
+        mode
+    ]
+    saga = client.saga("trip", principal="agent:langgraph")
+    graph = _breakpoint_graph(saga, catalogue, flight, amount, interrupt_after=["tools"])
+    config: Any = {"configurable": {"thread_id": f"trip-{flight}"}}
+    start = {"messages": [("user", f"book {flight}")]}
+
+    async def astreamed(input: Any) -> list[Any]:
+        return [c async for c in adapter.astream(saga, graph, input, config)]
+
+    def run(input: Any) -> Any:
+        if mode == "invoke":
+            return adapter.invoke(saga, graph, input, config)
+        if mode == "stream":
+            return list(adapter.stream(saga, graph, input, config, stream_mode="updates"))
+        return asyncio.run(astreamed(input))
+
+    with pytest.raises(adapter.Interrupted) as stopped, saga:
+        run(start)
+    assert stopped.value.saga_id == saga.saga_id
+    assert stopped.value.interrupts == [] and stopped.value.next == ("agent",)
+
+    with pytest.raises(BusinessRejected), adapter.resumed(saga):
+        run(None)
+    receipt = saga.wait(120)
+    assert receipt.status is TerminalStatus.COMPENSATED
+    assert [(s.tool, s.disposition.value) for s in receipt.steps] == [
+        ("reserve_seat", "COMPENSATED"),
+        ("charge_card", "NOT_COMMITTED"),
+    ]
+    assert [e for e in trip.log if flight in e] == [f"reserve:{flight}", f"release:r-{flight}"]

@@ -10,12 +10,14 @@ are saga steps, usable in a LangGraph ``ToolNode`` (needs ``sagaline[langchain]`
         graph.invoke({"messages": [...]})
     # returned: the saga completes; raised: it aborts and is compensated
 
-A graph that asks a person with LangGraph's ``interrupt()`` stops, and
-``graph.invoke`` *returns*: the block would complete the saga with the effects so far,
-and the resumed run would meet an ended saga. Run the graph with :func:`invoke`: a run
-stopped at an interrupt raises :class:`Interrupted` (an ``ApprovalPending``: the saga
-stays open, R7); continue it in :func:`resumed`, which ends the saga as the block
-would (completed, aborted, or left open at the next interrupt)::
+A graph that asks a person with LangGraph's ``interrupt()``, or reaches a static
+breakpoint (``interrupt_before`` / ``interrupt_after``), stops, and ``graph.invoke``
+*returns*: the block would complete the saga with the effects so far, and the
+resumed run would meet an ended saga. Run the graph with :func:`invoke`: a run
+stopped at an interrupt or a breakpoint raises :class:`Interrupted` (an
+``ApprovalPending``: the saga stays open, R7); continue it in :func:`resumed`, which
+ends the saga as the block would (completed, aborted, or left open at the next
+interrupt)::
 
     try:
         with client.saga("refund", principal="agent:atlas") as saga:
@@ -91,33 +93,46 @@ def _structured_tool(bound: SagaTool) -> StructuredTool:
 
 
 class Interrupted(_core.Interrupted):
-    """The graph stopped at a LangGraph ``interrupt()``: it waits for a person's answer.
-    Like any ``ApprovalPending`` it leaves the saga open (R7) when it leaves the saga's
-    block; ``interrupts`` (and ``pending``) are the graph's ``Interrupt`` objects
-    (value, id)."""
+    """The graph stopped at a LangGraph ``interrupt()`` or a static breakpoint
+    (``interrupt_before`` / ``interrupt_after``): it waits for a person. Like any
+    ``ApprovalPending`` it leaves the saga open (R7) when it leaves the saga's block;
+    ``interrupts`` (and ``pending``) are the graph's ``Interrupt`` objects (value, id),
+    none at a breakpoint; ``next`` the nodes the thread's state runs next (read when
+    the graph has a checkpointer)."""
 
-    def __init__(self, message: str, *, saga_id: str, interrupts: list[Any]) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        saga_id: str,
+        interrupts: list[Any],
+        next: tuple[str, ...] = (),
+    ) -> None:
         ids = (str(getattr(i, "id", "") or "") for i in interrupts)
         super().__init__(message, saga_id=saga_id, pending=interrupts, ids=ids)
         self.interrupts = interrupts
+        self.next = next
 
 
 def invoke(
     saga: Saga | AsyncSaga, graph: Any, input: Any, config: Any = None, **kwargs: Any
 ) -> Any:
     """``graph.invoke(input, config, **kwargs)`` for a run that is ``saga``: its output,
-    or :class:`Interrupted` when the run stopped at an ``interrupt()``."""
-    return _checked(saga, graph.invoke(input, config, **kwargs))
+    or :class:`Interrupted` when the run stopped at an ``interrupt()`` or a static
+    breakpoint (``interrupt_before`` / ``interrupt_after``)."""
+    output = graph.invoke(input, config, **kwargs)
+    return _checked(saga, output, _output_interrupts(output), _state(graph, config))
 
 
 async def ainvoke(
     saga: Saga | AsyncSaga, graph: Any, input: Any, config: Any = None, **kwargs: Any
 ) -> Any:
     """``await graph.ainvoke(...)``, as :func:`invoke`."""
-    return _checked(saga, await graph.ainvoke(input, config, **kwargs))
+    output = await graph.ainvoke(input, config, **kwargs)
+    return _checked(saga, output, _output_interrupts(output), await _astate(graph, config))
 
 
-def _checked(saga: Saga | AsyncSaga, output: Any) -> Any:
+def _output_interrupts(output: Any) -> list[Any]:
     interrupts = getattr(output, "interrupts", None)  # invoke(..., version="v2")
     if interrupts is None and isinstance(output, Mapping):
         interrupts = output.get("__interrupt__")
@@ -126,7 +141,11 @@ def _checked(saga: Saga | AsyncSaga, output: Any) -> Any:
         for chunk in output:
             _note_interrupts(found, chunk)
         interrupts = list(found.values())
-    stopped = _interrupted(saga, list(interrupts or ()))
+    return list(interrupts or ())
+
+
+def _checked(saga: Saga | AsyncSaga, output: Any, interrupts: list[Any], state: Any) -> Any:
+    stopped = _interrupted(saga, interrupts, state)
     if stopped is not None:
         raise stopped
     return output
@@ -138,11 +157,12 @@ def stream(
     """``graph.stream(input, config, **kwargs)`` for a run that is ``saga``: its chunks
     as they come, then, once the last one has been handed over, :class:`Interrupted`
     when the run stopped at an ``interrupt()`` (seen in the chunks, or, in a stream
-    mode that does not carry interrupts, in the graph's state for the thread)."""
+    mode that does not carry interrupts, in the graph's state for the thread) or at a
+    static breakpoint (the thread's state names a next node)."""
     found: dict[Any, Any] = {}
 
     def check() -> Interrupted | None:
-        return _interrupted(saga, list(found.values()) or _state_interrupts(graph, config))
+        return _interrupted(saga, list(found.values()), _state(graph, config))
 
     chunks = graph.stream(input, config, **kwargs)
     return _core.checked_stream(chunks, check, lambda chunk: _note_interrupts(found, chunk))
@@ -155,11 +175,7 @@ def astream(
     found: dict[Any, Any] = {}
 
     async def check() -> Interrupted | None:
-        thread = _thread(config)
-        interrupts = list(found.values())
-        if not interrupts and thread is not None and getattr(graph, "checkpointer", None):
-            interrupts = list((await graph.aget_state(thread)).interrupts)
-        return _interrupted(saga, interrupts)
+        return _interrupted(saga, list(found.values()), await _astate(graph, config))
 
     chunks = graph.astream(input, config, **kwargs)
     return _core.achecked_stream(chunks, check, lambda chunk: _note_interrupts(found, chunk))
@@ -193,21 +209,42 @@ def _thread(config: Any) -> Any:
     return {"configurable": {k: configurable[k] for k in keys if k in configurable}}
 
 
-def _state_interrupts(graph: Any, config: Any) -> list[Any]:
+def _state(graph: Any, config: Any) -> Any:
+    """The graph's state (a ``StateSnapshot``) for the thread ``config`` runs, or None
+    without a thread or a checkpointer (then a run cannot be resumed either)."""
     thread = _thread(config)
     if thread is None or not getattr(graph, "checkpointer", None):
-        return []
-    return list(graph.get_state(thread).interrupts)
-
-
-def _interrupted(saga: Saga | AsyncSaga, interrupts: list[Any]) -> Interrupted | None:
-    if not interrupts:
         return None
-    values = ", ".join(repr(getattr(i, "value", i)) for i in interrupts)
+    return graph.get_state(thread)
+
+
+async def _astate(graph: Any, config: Any) -> Any:
+    thread = _thread(config)
+    if thread is None or not getattr(graph, "checkpointer", None):
+        return None
+    return await graph.aget_state(thread)
+
+
+def _interrupted(saga: Saga | AsyncSaga, interrupts: list[Any], state: Any) -> Interrupted | None:
+    """The pause of a run that returned: the ``interrupt()``s its output or chunks
+    showed, else those of the thread's ``state``; or, with none, a static breakpoint
+    (the thread's state still names a node to run: a finished run names none)."""
+    if state is not None and not interrupts:
+        interrupts = list(state.interrupts)
+    next_nodes = tuple(state.next) if state is not None else ()
+    if not interrupts and not next_nodes:
+        return None
+    if interrupts:
+        values = ", ".join(repr(getattr(i, "value", i)) for i in interrupts)
+        what = f"{len(interrupts)} interrupt(s) ({values[:200]})"
+        how = "Command(resume=...)"
+    else:
+        what = f"a breakpoint (next: {', '.join(next_nodes)[:200]})"
+        how = "None as its input"
     return Interrupted(
-        f"the graph stopped at {len(interrupts)} interrupt(s) ({values[:200]}): saga"
-        f" {saga.saga_id} stays open; resume the graph with Command(resume=...) in"
-        " sagaline.agents.langchain.resumed(saga)",
+        f"the graph stopped at {what}: saga {saga.saga_id} stays open; resume the graph"
+        f" with {how} in sagaline.agents.langchain.resumed(saga)",
         saga_id=saga.saga_id,
         interrupts=interrupts,
+        next=next_nodes,
     )
