@@ -1032,7 +1032,6 @@ def _breakpoint_graph(saga: Any, catalogue: Any, flight: str, amount: int, **com
     """A LangGraph agent (checkpointed) that reserves ``flight``, then charges ``amount``,
     compiled with ``compile`` (a static breakpoint: ``interrupt_before`` /
     ``interrupt_after``)."""
-    from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
     from langchain_core.messages import AIMessage
     from langgraph.checkpoint.memory import InMemorySaver
     from langgraph.graph import END, START, MessagesState, StateGraph
@@ -1053,9 +1052,8 @@ def _breakpoint_graph(saga: Any, catalogue: Any, flight: str, amount: int, **com
             AIMessage(content="booked"),
         ]
     )
-    model = GenericFakeChatModel(messages=replies)
-    built = StateGraph(MessagesState)
-    built.add_node("agent", lambda state: {"messages": [model.invoke(state["messages"])]})
+    built = StateGraph(MessagesState)  # the replies as they are (a fake chat model's
+    built.add_node("agent", lambda state: {"messages": [next(replies)]})  # stream has none)
     built.add_node("tools", ToolNode(adapter.tools(saga, catalogue)))
     built.add_edge(START, "agent")
     built.add_conditional_edges("agent", tools_condition, {"tools": "tools", END: END})
@@ -1063,7 +1061,7 @@ def _breakpoint_graph(saga: Any, catalogue: Any, flight: str, amount: int, **com
     return built.compile(checkpointer=InMemorySaver(), **compile)
 
 
-@pytest.mark.parametrize("mode", ["invoke", "stream", "astream"])
+@pytest.mark.parametrize("mode", ["invoke", "stream", "astream", "astream_events"])
 def test_langgraph_run_stopped_at_a_static_breakpoint_leaves_the_saga_open(
     served: Any, mode: str
 ) -> None:
@@ -1077,15 +1075,20 @@ def test_langgraph_run_stopped_at_a_static_breakpoint_leaves_the_saga_open(
     from sagaline.agents import langchain as adapter
 
     client, catalogue, trip = served
-    flight, amount = {"invoke": ("LX74", 974), "stream": ("LX75", 975), "astream": ("LX76", 976)}[
-        mode
-    ]
+    flight, amount = {
+        "invoke": ("LX74", 974),
+        "stream": ("LX75", 975),
+        "astream": ("LX76", 976),
+        "astream_events": ("LX77", 977),
+    }[mode]
     saga = client.saga("trip", principal="agent:langgraph")
     graph = _breakpoint_graph(saga, catalogue, flight, amount, interrupt_after=["tools"])
     config: Any = {"configurable": {"thread_id": f"trip-{flight}"}}
     start = {"messages": [("user", f"book {flight}")]}
 
     async def astreamed(input: Any) -> list[Any]:
+        if mode == "astream_events":
+            return [e async for e in adapter.astream_events(saga, graph, input, config)]
         return [c async for c in adapter.astream(saga, graph, input, config)]
 
     def run(input: Any) -> Any:
@@ -1109,3 +1112,16 @@ def test_langgraph_run_stopped_at_a_static_breakpoint_leaves_the_saga_open(
         ("charge_card", "NOT_COMMITTED"),
     ]
     assert [e for e in trip.log if flight in e] == [f"reserve:{flight}", f"release:r-{flight}"]
+
+
+def test_langgraph_astream_events_refuses_the_v3_run_object() -> None:
+    """``astream_events(version="v3")`` gives a run object, not events: refused with a
+    clear error before the graph runs."""
+    from sagaline.agents import langchain as adapter
+
+    class Graph:
+        def astream_events(self, *args: Any, **kwargs: Any) -> Any:
+            raise AssertionError("the graph ran")
+
+    with pytest.raises(ValueError, match="'v1' or 'v2'"):
+        adapter.astream_events(Any, Graph(), {}, None, version="v3")  # type: ignore[arg-type]

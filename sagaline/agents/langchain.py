@@ -28,10 +28,11 @@ interrupt)::
     with sagaline_langchain.resumed(saga):  # or an attached saga, after a restart
         sagaline_langchain.invoke(saga, graph, Command(resume=answer), config)
 
-A streamed run (``graph.stream``/``astream``) stops the same way, and the stream just
-ends: run it with :func:`stream` (or :func:`astream`), which hands over the graph's
-chunks and raises :class:`Interrupted` after the last one when the run stopped at an
-interrupt (a stream left before its end is not checked)::
+A streamed run (``graph.stream``/``astream``/``astream_events``) stops the same way,
+and the stream just ends: run it with :func:`stream` (or :func:`astream`,
+:func:`astream_events`), which hands over the graph's chunks (events) and raises
+:class:`Interrupted` after the last one when the run stopped at an interrupt or a
+breakpoint (a stream left before its end is not checked)::
 
     for chunk in sagaline_langchain.stream(saga, graph, input, config, stream_mode="messages"):
         ...
@@ -49,7 +50,16 @@ from participants.client import AsyncSaga, Saga
 from sagaline.agents import _core
 from sagaline.agents._core import SagaTool, resumed, saga_tools
 
-__all__ = ["Interrupted", "ainvoke", "astream", "invoke", "resumed", "stream", "tools"]
+__all__ = [
+    "Interrupted",
+    "ainvoke",
+    "astream",
+    "astream_events",
+    "invoke",
+    "resumed",
+    "stream",
+    "tools",
+]
 
 
 def tools(
@@ -179,6 +189,26 @@ def astream(
 
     chunks = graph.astream(input, config, **kwargs)
     return _core.achecked_stream(chunks, check, lambda chunk: _note_interrupts(found, chunk))
+
+
+def astream_events(
+    saga: Saga | AsyncSaga, graph: Any, input: Any, config: Any = None, **kwargs: Any
+) -> AsyncIterator[Any]:
+    """``graph.astream_events(input, config, **kwargs)`` (``version`` "v1" or "v2") for
+    a run that is ``saga``, as :func:`astream`: its events as they come, then
+    :class:`Interrupted` when the run stopped at an ``interrupt()`` or a breakpoint
+    (read in the thread's state: needs the checkpointer, as resuming does). The
+    experimental ``version="v3"`` (a run object, not events) is refused."""
+    if kwargs.get("version") == "v3":
+        raise ValueError(
+            "sagaline.agents.langchain.astream_events takes version 'v1' or 'v2' (events);"
+            " run a 'v3' stream through astream or ainvoke instead"
+        )
+
+    async def check() -> Interrupted | None:
+        return _interrupted(saga, [], await _astate(graph, config))
+
+    return _core.achecked_stream(graph.astream_events(input, config, **kwargs), check)
 
 
 def _note_interrupts(found: dict[Any, Any], chunk: Any) -> None:
