@@ -1125,3 +1125,43 @@ def test_langgraph_astream_events_refuses_the_v3_run_object() -> None:
 
     with pytest.raises(ValueError, match="'v1' or 'v2'"):
         adapter.astream_events(Any, Graph(), {}, None, version="v3")  # type: ignore[arg-type]
+
+
+def test_pydantic_ai_run_stream_sync_ending_with_deferred_tool_requests_leaves_the_saga_open(
+    served: Any,
+) -> None:
+    """``agent.run_stream_sync`` of a run ending with ``DeferredToolRequests``: its
+    ``with`` block just ends, and the saga's block completed the saga with the
+    reservation. The adapter's ``run_stream_sync`` raises ``Interrupted`` when that
+    block ends; the approved run continues the saga in ``resumed``, and its failure
+    compensates the step made before the pause."""
+    from pydantic_ai import DeferredToolResults
+
+    from sagaline.agents import pydantic_ai as adapter
+
+    client, catalogue, trip = served
+    saga = client.saga("trip", principal="agent:pydantic-ai")
+    agent = _deferring_pydantic_agent(saga, catalogue, "LX93", 993)
+
+    paused = adapter.run_stream_sync(saga, agent, "book LX93")
+    with pytest.raises(adapter.Interrupted) as stopped, saga, paused as result:
+        result.get_output()
+    assert [c.tool_name for c in stopped.value.requests.approvals] == ["confirm_payment"]
+    assert stopped.value.saga_id == saga.saga_id
+
+    approvals = DeferredToolResults(approvals={"c-confirm_payment": True})
+    approved = adapter.run_stream_sync(
+        saga,
+        agent,
+        message_history=stopped.value.result.all_messages(),
+        deferred_tool_results=approvals,
+    )
+    with pytest.raises(BusinessRejected), adapter.resumed(saga), approved as result:
+        list(result.stream_output())
+    receipt = saga.wait(120)
+    assert receipt.status is TerminalStatus.COMPENSATED
+    assert [(s.tool, s.disposition.value) for s in receipt.steps] == [
+        ("reserve_seat", "COMPENSATED"),
+        ("charge_card", "NOT_COMMITTED"),
+    ]
+    assert [e for e in trip.log if "LX93" in e] == ["reserve:LX93", "release:r-LX93"]

@@ -30,9 +30,10 @@ left open at the next pause)::
             deferred_tool_results=answers,
         )
 
-A streamed run (``agent.run_stream``, ``agent.iter``, ``agent.run_stream_events``)
-ends the same way once consumed, and its ``async with`` block just ends: use
-:func:`run_stream`, :func:`iter` or :func:`run_stream_events` (same arguments), which
+A streamed run (``agent.run_stream``, ``agent.run_stream_sync``, ``agent.iter``,
+``agent.run_stream_events``) ends the same way once consumed, and its ``async with``
+(``with``) block just ends: use :func:`run_stream`, :func:`run_stream_sync`,
+:func:`iter` or :func:`run_stream_events` (same arguments), which
 raise :class:`Interrupted` when that block ends and the run finished waiting for
 deferred tool calls (a stream left before its end is not checked)::
 
@@ -43,13 +44,13 @@ deferred tool calls (a stream left before its end is not checked)::
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from contextlib import AbstractAsyncContextManager, AbstractContextManager, contextmanager
 from typing import Any
 
 from pydantic_ai import Agent, AgentRun, AgentRunResult, DeferredToolRequests, RunContext, Tool
 from pydantic_ai.agent.abstract import AgentRunEvents
-from pydantic_ai.result import StreamedRunResult
+from pydantic_ai.result import StreamedRunResult, StreamedRunResultSync
 from pydantic_ai.toolsets import FunctionToolset
 
 from participants.catalogue import Catalogue, ToolSpec
@@ -64,6 +65,7 @@ __all__ = [
     "run",
     "run_stream",
     "run_stream_events",
+    "run_stream_sync",
     "run_sync",
     "toolset",
 ]
@@ -92,18 +94,19 @@ def _tool(bound: SagaTool) -> Tool[Any]:
 
 class Interrupted(_core.Interrupted):
     """The run ended waiting for deferred tool calls (approvals, or calls run outside
-    the agent): it waits for a person. Like any ``ApprovalPending`` it leaves the saga
-    open (R7) when it leaves the saga's block; ``result`` is the run's
-    ``AgentRunResult`` (a ``StreamedRunResult`` from :func:`run_stream`;
-    ``result.all_messages()`` to continue it), ``requests`` its
-    ``DeferredToolRequests``, ``pending`` their ``ToolCallPart``s (approvals first)."""
+        the agent): it waits for a person. Like any ``ApprovalPending`` it leaves the saga
+        open (R7) when it leaves the saga's block; ``result`` is the run's
+        ``AgentRunResult`` (a ``StreamedRunResult`` from :func:`run_stream`, a
+    ``StreamedRunResultSync`` from :func:`run_stream_sync`;
+        ``result.all_messages()`` to continue it), ``requests`` its
+        ``DeferredToolRequests``, ``pending`` their ``ToolCallPart``s (approvals first)."""
 
     def __init__(
         self,
         message: str,
         *,
         saga_id: str,
-        result: AgentRunResult[Any] | StreamedRunResult[Any, Any],
+        result: AgentRunResult[Any] | StreamedRunResult[Any, Any] | StreamedRunResultSync[Any, Any],
         requests: DeferredToolRequests | None = None,
     ) -> None:
         self.result = result
@@ -147,6 +150,26 @@ def run_stream(
     return _core.checked_context(agent.run_stream(*args, **kwargs), check)
 
 
+def run_stream_sync(
+    saga: Saga | AsyncSaga, agent: Agent[Any, Any], *args: Any, **kwargs: Any
+) -> AbstractContextManager[StreamedRunResultSync[Any, Any]]:
+    """``with agent.run_stream_sync(*args, **kwargs)`` for a run that is ``saga``, as
+    :func:`run_stream` (a ``with`` block: the run's ``StreamedRunResultSync``). The run
+    starts when the block is entered (``agent.run_stream_sync`` starts it at once)."""
+    return _checked_sync_stream(saga, agent, args, kwargs)
+
+
+@contextmanager
+def _checked_sync_stream(
+    saga: Saga | AsyncSaga, agent: Agent[Any, Any], args: Any, kwargs: Any
+) -> Iterator[StreamedRunResultSync[Any, Any]]:
+    with agent.run_stream_sync(*args, **kwargs) as result:
+        yield result
+        stopped = _interrupted(saga, result, result.get_output()) if result.is_complete else None
+    if stopped is not None:
+        raise stopped
+
+
 def iter(  # the name of agent.iter
     saga: Saga | AsyncSaga, agent: Agent[Any, Any], *args: Any, **kwargs: Any
 ) -> AbstractAsyncContextManager[AgentRun[Any, Any]]:
@@ -184,7 +207,7 @@ def _checked(saga: Saga | AsyncSaga, result: AgentRunResult[Any]) -> AgentRunRes
 
 def _interrupted(
     saga: Saga | AsyncSaga,
-    result: AgentRunResult[Any] | StreamedRunResult[Any, Any],
+    result: AgentRunResult[Any] | StreamedRunResult[Any, Any] | StreamedRunResultSync[Any, Any],
     output: Any,
 ) -> Interrupted | None:
     if not isinstance(output, DeferredToolRequests):
