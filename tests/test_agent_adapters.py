@@ -1078,3 +1078,108 @@ def test_pydantic_ai_run_stream_sync_ending_with_deferred_tool_requests_leaves_t
     with pytest.raises(BusinessRejected), adapter.resumed(saga), approved as result:
         list(result.stream_output())
     _assert_reservation_compensated(saga, trip, "LX93")
+
+
+# ------------------------------------------------ a stream left before its end
+# Not checked (the run may still be going): leaving the saga's block completes the
+# saga with the steps made so far, as docs/agents.md says; a call the run makes
+# after that is refused, so no effect is made outside the saga or twice.
+
+
+def test_langgraph_stream_left_at_its_interrupt_completes_the_saga_and_the_resume_makes_nothing(
+    served: Any,
+) -> None:
+    """A caller breaks out of ``stream`` at the chunk that carries the interrupt: the
+    saga completes with the reservation made so far (the stream was not read to its
+    end, where ``Interrupted`` is raised); resuming the graph then meets an ended saga
+    (``SagaUnwinding``): the reservation is not made again, the charge never."""
+    from langchain_core.messages import HumanMessage
+    from langgraph.types import Command
+
+    from participants.client import SagaUnwinding
+    from sagaline.agents import langchain as adapter
+
+    client, catalogue, trip = served
+    config: Any = {"configurable": {"thread_id": "trip-78"}}
+    saga = client.saga("trip", principal="agent:langgraph")
+    graph = _interrupting_graph(saga, catalogue, "LX78", 178)()
+    start = {"messages": [HumanMessage("book LX78")]}
+    seen: list[Any] = []
+    with saga:
+        for chunk in adapter.stream(saga, graph, start, config, stream_mode="updates"):
+            seen.append(chunk)
+            if "__interrupt__" in chunk:
+                break
+    assert [i.value for i in seen[-1]["__interrupt__"]] == ["pay?"]
+    receipt = saga.wait(120)
+    assert receipt.status is TerminalStatus.COMPLETED
+    assert [(s.tool, s.disposition.value) for s in receipt.steps] == [("reserve_seat", "RETAINED")]
+
+    with pytest.raises(SagaUnwinding), adapter.resumed(saga):
+        adapter.invoke(saga, graph, Command(resume="yes"), config)
+    assert [e for e in trip.log if "LX78" in e or ":178" in e] == ["reserve:LX78"]
+
+
+def test_openai_agents_stream_left_early_completes_the_saga_and_the_run_makes_no_more_steps(
+    served: Any,
+) -> None:
+    """A caller stops reading ``stream_events()`` after the first tool's output: the
+    saga's block completes the saga with that step, while the SDK's run goes on in the
+    background; its next call meets the ended saga and is refused (the error is the
+    run's, read from the same stream), so the charge is never made."""
+    from agents import Agent
+
+    from participants.client import SagaUnwinding
+    from sagaline.agents import openai_agents as adapter
+
+    client, catalogue, trip = served
+    saga = client.saga("trip", principal="agent:openai")
+    script = iter([("reserve_seat", {"flight": "LX83"}), ("charge_card", {"amount": 183})])
+    agent = Agent(
+        name="booker", model=_scripted_openai_model(script), tools=adapter.tools(saga, catalogue)
+    )
+
+    async def left_early() -> BaseException | None:
+        async with saga:
+            run = adapter.run_streamed(saga, agent, "book LX83")
+            events = run.stream_events()
+            async for event in events:
+                if getattr(getattr(event, "item", None), "type", "") == "tool_call_output_item":
+                    break
+        try:
+            [_ async for _ in events]  # the rest of the run, after the saga ended
+        except Exception as exc:
+            return exc
+        return None
+
+    err = asyncio.run(left_early())
+    receipt = saga.wait(120)
+    assert receipt.status is TerminalStatus.COMPLETED
+    assert [(s.tool, s.disposition.value) for s in receipt.steps] == [("reserve_seat", "RETAINED")]
+    cause = err
+    while cause is not None and not isinstance(cause, SagaUnwinding):
+        cause = cause.__cause__
+    assert isinstance(cause, SagaUnwinding), err
+    assert [e for e in trip.log if "LX83" in e or ":183" in e] == ["reserve:LX83"]
+
+
+def test_pydantic_ai_stream_left_before_its_output_completes_the_saga(served: Any) -> None:
+    """A caller leaves ``run_stream``'s block without reading the output (here the
+    ``DeferredToolRequests``): the run is not checked, and the saga completes with the
+    reservation made so far; the run stops with the block (pydantic-ai runs no tool
+    after the stream's result), so nothing is called after the saga ended."""
+    from sagaline.agents import pydantic_ai as adapter
+
+    client, catalogue, trip = served
+    saga = client.saga("trip", principal="agent:pydantic-ai")
+    agent = _deferring_pydantic_agent(saga, catalogue, "LX94", 194)
+
+    async def left_early() -> None:
+        async with saga, adapter.run_stream(saga, agent, "book LX94"):
+            pass
+
+    asyncio.run(left_early())
+    receipt = saga.wait(120)
+    assert receipt.status is TerminalStatus.COMPLETED
+    assert [(s.tool, s.disposition.value) for s in receipt.steps] == [("reserve_seat", "RETAINED")]
+    assert [e for e in trip.log if "LX94" in e or ":194" in e] == ["reserve:LX94"]
