@@ -94,12 +94,12 @@ def _tool(bound: SagaTool) -> Tool[Any]:
 
 class Interrupted(_core.Interrupted):
     """The run ended waiting for deferred tool calls (approvals, or calls run outside
-        the agent): it waits for a person. Like any ``ApprovalPending`` it leaves the saga
-        open (R7) when it leaves the saga's block; ``result`` is the run's
-        ``AgentRunResult`` (a ``StreamedRunResult`` from :func:`run_stream`, a
-    ``StreamedRunResultSync`` from :func:`run_stream_sync`;
-        ``result.all_messages()`` to continue it), ``requests`` its
-        ``DeferredToolRequests``, ``pending`` their ``ToolCallPart``s (approvals first)."""
+    the agent): it waits for a person. Like any ``ApprovalPending`` it leaves the saga
+    open (R7) when it leaves the saga's block; ``result`` is the run's
+    ``AgentRunResult`` (a ``StreamedRunResult`` from :func:`run_stream`, a
+    ``StreamedRunResultSync`` from :func:`run_stream_sync`; ``result.all_messages()``
+    to continue it), ``requests`` its ``DeferredToolRequests``, ``pending`` their
+    ``ToolCallPart``s (approvals first)."""
 
     def __init__(
         self,
