@@ -41,7 +41,7 @@ import signal
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -72,6 +72,7 @@ from sagaline.kafka import (
     watermarks,
 )
 from sagaline.kafka._groups import PartitionMoves
+from sagaline.kafka._topics import topic_retention
 from schemas import (
     CompensateStep,
     CompensationAccepted,
@@ -288,6 +289,43 @@ class CommandJournal:
         an unknown outcome."""
         with self._lock:
             self._db.execute("DELETE FROM handled WHERE command_id = ?", (command_id,))
+
+    def prune(
+        self, older_than: int, *, after: int = 0, limit: int = 1000, keep: Collection[str] = ()
+    ) -> tuple[int, int]:
+        """Drop ``done`` rows last written before ``older_than`` (epoch ms), except the
+        commands in ``keep``; returns how many were dropped and where the next call
+        starts (``after``).
+
+        Looks at ``limit`` rows at most, in insertion (rowid) order after ``after``, in
+        one short transaction, so a journal write waits for one small batch at most.
+        ``started`` and ``accepted`` rows always stay (the first is what makes a
+        redelivery an unknown outcome, the second resumes a confirmation). Rows are
+        inserted in time order, so the next start moves past the old rows looked at,
+        up to the first one too young; once a call finds nothing to drop and cannot
+        move, the next starts again from the first row (rows kept then, an
+        ``accepted`` one since ``done``, are looked at again)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT rowid, command_id, state, at FROM handled WHERE rowid > ? "
+                "ORDER BY rowid LIMIT ?",
+                (after, limit),
+            ).fetchall()
+            drop = [r[0] for r in rows if r[3] < older_than and r[2] == "done" and r[1] not in keep]
+            nxt = after
+            for rowid, _id, _state, at in rows:
+                if at >= older_than:
+                    break
+                nxt = rowid
+            if drop:
+                marks = ",".join("?" * len(drop))
+                self._db.execute(
+                    f"DELETE FROM handled WHERE rowid IN ({marks}) AND state = 'done' AND at < ?",
+                    (*drop, older_than),
+                )
+        if not drop and nxt == after:
+            nxt = 0
+        return len(drop), nxt
 
     def accepted(self) -> list[tuple[str, bytes]]:
         with self._lock:
@@ -1256,6 +1294,7 @@ class ParticipantRuntime:
         clock: Clock = _now_ms,
         max_in_flight: int = 16,
         revoke_drain_s: float = REVOKE_DRAIN_S,
+        journal_keep_ms: int | None = None,
     ) -> None:
         self.participant = participant or catalogue.name
         # Static group membership: a restarted process with the same instance id gets
@@ -1278,6 +1317,10 @@ class ParticipantRuntime:
         self.revoke_drain_bound_s = revoke_drain_s
         state = state_dir or settings.state_dir / self.participant
         self.journal = CommandJournal(state / "commands.sqlite")
+        # How long done journal entries are kept: None reads the command topic's
+        # retention at start (journal_keep_ms), -1 keeps them for ever. Set by run.
+        self.journal_keep_setting = journal_keep_ms
+        self.pruning: JournalPruning | None = None
         # No poller thread: the loop serves the delivery reports (and a blocking
         # append on a tool thread polls for its own while it waits).
         self._writer = LedgerWriter(bootstrap, self.topics, self.signer)
@@ -1390,6 +1433,8 @@ class ParticipantRuntime:
             self.settings.partitions,
             replication=self.settings.replication,
         )
+        keep_ms = journal_keep_ms(self.bootstrap, self._command_topic, self.journal_keep_setting)
+        self.pruning = None if keep_ms is None else JournalPruning(self.journal, keep_ms)
         group = f"{self.topics.prefix}sagaline-participant-{self.participant}"
         poll_interval_s = _max_poll_interval_s(self.bootstrap, group)
         pause_after_s = poll_interval_s / 2
@@ -1448,6 +1493,7 @@ class ParticipantRuntime:
         limit = 2 * self.max_in_flight
         work = self._work
         next_commit = 0.0
+        next_prune = 0.0
         # Inside the try: a start-up that fails (the catalogue not writable) closes
         # the consumer and the journal like any other way out.
         try:
@@ -1500,6 +1546,9 @@ class ParticipantRuntime:
                 if time.monotonic() >= next_commit:  # one OffsetCommit per interval
                     self._commit(consumer, asynchronous=True)
                     next_commit = time.monotonic() + _COMMIT_INTERVAL_S
+                    if self.pruning is not None and next_commit >= next_prune:
+                        # old done journal entries, a small batch off the commands' path
+                        next_prune = time.monotonic() + self.pruning.turn(work.in_flight())
         finally:
             work.close()  # lets running commands finish; queued ones are redelivered
             self._writer.producer.flush(10)
@@ -1596,6 +1645,126 @@ def _revoke_drain_bound_s(revoke_drain_s: float, poll_interval_s: float) -> floa
         bound,
     )
     return bound
+
+
+# What a done journal entry outlives the command topic's retention by, besides its
+# segment.ms: the broker's retention check (log.retention.check.interval.ms, 5 min by
+# default) and a coordinator clock ahead of this one (its records' timestamps).
+JOURNAL_KEEP_MARGIN_MS = 24 * 60 * 60 * 1000
+# Prune turns: one batch every _PRUNE_EVERY_S; again after _PRUNE_BEHIND_S while a
+# turn still finds a full batch to drop (catching up on a large journal).
+_PRUNE_EVERY_S = 10.0
+_PRUNE_BEHIND_S = 0.2
+_PRUNE_BATCH = 1000
+
+
+def journal_keep_ms(bootstrap: str, topic: str, setting: int | None) -> int | None:
+    """How long a ``done`` journal entry is kept (ms), or None: never pruned.
+
+    ``setting`` (``--journal-keep-ms``): None reads the command topic's retention
+    from the broker and keeps an entry ``retention.ms + segment.ms`` +
+    :data:`JOURNAL_KEEP_MARGIN_MS` (a record can outlive retention.ms by up to a
+    segment's span; past that it is gone from the topic, so no offset reset or
+    expired group offset can deliver it again); -1 never prunes; a positive value is
+    used as given (with a warning when the broker says it is too short). Every
+    answer is logged once, here: a journal that is never pruned grows with every
+    command."""
+    if setting is not None and setting < 0:
+        log.info(
+            "journal: never pruned (journal keep -1); it grows with every command "
+            "(docs/operating.md, 'The command journal')"
+        )
+        return None
+    try:
+        retention = topic_retention(bootstrap, topic)
+    except KafkaException as exc:
+        retention = None
+        unreadable: KafkaException | None = exc
+    else:
+        unreadable = None
+    needed = (
+        None
+        if retention is None or retention[0] < 0
+        else retention[0] + retention[1] + JOURNAL_KEEP_MARGIN_MS
+    )
+    if setting is not None:
+        if needed is not None and setting < needed:
+            log.warning(
+                "journal: done entries are kept %d ms (journal keep), less than %s keeps a "
+                "command (retention.ms + segment.ms + margin = %d ms): a command read again "
+                "after its entry was dropped (an offset reset, expired group offsets) is "
+                "answered by the ledger probe alone",
+                setting,
+                topic,
+                needed,
+            )
+        else:
+            log.info("journal: done entries older than %d ms are pruned (journal keep)", setting)
+        return setting
+    if unreadable is not None:
+        log.warning(
+            "journal: never pruned: the retention of %s could not be read (%s); grant this "
+            "participant DESCRIBE_CONFIGS on it, or set SAGALINE_JOURNAL_KEEP_MS "
+            "(docs/operating.md, 'The command journal')",
+            topic,
+            unreadable,
+        )
+        return None
+    if retention is None:
+        return None  # the in-process transport: it deletes nothing, and runs for a test
+    if needed is None:
+        log.warning(
+            "journal: never pruned: %s keeps its records for ever (retention.ms=-1, or a "
+            "cleanup.policy without delete), so any command may be read again; the "
+            "journal grows with every command (docs/operating.md, 'The command journal')",
+            topic,
+        )
+        return None
+    log.info(
+        "journal: done entries older than %d ms are pruned (%s: retention.ms=%d, "
+        "segment.ms=%d, margin %d ms)",
+        needed,
+        topic,
+        retention[0],
+        retention[1],
+        JOURNAL_KEEP_MARGIN_MS,
+    )
+    return needed
+
+
+class JournalPruning:
+    """Drops the journal's old ``done`` entries, a small batch per turn.
+
+    Run from the runtime's loop at most every :data:`_PRUNE_EVERY_S` (sooner while
+    catching up). An entry goes once it is ``done`` (its outcome journalled), its
+    command is not under way here (``in_flight``: a retry re-reads it), and it was
+    last written more than ``keep_ms`` ago."""
+
+    def __init__(self, journal: CommandJournal, keep_ms: int, clock: Clock = _now_ms) -> None:
+        self._journal = journal
+        self.keep_ms = keep_ms
+        self._clock = clock
+        self._after = 0
+        self.dropped = 0
+
+    def turn(self, in_flight: Collection[str] | None) -> float:
+        """One batch; returns the seconds until the next turn. ``in_flight`` None:
+        some command under way here is not known by id (waiting to be tried again),
+        so nothing is dropped this turn."""
+        if in_flight is None:
+            return _PRUNE_EVERY_S
+        try:
+            dropped, self._after = self._journal.prune(
+                self._clock() - self.keep_ms,
+                after=self._after,
+                limit=_PRUNE_BATCH,
+                keep=in_flight,
+            )
+        except sqlite3.Error as exc:  # a busy or full disk: the entries stay, try later
+            log.warning("journal: pruning failed (%s); tried again later", exc)
+            return _PRUNE_EVERY_S
+        self.dropped += dropped
+        return _PRUNE_BEHIND_S if dropped >= _PRUNE_BATCH // 2 else _PRUNE_EVERY_S
 
 
 class _Backpressure:
@@ -2296,6 +2465,14 @@ class _CommandLoop:
         self._start(queue_.popleft())
 
     # --------------------------------------------------------- offsets, rebalance
+
+    def in_flight(self) -> set[str] | None:
+        """Event ids of the commands under way here, whose journal entries must stay
+        (one sent again after a failed send re-reads its entry); None while any waits
+        to be tried again (not known by id until it starts again)."""
+        if self._retries:
+            return None
+        return {j.command.event_id for j in self._running.values() if j.command is not None}
 
     def committable(self) -> dict[int, int]:
         """Per partition, the next offset to commit when it moved since last time."""

@@ -92,6 +92,7 @@ def _cmd_participant_run(args: argparse.Namespace) -> int:
         state_dir=args.journal_dir,
         metrics=metrics,
         max_in_flight=args.max_in_flight,
+        journal_keep_ms=args.journal_keep_ms,
     )
     runtime.install_signal_handlers()
     runtime.run()
@@ -148,4 +149,29 @@ def register(subparsers: Any) -> None:
         help="this replica's command journal (default: <state dir>/<name>); replicas need "
         "not share it (docs/operating.md)",
     )
+    run.add_argument(
+        "--journal-keep-ms",
+        type=_journal_keep,
+        default=os.environ.get("SAGALINE_JOURNAL_KEEP_MS", "auto"),
+        help="how long finished commands stay in the journal: 'auto' (from the command "
+        "topic's retention.ms and segment.ms, plus a day), -1 (never pruned) or "
+        "milliseconds (default $SAGALINE_JOURNAL_KEEP_MS, else auto; docs/operating.md)",
+    )
     run.set_defaults(func=_cmd_participant_run)
+
+
+def _journal_keep(text: str) -> int | None:
+    """``--journal-keep-ms``: None for ``auto``, -1 for never, else milliseconds."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected 'auto', -1 or a number of milliseconds >= 1, got {text!r}"
+        ) from None
+    if value == 0 or value < -1:
+        raise argparse.ArgumentTypeError(
+            f"expected 'auto', -1 or a number of milliseconds >= 1, got {value}"
+        )
+    return value

@@ -187,3 +187,38 @@ def topics_max_message_bytes(
         entry = entries.get("max.message.bytes")
         answers[name] = None if entry is None or entry.value is None else int(entry.value)
     return answers
+
+
+def topic_retention(
+    bootstrap: str | ClientConfig, topic: str, *, timeout_s: float = 30.0
+) -> tuple[int, int] | None:
+    """How long ``topic`` keeps a record at most past its timestamp, as the broker
+    says: ``(retention.ms, segment.ms)``, each the topic's own or the broker default
+    it inherits. ``retention.ms`` is -1 when nothing is ever deleted for its age (it
+    is -1, or ``cleanup.policy`` has no ``delete``). Kafka deletes whole segments, and
+    only once a segment's newest record is older than ``retention.ms``, so a record
+    can outlive ``retention.ms`` by up to ``segment.ms``. None on the in-process
+    transport (it never deletes, and has no such settings). Raises ``KafkaException``
+    when the broker does not answer or refuses to say (DESCRIBE_CONFIGS not granted)."""
+    config = client_config(bootstrap)
+    if _memory.is_memory(config.bootstrap):
+        return None
+    admin = create_admin(config)
+    resource = ConfigResource(ResourceType.TOPIC, topic)
+    futures = admin.describe_configs([resource], request_timeout=timeout_s)
+    try:
+        entries = futures[resource].result(timeout=timeout_s)
+    except TimeoutError as exc:
+        raise KafkaException(KafkaError(KafkaError._TIMED_OUT, str(exc))) from exc
+
+    def value(name: str) -> str:
+        entry = entries.get(name)
+        if entry is None or entry.value is None:
+            raise KafkaException(
+                KafkaError(KafkaError._INVALID_ARG, f"{topic} does not report {name}")
+            )
+        return str(entry.value)
+
+    policies = {p.strip() for p in value("cleanup.policy").split(",")}
+    retention_ms = int(value("retention.ms")) if "delete" in policies else -1
+    return (-1 if retention_ms < 0 else retention_ms), int(value("segment.ms"))
