@@ -315,3 +315,17 @@ def test_with_the_default_pruning_each_command_runs_once_across_a_restart(
     harness.wait_for(lambda rs: len(_of(rs, StepCommitted)) >= 3)
     harness.stop()
     assert harness.shop.count("reserve") == 1
+
+
+def test_the_documented_participant_acls_let_its_ledger_probe_read_the_ledger() -> None:
+    """The journal's second line of defence, the ledger probe (and arguments passed by
+    reference), reads ``sagaline.events``: a participant granted only what
+    docs/security.md lists must be able to, or every command written while it was
+    down (a journal miss, probed) is retried for ever."""
+    text = (Path(__file__).parent.parent / "docs" / "security.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| `User:<participant>`"))
+    reads = row.split("|")[2]
+    assert "`sagaline.events`" in reads, row
+    example = text.split("For example, for the payments participant:", 1)[1].split("```")[1]
+    grants = example.split("kafka-acls.sh")[1:]
+    assert any("--operation Read" in g and "--topic sagaline.events" in g for g in grants), example
