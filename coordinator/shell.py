@@ -165,6 +165,14 @@ _LIBRDKAFKA_BATCH_BYTES = 1_000_000
 # the lengths of the record and of each header): room a topic it writes must leave.
 _BATCH_FRAMING = 1024
 
+# What a broker says of a record (or record batch) over a topic's max.message.bytes.
+_SIZE_REFUSALS = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
+_NO_LIMIT = 1 << 62
+
+FEED_TOO_LARGE_REASON = "incident-feed-too-large"
+"""DLQ reason of an accepted ``IncidentResolved`` whose copy the incident feed no longer
+takes (its ``max.message.bytes`` lowered while the coordinator runs)."""
+
 _Msg = tuple[str, bytes | None, bytes | None, Headers, int | None]
 """A prepared record: topic, key, value, headers, partition (None: by key)."""
 
@@ -256,6 +264,9 @@ class Coordinator:
         self._markers: dict[str, SagaMarker] = {}
         self._limits = settings.limits
         self._failures = 0  # consecutive failed transactions
+        # The most bytes a record may have on each topic of ``_unparkable_topics`` whose
+        # max.message.bytes was found lowered while running (``_read_topic_limits``).
+        self._room: dict[str, int] = {}
         self._suspects: set[str] = set()  # sagas whose records failed to produce
         self._assigned: set[int] = set()
         # A record poll() returned before a rebalance that moved its partition is left
@@ -382,11 +393,7 @@ class Coordinator:
         (a warning) when the broker does not say (no DESCRIBE_CONFIGS on it)."""
         carried = self._unparkable_topics()
         limits = topics_max_message_bytes(self.bootstrap, carried)
-        producer = producer_config(self.bootstrap, **self._producer_config)
-        batch = min(
-            int(producer.get("batch.size", _LIBRDKAFKA_BATCH_BYTES)),
-            int(producer.get("message.max.bytes", _LIBRDKAFKA_BATCH_BYTES)),
-        )
+        batch = self._batch_bytes()
         record = self._limits.max_record_bytes
         needed = max(record + _BATCH_FRAMING, batch)
         for topic, (name, what) in carried.items():
@@ -414,6 +421,66 @@ class Coordinator:
                 f"to at most {limit - _BATCH_FRAMING} and SAGALINE_KAFKA_BATCH_SIZE to at "
                 f"most {limit}"
             )
+
+    def _batch_bytes(self) -> int:
+        """The largest record batch the producer sends (``batch.size``, at most its
+        ``message.max.bytes``)."""
+        producer = producer_config(self.bootstrap, **self._producer_config)
+        return min(
+            int(producer.get("batch.size", _LIBRDKAFKA_BATCH_BYTES)),
+            int(producer.get("message.max.bytes", _LIBRDKAFKA_BATCH_BYTES)),
+        )
+
+    def _read_topic_limits(self) -> None:
+        """After a transaction the broker refused for a record's size: read again the
+        ``max.message.bytes`` of the topics that take records of no saga
+        (``_unparkable_topics``). They were checked at start, but an operator may have
+        lowered one since; a record of no saga over it would be refused in every
+        transaction and stop every saga.
+
+        For each topic now below what the start-up check asks for, the records it
+        takes are held to its limit less the batch framing (``_room``): a DLQ copy over
+        that is written as its summary (``_reject``), a copy of a resolution for the
+        incident feed goes to the DLQ instead (``_to_incident_feed``), and a saga
+        whose state or ledger output is over it is parked (``_check_sizes``). The
+        producers that replace a failed one batch at most that many bytes
+        (``batch.size``), so records that fit one by one are not refused together.
+        This holds until the coordinator restarts (whose start-up check then names
+        the topic). Called only on such a failure: no per-record work otherwise."""
+        carried = self._unparkable_topics()
+        limits = topics_max_message_bytes(self.bootstrap, carried, timeout_s=10)
+        needed = max(self._limits.max_record_bytes + _BATCH_FRAMING, self._batch_bytes())
+        for topic, limit in limits.items():
+            if isinstance(limit, KafkaException):
+                log.warning("could not read max.message.bytes of %s again: %s", topic, limit)
+                continue
+            if limit is None or limit >= needed:
+                continue
+            room = limit - _BATCH_FRAMING
+            if self._room.get(topic) != room:
+                log.error(
+                    "the %s topic %r now takes records of at most %d bytes (its "
+                    "max.message.bytes), below SAGALINE_MAX_RECORD_BYTES=%d plus %d bytes of "
+                    "framing or the producer's batch.size: records over %d bytes for it are "
+                    "dead-lettered (as summaries) or park their saga until the coordinator "
+                    "restarts; raise the topic's max.message.bytes to at least %d",
+                    carried[topic][0],
+                    topic,
+                    limit,
+                    self._limits.max_record_bytes,
+                    _BATCH_FRAMING,
+                    room,
+                    needed,
+                )
+            self._room[topic] = room
+        if self._room:
+            batch = max(1, min(self._room.values()))
+            if batch < self._batch_bytes():
+                self._producer_config["batch.size"] = batch
+
+    def _room_on(self, topic: str) -> int:
+        """The most bytes the coordinator writes in one record to ``topic``."""
+        return min(self._limits.max_record_bytes, self._room.get(topic, _NO_LIMIT))
 
     def _next_batch(self) -> list[Message]:
         """Block until the first record arrives (or the next timer is due), then take
@@ -584,6 +651,8 @@ class Coordinator:
         log.warning("transaction failed (%s); aborting the batch and rewinding", error)
         if error.fatal():
             raise exc  # fenced by a newer instance with our transactional.id
+        if error.code() in _SIZE_REFUSALS:
+            self._read_topic_limits()  # before _abort: its new producer batches less
         self._abort()
 
     def _decode(self, msg: Message, loose: list[_Msg]) -> Record | None:
@@ -629,8 +698,25 @@ class Coordinator:
         """The operators' incident feed shows each resolution the coordinator accepted
         next to its incident, also for sagas that have already ended ESCALATED (the
         usual case). A refused one (another tenant, no such incident) stays off it:
-        ``sagaline incidents list`` keeps the first resolution of an incident."""
-        pending.loose.append((self.topics.incidents, msg.key(), msg.value(), _headers(msg), None))
+        ``sagaline incidents list`` keeps the first resolution of an incident.
+
+        A copy the incident feed no longer takes (its ``max.message.bytes`` lowered
+        while running, ``_read_topic_limits``) goes to the DLQ instead, with reason
+        ``incident-feed-too-large``: it would be refused in every transaction."""
+        key, value, headers = msg.key(), msg.value(), _headers(msg)
+        room = self._room.get(self.topics.incidents)
+        if room is not None:
+            size = len(key or b"") + len(value or b"")
+            size += sum(len(name) + len(v or b"") for name, v in headers)
+            if size > room:
+                detail = (
+                    f"accepted, but its copy for the incident feed {self.topics.incidents} is "
+                    f"{size} bytes, over the {room} bytes the topic takes now (its "
+                    f"max.message.bytes less framing); the resolution is on the ledger"
+                )
+                self._reject(msg, FEED_TOO_LARGE_REASON, detail, pending.loose)
+                return
+        pending.loose.append((self.topics.incidents, key, value, headers, None))
 
     def _decide_batch(
         self, records: list[tuple[Message, Record]], due: list[str], now: int, pending: _Pending
@@ -762,6 +848,10 @@ class Coordinator:
         would refuse (its state or an output over ``limits.max_record_bytes``), and
         the sagas whose records failed to produce in an earlier attempt."""
         limit = self._limits.max_record_bytes
+        # A topic whose max.message.bytes was lowered while running (``_room``) holds
+        # the changelog record or the outputs it takes to less; only then are the
+        # outputs' topics looked at.
+        state_limit = self._room_on(self.topics.state)
         for saga_id in self._sagas_in(pending):
             if saga_id in self._suspects:
                 self._park(saga_id, "its records could not be produced", now, pending)
@@ -771,16 +861,17 @@ class Coordinator:
                 # A carried saga that did not change since is not encoded again.
                 pending.values[saga_id] = _changelog_value(state)
             size = len(pending.values.get(saga_id, b""))
-            if size > limit:
+            if size > state_limit:
                 self._park(
                     saga_id,
-                    f"its state is {size} bytes, over the limit of {limit} bytes "
-                    "(SAGALINE_MAX_RECORD_BYTES)",
+                    f"its state is {size} bytes, over the limit of {state_limit} bytes "
+                    + _limit_source(state_limit, limit, self.topics.state),
                     now,
                     pending,
                 )
                 continue
-            biggest = max((len(m[2] or b"") for m in pending.outputs.get(saga_id, [])), default=0)
+            outputs = pending.outputs.get(saga_id, [])
+            biggest = max((len(m[2] or b"") for m in outputs), default=0)
             if biggest > limit:
                 self._park(
                     saga_id,
@@ -789,6 +880,18 @@ class Coordinator:
                     now,
                     pending,
                 )
+            elif self._room:
+                for topic, _key, value, _headers, _partition in outputs:
+                    room = self._room.get(topic)
+                    if room is not None and len(value or b"") > room:
+                        self._park(
+                            saga_id,
+                            f"a record for {topic} is {len(value or b'')} bytes, over the limit "
+                            f"of {room} bytes " + _limit_source(room, limit, topic),
+                            now,
+                            pending,
+                        )
+                        break
 
     def _park(self, saga_id: str, why: str, now: int, pending: _Pending) -> None:
         """Stop deciding one saga, durably, and tell a person; the rest go on.
@@ -964,16 +1067,20 @@ class Coordinator:
         )
         size = len(copy[0] or b"") + len(copy[1] or b"")
         size += sum(len(name) + len(v or b"") for name, v in copy[2])
-        if size > self._limits.max_record_bytes:
+        limit = self._room_on(self.topics.dlq)
+        if size > limit:
             # A record near the size limit whose copy (the headers added) is over it
             # would be refused in every transaction: the batch, and every saga in it,
             # would be rewound for ever. The copy that says what is missing instead.
+            # So for a DLQ topic whose max.message.bytes was lowered while running.
             copy = dlq_summary(*where, reason, detail, *position)
             log.error(
-                "the DLQ copy of %s[%s]@%s is %d bytes, over SAGALINE_MAX_RECORD_BYTES: "
+                "the DLQ copy of %s[%s]@%s is %d bytes, over the limit of %d bytes %s: "
                 "writing one without its value instead: %s",
                 *position,
                 size,
+                limit,
+                _limit_source(limit, self._limits.max_record_bytes, self.topics.dlq),
                 (header_value(copy[2], DLQ_OMITTED) or b"").decode(),
             )
         into.append((self.topics.dlq, *copy, None))
@@ -1297,6 +1404,13 @@ def _unreadable(saga_id: str, exc: Exception, now: int) -> SagaMarker:
         at=now,
         reason=f"its changelog value is unreadable: {exc}"[:2000],
     )
+
+
+def _limit_source(limit: int, record_limit: int, topic: str) -> str:
+    """Where a size limit comes from, for a log line or a parked saga's reason."""
+    if limit >= record_limit:
+        return "(SAGALINE_MAX_RECORD_BYTES)"
+    return f"({topic}'s max.message.bytes, lowered while the coordinator runs, less framing)"
 
 
 def _changelog_value(state: SagaState | SagaMarker) -> bytes:
