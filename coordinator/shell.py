@@ -1240,6 +1240,7 @@ class Coordinator:
             value = msg.value()
             self._states.pop(saga_id)
             markers.pop(saga_id, None)
+            self._markers.pop(saga_id, None)
             self._partition_of[saga_id] = msg.partition() or 0
             if value is None:
                 self._partition_of.pop(saga_id, None)
@@ -1257,9 +1258,13 @@ class Coordinator:
                 markers[saga_id] = restored
             else:
                 self._states.put(saga_id, value, restored.next_due_at())
-        # Oldest ended first, so expiry (``_expired_markers``) looks at the front only.
-        for saga_id, marker in sorted(markers.items(), key=lambda kv: kv[1].at):
-            self._markers[saga_id] = marker
+        # Oldest ended first, so expiry (``_expired_markers``) looks at the front only;
+        # merged with the markers of partitions assigned before (a cooperative
+        # rebalance adds partitions to those kept), or an old marker restored behind a
+        # newer one would wait for it to expire first (up to terminal_memory_ms).
+        if markers:
+            merged = sorted([*self._markers.items(), *markers.items()], key=lambda kv: kv[1].at)
+            self._markers = dict(merged)
         # Timers from the entries' next-due times, no state decoded; one heapify.
         for saga_id, partition in self._partition_of.items():
             due_at = self._states.due_at(saga_id)
