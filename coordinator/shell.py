@@ -161,6 +161,12 @@ beside their bytes, so that the next batch of a saga does not decode it again; a
 # librdkafka's default batch.size and message.max.bytes: the largest record batch a
 # producer sends unless the deployment sets them (SAGALINE_KAFKA_BATCH_SIZE, ...).
 _LIBRDKAFKA_BATCH_BYTES = 1_000_000
+# librdkafka's default queue.buffering.max.messages: how many records a producer holds
+# (queued and in flight) before produce() raises BufferError.
+_LIBRDKAFKA_QUEUE_MESSAGES = 100_000
+# The most expired terminal markers one transaction tombstones (a quarter of the local
+# queue at most, the rest is the batch's own records).
+_EXPIRE_PER_BATCH = 1_000
 # What a record batch adds to a DLQ copy's key, value and headers (the batch header,
 # the lengths of the record and of each header): room a topic it writes must leave.
 _BATCH_FRAMING = 1024
@@ -300,6 +306,13 @@ class Coordinator:
             "retry.backoff.ms": 5,
         }
         self._producer: Producer = create_producer(bootstrap, **self._producer_config)
+        # Tombstones of expired markers per transaction: all of them at once (many
+        # expire together when SAGALINE_TERMINAL_MEMORY_MS is lowered) would overflow
+        # the producer's local queue in every attempt and stop every saga.
+        queue = producer_config(bootstrap, **self._producer_config).get(
+            "queue.buffering.max.messages", _LIBRDKAFKA_QUEUE_MESSAGES
+        )
+        self._expire_max = max(1, min(_EXPIRE_PER_BATCH, int(queue) // 4))
         # Waits on the broker for the loop: sends a batch's offsets to its transaction
         # while the batch is decided, and commits it while the next one is read.
         self._sender = ThreadPoolExecutor(1, thread_name_prefix="sagaline-commit")
@@ -1087,13 +1100,14 @@ class Coordinator:
         self.metrics.dlq(reason)
 
     def _expired_markers(self, now: int) -> list[str]:
-        """Terminal markers past ``limits.terminal_memory_ms`` (oldest first)."""
+        """Terminal markers past ``limits.terminal_memory_ms`` (oldest first), at most
+        ``_expire_max`` of them: the rest go in the next batches' transactions."""
         horizon = now - self._limits.terminal_memory_ms
-        expired = []
+        expired: list[str] = []
         for saga_id, marker in self._markers.items():
             if marker.marker is MarkerKind.PARKED:
                 continue
-            if marker.at > horizon:
+            if marker.at > horizon or len(expired) >= self._expire_max:
                 break
             expired.append(saga_id)
         return expired
