@@ -821,11 +821,24 @@ class Coordinator:
         """Apply the decision; park the saga if its outputs cannot even be prepared
         (e.g. a command for a participant whose name is no usable topic name): an
         exception here would stop the coordinator, and every restart would stop on
-        the same record. The broker's errors still abort and rewind the batch."""
+        the same record. The broker's errors still abort and rewind the batch.
+
+        So does a command topic that could not be set up for want of an answer; one
+        the broker refuses (no CREATE on it, a partition count other than the
+        ledger's, a policy) parks the saga that addresses it: left to the loop, the
+        error would end the process, and every restart would end on the same record."""
         try:
             self._apply(decision, saga_id, pending, source)
-        except (KafkaException, TopicSetupError):
+        except KafkaException:
             raise
+        except TopicSetupError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, TimeoutError) or (
+                isinstance(cause, KafkaException) and _retriable(cause)
+            ):
+                raise KafkaException(KafkaError(KafkaError._TIMED_OUT, str(exc))) from exc
+            log.error("a command topic of saga %s cannot be set up: %s", saga_id, exc)
+            self._park(saga_id, f"its command topic cannot be set up: {exc}", now, pending)
         except Exception as exc:
             log.exception("the outputs of saga %s could not be prepared", saga_id)
             why = f"its outputs for {what} could not be prepared: {type(exc).__name__}: {exc}"
@@ -1483,6 +1496,11 @@ def _commit_transaction(producer: Producer) -> None:
                 if error.fatal() or error.txn_requires_abort() or not error.retriable():
                     raise
                 log.warning("commit_transaction: %s; asking again how it ended", error)
+
+
+def _retriable(exc: KafkaException) -> bool:
+    error = exc.args[0] if exc.args else None
+    return isinstance(error, KafkaError) and error.retriable()
 
 
 def _record_fault(exc: KafkaException) -> bool:

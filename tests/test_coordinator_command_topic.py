@@ -1,0 +1,65 @@
+"""A command topic the coordinator cannot set up for one saga's participant (no CREATE
+on it in a least-privilege deployment, or, as here, one made by hand with another
+partition count than the ledger's, which would break co-partitioning) parks the
+sagas that address that participant, with an incident naming the topic; it does
+not stop the coordinator. Before, the ``TopicSetupError`` left the loop, the process
+exited, and every restart re-read the same record and exited again: no saga was
+decided any more."""
+
+from __future__ import annotations
+
+import pytest
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from coordinator.shell import Coordinator
+from coordinator.state import MarkerKind
+from sagaline.kafka import LedgerReader
+from schemas import IncidentRaised
+from tests.coordinator_ledger import Ledger
+from tests.coordinator_turns import append, executes, one_saga, turn_until
+from tests.test_coordinator_carry import _committed
+
+pytestmark = pytest.mark.kafka
+
+
+def test_a_participant_whose_command_topic_cannot_be_set_up_parks_only_its_sagas_R16(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    bootstrap = kafka_bootstrap
+    settings, ledger, first, participant = one_saga(bootstrap, unique_prefix, "saga-ok")
+    broken = settings.topics.commands("broken")
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin.create_topics([NewTopic(broken, 2, 1)])[broken].result(30)  # ledger: 1 partition
+    other = Ledger(saga_id="saga-broken", t0=ledger.clock)
+    append(
+        settings,
+        bootstrap,
+        other.started(),
+        other.scheduled("ship", participant="broken"),
+        ledger.started(),
+        first,
+    )
+    group = f"{unique_prefix}sagaline-coordinator"
+    one = Coordinator(settings, bootstrap, instance_id="topic-1", carry_ms=0, linger_ms=0)
+    one._join()
+
+    def written() -> bool:
+        one._settle()
+        return not one._rewind and _committed(settings, bootstrap, group) == 4
+
+    try:
+        turn_until(one, written)
+        marker = one.marker_of("saga-broken")
+    finally:
+        one._consumer.close()
+    assert executes(settings, bootstrap, participant) == ["reserve"]
+    assert marker is not None and marker.marker is MarkerKind.PARKED, marker
+    assert broken in marker.reason, marker.reason
+    incidents = [
+        r
+        for r in LedgerReader(bootstrap).saga_records(
+            settings.topics.events, "saga-broken", settings.signer()
+        )
+        if isinstance(r, IncidentRaised)
+    ]
+    assert [i.kind for i in incidents] == ["saga-parked"], incidents
