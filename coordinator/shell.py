@@ -737,7 +737,7 @@ class Coordinator:
         for msg, record in records:
             self._handle_message(msg, record, now, pending)
         for saga_id in due:
-            state = self._current(saga_id, pending)
+            state = self._current(saga_id, pending, now)
             if not isinstance(state, SagaState) or saga_id in pending.parked:
                 continue
             try:
@@ -751,7 +751,7 @@ class Coordinator:
     def _handle_message(self, msg: Message, record: Record, now: int, pending: _Pending) -> None:
         saga_id = record.saga_id
         pending.partitions.setdefault(saga_id, msg.partition() or 0)
-        state = self._current(saga_id, pending)
+        state = self._current(saga_id, pending, now, record)
         if isinstance(state, SagaMarker):
             if isinstance(record, IncidentResolved):
                 self._resolve_ended(msg, record, state, state.tenant_id, state.incidents, pending)
@@ -1150,33 +1150,38 @@ class Coordinator:
         self._suspects -= set(pending.parked)
         self.metrics.in_flight(len(self._states))
 
-    def _current(self, saga_id: str, pending: _Pending) -> SagaState | SagaMarker | None:
+    def _current(
+        self, saga_id: str, pending: _Pending, now: int, record: Record | None = None
+    ) -> SagaState | SagaMarker | None:
         """The saga's state as this batch has left it so far: decoded from memory's
-        bytes once per batch, then changed in place by each decision."""
+        bytes once per batch, then changed in place by each decision.
+
+        A restore keeps changelog values undecoded (an unreadable one too), so an
+        unreadable one is found here, the first time the saga is needed (for
+        ``record``, or a timer): the saga is parked as any other (``_park``: a parked
+        marker on the changelog, a saga-parked incident, its records to the DLQ)."""
         if saga_id in pending.states:
             return pending.states[saga_id]
         if saga_id in pending.loaded:
             return pending.loaded[saga_id]
-        state = self._live(saga_id)
+        try:
+            state = self._states.take(saga_id)
+        except ValueError as exc:
+            log.error("changelog value of saga %s is unreadable: %s", saga_id, exc)
+            if record is not None:  # its tenant and generation for the incident
+                pending.last_record.setdefault(saga_id, record)
+            self._park(saga_id, f"its changelog value is unreadable: {exc}", now, pending)
+            return pending.states[saga_id]
         if state is None:
             return self._markers.get(saga_id)
         pending.loaded[saga_id] = state
         return state
 
     def _live(self, saga_id: str) -> SagaState | None:
-        """The in-flight state of a saga for this batch to change: the decoded object
-        memory keeps of a recently committed saga, or a decoding of its bytes.
-
-        A restore keeps changelog values undecoded, so an unreadable one is found
-        here, the first time the saga is needed: it becomes a parked marker in memory
-        (as a restore that decoded it would have made it), and its records go to the
-        DLQ."""
+        """The in-flight state of a saga (None: none, or unreadable)."""
         try:
             return self._states.take(saga_id)
-        except ValueError as exc:
-            log.error("changelog value of saga %s is unreadable: %s", saga_id, exc)
-            self._states.pop(saga_id)
-            self._markers[saga_id] = _unreadable(saga_id, exc, self._clock())
+        except ValueError:
             return None
 
     def _seek_committed(self, partitions: list[TopicPartition] | None = None) -> None:
@@ -1257,7 +1262,8 @@ class Coordinator:
         """Read the compacted changelog partitions to their end (R5: state is a fold).
 
         A value that cannot be read parks its saga rather than failing the whole
-        assignment (it is logged; the saga's records then go to the DLQ)."""
+        assignment: it is logged and kept as it is, and the saga is parked when it is
+        first needed (``_current``)."""
         if not numbers:
             return 0
         group = f"{self.group_id}-restore"
@@ -1279,8 +1285,10 @@ class Coordinator:
             try:  # a marker, or a state written before the header existed
                 restored = load_changelog(value)
             except ValueError as exc:
+                # Kept as it is: the saga is parked when it is first needed (_current).
                 log.error("changelog value of saga %s is unreadable: %s", saga_id, exc)
-                restored = _unreadable(saga_id, exc, self._clock())
+                self._states.put(saga_id, value, None)
+                continue
             if isinstance(restored, SagaMarker):
                 markers[saga_id] = restored
             else:
@@ -1426,16 +1434,6 @@ def _due_header(headers: Any) -> tuple[bool, int | None]:
             except ValueError:
                 return False, None
     return False, None
-
-
-def _unreadable(saga_id: str, exc: Exception, now: int) -> SagaMarker:
-    return SagaMarker(
-        marker=MarkerKind.PARKED,
-        saga_id=saga_id,
-        status="PARKED",
-        at=now,
-        reason=f"its changelog value is unreadable: {exc}"[:2000],
-    )
 
 
 def _limit_source(limit: int, record_limit: int, topic: str) -> str:

@@ -16,9 +16,19 @@ from coordinator_ledger import Harness, Ledger
 import coordinator.shell as shell
 from coordinator import decide as core_decide
 from coordinator.shell import PARKED_REASON, Coordinator, _due_headers, _Pending
-from coordinator.state import MarkerKind, SagaState, SagaStatus, StepStatus, terminal_marker
+from coordinator.state import (
+    MarkerKind,
+    SagaMarker,
+    SagaState,
+    SagaStatus,
+    StepStatus,
+    is_marker,
+    load_changelog,
+    terminal_marker,
+)
 from sagaline.kafka import LedgerReader, Producer, ensure_topics, producer_config
-from schemas import FailureKind, StepIntentRecorded
+from schemas import FailureKind, IncidentRaised, StepIntentRecorded
+from schemas.limits import PARKED_INCIDENT
 from schemas.settings import Settings
 from schemas.wire import read_dead_letter, to_message
 
@@ -73,12 +83,13 @@ def test_restore_keeps_bytes_schedules_timers_and_parks_unreadable_states_on_use
     assert coordinator.state_of("saga-ended") is None
     assert set(coordinator._due_sagas(due + 1)) == {"saga-headed", "saga-old", "saga-garbled"}
 
-    # The garbled saga is found when it is first needed: parked, not decided, not lost.
-    current = coordinator._current("saga-garbled", _Pending())
-    parked = coordinator.marker_of("saga-garbled")
-    assert current is parked and parked is not None and parked.marker is MarkerKind.PARKED
-    assert "unreadable" in (parked.reason or "")
-    assert coordinator.in_flight == 2
+    # The garbled saga is found when it is first needed: parked (by the batch, as any
+    # other: a parked marker for the changelog and a saga-parked incident), not lost.
+    pending = _Pending()
+    current = coordinator._current("saga-garbled", pending, due + 1)
+    assert isinstance(current, SagaMarker) and current.marker is MarkerKind.PARKED
+    assert pending.states["saga-garbled"] is current and "unreadable" in current.reason
+    assert [m[0] for m in pending.loose] == [settings.topics.events, settings.topics.incidents]
 
 
 def test_a_decision_that_raises_half_way_parks_its_saga_and_writes_none_of_its_changes(
@@ -153,3 +164,54 @@ def test_a_decision_that_raises_half_way_parks_its_saga_and_writes_none_of_its_c
         if k == b"saga-bad"
     ]
     assert dead == [PARKED_REASON, PARKED_REASON]  # the raising record, then the next
+
+
+def test_a_saga_whose_changelog_value_is_unreadable_is_parked_as_any_other_with_an_incident(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    """Parked like a saga whose decision raises: a durable parked marker on the
+    changelog and one ``saga-parked`` incident on the ledger (which the agent's waiting
+    call turns into ``SagaParked``), its record to the DLQ; before, only memory knew,
+    nobody was told and the agent waited out its timeout."""
+    settings = Settings(bootstrap=kafka_bootstrap, topic_prefix=unique_prefix, partitions=1)
+    ensure_topics(kafka_bootstrap, settings.topics, ["svc"], settings.partitions)
+    garbled = Ledger(saga_id="saga-garbled")
+    producer = Producer(producer_config(kafka_bootstrap))
+    # One garbled with the timer header (decoded when first needed), one a garbled
+    # marker (decoded at restore).
+    producer.produce(
+        settings.topics.state,
+        key=b"saga-garbled",
+        value=b'{"saga_id": 3',
+        headers=_due_headers(None),
+    )
+    producer.produce(settings.topics.state, key=b"saga-torn", value=b'{"marker":"TERM')
+    torn = Ledger(saga_id="saga-torn")
+    signer = settings.signer()
+    for record in (garbled.scheduled("hold"), torn.scheduled("hold")):
+        key, value, headers = to_message(record, signer)
+        producer.produce(settings.topics.events, key=key, value=value, headers=headers)
+    assert producer.flush(30) == 0
+
+    coordinator = Coordinator(settings, kafka_bootstrap, instance_id="garbled")
+    ends = LedgerReader(kafka_bootstrap).end_offsets(settings.topics.events)
+    coordinator.run(until=lambda: coordinator.positions().get(0, -1) >= ends[0])
+
+    latest: dict[bytes, bytes | None] = {}
+    for k, v, _h in LedgerReader(kafka_bootstrap).records(settings.topics.state):
+        if k is not None:
+            latest[k] = v
+    for saga_id in ("saga-garbled", "saga-torn"):
+        value = latest[saga_id.encode()] or b""
+        assert is_marker(value), (saga_id, value)  # not the unreadable value any more
+        marker = load_changelog(value)
+        assert isinstance(marker, SagaMarker) and marker.marker is MarkerKind.PARKED, saga_id
+        assert "unreadable" in marker.reason
+        kinds = [
+            r.kind
+            for r in LedgerReader(kafka_bootstrap).saga_records(
+                settings.topics.events, saga_id, signer
+            )
+            if isinstance(r, IncidentRaised)
+        ]
+        assert kinds == [PARKED_INCIDENT], (saga_id, kinds)
