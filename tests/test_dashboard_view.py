@@ -6,6 +6,8 @@ No broker here: these are folds and renderers of records built from the contract
 
 from __future__ import annotations
 
+import html
+import re
 import xml.etree.ElementTree as ET
 from typing import Any
 
@@ -826,3 +828,27 @@ def test_a_grant_after_the_saga_ended_in_the_ledger_is_not_counted() -> None:
     saga = state.sagas["s-awaiting"]
     assert [u.kind for u in saga.uncounted_decisions] == ["grant"]
     assert state.metrics.snapshot().manual_interventions.get("approval_granted", 0) == 0
+
+
+def test_a_saga_whose_id_has_a_slash_gets_its_page_and_its_actions() -> None:
+    """Agents choose saga ids (``client.saga(..., saga_id="orders/42")``): with a ``/``
+    in it the saga's links, its timeline and the Approve / Deny / Resolve buttons all
+    answered 404, so a person could not decide for it from the dashboard."""
+    state = DashboardState(SagalineMetrics("dashboard"))
+    for record in [*awaiting_approval("orders/42").records, *unknown_outcome("io/7").records]:
+        state.apply(record)
+    channel = RecordingChannel()
+    client = TestClient(create_app(state, channel, clock=lambda: T0))  # type: ignore[arg-type]
+    overview = client.get("/").text
+    page = client.get("/sagas/orders/42")
+    assert page.status_code == 200 and "<svg" in page.text and 'data-step="2"' in page.text
+    assert client.get("/sagas/orders/42/timeline.svg").text.startswith("<svg")
+    assert 'data-step="2"' in client.get("/fragment/saga/orders/42").text
+    actions = re.findall(r'(?:action|formaction)="(/(?:approvals|incidents)/[^"]+)"', overview)
+    assert len(actions) == 3, actions  # grant, deny, resolve
+    forms = {"grant": {}, "deny": {"reason": "no"}, "resolve": {"resolution": "NOT_FOUND"}}
+    for path in actions:
+        form = {"operator": "alice", **forms[path.rsplit("/", 1)[1]]}
+        response = client.post(html.unescape(path), data=form, follow_redirects=False)
+        assert response.status_code == 303, (path, response.status_code)
+    assert [r.saga_id for r in channel.published] == ["orders/42", "orders/42", "io/7"]  # type: ignore[attr-defined]

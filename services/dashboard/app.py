@@ -717,8 +717,22 @@ def create_app(
             svg = render_timeline_svg(saga, now_ms())
         return Response(svg, media_type="image/svg+xml")
 
+    def _ids(request: Request, known: Callable[[SagaView, str], bool]) -> tuple[str, str]:
+        """``(saga id, approval or incident id)`` of an action's path ``<saga>/<item>``.
+        An agent's saga id may hold "/" (and so may an id derived from it), so the
+        split is the one naming a saga that has that item; else one naming a saga."""
+        ids = request.path_params["ids"]
+        splits = [(ids[:i], ids[i + 1 :]) for i, c in enumerate(ids) if c == "/"]
+        with state.lock:
+            for saga_id, item in splits:
+                saga = state.sagas.get(saga_id)
+                if saga is not None and known(saga, item):
+                    return saga_id, item
+            found = [(s, i) for s, i in splits if s in state.sagas]
+        return (found or splits or [(ids, "")])[-1]
+
     async def _decide(
-        request: Request, perform: Callable[[dict[str, str], SagaView], str]
+        request: Request, saga_id: str, perform: Callable[[dict[str, str], SagaView], str]
     ) -> Response:
         form = {k: str(v) for k, v in (await request.form()).items()}
         back = form.get("next") or "/"
@@ -731,7 +745,7 @@ def create_app(
             if refused is not None:
                 return refused
             form["operator"] = viewer.operator or ""
-        saga = _saga_or_404(request.path_params["saga_id"])
+        saga = _saga_or_404(saga_id)
         if saga is None:
             return _page("Unknown saga", "<p>No such saga.</p>", "no such saga", error=True)
         if not form.get("operator", "").strip():
@@ -770,8 +784,11 @@ def create_app(
             )
         return req
 
+    def _approval(saga: SagaView, approval_id: str) -> bool:
+        return approval_id in saga.pending_approvals or approval_id in saga.expired_approvals
+
     async def grant(request: Request) -> Response:
-        approval_id = request.path_params["approval_id"]
+        saga_id, approval_id = _ids(request, _approval)
 
         def perform(form: dict[str, str], saga: SagaView) -> str:
             assert channel is not None
@@ -781,10 +798,10 @@ def create_app(
             )
             return f"Approval {approval_id} granted by {rec.granted_by} (recorded on Kafka)."
 
-        return await _decide(request, perform)
+        return await _decide(request, saga_id, perform)
 
     async def deny(request: Request) -> Response:
-        approval_id = request.path_params["approval_id"]
+        saga_id, approval_id = _ids(request, _approval)
 
         def perform(form: dict[str, str], saga: SagaView) -> str:
             assert channel is not None
@@ -798,10 +815,10 @@ def create_app(
             )
             return f"Approval {approval_id} denied by {rec.denied_by} (recorded on Kafka)."
 
-        return await _decide(request, perform)
+        return await _decide(request, saga_id, perform)
 
     async def resolve(request: Request) -> Response:
-        incident_id = request.path_params["incident_id"]
+        saga_id, incident_id = _ids(request, lambda saga, i: i in saga.open_incidents)
 
         def perform(form: dict[str, str], saga: SagaView) -> str:
             assert channel is not None
@@ -822,7 +839,7 @@ def create_app(
             )
             return f"Incident {incident_id} resolved by {rec.resolved_by} (recorded on Kafka)."
 
-        return await _decide(request, perform)
+        return await _decide(request, saga_id, perform)
 
     def _refuse_unauthenticated(viewer: Viewer, csrf: str | None) -> Response | None:
         if viewer.operator is None:
@@ -959,15 +976,17 @@ def create_app(
             Route("/fragment/overview", viewing(overview_fragment, page=False)),
             Route("/fragment/actions", viewing(actions_fragment, page=False)),
             Route("/fragment/measures", viewing(measures_fragment, page=False)),
-            Route("/sagas/{saga_id}", viewing(saga_page)),
-            Route("/sagas/{saga_id}/timeline.svg", viewing(timeline_svg, page=False)),
-            Route("/fragment/saga/{saga_id}", viewing(saga_fragment, page=False)),
+            # Agents choose saga ids, "/" included ("orders/42"): ``path`` takes them
+            # whole (the actions' "<saga>/<item>" is split by ``_ids``).
+            Route("/sagas/{saga_id:path}/timeline.svg", viewing(timeline_svg, page=False)),
+            Route("/sagas/{saga_id:path}", viewing(saga_page)),
+            Route("/fragment/saga/{saga_id:path}", viewing(saga_fragment, page=False)),
             Route("/login", login_page),
             Route("/login", login, methods=["POST"]),
             Route("/logout", logout, methods=["POST"]),
-            Route("/approvals/{saga_id}/{approval_id}/grant", grant, methods=["POST"]),
-            Route("/approvals/{saga_id}/{approval_id}/deny", deny, methods=["POST"]),
-            Route("/incidents/{saga_id}/{incident_id}/resolve", resolve, methods=["POST"]),
+            Route("/approvals/{ids:path}/grant", grant, methods=["POST"]),
+            Route("/approvals/{ids:path}/deny", deny, methods=["POST"]),
+            Route("/incidents/{ids:path}/resolve", resolve, methods=["POST"]),
             Route("/api/state", viewing(api_state, page=False)),
             Route("/metrics", viewing(metrics, page=False, open_=auth.metrics_open)),
             Route("/healthz", healthz),
