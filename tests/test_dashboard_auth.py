@@ -204,6 +204,43 @@ def test_with_logins_a_cross_site_post_is_refused_too_even_with_the_token() -> N
     assert out.status_code == 403 and 'id="who">alice<' in client.get("/").text
 
 
+@pytest.mark.parametrize("action", ["grant", "deny", "resolve"])
+def test_in_development_mode_a_page_whose_name_was_rebound_to_the_dashboard_is_refused(
+    action: str,
+) -> None:
+    """DNS rebinding: a page at rebound.evil.example that has its name re-pointed to
+    127.0.0.1 reads and posts to the local dashboard as its *own* origin (the browser
+    says same-origin), so the cross-site check let it approve, deny or resolve under
+    any name. Without logins the dashboard answers only to the names a person uses for
+    it: localhost, an IP address, or those listed in SAGALINE_DASHBOARD_HOSTS."""
+    client, channel, actions = _pending(OperatorAuth.from_env({}))
+    path, form = actions[action]
+    rebound = {
+        "host": "rebound.evil.example:8088",
+        "origin": "http://rebound.evil.example:8088",
+        "sec-fetch-site": "same-origin",
+    }
+    response = client.post(path, data=form, headers=rebound, follow_redirects=False)
+    assert (response.status_code, channel.published) == (403, []), response.text[:300]
+    assert "SAGALINE_DASHBOARD_HOSTS" in response.text
+    read = client.get("/api/state", headers={"host": "rebound.evil.example:8088"})
+    assert read.status_code == 403
+    assert client.get("/healthz", headers={"host": "dashboard:8088"}).status_code == 200
+    for host in ("127.0.0.1:8088", "localhost:8088", "[::1]:8088", "10.1.2.3", "LOCALHOST"):
+        same = {"host": host, "origin": f"http://{host}", "sec-fetch-site": "same-origin"}
+        assert client.get("/api/state", headers={"host": host}).status_code == 200, host
+        published = len(channel.published)
+        response = client.post(path, data=form, headers=same, follow_redirects=False)
+        assert response.status_code == 303 and len(channel.published) == published + 1, host
+    named, named_channel, _ = _pending(
+        OperatorAuth.from_env({"SAGALINE_DASHBOARD_HOSTS": "dash.internal, ops.example"})
+    )
+    named_host = {"host": "dash.internal:8088", "sec-fetch-site": "same-origin"}
+    response = named.post(path, data=form, headers=named_host, follow_redirects=False)
+    assert response.status_code == 303
+    assert len(named_channel.published) == 1
+
+
 # ------------------------------------------------------------------------ /metrics
 
 

@@ -82,7 +82,7 @@ def test_pages_show_each_saga_with_the_status_its_records_imply(
 ) -> None:
     """R14: terminal status from sagaline.terminal/events; live status from the ledger."""
     dashboard = Dashboard(transport, ledger)
-    with TestClient(dashboard.app) as client:
+    with TestClient(dashboard.app, base_url="http://localhost") as client:
         state = _caught_up_state(client, len(EXPECTED_STATUS))
         assert {s["saga_id"]: s["status"] for s in state["sagas"]} == EXPECTED_STATUS
         assert set(state["counts"].values()) == {1}
@@ -101,7 +101,7 @@ def test_a_restarted_dashboard_shows_the_same_sagas_and_counts(
     seen: list[dict[str, Any]] = []
     for _run in range(2):
         dashboard = Dashboard(transport, ledger)
-        with TestClient(dashboard.app) as client:
+        with TestClient(dashboard.app, base_url="http://localhost") as client:
             state = _caught_up_state(client, len(EXPECTED_STATUS))
             seen.append(
                 {
@@ -122,7 +122,7 @@ def test_approving_in_the_dashboard_puts_a_grant_with_the_operator_on_kafka(
 ) -> None:
     """R7: the grant is a record on the ledger, bound to the request, naming the operator."""
     dashboard = Dashboard(transport, ledger)
-    with TestClient(dashboard.app) as client:
+    with TestClient(dashboard.app, base_url="http://localhost") as client:
         state = _caught_up_state(client, len(EXPECTED_STATUS))
         (pending,) = state["pending_approvals"]
         url = f"/approvals/{pending['saga_id']}/{pending['approval_id']}/grant"

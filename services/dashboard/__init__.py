@@ -96,7 +96,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "SAGALINE_TOPIC_PREFIX, SAGALINE_HMAC_KEY or SAGALINE_TRUST_FILE; operator logins: "
         "SAGALINE_DASHBOARD_USERS or SAGALINE_DASHBOARD_PROXY_SECRET; "
         "SAGALINE_DASHBOARD_READ_OPEN, SAGALINE_DASHBOARD_METRICS_OPEN open viewing, or "
-        "/metrics alone, without a login; see docs/security.md).",
+        "/metrics alone, without a login; without logins SAGALINE_DASHBOARD_HOSTS names "
+        "the hosts it may be reached by besides localhost and IP addresses; see "
+        "docs/security.md).",
     )
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port (8088)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1)")

@@ -12,6 +12,7 @@ form asks for a name (development mode, said on every page).
 from __future__ import annotations
 
 import html
+import ipaddress
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -571,17 +572,60 @@ def cross_origin(headers: Headers) -> str | None:
     return None
 
 
+def unexpected_host(headers: Headers, names: frozenset[str]) -> str | None:
+    """Why ``Host`` is not a name a person uses for a development-mode dashboard, or
+    None. A page whose own DNS name was re-pointed at the dashboard (DNS rebinding)
+    reads and posts to it as its own origin, which no Origin check sees; its Host is
+    still its own name. localhost and IP addresses cannot be rebound."""
+    host = headers.get("host", "").strip()
+    if not host:
+        return None  # not a browser
+    try:
+        name = (urlsplit(f"//{host}").hostname or "").rstrip(".")
+    except ValueError:
+        return f"Host: {host}"
+    if name == "localhost" or name.endswith(".localhost") or name in names:
+        return None
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return f"Host: {host}"
+    return None
+
+
 class SameOriginOnly:
     """Refuses (403) any request other than GET/HEAD/OPTIONS that a browser says comes
     from another origin: a page elsewhere cannot make an operator's browser approve,
     deny, resolve, log in or out here. In development mode (no logins) this is the only
-    protection; with logins it adds to the SameSite=Strict cookie and the CSRF token."""
+    protection, with the ``Host`` check (:func:`unexpected_host`, when ``dev_hosts``
+    is given); with logins it adds to the SameSite=Strict cookie and the CSRF token."""
 
-    def __init__(self, app: ASGIApp, logins: bool = False) -> None:
+    def __init__(
+        self, app: ASGIApp, logins: bool = False, dev_hosts: frozenset[str] | None = None
+    ) -> None:
         self.app = app
         self.logins = logins  # only for the page's header
+        # Without logins (development mode): the Host names allowed besides localhost
+        # and IP addresses; None: not checked.
+        self.dev_hosts = None if logins else dev_hosts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # /healthz says nothing and does nothing: an orchestrator may probe it by any name.
+        if scope["type"] == "http" and self.dev_hosts is not None and scope["path"] != "/healthz":
+            why = unexpected_host(Headers(scope=scope), self.dev_hosts)
+            if why is not None:
+                response = _page(
+                    "Refused",
+                    "<p>Open the dashboard as <code>localhost</code> or by its IP address, "
+                    "or list the name you use in <code>SAGALINE_DASHBOARD_HOSTS</code>.</p>",
+                    f"Refused: this dashboard runs without logins (development mode) and "
+                    f"answers only to localhost, an IP address or a name in "
+                    f"SAGALINE_DASHBOARD_HOSTS, not {why}; nothing was recorded.",
+                    error=True,
+                    status=403,
+                )
+                await response(scope, receive, send)
+                return
         if scope["type"] == "http" and scope["method"] not in _SAFE_METHODS:
             why = cross_origin(Headers(scope=scope))
             if why is not None:
@@ -991,6 +1035,6 @@ def create_app(
             Route("/metrics", viewing(metrics, page=False, open_=auth.metrics_open)),
             Route("/healthz", healthz),
         ],
-        middleware=[Middleware(SameOriginOnly, logins=auth.enabled)],
+        middleware=[Middleware(SameOriginOnly, logins=auth.enabled, dev_hosts=auth.dev_hosts)],
         lifespan=lifespan,
     )

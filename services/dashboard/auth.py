@@ -19,7 +19,10 @@ Prometheus scrape), which otherwise needs a login like every page.
 
 With neither configured the dashboard behaves as before (a free-text operator name),
 a development mode it states on every page. In both modes the app refuses a POST a
-browser marks as coming from another web site (``services.dashboard.app.SameOriginOnly``).
+browser marks as coming from another web site (``services.dashboard.app.SameOriginOnly``);
+in development mode it also answers only to a ``Host`` that is localhost, an IP address
+or a name in ``SAGALINE_DASHBOARD_HOSTS`` (a page whose DNS name was re-pointed at the
+dashboard is same-origin to the browser).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,12 +121,18 @@ class OperatorAuth:
         proxy_secret: str | None = None,
         read_open: bool = False,
         metrics_open: bool = False,
+        dev_hosts: Collection[str] | None = None,
     ) -> None:
         self._users = dict(users or {})
         self._proxy_secret = proxy_secret or None
         self.read_open = read_open
         # /metrics without a login (a Prometheus scrape), the pages still behind one.
         self.metrics_open = metrics_open
+        # Development mode only: the Host names a browser may reach the dashboard by,
+        # besides localhost and IP addresses (DNS rebinding; None: not checked).
+        self.dev_hosts = (
+            None if dev_hosts is None else frozenset(h.strip().lower() for h in dev_hosts)
+        )
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
 
@@ -139,6 +148,7 @@ class OperatorAuth:
             env.get("SAGALINE_DASHBOARD_PROXY_SECRET"),
             _flag(env, "SAGALINE_DASHBOARD_READ_OPEN"),
             _flag(env, "SAGALINE_DASHBOARD_METRICS_OPEN"),
+            [h for h in env.get("SAGALINE_DASHBOARD_HOSTS", "").split(",") if h.strip()],
         )
 
     @property
