@@ -241,6 +241,29 @@ def test_in_development_mode_a_page_whose_name_was_rebound_to_the_dashboard_is_r
     assert len(named_channel.published) == 1
 
 
+def test_no_page_of_the_dashboard_can_be_framed_by_another_web_site() -> None:
+    """Clickjacking: a page elsewhere that shows the dashboard in an invisible frame
+    and gets the operator to click where Approve is posts a same-origin form, which the
+    cross-site check cannot see (behind an SSO proxy whose cookie goes to frames, or in
+    development mode, the click alone decided). Every answer forbids framing."""
+    client, _channel, actions = _pending(OperatorAuth())
+    path, form = actions["grant"]
+    saga_id = path.split("/")[2]
+    answers = [
+        client.get("/"),
+        client.get(f"/sagas/{saga_id}"),
+        client.get("/fragment/actions"),
+        client.get("/login"),
+        client.post(path, data={"operator": " "}),  # an error page
+        client.post(path, data=form, headers={"origin": "https://evil.example"}),  # refused
+    ]
+    for response in answers:
+        headers = response.headers
+        assert headers.get("x-frame-options") == "DENY", response.url
+        assert "frame-ancestors 'none'" in headers.get("content-security-policy", "")
+        assert headers.get("x-content-type-options") == "nosniff"
+
+
 # ------------------------------------------------------------------------ /metrics
 
 

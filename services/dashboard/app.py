@@ -28,7 +28,7 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sagaline.ops import actions as operator_actions
 from sagaline.ops.metrics import HistogramSummary, MeasuresSnapshot
@@ -644,6 +644,37 @@ class SameOriginOnly:
         await self.app(scope, receive, send)
 
 
+# Sent with every answer: no page of the dashboard may be shown in another site's
+# frame (a click there would be a same-origin POST: clickjacking), and no answer is
+# read as another type than it says.
+SECURITY_HEADERS = (
+    (b"x-frame-options", b"DENY"),
+    (b"content-security-policy", b"frame-ancestors 'none'"),
+    (b"x-content-type-options", b"nosniff"),
+)
+
+
+class SecurityHeaders:
+    """Adds :data:`SECURITY_HEADERS` to every HTTP answer, the refusals included."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                names = {name.lower() for name, _ in message.get("headers", [])}
+                extra = [(n, v) for n, v in SECURITY_HEADERS if n not in names]
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
 # --------------------------------------------------------------------- the app
 
 
@@ -1035,6 +1066,9 @@ def create_app(
             Route("/metrics", viewing(metrics, page=False, open_=auth.metrics_open)),
             Route("/healthz", healthz),
         ],
-        middleware=[Middleware(SameOriginOnly, logins=auth.enabled, dev_hosts=auth.dev_hosts)],
+        middleware=[
+            Middleware(SecurityHeaders),
+            Middleware(SameOriginOnly, logins=auth.enabled, dev_hosts=auth.dev_hosts),
+        ],
         lifespan=lifespan,
     )
