@@ -103,6 +103,28 @@ def test_expired_sessions_are_dropped_not_kept_forever(monkeypatch: pytest.Monke
     assert len(auth._sessions) == 1
 
 
+def test_a_refused_decision_does_not_tell_a_logged_in_operator_actions_are_unauthenticated() -> (
+    None
+):
+    """The pages answering a decision that was not recorded (no such saga, approval
+    not pending, ...) were drawn as in development mode: a logged-in operator read
+    "actions are not authenticated" and no longer saw who they were signed in as."""
+    client, channel, actions = _pending(
+        OperatorAuth(users={"alice": hash_password("pw-of-alice-123")})
+    )
+    client.post("/login", data={"name": "alice", "password": "pw-of-alice-123"})
+    token = re.search(r'name="csrf" value="([^"]+)"', client.get("/").text)
+    assert token is not None
+    path, _form = actions["grant"]
+    unknown_approval = path.replace("/grant", "-not-asked/grant")
+    for target in ("/approvals/no-such-saga/a-1/grant", unknown_approval):
+        response = client.post(target, data={"csrf": token.group(1)}, follow_redirects=False)
+        assert "development mode" not in response.text, target
+        assert 'id="who">alice<' in response.text, target
+        assert response.status_code == 400 and "nothing was recorded" in response.text
+    assert channel.published == []
+
+
 # --------------------------------------------------- requests from another web site
 
 

@@ -822,20 +822,28 @@ def create_app(
             form["operator"] = viewer.operator or ""
         saga = _saga_or_404(saga_id)
         if saga is None:
-            return _page("Unknown saga", "<p>No such saga.</p>", "no such saga", error=True)
+            return _page(
+                "Unknown saga",
+                '<p><a href="/">All sagas</a></p>',
+                f"no such saga {saga_id!r} in the ledger: nothing was recorded",
+                error=True,
+                viewer=viewer,
+            )
         if not form.get("operator", "").strip():
             return _page(
                 "Operator required",
                 f'<p><a href="{_e(back)}">Back</a></p>',
                 "Say who you are: the operator field is required for every decision.",
                 error=True,
+                viewer=viewer,
             )
         if channel is None:
-            return _page("Read-only", "", "this dashboard is read-only (no producer)", True)
+            return _page("Read-only", "", "this dashboard is read-only (no producer)", True, viewer)
         try:
             notice = await run_in_threadpool(perform, form, saga)
         except operator_actions.OperatorActionError as exc:
-            return _page("Not recorded", f'<p><a href="{_e(back)}">Back</a></p>', str(exc), True)
+            back_link = f'<p><a href="{_e(back)}">Back</a></p>'
+            return _page("Not recorded", back_link, str(exc), True, viewer)
         sep = "&" if "?" in back else "?"
         return RedirectResponse(f"{back}{sep}{urlencode({'notice': notice})}", status_code=303)
 
