@@ -46,6 +46,7 @@ import enum
 import hashlib
 import json
 import logging
+import time
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -157,10 +158,19 @@ class TrustedKey:
 class TrustStore:
     """Key ids -> public keys -> identities, as read from the trust file.
 
-    A store loaded from a file re-reads it when it changes (a ``stat`` per lookup, far
-    cheaper than the signature check it precedes), so adding or retiring a key takes
-    effect at the next record, without restarts.
+    A store loaded from a file re-reads it when it changes, so adding or retiring a key
+    takes effect at the next record, without restarts. Every lookup compares the
+    file's ``stat`` (device, inode, size, mtime and ctime in nanoseconds: far cheaper
+    than the signature check it precedes). ``stat`` cannot show a rewrite of the same
+    size within one tick of the file system's clock, so while the file's timestamps
+    are within :data:`RACY_NS` of now (just after an edit) every lookup also compares
+    a hash of the contents; after that, a lookup compares them at most every
+    :attr:`CONTENT_CHECK_S` seconds (a network mount that caches attributes).
+    Unchanged contents are not parsed again.
     """
+
+    CONTENT_CHECK_S = 1.0
+    """How often, at most, a lookup reads a settled file to compare its contents."""
 
     def __init__(
         self,
@@ -171,36 +181,60 @@ class TrustStore:
         self.identities = dict(identities)
         self.keys = dict(keys)
         self._path = path
-        self._stamp = _stamp(path) if path else None
+        # What stat showed before the contents in hand were read (None: nothing yet,
+        # so the first lookup reads the file), and whether it could hide a rewrite.
+        self._stamp: _Stamp | None = None
+        self._racy = False
+        # The hash of the contents last read (None: unreadable), good or broken.
+        self._seen: bytes | None = None
+        self._next_check = _monotonic() + self.CONTENT_CHECK_S
 
     def refresh(self) -> None:
         """Re-read the file if it changed; a broken edit keeps the last good contents."""
         if self._path is None:
             return
         stamp = _stamp(self._path)
-        if stamp == self._stamp:
+        now = _monotonic()
+        if stamp == self._stamp and not self._racy and now < self._next_check:
             return
+        # Stat before reading: a write landing in between gives a new stamp next time.
+        self._stamp, self._racy = stamp, _racy(stamp)
+        self._next_check = now + self.CONTENT_CHECK_S
         try:
-            fresh = TrustStore.load(self._path)
+            raw = _read(self._path)
         except TrustFileError as exc:
-            # Remember the broken version: re-reading and logging it at every record
-            # would flood the log; the next change (a new stamp) is read again.
-            log.error("keeping the previous trust file: %s", exc)
-            self._stamp = stamp
+            if self._seen is not None:  # log the file going missing once, not per record
+                log.error("keeping the previous trust file: %s", exc)
+            self._seen = None
             return
-        self.identities, self.keys, self._stamp = fresh.identities, fresh.keys, stamp
+        seen = hashlib.sha256(raw).digest()
+        if seen == self._seen:
+            return  # touched, or rewritten with the same contents
+        # Remember a broken version too: re-reading and logging it at every record
+        # would flood the log; the next change is read again.
+        self._seen = seen
+        try:
+            fresh = TrustStore._parse(self._path, raw)
+        except TrustFileError as exc:
+            log.error("keeping the previous trust file: %s", exc)
+            return
+        self.identities, self.keys = fresh.identities, fresh.keys
 
     @classmethod
     def load(cls, path: str | Path) -> TrustStore:
         """Read a JSON or TOML trust file; :class:`TrustFileError` says what is wrong."""
         path = Path(path)
+        stamp = _stamp(path)
+        raw = _read(path)
+        store = cls._parse(path, raw)
+        store._stamp, store._racy = stamp, _racy(stamp)
+        store._seen = hashlib.sha256(raw).digest()
+        return store
+
+    @classmethod
+    def _parse(cls, path: Path, raw: bytes) -> TrustStore:
         try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise TrustFileError(
-                f"cannot read trust file {path}: {exc.strerror}; set SAGALINE_TRUST_FILE "
-                "to an existing file"
-            ) from None
+            text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise TrustFileError(f"trust file {path} is not UTF-8: {exc.reason}") from None
         try:
@@ -329,12 +363,42 @@ def _names(value: Any, owner: str, field_name: str, where: str) -> list[str] | N
     return value
 
 
-def _stamp(path: Path) -> tuple[int, int, int] | None:
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise TrustFileError(
+            f"cannot read trust file {path}: {exc.strerror}; set SAGALINE_TRUST_FILE "
+            "to an existing file"
+        ) from None
+
+
+_Stamp = tuple[int, int, int, int, int]
+
+
+def _stamp(path: Path) -> _Stamp | None:
+    """What ``stat`` shows of a change: an in-place edit moves mtime and ctime, a
+    rename-over changes the inode; ctime also moves when mtime is set back."""
     try:
         st = path.stat()
     except OSError:
         return None
-    return st.st_ino, st.st_mtime_ns, st.st_size
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+RACY_NS = 2_000_000_000
+"""A file changed this recently (by the wall clock) may be rewritten with the same size
+and timestamps: file systems keep time in ticks (a few ms on Linux, 2 s on FAT)."""
+
+
+def _racy(stamp: _Stamp | None) -> bool:
+    if stamp is None:
+        return False
+    now = time.time_ns()
+    return any(abs(now - t) < RACY_NS for t in stamp[3:])
+
+
+_monotonic = time.monotonic  # a module name, so tests can move the clock
 
 
 def _raw(public_key: Ed25519PublicKey) -> bytes:

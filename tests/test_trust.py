@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -531,4 +532,64 @@ def test_a_broken_edit_is_read_and_logged_once_not_at_every_record(
     assert len([r for r in caplog.records if "keeping the previous" in r.message]) == 1
     kit.retire(kit.current["alice"])  # the next edit is read again
     with pytest.raises(RetiredKey):
+        from_message(*message, reader)
+
+
+def _rewrite_in_place_same_size_and_mtime(path: Path, text: str) -> None:
+    """Rewrite ``path`` in place (same inode) with ``text`` of the same size, then put
+    its mtime back: what an editor or a config manager does within one mtime tick."""
+    before = path.stat()
+    assert len(text.encode()) == before.st_size
+    with path.open("r+", encoding="utf-8") as f:
+        f.write(text)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (
+        before.st_ino,
+        before.st_size,
+        before.st_mtime_ns,
+    )
+
+
+def test_a_same_size_rewrite_within_one_mtime_tick_is_seen(kit: TrustKit) -> None:
+    """Revoking a key by editing one character kept the old contents: the change
+    detection looked only at inode, mtime and size, so the retired key stayed trusted."""
+    alice = kit.current["alice"]
+    kit.data["keys"][alice]["retired"] = False
+    kit._write()
+    reader = kit.signer()
+    message = to_message(_grant("alice", "alice"), kit.signer("alice"))
+    assert from_message(*message, reader)
+    text = kit.trust_file.read_text()
+    revoked = text.replace('"retired": false', '"retired": true ')
+    assert revoked != text
+    _rewrite_in_place_same_size_and_mtime(kit.trust_file, revoked)
+    with pytest.raises(RetiredKey, match=alice):
+        from_message(*message, reader)
+
+
+def test_a_change_stat_cannot_show_is_seen_at_the_next_content_check(
+    kit: TrustKit, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file system whose timestamps cannot tell two writes apart (a coarse clock, a
+    network mount caching attributes): the contents are compared now and then, so the
+    revocation is seen at the next check, not at the next unrelated edit."""
+    import schemas.trust
+
+    alice = kit.current["alice"]
+    kit.data["keys"][alice]["retired"] = False
+    kit._write()
+    clock = [1000.0]
+    monkeypatch.setattr(schemas.trust, "_monotonic", lambda: clock[0])
+    stale = schemas.trust._stamp(kit.trust_file)
+    monkeypatch.setattr(schemas.trust, "_stamp", lambda path: stale)  # stat shows nothing
+    monkeypatch.setattr(schemas.trust, "_racy", lambda stamp: False)  # nor do the times
+    reader = kit.signer()
+    message = to_message(_grant("alice", "alice"), kit.signer("alice"))
+    assert from_message(*message, reader)
+    text = kit.trust_file.read_text()
+    kit.trust_file.write_text(text.replace('"retired": false', '"retired": true '))
+    assert from_message(*message, reader)  # within one check interval: not read yet
+    clock[0] += schemas.trust.TrustStore.CONTENT_CHECK_S
+    with pytest.raises(RetiredKey, match=alice):
         from_message(*message, reader)
