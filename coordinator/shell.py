@@ -96,7 +96,7 @@ from schemas.errors import CodecError
 from schemas.limits import PARKED_INCIDENT
 from schemas.settings import Settings
 from schemas.signing import Headers, header_value
-from schemas.trust import IdentitySigner
+from schemas.trust import IdentitySigner, SigningKeyError
 from schemas.wire import DLQ_OMITTED, dlq_message, dlq_summary, from_message, to_message
 
 log = logging.getLogger("sagaline.coordinator")
@@ -829,8 +829,8 @@ class Coordinator:
         error would end the process, and every restart would end on the same record."""
         try:
             self._apply(decision, saga_id, pending, source)
-        except KafkaException:
-            raise
+        except (KafkaException, SigningKeyError):
+            raise  # not this saga's: SigningKeyError stops the coordinator, nothing committed
         except TopicSetupError as exc:
             cause = exc.__cause__
             if isinstance(cause, TimeoutError) or (

@@ -141,7 +141,9 @@ class Settings:
             from schemas.trust import IdentitySigner, TrustStore, load_private_key
 
             private = load_private_key(self.signing_key) if self.signing_key else None
-            return IdentitySigner(TrustStore.load(self.trust_file), private, self.signing_key_id)
+            return IdentitySigner(
+                TrustStore.load(self.trust_file), private, self.signing_key_id, self.signing_key
+            )
         return Signer(self.hmac_key, key_id=self.hmac_key_id)
 
 

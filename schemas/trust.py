@@ -464,9 +464,27 @@ def _claimed_person(record: Record) -> str | None:
     return None
 
 
+class SigningKeyError(TrustFileError):
+    """This process's own key can no longer sign: retired or gone from the trust file
+    (its records would be refused by every reader), and no live replacement in its
+    key file. The message says what to do."""
+
+
+KEY_CHECK_S = 1.0
+"""How often, at most, a signer looks at its key file for a rotated key while its
+current key is still live (at once when it is not)."""
+
+
 class IdentitySigner(Signer):
     """Signs with this process's Ed25519 key; verifies and authorizes against the trust
     file. Without a private key it only verifies (a read-only viewer).
+
+    Before each record it signs, the signer checks that its key is still live in the
+    trust file. Given the key file's path (``key_path``, what ``SAGALINE_SIGNING_KEY``
+    names), it also picks up a key rotated in place: a new key written there, of the
+    same identity and listed live in the trust file, is used from the next record.
+    A key retired or removed with no such replacement raises :class:`SigningKeyError`
+    rather than writing records every reader refuses.
 
     Example::
 
@@ -476,18 +494,35 @@ class IdentitySigner(Signer):
         from_message(key, value, headers, signer)           # verified and authorized
     """
 
-    __slots__ = ("_private", "identity", "trust")
+    __slots__ = (
+        "_active",
+        "_first",
+        "_key_path",
+        "_key_stamp",
+        "_live_entry",
+        "_logged_stamp",
+        "_next_key_check",
+        "trust",
+    )
 
     def __init__(
         self,
         trust: TrustStore,
         private_key: Ed25519PrivateKey | None = None,
         key_id: str | None = None,
+        key_path: str | Path | None = None,
     ) -> None:
         super().__init__(None, key_id=key_id or "")
         self.trust = trust
-        self._private = private_key
-        self.identity: Identity | None = None
+        # (private key, key id) used together: a rotation swaps the pair at once, so a
+        # record never carries one key's id with another key's signature.
+        self._active: tuple[Ed25519PrivateKey, str] | None = None
+        self._first: Identity | None = None
+        self._key_path = Path(key_path) if key_path is not None else None
+        self._key_stamp = _stamp(self._key_path) if self._key_path is not None else None
+        self._logged_stamp: _Stamp | None = None
+        self._live_entry: TrustedKey | None = None  # the entry last found live for _active
+        self._next_key_check = _monotonic() + KEY_CHECK_S
         if private_key is not None:
             kid = key_id or trust.key_id_of(private_key.public_key())
             if kid is None or kid not in trust.keys:
@@ -502,7 +537,13 @@ class IdentitySigner(Signer):
                     "SAGALINE_SIGNING_KEY: use the matching key file or fix the entry"
                 )
             self.key_id = kid
-            self.identity = entry.identity
+            self._active = (private_key, kid)
+            self._first = entry.identity
+
+    @property
+    def identity(self) -> Identity | None:
+        """Who this process signs as (None: a read-only viewer)."""
+        return self._first
 
     @property
     def enabled(self) -> bool:
@@ -510,34 +551,130 @@ class IdentitySigner(Signer):
 
     @property
     def can_sign(self) -> bool:
-        """True when this process holds a key the trust file lists and has not retired."""
-        if self._private is None:
+        """True when this process holds a key the trust file lists and has not retired
+        (after picking up a key rotated in its key file)."""
+        try:
+            self._signing_key()
+        except (SigningKeyError, ValueError):
             return False
-        self.trust.refresh()
-        entry = self.trust.keys.get(self.key_id)
-        return entry is not None and not entry.retired
+        return True
 
     @property
     def signs_as(self) -> str | None:
-        return self.identity.name if self.identity else None
+        return self._first.name if self._first else None
 
     def __repr__(self) -> str:
-        who = self.identity.name if self.identity else None
+        who = self._first.name if self._first else None
         return f"IdentitySigner(identity={who!r}, key_id={self.key_id!r})"
 
     def sign(self, key: bytes | None, value: bytes) -> bytes:
-        if self._private is None:
+        return self._signing_key()[0].sign(signed_material(key, value))
+
+    def headers(self, key: bytes | None, value: bytes) -> Headers:
+        private, kid = self._signing_key()
+        return [
+            (SIG_HEADER, private.sign(signed_material(key, value)).hex().encode("ascii")),
+            (KID_HEADER, kid.encode("utf-8")),
+            (ALG_HEADER, ED25519.encode("ascii")),
+        ]
+
+    def _signing_key(self) -> tuple[Ed25519PrivateKey, str]:
+        """The live (private key, key id) to sign the next record with."""
+        active = self._active
+        if active is None:
             raise ValueError(
                 "this process has no signing key; set SAGALINE_SIGNING_KEY to its PEM file"
             )
-        return self._private.sign(signed_material(key, value))
+        self.trust.refresh()  # a stat, as for every record read
+        entry = self.trust.keys.get(active[1])
+        live = entry is not None and entry is self._live_entry
+        if not live and self._problem(*active) is None:
+            live, self._live_entry = True, entry  # checked once per reading of the file
+        now = _monotonic()
+        if live and now < self._next_key_check:
+            return active
+        self._next_key_check = now + KEY_CHECK_S
+        rotated = self._rotated()
+        if rotated is not None:
+            return rotated
+        problem = self._problem(*active)
+        if problem is not None:
+            where = (
+                f"write its new key to SAGALINE_SIGNING_KEY ({self._key_path}) and list it "
+                "in the trust file (it is used from the next record), or restart with "
+                "SAGALINE_SIGNING_KEY set to a live key"
+                if self._key_path is not None
+                else "restart with SAGALINE_SIGNING_KEY set to a live key"
+            )
+            raise SigningKeyError(
+                f"this process's signing key {active[1]!r} {problem}: every reader would "
+                f"refuse its records, so nothing is signed; {where}"
+            )
+        return active
 
-    def headers(self, key: bytes | None, value: bytes) -> Headers:
-        return [
-            (SIG_HEADER, self.sign(key, value).hex().encode("ascii")),
-            (KID_HEADER, self.key_id.encode("utf-8")),
-            (ALG_HEADER, ED25519.encode("ascii")),
-        ]
+    def _problem(self, private: Ed25519PrivateKey, kid: str) -> str | None:
+        """Why ``kid`` cannot sign now, or None."""
+        entry = self.trust.keys.get(kid)
+        if entry is None:
+            return "is no longer in the trust file"
+        if entry.retired:
+            return f"of {entry.identity.name!r} is retired in the trust file"
+        if _raw(entry.public_key) != _raw(private.public_key()):
+            return "is listed in the trust file with another public key"
+        if self._first is not None and entry.identity.name != self._first.name:
+            return (
+                f"is listed in the trust file for {entry.identity.name!r}, not "
+                f"{self._first.name!r} as at start"
+            )
+        return None
+
+    def _rotated(self) -> tuple[Ed25519PrivateKey, str] | None:
+        """The key now in the key file, when it changed and the trust file lists it live
+        for this identity: from then on the one used (and returned)."""
+        if self._key_path is None:
+            return None
+        stamp = _stamp(self._key_path)
+        if stamp == self._key_stamp:
+            return None
+        try:
+            private = load_private_key(self._key_path)
+        except TrustFileError as exc:  # half written, or not a key: wait for the next change
+            self._key_stamp = stamp
+            log.error("keeping the previous signing key: %s", exc)
+            return None
+        active = self._active
+        assert active is not None
+        if _raw(private.public_key()) == _raw(active[0].public_key()):
+            self._key_stamp = stamp  # rewritten with the same key
+            return None
+        kid = self.trust.key_id_of(private.public_key())
+        problem = (
+            "its public key is not in the trust file"
+            if kid is None
+            else (None if (why := self._problem(private, kid)) is None else f"{kid!r} {why}")
+        )
+        if problem is not None:
+            # Perhaps the trust file is edited next: looked at again at the next check.
+            if stamp != self._logged_stamp:
+                self._logged_stamp = stamp
+                log.error(
+                    "the new key in %s cannot sign yet (%s); still signing with %r",
+                    self._key_path,
+                    problem,
+                    active[1],
+                )
+            return None
+        assert kid is not None
+        self._key_stamp = stamp
+        self._active = (private, kid)
+        self.key_id = kid
+        log.warning(
+            "signing key rotated: %s now signs with key id %r (was %r)",
+            self.signs_as,
+            kid,
+            active[1],
+        )
+        return private, kid
 
     def verify(self, key: bytes | None, value: bytes, headers: HeaderList | None) -> Identity:
         return self.writer(key, value, headers)
@@ -619,6 +756,7 @@ __all__ = [
     "Identity",
     "IdentitySigner",
     "Role",
+    "SigningKeyError",
     "TrustFileError",
     "TrustStore",
     "TrustedKey",

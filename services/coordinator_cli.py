@@ -128,6 +128,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from coordinator.shell import Coordinator
     from sagaline.kafka import TopicSetupError, ensure_topics
     from sagaline.ops.metrics import CoordinatorMetrics, start_metrics_server
+    from schemas.trust import TrustFileError
     from services.refund import economic_effect
 
     participants = [p for p in args.participants.split(",") if p]
@@ -148,7 +149,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             start_metrics_server(args.metrics_port, metrics, settings.metrics_host)
         coordinator.install_signal_handlers()
         coordinator.run()
-    except TopicSetupError as exc:  # a topic to fix first: one line, no traceback
+    except (TopicSetupError, TrustFileError) as exc:  # to fix first: one line, no traceback
         print(f"coordinator run: {exc}", file=sys.stderr)
         return 2
     return 0

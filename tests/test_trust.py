@@ -593,3 +593,89 @@ def test_a_change_stat_cannot_show_is_seen_at_the_next_content_check(
     clock[0] += schemas.trust.TrustStore.CONTENT_CHECK_S
     with pytest.raises(RetiredKey, match=alice):
         from_message(*message, reader)
+
+
+def _rotate_in_place(kit: TrustKit, identity: str, settings_key: Path) -> str:
+    """A new key for ``identity`` written over the key file the process was given (a
+    secret manager's rotation), its entry added to the trust file; its key id."""
+    new = kit.add(identity, Role.PARTICIPANT)
+    settings_key.write_bytes(kit.key_files[new].read_bytes())
+    return new
+
+
+def test_a_process_picks_up_its_rotated_key_from_its_key_file(kit: TrustKit) -> None:
+    """The signing key was read once at start: after the operator put the new key in
+    SAGALINE_SIGNING_KEY and retired the old one, the process went on signing with the
+    old key and every reader refused its records (retired-key)."""
+    old = kit.current["payments"]
+    signer = kit.settings(Settings(), "payments").signer()
+    reader = kit.signer()
+    record = _committed("payments", "c-1")
+    assert from_message(*to_message(record, signer), reader)
+    new = _rotate_in_place(kit, "payments", kit.key_files[old])
+    kit.retire(old)
+    key, value, headers = to_message(record, signer)
+    assert dict(headers)["sagaline-kid"] == new.encode()
+    assert from_message(key, value, headers, reader)
+    assert signer.can_sign and signer.key_id == new
+
+
+def test_a_process_whose_key_is_retired_without_a_new_one_refuses_to_sign(
+    kit: TrustKit,
+) -> None:
+    """Signing on with a retired key wrote records every reader refuses: the
+    coordinator's commands dropped by participants, a participant's outcomes by the
+    coordinator after its tool had run. Now the write fails with one error that says
+    what to do."""
+    from schemas.trust import SigningKeyError
+
+    old = kit.current["payments"]
+    signer = kit.settings(Settings(), "payments").signer()
+    kit.retire(old)
+    with pytest.raises(SigningKeyError, match=rf"{old}.*retired.*SAGALINE_SIGNING_KEY"):
+        to_message(_committed("payments", "c-1"), signer)
+    assert not signer.can_sign
+    new = _rotate_in_place(kit, "payments", kit.key_files[old])  # the fix, no restart
+    assert dict(to_message(_committed("payments", "c-1"), signer)[2])["sagaline-kid"] == (
+        new.encode()
+    )
+
+
+def test_a_new_key_file_is_used_only_once_the_trust_file_lists_it_for_the_same_identity(
+    kit: TrustKit, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The key file replaced before the trust file is edited (or with another
+    identity's key): the process keeps signing with its live key, says why once,
+    and switches when the trust file lists the new key."""
+    import schemas.trust
+    from schemas.trust import new_key_pair
+
+    clock = [1000.0]
+    monkeypatch.setattr(schemas.trust, "_monotonic", lambda: clock[0])
+    old = kit.current["payments"]
+    signer = kit.settings(Settings(), "payments").signer()
+    reader = kit.signer()
+    record = _committed("payments", "c-1")
+    pem, new, entry = new_key_pair("payments", Role.PARTICIPANT)
+    kit.key_files[old].write_bytes(pem)  # not in the trust file yet
+    with caplog.at_level("ERROR", logger="sagaline.trust"):
+        for _ in range(3):
+            clock[0] += schemas.trust.KEY_CHECK_S
+            message = to_message(record, signer)
+            assert dict(message[2])["sagaline-kid"] == old.encode()
+            assert from_message(*message, reader)
+    assert [r.getMessage() for r in caplog.records if "cannot sign yet" in r.getMessage()] == [
+        f"the new key in {kit.key_files[old]} cannot sign yet (its public key is not in the "
+        f"trust file); still signing with {old!r}"
+    ]
+    kit.data["keys"][new] = {**entry["keys"][new], "identity": "mailer"}  # another's
+    kit._write()
+    clock[0] += schemas.trust.KEY_CHECK_S
+    assert dict(to_message(record, signer)[2])["sagaline-kid"] == old.encode()
+    kit.data["keys"][new] = entry["keys"][new]
+    kit._write()
+    assert dict(to_message(record, signer)[2])["sagaline-kid"] == old.encode()  # not yet due
+    clock[0] += schemas.trust.KEY_CHECK_S
+    message = to_message(record, signer)
+    assert dict(message[2])["sagaline-kid"] == new.encode()
+    assert from_message(*message, reader)

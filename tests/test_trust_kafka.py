@@ -105,7 +105,7 @@ class World:
         )
 
     def forge(self, topic: str, record: Record, identity: str, key_id: str | None = None) -> None:
-        key, value, headers = to_message(record, self.kit.signer(identity, key_id))
+        key, value, headers = self.kit.forged(record, key_id or self.kit.current[identity])
         producer = self.system.raw_producer()
         producer.produce(topic, key=key, value=value, headers=headers)
         producer.flush(30)
@@ -394,3 +394,115 @@ def test_an_operator_decision_for_a_tenant_outside_the_key_is_refused_not_publis
     )
     with pytest.raises(TenantMismatch):
         from_message(*to_message(grant, kit.signer("bob")), kit.signer())
+
+
+def test_keys_rotated_in_their_key_files_are_picked_up_without_a_restart(world: World) -> None:
+    """A secret manager writes each process's new key over its SAGALINE_SIGNING_KEY
+    file and the trust file gets the new entries: the running coordinator, participant
+    and agent sign with the new keys, so the old ones can be retired. Before, they kept
+    the keys read at start until restarted, and once the old keys were retired every
+    reader refused their records as retired-key and no saga moved."""
+    kit, system = world.kit, world.system
+    assert system.coordinator is not None
+    payments = next(r for r in system._runtimes if r.participant == "payments")
+    signers = {
+        "sagaline-coordinator": (Role.COORDINATOR, system.coordinator.signer),
+        "payments": (Role.PARTICIPANT, payments.signer),
+        "agent": (Role.AGENT, system.client.signer),
+    }
+    with system.client.saga("shop", "agent") as first:
+        assert first.call("charge", cents=100) == "ch-1"
+    assert first.wait(60).status is TerminalStatus.COMPLETED
+    olds = {identity: kit.current[identity] for identity in signers}
+    for identity, (role, _signer) in signers.items():
+        new = kit.add(identity, role)  # listed, the old key still live
+        kit.key_files[olds[identity]].write_bytes(kit.key_files[new].read_bytes())
+    for identity, (_role, signer) in signers.items():
+        wait_until(
+            lambda s=signer, i=identity: s.can_sign and s.key_id == kit.current[i],
+            what=f"{identity} to sign with its new key",
+        )
+    for old in olds.values():  # the old keys' records are read: retire them
+        kit.retire(old)
+    with system.client.saga("shop", "agent") as second:
+        assert second.call("charge", cents=200) == "ch-2"
+    assert second.wait(60).status is TerminalStatus.COMPLETED
+    assert world.payments.charges == [100, 200]
+    assert "retired-key" not in world.dlq_reasons()
+
+
+def test_a_coordinator_whose_key_is_retired_stops_with_one_error_parking_nothing(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its key retired with no replacement, the coordinator signed on: participants
+    refused its commands, it refused its own records, every saga stalled with nothing
+    said. Now it stops at its first record to write, with an error saying what to do,
+    commits nothing and parks no saga; a new key in its key file and a restart finish
+    the saga."""
+    kit, system = world.kit, world.system
+    stopped: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: stopped.append(args.exc_value))
+    old = kit.current["sagaline-coordinator"]
+    kit.retire(old)
+    saga = system.client.saga("shop", "agent")
+    out: dict[str, Any] = {}
+
+    def agent() -> None:
+        try:
+            with saga:
+                out["charge"] = saga.call("charge", cents=300)
+        except Exception as exc:  # kept apart from the coordinator's thread's error
+            out["error"] = exc
+
+    threading.Thread(target=agent, daemon=True).start()
+    wait_until(lambda: stopped, what="the coordinator to stop")
+    from schemas.trust import SigningKeyError
+
+    [error] = stopped
+    assert isinstance(error, SigningKeyError)
+    assert old in str(error) and "retired" in str(error) and "SAGALINE_SIGNING_KEY" in str(error)
+    assert world.payments.charges == []
+    assert "saga-parked" not in world.dlq_reasons()
+
+    new = kit.add("sagaline-coordinator", Role.COORDINATOR)
+    kit.key_files[old].write_bytes(kit.key_files[new].read_bytes())
+    assert system.coordinator is not None
+    system.start_coordinator(system.coordinator.instance_id)  # the restart
+    assert saga.wait(60).status is TerminalStatus.COMPLETED
+    assert world.payments.charges == [300] and out["charge"] == "ch-1"
+
+
+def test_a_participant_whose_key_is_retired_runs_no_tool_until_it_has_a_new_key(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its key retired with no replacement, the participant ran the tool (the charge
+    happened) and wrote outcomes the coordinator refused as retired-key: an effect the
+    ledger never learned of. Now nothing is signed, so the intent is not written and
+    the tool does not run; the command waits and is tried again, and a new key in its
+    key file lets it finish, charging once."""
+    kit, system = world.kit, world.system
+    old = kit.current["payments"]
+    kit.retire(old)
+    saga = system.client.saga("shop", "agent")
+    out: dict[str, Any] = {}
+
+    def agent() -> None:
+        try:
+            with saga:
+                out["charge"] = saga.call("charge", cents=300)
+        except Exception as exc:
+            out["error"] = exc
+
+    with caplog.at_level("WARNING"):
+        threading.Thread(target=agent, daemon=True).start()
+        wait_until(
+            lambda: any(f"signing key {old!r}" in r.getMessage() for r in caplog.records),
+            what="the participant to say its key is retired",
+        )
+    assert world.payments.charges == []
+    new = kit.add("payments", Role.PARTICIPANT)
+    kit.key_files[old].write_bytes(kit.key_files[new].read_bytes())
+    assert saga.wait(60).status is TerminalStatus.COMPLETED
+    assert world.payments.charges == [300] and out == {"charge": "ch-1"}
+    assert "retired-key" not in world.dlq_reasons()
+    assert "handler-error" not in world.dlq_reasons()

@@ -11,8 +11,18 @@ import json
 from pathlib import Path
 from typing import Any
 
+from schemas.models import Record
 from schemas.settings import Settings
+from schemas.signing import (
+    ALG_HEADER,
+    KID_HEADER,
+    SIG_HEADER,
+    Headers,
+    Signer,
+    signed_material,
+)
 from schemas.trust import IdentitySigner, Role, TrustStore, load_private_key, new_key_pair
+from schemas.wire import to_message
 
 
 class TrustKit:
@@ -59,6 +69,21 @@ class TrustKit:
         kid = key_id or (self.current[identity] if identity else None)
         private = load_private_key(self.key_files[kid]) if kid else None
         return IdentitySigner(TrustStore.load(self.trust_file), private, kid)
+
+    def forged(self, record: Record, key_id: str) -> tuple[bytes, bytes, Headers]:
+        """``record`` signed with key ``key_id`` as someone holding the key file would,
+        even a retired key (the process's own signer refuses to use one)."""
+        key, value, _ = to_message(record, Signer(None))
+        signature = load_private_key(self.key_files[key_id]).sign(signed_material(key, value))
+        return (
+            key,
+            value,
+            [
+                (SIG_HEADER, signature.hex().encode("ascii")),
+                (KID_HEADER, key_id.encode("utf-8")),
+                (ALG_HEADER, b"ed25519"),
+            ],
+        )
 
     def settings(self, base: Settings, identity: str | None, key_id: str | None = None) -> Settings:
         kid = key_id or (self.current[identity] if identity else None)

@@ -21,6 +21,7 @@ from sagaline.kafka._config import ClientConfig
 from schemas.models import Record
 from schemas.signing import Headers, Signer, header_value
 from schemas.topics import TopicNames
+from schemas.trust import SigningKeyError
 from schemas.wire import DLQ_OMITTED, dlq_message, dlq_summary, to_message
 
 log = logging.getLogger(__name__)
@@ -260,6 +261,17 @@ class LedgerWriter:
             except Exception:  # a callback raised: the reports after it are still served
                 log.exception("a delivery callback of the ledger writer raised")
 
+    def _signed(self, record: Record, encoded: bytes | None = None) -> tuple[bytes, bytes, Headers]:
+        """``record`` as a message. This process's key no longer signing (retired in
+        the trust file with no replacement in its key file) is :class:`DeliveryFailed`:
+        nothing was sent, and a retry signs with a key put in place meanwhile."""
+        try:
+            return to_message(record, self.signer, encoded)
+        except SigningKeyError as exc:
+            raise DeliveryFailed(
+                f"{_named(record)} not sent: {exc}", topic=self.topics.events, error=None
+            ) from None
+
     def append(self, record: Record, *, timeout_s: float = 30.0) -> None:
         """Write ``record`` to the ledger and wait for the broker's acknowledgement."""
         self.begin_append(record, timeout_s=timeout_s)()
@@ -267,7 +279,7 @@ class LedgerWriter:
     def begin_append(self, record: Record, *, timeout_s: float = 30.0) -> Callable[[], None]:
         """Write ``record`` to the ledger now; the returned call waits for the broker's
         acknowledgement (raising :class:`DeliveryFailed` as :meth:`append` does)."""
-        key, value, headers = to_message(record, self.signer)
+        key, value, headers = self._signed(record)
         return send(
             self.producer,
             self.topics.events,
@@ -314,7 +326,7 @@ class LedgerWriter:
         def on_delivery(err: KafkaError | None, _msg: Message) -> None:
             on_delivered(None if err is None else _rejected(err, topic, _named(record)))
 
-        key, value, headers = to_message(record, self.signer, encoded)
+        key, value, headers = self._signed(record, encoded)
         _produce(self.producer, topic, key, value, headers, lambda: _named(record), on_delivery)
 
     async def append_async(self, record: Record, *, timeout_s: float = 30.0) -> None:
@@ -331,7 +343,7 @@ class LedgerWriter:
         def on_delivery(err: KafkaError | None, _msg: Message) -> None:
             inbox.put(future, err)
 
-        key, value, headers = to_message(record, self.signer)
+        key, value, headers = self._signed(record)
         what = _named(record)
         _produce(self.producer, self.topics.events, key, value, headers, lambda: what, on_delivery)
         try:
