@@ -542,8 +542,11 @@ class IdentitySigner(Signer):
 
     @property
     def identity(self) -> Identity | None:
-        """Who this process signs as (None: a read-only viewer)."""
-        return self._first
+        """Who this process signs as (None: a read-only viewer), as the trust file
+        describes it now (its tenants, acts_for): the name never changes while it runs."""
+        if self._first is None:
+            return None
+        return self.trust.identities.get(self._first.name, self._first)
 
     @property
     def enabled(self) -> bool:

@@ -679,3 +679,22 @@ def test_a_new_key_file_is_used_only_once_the_trust_file_lists_it_for_the_same_i
     message = to_message(record, signer)
     assert dict(message[2])["sagaline-kid"] == new.encode()
     assert from_message(*message, reader)
+
+
+def test_a_process_serves_the_tenants_the_trust_file_gives_it_now(kit: TrustKit) -> None:
+    """The reader's own tenants were those of start: after the operator took tenant
+    globex from payments, payments still ran globex's commands (its tool's effect
+    happened) and the coordinator refused the outcome (payments may not act for
+    globex any more), so the ledger never learned of the charge."""
+    kit.data["identities"]["payments"]["tenants"] = ["acme", "globex"]
+    kit._write()
+    payments = kit.signer("payments")
+    command = to_message(
+        _execute("sagaline-coordinator", "globex"), kit.signer("sagaline-coordinator")
+    )
+    assert from_message(*command, payments)
+    kit.data["identities"]["payments"]["tenants"] = ["acme"]
+    kit._write()
+    with pytest.raises(TenantMismatch, match="globex"):
+        from_message(*command, payments)
+    assert payments.identity is not None and payments.identity.tenants == {"acme"}
