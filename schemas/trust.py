@@ -190,35 +190,48 @@ class TrustStore:
         self._next_check = _monotonic() + self.CONTENT_CHECK_S
 
     def refresh(self) -> None:
-        """Re-read the file if it changed; a broken edit keeps the last good contents."""
+        """Re-read the file if it changed; a broken edit keeps the last good contents.
+
+        Threads may refresh at once: what was read is stored with the stamp and hash
+        it was read under, in one assignment, never a hash without its keys. A thread
+        storing an older reading after a newer one leaves a stamp that no longer
+        matches the file (or, at worst, a hash the next content check finds stale),
+        so the next lookup reads the file again."""
         if self._path is None:
             return
         stamp = _stamp(self._path)
         now = _monotonic()
         if stamp == self._stamp and not self._racy and now < self._next_check:
             return
-        # Stat before reading: a write landing in between gives a new stamp next time.
-        self._stamp, self._racy = stamp, _racy(stamp)
         self._next_check = now + self.CONTENT_CHECK_S
+        # Stat before reading: a write landing in between gives a new stamp next time.
+        racy = _racy(stamp)
         try:
             raw = _read(self._path)
         except TrustFileError as exc:
             if self._seen is not None:  # log the file going missing once, not per record
                 log.error("keeping the previous trust file: %s", exc)
-            self._seen = None
+            self._stamp, self._racy, self._seen = stamp, racy, None
             return
         seen = hashlib.sha256(raw).digest()
-        if seen == self._seen:
-            return  # touched, or rewritten with the same contents
-        # Remember a broken version too: re-reading and logging it at every record
-        # would flood the log; the next change is read again.
-        self._seen = seen
+        if seen == self._seen:  # touched, or rewritten with the same contents
+            self._stamp, self._racy = stamp, racy
+            return
         try:
             fresh = TrustStore._parse(self._path, raw)
         except TrustFileError as exc:
+            # Remember a broken version too: re-reading and logging it at every record
+            # would flood the log; the next change is read again.
             log.error("keeping the previous trust file: %s", exc)
+            self._stamp, self._racy, self._seen = stamp, racy, seen
             return
-        self.identities, self.keys = fresh.identities, fresh.keys
+        self.identities, self.keys, self._stamp, self._racy, self._seen = (
+            fresh.identities,
+            fresh.keys,
+            stamp,
+            racy,
+            seen,
+        )
 
     @classmethod
     def load(cls, path: str | Path) -> TrustStore:

@@ -698,3 +698,32 @@ def test_a_process_serves_the_tenants_the_trust_file_gives_it_now(kit: TrustKit)
     with pytest.raises(TenantMismatch, match="globex"):
         from_message(*command, payments)
     assert payments.identity is not None and payments.identity.tenants == {"acme"}
+
+
+def test_an_edit_read_by_another_thread_meanwhile_is_not_undone(
+    kit: TrustKit, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two threads re-reading the trust file as it is edited twice: the slower one,
+    holding the first edit, stored it after the quicker one had stored the second,
+    while the hash remembered was the second's; the store kept the first edit's keys
+    (here: alice's key live) and, the contents hash matching, never read the file
+    again until some later edit, so the revocation was lost."""
+    reader = kit.signer()
+    message = to_message(_grant("alice", "alice"), kit.signer("alice"))
+    store = reader.trust
+    real_parse = TrustStore._parse
+    calls: list[int] = []
+
+    def parse_while_another_thread_reads(path: Path, raw: bytes) -> TrustStore:
+        calls.append(1)
+        if len(calls) == 1:  # the slow reader, holding edit 1: edit 2 lands and is read
+            kit.retire(kit.current["alice"])
+            store.refresh()
+        return real_parse(path, raw)
+
+    monkeypatch.setattr(TrustStore, "_parse", staticmethod(parse_while_another_thread_reads))
+    kit.add("mailer", Role.PARTICIPANT)  # edit 1
+    store.refresh()
+    monkeypatch.setattr(TrustStore, "_parse", staticmethod(real_parse))
+    with pytest.raises(RetiredKey):
+        from_message(*message, reader)
