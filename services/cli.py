@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from sagaline.kafka import BrokerNotConfigured, KafkaConfigError
 from schemas.settings import SettingsError
+from schemas.trust import TrustFileError
 
 # Modules that contribute sub-commands. Each has `register(subparsers) -> None`,
 # and every parser it adds sets `func=callable(args) -> int` as its default.
@@ -99,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ["KAFKA_BOOTSTRAP_SERVERS"] = resolve_bootstrap()
     try:
         result: int = func(args)
-    except (BrokerNotConfigured, KafkaConfigError, SettingsError) as exc:
+    except (BrokerNotConfigured, KafkaConfigError, SettingsError, TrustFileError) as exc:
         text = str(exc)
         if isinstance(exc, BrokerNotConfigured) and hasattr(args, "dev_broker"):
             # Only the commands that take the flag are told about it.

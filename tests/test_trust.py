@@ -727,3 +727,26 @@ def test_an_edit_read_by_another_thread_meanwhile_is_not_undone(
     monkeypatch.setattr(TrustStore, "_parse", staticmethod(real_parse))
     with pytest.raises(RetiredKey):
         from_message(*message, reader)
+
+
+@pytest.mark.parametrize("command", [["participant", "run", "payments"], ["dashboard"]])
+def test_a_broken_trust_file_stops_a_service_with_one_line_not_a_traceback(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    command: list[str],
+) -> None:
+    """docs/security.md: a trust file of the wrong shape is refused at start-up with
+    what to fix. `sagaline participant run` (and the dashboard) ended in a traceback."""
+    from services.cli import main
+
+    bad = tmp_path / "trust.json"
+    bad.write_text(json.dumps({"identities": {"payments": {"role": "wizard"}}}))
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9")
+    monkeypatch.setenv("SAGALINE_TRUST_FILE", str(bad))
+    monkeypatch.setenv("SAGALINE_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.delenv("SAGALINE_SIGNING_KEY", raising=False)
+    assert main(command) == 2
+    err = capsys.readouterr().err
+    assert "needs a role" in err and "Traceback" not in err
+    assert err.count("\n") == 1, err
