@@ -35,7 +35,7 @@ import orjson
 
 from participants.catalogue import Catalogue, ToolSpec
 from participants.errors import ContractChanged
-from participants.published import SEPARATOR, fold
+from participants.published import SEPARATOR, _named, fold
 from participants.readiness import (
     CoordinatorNotRunning,
     GroupStatus,
@@ -84,6 +84,7 @@ from schemas.limits import (
 from schemas.models import FailureKind
 from schemas.receipt import Receipt
 from schemas.settings import Settings
+from schemas.trust import IdentitySigner, Role
 from schemas.wire import from_message
 
 log = logging.getLogger("sagaline.client")
@@ -620,8 +621,8 @@ class SagaClient:
 
     def _read_catalogue(self) -> int:
         """(Under ``_catalogue_lock``.) :meth:`refresh_catalogue`'s read."""
-        records = LedgerReader(self.bootstrap).records(self.topics.catalogue)
-        found = fold((key, value) for key, value, _headers in records)
+        records = list(LedgerReader(self.bootstrap).records(self.topics.catalogue))
+        found = fold(((key, value) for key, value, _h in records), self._unsigned(records))
         published: dict[str, StepContract] = {}
         paths: dict[str, tuple[str, ...]] = {}
         ambiguous: dict[str, list[str]] = {}
@@ -650,6 +651,34 @@ class SagaClient:
         self._secret_paths = {**paths, **self._pinned_paths}
         self._catalogue_read_at = time.monotonic()
         return len(published)
+
+    def _unsigned(self, records: list[tuple[bytes | None, bytes | None, Any]]) -> dict[str, str]:
+        """With identities, the catalogue keys whose current entry its participant did
+        not sign (a participant can write the topic, but only its own entries count:
+        none may redirect another's tool to itself), with why."""
+        if not isinstance(self.signer, IdentitySigner):
+            return {}
+        latest: dict[str, tuple[bytes, bytes | None, Any]] = {}
+        for key, value, headers in records:
+            if key is not None:
+                latest[key.decode("utf-8", "replace")] = (key, value, headers)
+        refused: dict[str, str] = {}
+        for name, (key, value, headers) in latest.items():
+            if value is None:
+                continue  # a withdrawal: nothing to believe
+            owner, sep, _tool = name.partition(SEPARATOR)
+            try:
+                writer = self.signer.writer(key, value, headers)
+            except CodecError as exc:
+                refused[name] = f"{exc.reason}: {exc}"
+                continue
+            named = owner if sep else _named(value)
+            if writer.role is not Role.PARTICIPANT or writer.name != named:
+                refused[name] = (
+                    f"forbidden-writer: entry of {named!r} signed by {writer.name!r} "
+                    f"({writer.role.value})"
+                )
+        return refused
 
     def ensure_coordinator(self) -> None:
         """Fail fast, saying what to start, when no coordinator consumes the ledger

@@ -20,7 +20,7 @@ one participant left: the tool is ambiguous.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,8 +64,17 @@ class Published:
         return sorted(self.tools.get(tool, {}))
 
 
-def fold(records: Iterable[tuple[bytes | None, bytes | None]]) -> Published:
-    """Fold (key, value) records of the catalogue topic, in offset order."""
+def fold(
+    records: Iterable[tuple[bytes | None, bytes | None]],
+    refused: Mapping[str, str] | None = None,
+) -> Published:
+    """Fold (key, value) records of the catalogue topic, in offset order.
+
+    ``refused``: keys whose current value must not be believed, with why (with
+    identities, not signed by the participant it belongs to): read as unreadable, so
+    its tool is refused rather than taken from it. An entry under a
+    ``participant/tool`` key that names another participant is unreadable too."""
+    refused = refused or {}
     out = Published()
     at: dict[str, int] = {}  # key -> position of its current value
     for position, (raw_key, raw_value) in enumerate(records):
@@ -90,8 +99,14 @@ def fold(records: Iterable[tuple[bytes | None, bytes | None]]) -> Published:
             if _named(value) in qualified.get(tool, ()):
                 continue  # a newer version of this participant publishes per participant
         try:
+            if key in refused:
+                raise PermissionError(refused[key])
             entry = _entry(value)
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            if sep and entry.participant != _owner:
+                raise PermissionError(
+                    f"names participant {entry.participant!r} under {_owner!r}'s key"
+                )
+        except (ValueError, TypeError, KeyError, AttributeError, PermissionError) as exc:
             why = f"{type(exc).__name__}: {exc}"[:300]
             unreadable.setdefault(tool, []).append((at[key], key, why))
             continue

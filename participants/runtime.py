@@ -1391,8 +1391,10 @@ class ParticipantRuntime:
                 "secret_paths": list(spec.secret_paths),
             }
             body = orjson.dumps(entry)
-            self._writer.write(topic, spec.name.encode(), body)  # earlier versions' key
-            self._writer.write(topic, entry_key(self.participant, spec.name), body)
+            # Signed (with identities, agents believe only entries their participant signed).
+            for key in (spec.name.encode(), entry_key(self.participant, spec.name)):
+                # The bare tool name is earlier versions' key.
+                self._writer.write(topic, key, body, self.signer.headers(key, body))
             others = [p for p in current.owners(spec.name) if p != self.participant]
             if others:
                 log.error(

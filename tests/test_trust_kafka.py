@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from participants import CompensationContext, Reversibility, compensable, tool, wrap
@@ -506,3 +507,41 @@ def test_a_participant_whose_key_is_retired_runs_no_tool_until_it_has_a_new_key(
     assert world.payments.charges == [300] and out == {"charge": "ch-1"}
     assert "retired-key" not in world.dlq_reasons()
     assert "handler-error" not in world.dlq_reasons()
+
+
+@pytest.mark.parametrize("signed_by", ["mailer", None])
+def test_a_participant_cannot_take_another_participants_tool_through_the_catalogue(
+    world: World, signed_by: str | None
+) -> None:
+    """The published catalogue was read without looking at who wrote it: the mailer
+    (whose Kafka principal may write sagaline.catalogue) republished payments' charge
+    as its own, agents sent every charge to the mailer, and the coordinator took the
+    mailer's StepCommitted as the outcome of a step it now ran on. With identities,
+    an entry counts only when signed by the participant whose key it is under and
+    who it names; a forged one makes the tool unreadable (refused), never redirected."""
+    from participants.client import SagaClient, UnknownTool
+
+    kit, system = world.kit, world.system
+    topic = system.topics.catalogue
+    key = b"payments/charge"
+    # An agent that takes its contracts from the published catalogue (the default).
+    client = SagaClient(system._settings_for("agent"), system.bootstrap)
+    assert client.contract("charge").participant == "payments"
+    [(_k, value, _h)] = [r for r in LedgerReader(system.bootstrap).records(topic) if r[0] == key][
+        -1:
+    ]
+    assert value is not None
+    entry = orjson.loads(value)
+    entry["participant"] = entry["contract"]["participant"] = "mailer"
+    forged = orjson.dumps(entry)
+    headers = kit.signed_headers(key, forged, kit.current[signed_by]) if signed_by else []
+    producer = system.raw_producer()
+    producer.produce(topic, key=key, value=forged, headers=headers)
+    producer.flush(30)
+    try:
+        client.refresh_catalogue()
+        with pytest.raises(UnknownTool, match="charge"):
+            client.contract("charge")
+        assert client.contract("send").participant == "mailer"  # its own: still good
+    finally:
+        client.close()

@@ -74,16 +74,16 @@ class TrustKit:
         """``record`` signed with key ``key_id`` as someone holding the key file would,
         even a retired key (the process's own signer refuses to use one)."""
         key, value, _ = to_message(record, Signer(None))
+        return key, value, self.signed_headers(key, value, key_id)
+
+    def signed_headers(self, key: bytes, value: bytes, key_id: str) -> Headers:
+        """Identity-signature headers for raw ``(key, value)`` under key ``key_id``."""
         signature = load_private_key(self.key_files[key_id]).sign(signed_material(key, value))
-        return (
-            key,
-            value,
-            [
-                (SIG_HEADER, signature.hex().encode("ascii")),
-                (KID_HEADER, key_id.encode("utf-8")),
-                (ALG_HEADER, b"ed25519"),
-            ],
-        )
+        return [
+            (SIG_HEADER, signature.hex().encode("ascii")),
+            (KID_HEADER, key_id.encode("utf-8")),
+            (ALG_HEADER, b"ed25519"),
+        ]
 
     def settings(self, base: Settings, identity: str | None, key_id: str | None = None) -> Settings:
         kid = key_id or (self.current[identity] if identity else None)
