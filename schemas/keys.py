@@ -28,9 +28,34 @@ def fingerprint(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:32]
 
 
+SEALED = "$sealed"
+"""The key of a sealed secret argument (``schemas.sealing``)."""
+_SEALED_JSON = b'"$sealed"'
+
+
 def args_fingerprint(args_json: bytes) -> str:
-    """Fingerprint of tool arguments, normalised so key order does not matter."""
-    return fingerprint(canonical_json(orjson.loads(args_json)))
+    """Fingerprint of tool arguments, normalised so key order does not matter.
+
+    A sealed secret counts as its keyed marker (``"fp"``, an HMAC of the clear value),
+    not its nonce and ciphertext: sealing is randomised, so the same call sealed
+    again (a repeat under its step id) has other bytes but the same fingerprint, and
+    the fingerprint tells no more of the secret than the marker already on the record.
+    """
+    args = orjson.loads(args_json)
+    if _SEALED_JSON in args_json:  # the common case, no secret sealed, is not walked
+        args = sealed_as_markers(args)
+    return fingerprint(canonical_json(args))
+
+
+def sealed_as_markers(value: Any) -> Any:
+    """``value`` with every sealed secret in it as its keyed marker only."""
+    if isinstance(value, dict):
+        if SEALED in value and isinstance(value.get("fp"), str):
+            return {SEALED: True, "fp": value["fp"]}
+        return {k: sealed_as_markers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [sealed_as_markers(v) for v in value]
+    return value
 
 
 def idempotency_key(saga_id: str, step_id: str, tool: str, args_json: bytes) -> str:

@@ -38,9 +38,9 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from schemas.keys import SEALED, sealed_as_markers
 from schemas.redaction import map_secrets, redaction_marker, reveal
 
-SEALED = "$sealed"
 _NONCE = 12  # bytes of AES-GCM nonce before the ciphertext
 _TAG = 16  # bytes of AES-GCM tag at the ciphertext's end
 
@@ -130,7 +130,9 @@ class Sealer:
                 box = aead.encrypt(nonce, clear, _aad(saga_id, path))
                 return {
                     SEALED: base64.b64encode(nonce + box).decode("ascii"),
-                    "fp": self.marker(value),
+                    # A secret sealed inside this one counts as its marker, not its
+                    # random nonce: the same value, sealed again, has the same marker.
+                    "fp": self.marker(sealed_as_markers(value)),
                     "kid": self.key_id,
                 }
 

@@ -49,6 +49,7 @@ from schemas import (
     SagaTerminal,
     StepCommitted,
     StepFailed,
+    StepScheduled,
     TerminalStatus,
 )
 from schemas.settings import Settings
@@ -973,3 +974,36 @@ def test_a_wait_in_progress_reads_the_records_attach_puts_before_the_ones_it_saw
     ledger.backfill(saga.saga_id, [first])  # attach(): the history, read from the ledger
     waiter.join(120)
     assert found == [first]
+
+
+def test_a_sealed_call_repeated_under_its_step_id_after_attach_is_the_same_call(
+    local: tuple[System, Desk],
+) -> None:
+    """A secret argument is sealed with a random nonce, and the arguments fingerprint
+    covered the sealed bytes: the same call repeated under its step id by a restarted
+    agent (attach(), then the call it is not sure was sent) got a new fingerprint,
+    and the coordinator rejected it to the DLQ as ``duplicate-step``. The fingerprint
+    now covers a sealed value's keyed marker, not its nonce and ciphertext."""
+    system, desk = local
+    card = "4111111111111111"
+    settings = dataclasses.replace(system.settings, secret_key=b"agent and desk share this")
+    with SagaClient(settings, system.bootstrap, local=wrap(desk, name="desk3")) as client:
+        saga = client.saga("desk", "agent")
+        saga.__enter__()  # started; the agent's process dies inside the block
+        first = saga.call("charge_card", step_id="pay", amount=500, card=card)
+        restarted = SagaClient(
+            settings, system.bootstrap, catalogues=[wrap(desk, name="desk3")], call_timeout_s=30
+        )
+        with restarted:
+            resumed = restarted.saga("desk", "agent", saga_id=saga.saga_id).attach()
+            assert resumed.call("charge_card", step_id="pay", amount=500, card=card) == first
+            resumed.end(SagaOutcome.COMPLETE)
+            # The coordinator decided the repeat before the saga's terminal record.
+            assert resumed.wait(60).status is TerminalStatus.COMPLETED
+    scheduled = [r for r in system.records(saga.saga_id) if isinstance(r, StepScheduled)]
+    assert len(scheduled) == 2
+    assert scheduled[0].args != scheduled[1].args  # sealed twice, with two nonces
+    assert scheduled[0].args_fingerprint == scheduled[1].args_fingerprint
+    assert card.encode() not in scheduled[0].args
+    assert [k for k, _h in system.dlq() if k == saga.saga_id.encode()] == []
+    assert desk.log == [f"charge:500:{card}"]  # ran once

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import SecretStr
 
-from schemas.keys import canonical_json
+from schemas.keys import args_fingerprint, canonical_json
 from schemas.redaction import is_redacted
 from schemas.sealing import Sealer, SealError, is_sealed
 
@@ -109,3 +109,39 @@ def test_a_short_secret_cannot_be_recovered_from_the_ledger_by_guessing(key: byt
         g for g in guesses if Sealer(None).seal({"pin": g}, ("pin",), "s")["pin"] in written
     ]
     assert len(set(recovered)) != 1, f"the ledger gives the PIN away: {written}"
+
+
+@pytest.mark.parametrize(
+    ("args", "paths"),
+    [
+        (ARGS, PATHS),
+        ({"t": [{"pin": 1234}, "x"]}, ("t.*.pin", "t.*")),  # a secret inside a secret
+    ],
+    ids=["flat", "nested"],
+)
+def test_the_same_arguments_sealed_twice_have_the_same_fingerprint(
+    args: dict[str, object], paths: tuple[str, ...]
+) -> None:
+    """Sealing draws a random nonce, so the same call sealed again (repeated under
+    its step id after attach()) has other bytes; its arguments fingerprint is the
+    same, or the coordinator rejects the repeat as a duplicate step. Other clear
+    values, or another key, give another fingerprint."""
+    sealer = Sealer(b"shared secret")
+    once = canonical_json(sealer.seal(args, paths, "saga-1"))
+    again = canonical_json(sealer.seal(args, paths, "saga-1"))
+    assert once != again
+    assert args_fingerprint(once) == args_fingerprint(again)
+    other = canonical_json(sealer.seal({**args, "x": 1}, paths, "saga-1"))
+    assert args_fingerprint(other) != args_fingerprint(once)
+    other_key = canonical_json(Sealer(b"other secret").seal(args, paths, "saga-1"))
+    assert args_fingerprint(other_key) != args_fingerprint(once)
+
+
+def test_a_fingerprint_of_sealed_arguments_covers_the_keyed_marker_not_the_value() -> None:
+    pin = "4821"
+    sealed = canonical_json(Sealer(b"shared secret").seal({"pin": pin}, ("pin",), "saga-1"))
+    fp = args_fingerprint(sealed)
+    guesses = [args_fingerprint(canonical_json({"pin": f"{i:04d}"})) for i in range(10_000)]
+    assert fp not in guesses
+    different_pin = Sealer(b"shared secret").seal({"pin": "4822"}, ("pin",), "saga-1")
+    assert args_fingerprint(canonical_json(different_pin)) != fp
