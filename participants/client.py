@@ -896,6 +896,9 @@ class Saga:
         # Every step id this object scheduled (or read back in attach()), as soon as
         # its record is produced: what a later step may depend on.
         self._step_ids: set[str] = set()
+        # The tool and arguments fingerprint each step id was first scheduled with:
+        # the only call the coordinator answers under that id.
+        self._calls: dict[str, tuple[str, str]] = {}
         self._receipt: Receipt | None = None
 
     def _envelope(self, cls: type[Record]) -> Any:
@@ -1063,12 +1066,30 @@ class Saga:
                 tool=name,
             )
         body = self._checked_body(name, step, number, args)
+        fingerprint = args_fingerprint(body)
+        first = self._calls.setdefault(step, (name, fingerprint))
+        if first != (name, fingerprint):
+            # The coordinator would reject the step to the dead-letter topic and run
+            # nothing, and the wait for this step id would return the first call's
+            # outcome as this one's.
+            raise CallRefused(
+                f"step {step} of saga {self.saga_id} is already scheduled with tool "
+                f"{first[0]} and other arguments (fingerprint {first[1]}) than this call "
+                f"of {name} ({fingerprint}); nothing was written. A step id names one "
+                "call: repeat it with the same tool and arguments to get its outcome, or "
+                "leave step_id out (or pick a new one) for a new step",
+                limit="duplicate-step",
+                size=1,
+                saga_id=self.saga_id,
+                step_id=step,
+                tool=name,
+            )
         self._step_ids.add(step)
         return StepScheduled(
             envelope=self._envelope(StepScheduled),
             step_id=step,
             args=body,
-            args_fingerprint=args_fingerprint(body),
+            args_fingerprint=fingerprint,
             depends_on=depends_on,
             contract=contract,
         )
@@ -1080,8 +1101,9 @@ class Saga:
         Its records so far are read from the ledger (its partition of
         ``sagaline.events``, once), so ``results`` holds what its steps committed,
         ``resume()`` waits for a step scheduled before, a call under the id of a step
-        already scheduled answers with that step's outcome (the coordinator does not
-        run a step twice), and new steps are numbered after the ones scheduled."""
+        already scheduled, with the same tool and arguments, answers with that step's
+        outcome (the coordinator does not run a step twice; other ones are refused,
+        :class:`CallRefused`), and new steps are numbered after the ones scheduled."""
         client = self.client
         client.ensure_coordinator()
         # Followed first: what the listener reads from now on is kept, and the read
@@ -1094,6 +1116,12 @@ class Saga:
         numbered = 0
         for record in history:
             if isinstance(record, StepScheduled):
+                # Recomputed, not read: a fingerprint written by an older client may
+                # count a sealed secret's random nonce (see args_fingerprint).
+                with contextlib.suppress(orjson.JSONDecodeError):  # rejected: not JSON
+                    self._calls.setdefault(
+                        record.step_id, (record.contract.tool, args_fingerprint(record.args))
+                    )
                 self._contracts[record.step_id] = record.contract
                 self._step_ids.add(record.step_id)
                 prefix = record.step_id.split("-", 1)[0]

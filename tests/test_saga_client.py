@@ -1007,3 +1007,31 @@ def test_a_sealed_call_repeated_under_its_step_id_after_attach_is_the_same_call(
     assert card.encode() not in scheduled[0].args
     assert [k for k, _h in system.dlq() if k == saga.saga_id.encode()] == []
     assert desk.log == [f"charge:500:{card}"]  # ran once
+
+
+def test_a_step_id_repeated_with_other_arguments_is_refused_not_answered_by_the_first_call(
+    local: tuple[System, Desk],
+) -> None:
+    """The coordinator rejects a step scheduled again under its id with other arguments
+    or another tool (``duplicate-step``) and runs nothing; the client waited for the
+    step id's outcome and returned the first call's result as this call's (here the
+    Friday slot for a Sunday booking). Refused before anything is written, in the
+    process that scheduled the step and in one that attach()ed the saga."""
+    system, desk = local
+    saga = system.client.saga("desk", "agent")
+    saga.__enter__()
+    first = saga.call("book_slot", step_id="slot", day="fri")
+    with pytest.raises(CallRefused, match=r"already scheduled.*other arguments") as refused:
+        saga.call("book_slot", step_id="slot", day="sun")
+    assert refused.value.limit == "duplicate-step"
+    with _restarted_agent(system, desk) as again:
+        resumed = again.saga("desk", "agent", saga_id=saga.saga_id).attach()
+        with pytest.raises(CallRefused, match=r"already scheduled.*other arguments"):
+            resumed.call("book_slot", step_id="slot", day="sun")
+        with pytest.raises(CallRefused, match="already scheduled with tool book_slot"):
+            resumed.call("announce", step_id="slot", text="hi")
+        assert resumed.call("book_slot", step_id="slot", day="fri") == first  # the same call
+        resumed.end(SagaOutcome.COMPLETE)
+        assert resumed.wait(60).status is TerminalStatus.COMPLETED
+    assert [k for k, _h in system.dlq() if k == saga.saga_id.encode()] == []
+    assert desk.log == ["book:fri"]
