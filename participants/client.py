@@ -1103,7 +1103,9 @@ class Saga:
         ``resume()`` waits for a step scheduled before, a call under the id of a step
         already scheduled, with the same tool and arguments, answers with that step's
         outcome (the coordinator does not run a step twice; other ones are refused,
-        :class:`CallRefused`), and new steps are numbered after the ones scheduled."""
+        :class:`CallRefused`), and new steps are numbered after the ones scheduled.
+        New records carry the saga's own tenant (from its start), whatever
+        ``tenant_id`` this view was made with."""
         client = self.client
         client.ensure_coordinator()
         # Followed first: what the listener reads from now on is kept, and the read
@@ -1114,8 +1116,22 @@ class Saga:
         )
         client._ledger.backfill(self.saga_id, history)
         numbered = 0
+        started = False
         for record in history:
-            if isinstance(record, StepScheduled):
+            if isinstance(record, SagaStarted) and not started:  # a second one is ignored
+                started = True
+                # The saga's own tenant (and names), whatever this view was made with:
+                # the coordinator refuses a record under another tenant.
+                if record.envelope.tenant_id != self.tenant_id:
+                    log.info(
+                        "saga %s belongs to tenant %r: attached under it, not %r",
+                        self.saga_id,
+                        record.envelope.tenant_id,
+                        self.tenant_id,
+                    )
+                self.tenant_id = record.envelope.tenant_id
+                self.workflow, self.principal = record.workflow, record.principal
+            elif isinstance(record, StepScheduled):
                 # Recomputed, not read: a fingerprint written by an older client may
                 # count a sealed secret's random nonce (see args_fingerprint).
                 with contextlib.suppress(orjson.JSONDecodeError):  # rejected: not JSON

@@ -1035,3 +1035,23 @@ def test_a_step_id_repeated_with_other_arguments_is_refused_not_answered_by_the_
         assert resumed.wait(60).status is TerminalStatus.COMPLETED
     assert [k for k, _h in system.dlq() if k == saga.saga_id.encode()] == []
     assert desk.log == ["book:fri"]
+
+
+def test_a_saga_of_another_tenant_is_attached_under_its_own_tenant(
+    local: tuple[System, Desk],
+) -> None:
+    """attach() wrote the calls and the end of a saga started with ``tenant_id=`` under
+    the client's default tenant: the coordinator refused each (``tenant-mismatch``),
+    so a restarted agent's calls waited out their timeout and its saga never ended.
+    The saga's tenant is read from its start."""
+    system, desk = local
+    saga = system.client.saga("desk", "agent", tenant_id="tenant-b")
+    saga.__enter__()
+    saga.call("book_slot", day="fri")
+    with _restarted_agent(system, desk) as again:
+        resumed = again.saga("desk", "agent", saga_id=saga.saga_id).attach()
+        assert resumed.call("book_slot", day="sat") == {"slot": "slot-sat"}
+        assert resumed.tenant_id == "tenant-b"
+        resumed.end(SagaOutcome.COMPLETE)
+        assert resumed.wait(60).status is TerminalStatus.COMPLETED
+    assert [k for k, _h in system.dlq() if k == saga.saga_id.encode()] == []
