@@ -164,7 +164,8 @@ class CallRefused(SagaCallError, ValueError):
 
 class InvalidSagaId(ValueError):
     """A saga id that cannot key a saga (empty or blank, or the id of a saga this
-    client already started or saw end); refused, never replaced."""
+    client already started or saw end), or, to attach(), names no saga on the ledger;
+    refused, never replaced."""
 
 
 class UnknownTool(LookupError):
@@ -298,6 +299,14 @@ class _Ledger:
                 return False
             self._feeds[saga_id] = _SagaFeed()
             return True
+
+    def unfollow_unused(self, saga_id: str) -> None:
+        """Stop following a saga nothing was read or awaited for (attach() of an id
+        with no saga): a feed in use stays."""
+        with self._lock:
+            feed = self._feeds.get(saga_id)
+            if feed is not None and not feed.records and not feed.futures:
+                del self._feeds[saga_id]
 
     def follows(self, saga_id: str) -> bool:
         return saga_id in self._feeds
@@ -1105,15 +1114,27 @@ class Saga:
         outcome (the coordinator does not run a step twice; other ones are refused,
         :class:`CallRefused`), and new steps are numbered after the ones scheduled.
         New records carry the saga's own tenant (from its start), whatever
-        ``tenant_id`` this view was made with."""
+        ``tenant_id`` this view was made with. An id with no start on the ledger is
+        :class:`InvalidSagaId`, nothing written."""
         client = self.client
         client.ensure_coordinator()
         # Followed first: what the listener reads from now on is kept, and the read
         # below reaches at least as far, so no record falls between the two.
+        followed = client._ledger.knows(self.saga_id)
         client._ledger.follow(self.saga_id)
         history = LedgerReader(client.bootstrap).saga_records(
             client.topics.events, self.saga_id, client.signer
         )
+        if not followed and not any(isinstance(r, SagaStarted) for r in history):
+            # Its steps would be rejected as steps of an unknown saga, each call
+            # waiting out its timeout as if it might have run.
+            client._ledger.unfollow_unused(self.saga_id)
+            raise InvalidSagaId(
+                f"no saga {self.saga_id} on the ledger (no SagaStarted in "
+                f"{client.topics.events}): never started, its start never reached the "
+                "broker, or it is older than the topic's retention; nothing to attach "
+                "and nothing was written. Check the id, or start a new saga"
+            )
         client._ledger.backfill(self.saga_id, history)
         numbered = 0
         started = False

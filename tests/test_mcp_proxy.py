@@ -582,6 +582,10 @@ class FakeSaga:
 
     def attach(self) -> FakeSaga:
         # As the real one: reads the saga's records from the ledger, a blocking read.
+        if self.saga_id in FakeClient.missing:
+            from participants.client import InvalidSagaId
+
+            raise InvalidSagaId(f"no saga {self.saga_id} on the ledger")
         try:
             asyncio.get_running_loop()
             self.attached_on_loop.append(True)
@@ -615,6 +619,7 @@ class FakeSaga:
 
 class FakeClient:
     bootstrap = "unused:1"
+    missing = frozenset({"s-gone"})  # saga ids with no start on the ledger
 
     def __init__(self, answer: BaseException | None = None) -> None:
         self.answer = answer
@@ -752,6 +757,29 @@ def test_restarting_does_not_read_the_ledger_on_the_event_loop(tmp_path: Path) -
     assert [s.attached_on_loop for s in client.sagas] == [[False]]
     assert result.structured_content == {"ok": "03-create_ticket"}  # the saga continued
     assert [s.saga_id for s in client.sagas] == ["s-7"]
+
+
+def test_a_remembered_saga_missing_from_the_ledger_is_dropped_and_a_new_one_started(
+    tmp_path: Path,
+) -> None:
+    """The saga remembered on disk is not on the ledger (no start: another cluster, a
+    topic recreated, past retention): attach() refuses it, and the proxy forgets it
+    and starts a new saga on the next write instead of failing every request."""
+    state = tmp_path / "state" / "fake-desk" / "mcp-session.json"
+    state.parent.mkdir(parents=True)
+    state.write_text(json.dumps({"saga_id": "s-gone", "next_step": 3}))
+    client = FakeClient()
+
+    async def start_and_call() -> types.CallToolResult:
+        proxy = _fake_proxy(tmp_path, client)
+        params = types.CallToolRequestParams(name="create_ticket", arguments={"title": "t"})
+        result: types.CallToolResult = await proxy._call_tool(_no_elicitation(), params)
+        return result
+
+    result = asyncio.run(start_and_call())
+    assert result.structured_content == {"ok": "01-create_ticket"}, result
+    assert [s.saga_id for s in client.sagas] == ["s-gone", "s-2"]
+    assert json.loads(state.read_text())["saga_id"] == "s-2"
 
 
 # ------------------------------------- the proxy's upstream calls, in-process (no broker)

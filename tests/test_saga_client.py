@@ -1055,3 +1055,18 @@ def test_a_saga_of_another_tenant_is_attached_under_its_own_tenant(
         resumed.end(SagaOutcome.COMPLETE)
         assert resumed.wait(60).status is TerminalStatus.COMPLETED
     assert [k for k, _h in system.dlq() if k == saga.saga_id.encode()] == []
+
+
+def test_attaching_a_saga_that_was_never_started_says_so_before_anything_is_written(
+    local: tuple[System, Desk],
+) -> None:
+    """attach() under an id with no start on the ledger (a typo, or a start that never
+    reached the broker) went ahead: each call waited out its timeout and raised
+    OutcomeUnknown ("may have run") while the coordinator rejected it as a step of an
+    unknown saga, and wait() timed out. It is refused at once."""
+    system, desk = local
+    saga_id = f"never-started-{id(desk)}"
+    with pytest.raises(InvalidSagaId, match=f"no saga {saga_id} on the ledger"):
+        system.client.saga("desk", "agent", saga_id=saga_id).attach()
+    assert system.records(saga_id) == []
+    assert not system.client._ledger.knows(saga_id)  # not followed for nothing

@@ -49,6 +49,7 @@ from mcp.server.stdio import stdio_server
 from participants.catalogue import Catalogue, wrap
 from participants.client import (
     ApprovalPending,
+    InvalidSagaId,
     OutcomeUnknown,
     Saga,
     SagaCallError,
@@ -587,7 +588,12 @@ class McpProxy:
         saved = json.loads(self.session.path.read_text())
         # attach() reads the saga's records from the ledger (a scan of its partition):
         # the one read tells both what to continue and whether it already ended.
-        saga = self._saga(saved["saga_id"]).attach()
+        try:
+            saga = self._saga(saved["saga_id"]).attach()
+        except InvalidSagaId as exc:  # not on this ledger: nothing to continue or end
+            log.warning("forgetting the saga remembered on disk: %s", exc)
+            self.session.path.unlink(missing_ok=True)
+            return
         try:
             receipt = saga.wait(0)  # its terminal record, if that read found one
         except TimeoutError:
