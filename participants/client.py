@@ -1113,7 +1113,9 @@ class Saga:
         already scheduled, with the same tool and arguments, answers with that step's
         outcome (the coordinator does not run a step twice; other ones are refused,
         :class:`CallRefused`), and new steps are numbered after the ones scheduled.
-        New records carry the saga's own tenant (from its start), whatever
+        Its records are kept, even once it ended, until :meth:`end` or :meth:`wait`
+        (as for a saga left open on ``ApprovalPending``). New records carry the saga's
+        own tenant (from its start), whatever
         ``tenant_id`` this view was made with. An id with no start on the ledger is
         :class:`InvalidSagaId`, nothing written."""
         client = self.client
@@ -1122,12 +1124,17 @@ class Saga:
         # below reaches at least as far, so no record falls between the two.
         followed = client._ledger.knows(self.saga_id)
         client._ledger.follow(self.saga_id)
+        # Kept past its terminal record, as a saga left open on ApprovalPending, until
+        # end() or wait(): it may have ended while the agent was away (an approval
+        # denied, the saga compensated), and resume() still reads why a step ended.
+        client._ledger.hold(self.saga_id)
         history = LedgerReader(client.bootstrap).saga_records(
             client.topics.events, self.saga_id, client.signer
         )
         if not followed and not any(isinstance(r, SagaStarted) for r in history):
             # Its steps would be rejected as steps of an unknown saga, each call
             # waiting out its timeout as if it might have run.
+            client._ledger.release(self.saga_id)
             client._ledger.unfollow_unused(self.saga_id)
             raise InvalidSagaId(
                 f"no saga {self.saga_id} on the ledger (no SagaStarted in "

@@ -1070,3 +1070,34 @@ def test_attaching_a_saga_that_was_never_started_says_so_before_anything_is_writ
         system.client.saga("desk", "agent", saga_id=saga_id).attach()
     assert system.records(saga_id) == []
     assert not system.client._ledger.knows(saga_id)  # not followed for nothing
+
+
+def test_a_restarted_agent_resumes_a_step_of_a_saga_that_ended_meanwhile_from_its_records_R7(
+    local: tuple[System, Desk],
+) -> None:
+    """attach() did not keep the saga's records once its terminal record was read, as
+    a saga left open on ApprovalPending does: a restarted agent whose approval was
+    denied (and the saga compensated) while it was down got SagaUnwinding from
+    resume(), not the denial and its reason."""
+    system, desk = local
+    with pytest.raises(ApprovalPending) as err, system.client.saga("desk", "agent") as saga:
+        saga.call("book_slot", day="fri")
+        saga.call("announce", text="hello", timeout_s=3)
+    pending = err.value
+    request = next(
+        r
+        for r in system.records(saga.saga_id)
+        if isinstance(r, ApprovalRequested) and r.step_id == pending.step_id
+    )
+    channel = OperatorChannel.from_settings(system.settings, system.bootstrap)
+    deny_approval(channel, request, operator="ops:alice", reason="not today")
+    channel.close()
+    assert saga.wait(60).status is TerminalStatus.COMPENSATED  # ended while "down"
+    with _restarted_agent(system, desk) as again:
+        resumed = again.saga("desk", "agent", saga_id=saga.saga_id).attach()
+        with pytest.raises(ApprovalDeniedError, match="not today"):
+            resumed.resume(pending.step_id)
+        assert resumed.results == {"01-book_slot": {"slot": "slot-fri"}}
+        assert resumed.resume("01-book_slot") == {"slot": "slot-fri"}
+        assert resumed.wait(60).status is TerminalStatus.COMPENSATED
+        assert not again._ledger.follows(saga.saga_id)  # waited for: let go
