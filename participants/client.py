@@ -1074,7 +1074,10 @@ class Saga:
                 step_id=step,
                 tool=name,
             )
-        body = self._checked_body(name, step, number, args)
+        # The limit counts the saga's steps, not the number in generated ids, which
+        # attach() takes after the highest "NN-" prefix (a step named by a date).
+        count = len(self._step_ids) + (step not in self._step_ids)
+        body = self._checked_body(name, step, count, args)
         fingerprint = args_fingerprint(body)
         first = self._calls.setdefault(step, (name, fingerprint))
         if first != (name, fingerprint):
@@ -1218,19 +1221,19 @@ class Saga:
                 "restarted) must attach() the saga first, which reads its steps"
             ) from None
 
-    def _checked_body(self, name: str, step: str, number: int, args: dict[str, Any]) -> bytes:
+    def _checked_body(self, name: str, step: str, count: int, args: dict[str, Any]) -> bytes:
         """The ledger bytes of a call's arguments, or :class:`CallRefused` before
         anything is written: non-finite numbers (JSON has none; orjson would write
         null), arguments over ``limits.max_args_bytes``, or a step past ``max_steps``."""
         limits = self.client.settings.limits
         where = {"saga_id": self.saga_id, "step_id": step, "tool": name}
-        if number > limits.max_steps:
+        if count > limits.max_steps:
             raise CallRefused(
-                f"saga {self.saga_id} would get step {number} ({name}) but at most "
+                f"saga {self.saga_id} would get step {count} ({name}) but at most "
                 f"{limits.max_steps} steps per saga are allowed (SAGALINE_MAX_STEPS); "
                 "split the work into several sagas",
                 limit="max_steps",
-                size=number,
+                size=count,
                 **where,
             )
         bad = _non_finite_path(args, "args")

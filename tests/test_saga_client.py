@@ -52,6 +52,7 @@ from schemas import (
     StepScheduled,
     TerminalStatus,
 )
+from schemas.limits import Limits
 from schemas.settings import Settings
 from services import demo
 from services.demo import RefundAgent
@@ -1101,3 +1102,28 @@ def test_a_restarted_agent_resumes_a_step_of_a_saga_that_ended_meanwhile_from_it
         assert resumed.resume("01-book_slot") == {"slot": "slot-fri"}
         assert resumed.wait(60).status is TerminalStatus.COMPENSATED
         assert not again._ledger.follows(saga.saga_id)  # waited for: let go
+
+
+def test_a_restarted_agent_whose_step_ids_start_with_a_number_can_still_call(
+    local: tuple[System, Desk],
+) -> None:
+    """attach() numbers new steps after the highest ``NN-`` prefix of the saga's step
+    ids, and the client counted that number against ``max_steps``: a saga with a step
+    named by a date (``20260101-book``) could make no further call once re-attached
+    (CallRefused max_steps: "would get step 20260102"). The limit counts steps."""
+    system, desk = local
+    saga = system.client.saga("desk", "agent")
+    saga.__enter__()
+    first = saga.call("book_slot", step_id="20260101-book", day="fri")
+    settings = dataclasses.replace(system.settings, limits=Limits(max_steps=2))
+    with SagaClient(settings, system.bootstrap, catalogues=[wrap(desk, name="desk")]) as again:
+        resumed = again.saga("desk", "agent", saga_id=saga.saga_id).attach()
+        assert resumed.call("book_slot", day="sat") == {"slot": "slot-sat"}
+        with pytest.raises(CallRefused, match="would get step 3") as refused:
+            resumed.call("book_slot", day="sun")
+        assert refused.value.limit == "max_steps"
+        # A step already scheduled is no new step.
+        assert resumed.call("book_slot", step_id="20260101-book", day="fri") == first
+        resumed.end(SagaOutcome.COMPLETE)
+        assert resumed.wait(60).status is TerminalStatus.COMPLETED
+    assert desk.log == ["book:fri", "book:sat"]
