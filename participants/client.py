@@ -1171,8 +1171,7 @@ class Saga:
                     )
                 self._contracts[record.step_id] = record.contract
                 self._step_ids.add(record.step_id)
-                prefix = record.step_id.split("-", 1)[0]
-                numbered = max(numbered + 1, int(prefix) if prefix.isdigit() else 0)
+                numbered = max(numbered + 1, _generated_number(record.step_id))
             elif isinstance(record, (StepCommitted, StepReconciled)):
                 if isinstance(record, StepReconciled) and (
                     record.outcome is not ReconcileResult.COMMITTED
@@ -1514,6 +1513,17 @@ def _result_too_large(
         step_id=step_id,
         tool=tool,
     )
+
+
+def _generated_number(step_id: str) -> int:
+    """The number of a step id of the form the client generates (``NN-tool``), or 0:
+    a prefix of ASCII digits only (``int()`` refuses some that ``isdigit()`` accepts,
+    such as ``"²"``), and short enough to be a count (``int()`` refuses a prefix over
+    4300 digits, and a number that long could not be written in a step id again)."""
+    prefix = step_id.split("-", 1)[0]
+    if 0 < len(prefix) <= 18 and prefix.isascii() and prefix.isdigit():
+        return int(prefix)
+    return 0
 
 
 def _non_finite_path(value: Any, path: str) -> str | None:

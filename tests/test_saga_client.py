@@ -1127,3 +1127,22 @@ def test_a_restarted_agent_whose_step_ids_start_with_a_number_can_still_call(
         resumed.end(SagaOutcome.COMPLETE)
         assert resumed.wait(60).status is TerminalStatus.COMPLETED
     assert desk.log == ["book:fri", "book:sat"]
+
+
+def test_attach_reads_step_ids_whose_prefix_is_no_plain_number(
+    local: tuple[System, Desk],
+) -> None:
+    """attach() took a step id's prefix before ``-`` as a number when str.isdigit()
+    said so, and int() refused what isdigit() accepts (``"²"``) or a prefix over
+    Python's 4300 digits: the restarted agent's attach() crashed with a ValueError
+    traceback. Such a prefix is not a number the client generated."""
+    system, desk = local
+    saga = system.client.saga("desk", "agent")
+    saga.__enter__()
+    saga.call("book_slot", step_id="²-book", day="fri")
+    saga.call("book_slot", step_id="9" * 5000 + "-book", day="sat")
+    with _restarted_agent(system, desk) as again:
+        resumed = again.saga("desk", "agent", saga_id=saga.saga_id).attach()
+        assert resumed.call("book_slot", day="sun") == {"slot": "slot-sun"}
+        resumed.end(SagaOutcome.COMPLETE)
+        assert resumed.wait(60).status is TerminalStatus.COMPLETED
