@@ -518,6 +518,9 @@ class SagaClient:
         self._contracts: dict[str, StepContract] = dict(contracts or {})
         self._secret_paths: dict[str, tuple[str, ...]] = {}
         self._pinned_paths: dict[str, tuple[str, ...]] = {}
+        # (participant, tool) -> secret fields, of every readable published entry: a
+        # contract given as such (contracts=) does not carry them.
+        self._owned_paths: dict[tuple[str, str], tuple[str, ...]] = {}
         # The published catalogue as last read (refresh_catalogue): each tool's latest
         # entry; the tools whose latest entry cannot be read, with why.
         self._published: dict[str, StepContract] = {}
@@ -635,7 +638,9 @@ class SagaClient:
         published: dict[str, StepContract] = {}
         paths: dict[str, tuple[str, ...]] = {}
         ambiguous: dict[str, list[str]] = {}
+        owned: dict[tuple[str, str], tuple[str, ...]] = {}
         for name, entries in found.tools.items():
+            owned.update({(p, name): e.secret_paths for p, e in entries.items()})
             if name in found.unreadable:
                 continue  # one declaration of it cannot be read: refused, not guessed
             if len(entries) > 1:
@@ -658,6 +663,7 @@ class SagaClient:
         self._published, self._unreadable = published, found.unreadable
         self._ambiguous = ambiguous
         self._secret_paths = {**paths, **self._pinned_paths}
+        self._owned_paths = owned
         self._catalogue_read_at = time.monotonic()
         return len(published)
 
@@ -763,12 +769,24 @@ class SagaClient:
         if tool in self._pinned_ambiguous:
             return None  # contract() raises
         pinned = self._contracts.get(tool)
-        if pinned is not None:
+        if pinned is not None and tool in self._pinned_paths:
             return pinned
+        # A contract given without its tool (contracts=) does not say which arguments
+        # are secret: its participant's published entry does, read as for a published
+        # contract (the given contract is still the one used).
         read_at = self._catalogue_read_at
         if read_at is None or time.monotonic() - read_at >= self.catalogue_max_age_s:
             return None
-        return self._published.get(tool)
+        return pinned if pinned is not None else self._published.get(tool)
+
+    def _secret_paths_of(self, contract: StepContract) -> tuple[str, ...]:
+        """The secret fields of a call scheduled with ``contract``: its tool's given
+        with its catalogue, else its participant's published ones."""
+        tool = contract.tool
+        if tool in self._pinned_paths:
+            return self._pinned_paths[tool]
+        owned = self._owned_paths.get((contract.participant, tool))
+        return owned if owned is not None else self._secret_paths.get(tool, ())
 
     def forget_published(self) -> None:
         """Make the next call re-read the published catalogue (e.g. after a
@@ -1077,7 +1095,7 @@ class Saga:
         # The limit counts the saga's steps, not the number in generated ids, which
         # attach() takes after the highest "NN-" prefix (a step named by a date).
         count = len(self._step_ids) + (step not in self._step_ids)
-        body = self._checked_body(name, step, count, args)
+        body = self._checked_body(contract, step, count, args)
         fingerprint = args_fingerprint(body)
         first = self._calls.setdefault(step, (name, fingerprint))
         if first != (name, fingerprint):
@@ -1220,10 +1238,13 @@ class Saga:
                 "restarted) must attach() the saga first, which reads its steps"
             ) from None
 
-    def _checked_body(self, name: str, step: str, count: int, args: dict[str, Any]) -> bytes:
+    def _checked_body(
+        self, contract: StepContract, step: str, count: int, args: dict[str, Any]
+    ) -> bytes:
         """The ledger bytes of a call's arguments, or :class:`CallRefused` before
         anything is written: non-finite numbers (JSON has none; orjson would write
         null), arguments over ``limits.max_args_bytes``, or a step past ``max_steps``."""
+        name = contract.tool
         limits = self.client.settings.limits
         where = {"saga_id": self.saga_id, "step_id": step, "tool": name}
         if count > limits.max_steps:
@@ -1245,7 +1266,7 @@ class Saga:
                 **where,
             )
         # Secrets never reach the ledger in clear: sealed for the tool, or redacted.
-        secrets = self.client._secret_paths.get(name, ())
+        secrets = self.client._secret_paths_of(contract)
         body = canonical_json(self.client.sealer.seal(args, secrets, self.saga_id))
         if len(body) > limits.max_args_bytes:
             raise CallRefused(

@@ -1396,7 +1396,10 @@ def test_an_argument_the_upstream_marks_secret_never_reaches_the_ledger_in_clear
     try:
         saga = client.saga("helpdesk", "agent:helpdesk")
         body = saga._checked_body(
-            "connect", "01-connect", 1, {"user": "ann", "password": "hunter2", "token": "t0k3n"}
+            client.contract("connect"),
+            "01-connect",
+            1,
+            {"user": "ann", "password": "hunter2", "token": "t0k3n"},
         )
     finally:
         client.close()

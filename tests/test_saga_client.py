@@ -1146,3 +1146,26 @@ def test_attach_reads_step_ids_whose_prefix_is_no_plain_number(
         assert resumed.call("book_slot", day="sun") == {"slot": "slot-sun"}
         resumed.end(SagaOutcome.COMPLETE)
         assert resumed.wait(60).status is TerminalStatus.COMPLETED
+
+
+def test_a_secret_argument_of_a_tool_pinned_by_contract_is_not_written_in_clear(
+    local: tuple[System, Desk],
+) -> None:
+    """A client given a tool's contract (``contracts=``, as the drill and tests/system
+    do) never read the published catalogue for it, and a contract does not carry the
+    tool's secret fields: the secret argument reached ``sagaline.events`` in clear.
+    The secret fields are read from the participant's published entry, also when
+    another participant publishes the same tool name."""
+    system, desk = local  # "desk" publishes charge_card too (the fixture's client)
+    card = "4111111111111111"
+    settings = dataclasses.replace(system.settings, secret_key=b"agent and desk share this")
+    with SagaClient(settings, system.bootstrap, local=wrap(desk, name="desk5")) as served:
+        pinned = wrap(desk, name="desk5").contracts()
+        with SagaClient(settings, system.bootstrap, contracts=pinned) as client:
+            with client.saga("desk", "agent") as saga:
+                assert saga.call("charge_card", amount=500, card=card) == {"charge": "ch-500"}
+            assert saga.wait(60).status is TerminalStatus.COMPLETED
+        assert served.contract("charge_card").participant == "desk5"
+    assert desk.log == [f"charge:500:{card}"]
+    values = [v for _k, v, _h in LedgerReader(system.bootstrap).records(system.topics.events)]
+    assert values and not any(v and card.encode() in v for v in values)
