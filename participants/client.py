@@ -1050,8 +1050,10 @@ class Saga:
         # wait gave up is still queued in the producer and may reach the ledger after
         # the agent has moved on (and aborted), so the step would run behind its back.
         self.client.append(scheduled, timeout_s=wait_s)
-        self._contracts[scheduled.step_id] = scheduled.contract
-        result = self._await_step(scheduled.step_id, scheduled.contract, wait_s)
+        # A repeated call is waited for under the contract its step was first
+        # scheduled with, the one the coordinator keeps (not the tool's current one).
+        contract = self._contracts.setdefault(scheduled.step_id, scheduled.contract)
+        result = self._await_step(scheduled.step_id, contract, wait_s)
         self.results[scheduled.step_id] = result
         return result
 
@@ -1187,7 +1189,7 @@ class Saga:
                     self._calls.setdefault(
                         record.step_id, (record.contract.tool, args_fingerprint(record.args))
                     )
-                self._contracts[record.step_id] = record.contract
+                self._contracts.setdefault(record.step_id, record.contract)  # the first
                 self._step_ids.add(record.step_id)
                 numbered = max(numbered + 1, _generated_number(record.step_id))
             elif isinstance(record, (StepCommitted, StepReconciled)):
@@ -1370,7 +1372,7 @@ class Saga:
         scheduled = self._scheduled(contract, step_id, depends_on, args)
         wait_s = timeout_s or self.client.call_timeout_s
         await self.client.append_async(scheduled, timeout_s=wait_s)  # as long: see call()
-        self._contracts[scheduled.step_id] = contract
+        contract = self._contracts.setdefault(scheduled.step_id, contract)  # see call()
         result = await self._await_step_async(scheduled.step_id, contract, wait_s)
         self.results[scheduled.step_id] = result
         return result

@@ -44,6 +44,7 @@ from schemas import (
     CompensationRequested,
     Disposition,
     Record,
+    RetryPolicy,
     SagaOutcome,
     SagaStarted,
     SagaTerminal,
@@ -99,6 +100,15 @@ class Desk:
     def refund_card(self, ctx: CompensationContext) -> None:
         with self.lock:
             self.log.append(f"refund:{ctx.input['card']}")
+
+    @tool(description="Fails once, then books", retry=RetryPolicy(initial_backoff_ms=10))
+    @compensable(by="nothing")
+    def flaky(self, day: str) -> dict[str, str]:
+        with self.lock:
+            self.log.append(f"flaky:{day}")
+            if self.log.count(f"flaky:{day}") == 1:
+                raise ConnectionError("the provider hung up")
+        return {"slot": f"slot-{day}"}
 
     @tool(description="Announce publicly")
     @compensable(reversibility=Reversibility.IRREVERSIBLE)
@@ -1169,3 +1179,26 @@ def test_a_secret_argument_of_a_tool_pinned_by_contract_is_not_written_in_clear(
     assert desk.log == [f"charge:500:{card}"]
     values = [v for _k, v, _h in LedgerReader(system.bootstrap).records(system.topics.events)]
     assert values and not any(v and card.encode() in v for v in values)
+
+
+def test_a_call_repeated_after_its_tool_was_redeclared_is_waited_for_under_its_first_contract(
+    local: tuple[System, Desk],
+) -> None:
+    """The coordinator keeps the contract a step was first scheduled with; the client
+    waited for a repeated call under the contract the repeat carried (the tool's
+    current one). Redeclared with fewer attempts, a transient failure the coordinator
+    retried was taken for the last one: StepFailedError for a step that committed."""
+    system, desk = local
+    saga = system.client.saga("desk", "agent")
+    saga.__enter__()
+    first = saga.call("flaky", step_id="slot", day="fri")  # failed once, then committed
+    redeclared = wrap(desk, name="desk").contracts()
+    redeclared["flaky"] = redeclared["flaky"].model_copy(
+        update={"retry": RetryPolicy(max_attempts=1)}
+    )
+    with SagaClient(system.settings, system.bootstrap, contracts=redeclared) as again:
+        resumed = again.saga("desk", "agent", saga_id=saga.saga_id).attach()
+        assert resumed.call("flaky", step_id="slot", day="fri") == first
+        resumed.end(SagaOutcome.COMPLETE)
+        assert resumed.wait(60).status is TerminalStatus.COMPLETED
+    assert desk.log == ["flaky:fri", "flaky:fri"]
