@@ -273,7 +273,9 @@ class Coordinator:
         # The most bytes a record may have on each topic of ``_unparkable_topics`` whose
         # max.message.bytes was found lowered while running (``_read_topic_limits``).
         self._room: dict[str, int] = {}
-        self._suspects: set[str] = set()  # sagas whose records failed to produce
+        # Sagas whose records failed to produce (the retried batch parks them), with
+        # their partition: forgotten when it is revoked (its next owner decides afresh).
+        self._suspects: dict[str, int | None] = {}
         self._assigned: set[int] = set()
         # A record poll() returned before a rebalance that moved its partition is left
         # to the partition's owner (see _next_batch).
@@ -993,7 +995,9 @@ class Coordinator:
                 self._produce([(self.topics.state, saga_id.encode(), value, headers, partition)])
         except KafkaException as exc:
             if _record_fault(exc):
-                self._suspects.add(saga_id)
+                self._suspects[saga_id] = pending.partitions.get(
+                    saga_id, self._partition_of.get(saga_id)
+                )
             raise
 
     def _produce(self, messages: list[_Msg]) -> None:
@@ -1147,7 +1151,8 @@ class Coordinator:
         for saga_id, state in pending.loaded.items():
             if saga_id not in pending.states:  # taken, not changed: still what memory says
                 self._states.give_back(saga_id, state)
-        self._suspects -= set(pending.parked)
+        for saga_id in pending.parked:
+            self._suspects.pop(saga_id, None)
         self.metrics.in_flight(len(self._states))
 
     def _current(
@@ -1256,6 +1261,9 @@ class Coordinator:
             self._states.pop(saga_id)
             self._markers.pop(saga_id, None)
             self._partition_of.pop(saga_id, None)
+        # A saga whose records failed here is decided afresh by the partition's next
+        # owner: if the partition comes back, nothing failed for it any more.
+        self._suspects = {s: p for s, p in self._suspects.items() if p not in numbers}
         self._assigned -= numbers
 
     def _restore(self, numbers: list[int]) -> int:
