@@ -265,9 +265,11 @@ class Coordinator:
         self._running = True  # until stop(), which may come before run() reaches its loop
         self._states = _PackedStates(decoded_states)
         self._partition_of: dict[str, int] = {}
-        # Sagas the changelog keeps as a marker (ended, or parked); terminal ones are
-        # kept in the order they ended, so the expired ones are at the front.
+        # Sagas the changelog keeps as a terminal marker, in the order they ended, so
+        # the expired ones are at the front; parked markers (which never expire) apart,
+        # or every batch's search for expired markers would walk past all of them.
         self._markers: dict[str, SagaMarker] = {}
+        self._parked: dict[str, SagaMarker] = {}
         self._limits = settings.limits
         self._failures = 0  # consecutive failed transactions
         # The most bytes a record may have on each topic of ``_unparkable_topics`` whose
@@ -1122,8 +1124,6 @@ class Coordinator:
         horizon = now - self._limits.terminal_memory_ms
         expired: list[str] = []
         for saga_id, marker in self._markers.items():
-            if marker.marker is MarkerKind.PARKED:
-                continue
             if marker.at > horizon or len(expired) >= self._expire_max:
                 break
             expired.append(saga_id)
@@ -1144,10 +1144,8 @@ class Coordinator:
                 self._schedule(saga_id, due_at)
                 continue
             self._states.pop(saga_id)
-            self._markers.pop(saga_id, None)  # re-inserted last: newest ends last
-            self._markers[saga_id] = (
-                terminal_marker(state) if isinstance(state, SagaState) else state
-            )
+            marker = terminal_marker(state) if isinstance(state, SagaState) else state
+            self._keep_marker(saga_id, marker)
         for saga_id, state in pending.loaded.items():
             if saga_id not in pending.states:  # taken, not changed: still what memory says
                 self._states.give_back(saga_id, state)
@@ -1178,9 +1176,19 @@ class Coordinator:
             self._park(saga_id, f"its changelog value is unreadable: {exc}", now, pending)
             return pending.states[saga_id]
         if state is None:
-            return self._markers.get(saga_id)
+            return self.marker_of(saga_id)
         pending.loaded[saga_id] = state
         return state
+
+    def _keep_marker(self, saga_id: str, marker: SagaMarker) -> None:
+        """Keep a saga's marker: a terminal one last (the newest ends last), a parked
+        one apart (it never expires)."""
+        self._markers.pop(saga_id, None)
+        self._parked.pop(saga_id, None)
+        if marker.marker is MarkerKind.PARKED:
+            self._parked[saga_id] = marker
+        else:
+            self._markers[saga_id] = marker
 
     def _live(self, saga_id: str) -> SagaState | None:
         """The in-flight state of a saga (None: none, or unreadable)."""
@@ -1260,6 +1268,7 @@ class Coordinator:
         for saga_id in [s for s, p in self._partition_of.items() if p in numbers]:
             self._states.pop(saga_id)
             self._markers.pop(saga_id, None)
+            self._parked.pop(saga_id, None)
             self._partition_of.pop(saga_id, None)
         # A saga whose records failed here is decided afresh by the partition's next
         # owner: if the partition comes back, nothing failed for it any more.
@@ -1282,6 +1291,7 @@ class Coordinator:
             self._states.pop(saga_id)
             markers.pop(saga_id, None)
             self._markers.pop(saga_id, None)
+            self._parked.pop(saga_id, None)
             self._partition_of[saga_id] = msg.partition() or 0
             if value is None:
                 self._partition_of.pop(saga_id, None)
@@ -1297,7 +1307,9 @@ class Coordinator:
                 log.error("changelog value of saga %s is unreadable: %s", saga_id, exc)
                 self._states.put(saga_id, value, None)
                 continue
-            if isinstance(restored, SagaMarker):
+            if isinstance(restored, SagaMarker) and restored.marker is MarkerKind.PARKED:
+                self._parked[saga_id] = restored  # never expires: not in the expiry order
+            elif isinstance(restored, SagaMarker):
                 markers[saga_id] = restored
             else:
                 self._states.put(saga_id, value, restored.next_due_at())
@@ -1330,7 +1342,7 @@ class Coordinator:
 
     def marker_of(self, saga_id: str) -> SagaMarker | None:
         """The terminal or parked marker of a saga, if the changelog keeps one."""
-        return self._markers.get(saga_id)
+        return self._markers.get(saga_id) or self._parked.get(saga_id)
 
     def positions(self) -> dict[int, int]:
         """Next offset to read per assigned events partition (negative before the first
