@@ -149,6 +149,13 @@ _ISOLATE_AFTER_FAILURES = 3
 
 _BUSY = (KafkaError.CONCURRENT_TRANSACTIONS, KafkaError._TIMED_OUT)
 
+# What librdkafka reports (all as ``_FENCED``) when the broker knows a newer epoch of
+# the producer: a newer instance with the same transactional.id, or the broker
+# aborted our transaction for its age (transaction.timeout.ms) and bumped the epoch.
+_FENCINGS = frozenset(
+    {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH}
+)
+
 PARKED_REASON = PARKED_INCIDENT
 """DLQ reason of a record for a parked saga (kept, never lost, never decided)."""
 
@@ -310,6 +317,8 @@ class Coordinator:
             "retry.backoff.ms": 5,
         }
         self._producer: Producer = create_producer(bootstrap, **self._producer_config)
+        self._transaction_timeout_s = transaction_timeout_ms / 1000
+        self._began: float | None = None  # when the open transaction began (monotonic)
         # Tombstones of expired markers per transaction: all of them at once (many
         # expire together when SAGALINE_TERMINAL_MEMORY_MS is lowered) would overflow
         # the producer's local queue in every attempt and stop every saga.
@@ -606,7 +615,7 @@ class Coordinator:
 
     def _begin(self, positions: list[TopicPartition]) -> Future[None]:
         """Begin the batch's transaction; its offsets are sent in the background."""
-        self._producer.begin_transaction()
+        self._begin_transaction()
         if self._group_metadata is None:
             self._group_metadata = self._consumer.consumer_group_metadata()
         return self._sender.submit(self._send_offsets, positions, self._group_metadata)
@@ -650,6 +659,7 @@ class Coordinator:
             self._rewind = True
             return
         self._failures = 0
+        self._began = None
         self.metrics.transaction_committed(committed_at - committing.started, committing.records)
         self._committed_to = {tp.partition: tp.offset for tp in committing.offsets}
         pending = committing.pending
@@ -666,7 +676,7 @@ class Coordinator:
             self._schedule(saga_id, self._states.due_at(saga_id))
         error: KafkaError = exc.args[0]
         log.warning("transaction failed (%s); aborting the batch and rewinding", error)
-        if error.fatal():
+        if error.fatal() and not self._replaceable(error):
             raise exc  # fenced by a newer instance with our transactional.id
         if error.code() in _SIZE_REFUSALS:
             self._read_topic_limits()  # before _abort: its new producer batches less
@@ -1046,22 +1056,24 @@ class Coordinator:
         for saga_id in self._sagas_in(pending):
             if saga_id in pending.parked:
                 continue
-            self._producer.begin_transaction()
+            self._begin_transaction()
             try:
                 self._produce_saga(saga_id, pending)
                 _commit_transaction(self._producer)
+                self._began = None
             except KafkaException as exc:
                 if not _record_fault(exc):
                     raise  # the broker is failing everyone: rewind, park nobody
                 self._abort()
                 self._park(saga_id, f"its records could not be written: {exc}", now, pending)
-        self._producer.begin_transaction()
+        self._begin_transaction()
         self._produce(pending.loose)
         for saga_id in pending.parked:
             self._produce_saga(saga_id, pending)
         self._produce_tombstones(pending)
         self._send_offsets(self._positions(), self._consumer.consumer_group_metadata())
         _commit_transaction(self._producer)
+        self._began = None
 
     def _topics_for(self, output: Output) -> list[str]:
         if output.destination is Destination.COMMAND:
@@ -1217,9 +1229,10 @@ class Coordinator:
         try:
             self._producer.abort_transaction(10)
         except KafkaException as exc:
-            if exc.args[0].fatal():
-                raise
+            if exc.args[0].fatal() and not self._replaceable(exc.args[0]):
+                raise  # fenced by a newer instance with our transactional.id
             log.warning("abort did not finish (%s); replacing the producer", exc.args[0])
+        self._began = None
         old = self._producer
         old.purge(in_queue=True, in_flight=True, blocking=False)
         self._producer = create_producer(self.bootstrap, **self._producer_config)
@@ -1233,6 +1246,33 @@ class Coordinator:
                 if error.fatal() or not busy or attempt == 3:
                     raise
                 log.warning("init_transactions: %s; retrying", exc.args[0])
+
+    def _begin_transaction(self) -> None:
+        self._producer.begin_transaction()
+        self._began = time.monotonic()
+
+    def _replaceable(self, error: KafkaError) -> bool:
+        """Whether a fatal error of the producer is its own, which a new producer
+        (``_abort``: its ``init_transactions`` bumps the epoch) leaves behind, rather
+        than a newer instance with our ``transactional.id``, which must end the process.
+
+        librdkafka reports a transaction the broker aborted for its age (open longer
+        than ``transaction.timeout.ms``: a slow batch, a long pause) exactly as a
+        fencing (``_FENCED``); exiting for it stopped every saga until a restart. A
+        transaction younger than the timeout cannot have been aborted for its age: a
+        fencing then is a newer instance. Other fatal errors (INVALID_TXN_STATE, an
+        idempotence failure) are the producer's alone; a new producer that cannot
+        start either (e.g. no permission on the transactional id) raises from its
+        ``init_transactions``. Should an older transaction have been fenced by a newer
+        instance after all, the new producer fences it in turn, but it joined the
+        group with the same static member id, so this instance's consumer is fenced
+        (fatal on its next poll, which ends the process) and it commits nothing: its
+        transactions' offsets carry the group generation it no longer holds."""
+        if error.code() not in _FENCINGS:
+            return True
+        return self._began is not None and (
+            time.monotonic() - self._began >= self._transaction_timeout_s
+        )
 
     # -------------------------------------------------------------- rebalancing
 
