@@ -65,11 +65,13 @@ from coordinator.core import (
     tick,
 )
 from coordinator.state import (
+    UNKNOWN_TENANT,
     MarkerKind,
     SagaMarker,
     SagaState,
     is_marker,
     load_changelog,
+    state_head,
     terminal_marker,
 )
 from coordinator.watchdog import deadline
@@ -947,8 +949,7 @@ class Coordinator:
         pending.values.pop(saga_id, None)
         state = self._live(saga_id)
         record = pending.last_record.get(saga_id)
-        tenant = state.tenant_id if state else record.envelope.tenant_id if record else "default"
-        generation = state.generation if state else record.envelope.generation if record else 1
+        tenant, generation = self._tenant_of(saga_id, state, record, pending)
         incident_id = derived_event_id(saga_id, "incident", PARKED_INCIDENT)
         # What a resolution of the parked saga is checked against (None: not known).
         open_ids = [i.incident_id for i in state.open_incidents()] if state else []
@@ -959,7 +960,7 @@ class Coordinator:
             status="PARKED",
             at=now,
             reason=why[:2000],
-            tenant_id=tenant if known else None,
+            tenant_id=tenant,
             incidents=[*open_ids, incident_id] if known else None,
         )
         incident = IncidentRaised(
@@ -986,6 +987,31 @@ class Coordinator:
         key, value, headers = to_message(incident, self.signer)
         for topic in (self.topics.events, self.topics.incidents):
             pending.loose.append((topic, key, value, headers, None))
+
+    def _tenant_of(
+        self, saga_id: str, state: SagaState | None, record: Record | None, pending: _Pending
+    ) -> tuple[str, int]:
+        """The tenant and generation of a saga being parked, for its incident and its
+        marker (a resolution must come from that tenant): from its committed state,
+        else this batch's (a saga started in it), else the head of its changelog value
+        when only the rest of it is unreadable (torn), else its record in this batch
+        (parked from a timer, it has none). When nothing tells, ``UNKNOWN_TENANT``:
+        never ``default``, a real tenant whose operators would see and resolve another
+        tenant's saga while its own tenant's operators were refused."""
+        if state is not None:
+            return state.tenant_id, state.generation
+        batch = pending.states.get(saga_id)
+        if isinstance(batch, SagaState):
+            return batch.tenant_id, batch.generation
+        if isinstance(batch, SagaMarker) and batch.tenant_id is not None:
+            return batch.tenant_id, record.envelope.generation if record else 1
+        packed = self._states.packed(saga_id)
+        head = None if packed is None else state_head(packed, saga_id)
+        if head is not None:
+            return head
+        if record is not None:
+            return record.envelope.tenant_id, record.envelope.generation
+        return UNKNOWN_TENANT, 1
 
     def _sagas_in(self, pending: _Pending) -> list[str]:
         return list(dict.fromkeys([*pending.outputs, *pending.states]))
@@ -1458,6 +1484,11 @@ class _PackedStates:
     def due_at(self, saga_id: str) -> int | None:
         entry = self._packed.get(saga_id)
         return None if entry is None else entry[1]
+
+    def packed(self, saga_id: str) -> bytes | None:
+        """The saga's changelog bytes, as kept (not decoded)."""
+        entry = self._packed.get(saga_id)
+        return None if entry is None else entry[0]
 
     def pop(self, saga_id: str) -> None:
         self._packed.pop(saga_id, None)

@@ -10,6 +10,8 @@ The rules that move it live in ``coordinator.core``; this module only describes 
 from __future__ import annotations
 
 import enum
+import json
+import re
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -272,10 +274,38 @@ class SagaMarker(_StateModel):
 
 _MARKER_PREFIX = b'{"marker":'
 
+UNKNOWN_TENANT = "(unknown)"
+"""The tenant of a parked saga whose tenant nothing tells (its state unreadable from
+the first byte, no record of it in the batch): its incident and parked marker carry
+this name, so only an operator of every tenant (or one given this name) may resolve
+it and no tenant's operators see another tenant's saga as theirs."""
+
+# The head of a state's JSON (``SagaState.to_bytes``: fields in declaration order).
+_STATE_HEAD = re.compile(
+    rb'\{"schema_version":\d+,"saga_id":("(?:[^"\\]|\\.)*"),'
+    rb'"tenant_id":("(?:[^"\\]|\\.)*"),"generation":(\d+)[,}]'
+)
+
 
 def is_marker(value: bytes) -> bool:
     """Whether a changelog value is a marker (without decoding it)."""
     return value.startswith(_MARKER_PREFIX)
+
+
+def state_head(value: bytes, saga_id: str) -> tuple[str, int] | None:
+    """The tenant and generation a live state's changelog value starts with, for a
+    value that does not decode as a whole (torn, or a newer version's): None when its
+    head is not intact or names another saga."""
+    head = _STATE_HEAD.match(value)
+    if head is None:
+        return None
+    try:
+        named, tenant = json.loads(head[1]), json.loads(head[2])
+    except ValueError:
+        return None
+    if named != saga_id or not isinstance(tenant, str):
+        return None
+    return tenant, int(head[3])
 
 
 def load_changelog(value: bytes) -> SagaState | SagaMarker:

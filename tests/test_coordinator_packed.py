@@ -31,6 +31,7 @@ from schemas import FailureKind, IncidentRaised, StepIntentRecorded
 from schemas.limits import PARKED_INCIDENT
 from schemas.settings import Settings
 from schemas.wire import read_dead_letter, to_message
+from tests.coordinator_turns import turn_until
 
 
 def _waiting(saga_id: str) -> SagaState:
@@ -215,3 +216,60 @@ def test_a_saga_whose_changelog_value_is_unreadable_is_parked_as_any_other_with_
             if isinstance(r, IncidentRaised)
         ]
         assert kinds == [PARKED_INCIDENT], (saga_id, kinds)
+
+
+def test_a_saga_parked_from_a_timer_with_an_unreadable_state_keeps_its_tenant_or_says_unknown(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    """No record of the saga in the batch, and its state does not decode: its tenant
+    (and generation) come from the head of its changelog value when that is intact (a
+    torn record), so the incident and the parked marker are its tenant's, whose
+    operators see and resolve it. When nothing says (garbled from the first byte),
+    the tenant is an explicit unknown one, never ``default`` (a real tenant, whose
+    operators would see another tenant's saga while its own were refused)."""
+    settings = Settings(bootstrap=kafka_bootstrap, topic_prefix=unique_prefix, partitions=1)
+    ensure_topics(kafka_bootstrap, settings.topics, [], settings.partitions)
+    torn = _waiting("saga-torn")
+    due = torn.next_due_at()
+    assert due is not None and torn.tenant_id != "default"
+    producer = Producer(producer_config(kafka_bootstrap))
+    for key, value in (("saga-torn", torn.to_bytes()[:160]), ("saga-garbled", b"\x00garbled")):
+        producer.produce(
+            settings.topics.state, key=key.encode(), value=value, headers=_due_headers(due)
+        )
+    assert producer.flush(30) == 0
+
+    one = Coordinator(settings, kafka_bootstrap, instance_id="torn", clock=lambda: due + 1)
+    one._join()
+
+    def parked() -> bool:
+        one._settle()
+        return all(one.marker_of(s) is not None for s in ("saga-torn", "saga-garbled"))
+
+    turn_until(one, parked)
+    markers = {s: one.marker_of(s) for s in ("saga-torn", "saga-garbled")}
+    one._consumer.close()
+
+    def incident(saga_id: str) -> IncidentRaised:
+        [raised] = [
+            r
+            for r in LedgerReader(kafka_bootstrap).saga_records(
+                settings.topics.events, saga_id, settings.signer()
+            )
+            if isinstance(r, IncidentRaised)
+        ]
+        return raised
+
+    raised = incident("saga-torn")
+    assert (raised.envelope.tenant_id, raised.envelope.generation) == (
+        torn.tenant_id,
+        torn.generation,
+    )
+    marker = markers["saga-torn"]
+    assert marker is not None and marker.tenant_id == torn.tenant_id
+
+    from coordinator.state import UNKNOWN_TENANT
+
+    assert incident("saga-garbled").envelope.tenant_id == UNKNOWN_TENANT != "default"
+    marker = markers["saga-garbled"]
+    assert marker is not None and marker.tenant_id == UNKNOWN_TENANT
