@@ -944,12 +944,16 @@ class CommandHandler:
         restart does not extend it. Past it this stops quietly: the coordinator's own
         timer for the same deadline raises the one incident, also when this
         participant is down. A tool with no ``verify`` is completed by
-        :meth:`complete_accepted` (the provider's completion receipt) instead.
+        :meth:`complete_accepted` (the provider's completion receipt) instead. A tool
+        this participant no longer serves is reported failed (:meth:`_tool_gone`).
         """
         from schemas.codec import decode
 
         cmd = decode(command, CompensateStep)
-        spec = self.catalogue[cmd.tool]
+        spec = self.catalogue.get(cmd.tool)
+        if spec is None:
+            self._tool_gone(command_id, cmd)
+            return
         if spec.verify_func is None:
             return  # completed by complete_accepted, or by the coordinator's deadline
         deadline = self._completion_deadline(command_id, spec)
@@ -997,16 +1001,56 @@ class CommandHandler:
                 and outcome.provider_operation_id == provider_operation_id
             ):
                 cmd = decode(command, CompensateStep)
-                spec = self.catalogue[cmd.tool]
+                spec = self.catalogue.get(cmd.tool)
+                if spec is None:  # removed since: a receipt is a fact, nothing to verify
+                    log.warning(
+                        "completion of %s recorded unverified: participant %s no longer "
+                        "serves tool %r",
+                        cmd.compensation_key,
+                        self.participant,
+                        cmd.tool,
+                    )
                 self._completed(
                     command_id,
                     cmd,
-                    verified=None if spec.verify_func is None else True,
+                    verified=None if spec is None or spec.verify_func is None else True,
                     result=result,
                     provider_operation_id=provider_operation_id,
                 )
                 return True
         return False
+
+    def _tool_gone(self, command_id: str, cmd: CompensateStep) -> None:
+        """An accepted compensation of a tool this participant no longer serves (a
+        deploy removed or renamed it): nothing here can confirm its completion. It is
+        reported failed, naming the tool and the provider operation, so the
+        coordinator hands it to a person at once (R3, R12); the row is settled with
+        that answer, so it is not resumed at every start."""
+        from schemas.codec import decode, encode
+
+        seen = self.journal.get(command_id)
+        accepted = decode(seen[1]) if seen is not None and seen[1] is not None else None
+        operation = getattr(accepted, "provider_operation_id", None) or "(no operation id)"
+        message = (
+            f"participant {self.participant} no longer serves tool {cmd.tool!r}, so the "
+            f"completion of compensation {cmd.compensation} accepted as provider operation "
+            f"{operation} cannot be confirmed here: check with the provider whether it "
+            f"completed (it serves {sorted(self.catalogue)})"
+        )
+        log.error("accepted compensation %s: %s", cmd.compensation_key, message)
+        record = self._record(
+            CompensationFailed,
+            cmd,
+            "completion",
+            step_id=cmd.step_id,
+            compensation_key=cmd.compensation_key,
+            attempt=cmd.attempt,
+            kind=FailureKind.BUSINESS_REJECTION,
+            error_type="UnknownTool",
+            message=_utf8(message[:2000]),
+        )
+        self._append(record)
+        self.journal.mark(command_id, "done", outcome=encode(record))
 
     def _completion_deadline(self, command_id: str, spec: ToolSpec) -> int:
         """When the declared wait of an accepted compensation ends: its acceptance

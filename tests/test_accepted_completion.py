@@ -269,3 +269,38 @@ def test_the_declared_wait_is_in_the_step_contract_R12() -> None:
     contract = wrap(Bookings(), name="bookings").contracts()["book"]
     assert contract.completion_within_ms == WAIT_MS
     assert contract.has_verify is True
+
+
+class BookingsRenamed:
+    """The next deploy of ``bookings``: ``book`` is gone (renamed ``reserve``)."""
+
+    @tool(description="Reserve a slot")
+    @compensable(by="unreserve")
+    def reserve(self, slot: str) -> str:
+        return f"rs-{slot}"
+
+    def unreserve(self, ctx: CompensationContext) -> None:
+        pass
+
+
+def test_an_accepted_compensation_whose_tool_a_redeploy_removed_goes_to_a_person_R12(
+    world: tuple[System, Bookings, Catalogue], clock: DrivenClock
+) -> None:
+    # R12/R3: restarted without the tool, the participant cannot confirm the
+    # completion. It says so at once (no traceback, no waiting out the deadline):
+    # one incident names the missing tool and the provider operation to check.
+    system, _bookings, _catalogue = world
+    saga_id = _fail_after(system)
+    accepted = _accepted(system, saga_id)
+    _still_waiting(system, accepted)
+    system.stop_participant(system._runtimes[0])
+    system.start_participant(wrap(BookingsRenamed(), name="bookings"))
+
+    terminal, records = _terminal(system, saga_id)  # the clock never moved: no deadline
+    assert terminal.status is TerminalStatus.ESCALATED
+    [incident] = _of(records, IncidentRaised)
+    assert isinstance(incident, IncidentRaised)
+    assert incident.kind == "compensation-failed"
+    assert "no longer serves tool 'book'" in incident.inconsistency
+    assert str(accepted.provider_operation_id) in incident.inconsistency
+    assert _of(records, CompensationCommitted) == []
