@@ -431,6 +431,11 @@ class CommandHandler:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=workers, thread_name_prefix=f"{participant}-tool"
         )
+        # Start-up's last checks of accepted compensations past their wait
+        # (resume_accepted): a few at a time, however many the journal holds.
+        self._resuming = concurrent.futures.ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix=f"{participant}-confirm"
+        )
         self._verify_poll_ms = verify_poll_ms
         self._metrics = metrics
         self._stopping = threading.Event()
@@ -440,6 +445,7 @@ class CommandHandler:
         self._stopping.set()
         self._watchdog.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._resuming.shutdown(wait=False, cancel_futures=True)
         if self._ledger is not None:
             self._ledger.close()
 
@@ -940,10 +946,11 @@ class CommandHandler:
         or until the declared wait (``completion_within``) after the acceptance (R12).
 
         Runs on a background thread; resumed for every ``accepted`` journal row when
-        the runtime starts. The wait counts from the acceptance as recorded, so a
-        restart does not extend it. Past it this stops quietly: the coordinator's own
-        timer for the same deadline raises the one incident, also when this
-        participant is down. A tool with no ``verify`` is completed by
+        the runtime starts (:meth:`resume_accepted`). The wait counts from the
+        acceptance as recorded, so a restart does not extend it. Past it this stops
+        after one last check and settles the row (``done``, its answer still the
+        acceptance): the coordinator's own timer for the same deadline raises the one
+        incident, also when this participant is down. A tool with no ``verify`` is completed by
         :meth:`complete_accepted` (the provider's completion receipt) instead. A tool
         this participant no longer serves is reported failed (:meth:`_tool_gone`).
         """
@@ -974,20 +981,68 @@ class CommandHandler:
             except _TOOL_ERRORS:
                 log.exception("verification of %s failed; retrying", cmd.compensation_key)
             if self._clock() >= deadline:
+                if self._stopping.is_set():
+                    return  # maybe not checked: resumed at the next start
                 log.warning(
                     "compensation %s was not confirmed within its declared wait; the "
-                    "coordinator raises the incident",
+                    "coordinator raises the incident (not checked here again)",
                     cmd.compensation_key,
                 )
+                # Settled: its answer stays the acceptance (re-sent on redelivery); it
+                # is not resumed at later starts and is pruned like any done entry.
+                self.journal.mark(command_id, "done")
                 return
             self._stopping.wait(self._verify_poll_ms / 1000)
+
+    def resume_accepted(self, poll: Callable[[str, bytes], None]) -> None:
+        """At start: resume the ``accepted`` journal rows (R12) without a thread each.
+
+        A row whose declared wait is still running is handed to ``poll`` (its own
+        thread, polling its verification until the wait ends: such rows are the few
+        accepted within the last ``completion_within``). A row whose wait has ended
+        gets its last check, and a row whose tool is no longer served its report,
+        on a pool of two threads, then each is settled. A row of a tool without a
+        verification waits for :meth:`complete_accepted`: nothing to run."""
+        from schemas.codec import decode
+
+        now = self._clock()
+        for command_id, command in self.journal.accepted():
+            try:
+                spec = self.catalogue.get(decode(command, CompensateStep).tool)
+                if spec is not None and spec.verify_func is None:
+                    continue
+                live = spec is not None and self._completion_deadline(command_id, spec) > now
+            except Exception as exc:  # an unreadable row must not stop the start
+                log.error("journal entry %s unreadable (%s); left as it is", command_id, exc)
+                continue
+            if live:
+                poll(command_id, command)
+            else:
+                self._resuming.submit(self.confirm_logged, command_id, command)
+
+    def confirm_logged(self, command_id: str, command: bytes) -> None:
+        """:meth:`confirm_accepted` on a background thread: what fails is logged in
+        one line (the row stays accepted, resumed at the next start)."""
+        try:
+            self.confirm_accepted(command_id, command)
+        except _TOOL_ERRORS as exc:
+            if self._stopping.is_set():
+                return
+            log.error(
+                "confirming accepted compensation %s failed (%s: %s); resumed at the next start",
+                command_id,
+                type(exc).__name__,
+                exc,
+            )
 
     def complete_accepted(self, provider_operation_id: str, result: Any = None) -> bool:
         """Record the provider's completion receipt for an accepted compensation (R12).
 
         Call it from wherever the provider reports completion (a webhook, a poller).
         Returns False when no accepted compensation of this participant has that
-        operation id (already completed, or never accepted here).
+        operation id (already completed, never accepted here, or, for a tool with
+        a verification, settled after its declared wait ended: see
+        :meth:`confirm_accepted`).
         """
         from schemas.codec import decode
 
@@ -1550,8 +1605,7 @@ class ParticipantRuntime:
                 on_lost=on_lost,
             )
             self.publish_catalogue()
-            for command_id, command in self.journal.accepted():
-                self._confirm_in_background(command_id, command)
+            self.handler.resume_accepted(self._confirm_in_background)
             log.info(
                 "participant %s serving %s (%d commands in flight at most)",
                 self.participant,
@@ -1659,7 +1713,7 @@ class ParticipantRuntime:
         # Not kept in a list: nothing joins them, and a list would grow by one thread
         # per accepted command for the life of the process.
         threading.Thread(
-            target=self.handler.confirm_accepted,
+            target=self.handler.confirm_logged,
             args=(command_id, command),
             name=f"{self.participant}-confirm",
             daemon=True,

@@ -10,11 +10,12 @@ recorded, never a crash.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 from participants import Accepted, CompensationContext, compensable, tool, wrap
 from participants.catalogue import Catalogue
-from participants.runtime import CommandHandler, CommandJournal
+from participants.runtime import CommandHandler, CommandJournal, _now_ms
 from schemas import (
     CompensateStep,
     CompensationAccepted,
@@ -25,6 +26,9 @@ from schemas import (
     envelope_for,
 )
 from schemas.codec import decode
+from tests.system import System, wait_until
+
+DAY_MS = 86_400_000
 
 
 class _Desk:
@@ -69,11 +73,18 @@ def _compensate(n: int = 1) -> CompensateStep:
     )
 
 
-def _accept(tmp_path: Path, n: int = 1) -> tuple[str, bytes]:
-    """A compensation of ``book`` accepted by the first deploy: its journal row."""
+def _accept(tmp_path: Path, n: int = 1, *, at: int | None = None) -> tuple[str, bytes]:
+    """A compensation of ``book`` accepted by the first deploy (``at``: when, epoch
+    ms): its journal row."""
     out: list[Record] = []
     journal = CommandJournal(tmp_path / "journal.sqlite")
-    handler = CommandHandler(wrap(_Desk(), name="desks"), "desks", journal, out.append)
+    handler = CommandHandler(
+        wrap(_Desk(), name="desks"),
+        "desks",
+        journal,
+        out.append,
+        **({} if at is None else {"clock": lambda: at}),
+    )
     command = _compensate(n)
     assert handler.handle(command) == "accepted"
     assert isinstance(out[-1], CompensationAccepted)
@@ -128,3 +139,93 @@ def test_a_receipt_for_a_tool_no_longer_served_is_still_recorded_R12(tmp_path: P
     assert seen is not None and seen[0] == "done"
     assert handler.complete_accepted("release-k-1") is False  # completed already
     handler.close()
+
+
+class _Counting(_Desk):
+    def __init__(self) -> None:
+        self.checks = 0
+
+    def released(self, ctx: CompensationContext) -> bool:
+        self.checks += 1
+        return False
+
+
+def test_an_accepted_compensation_past_its_wait_is_checked_once_then_settled_R12(
+    tmp_path: Path,
+) -> None:
+    # R12: past the declared wait the coordinator has handed the step to a person.
+    # The participant checks it one last time, then settles its row (the answer kept
+    # is still the acceptance): no verification at every later start, and the row is
+    # pruned with the other done ones.
+    command_id, command = _accept(tmp_path, at=_now_ms() - DAY_MS)
+    desk = _Counting()
+    for _start in range(2):
+        handler, out = _redeployed(tmp_path, wrap(desk, name="desks"))
+        for row_id, row in handler.journal.accepted():
+            handler.confirm_accepted(row_id, row)
+        handler.close()
+    assert desk.checks == 1
+    assert out == []  # nothing new to report: the coordinator's incident stands
+    journal = CommandJournal(tmp_path / "journal.sqlite")
+    assert journal.accepted() == []
+    seen = journal.get(command_id)
+    assert seen is not None and seen[0] == "done" and seen[1] is not None
+    assert isinstance(decode(seen[1]), CompensationAccepted)
+    assert decode(command, CompensateStep).event_id == command_id
+
+
+class _Gated:
+    """Bookings whose verification waits for the test."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.lock = threading.Lock()
+        self.inside = 0
+        self.checks = 0
+
+    @tool(description="Book", verify="cancelled", deadline=300)
+    @compensable(by="cancel", completion_within=30)
+    def book(self, desk: str) -> dict[str, str]:
+        return {"desk": desk}
+
+    def cancel(self, ctx: CompensationContext) -> Accepted:
+        return Accepted(operation_id=f"cancel-{ctx.idempotency_key}")
+
+    def cancelled(self, ctx: CompensationContext) -> bool:
+        with self.lock:
+            self.inside += 1
+            self.checks += 1
+        assert self.gate.wait(120)
+        with self.lock:
+            self.inside -= 1
+        return False
+
+
+def test_start_up_resumes_overdue_accepted_rows_on_a_small_pool_and_settles_them_R12(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    # A journal holding many accepted rows whose wait ended long ago (a day): the
+    # start must not take a thread (and a provider call) per row at every start;
+    # they are checked once each, a few at a time, and settled.
+    gated = _Gated()
+    catalogue = wrap(gated, name="gated")
+    journal = CommandJournal(tmp_path / "gated" / "commands.sqlite")
+    seeding = CommandHandler(
+        catalogue, "gated", journal, lambda r: None, clock=lambda: _now_ms() - DAY_MS
+    )
+    rows = 20
+    for n in range(rows):
+        assert seeding.handle(_compensate(n)) == "accepted"
+    seeding.close()
+    journal.close()
+    with System(kafka_bootstrap, unique_prefix, tmp_path, [catalogue]) as system:
+        wait_until(lambda: gated.inside >= 2, 60, "the first checks")
+        confirming = [t for t in threading.enumerate() if t.name.startswith("gated-confirm")]
+        assert len(confirming) <= 2, [t.name for t in confirming]
+        gated.gate.set()
+        runtime = system._runtimes[0]
+        wait_until(lambda: runtime.journal.accepted() == [], 60, "every row settled")
+        assert gated.checks == rows
+        system.stop_participant(runtime)
+        runtime = system.start_participant(catalogue)
+        assert runtime.journal.accepted() == []  # nothing left to check at this start
