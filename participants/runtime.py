@@ -2077,6 +2077,8 @@ class _Watchdog:
 
 _RETRY_AFTER_S = 0.5  # before a command whose record the broker refused is tried again
 _ONE_AT_A_TIME_WAIT_S = 0.05  # the longest wait() blocks before the consumer is polled
+_JOURNAL_AGAIN_S = 1.0  # before journal marks SQLite could not write (a full disk) go again
+_JOURNAL_NAG_S = 60.0  # how often a journal that stays unwritable is logged again
 
 
 class _Job:
@@ -2207,6 +2209,13 @@ class _CommandLoop:
         # with the job it is a step of, which ends if the step raises
         self._inbox: collections.deque[tuple[_Job, Callable[[], None]]] = collections.deque()
         self._rows: list[tuple[JournalRow, _Job, Callable[[], None]]] = []
+        # marks the journal could not write (sqlite3.OperationalError: a full disk, an
+        # I/O error), written again from _unwritten_at on; their commands wait
+        self._unwritten: list[tuple[JournalRow, _Job, Callable[[], None]]] = []
+        self._unwritten_at = 0.0
+        self._journal_down = False  # since the last failed write, none succeeded
+        self._unwritable_since = 0.0
+        self._nagged_at = 0.0
         self._retries: list[tuple[float, int, Message]] = []
         self._seq = 0
         self._queues: dict[bytes | None, collections.deque[Message]] = {}  # busy keys
@@ -2269,20 +2278,89 @@ class _CommandLoop:
             if self._retries and self._retries[0][0] <= time.monotonic():
                 self._start(heapq.heappop(self._retries)[2])
                 continue
-            if not self._rows:
+            if not self._rows and not self._unwritten:
                 return
+            if self._unwritten:
+                if time.monotonic() < self._unwritten_at:  # everything waits its turn
+                    self._unwritten += self._rows
+                    self._rows = []
+                    return
+                self._rows = self._unwritten + self._rows
+                self._unwritten = []
+                retried = True
+            else:
+                retried = False
             rows, self._rows = self._rows, []
             try:
                 self._handler.journal.write([row for row, _job, _then in rows])
+            except sqlite3.OperationalError as exc:  # the disk, not the commands
+                self._unwritable(rows, exc)
+                return
             except Exception as exc:  # R16: each command's record is dead-lettered
                 for _row, job, _then in rows:
                     self._fail(job, exc)
                 continue
+            if retried:
+                self._journal_down = False
+                log.warning(
+                    "journal writable again after %.0f s: %d commands go on",
+                    time.monotonic() - self._unwritable_since,
+                    len(rows),
+                )
             for _row, job, then in rows:
                 try:
                     then()
                 except Exception as exc:
                     self._broken(job, exc)
+
+    def _unwritable(
+        self, rows: list[tuple[JournalRow, _Job, Callable[[], None]]], exc: Exception
+    ) -> None:
+        """SQLite could not write the journal (a full disk, an I/O error, a lock held
+        too long): the marks wait and are written again in a second, so nothing that
+        needs them happens before (no tool runs before its "started" mark, no outcome
+        goes out before it is journalled) and nothing runs twice. Their commands and
+        their sagas' later ones wait; the loop keeps polling, so backpressure holds
+        the rest and the group keeps this replica. Closing, they are left undone."""
+        now = time.monotonic()
+        if self._closing:
+            self._abandon(rows, exc)
+            return
+        first = not self._journal_down
+        if first:
+            self._journal_down = True
+            self._unwritable_since = now
+        self._unwritten = rows + self._unwritten
+        self._unwritten_at = now + _JOURNAL_AGAIN_S
+        if first or now - self._nagged_at >= _JOURNAL_NAG_S:
+            self._nagged_at = now
+            log.error(
+                "journal write failed (%s): %d commands wait, nothing of them is sent or "
+                "run until it is written; trying again every %.0f s (free disk space)",
+                exc,
+                len(self._unwritten),
+                _JOURNAL_AGAIN_S,
+            )
+
+    def _abandon(
+        self, rows: list[tuple[JournalRow, _Job, Callable[[], None]]], exc: Exception
+    ) -> None:
+        """Stopping with marks the journal still cannot write: their commands are left
+        undone (offsets uncommitted), redelivered at the next start, where the journal
+        and the ledger decide them (a tool that ran is reported as an unknown outcome
+        or, a compensation, runs again under its key)."""
+        log.error(
+            "journal still not writable at stop (%s): %d commands left for redelivery",
+            exc,
+            len(rows),
+        )
+        for _row, job, _then in rows:
+            if job.ended:
+                continue
+            job.ended = job.settled = True
+            key = job.msg.key()
+            self._running.pop(key, None)
+            self.pending -= 1 + len(self._queues.pop(key, ()))
 
     # ------------------------------------------------------------------ commands
 
@@ -2648,6 +2726,7 @@ class _CommandLoop:
         """Finish the commands running now; drop the queued ones (redelivered later,
         since their offsets are never committed)."""
         self._closing = True
+        self._unwritten_at = 0.0  # marks the journal could not write: once more, now
         for queue_ in self._queues.values():
             self.pending -= len(queue_)
             queue_.clear()

@@ -746,6 +746,44 @@ def test_a_full_local_queue_tries_the_command_again_and_loses_nothing_R16(
         harness.stop()
 
 
+def test_a_journal_that_cannot_write_for_a_while_holds_the_commands_and_loses_nothing_R16(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # R10/R16: a full disk (SQLite's OperationalError) for the journal's first three
+    # writes. The commands wait for it instead of going to the DLQ: each tool runs
+    # once, after its "started" mark is on disk, and each outcome reaches the ledger.
+    import sqlite3
+
+    assert harness.runtime is not None
+    journal = harness.runtime.journal
+    write = journal.write
+    failed: list[int] = []
+
+    def full_disk_three_times(rows: list[Any]) -> None:
+        if len(failed) < 3:
+            failed.append(len(rows))
+            raise sqlite3.OperationalError("database or disk is full")
+        write(rows)
+
+    monkeypatch.setattr(journal, "write", full_disk_three_times)
+    # sent once the partition is assigned: the loop's way (one sent before would be
+    # handled whole on a tool thread, after a ledger probe)
+    runtime = harness.runtime
+    wait_until(lambda: runtime._assigned_end, 60, "the command partition assigned")
+    first = harness.execute("s1", {"sku": "a", "quantity": 1})
+    harness.send(first)
+    harness.send(harness.execute("s2", {"sku": "b", "quantity": 1}))  # same saga
+    records = harness.wait_for(
+        lambda rs: len(_of(rs, StepCommitted)) == 2 or bool(_dead_letters(harness))
+    )
+    assert _dead_letters(harness) == []
+    assert len(failed) == 3
+    assert [c.step_id for c in _of(records, StepCommitted)] == ["s1", "s2"]
+    assert harness.shop.count("reserve") == 2  # each once
+    seen = journal.get(first.event_id)
+    assert seen is not None and seen[0] == "done"
+
+
 def test_an_outcome_too_large_for_the_producer_dead_letters_its_command_not_retried_forever(
     transport: str, unique_prefix: str, tmp_path: Path
 ) -> None:

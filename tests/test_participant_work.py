@@ -703,3 +703,72 @@ def test_an_outcome_refused_for_its_size_after_a_give_up_is_not_dead_lettered_he
     assert rig.dead_letters == []
     assert rig.loop.committable() == {}
     rig.close()
+
+
+class _FullDisk:
+    """The journal's ``write`` raising as SQLite does on a full disk, ``failures``
+    times (for ever with None), then writing."""
+
+    def __init__(self, journal: CommandJournal, failures: int | None) -> None:
+        self._write = journal.write
+        self.failures = failures
+        self.failed = 0
+
+    def __call__(self, rows: list[Any]) -> None:
+        import sqlite3
+
+        if self.failures is None or self.failed < self.failures:
+            self.failed += 1
+            raise sqlite3.OperationalError("database or disk is full")
+        self._write(rows)
+
+
+def test_a_journal_that_cannot_write_for_a_while_holds_its_commands_not_dead_letters_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # R10/R16: a full disk is not a bad command. The marks of that turn (here an
+    # intent's "started", then the outcomes) wait and are written again once the
+    # journal takes them: nothing is dead-lettered, no tool runs before its
+    # "started" is on disk or twice, every outcome goes out after it is journalled.
+    from schemas import derived_event_id
+
+    rig = _Rig(tmp_path)
+    full = _FullDisk(rig.journal, failures=3)
+    monkeypatch.setattr(rig.journal, "write", full)
+    commands = [_execute("saga-a", 0), _execute("saga-a", 1), _execute("saga-b", 2)]
+    for command in commands:
+        rig.submit(command)
+    rig.run_until(lambda: rig.loop.pending == 0, "every command done")
+    assert rig.dead_letters == []
+    assert full.failed == 3
+    assert dict(rig.desk.ran) == {"saga-a": [0, 1], "saga-b": [2]}  # each once
+    committed = rig.broker.of(StepCommitted)
+    assert sorted(r.event_id for r in committed) == sorted(
+        derived_event_id(c.event_id, "outcome") for c in commands
+    )
+    for command in commands:
+        seen = rig.journal.get(command.event_id)
+        assert seen is not None and seen[0] == "done"
+    assert rig.loop.committable() == {0: 3}
+    rig.close()
+
+
+def test_a_journal_that_stays_unwritable_leaves_its_commands_undone_at_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A stop while the disk is still full does not hang and dead-letters nothing:
+    # the waiting command is left undone (its offset uncommitted, redelivered at the
+    # next start, where the journal and the ledger decide it); its tool never ran.
+    rig = _Rig(tmp_path)
+    full = _FullDisk(rig.journal, failures=None)
+    monkeypatch.setattr(rig.journal, "write", full)
+    rig.submit(_execute("saga-a", 0))
+    rig.submit(_execute("saga-a", 1))
+    rig.run_until(lambda: full.failed >= 2, "the journal failing again")
+    rig.loop.close()
+    assert rig.dead_letters == []
+    assert dict(rig.desk.ran) == {}
+    assert rig.loop.committable() == {}
+    assert rig.loop.pending == 0
+    rig.handler.close()
+    rig.journal.close()
