@@ -163,6 +163,15 @@ JournalRow = tuple[str, str, bytes | None, bytes | None, int]  # id, state, comm
 SendThen = Callable[[Record, Callable[[DeliveryFailed | None], None], bytes | None], None]
 
 
+def journal_unwritable(exc: BaseException) -> bool:
+    """Whether ``exc`` is the journal's write failing for now (SQLite's
+    OperationalError: a full disk, an I/O error, a lock held too long), as
+    :meth:`CommandJournal.mark` raises it."""
+    return isinstance(exc, sqlite3.OperationalError) or isinstance(
+        exc.__cause__, sqlite3.OperationalError
+    )
+
+
 def _now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -552,7 +561,7 @@ class CommandHandler:
                 # intent may be missing: reported as an unknown outcome and
                 # reconciled, true (the tool did not run) and safe. An intent the
                 # broker refused un-marks it: the tool did not run.
-                self.journal.mark(command.event_id, "started", command=plan.started)
+                self._mark_when_writable(command.event_id, "started", command=plan.started)
                 try:
                     intent_acknowledged()
                 except BaseException:
@@ -566,11 +575,51 @@ class CommandHandler:
         command_id, state, command_bytes, outcome_bytes, _at = self.outcome_row(
             command, outcome, encoded
         )
-        self.journal.mark(command_id, state, command=command_bytes, outcome=outcome_bytes)
+        self._mark_when_writable(command_id, state, command=command_bytes, outcome=outcome_bytes)
         self._publish(outcome.record)
         if self._metrics is not None:
             self._metrics.observe_output(outcome.record)
         return outcome.state
+
+    def _mark_when_writable(
+        self,
+        command_id: str,
+        state: str,
+        *,
+        command: bytes | None = None,
+        outcome: bytes | None = None,
+    ) -> None:
+        """``journal.mark``, waiting out a journal SQLite cannot write for now (a full
+        disk, an I/O error: ``sqlite3.OperationalError``), tried again every second
+        until it is written or the runtime stops (:meth:`stop_waiting`; then the
+        failure is raised and the command left for redelivery). What needs the mark
+        waits: the tool (its "started"), the outcome's send (its row)."""
+        failing = False
+        while True:
+            try:
+                self.journal.mark(command_id, state, command=command, outcome=outcome)
+            except RuntimeError as exc:
+                if not journal_unwritable(exc) or self._stopping.is_set():
+                    raise
+                if not failing:
+                    failing = True
+                    log.error(
+                        "journal write failed (%s): command %s waits; trying again every "
+                        "%.0f s (free disk space)",
+                        exc.__cause__,
+                        command_id,
+                        _JOURNAL_AGAIN_S,
+                    )
+                self._stopping.wait(_JOURNAL_AGAIN_S)
+                continue
+            if failing:
+                log.warning("journal writable again: command %s goes on", command_id)
+            return
+
+    def stop_waiting(self) -> None:
+        """The runtime is stopping: background confirmations end, and a command
+        waiting for the journal (:meth:`_mark_when_writable`) gives up."""
+        self._stopping.set()
 
     def _probe_for(self, cmd: Record) -> LedgerProbe | None:
         """The ledger a journal miss for ``cmd`` reads first, if any: only executions
@@ -1650,6 +1699,7 @@ class ParticipantRuntime:
                         # old done journal entries, a small batch off the commands' path
                         next_prune = time.monotonic() + self.pruning.turn(work.in_flight())
         finally:
+            self.handler.stop_waiting()  # a command waiting for the journal gives up
             work.close()  # lets running commands finish; queued ones are redelivered
             self._writer.producer.flush(10)
             try:
@@ -1693,6 +1743,9 @@ class ParticipantRuntime:
         except (_GivenUp, _TakenOver):
             raise  # the loop's own: nothing of this command is done here any more
         except BaseException as exc:  # R16: never stop the service, never lose the record
+            if journal_unwritable(exc):  # still unwritable at stop: left for redelivery
+                log.warning("journal unwritable: %s %s left undone", command.TYPE, command.event_id)
+                return False
             return self._dead_letter_blocking(msg, command, exc)
         if state == "accepted":
             self._confirm_in_background(command.event_id, msg.value() or _command_bytes(command))

@@ -327,3 +327,74 @@ def test_a_compensation_or_lookup_raising_system_exit_is_its_steps_failure(
     assert isinstance(reconciled, StepReconciled)
     assert reconciled.outcome is ReconcileResult.PENDING
     handler.close()
+
+
+def test_a_journal_that_cannot_write_for_a_while_delays_the_command_not_fails_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # R10/R16, the path that handles a command whole on a tool thread (after a ledger
+    # probe, arguments by reference): a full disk for the journal's first writes
+    # (the "started" mark, then the outcome) is waited out, not a failure of the
+    # command (which went to the DLQ with its tool's outcome unreported); the tool
+    # and the compensation each run once and each outcome goes out once.
+    import sqlite3
+
+    handler, out, desk = _handler(tmp_path)
+    write = handler.journal._write
+    failures = {"left": 2}
+
+    def full_disk(rows: list[object]) -> None:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise sqlite3.OperationalError("database or disk is full")
+        write(rows)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(handler.journal, "_write", full_disk)
+    command = _execute()
+    assert handler.handle(command) == "done"
+    assert desk.events == ["ran d7"]
+    assert [type(r) for r in out] == [StepIntentRecorded, StepCommitted]
+    seen = handler.journal.get(command.event_id)
+    assert seen is not None and seen[0] == "done"
+
+    failures["left"] = 2  # now the compensation's outcome
+    compensate = _cmd(
+        CompensateStep,
+        step_id="01-book",
+        tool="book",
+        compensation="release",
+        args=b'{"desk":"d7"}',
+        result=b'{"desk":"d7"}',
+        idempotency_key="k-1",
+        compensation_key="c-1",
+        attempt=1,
+    )
+    assert handler.handle(compensate) == "accepted"
+    assert desk.events == ["ran d7", "released"]
+    assert [type(r) for r in out] == [StepIntentRecorded, StepCommitted, CompensationAccepted]
+    assert failures["left"] == 0
+    handler.close()
+
+
+def test_a_command_waiting_for_the_journal_gives_up_when_the_runtime_stops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A stop while the disk stays full does not hang on the waiting command: it gives
+    # up (the runtime leaves it for redelivery, see _process), its tool never ran.
+    import sqlite3
+
+    from participants.runtime import journal_unwritable
+
+    handler, out, desk = _handler(tmp_path)
+
+    def full_disk(rows: list[object]) -> None:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(handler.journal, "_write", full_disk)
+    handler.stop_waiting()
+    with pytest.raises(RuntimeError, match="disk is full") as raised:
+        handler.handle(_execute())
+    assert journal_unwritable(raised.value)
+    assert desk.events == []
+    assert [type(r) for r in out] == [StepIntentRecorded]  # no outcome: none was had
+    handler.close()
