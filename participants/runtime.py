@@ -999,9 +999,10 @@ class CommandHandler:
         acceptance as recorded, so a restart does not extend it. Past it this stops
         after one last check and settles the row (``done``, its answer still the
         acceptance): the coordinator's own timer for the same deadline raises the one
-        incident, also when this participant is down. A tool with no ``verify`` is completed by
-        :meth:`complete_accepted` (the provider's completion receipt) instead. A tool
-        this participant no longer serves is reported failed (:meth:`_tool_gone`).
+        incident, also when this participant is down. A tool with no ``verify`` is
+        completed by :meth:`complete_accepted` (the provider's completion receipt)
+        instead. A tool this participant no longer serves is reported failed
+        (:meth:`_tool_gone`).
         """
         from schemas.codec import decode
 
