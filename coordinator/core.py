@@ -1242,6 +1242,14 @@ def _on_incident_resolved(ctx: _Ctx, r: IncidentResolved) -> None:
         )
         return
     if incident.resolved:
+        # Another person (or the ledger) settled it first: refused where people see it,
+        # not dropped unseen, so the later operator learns their answer did not count.
+        ctx.reject(
+            r,
+            RejectReason.INVALID_TRANSITION,
+            f"incident {r.incident_id} is already resolved ({incident.resolution}); the "
+            f"resolution by {r.resolved_by} ({r.resolution}) does not count",
+        )
         return
     step = s.steps.get(incident.step_id) if incident.step_id is not None else None
     unsettled = step is not None and step.status in (StepStatus.UNKNOWN, StepStatus.RECONCILING)

@@ -287,6 +287,16 @@ def _pending_request(
     return f"approval {pending.approval_id} of step {step_id!r} is not in the ledger"
 
 
+def _first_counts(saga_id: str) -> str:
+    """What a printed decision means: on the ledger, counted unless another operator
+    decided the same request a moment earlier (the coordinator counts the first)."""
+    return (
+        " (recorded on the ledger; if another operator decided it a moment earlier, theirs "
+        f"counts and the coordinator refuses this one to the DLQ: see `sagaline saga show "
+        f"{saga_id}`)"
+    )
+
+
 @_one_line_errors
 def _decide(args: argparse.Namespace, *, grant: bool) -> int:
     import time
@@ -327,10 +337,16 @@ def _decide(args: argparse.Namespace, *, grant: bool) -> int:
     try:
         if grant:
             grant_approval(channel, request, operator=operator, via="cli")
-            print(f"approved {args.saga_id}/{args.step_id} ({request.scope}) as {operator}")
+            print(
+                f"approved {args.saga_id}/{args.step_id} ({request.scope}) as {operator}"
+                f"{_first_counts(args.saga_id)}"
+            )
         else:
             deny_approval(channel, request, operator=operator, reason=args.reason, via="cli")
-            print(f"denied {args.saga_id}/{args.step_id} as {operator}: {args.reason}")
+            print(
+                f"denied {args.saga_id}/{args.step_id} as {operator}: {args.reason}"
+                f"{_first_counts(args.saga_id)}"
+            )
     finally:
         channel.close()
     return 0
@@ -460,7 +476,10 @@ def _cmd_incidents_resolve(args: argparse.Namespace) -> int:
         )
     finally:
         channel.close()
-    print(f"resolved {args.incident_id} ({args.resolution}) as {operator}")
+    print(
+        f"resolved {args.incident_id} ({args.resolution}) as {operator}"
+        f"{_first_counts(incident.saga_id)}"
+    )
     return 0
 
 

@@ -429,6 +429,18 @@ def test_unknown_outcome_without_lookup_raises_an_incident_a_person_settles_R11(
     assert h.s.incidents[0].resolved
 
 
+def test_a_second_conflicting_resolution_is_refused_not_silently_ignored_R11() -> None:
+    """The first resolution settles the step; a later one (another operator, another
+    answer) was dropped without a trace, so nobody could see it did not count."""
+    ledger, h = fresh()
+    h.feed(ledger.started(), ledger.scheduled("charge"), ledger.scheduled("email"))
+    [incident] = incidents(h.feed(ledger.unknown("charge")))
+    assert executes(h.feed(ledger.resolve(incident.incident_id, "COMMITTED"))) == ["email"]
+    [rejected] = rejections(h.feed(ledger.resolve(incident.incident_id, "NOT_FOUND")))
+    assert "already resolved" in rejected.detail and "COMMITTED" in rejected.detail
+    assert h.status("charge") == "COMMITTED"
+
+
 def test_person_resolving_not_found_retries_the_step_R11() -> None:
     ledger, h = fresh()
     h.feed(ledger.started(), ledger.scheduled("charge"))

@@ -427,6 +427,55 @@ def test_a_double_click_produces_the_same_event_id() -> None:
     assert first.event_id == second.event_id
 
 
+def test_conflicting_decisions_on_one_request_are_distinct_records_R15() -> None:
+    """Two operators deciding the same request (or one changing their mind) wrote one
+    event id, so the coordinator dropped the later decision as a duplicate while its
+    operator was told it was recorded. Now only a repeat of the same decision by the same
+    operator shares an id; any other is a record of its own, which the coordinator
+    refuses visibly as already decided."""
+    req = _request()
+    alice = approval_granted(req, operator="alice", now=1)
+    assert approval_granted(req, operator="bob", now=2).event_id != alice.event_id
+    denied = approval_denied(req, operator="bob", reason="no", now=2)
+    assert approval_denied(req, operator="bob", reason="no", now=3).event_id == denied.event_id
+    assert approval_denied(req, operator="bob", reason="fraud", now=3).event_id != denied.event_id
+
+    incident = next(r for r in unknown_outcome().records if isinstance(r, IncidentRaised))
+    gone = incident_resolved(incident, operator="alice", resolution="NOT_FOUND", now=1)
+    happened = incident_resolved(incident, operator="bob", resolution="COMMITTED", now=2)
+    assert happened.event_id != gone.event_id
+    again = incident_resolved(incident, operator="alice", resolution="not_found", now=3)
+    assert again.event_id == gone.event_id  # a double click still deduplicates
+
+
+def test_a_second_resolution_of_a_settled_incident_is_listed_as_refused_R11() -> None:
+    """The coordinator acts on the first resolution of an incident and refuses a later
+    one; the view showed the later one as the resolution."""
+    script = unknown_outcome()
+    state = DashboardState(SagalineMetrics("dashboard"))
+    for record in script.records:
+        state.apply(record)
+    incident = next(r for r in script.records if isinstance(r, IncidentRaised))
+    gone = incident_resolved(incident, operator="alice", resolution="NOT_FOUND", now=T0 + 1)
+    happened = incident_resolved(incident, operator="bob", resolution="COMMITTED", now=T0 + 2)
+    state.apply(gone)
+    state.apply(happened)
+    saga = state.sagas[incident.saga_id]
+    assert saga.resolved_incidents[incident.incident_id].resolved_by == "alice"
+    assert saga.steps[incident.step_id or ""].state == "failed"
+    assert any(happened.event_id in why and "already resolved" in why for why in saga.refused)
+
+    channel = RecordingChannel()
+    client = TestClient(create_app(state, channel))  # type: ignore[arg-type]
+    response = client.post(
+        f"/incidents/{incident.saga_id}/{incident.incident_id}/resolve",
+        data={"operator": "carol", "resolution": "COMMITTED"},
+        follow_redirects=False,
+    )
+    assert response.status_code == 400 and "already resolved by alice" in response.text
+    assert channel.published == []
+
+
 @pytest.mark.parametrize("who", ["", "   "])
 def test_a_decision_without_an_operator_is_refused(who: str) -> None:
     req = _request()

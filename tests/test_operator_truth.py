@@ -21,7 +21,10 @@ from participants import (
     wrap,
 )
 from participants.client import StepEscalated
+from sagaline.kafka import LedgerReader
+from sagaline.ops.actions import OperatorChannel, resolve_incident
 from schemas import ApprovalGranted, ApprovalRequested, IncidentRaised, TerminalStatus
+from schemas.codec import decode
 from schemas.wire import DLQ_REASON, to_message
 from services.cli import main
 from tests.system import System, wait_until
@@ -194,3 +197,44 @@ def test_unknown_outcome_resolved_committed_gives_the_compensation_its_operation
     receipt = saga.wait(60)
     assert receipt.status is TerminalStatus.COMPENSATED
     assert office.refunds == [("ch_77", {"charge": "ch_77"})]
+
+
+def test_two_operators_resolving_one_incident_differently_the_later_is_refused_visibly_R11(
+    desk: tuple[System, Desk],
+) -> None:
+    """Alice and Bob both had the unknown outcome on screen and answered differently.
+    Both records used to carry one event id, so the coordinator dropped Bob's as a
+    duplicate, leaving no trace, while Bob was told it was recorded. Now Bob's is a
+    record of its own that the coordinator refuses (DLQ, with the reason), and Alice's
+    answer is the one acted on."""
+    system, office = desk
+    with pytest.raises(StepEscalated), system.client.saga("billing", "agent") as saga:
+        saga.call("charge", cents=500)  # times out, no lookup: a person must settle it
+    incident = wait_until(
+        lambda: next(
+            (r for r in system.records(saga.saga_id) if isinstance(r, IncidentRaised)), None
+        ),
+        what="the unknown-outcome incident",
+    )
+    office.charge_may_answer.set()
+    channel = OperatorChannel.from_settings(system.settings, system.bootstrap)
+    try:
+        first = resolve_incident(
+            channel, incident, operator="alice", resolution="COMMITTED", operation_id="ch_1"
+        )
+        later = resolve_incident(channel, incident, operator="bob", resolution="NOT_FOUND")
+    finally:
+        channel.close()
+    assert later.event_id != first.event_id
+
+    def refused() -> dict[str, bytes] | None:
+        for _key, value, headers in LedgerReader(system.bootstrap).records(system.topics.dlq):
+            if decode(value or b"").event_id == later.event_id:
+                pairs = headers.items() if isinstance(headers, dict) else headers or []
+                return {k: v for k, v in pairs if isinstance(v, bytes)}
+        return None
+
+    found = wait_until(refused, what="the coordinator refusing Bob's resolution")
+    assert found[DLQ_REASON] == b"invalid-transition"
+    assert saga.wait(60).status is TerminalStatus.COMPENSATED
+    assert office.refunds == [("ch_1", None)]  # Alice's answer: it happened

@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Iterable
 
@@ -113,14 +114,18 @@ def _envelope(
     ref: str,
     via: str,
     now: int,
-    producer: str | None = None,
+    producer: str | None,
+    decision: tuple[str | None, ...],
 ) -> Envelope:
-    # A deterministic id per (action, request): a double click or a CLI retry produces
-    # the same event id, which the coordinator deduplicates (R15). That loses nothing:
-    # the coordinator asks each approval id at most once (a new generation asks again
-    # under a new id), so a grant it rejected for a request would be rejected again.
+    # A deterministic id per (action, request, what was decided and by whom): a double
+    # click or a CLI retry produces the same event id, which the coordinator
+    # deduplicates (R15). Another operator's decision, or a different one, on the same
+    # request is a record of its own: the coordinator acts on the first and refuses the
+    # later one visibly (DLQ, `sagaline saga show`, the dashboard), where one shared id
+    # would have dropped it unseen while its operator was told it was recorded.
+    content = hashlib.sha256(orjson.dumps(decision)).hexdigest()[:32]
     return Envelope(
-        event_id=derived_event_id("operator", action, cause.saga_id, ref),
+        event_id=derived_event_id("operator", action, cause.saga_id, ref, content),
         saga_id=cause.saga_id,
         tenant_id=cause.envelope.tenant_id,
         type=record_type.TYPE,
@@ -155,7 +160,7 @@ def approval_granted(
         )
     return ApprovalGranted(
         envelope=_envelope(
-            ApprovalGranted, request, "grant", request.approval_id, via, now, producer
+            ApprovalGranted, request, "grant", request.approval_id, via, now, producer, (who,)
         ),
         step_id=request.step_id,
         approval_id=request.approval_id,
@@ -179,15 +184,16 @@ def approval_denied(
 ) -> ApprovalDenied:
     """A denial is a business rejection: the saga compensates at once (R7, R9)."""
     who = _operator(operator)
+    why = reason.strip() or f"denied by {who}"
     return ApprovalDenied(
         envelope=_envelope(
-            ApprovalDenied, request, "deny", request.approval_id, via, now, producer
+            ApprovalDenied, request, "deny", request.approval_id, via, now, producer, (who, why)
         ),
         step_id=request.step_id,
         approval_id=request.approval_id,
         purpose=request.purpose,
         denied_by=who,
-        reason=reason.strip() or f"denied by {who}",
+        reason=why,
     )
 
 
@@ -235,9 +241,17 @@ def incident_resolved(
                 f"incident {incident.incident_id}: --result must be JSON (what the tool "
                 f'returned, e.g. \'{{"refund_id": "r-1"}}\'), got {result_json[:60]!r}'
             ) from None
+    decision = (who, text, note, operation_id or None, result.decode() if result else None)
     return IncidentResolved(
         envelope=_envelope(
-            IncidentResolved, incident, "resolve", incident.incident_id, via, now, producer
+            IncidentResolved,
+            incident,
+            "resolve",
+            incident.incident_id,
+            via,
+            now,
+            producer,
+            decision,
         ),
         incident_id=incident.incident_id,
         resolved_by=who,

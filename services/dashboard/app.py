@@ -47,6 +47,13 @@ from services.dashboard.view import (
 
 _e = html.escape
 
+# After a decision: the record is on Kafka, but another operator may have decided the
+# same request a moment earlier; the coordinator counts the first (R7, R11).
+_FIRST_COUNTS = (
+    ": recorded on Kafka. The first decision counts: if someone decided it a moment "
+    "earlier, the saga page lists this one as not counted or refused."
+)
+
 _STATUS_COLOUR = {
     SagaStatus.RUNNING: "#1565c0",
     SagaStatus.AWAITING_APPROVAL: "#f9a825",
@@ -879,7 +886,7 @@ def create_app(
             rec = operator_actions.grant_approval(
                 channel, req, operator=form["operator"], via="dashboard", now=now_ms()
             )
-            return f"Approval {approval_id} granted by {rec.granted_by} (recorded on Kafka)."
+            return f"Approval {approval_id} granted by {rec.granted_by}{_FIRST_COUNTS}"
 
         return await _decide(request, saga_id, perform)
 
@@ -896,7 +903,7 @@ def create_app(
                 reason=form.get("reason", ""),
                 via="dashboard",
             )
-            return f"Approval {approval_id} denied by {rec.denied_by} (recorded on Kafka)."
+            return f"Approval {approval_id} denied by {rec.denied_by}{_FIRST_COUNTS}"
 
         return await _decide(request, saga_id, perform)
 
@@ -907,6 +914,13 @@ def create_app(
             assert channel is not None
             with state.lock:
                 incident = saga.open_incidents.get(incident_id)
+            first = saga.resolved_incidents.get(incident_id) if incident is None else None
+            if first is not None:
+                raise operator_actions.UnknownRequest(
+                    f"incident {incident_id} of saga {saga.saga_id} is already resolved by "
+                    f"{first.resolved_by}: {first.resolution}; the coordinator acts on the "
+                    "first resolution only, so nothing was recorded"
+                )
             if incident is None:
                 raise operator_actions.UnknownRequest(
                     f"incident {incident_id} of saga {saga.saga_id} is not open: nothing "
@@ -920,7 +934,7 @@ def create_app(
                 note=form.get("note", ""),
                 via="dashboard",
             )
-            return f"Incident {incident_id} resolved by {rec.resolved_by} (recorded on Kafka)."
+            return f"Incident {incident_id} resolved by {rec.resolved_by}{_FIRST_COUNTS}"
 
         return await _decide(request, saga_id, perform)
 

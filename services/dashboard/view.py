@@ -587,7 +587,7 @@ def _fold(saga: SagaView, record: Record) -> None:
             step.incident_id = record.incident_id
             step.incidents.append((at, record.kind))
     elif isinstance(record, IncidentResolved):
-        saga.resolved_incidents[record.incident_id] = record
+        saga.resolved_incidents.setdefault(record.incident_id, record)  # the first counts
         incident = saga.open_incidents.pop(record.incident_id, None)
         if incident is not None and incident.step_id is not None:
             step = saga.step(incident.step_id)
@@ -702,6 +702,20 @@ def _resolution_refused(saga: SagaView, r: IncidentResolved) -> str | None:
     unknown outcome still unsettled is answered only with COMMITTED or NOT_FOUND;
     anything else leaves the incident open, waiting for a person."""
     incident = saga.open_incidents.get(r.incident_id)
+    if incident is None and saga.terminal_status is None:
+        # Settled before, by a person or the ledger: the coordinator acts on the first
+        # resolution only and refuses this one (``_on_incident_resolved``).
+        first = saga.resolved_incidents.get(r.incident_id)
+        how = (
+            f"{first.resolution} (by {first.resolved_by})"
+            if first is not None
+            else saga.settled_incidents.get(r.incident_id)
+        )
+        if how is not None:
+            return (
+                f"incident {r.incident_id} is already resolved ({how}); the resolution by "
+                f"{r.resolved_by} ({r.resolution}) does not count"
+            )
     if incident is None or incident.kind not in SETTLES_UNKNOWN or incident.step_id is None:
         return None
     step = saga.steps.get(incident.step_id)
