@@ -31,6 +31,7 @@ from sagaline.ops.actions import (
     ApprovalExpired,
     MissingOperatorIdentity,
     OperatorActionError,
+    OperatorChannel,
     approval_denied,
     approval_granted,
     incident_resolved,
@@ -54,6 +55,8 @@ from schemas import (
     SagaTerminal,
     TerminalStatus,
 )
+from schemas.signing import Signer
+from schemas.topics import TopicNames
 from services.dashboard.app import create_app
 from services.dashboard.timeline import render_timeline_svg
 from services.dashboard.view import DashboardState, SagaFilter, SagaStatus, Span, SpanKind
@@ -474,6 +477,22 @@ def test_a_second_resolution_of_a_settled_incident_is_listed_as_refused_R11() ->
     )
     assert response.status_code == 400 and "already resolved by alice" in response.text
     assert channel.published == []
+
+
+def test_an_unacknowledged_decision_is_not_called_undecided() -> None:
+    """No acknowledgement is no proof of absence: the producer may still deliver the
+    record. The message said "nothing was decided, try again"; it now says the
+    decision may or may not be recorded, and that repeating it is safe (same id)."""
+    req = _request()
+    channel = OperatorChannel("127.0.0.1:1", TopicNames("t."), Signer(None))  # nobody there
+    try:
+        with pytest.raises(OperatorActionError) as raised:
+            channel.publish(approval_granted(req, operator="alice", now=1), timeout_s=1.0)
+    finally:
+        channel.close()
+    message = str(raised.value)
+    assert "nothing was decided" not in message
+    assert "may or may not" in message and "same event id" in message
 
 
 @pytest.mark.parametrize("who", ["", "   "])

@@ -8,7 +8,8 @@ empty identity is refused before anything is produced.
 
 The record builders are pure (:func:`approval_granted`, :func:`approval_denied`,
 :func:`incident_resolved`); the publishing functions wait for the broker's ack, so a
-caller that returns without error knows the decision is in the log.
+caller that returns without error knows the decision is in the log (and one that got
+no ack does not know it is not: repeating the same decision is safe).
 
 Example::
 
@@ -335,9 +336,14 @@ class OperatorChannel:
         try:
             self._writer.append(record, timeout_s=timeout_s)
         except DeliveryFailed as exc:
+            # No acknowledgement is no proof of absence: the record may be in the log
+            # already, or be delivered later. Repeating the same decision is safe.
             raise OperatorActionError(
-                f"could not record {record.TYPE} for saga {record.saga_id}: {exc}; "
-                "nothing was decided, try again"
+                f"the broker did not confirm {record.TYPE} for saga {record.saga_id}: "
+                f"{exc}; the decision may or may not be recorded (it may still arrive): "
+                "check the saga (`sagaline saga show` or the dashboard) before deciding "
+                "anything else, or repeat the same decision, which is safe (same event id: "
+                "it counts once)"
             ) from exc
 
     def close(self) -> None:
