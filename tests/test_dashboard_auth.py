@@ -5,10 +5,12 @@ The browser and Kafka version is tests/test_dashboard_login_browser.py.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from dashboard_scenarios import T0, awaiting_approval, unknown_outcome
@@ -359,3 +361,76 @@ def test_sagaline_dashboard_stops_with_the_reason_when_the_users_file_is_unusabl
     assert cli_main(["dashboard", "--port", "0"]) == 2
     assert served == []
     assert "SAGALINE_DASHBOARD_USERS" in capsys.readouterr().err
+
+
+def _raw_post(
+    app: Any, path: str, headers: list[tuple[bytes, bytes]], body: bytes
+) -> tuple[int, int]:
+    """POST ``body`` straight to the ASGI app: (status, bytes of the body it read)."""
+    read = 0
+    chunks = [body[i : i + 65536] for i in range(0, len(body), 65536)] or [b""]
+
+    async def receive() -> dict[str, Any]:
+        nonlocal read
+        if not chunks:
+            return {"type": "http.disconnect"}
+        chunk = chunks.pop(0)
+        read += len(chunk)
+        return {"type": "http.request", "body": chunk, "more_body": bool(chunks)}
+
+    status: list[int] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            status.append(message["status"])
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"127.0.0.1:8088"), *headers],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8088),
+    }
+    asyncio.run(app(scope, receive, send))
+    return status[0], read
+
+
+def test_an_oversized_form_is_refused_with_413_before_it_is_buffered() -> None:
+    """Forms were parsed whole, with no overall limit: one POST could make the dashboard
+    buffer about a gigabyte. A body over the limit is refused 413 and nothing is written,
+    whether it says its length up front or not (chunked)."""
+    state = DashboardState(SagalineMetrics("dashboard"))
+    for record in awaiting_approval().records:
+        state.apply(record)
+    _, req = state.pending_approvals()[0]
+    channel = RecordingChannel()
+    app = create_app(state, channel)  # type: ignore[arg-type]
+    path = f"/approvals/{req.saga_id}/{req.approval_id}/grant"
+    body = b"operator=alice&reason=" + b"x" * (4 << 20)
+    form = (b"content-type", b"application/x-www-form-urlencoded")
+    length = (b"content-length", str(len(body)).encode())
+    status, read = _raw_post(app, path, [form, length], body)
+    assert status == 413 and read == 0  # refused on its stated length, unread
+    status, read = _raw_post(app, path, [form], body)  # chunked: no length up front
+    assert status == 413 and read < 1 << 20
+    assert channel.published == []
+
+
+def test_an_anonymous_post_is_refused_before_its_form_is_read() -> None:
+    """With logins, a POST without a session is refused 401 without parsing its body."""
+    app = create_app(
+        DashboardState(SagalineMetrics("dashboard")),
+        auth=OperatorAuth(users={"alice": hash_password("pw-of-alice-123")}),
+    )
+    form = (b"content-type", b"application/x-www-form-urlencoded")
+    status, read = _raw_post(app, GRANT, [form], b"operator=alice&csrf=x")
+    assert status == 401 and read == 0
+    status, read = _raw_post(app, "/incidents/s-1/i-1/resolve", [form], b"resolution=done")
+    assert status == 401 and read == 0

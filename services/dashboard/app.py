@@ -682,6 +682,69 @@ class SecurityHeaders:
         await self.app(scope, receive, send_with_headers)
 
 
+MAX_BODY_BYTES = 256 * 1024
+"""The largest request body the dashboard reads: its forms (a name, a reason, a
+resolution and a note, or a login) need a few KiB; anything larger is refused 413."""
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    """Refuses a request whose body is over ``limit`` bytes with 413 before the app
+    buffers it: at once by its ``Content-Length``, or, sent without one (chunked), as
+    soon as what has arrived passes the limit. Nothing is recorded."""
+
+    def __init__(self, app: ASGIApp, limit: int = MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        stated = Headers(scope=scope).get("content-length", "").strip()
+        if stated.isdigit() and int(stated) > self.limit:
+            await self._refuse(scope, receive, send)
+            return
+        seen = 0
+        started = False
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _BodyTooLarge
+            return message
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counted, tracked)
+        except _BodyTooLarge:
+            if started:
+                raise
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = _page(
+            "Too large",
+            '<p><a href="/">Back to the dashboard</a></p>',
+            f"Refused: the request is over {self.limit // 1024} KiB, far more than any "
+            "of the dashboard's forms needs; nothing was recorded.",
+            error=True,
+            status=413,
+        )
+        await response(scope, receive, send)
+
+
 # --------------------------------------------------------------------- the app
 
 
@@ -816,11 +879,14 @@ def create_app(
     async def _decide(
         request: Request, saga_id: str, perform: Callable[[dict[str, str], SagaView], str]
     ) -> Response:
+        viewer, _fresh = _viewer(request)
+        if viewer.auth and viewer.operator is None:
+            # No session: refused before the form is even read.
+            return _refuse_unauthenticated(viewer, None) or Response(status_code=401)
         form = {k: str(v) for k, v in (await request.form()).items()}
         back = form.get("next") or "/"
         if not back.startswith("/") or back.startswith("//"):
             back = "/"
-        viewer, _fresh = _viewer(request)
         if viewer.auth:
             # The approver is whoever holds the session, never what the form says.
             refused = _refuse_unauthenticated(viewer, form.get("csrf"))
@@ -995,10 +1061,11 @@ def create_app(
         return _with_session(request, RedirectResponse(nxt, status_code=303), token)
 
     async def logout(request: Request) -> Response:
-        form = {k: str(v) for k, v in (await request.form()).items()}
         viewer, _fresh = _viewer(request)
-        if OperatorAuth.csrf_ok(viewer.csrf, form.get("csrf")):
-            auth.logout(request.cookies.get(SESSION_COOKIE))
+        if viewer.csrf is not None:  # a session to end: only then is the form read
+            form = {k: str(v) for k, v in (await request.form()).items()}
+            if OperatorAuth.csrf_ok(viewer.csrf, form.get("csrf")):
+                auth.logout(request.cookies.get(SESSION_COOKIE))
         response = RedirectResponse("/", status_code=303)
         response.delete_cookie(SESSION_COOKIE, path="/")
         return response
@@ -1090,6 +1157,7 @@ def create_app(
         ],
         middleware=[
             Middleware(SecurityHeaders),
+            Middleware(BodyLimit),
             Middleware(SameOriginOnly, logins=auth.enabled, dev_hosts=auth.dev_hosts),
         ],
         lifespan=lifespan,
