@@ -97,7 +97,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "SAGALINE_DASHBOARD_USERS or SAGALINE_DASHBOARD_PROXY_SECRET; "
         "SAGALINE_DASHBOARD_READ_OPEN, SAGALINE_DASHBOARD_METRICS_OPEN open viewing, or "
         "/metrics alone, without a login; without logins SAGALINE_DASHBOARD_HOSTS names "
-        "the hosts it may be reached by besides localhost and IP addresses; see "
+        "the hosts it may be reached by besides localhost and IP addresses; "
+        "SAGALINE_DASHBOARD_SECURE_COOKIE=1 makes the session cookie always Secure; see "
         "docs/security.md).",
     )
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port (8088)")

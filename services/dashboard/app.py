@@ -777,7 +777,7 @@ def create_app(
                 token,
                 httponly=True,
                 samesite="strict",
-                secure=request.url.scheme == "https",
+                secure=auth.cookie_secure(request.url.scheme, request.headers),
                 path="/",
             )
         return response

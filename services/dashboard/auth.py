@@ -12,7 +12,10 @@ Two ways to authenticate, configured by environment variables (docs/security.md)
 Either way the dashboard keeps a server-side session (cookie ``sagaline_session``,
 HttpOnly, SameSite=Strict) holding the operator and a CSRF token that every action
 form carries: a POST without a session, or with another token, is refused. The
-operator recorded as approver is the session's, never a form field.
+operator recorded as approver is the session's, never a form field. The cookie is
+``Secure`` when the browser reached the dashboard over https: seen by the server itself,
+or said by the proxy that holds the proxy secret (``X-Forwarded-Proto``), or always with
+``SAGALINE_DASHBOARD_SECURE_COOKIE=1``.
 ``SAGALINE_DASHBOARD_READ_OPEN=1`` lets anyone view (never act) without logging in;
 ``SAGALINE_DASHBOARD_METRICS_OPEN=1`` lets anyone read ``/metrics`` alone (a
 Prometheus scrape), which otherwise needs a login like every page.
@@ -122,8 +125,12 @@ class OperatorAuth:
         read_open: bool = False,
         metrics_open: bool = False,
         dev_hosts: Collection[str] | None = None,
+        secure_cookie: bool = False,
     ) -> None:
         self._users = dict(users or {})
+        # The session cookie is always Secure (SAGALINE_DASHBOARD_SECURE_COOKIE): for a
+        # TLS-ending proxy that does not send the proxy secret.
+        self.secure_cookie = secure_cookie
         self._proxy_secret = proxy_secret or None
         self.read_open = read_open
         # /metrics without a login (a Prometheus scrape), the pages still behind one.
@@ -149,6 +156,7 @@ class OperatorAuth:
             _flag(env, "SAGALINE_DASHBOARD_READ_OPEN"),
             _flag(env, "SAGALINE_DASHBOARD_METRICS_OPEN"),
             [h for h in env.get("SAGALINE_DASHBOARD_HOSTS", "").split(",") if h.strip()],
+            _flag(env, "SAGALINE_DASHBOARD_SECURE_COOKIE"),
         )
 
     @property
@@ -207,12 +215,27 @@ class OperatorAuth:
             return self._sessions[fresh], fresh
 
     def _proxy_operator(self, headers: Mapping[str, str]) -> str | None:
-        if self._proxy_secret is None:
-            return None
-        given = headers.get(PROXY_SECRET_HEADER, "")
-        if not hmac.compare_digest(given.encode(), self._proxy_secret.encode()):
+        if not self._from_proxy(headers):
             return None
         return headers.get(PROXY_USER_HEADER, "").strip() or None
+
+    def _from_proxy(self, headers: Mapping[str, str]) -> bool:
+        """The request came through the configured proxy (it holds the proxy secret)."""
+        if self._proxy_secret is None:
+            return False
+        given = headers.get(PROXY_SECRET_HEADER, "")
+        return hmac.compare_digest(given.encode(), self._proxy_secret.encode())
+
+    def cookie_secure(self, scheme: str, headers: Mapping[str, str]) -> bool:
+        """Whether the session cookie gets ``Secure``: always with ``secure_cookie``;
+        when this server saw https (uvicorn applies ``X-Forwarded-Proto`` itself from
+        the addresses in ``FORWARDED_ALLOW_IPS``); or when the proxy that proved itself
+        with the proxy secret says the browser used https (``X-Forwarded-Proto``, its
+        first value). The header from anyone else counts for nothing."""
+        if self.secure_cookie or scheme == "https":
+            return True
+        proto = headers.get("x-forwarded-proto", "").split(",")[0].strip().lower()
+        return proto == "https" and self._from_proxy(headers)
 
     @staticmethod
     def csrf_ok(expected: str | None, given: str | None) -> bool:
