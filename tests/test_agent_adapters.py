@@ -1183,3 +1183,45 @@ def test_pydantic_ai_stream_left_before_its_output_completes_the_saga(served: An
     assert receipt.status is TerminalStatus.COMPLETED
     assert [(s.tool, s.disposition.value) for s in receipt.steps] == [("reserve_seat", "RETAINED")]
     assert [e for e in trip.log if "LX94" in e or ":194" in e] == ["reserve:LX94"]
+
+
+def test_a_tool_call_id_reused_after_a_restart_with_other_arguments_is_a_step_of_its_own(
+    served: Any,
+) -> None:
+    """Some providers number tool calls afresh in every run (``call_0`` each time).
+    The tool-call id -> step map was kept in memory only, so after the agent's
+    process restarted (the saga attached) a reused id with other arguments was sent
+    as the step ``TOOL@CALLID`` again and refused (``CallRefused``,
+    ``duplicate-step``) instead of running. It runs as a step of its own, and a
+    repeat of either call, in any process, is still the step it was (one effect)."""
+    from sagaline.agents._core import resumed, saga_tools
+
+    client, catalogue, trip = served
+    saga = client.saga("trip", principal="agent:restarted")
+    saga.__enter__()  # started; the agent's process dies inside the block
+    tools = {t.name: t for t in saga_tools(saga, catalogue)}
+    assert tools["reserve_seat"]({"flight": "LX95"}, "call_0") == "r-LX95"
+    assert tools["reserve_seat"]({"flight": "LX97"}, "call_0") == "r-LX97"
+    assert tools["reserve_seat"]({"flight": "LX97"}, "call_0") == "r-LX97"  # a retry
+
+    def attached(again: SagaClient) -> dict[str, Any]:
+        view = again.saga("trip", principal="agent:restarted", saga_id=saga.saga_id).attach()
+        return {t.name: t for t in saga_tools(view, catalogue)}
+
+    with sagaline.connect(settings=client.settings) as again:
+        tools = attached(again)
+        assert tools["reserve_seat"]({"flight": "LX96"}, "call_0") == "r-LX96"
+        assert tools["reserve_seat"]({"flight": "LX95"}, "call_0") == "r-LX95"
+    with sagaline.connect(settings=client.settings) as third:
+        tools = attached(third)
+        with resumed(tools["reserve_seat"].saga):
+            assert asyncio.run(tools["reserve_seat"].acall({"flight": "LX96"}, "call_0")) == (
+                "r-LX96"
+            )
+            assert tools["reserve_seat"]({"flight": "LX95"}, "call_0") == "r-LX95"
+            assert tools["reserve_seat"]({"flight": "LX97"}, "call_0") == "r-LX97"
+        receipt = tools["reserve_seat"].saga.wait(120)
+    assert receipt.status is TerminalStatus.COMPLETED
+    steps = sorted(s.step_id for s in receipt.steps)
+    assert steps == ["reserve_seat@call_0", "reserve_seat@call_0#2", "reserve_seat@call_0#3"]
+    assert [trip.log.count(f"reserve:LX{n}") for n in (95, 96, 97)] == [1, 1, 1]

@@ -10,9 +10,12 @@ saga that is already unwinding.
 
 A framework may run one tool call again (a LangGraph ``RetryPolicy`` retries a node
 whose tool raised ``OutcomeUnknown``; a resumed interrupt re-runs the node): a call
-that carries the framework's tool-call id is the step ``TOOL@CALLID``, so running it
-again with the same arguments waits for that step's outcome again (the coordinator
-does not run a step twice) instead of making the effect a second time.
+that carries the framework's tool-call id is the step ``TOOL@CALLID`` (``TOOL@CALLID#2``,
+``#3``, ... when the saga has that id for other calls: a provider that numbers its
+calls afresh in every run), so running it again with the same arguments, in this process
+or one that attached the saga after a restart, waits for that step's outcome again
+(the coordinator does not run a step twice) instead of making the effect a second
+time.
 
 A framework run that pauses for a person (a LangGraph ``interrupt()``, an OpenAI
 Agents tool with ``needs_approval``, a pydantic-ai ``DeferredToolRequests`` output)
@@ -23,10 +26,7 @@ rest of the saga once the run continues."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-import threading
-import weakref
+import itertools
 from collections.abc import (
     AsyncIterable,
     AsyncIterator,
@@ -81,31 +81,48 @@ class SagaTool:
 
     def __call__(self, args: Mapping[str, Any], call_id: str | None = None) -> Any:
         kwargs = tool_args(self.saga, self.spec.name, args)
-        return self.saga.call(self.spec.name, step_id=self._step_id(call_id, kwargs), **kwargs)
+        if not call_id:
+            return self.saga.call(self.spec.name, **kwargs)
+        for step_id in self._step_ids(call_id):
+            try:
+                return self.saga.call(self.spec.name, step_id=step_id, **kwargs)
+            except CallRefused as refused:
+                if refused.limit != DUPLICATE_STEP:
+                    raise
+        raise AssertionError("unreachable: the step ids never run out")
 
     async def acall(self, args: Mapping[str, Any], call_id: str | None = None) -> Any:
         kwargs = tool_args(self.saga, self.spec.name, args)
-        step_id = self._step_id(call_id, kwargs)
-        return await self.saga.acall(self.spec.name, step_id=step_id, **kwargs)
-
-    def _step_id(self, call_id: str | None, kwargs: Mapping[str, Any]) -> str | None:
-        """The step of the framework's tool call ``call_id``: the same call run again
-        (same tool, same arguments) is the same step; without an id, or an id already
-        used for another call, the saga numbers a new step."""
         if not call_id:
-            return None
-        dumped = json.dumps(kwargs, sort_keys=True, default=repr).encode()
-        call = (self.spec.name, hashlib.sha256(dumped).hexdigest())  # no clear args kept
-        with _CALLS_LOCK:
-            calls = _CALLS.setdefault(self.saga, {})
-            if calls.setdefault(call_id, call) != call:
-                return None
-        return f"{self.spec.name}@{call_id}"  # no tool name has "@": no step id is made twice
+            return await self.saga.acall(self.spec.name, **kwargs)
+        for step_id in self._step_ids(call_id):
+            try:
+                return await self.saga.acall(self.spec.name, step_id=step_id, **kwargs)
+            except CallRefused as refused:
+                if refused.limit != DUPLICATE_STEP:
+                    raise
+        raise AssertionError("unreachable: the step ids never run out")
+
+    def _step_ids(self, call_id: str) -> Iterator[str]:
+        """The steps the framework's tool call ``call_id`` may be, in the order they
+        are tried: ``TOOL@CALLID``, then ``TOOL@CALLID#2``, ``#3``, ... The call is
+        the first the saga has not scheduled for another call: the saga's client
+        refuses (``duplicate-step``, nothing written) an id it scheduled with other
+        arguments, and answers one scheduled with the same with that step's outcome.
+        Ids are taken in order and never given back, so the same call run again is
+        the same step, and an id reused for other arguments (a provider numbering
+        its calls afresh in every run) a new one; what the client knows is the
+        saga's steps on the ledger (read by ``attach()`` in a process that
+        restarted), so the same holds across restarts. Nothing of the arguments is
+        in the id (a digest of a short secret could be reversed)."""
+        step = f"{self.spec.name}@{call_id}"  # no tool name has "@": no step id is made twice
+        yield step
+        for n in itertools.count(2):  # ends: each refused id is a step of the saga
+            yield f"{step}#{n}"
 
 
-# Per saga: tool-call id -> (tool, arguments) of the call it named first.
-_CALLS: weakref.WeakKeyDictionary[Any, dict[str, tuple[str, str]]] = weakref.WeakKeyDictionary()
-_CALLS_LOCK = threading.Lock()
+# CallRefused.limit of a step id the saga scheduled with another tool or other arguments.
+DUPLICATE_STEP = "duplicate-step"
 
 
 def tool_args(saga: Saga, tool: str, args: Mapping[str, Any]) -> dict[str, Any]:
