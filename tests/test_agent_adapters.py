@@ -1225,3 +1225,39 @@ def test_a_tool_call_id_reused_after_a_restart_with_other_arguments_is_a_step_of
     steps = sorted(s.step_id for s in receipt.steps)
     assert steps == ["reserve_seat@call_0", "reserve_seat@call_0#2", "reserve_seat@call_0#3"]
     assert [trip.log.count(f"reserve:LX{n}") for n in (95, 96, 97)] == [1, 1, 1]
+
+
+def test_openai_agents_stream_read_on_after_the_saga_ended_does_not_say_the_saga_stays_open(
+    served: Any,
+) -> None:
+    """A caller leaves ``stream_events()`` early (the saga's block completes the
+    saga), then reads the rest of the run, which pauses for tool approval: the
+    ``Interrupted`` said the saga "stays open" and told to resume it, while it had
+    ended. It says the saga had already ended, and ``ended`` is its status."""
+    from sagaline.agents import openai_agents as adapter
+
+    client, catalogue, trip = served
+    saga = client.saga("trip", principal="agent:openai")
+    agent = _approving_openai_agent(saga, catalogue, "LX84", 984)
+
+    async def read_on() -> tuple[sagaline.Receipt, BaseException | None]:
+        async with saga as view:
+            events = adapter.run_streamed(saga, agent, "book LX84").stream_events()
+            async for event in events:
+                if getattr(getattr(event, "item", None), "type", "") == "tool_call_output_item":
+                    break
+        receipt = await view.wait(120)  # the saga's end is known to the client
+        try:
+            [_ async for _ in events]
+        except adapter.Interrupted as exc:
+            return receipt, exc
+        return receipt, None
+
+    receipt, stopped = asyncio.run(read_on())
+    assert receipt.status is TerminalStatus.COMPLETED
+    assert isinstance(stopped, adapter.Interrupted)
+    assert [i.tool_name for i in stopped.interruptions] == ["confirm_payment"]
+    assert "stays open" not in str(stopped), str(stopped)
+    assert "had already ended (COMPLETED)" in str(stopped)
+    assert stopped.ended is TerminalStatus.COMPLETED
+    assert [e for e in trip.log if "LX84" in e or ":984" in e] == ["reserve:LX84"]

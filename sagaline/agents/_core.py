@@ -43,6 +43,7 @@ from typing import Any, TypeVar
 
 from participants.catalogue import Catalogue, ToolKind, ToolSpec
 from participants.client import ApprovalPending, AsyncSaga, CallRefused, Saga
+from schemas import TerminalStatus
 
 # Options of ``saga.call``, never tool arguments (the catalogue refuses such names).
 SAGA_CALL_OPTIONS = frozenset({"step_id", "depends_on", "timeout_s"})
@@ -195,11 +196,42 @@ class Interrupted(ApprovalPending):
     ``ToolCallPart``s), so code that handles any adapter's pause need not know which;
     ``approval_id`` joins their ids with commas."""
 
+    # The saga's terminal status when it had already ended as the pause was found (a
+    # stream read to its end after the saga's block ended it): nothing to resume.
+    ended: TerminalStatus | None = None
+
     def __init__(
         self, message: str, *, saga_id: str, pending: list[Any], ids: Iterable[str]
     ) -> None:
         super().__init__(message, saga_id=saga_id, step_id="", tool="", approval_id=",".join(ids))
         self.pending = pending
+
+
+def paused(saga: Saga | AsyncSaga, what: str, how: str) -> tuple[str, TerminalStatus | None]:
+    """The message of an ``Interrupted`` for a run that ``what`` (it paused), and the
+    saga's terminal status when it had already ended: then the message says so (its
+    block ended it before the pause was read: a stream read on after the block), not
+    that the saga stays open for ``how`` (the way to resume the run). The ending is
+    known once this client has the saga's terminal record (no wait); before that the
+    message says what the block does with the pause."""
+    view = saga._saga if isinstance(saga, AsyncSaga) else saga
+    try:
+        status: TerminalStatus | None = view.wait(0).status
+    except TimeoutError:  # not terminal (yet), or not followed by this client
+        status = None
+    if status is not None:
+        return (
+            f"{what}, but saga {view.saga_id} had already ended ({status.value}): its"
+            " block ended before the pause was read (a stream read to its end after the"
+            " block), so there is nothing to resume; run the paused calls in a new saga",
+            status,
+        )
+    return (
+        f"{what}: saga {view.saga_id} stays open when this leaves its block (R7; a"
+        " block that ended before the pause was read, leaving a stream early, ended the"
+        f" saga there), {how}",
+        None,
+    )
 
 
 @asynccontextmanager

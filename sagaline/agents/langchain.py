@@ -271,10 +271,11 @@ def _interrupted(saga: Saga | AsyncSaga, interrupts: list[Any], state: Any) -> I
     else:
         what = f"a breakpoint (next: {', '.join(next_nodes)[:200]})"
         how = "None as its input"
-    return Interrupted(
-        f"the graph stopped at {what}: saga {saga.saga_id} stays open; resume the graph"
-        f" with {how} in sagaline.agents.langchain.resumed(saga)",
-        saga_id=saga.saga_id,
-        interrupts=interrupts,
-        next=next_nodes,
+    message, ended = _core.paused(
+        saga,
+        f"the graph stopped at {what}",
+        f"resume the graph with {how} in sagaline.agents.langchain.resumed(saga)",
     )
+    stopped = Interrupted(message, saga_id=saga.saga_id, interrupts=interrupts, next=next_nodes)
+    stopped.ended = ended
+    return stopped

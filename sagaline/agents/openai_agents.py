@@ -168,11 +168,12 @@ def _interrupted(
     if not result.interruptions:
         return None
     names = ", ".join(str(i.tool_name) for i in result.interruptions)
-    return Interrupted(
-        f"the run paused for approval of {len(result.interruptions)} tool call(s)"
-        f" ({names[:200]}): saga {saga.saga_id} stays open; approve or reject them on"
-        " result.to_state() and run it again in"
+    message, ended = _core.paused(
+        saga,
+        f"the run paused for approval of {len(result.interruptions)} tool call(s) ({names[:200]})",
+        "approve or reject them on result.to_state() and run it again in"
         " sagaline.agents.openai_agents.resumed(saga)",
-        saga_id=saga.saga_id,
-        result=result,
     )
+    stopped = Interrupted(message, saga_id=saga.saga_id, result=result)
+    stopped.ended = ended
+    return stopped

@@ -214,12 +214,12 @@ def _interrupted(
         return None
     calls = [*output.approvals, *output.calls]
     names = ", ".join(c.tool_name for c in calls)
-    return Interrupted(
-        f"the run ended waiting for {len(calls)} deferred tool call(s) ({names[:200]}):"
-        f" saga {saga.saga_id} stays open; continue it with message_history="
-        "result.all_messages() and deferred_tool_results=... in"
-        " sagaline.agents.pydantic_ai.resumed(saga)",
-        saga_id=saga.saga_id,
-        result=result,
-        requests=output,
+    message, ended = _core.paused(
+        saga,
+        f"the run ended waiting for {len(calls)} deferred tool call(s) ({names[:200]})",
+        "continue it with message_history=result.all_messages() and"
+        " deferred_tool_results=... in sagaline.agents.pydantic_ai.resumed(saga)",
     )
+    stopped = Interrupted(message, saga_id=saga.saga_id, result=result, requests=output)
+    stopped.ended = ended
+    return stopped
