@@ -446,9 +446,10 @@ def test_openai_agents_run_waiting_for_an_approval_leaves_the_saga_open_R7(serve
         saga.end(sagaline.SagaOutcome.ABORT, "test over")
 
 
-def _scripted_openai_model(script: Any) -> Any:
+def _scripted_openai_model(script: Any, turn: Any = None) -> Any:
     """An OpenAI Agents ``Model`` that makes the calls of ``script`` in turn (one a
-    turn; ids ``c-TOOL``), then answers "booked"; streamed as one completed response."""
+    turn; ids ``c-TOOL``), then answers "booked"; streamed as one completed response.
+    ``turn``, when given, is awaited at the start of each turn."""
     from agents import Usage
     from agents.items import ModelResponse
     from agents.models.interface import Model
@@ -462,6 +463,8 @@ def _scripted_openai_model(script: Any) -> Any:
 
     class Scripted(Model):
         async def get_response(self, *args: Any, **kwargs: Any) -> ModelResponse:
+            if turn is not None:
+                await turn()
             step = next(script, None)
             if step is None:
                 text = ResponseOutputText(annotations=[], text="booked", type="output_text")
@@ -1261,3 +1264,53 @@ def test_openai_agents_stream_read_on_after_the_saga_ended_does_not_say_the_saga
     assert "had already ended (COMPLETED)" in str(stopped)
     assert stopped.ended is TerminalStatus.COMPLETED
     assert [e for e in trip.log if "LX84" in e or ":984" in e] == ["reserve:LX84"]
+
+
+def test_openai_agents_stream_closed_early_cancels_the_run(served: Any) -> None:
+    """A caller leaves ``stream_events()`` after the first tool's output and closes
+    the stream (``aclose()``, as ``contextlib.aclosing`` does): the SDK's run went on
+    in the background, asking the model again and running its next call, here the
+    charge, still inside the saga's block. Closing the adapter's stream cancels the
+    run (``result.cancel()``): the charge is never made, and the saga completes with
+    the reservation only."""
+    from agents import Agent
+
+    from sagaline.agents import openai_agents as adapter
+
+    client, catalogue, trip = served
+    saga = client.saga("trip", principal="agent:openai")
+    script = iter([("reserve_seat", {"flight": "LX85"}), ("charge_card", {"amount": 185})])
+    turns: list[int] = []
+    closed = asyncio.Event()  # bound to the loop of its first use
+
+    async def turn() -> None:  # the model's second turn waits until the stream is closed
+        turns.append(len(turns) + 1)
+        if len(turns) == 2:
+            await closed.wait()
+
+    agent = Agent(
+        name="booker",
+        model=_scripted_openai_model(script, turn),
+        tools=adapter.tools(saga, catalogue),
+    )
+
+    async def closed_early() -> asyncio.Task[Any]:
+        async with saga:
+            run = adapter.run_streamed(saga, agent, "book LX85")
+            events = run.stream_events()
+            async for event in events:
+                if getattr(getattr(event, "item", None), "type", "") == "tool_call_output_item":
+                    break
+            await events.aclose()
+            closed.set()
+            task = run.result.run_loop_task
+            assert task is not None
+            await asyncio.wait([task])  # the run ends: cancelled, or having gone on
+        return task
+
+    task = asyncio.run(closed_early())
+    receipt = saga.wait(120)
+    assert task.cancelled()
+    assert [e for e in trip.log if "LX85" in e or ":185" in e] == ["reserve:LX85"]
+    assert receipt.status is TerminalStatus.COMPLETED
+    assert [(s.tool, s.disposition.value) for s in receipt.steps] == [("reserve_seat", "RETAINED")]

@@ -269,12 +269,19 @@ async def achecked_stream(
     events: AsyncIterable[T],
     check: Callable[[], Awaitable[Interrupted | None]],
     seen: Callable[[T], object] | None = None,
+    closed: Callable[[], object] | None = None,
 ) -> AsyncIterator[T]:
-    """:func:`checked_stream` for an async stream."""
-    async for event in events:
-        if seen is not None:
-            seen(event)
-        yield event
+    """:func:`checked_stream` for an async stream; ``closed`` is called when the
+    stream is closed before its end (``aclose()``, or finalized once left)."""
+    try:
+        async for event in events:
+            if seen is not None:
+                seen(event)
+            yield event
+    except GeneratorExit:
+        if closed is not None:
+            closed()
+        raise
     stopped = await check()
     if stopped is not None:
         raise stopped

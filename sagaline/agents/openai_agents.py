@@ -36,7 +36,8 @@ pause)::
 A streamed run (``Runner.run_streamed``) pauses the same way, and its
 ``stream_events()`` just ends: run it with :func:`run_streamed`, whose
 ``stream_events()`` raises :class:`Interrupted` after the last event when the run
-paused (a stream left before its end is not checked)::
+paused (a stream left before its end is not checked; closed before its end, e.g.
+``await events.aclose()``, it cancels the run: ``result.cancel()``)::
 
     result = openai_agents.run_streamed(saga, agent, "refund order o-1")
     async for event in result.stream_events():
@@ -139,7 +140,9 @@ class StreamedRun:
     """A ``RunResultStreaming`` (``result``; its other attributes read through) whose
     ``stream_events()`` hands over the run's events and then, once the last one has
     been handed over, raises :class:`Interrupted` when the run paused for tool
-    approval (a stream left before its end is not checked)."""
+    approval (a stream left before its end is not checked). Closed before its end
+    (``aclose()``, or finalized once left), the stream cancels the run
+    (``result.cancel()``), which would otherwise go on in the background."""
 
     def __init__(self, saga: Saga | AsyncSaga, result: RunResultStreaming) -> None:
         self.saga = saga
@@ -149,7 +152,9 @@ class StreamedRun:
         async def check() -> Interrupted | None:
             return _interrupted(self.saga, self.result)
 
-        return _core.achecked_stream(self.result.stream_events(), check)
+        # Closed before its end: the SDK's run would go on in the background (asking
+        # the model, running tools outside the saga): cancel it.
+        return _core.achecked_stream(self.result.stream_events(), check, closed=self.result.cancel)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.result, name)
