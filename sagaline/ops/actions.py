@@ -26,9 +26,17 @@ from collections.abc import Iterable
 
 import orjson
 
-from sagaline.kafka import DeliveryFailed, LedgerWriter, require_bootstrap
+from sagaline.kafka import (
+    DeliveryFailed,
+    LedgerWriter,
+    RecordTooLarge,
+    producer_config,
+    require_bootstrap,
+)
+from schemas.codec import encode
 from schemas.errors import CodecError
 from schemas.keys import derived_event_id
+from schemas.limits import DEFAULT_LIMITS, Limits
 from schemas.models import (
     ApprovalDenied,
     ApprovalGranted,
@@ -58,6 +66,11 @@ class UnknownRequest(OperatorActionError, LookupError):
 
 class ApprovalExpired(OperatorActionError):
     """The request expired: the coordinator would reject a grant for it (R7)."""
+
+
+class DecisionTooLarge(OperatorActionError, ValueError):
+    """The decision is larger than a record may be (its note, result, resolution or
+    reason too long): nothing was written, and sending it again is refused again."""
 
 
 class NoUsableKey(OperatorActionError):
@@ -287,12 +300,47 @@ def find_incident(records: Iterable[Record], incident_id: str) -> IncidentRaised
 # ------------------------------------------------------------------ publishing
 
 
-class OperatorChannel:
-    """A producer for operator decisions onto ``sagaline.events``; waits for acks."""
+def _largest_part(record: Record) -> tuple[str, int]:
+    """The decision's largest free-form field and its size in bytes (what to shorten)."""
+    sizes = [("record", 0)]
+    for name in ("note", "result", "resolution", "reason"):
+        value = getattr(record, name, None)
+        if isinstance(value, str):
+            sizes.append((name, len(value.encode())))
+        elif isinstance(value, bytes):
+            sizes.append((name, len(value)))
+    return max(sizes, key=lambda part: part[1])
 
-    def __init__(self, bootstrap: str, topics: TopicNames, signer: Signer) -> None:
+
+def _too_large(record: Record, size: int, limit: int, source: str) -> DecisionTooLarge:
+    name, part = _largest_part(record)
+    alone = f"; its {name} alone is {part} bytes: shorten it" if part else ""
+    over = f"{size - limit} over" if size > limit else "with its framing over"
+    return DecisionTooLarge(
+        f"{record.TYPE} for saga {record.saga_id} is {size} bytes, {over} the limit of "
+        f"{limit} bytes ({source}){alone}. Nothing was recorded"
+    )
+
+
+class OperatorChannel:
+    """A producer for operator decisions onto ``sagaline.events``; waits for acks.
+
+    A decision larger than the coordinator takes (``limits.max_record_bytes``; a
+    COMMITTED resolution's result over ``limits.max_result_bytes``, like a tool's) or
+    than the producer sends (``message.max.bytes``) is refused with
+    :class:`DecisionTooLarge`, nothing written."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topics: TopicNames,
+        signer: Signer,
+        limits: Limits = DEFAULT_LIMITS,
+    ) -> None:
         self.topics = topics
         self.signer = signer
+        self.limits = limits
+        self._bootstrap = bootstrap
         self._writer = LedgerWriter(bootstrap, topics, signer)
 
     @classmethod
@@ -300,7 +348,7 @@ class OperatorChannel:
         """``bootstrap`` overrides; else the settings' (never a broker started here)."""
         if bootstrap is None:
             bootstrap = require_bootstrap(settings, "operator action")
-        return cls(bootstrap, settings.topics, settings.signer())
+        return cls(bootstrap, settings.topics, settings.signer(), settings.limits)
 
     def producer_for(self, operator: str, via: str) -> str | None:
         """The producer name for ``operator``'s decision: with an identity key, the key's
@@ -333,9 +381,19 @@ class OperatorChannel:
                     f"{exc}; the coordinator would refuse this {record.TYPE}, so nothing "
                     "was recorded: decide with a key whose identity may act for it"
                 ) from None
+        self._check_size(record)
         try:
             self._writer.append(record, timeout_s=timeout_s)
+        except RecordTooLarge as exc:  # the producer refused it at once: never sent
+            limit = int(producer_config(self._bootstrap).get("message.max.bytes", 1_000_000))
+            source = "the producer's message.max.bytes, SAGALINE_KAFKA_MESSAGE_MAX_BYTES"
+            raise _too_large(record, exc.size, limit, source) from None
         except DeliveryFailed as exc:
+            if exc.too_large:  # the broker refused it for its size: not in the log
+                name, part = _largest_part(record)
+                raise DecisionTooLarge(
+                    f"{exc}; its {name} is {part} bytes: shorten it. Nothing was recorded"
+                ) from None
             # No acknowledgement is no proof of absence: the record may be in the log
             # already, or be delivered later. Repeating the same decision is safe.
             raise OperatorActionError(
@@ -345,6 +403,25 @@ class OperatorChannel:
                 "anything else, or repeat the same decision, which is safe (same event id: "
                 "it counts once)"
             ) from exc
+
+    def _check_size(self, record: Record) -> None:
+        """Refuse a decision the coordinator could not take: its record over
+        ``max_record_bytes`` (it copies the record to the incident feed and the
+        saga's state and receipt), a result over ``max_result_bytes``."""
+        result = getattr(record, "result", None)
+        if isinstance(result, bytes) and len(result) > self.limits.max_result_bytes:
+            limit = self.limits.max_result_bytes
+            raise DecisionTooLarge(
+                f"the result of {record.TYPE} for saga {record.saga_id} is {len(result)} "
+                f"bytes, {len(result) - limit} over the limit of {limit} bytes for a tool's "
+                "result (SAGALINE_MAX_RESULT_BYTES): pass only what the compensation needs. "
+                "Nothing was recorded"
+            )
+        size = len(encode(record))
+        if size > self.limits.max_record_bytes:
+            raise _too_large(
+                record, size, self.limits.max_record_bytes, "SAGALINE_MAX_RECORD_BYTES"
+            )
 
     def close(self) -> None:
         self._writer.close()
@@ -415,6 +492,7 @@ def resolve_incident(
 
 __all__ = [
     "ApprovalExpired",
+    "DecisionTooLarge",
     "MissingOperatorIdentity",
     "NoUsableKey",
     "OperatorActionError",

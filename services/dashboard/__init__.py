@@ -48,7 +48,7 @@ class Dashboard:
             bind_writers=isinstance(signer, IdentitySigner),
         )
         self.follower = LedgerFollower(bootstrap, settings.topics, signer, self.state)
-        self.channel = OperatorChannel(bootstrap, settings.topics, signer)
+        self.channel = OperatorChannel(bootstrap, settings.topics, signer, settings.limits)
         self.auth = auth or OperatorAuth.from_env()
         self.app = create_app(self.state, self.channel, self.follower, auth=self.auth)
 
