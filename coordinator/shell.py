@@ -66,6 +66,7 @@ from coordinator.core import (
 )
 from coordinator.state import (
     UNKNOWN_TENANT,
+    EndedResolution,
     MarkerKind,
     SagaMarker,
     SagaState,
@@ -694,33 +695,47 @@ class Coordinator:
         return record
 
     def _resolve_ended(
-        self,
-        msg: Message,
-        record: IncidentResolved,
-        marker: SagaMarker | None,
-        tenant: str | None,
-        open_ids: list[str] | None,
-        pending: _Pending,
+        self, msg: Message, record: IncidentResolved, marker: SagaMarker, pending: _Pending
     ) -> None:
         """A person settling what an ended (usually ESCALATED) or parked saga left:
         nothing to decide, but the same authorisation as for a saga in flight (its
-        tenant, R15) and it must name an incident the saga left open (when the marker
-        says which). Accepted, the measures count it (the intervention, the recovery)
-        and the incident feed shows it; a parked saga's record also goes to the DLQ."""
+        tenant, R15), it must name an incident the saga left open (when the marker
+        says which), and the first resolution of an incident counts: a later one is
+        refused ``invalid-transition`` naming it, as while the saga runs (a repeat of
+        the same record changes nothing). Accepted, it is kept in the marker, the
+        measures count it (the intervention, the recovery) and the incident feed shows
+        it; a parked saga's record also goes to the DLQ."""
         saga_id = record.saga_id
+        tenant = marker.tenant_id
         mismatch = None if tenant is None else tenant_mismatch(record, saga_id, tenant)
         if mismatch is not None:
             self._reject(msg, RejectReason.TENANT_MISMATCH, mismatch, pending.loose)
             return
-        if open_ids is not None and record.incident_id not in open_ids:
+        counted = (marker.resolved or {}).get(record.incident_id)
+        if counted is not None:
+            if counted.event_id == record.event_id:
+                self.metrics.duplicate_prevented()  # a repeat: already on the feed
+                return
+            detail = (
+                f"incident {record.incident_id} is already resolved ({counted.resolution}); "
+                f"the resolution by {record.resolved_by} ({record.resolution}) does not count"
+            )
+            self._reject(msg, RejectReason.INVALID_TRANSITION, detail, pending.loose)
+            return
+        if marker.incidents is not None and record.incident_id not in marker.incidents:
             detail = f"no open incident {record.incident_id} in ended saga {saga_id}"
             self._reject(msg, RejectReason.INVALID_TRANSITION, detail, pending.loose)
             return
-        if marker is not None and marker.marker is MarkerKind.PARKED:
+        if marker.marker is MarkerKind.PARKED:
             why = f"saga {saga_id} is parked: {marker.reason}"
             self._reject(msg, PARKED_REASON, why, pending.loose)
         else:
             self.metrics.observe_record(record)
+        resolution = f"{record.resolution} (by {record.resolved_by})"[:200]
+        kept = EndedResolution(event_id=record.event_id, resolution=resolution)
+        resolved = {**(marker.resolved or {}), record.incident_id: kept}
+        pending.states[saga_id] = marker.model_copy(update={"resolved": resolved})
+        pending.values.pop(saga_id, None)  # its changelog record is written anew
         self._to_incident_feed(msg, pending)
 
     def _to_incident_feed(self, msg: Message, pending: _Pending) -> None:
@@ -770,7 +785,7 @@ class Coordinator:
         state = self._current(saga_id, pending, now, record)
         if isinstance(state, SagaMarker):
             if isinstance(record, IncidentResolved):
-                self._resolve_ended(msg, record, state, state.tenant_id, state.incidents, pending)
+                self._resolve_ended(msg, record, state, pending)
             elif state.marker is MarkerKind.PARKED and not _is_own(record):
                 self._reject(
                     msg, PARKED_REASON, f"saga {saga_id} is parked: {state.reason}", pending.loose
@@ -781,9 +796,9 @@ class Coordinator:
         resolves = False
         if isinstance(record, IncidentResolved) and state is not None:
             if state.is_terminal and record.envelope.generation >= state.generation:
-                # Ended in this batch: as for its marker (the core ignores it).
-                open_ids = [i.incident_id for i in state.open_incidents()]
-                self._resolve_ended(msg, record, None, state.tenant_id, open_ids, pending)
+                # Ended in this batch: as for its marker (the core ignores it), which
+                # an accepted one puts in place of the state at once.
+                self._resolve_ended(msg, record, terminal_marker(state), pending)
                 return
             resolves = _names_open_incident(state, record)
         pending.sources.setdefault(saga_id, []).append(msg)
@@ -1219,14 +1234,19 @@ class Coordinator:
         return state
 
     def _keep_marker(self, saga_id: str, marker: SagaMarker) -> None:
-        """Keep a saga's marker: a terminal one last (the newest ends last), a parked
-        one apart (it never expires)."""
-        self._markers.pop(saga_id, None)
+        """Keep a saga's marker: a terminal one last (the newest ends last; one that
+        only took a resolution stays where it was), a parked one apart (it never
+        expires)."""
         self._parked.pop(saga_id, None)
         if marker.marker is MarkerKind.PARKED:
+            self._markers.pop(saga_id, None)
             self._parked[saga_id] = marker
-        else:
-            self._markers[saga_id] = marker
+            return
+        known = self._markers.get(saga_id)
+        if known is None or known.at != marker.at:
+            self._markers.pop(saga_id, None)
+        # The same end (a resolution kept since): its place in the expiry order stays.
+        self._markers[saga_id] = marker
 
     def _live(self, saga_id: str) -> SagaState | None:
         """The in-flight state of a saga (None: none, or unreadable)."""

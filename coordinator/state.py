@@ -248,6 +248,13 @@ class MarkerKind(enum.StrEnum):
     PARKED = "PARKED"  # the saga could not be decided or written: a person looks
 
 
+class EndedResolution(_StateModel):
+    """The resolution that counted for an incident a saga left open when it ended."""
+
+    event_id: str  # its record: a repeat of it (same id) changes nothing
+    resolution: str  # "what (by whom)", as a running saga's incident keeps it
+
+
 class SagaMarker(_StateModel):
     """The tiny changelog value of a saga that needs no full state any more.
 
@@ -267,8 +274,15 @@ class SagaMarker(_StateModel):
     # known (a marker written before they were kept); then nothing is checked.
     tenant_id: str | None = None
     incidents: list[str] | None = None
+    # The incidents resolved since (incident id -> the resolution that counted), so a
+    # later, conflicting one is refused as while the saga ran. None: none yet (and a
+    # marker written before it was kept); then it is left out of the bytes, which
+    # stay as an older coordinator writes and reads them.
+    resolved: dict[str, EndedResolution] | None = None
 
     def to_bytes(self) -> bytes:
+        if self.resolved is None:
+            return self.model_dump_json(exclude={"resolved"}).encode()
         return self.model_dump_json().encode()
 
 

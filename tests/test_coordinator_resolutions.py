@@ -12,7 +12,7 @@ from schemas import IncidentRaised, IncidentResolved
 from schemas.codec import decode
 from schemas.settings import Settings
 from schemas.signing import header_value
-from schemas.wire import DLQ_REASON
+from schemas.wire import DLQ_DETAIL, DLQ_REASON
 from tests.coordinator_turns import append, one_saga, turn_until
 
 
@@ -125,3 +125,87 @@ def test_a_marker_written_before_it_kept_the_tenant_still_restores() -> None:
     marker = load_changelog(old)
     assert isinstance(marker, SagaMarker)
     assert marker.tenant_id is None and marker.incidents is None
+
+
+def _dlq_details(settings: Settings, bootstrap: str) -> list[tuple[str, str]]:
+    return [
+        (
+            (header_value(h, DLQ_REASON) or b"").decode(),
+            (header_value(h, DLQ_DETAIL) or b"").decode(),
+        )
+        for _k, _v, h in LedgerReader(bootstrap).records(settings.topics.dlq)
+    ]
+
+
+def _by(record: IncidentResolved, who: str) -> IncidentResolved:
+    return record.model_copy(update={"resolved_by": who})
+
+
+def test_an_ended_sagas_incident_counts_its_first_resolution_only(
+    transport: str, unique_prefix: str
+) -> None:
+    """After the end, as while the saga runs: a second, conflicting resolution by
+    another operator is refused invalid-transition naming the one that counted, and
+    stays off the incident feed; also once a successor restores the marker. A repeat
+    of the first (same event id) changes nothing."""
+    settings, ledger, first, _participant = one_saga(transport, unique_prefix, "saga-two")
+    raised = ledger.participant_incident("reserve", "inc-1").model_copy(
+        update={"kind": "manual-check"}
+    )
+    ended = [ledger.intent("reserve"), ledger.committed("reserve"), ledger.end()]
+    one = Coordinator(settings, transport, instance_id="res-5", carry_ms=0)
+    one._join()
+    append(settings, transport, ledger.started(), first, raised, *ended)
+    turn_until(one, lambda: one.marker_of("saga-two") is not None)
+    counted = _by(ledger.resolve("inc-1", "refunded by hand"), "carol")
+    other = _by(ledger.resolve("inc-1", "nothing to do"), "dave")
+    append(settings, transport, counted, other, counted)
+    turn_until(one, lambda: one.positions().get(0, -1) >= 9)
+    assert _feed(settings, transport) == [counted.event_id]
+    (refusal,) = _dlq_details(settings, transport)
+    assert refusal[0] == "invalid-transition"
+    assert "already resolved (refunded by hand (by carol))" in refusal[1]
+    assert "by dave (nothing to do) does not count" in refusal[1]
+    one._consumer.close()
+
+    # A successor restores the marker, with what was resolved.
+    two = Coordinator(settings, transport, instance_id="res-5", carry_ms=0)
+    two._join()
+    late = _by(ledger.resolve("inc-1", "written off"), "erin")
+    append(settings, transport, late)
+    turn_until(two, lambda: two.positions().get(0, -1) >= 10)
+    assert _feed(settings, transport) == [counted.event_id]
+    reasons = [reason for reason, _detail in _dlq_details(settings, transport)]
+    assert reasons == ["invalid-transition", "invalid-transition"]
+
+
+def test_a_saga_ending_in_the_batch_of_its_resolutions_counts_the_first_only(
+    transport: str, unique_prefix: str
+) -> None:
+    """The saga ends in the same batch as two resolutions of its open incident: the
+    same answer as for its marker."""
+    settings, ledger, first, _participant = one_saga(transport, unique_prefix, "saga-one")
+    raised = ledger.participant_incident("reserve", "inc-1").model_copy(
+        update={"kind": "manual-check"}
+    )
+    ended = [ledger.intent("reserve"), ledger.committed("reserve"), ledger.end()]
+    counted = _by(ledger.resolve("inc-1", "refunded by hand"), "carol")
+    other = _by(ledger.resolve("inc-1", "nothing to do"), "dave")
+    coordinator = Coordinator(settings, transport, instance_id="res-6", carry_ms=0)
+    coordinator._join()
+    append(settings, transport, ledger.started(), first, raised, *ended, counted, other)
+    turn_until(coordinator, lambda: coordinator.positions().get(0, -1) >= 8)
+    assert _feed(settings, transport) == [counted.event_id]
+    assert [reason for reason, _d in _dlq_details(settings, transport)] == ["invalid-transition"]
+
+
+def test_a_marker_without_resolutions_restores_and_is_written_unchanged() -> None:
+    """A marker written before it kept resolutions restores as it was, and one with
+    none is written as before (an older coordinator still reads it)."""
+    old = (
+        b'{"marker":"TERMINAL","saga_id":"s","status":"ESCALATED","at":5,"reason":"",'
+        b'"tenant_id":"acme","incidents":["inc-1"]}'
+    )
+    marker = load_changelog(old)
+    assert isinstance(marker, SagaMarker) and marker.incidents == ["inc-1"]
+    assert marker.to_bytes() == old
