@@ -189,6 +189,13 @@ FEED_TOO_LARGE_REASON = "incident-feed-too-large"
 """DLQ reason of an accepted ``IncidentResolved`` whose copy the incident feed no longer
 takes (its ``max.message.bytes`` lowered while the coordinator runs)."""
 
+
+def coordinator_group(topic_prefix: str) -> str:
+    """The coordinator's consumer group (unless one is given): its committed offsets
+    on ``sagaline.events`` say up to where its decisions are durable."""
+    return f"{topic_prefix}sagaline-coordinator"
+
+
 _Msg = tuple[str, bytes | None, bytes | None, Headers, int | None]
 """A prepared record: topic, key, value, headers, partition (None: by key)."""
 
@@ -269,7 +276,7 @@ class Coordinator:
         # Identity keys make envelope.producer the verified writer (schemas.trust).
         self._policy = CorePolicy(bind_writers=isinstance(self.signer, IdentitySigner))
         self.instance_id = instance_id
-        self.group_id = group_id or f"{settings.topic_prefix}sagaline-coordinator"
+        self.group_id = group_id or coordinator_group(settings.topic_prefix)
         self._clock = clock or (lambda: int(time.time() * 1000))
         self._batch_size = batch_size
         self._running = True  # until stop(), which may come before run() reaches its loop

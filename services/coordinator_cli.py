@@ -34,6 +34,7 @@ from services._args import at_least
 
 if TYPE_CHECKING:
     from coordinator.state import SagaState
+    from sagaline.ops.actions import VerdictWatch
 
 
 def _operator(args: argparse.Namespace, signed_as: str | None = None) -> str | None:
@@ -297,6 +298,44 @@ def _first_counts(saga_id: str) -> str:
     )
 
 
+def _watch(
+    args: argparse.Namespace, settings: Settings, bootstrap: str, saga_id: str
+) -> VerdictWatch | None:
+    """With ``--wait``: a :class:`sagaline.ops.actions.VerdictWatch` started before the
+    decision is published; else None."""
+    if args.wait is None:
+        return None
+    from coordinator.shell import coordinator_group
+    from sagaline.ops.actions import VerdictWatch
+
+    return VerdictWatch(
+        bootstrap, settings.topics, saga_id, coordinator_group(settings.topic_prefix)
+    )
+
+
+def _outcome(
+    args: argparse.Namespace, watch: VerdictWatch | None, record: Record, done: str
+) -> int:
+    """Print what was done; with ``--wait``, the coordinator's verdict on it: exit 0
+    accepted, 1 refused (with the DLQ reason), 124 no verdict in time."""
+    if watch is None:
+        print(f"{done}{_first_counts(record.saga_id)}")
+        return 0
+    verdict = watch.wait(record, args.wait)
+    if verdict.accepted:
+        extra = f" ({verdict.reason}: {verdict.detail})" if verdict.reason else ""
+        print(f"{done}: accepted by the coordinator{extra}")
+        return 0
+    if verdict.accepted is None:
+        print(f"{done}; no verdict yet: {verdict.detail}", file=sys.stderr)
+        return 124
+    print(
+        f"{done}, but the coordinator refused it ({verdict.reason}): {verdict.detail}",
+        file=sys.stderr,
+    )
+    return 1
+
+
 @_one_line_errors
 def _decide(args: argparse.Namespace, *, grant: bool) -> int:
     import time
@@ -333,23 +372,21 @@ def _decide(args: argparse.Namespace, *, grant: bool) -> int:
     if isinstance(request, str):
         print(f"{args.command}: {request}", file=sys.stderr)
         return 1
+    watch = _watch(args, settings, bootstrap, args.saga_id)
     channel = OperatorChannel.from_settings(settings, bootstrap)
+    record: Record
     try:
         if grant:
-            grant_approval(channel, request, operator=operator, via="cli")
-            print(
-                f"approved {args.saga_id}/{args.step_id} ({request.scope}) as {operator}"
-                f"{_first_counts(args.saga_id)}"
-            )
+            record = grant_approval(channel, request, operator=operator, via="cli")
+            done = f"approved {args.saga_id}/{args.step_id} ({request.scope}) as {operator}"
         else:
-            deny_approval(channel, request, operator=operator, reason=args.reason, via="cli")
-            print(
-                f"denied {args.saga_id}/{args.step_id} as {operator}: {args.reason}"
-                f"{_first_counts(args.saga_id)}"
+            record = deny_approval(
+                channel, request, operator=operator, reason=args.reason, via="cli"
             )
+            done = f"denied {args.saga_id}/{args.step_id} as {operator}: {args.reason}"
     finally:
         channel.close()
-    return 0
+    return _outcome(args, watch, record, done)
 
 
 # -------------------------------------------------------------- incidents
@@ -462,9 +499,10 @@ def _cmd_incidents_resolve(args: argparse.Namespace) -> int:
         return 1
     messages = _saga_messages(bootstrap, settings.topics.events, incident.saga_id)
     operator_identity(signer, ledger_signed=_signed(messages))  # refuses when it won't count
+    watch = _watch(args, settings, bootstrap, incident.saga_id)
     channel = OperatorChannel.from_settings(settings, bootstrap)
     try:
-        resolve_incident(
+        record = resolve_incident(
             channel,
             incident,
             operator=operator,
@@ -476,11 +514,22 @@ def _cmd_incidents_resolve(args: argparse.Namespace) -> int:
         )
     finally:
         channel.close()
-    print(
-        f"resolved {args.incident_id} ({args.resolution}) as {operator}"
-        f"{_first_counts(incident.saga_id)}"
+    return _outcome(
+        args, watch, record, f"resolved {args.incident_id} ({args.resolution}) as {operator}"
     )
-    return 0
+
+
+def _wait_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--wait",
+        type=at_least(1),
+        nargs="?",
+        const=60,
+        default=None,
+        metavar="SECONDS",
+        help="wait (default 60 s) for the coordinator's verdict on this decision: exit 0 "
+        "accepted, 1 refused (the reason is printed), 124 no verdict in time",
+    )
 
 
 def register(subparsers: Any) -> None:
@@ -533,6 +582,7 @@ def register(subparsers: Any) -> None:
         p.add_argument("--operator", help="who decides (default: $SAGALINE_OPERATOR)")
         if not grant:
             p.add_argument("--reason", required=True, help="why: recorded on the ledger")
+        _wait_option(p)
         p.set_defaults(func=lambda a, g=grant: _decide(a, grant=g))
 
     incidents = subparsers.add_parser("incidents", help="escalations to a person")
@@ -557,4 +607,5 @@ def register(subparsers: Any) -> None:
         help="with COMMITTED: what the tool returned, as JSON (the compensation's ctx.result)",
     )
     resolve.add_argument("--operator", help="who resolves (default: $SAGALINE_OPERATOR)")
+    _wait_option(resolve)
     resolve.set_defaults(func=_cmd_incidents_resolve)

@@ -22,18 +22,24 @@ from __future__ import annotations
 
 import hashlib
 import time
+import uuid
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import orjson
 
 from sagaline.kafka import (
     DeliveryFailed,
+    LedgerReader,
     LedgerWriter,
     RecordTooLarge,
+    TopicPartition,
+    create_consumer,
     producer_config,
     require_bootstrap,
+    watermarks,
 )
-from schemas.codec import encode
+from schemas.codec import decode, encode
 from schemas.errors import CodecError
 from schemas.keys import derived_event_id
 from schemas.limits import DEFAULT_LIMITS, Limits
@@ -46,10 +52,12 @@ from schemas.models import (
     IncidentResolved,
     Record,
 )
+from schemas.partitioning import partition_for
 from schemas.settings import Settings
 from schemas.signing import Signer
 from schemas.topics import TopicNames
 from schemas.trust import IdentitySigner, Role, authorize
+from schemas.wire import read_dead_letter
 
 
 class OperatorActionError(RuntimeError):
@@ -427,6 +435,125 @@ class OperatorChannel:
         self._writer.close()
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What the coordinator did with a decision's record (:class:`VerdictWatch`)."""
+
+    accepted: bool | None  # None: no verdict within the time given
+    reason: str = ""  # the DLQ reason of a refused one
+    detail: str = ""  # why it was refused, or what else there is to know
+
+
+class VerdictWatch:
+    """Waits for the coordinator's verdict on one decision: start it before
+    publishing, :meth:`wait` after.
+
+    The coordinator commits its consumer offsets in the transaction that writes its
+    outputs (a refused record's DLQ copy among them), so once its group's committed
+    offset on the saga's ``sagaline.events`` partition is past the decision's record,
+    the verdict is durable: refused if the DLQ holds a copy of that record, accepted
+    otherwise (a repeat of a decision that counted already is accepted too). It needs
+    Describe on the coordinator's group and Read on ``sagaline.events`` and
+    ``sagaline.dlq``.
+
+    Example::
+
+        watch = VerdictWatch(bootstrap, settings.topics, saga_id, group)
+        record = resolve_incident(channel, incident, operator="bob", resolution="done")
+        verdict = watch.wait(record, timeout_s=60)
+    """
+
+    def __init__(self, bootstrap: str, topics: TopicNames, saga_id: str, group_id: str) -> None:
+        self._bootstrap = bootstrap
+        self._topics = topics
+        self._group_id = group_id
+        self._key = saga_id.encode()
+        reader = LedgerReader(bootstrap)
+        self._events = partition_for(self._key, reader.partition_count(topics.events))
+        self._dlq = partition_for(self._key, reader.partition_count(topics.dlq))
+        # Where the decision's record and its DLQ copy can be: after the ends as of now.
+        self._events_from = reader.end_offsets(topics.events)[self._events]
+        self._dlq_from = reader.end_offsets(topics.dlq)[self._dlq]
+
+    def wait(self, record: Record, timeout_s: float) -> Verdict:
+        from coordinator.shell import FEED_TOO_LARGE_REASON
+
+        deadline = time.monotonic() + timeout_s
+        offset = self._offset_of(record)
+        if offset is None:
+            return Verdict(None, detail=f"its record is not on {self._topics.events}")
+        if not self._decided(offset, deadline):
+            return Verdict(
+                None,
+                detail=f"the coordinator has not decided on it within {timeout_s:.0f} s (is "
+                "it running, and behind?); it is on the ledger and counts when it is read",
+            )
+        refusal = self._refusal(offset, deadline)
+        if refusal is None:
+            return Verdict(True)
+        reason, detail = refusal
+        if reason == FEED_TOO_LARGE_REASON:  # accepted; only its feed copy is missing
+            return Verdict(True, reason, detail)
+        return Verdict(False, reason, detail)
+
+    def _offset_of(self, record: Record) -> int | None:
+        reader = LedgerReader(self._bootstrap)
+        start = {self._events: self._events_from}
+        for msg in reader.read(self._topics.events, [self._events], start=start):
+            if msg.key() != self._key:
+                continue
+            try:
+                found = decode(msg.value() or b"")
+            except CodecError:
+                continue
+            if found.event_id == record.event_id:
+                return msg.offset()
+        return None
+
+    def _decided(self, offset: int, deadline: float) -> bool:
+        """Whether the coordinator's committed offset passed ``offset`` in time."""
+        consumer = create_consumer(self._bootstrap, self._group_id)  # never joins: reads
+        try:
+            tp = TopicPartition(self._topics.events, self._events)
+            while True:
+                committed = consumer.committed([tp], timeout=10)[0].offset
+                if committed > offset:
+                    return True
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.5)
+        finally:
+            consumer.close()
+
+    def _refusal(self, offset: int, deadline: float) -> tuple[str, str] | None:
+        """The DLQ reason and detail of the decision's record at ``offset``, if it was
+        refused. Read up to the DLQ's end as of now, past the transactions still open
+        there (the one that refused it is decided: its offsets are committed)."""
+        consumer = create_consumer(self._bootstrap, f"sagaline-reader-{uuid.uuid4().hex[:8]}")
+        try:
+            tp = TopicPartition(self._topics.dlq, self._dlq, self._dlq_from)
+            end = watermarks(consumer, tp)[1]
+            consumer.assign([tp])
+            position = self._dlq_from
+            while position < end and time.monotonic() < deadline + 30:
+                msg = consumer.poll(0.5)
+                if msg is not None and msg.error() is None and msg.key() == self._key:
+                    try:
+                        dead = read_dead_letter(msg.headers())
+                    except CodecError:
+                        dead = None
+                    if (
+                        dead is not None
+                        and dead.source_topic == self._topics.events
+                        and (dead.partition, dead.offset) == (self._events, offset)
+                    ):
+                        return dead.reason, dead.detail
+                position = consumer.position([tp])[0].offset
+            return None
+        finally:
+            consumer.close()
+
+
 def grant_approval(
     channel: OperatorChannel,
     request: ApprovalRequested,
@@ -498,6 +625,8 @@ __all__ = [
     "OperatorActionError",
     "OperatorChannel",
     "UnknownRequest",
+    "Verdict",
+    "VerdictWatch",
     "approval_denied",
     "approval_granted",
     "deny_approval",
