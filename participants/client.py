@@ -83,6 +83,7 @@ from schemas.limits import (
 )
 from schemas.models import FailureKind
 from schemas.receipt import Receipt
+from schemas.redaction import scrub
 from schemas.settings import Settings
 from schemas.trust import IdentitySigner, Role
 from schemas.wire import from_message
@@ -926,6 +927,9 @@ class Saga:
         # The tool and arguments fingerprint each step id was first scheduled with:
         # the only call the coordinator answers under that id.
         self._calls: dict[str, tuple[str, str]] = {}
+        # The arguments (and their secret fields) of every call with secret arguments:
+        # an end reason quoting one of their clear values is scrubbed of it.
+        self._secret_args: list[tuple[Mapping[str, Any], tuple[str, ...]]] = []
         self._receipt: Receipt | None = None
 
     def _envelope(self, cls: type[Record]) -> Any:
@@ -1011,6 +1015,15 @@ class Saga:
         else:
             self.end(SagaOutcome.ABORT, reason=f"{type(exc).__name__}: {exc}")
 
+    def _scrubbed(self, reason: str) -> str:
+        """``reason`` (bound for the ledger) with every clear secret value of this
+        saga's calls replaced by its marker: the agent's error, as the abort reason,
+        may quote one (``ValueError(f"card {card} declined")``)."""
+        key = self.client.sealer.marker_key
+        for args, paths in self._secret_args:
+            reason = scrub(reason, args, paths, key)
+        return reason
+
     def end(self, outcome: SagaOutcome, reason: str = "") -> None:
         """Ask the coordinator to complete or abort the saga (waits, like a call, up to
         the client's call timeout for the broker's acknowledgement)."""
@@ -1019,7 +1032,7 @@ class Saga:
                 SagaEndRequested(
                     envelope=self._envelope(SagaEndRequested),
                     outcome=outcome,
-                    reason=reason[:2000],
+                    reason=self._scrubbed(reason)[:2000],
                 ),
                 timeout_s=self.client.call_timeout_s,
             )
@@ -1269,6 +1282,8 @@ class Saga:
             )
         # Secrets never reach the ledger in clear: sealed for the tool, or redacted.
         secrets = self.client._secret_paths_of(contract)
+        if secrets:  # kept to scrub an end reason quoting them (a call with secrets only)
+            self._secret_args.append((args, secrets))
         body = canonical_json(self.client.sealer.seal(args, secrets, self.saga_id))
         if len(body) > limits.max_args_bytes:
             raise CallRefused(
@@ -1347,7 +1362,7 @@ class Saga:
                 SagaEndRequested(
                     envelope=self._envelope(SagaEndRequested),
                     outcome=outcome,
-                    reason=reason[:2000],
+                    reason=self._scrubbed(reason)[:2000],
                 ),
                 timeout_s=self.client.call_timeout_s,
             )

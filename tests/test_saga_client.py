@@ -1202,3 +1202,43 @@ def test_a_call_repeated_after_its_tool_was_redeclared_is_waited_for_under_its_f
         resumed.end(SagaOutcome.COMPLETE)
         assert resumed.wait(60).status is TerminalStatus.COMPLETED
     assert desk.log == ["flaky:fri", "flaky:fri"]
+
+
+def test_an_abort_reason_quoting_a_secret_argument_reaches_no_topic_in_clear(
+    local: tuple[System, Desk],
+) -> None:
+    """The agent's own exception, as the abort reason of ``SagaEndRequested``, was
+    written as it was: an error quoting a secret the saga passed to a tool put the
+    secret on ``sagaline.events`` in clear. The reason is scrubbed of the clear
+    values of the saga's secret arguments, as a tool's error text is."""
+    system, desk = local
+    card, cvv = "4111111111111111", "737"
+    settings = dataclasses.replace(system.settings, secret_key=b"agent and desk share this")
+    with SagaClient(settings, system.bootstrap, local=wrap(desk, name="desk6")) as client:
+        with pytest.raises(ValueError), client.saga("desk", "agent") as saga:
+            saga.call("charge_card", amount=500, card=card)
+            raise ValueError(f"card {card!r} declined by the bank")
+        assert saga.wait(60).status is TerminalStatus.COMPENSATED
+
+        async def agent() -> str:
+            with contextlib.suppress(ValueError):
+                async with client.saga("desk", "agent") as asaga:
+                    await asaga.call("charge_card", amount=7, card=cvv)
+                    raise ValueError(f"cvv {cvv} refused")
+            return asaga.saga_id
+
+        async_id = asyncio.run(agent())
+    reader = LedgerReader(system.bootstrap)
+    values = [v for _k, v, _h in reader.records(system.topics.events) if v]
+    assert values and not any(card.encode() in v for v in values)
+    ends = [
+        r.reason
+        for saga_id in (saga.saga_id, async_id)
+        for r in reader.saga_records(system.topics.events, saga_id, settings.signer())
+        if r.TYPE == "SagaEndRequested"
+    ]
+    marker = settings.sealer().marker
+    assert ends == [
+        f"ValueError: card '{marker(card)}' declined by the bank",
+        f"ValueError: cvv {marker(cvv)} refused",
+    ]
