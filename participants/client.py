@@ -511,7 +511,7 @@ class SagaClient:
         self.signer = settings.signer()
         # With an identity key the producer is the key's identity (readers insist).
         self.producer_name = producer_name or self.signer.signs_as or "agent"
-        self.call_timeout_s = call_timeout_s
+        self.call_timeout_s = _positive(call_timeout_s, "call_timeout_s")
         self._writer = LedgerWriter(bootstrap, self.topics, self.signer, background_poll=True)
         self._ledger = _Ledger(ended_sagas_kept)
         # Contracts given to the client (contracts=, catalogues=, local=) win over the
@@ -1055,10 +1055,10 @@ class Saga:
         on the step before it. Raises a :class:`SagaCallError` subclass when the
         step does not commit.
         """
+        wait_s = self._wait_s(timeout_s)
         scheduled = self._scheduled(
             self.client.contract(_tool_name(tool)), step_id, depends_on, args
         )
-        wait_s = timeout_s or self.client.call_timeout_s
         # The step's acknowledgement is awaited as long as its outcome: a record whose
         # wait gave up is still queued in the producer and may reach the ledger after
         # the agent has moved on (and aborted), so the step would run behind its back.
@@ -1069,6 +1069,10 @@ class Saga:
         result = self._await_step(scheduled.step_id, contract, wait_s)
         self.results[scheduled.step_id] = result
         return result
+
+    def _wait_s(self, timeout_s: float | None) -> float:
+        """How long a call waits: its ``timeout_s``, else the client's call timeout."""
+        return self.client.call_timeout_s if timeout_s is None else _positive(timeout_s)
 
     def _scheduled(
         self,
@@ -1236,9 +1240,8 @@ class Saga:
     def resume(self, step_id: str, timeout_s: float | None = None) -> Any:
         """Wait again for a step this saga scheduled, e.g. after ``ApprovalPending``:
         its result once approved and run, or the error it ended in."""
-        result = self._await_step(
-            step_id, self._scheduled_contract(step_id), timeout_s or self.client.call_timeout_s
-        )
+        wait_s = self._wait_s(timeout_s)
+        result = self._await_step(step_id, self._scheduled_contract(step_id), wait_s)
         self.results[step_id] = result
         return result
 
@@ -1380,12 +1383,12 @@ class Saga:
         **args: Any,
     ) -> Any:
         """:meth:`call` for asyncio (no thread per pending call)."""
+        wait_s = self._wait_s(timeout_s)
         name = _tool_name(tool)
         contract = self.client._cached_contract(name)
         if contract is None:  # reading the published catalogue is blocking I/O
             contract = await asyncio.to_thread(self.client.contract, name)
         scheduled = self._scheduled(contract, step_id, depends_on, args)
-        wait_s = timeout_s or self.client.call_timeout_s
         await self.client.append_async(scheduled, timeout_s=wait_s)  # as long: see call()
         contract = self._contracts.setdefault(scheduled.step_id, contract)  # see call()
         result = await self._await_step_async(scheduled.step_id, contract, wait_s)
@@ -1394,9 +1397,8 @@ class Saga:
 
     async def aresume(self, step_id: str, timeout_s: float | None = None) -> Any:
         """:meth:`resume` for asyncio."""
-        result = await self._await_step_async(
-            step_id, self._scheduled_contract(step_id), timeout_s or self.client.call_timeout_s
-        )
+        wait_s = self._wait_s(timeout_s)
+        result = await self._await_step_async(step_id, self._scheduled_contract(step_id), wait_s)
         self.results[step_id] = result
         return result
 
@@ -1551,6 +1553,17 @@ def _result_too_large(
         step_id=step_id,
         tool=tool,
     )
+
+
+def _positive(timeout_s: float, name: str = "timeout_s") -> float:
+    """``timeout_s``, or ValueError when it is no positive, finite number of seconds (0
+    used to mean "the default", and a negative one or NaN gave up on a written step)."""
+    if not 0 < timeout_s < math.inf:  # NaN too
+        raise ValueError(
+            f"{name} must be a positive number of seconds, got {timeout_s!r}; nothing "
+            "was written (leave it out for the client's call timeout)"
+        )
+    return timeout_s
 
 
 def _generated_number(step_id: str) -> int:

@@ -1242,3 +1242,30 @@ def test_an_abort_reason_quoting_a_secret_argument_reaches_no_topic_in_clear(
         f"ValueError: card '{marker(card)}' declined by the bank",
         f"ValueError: cvv {marker(cvv)} refused",
     ]
+
+
+@pytest.mark.parametrize("timeout_s", [0, 0.0, -1.0, float("nan"), float("inf")])
+def test_a_call_timeout_that_is_not_positive_is_refused_before_anything_is_written(
+    local: tuple[System, Desk], monkeypatch: pytest.MonkeyPatch, timeout_s: float
+) -> None:
+    """``timeout_s=0`` was read as "not given" (``timeout_s or call_timeout_s``): the
+    call waited the client's whole call timeout, while a negative one or NaN wrote the
+    step and gave up on its acknowledgement at once, the step running behind the
+    agent's back. A timeout that is not a positive number is refused, nothing written."""
+    system, _desk = local
+    waits = _record_waits(system, monkeypatch)
+    with system.client.saga("desk", "agent") as saga:
+        with pytest.raises(ValueError, match="timeout_s must be a positive number"):
+            saga.call("book_slot", day="mon", timeout_s=timeout_s)
+        with pytest.raises(ValueError, match="timeout_s must be a positive number"):
+            saga.resume("01-book_slot", timeout_s=timeout_s)
+
+    async def agent() -> None:
+        async with system.client.saga("desk", "agent") as asaga:
+            with pytest.raises(ValueError, match="timeout_s must be a positive number"):
+                await asaga.call("book_slot", day="tue", timeout_s=timeout_s)
+
+    asyncio.run(agent())
+    assert [w[0] for w in waits] == ["SagaStarted", "SagaEndRequested"] * 2
+    with pytest.raises(ValueError, match="call_timeout_s must be a positive number"):
+        SagaClient(system.settings, system.bootstrap, call_timeout_s=timeout_s)
