@@ -312,6 +312,16 @@ class _Ledger:
     def follows(self, saga_id: str) -> bool:
         return saga_id in self._feeds
 
+    def end_of(self, saga_id: str) -> tuple[bool, SagaTerminal | None]:
+        """Whether the saga is followed or recently ended, and its terminal record if
+        it arrived (one dict look-up for a saga in flight)."""
+        feed = self._feeds.get(saga_id)
+        if feed is not None:
+            return True, feed.terminal
+        with self._lock:  # _let_go keeps the record before it drops the feed
+            terminal = self._ended.get(saga_id)
+        return terminal is not None, terminal
+
     def knows(self, saga_id: str) -> bool:
         """Whether the saga is followed or among the recently ended ones."""
         with self._lock:
@@ -1056,13 +1066,14 @@ class Saga:
         step does not commit.
         """
         wait_s = self._wait_s(timeout_s)
-        scheduled = self._scheduled(
+        scheduled, write = self._scheduled(
             self.client.contract(_tool_name(tool)), step_id, depends_on, args
         )
         # The step's acknowledgement is awaited as long as its outcome: a record whose
         # wait gave up is still queued in the producer and may reach the ledger after
         # the agent has moved on (and aborted), so the step would run behind its back.
-        self.client.append(scheduled, timeout_s=wait_s)
+        if write:
+            self.client.append(scheduled, timeout_s=wait_s)
         # A repeated call is waited for under the contract its step was first
         # scheduled with, the one the coordinator keeps (not the tool's current one).
         contract = self._contracts.setdefault(scheduled.step_id, scheduled.contract)
@@ -1080,10 +1091,15 @@ class Saga:
         step_id: str | None,
         depends_on: list[str] | None,
         args: dict[str, Any],
-    ) -> StepScheduled:
-        """The ``StepScheduled`` record of the next call (sync and async alike)."""
+    ) -> tuple[StepScheduled, bool]:
+        """The ``StepScheduled`` record of the next call (sync and async alike), and
+        whether to write it: not for a step the saga scheduled before it ended, whose
+        outcome its records give (and the coordinator would not run it again)."""
         self._require_listener()
         name = contract.tool
+        ended = self._ended(name, step_id)
+        if ended is not None and (step_id is None or step_id not in self._step_ids):
+            raise ended
         number = next(self._steps)
         step = step_id or f"{number:02d}-{name}"
         problem = step_id_problem(step)
@@ -1134,7 +1150,7 @@ class Saga:
                 tool=name,
             )
         self._step_ids.add(step)
-        return StepScheduled(
+        scheduled = StepScheduled(
             envelope=self._envelope(StepScheduled),
             step_id=step,
             args=body,
@@ -1142,6 +1158,26 @@ class Saga:
             depends_on=depends_on,
             contract=contract,
         )
+        return scheduled, ended is None
+
+    def _ended(self, tool: str, step_id: str | None) -> SagaUnwinding | None:
+        """Why no new step of this saga can run (it ended, or its end was asked for),
+        or None; :class:`CallRefused` when it was never started here: the coordinator
+        would reject its steps, and no outcome would come."""
+        where = {"saga_id": self.saga_id, "step_id": step_id or "", "tool": tool}
+        known, _terminal = self.client._ledger.end_of(self.saga_id)
+        if not known:
+            raise CallRefused(
+                f"saga {self.saga_id} is not started (or it ended before the last "
+                f"{self.client._ledger.ended_kept} sagas this client saw end): call its "
+                "tools inside `with client.saga(...) as saga:` (or `async with`), or "
+                f"attach() a saga started elsewhere; {tool} did not run and nothing was "
+                "written",
+                limit="saga-not-started",
+                size=0,
+                **where,
+            )
+        return None
 
     def attach(self) -> Saga:
         """Follow this saga (already started, e.g. by a process that restarted) without
@@ -1388,8 +1424,9 @@ class Saga:
         contract = self.client._cached_contract(name)
         if contract is None:  # reading the published catalogue is blocking I/O
             contract = await asyncio.to_thread(self.client.contract, name)
-        scheduled = self._scheduled(contract, step_id, depends_on, args)
-        await self.client.append_async(scheduled, timeout_s=wait_s)  # as long: see call()
+        scheduled, write = self._scheduled(contract, step_id, depends_on, args)
+        if write:
+            await self.client.append_async(scheduled, timeout_s=wait_s)  # as long: see call()
         contract = self._contracts.setdefault(scheduled.step_id, contract)  # see call()
         result = await self._await_step_async(scheduled.step_id, contract, wait_s)
         self.results[scheduled.step_id] = result

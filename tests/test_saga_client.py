@@ -1269,3 +1269,29 @@ def test_a_call_timeout_that_is_not_positive_is_refused_before_anything_is_writt
     assert [w[0] for w in waits] == ["SagaStarted", "SagaEndRequested"] * 2
     with pytest.raises(ValueError, match="call_timeout_s must be a positive number"):
         SagaClient(system.settings, system.bootstrap, call_timeout_s=timeout_s)
+
+
+def test_a_call_on_a_saga_that_was_not_started_writes_nothing_and_says_so(
+    local: tuple[System, Desk], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tool called before the saga's block (an adapter's toolset run before
+    ``with client.saga(...)``) wrote a ``StepScheduled`` of a saga with no start,
+    which the coordinator rejects, and at once said ``OutcomeUnknown: no outcome for
+    book_slot within 30 s`` (no wait had run, and nothing could have run). It is
+    refused before anything is written, saying to start or attach the saga first."""
+    system, desk = local
+    waits = _record_waits(system, monkeypatch)
+    saga = system.client.saga("desk", "agent")
+    with pytest.raises(CallRefused, match=r"not started.*nothing was written"):
+        saga.call("book_slot", day="mon")
+
+    async def agent() -> None:
+        with pytest.raises(CallRefused, match="not started"):
+            await AsyncSaga(saga).call("book_slot", day="tue")
+
+    asyncio.run(agent())
+    assert waits == []
+    with saga:  # the same saga, started: its calls run
+        assert saga.call("book_slot", day="wed") == {"slot": "slot-wed"}
+    assert saga.wait(60).status is TerminalStatus.COMPLETED
+    assert desk.log == ["book:wed"]
