@@ -940,6 +940,8 @@ class Saga:
         # The arguments (and their secret fields) of every call with secret arguments:
         # an end reason quoting one of their clear values is scrubbed of it.
         self._secret_args: list[tuple[Mapping[str, Any], tuple[str, ...]]] = []
+        # The end this object asked for (end(), or leaving the block): no step after it.
+        self._end_requested: SagaOutcome | None = None
         self._receipt: Receipt | None = None
 
     def _envelope(self, cls: type[Record]) -> Any:
@@ -994,6 +996,7 @@ class Saga:
         it, on the same partition and in order, ends it then; if the start never
         lands, the coordinator rejects the lone abort."""
         why = str(exc) or type(exc).__name__
+        self._end_requested = SagaOutcome.ABORT
         end = SagaEndRequested(
             envelope=self._envelope(SagaEndRequested),
             outcome=SagaOutcome.ABORT,
@@ -1037,6 +1040,7 @@ class Saga:
     def end(self, outcome: SagaOutcome, reason: str = "") -> None:
         """Ask the coordinator to complete or abort the saga (waits, like a call, up to
         the client's call timeout for the broker's acknowledgement)."""
+        self._end_requested = outcome
         try:
             self.client.append(
                 SagaEndRequested(
@@ -1165,7 +1169,19 @@ class Saga:
         or None; :class:`CallRefused` when it was never started here: the coordinator
         would reject its steps, and no outcome would come."""
         where = {"saga_id": self.saga_id, "step_id": step_id or "", "tool": tool}
-        known, _terminal = self.client._ledger.end_of(self.saga_id)
+        known, terminal = self.client._ledger.end_of(self.saga_id)
+        if terminal is not None:
+            return SagaUnwinding(
+                f"saga {self.saga_id} has ended ({terminal.status.value.lower()}): {tool} "
+                "will not run, and nothing was written",
+                **where,
+            )
+        if self._end_requested is not None:
+            return SagaUnwinding(
+                f"saga {self.saga_id} is ending ({self._end_requested.value.lower()} "
+                f"requested by this client): {tool} will not run, and nothing was written",
+                **where,
+            )
         if not known:
             raise CallRefused(
                 f"saga {self.saga_id} is not started (or it ended before the last "
@@ -1396,6 +1412,7 @@ class Saga:
             await self.end_async(SagaOutcome.ABORT, reason=f"{type(exc).__name__}: {exc}")
 
     async def end_async(self, outcome: SagaOutcome, reason: str = "") -> None:
+        self._end_requested = outcome
         try:
             await self.client.append_async(
                 SagaEndRequested(
@@ -1528,7 +1545,16 @@ class Saga:
                         **where,
                     ),
                 )
-            if isinstance(record, (CompensationRequested, SagaTerminal)):
+            if isinstance(record, SagaTerminal):
+                ended = record.status.value.lower()
+                return (
+                    "err",
+                    SagaUnwinding(
+                        f"saga {self.saga_id} has ended ({ended}); {contract.tool} will not run",
+                        **where,
+                    ),
+                )
+            if isinstance(record, CompensationRequested):
                 return (
                     "err",
                     SagaUnwinding(

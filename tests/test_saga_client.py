@@ -33,6 +33,7 @@ from participants.client import (
     Saga,
     SagaCallError,
     SagaClient,
+    SagaUnwinding,
     UnknownTool,
 )
 from participants.plan import PlannedCall, PlanReport
@@ -1269,6 +1270,50 @@ def test_a_call_timeout_that_is_not_positive_is_refused_before_anything_is_writt
     assert [w[0] for w in waits] == ["SagaStarted", "SagaEndRequested"] * 2
     with pytest.raises(ValueError, match="call_timeout_s must be a positive number"):
         SagaClient(system.settings, system.bootstrap, call_timeout_s=timeout_s)
+
+
+def test_a_call_on_an_ended_saga_writes_nothing_and_names_how_the_saga_ended(
+    local: tuple[System, Desk], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call after the saga ended still wrote a ``StepScheduled`` (which the
+    coordinator does not run) and said the saga "is unwinding", also for a completed
+    one. It is refused before anything is written, naming the saga's end: the one it
+    asked for while the end is on its way, then the terminal status."""
+    system, desk = local
+    waits = _record_waits(system, monkeypatch)
+    with system.client.saga("desk", "agent") as done:
+        done.call("book_slot", day="mon")
+    # The end is asked for (and may have been reached): the call comes after it.
+    with pytest.raises(SagaUnwinding, match=r"ending \(complete requested|ended \(completed"):
+        done.call("book_slot", day="tue")
+    assert done.wait(60).status is TerminalStatus.COMPLETED
+    with pytest.raises(SagaUnwinding, match=r"has ended \(completed\).*nothing was written"):
+        done.call("book_slot", day="wed")
+
+    undone = system.client.saga("desk", "agent")
+    with contextlib.suppress(BusinessRejected), undone:
+        undone.call("refuse")
+    assert undone.wait(60).status is TerminalStatus.COMPENSATED
+
+    async def agent() -> None:
+        with pytest.raises(SagaUnwinding, match=r"has ended \(compensated\)"):
+            await AsyncSaga(undone).call("book_slot", day="thu")
+
+    asyncio.run(agent())
+    # A repeated call of a step the saga ran is answered from its records, not written.
+    with SagaClient(system.settings, system.bootstrap) as again:
+        attached = again.saga("desk", "agent", saga_id=done.saga_id).attach()
+        repeated = attached.call("book_slot", step_id="01-book_slot", day="mon")
+        assert repeated == {"slot": "slot-mon"}
+        with pytest.raises(SagaUnwinding, match=r"has ended \(completed\)"):
+            attached.call("book_slot", day="fri")
+        attached.wait(60)
+    reader = LedgerReader(system.bootstrap)
+    for saga, steps in ((done, ["01-book_slot"]), (undone, ["01-refuse"])):
+        records = reader.saga_records(system.topics.events, saga.saga_id, system.settings.signer())
+        assert [r.step_id for r in records if isinstance(r, StepScheduled)] == steps
+    assert [w[0] for w in waits].count("StepScheduled") == 2
+    assert desk.log == ["book:mon"]
 
 
 def test_a_call_on_a_saga_that_was_not_started_writes_nothing_and_says_so(
