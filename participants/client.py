@@ -1352,7 +1352,9 @@ class Saga:
         return body
 
     def wait(self, timeout_s: float = 60.0) -> Receipt:
-        """Wait for the terminal record and return its receipt."""
+        """Wait for the terminal record and return its receipt (``timeout_s=0``: only
+        if it has arrived)."""
+        _duration(timeout_s)
         if self._receipt is not None:
             return self._receipt
         found = self.client._ledger.wait_for(
@@ -1465,6 +1467,7 @@ class Saga:
 
     async def await_terminal(self, timeout_s: float = 60.0) -> Receipt:
         """:meth:`wait` for asyncio."""
+        _duration(timeout_s)
         if self._receipt is not None:
             return self._receipt
         found = await self.client._ledger.wait_for_async(
@@ -1627,6 +1630,15 @@ def _positive(timeout_s: float, name: str = "timeout_s") -> float:
             "was written (leave it out for the client's call timeout)"
         )
     return timeout_s
+
+
+def _duration(timeout_s: float) -> None:
+    """ValueError when ``timeout_s`` of a wait for the receipt is no duration: NaN
+    spun the wait (the time left was never <= 0), infinity overflowed it."""
+    if not 0 <= timeout_s < math.inf:
+        raise ValueError(
+            f"timeout_s must be 0 or more seconds (a finite number), got {timeout_s!r}"
+        )
 
 
 def _generated_number(step_id: str) -> int:

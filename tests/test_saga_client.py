@@ -1340,3 +1340,27 @@ def test_a_call_on_a_saga_that_was_not_started_writes_nothing_and_says_so(
         assert saga.call("book_slot", day="wed") == {"slot": "slot-wed"}
     assert saga.wait(60).status is TerminalStatus.COMPLETED
     assert desk.log == ["book:wed"]
+
+
+@pytest.mark.parametrize("timeout_s", [-1.0, float("nan"), float("inf")])
+def test_a_wait_for_the_receipt_with_a_timeout_that_is_no_duration_is_refused(
+    local: tuple[System, Desk], timeout_s: float
+) -> None:
+    """``saga.wait(float("nan"))`` spun a core until the saga ended (the time left was
+    never <= 0, and each condition wait returned at once), ``wait(float("inf"))`` raised
+    ``OverflowError: timestamp out of range``, and a negative one said the saga "is not
+    terminal after -1.0 s". Each is a ValueError saying what a timeout must be; 0
+    still answers from what has arrived."""
+    system, _desk = local
+    with system.client.saga("desk", "agent") as saga:
+        saga.call("book_slot", day="mon")
+    with pytest.raises(ValueError, match="timeout_s must be 0 or more seconds"):
+        saga.wait(timeout_s)
+
+    async def agent() -> None:
+        with pytest.raises(ValueError, match="timeout_s must be 0 or more seconds"):
+            await AsyncSaga(saga).wait(timeout_s)
+
+    asyncio.run(agent())
+    assert saga.wait(60).status is TerminalStatus.COMPLETED
+    assert saga.wait(0).status is TerminalStatus.COMPLETED
