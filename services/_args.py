@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 
 
@@ -22,3 +23,16 @@ def at_least(minimum: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a duration in seconds, positive and finite (0, a negative
+    number, ``nan`` or ``inf`` would make a wait end at once, never, or crash deep in
+    the client); anything else is a usage error that says what was given."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds (a number > 0), got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds (a number > 0), got {text!r}")
+    return value

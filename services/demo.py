@@ -56,7 +56,7 @@ from schemas.models import Record, SagaTerminal
 from schemas.receipt import Receipt
 from schemas.settings import Settings
 from schemas.topics import DEFAULT_PARTITIONS
-from services._args import at_least
+from services._args import at_least, seconds
 from services.cli import PARENT_PID_VAR
 from services.demo_invariants import (
     ProviderFileUnreadable,
@@ -1037,9 +1037,9 @@ def register(subparsers: Any) -> None:
         default=8088,
         help="serve the dashboard for this run on this port (8088; 0: none)",
     )
-    demo.add_argument("--call-timeout", type=float, default=60.0, help="per tool call (s)")
+    demo.add_argument("--call-timeout", type=seconds, default=60.0, help="per tool call (s)")
     demo.add_argument(
-        "--timeout", type=float, default=300.0, help="for every saga to end after the agents (s)"
+        "--timeout", type=seconds, default=300.0, help="for every saga to end after the agents (s)"
     )
     demo.set_defaults(func=_cmd_demo)
 
@@ -1055,6 +1055,6 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="leave approvals to a person (sagaline approve, or the dashboard)",
     )
-    run.add_argument("--call-timeout", type=float, default=60.0)
-    run.add_argument("--timeout", type=float, default=300.0)
+    run.add_argument("--call-timeout", type=seconds, default=60.0)
+    run.add_argument("--timeout", type=seconds, default=300.0)
     run.set_defaults(func=_cmd_agent_run)

@@ -23,6 +23,7 @@ from schemas.models import COMMAND_TYPES, Record
 from schemas.settings import Settings
 from schemas.topics import TopicNames
 from schemas.wire import from_message, to_message
+from services._args import seconds
 
 PARTICIPANT = "smoke"
 
@@ -104,7 +105,7 @@ def run(timeout_s: float = 60.0, keep_topics: bool = False) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.smoke", description=__doc__)
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait")
+    parser.add_argument("--timeout", type=seconds, default=60.0, help="seconds to wait")
     parser.add_argument("--keep-topics", action="store_true", help="leave the run's topics")
     args = parser.parse_args(argv)
     return run(args.timeout, keep_topics=args.keep_topics)

@@ -90,6 +90,27 @@ def test_demo_flags_that_would_run_nothing_or_kill_nothing_are_refused(
     assert "expected a whole number >=" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["demo", "--call-timeout", "0"],
+        ["demo", "--timeout", "-5"],
+        ["demo", "--call-timeout", "nan"],
+        ["agent", "run", "--call-timeout", "inf"],
+        ["saga", "wait", "saga-1", "--timeout", "0"],
+    ],
+)
+def test_durations_that_are_no_positive_number_of_seconds_are_refused(
+    flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--call-timeout 0`` reached the saga client, which refuses it with a
+    ValueError: a traceback instead of a usage error."""
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(flags)
+    assert exited.value.code == 2
+    assert "expected seconds (a number > 0), got" in capsys.readouterr().err
+
+
 def test_an_interrupted_demo_with_keep_does_not_claim_it_stopped_everything(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
