@@ -367,6 +367,51 @@ class _Mark:
             raise RuntimeError(f"journal write failed: {self.outcome}") from self.outcome
 
 
+class _Failures:
+    """The failures of a call made again and again (a verification polled every
+    ``verify_poll_ms`` for as long as ``completion_within``), logged without a flood:
+    the first with its traceback, then one line a minute at most (how many, the last
+    error), and one line when the call answers again."""
+
+    def __init__(self, what: str, clock: Clock) -> None:
+        self._what = what
+        self._clock = clock
+        self._count = 0
+        self._since = 0
+        self._logged_at = 0
+
+    def failed(self, exc: BaseException, message: str) -> None:
+        now = self._clock()
+        self._count += 1
+        if self._count == 1:
+            self._since = self._logged_at = now
+            log.error(
+                "%s failed; retrying (a summary a minute while it fails)",
+                self._what,
+                exc_info=exc,
+            )
+        elif now - self._logged_at >= _FAILURES_SUMMARY_MS:
+            self._logged_at = now
+            log.error(
+                "%s still failing: %d failures in %.0f s; the last %s: %s",
+                self._what,
+                self._count,
+                (now - self._since) / 1000,
+                type(exc).__name__,
+                message,
+            )
+
+    def answered(self) -> None:
+        if self._count:
+            log.warning(
+                "%s answers again after %d failed calls over %.0f s",
+                self._what,
+                self._count,
+                (self._clock() - self._since) / 1000,
+            )
+            self._count = 0
+
+
 @dataclass(frozen=True)
 class _Outcome:
     record: Record
@@ -1023,13 +1068,20 @@ class CommandHandler:
             cmd.attempt,
             compensation_key=cmd.compensation_key,
         )
+        failures = _Failures(f"verification of {cmd.compensation_key}", self._clock)
         while not self._stopping.is_set():
             try:
-                if self._run(call, lambda: spec.verify(ctx), spec.deadline_ms):
+                confirmed = self._run(call, lambda: spec.verify(ctx), spec.deadline_ms)
+            except _TOOL_ERRORS as exc:
+                failures.failed(
+                    exc,
+                    scrub(str(exc), ctx.input, spec.secret_paths, self._sealer.marker_key)[:500],
+                )
+            else:
+                failures.answered()
+                if confirmed:
                     self._completed(command_id, cmd, verified=True)
                     return
-            except _TOOL_ERRORS:
-                log.exception("verification of %s failed; retrying", cmd.compensation_key)
             if self._clock() >= deadline:
                 if self._stopping.is_set():
                     return  # maybe not checked: resumed at the next start
@@ -2132,6 +2184,7 @@ class _Watchdog:
 _RETRY_AFTER_S = 0.5  # before a command whose record the broker refused is tried again
 _ONE_AT_A_TIME_WAIT_S = 0.05  # the longest wait() blocks before the consumer is polled
 _JOURNAL_AGAIN_S = 1.0  # before journal marks SQLite could not write (a full disk) go again
+_FAILURES_SUMMARY_MS = 60_000  # how often a verification that keeps failing is logged
 _JOURNAL_NAG_S = 60.0  # how often a journal that stays unwritable is logged again
 
 
