@@ -491,6 +491,10 @@ class CommandHandler:
             max_workers=2, thread_name_prefix=f"{participant}-confirm"
         )
         self._verify_poll_ms = verify_poll_ms
+        # The accepted compensations being confirmed now, by command id: one poller
+        # each, however often their command is redelivered (claim_confirmation).
+        self._confirming: set[str] = set()
+        self._confirming_lock = threading.Lock()
         self._metrics = metrics
         self._stopping = threading.Event()
         self._watchdog = _Watchdog(f"{participant}-deadlines")
@@ -1051,6 +1055,9 @@ class CommandHandler:
         """
         from schemas.codec import decode
 
+        seen = self.journal.get(command_id)
+        if seen is None or seen[0] != "accepted":
+            return  # settled meanwhile (completed, or by a poller that just ended)
         cmd = decode(command, CompensateStep)
         spec = self.catalogue.get(cmd.tool)
         if spec is None:
@@ -1119,8 +1126,27 @@ class CommandHandler:
                 continue
             if live:
                 poll(command_id, command)
-            else:
-                self._resuming.submit(self.confirm_logged, command_id, command)
+            elif self.claim_confirmation(command_id):
+                self._resuming.submit(self.confirm_claimed, command_id, command)
+
+    def claim_confirmation(self, command_id: str) -> bool:
+        """Whether the caller is to confirm this accepted compensation: False while
+        another poller has it (a redelivery of its command, a start's resume), so
+        the provider is not polled twice as often and no thread is added. The
+        caller runs :meth:`confirm_claimed`, which gives the claim back."""
+        with self._confirming_lock:
+            if command_id in self._confirming:
+                return False
+            self._confirming.add(command_id)
+            return True
+
+    def confirm_claimed(self, command_id: str, command: bytes) -> None:
+        """:meth:`confirm_logged` for a claimed compensation, then the claim back."""
+        try:
+            self.confirm_logged(command_id, command)
+        finally:
+            with self._confirming_lock:
+                self._confirming.discard(command_id)
 
     def confirm_logged(self, command_id: str, command: bytes) -> None:
         """:meth:`confirm_accepted` on a background thread: what fails is logged in
@@ -1816,10 +1842,14 @@ class ParticipantRuntime:
         return True
 
     def _confirm_in_background(self, command_id: str, command: bytes) -> None:
-        # Not kept in a list: nothing joins them, and a list would grow by one thread
-        # per accepted command for the life of the process.
+        # One poller per accepted compensation: a redelivery of its command while it
+        # is confirmed starts none. Not kept in a list: nothing joins them, and a
+        # list would grow by one thread per accepted command for the life of the
+        # process.
+        if not self.handler.claim_confirmation(command_id):
+            return
         threading.Thread(
-            target=self.handler.confirm_logged,
+            target=self.handler.confirm_claimed,
             args=(command_id, command),
             name=f"{self.participant}-confirm",
             daemon=True,

@@ -9,26 +9,51 @@ compensation is still being confirmed does not start a second poller.
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from participants import Accepted, CompensationContext, compensable, tool, wrap
-from participants.runtime import CommandHandler, CommandJournal
-from schemas import CompensateStep, CompensationCommitted, Record, envelope_for
+from participants.runtime import CommandHandler, CommandJournal, ParticipantRuntime
+from sagaline.kafka import LedgerReader, create_producer, ensure_topics
+from schemas import (
+    CompensateStep,
+    CompensationAccepted,
+    CompensationCommitted,
+    Record,
+    derived_event_id,
+    envelope_for,
+)
+from schemas.settings import Settings
+from schemas.wire import to_message
+from tests.system import wait_until
 
 HOUR_S = 3600
 
 
-def _compensate(n: int = 1) -> CompensateStep:
+def _compensate(
+    n: int = 1,
+    *,
+    saga_id: str | None = None,
+    tool_name: str = "book",
+    compensation: str = "release",
+) -> CompensateStep:
+    saga = saga_id or f"s-{n}"
     env = envelope_for(
-        CompensateStep, saga_id=f"s-{n}", tenant_id="t", producer="sagaline-coordinator", now=1
+        CompensateStep,
+        saga_id=saga,
+        tenant_id="t",
+        producer="sagaline-coordinator",
+        now=1,
+        event_id=derived_event_id(saga, f"compensate/{tool_name}/{n}"),
     )
     return CompensateStep(
         envelope=env,
-        step_id="01-book",
-        tool="book",
-        compensation="release",
+        step_id=f"0{n}-{tool_name}",
+        tool=tool_name,
+        compensation=compensation,
         args=b'{"desk":"d7"}',
         result=b'{"desk":"d7"}',
         idempotency_key=f"k-{n}",
@@ -100,3 +125,91 @@ def test_a_verification_that_keeps_failing_logs_one_traceback_then_a_summary_a_m
     recovered = [r.getMessage() for r in lines if "answers again" in r.getMessage()]
     assert len(recovered) == 1 and "600 failed" in recovered[0], recovered
     assert len(lines) <= 5, [r.getMessage() for r in lines]
+
+
+class _Gated:
+    """``book``'s release is accepted, and its verification waits for the test;
+    ``note``'s release is done at once."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.lock = threading.Lock()
+        self.checks = 0
+
+    @tool(description="Book a desk", verify="released", deadline=300)
+    @compensable(by="release", completion_within=HOUR_S)
+    def book(self, desk: str) -> dict[str, str]:
+        return {"desk": desk}
+
+    def release(self, ctx: CompensationContext) -> Accepted:
+        return Accepted(operation_id=f"release-{ctx.idempotency_key}")
+
+    def released(self, ctx: CompensationContext) -> bool:
+        with self.lock:
+            self.checks += 1
+        assert self.gate.wait(120)
+        return False
+
+    @tool(description="Note a desk")
+    @compensable(by="erase")
+    def note(self, desk: str) -> dict[str, str]:
+        return {"desk": desk}
+
+    def erase(self, ctx: CompensationContext) -> None:
+        pass
+
+
+def _confirm_threads(participant: str) -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name == f"{participant}-confirm"]
+
+
+def test_a_redelivered_accepted_compensation_does_not_start_a_second_poller_R12(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    # R12/R15: the command of an accepted compensation comes again (a redelivery
+    # after a rebalance or a lost commit) while its verification is still polled.
+    # Its acceptance is re-sent, but the compensation keeps one poller: a second
+    # would poll the provider twice as often, and each redelivery one more thread.
+    gated = _Gated()
+    settings = Settings(
+        bootstrap=kafka_bootstrap, topic_prefix=unique_prefix, partitions=1, state_dir=tmp_path
+    )
+    ensure_topics(kafka_bootstrap, settings.topics, ["desks"], 1)
+    runtime = ParticipantRuntime(wrap(gated, name="desks"), settings, kafka_bootstrap)
+    ready = threading.Event()
+    thread = threading.Thread(target=runtime.run, kwargs={"ready": ready}, daemon=True)
+    thread.start()
+    producer = create_producer(kafka_bootstrap)
+
+    def send(command: Record) -> None:
+        key, value, headers = to_message(command, settings.signer())
+        producer.produce(settings.topics.commands("desks"), key=key, value=value, headers=headers)
+        assert producer.flush(30) == 0
+
+    def records(saga_id: str) -> Callable[[], list[Record]]:
+        return lambda: LedgerReader(kafka_bootstrap).saga_records(
+            settings.topics.events, saga_id, settings.signer()
+        )
+
+    try:
+        assert ready.wait(60), "participant did not start"
+        accepted = _compensate(1, saga_id="s-dup")
+        send(accepted)
+        wait_until(lambda: gated.checks >= 1, 60, "the first verification")
+        for _redelivery in range(3):
+            send(accepted)
+        # After the redeliveries, in the same saga (so handled after them): a
+        # compensation whose outcome says they were all handled.
+        send(_compensate(2, saga_id="s-dup", tool_name="note", compensation="erase"))
+        found = wait_until(
+            lambda: [r for r in records("s-dup")() if isinstance(r, CompensationCommitted)],
+            60,
+            "the later compensation",
+        )
+        assert found[0].step_id == "02-note"
+        assert any(isinstance(r, CompensationAccepted) for r in records("s-dup")())
+        assert len(_confirm_threads("desks")) == 1, _confirm_threads("desks")
+    finally:
+        gated.gate.set()
+        runtime.stop()
+        thread.join(30)
