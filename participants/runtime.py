@@ -614,7 +614,7 @@ class CommandHandler:
                 try:
                     intent_acknowledged()
                 except BaseException:
-                    self.journal.forget(command.event_id)
+                    self.forget_when_writable(command.event_id)
                     raise
             outcome = plan.run()
         return self._settle(command, outcome, encoded)
@@ -643,11 +643,25 @@ class CommandHandler:
         until it is written or the runtime stops (:meth:`stop_waiting`; then the
         failure is raised and the command left for redelivery). What needs the mark
         waits: the tool (its "started"), the outcome's send (its row)."""
+        self._when_writable(
+            command_id,
+            lambda: self.journal.mark(command_id, state, command=command, outcome=outcome),
+        )
+
+    def forget_when_writable(self, command_id: str) -> None:
+        """``journal.forget`` (a "started" mark whose intent the broker refused: the
+        tool did not run), waiting out a journal SQLite cannot write for now as
+        :meth:`_mark_when_writable` does. Left in place, the mark would make the
+        command's retry an unknown outcome, reconciled (or an incident) for a tool
+        that never ran."""
+        self._when_writable(command_id, lambda: self.journal.forget(command_id))
+
+    def _when_writable(self, command_id: str, write: Callable[[], None]) -> None:
         failing = False
         while True:
             try:
-                self.journal.mark(command_id, state, command=command, outcome=outcome)
-            except RuntimeError as exc:
+                write()
+            except (RuntimeError, sqlite3.OperationalError) as exc:
                 if not journal_unwritable(exc) or self._stopping.is_set():
                     raise
                 if not failing:
@@ -655,7 +669,7 @@ class CommandHandler:
                     log.error(
                         "journal write failed (%s): command %s waits; trying again every "
                         "%.0f s (free disk space)",
-                        exc.__cause__,
+                        exc.__cause__ or exc,
                         command_id,
                         _JOURNAL_AGAIN_S,
                     )
@@ -2586,14 +2600,37 @@ class _CommandLoop:
             return
         if job.refused is not None:
             assert job.command is not None
-            self._handler.journal.forget(job.command.event_id)
-            if isinstance(job.refused, DeliveryFailed) and job.refused.too_large:
-                self._fail(job, job.refused)  # refused every time: as RecordTooLarge
+            try:
+                self._handler.journal.forget(job.command.event_id)
+            except sqlite3.OperationalError:
+                self._unmark_waiting(job, job.command.event_id)
                 return
-            log.warning("%s; trying the command again", job.refused)
-            self._retry(job)
+            self._after_refusal(job)
             return
         self._run_tool(job)
+
+    def _after_refusal(self, job: _Job) -> None:
+        """The refused intent's command, un-marked: tried again (or, refused for its
+        size, dead-lettered)."""
+        if isinstance(job.refused, DeliveryFailed) and job.refused.too_large:
+            self._fail(job, job.refused)  # refused every time: as RecordTooLarge
+            return
+        log.warning("%s; trying the command again", job.refused)
+        self._retry(job)
+
+    def _unmark_waiting(self, job: _Job, command_id: str) -> None:
+        """The journal could not drop the "started" mark of a command whose intent
+        was refused (a full disk): on a tool thread it is dropped once the journal
+        writes again (tried every second, :meth:`CommandHandler.forget_when_writable`),
+        then the command goes on as refused; its saga's later commands wait behind
+        it. Stopping first, it is left undone (its mark stays: at the next start an
+        unknown outcome, reconciled, as after a crash)."""
+
+        def done(_ok: Any, error: BaseException | None) -> None:
+            then = self._retry if error is not None else self._after_refusal
+            self.post(job, lambda: then(job))
+
+        self._tools.submit(job, lambda: self._handler.forget_when_writable(command_id), done)
 
     def _run_tool(self, job: _Job) -> None:
         assert job.plan is not None and job.plan.run is not None
