@@ -412,6 +412,122 @@ class _Failures:
             self._count = 0
 
 
+@dataclass
+class _Confirming:
+    """One accepted compensation being confirmed: what each poll of it needs."""
+
+    command_id: str
+    cmd: CompensateStep
+    spec: ToolSpec
+    ctx: CompensationContext
+    call: CallContext
+    deadline: int  # epoch ms: the acceptance plus completion_within
+    failures: _Failures
+
+
+class _Confirmations:
+    """Every accepted compensation being confirmed (R12), polled without a thread each.
+
+    One entry per command id (a redelivery of a command already here adds nothing).
+    A heap of next-poll times is served by one scheduler thread, which hands each
+    due poll to a pool of ``_CONFIRM_THREADS``; a poll that does not end the
+    confirmation is due again ``poll_s`` after it returned, so an entry is never
+    polled twice at once and the pool's queue holds each entry at most once. A
+    verification call is timed from its own start (``CommandHandler._run``), not
+    from when it was due. ``start(command_id, command)`` gives an entry's state at
+    its first poll (None: nothing to poll), ``poll(state)`` runs one poll (True:
+    ended). What raises ends the entry with one log line (its row stays accepted,
+    resumed at the next start)."""
+
+    def __init__(
+        self,
+        name: str,
+        poll_s: float,
+        start: Callable[[str, bytes], _Confirming | None],
+        poll: Callable[[_Confirming], bool],
+    ) -> None:
+        self._name = name
+        self._poll_s = poll_s
+        self._start = start
+        self._poll = poll
+        self._cv = threading.Condition()
+        self._entries: dict[str, bytes | _Confirming] = {}  # command bytes until started
+        self._due: list[tuple[float, int, str]] = []  # (monotonic time, seq, command id)
+        self._seq = 0
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=_CONFIRM_THREADS, thread_name_prefix=f"{name}-confirm"
+        )
+
+    def add(self, command_id: str, command: bytes) -> None:
+        with self._cv:
+            if self._closed or command_id in self._entries:
+                return
+            self._entries[command_id] = command
+            self._due_locked(command_id, 0.0)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._serve, name=f"{self._name}-confirm-schedule", daemon=True
+                )
+                self._thread.start()
+
+    def _due_locked(self, command_id: str, at: float) -> None:
+        self._seq += 1
+        heapq.heappush(self._due, (at, self._seq, command_id))
+        self._cv.notify()
+
+    def _serve(self) -> None:
+        with self._cv:
+            while not self._closed:
+                if not self._due:
+                    self._cv.wait()
+                    continue
+                wait_s = self._due[0][0] - time.monotonic()
+                if wait_s > 0:
+                    self._cv.wait(wait_s)
+                    continue
+                command_id = heapq.heappop(self._due)[2]
+                try:
+                    self._pool.submit(self._run, command_id)
+                except RuntimeError:  # the interpreter is exiting: resumed at the next start
+                    return
+
+    def _run(self, command_id: str) -> None:
+        ended = True
+        try:
+            with self._cv:
+                entry = self._entries.get(command_id)
+            if isinstance(entry, bytes):
+                entry = self._start(command_id, entry)
+                if entry is not None:
+                    with self._cv:
+                        self._entries[command_id] = entry
+            if entry is not None:
+                ended = self._poll(entry)
+        except _TOOL_ERRORS as exc:
+            if not self._closed:
+                log.error(
+                    "confirming accepted compensation %s failed (%s: %s); resumed at the "
+                    "next start",
+                    command_id,
+                    type(exc).__name__,
+                    exc,
+                )
+        finally:
+            with self._cv:
+                if ended or self._closed:
+                    self._entries.pop(command_id, None)
+                else:
+                    self._due_locked(command_id, time.monotonic() + self._poll_s)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
 @dataclass(frozen=True)
 class _Outcome:
     record: Record
@@ -485,16 +601,12 @@ class CommandHandler:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=workers, thread_name_prefix=f"{participant}-tool"
         )
-        # Start-up's last checks of accepted compensations past their wait
-        # (resume_accepted): a few at a time, however many the journal holds.
-        self._resuming = concurrent.futures.ThreadPoolExecutor(
-            max_workers=2, thread_name_prefix=f"{participant}-confirm"
-        )
         self._verify_poll_ms = verify_poll_ms
-        # The accepted compensations being confirmed now, by command id: one poller
-        # each, however often their command is redelivered (claim_confirmation).
-        self._confirming: set[str] = set()
-        self._confirming_lock = threading.Lock()
+        # Every accepted compensation being confirmed (R12): one entry per command
+        # id, polled by one scheduler thread on a few threads (confirm_in_background).
+        self._confirmations = _Confirmations(
+            participant, verify_poll_ms / 1000, self._confirming, self._poll_once
+        )
         self._metrics = metrics
         self._stopping = threading.Event()
         self._watchdog = _Watchdog(f"{participant}-deadlines")
@@ -503,7 +615,7 @@ class CommandHandler:
         self._stopping.set()
         self._watchdog.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._resuming.shutdown(wait=False, cancel_futures=True)
+        self._confirmations.close()
         if self._ledger is not None:
             self._ledger.close()
 
@@ -1055,32 +1167,67 @@ class CommandHandler:
 
     def confirm_accepted(self, command_id: str, command: bytes) -> None:
         """Poll the declared verification of an accepted compensation until it passes,
-        or until the declared wait (``completion_within``) after the acceptance (R12).
+        or until the declared wait (``completion_within``) after the acceptance (R12),
+        on this thread (the runtime polls them all on a few threads instead:
+        :meth:`confirm_in_background`).
 
-        Runs on a background thread; resumed for every ``accepted`` journal row when
-        the runtime starts (:meth:`resume_accepted`). The wait counts from the
-        acceptance as recorded, so a restart does not extend it. Past it this stops
-        after one last check and settles the row (``done``, its answer still the
-        acceptance): the coordinator's own timer for the same deadline raises the one
-        incident, also when this participant is down. A tool with no ``verify`` is
-        completed by :meth:`complete_accepted` (the provider's completion receipt)
-        instead. A tool this participant no longer serves is reported failed
-        (:meth:`_tool_gone`).
+        The wait counts from the acceptance as recorded, so a restart does not extend
+        it. Past it this stops after one last check and settles the row (``done``,
+        its answer still the acceptance): the coordinator's own timer for the same
+        deadline raises the one incident, also when this participant is down. A tool
+        with no ``verify`` is completed by :meth:`complete_accepted` (the provider's
+        completion receipt) instead. A tool this participant no longer serves is
+        reported failed (:meth:`_tool_gone`).
         """
+        confirming = self._confirming(command_id, command)
+        if confirming is None:
+            return
+        while not self._poll_once(confirming):
+            self._stopping.wait(self._verify_poll_ms / 1000)
+
+    def confirm_in_background(self, command_id: str, command: bytes) -> None:
+        """:meth:`confirm_accepted` without a thread of its own: the compensation joins
+        the ones being confirmed, polled every ``verify_poll_ms`` by one scheduler
+        thread on a few threads. Nothing is added for one already there (a
+        redelivery of its command), so the provider is polled at that pace only. A
+        failure (the journal, the ledger) is logged in one line and its row stays
+        accepted, resumed at the next start."""
+        self._confirmations.add(command_id, command)
+
+    def resume_accepted(self) -> None:
+        """At start: resume the ``accepted`` journal rows (R12): each joins the
+        confirmations (:meth:`confirm_in_background`). A row whose wait is still
+        running is polled until it ends; one whose wait has ended gets its last
+        check, and one whose tool is no longer served its report, then each is
+        settled. A row of a tool without a verification waits for
+        :meth:`complete_accepted`: nothing to run."""
+        from schemas.codec import decode
+
+        for command_id, command in self.journal.accepted():
+            try:
+                spec = self.catalogue.get(decode(command, CompensateStep).tool)
+            except Exception as exc:  # an unreadable row must not stop the start
+                log.error("journal entry %s unreadable (%s); left as it is", command_id, exc)
+                continue
+            if spec is None or spec.verify_func is not None:
+                self.confirm_in_background(command_id, command)
+
+    def _confirming(self, command_id: str, command: bytes) -> _Confirming | None:
+        """What polling this accepted compensation needs; None when there is nothing
+        to poll: settled meanwhile, a tool without a verification (completed by
+        :meth:`complete_accepted`), or one no longer served (reported here)."""
         from schemas.codec import decode
 
         seen = self.journal.get(command_id)
         if seen is None or seen[0] != "accepted":
-            return  # settled meanwhile (completed, or by a poller that just ended)
+            return None  # settled meanwhile (completed, or its wait over)
         cmd = decode(command, CompensateStep)
         spec = self.catalogue.get(cmd.tool)
         if spec is None:
             self._tool_gone(command_id, cmd)
-            return
+            return None
         if spec.verify_func is None:
-            return  # completed by complete_accepted, or by the coordinator's deadline
-        deadline = self._completion_deadline(command_id, spec)
-        ctx = self._compensation_context(cmd, spec)
+            return None  # completed by complete_accepted, or by the coordinator's deadline
         call = CallContext(
             cmd.saga_id,
             cmd.step_id,
@@ -1089,93 +1236,47 @@ class CommandHandler:
             cmd.attempt,
             compensation_key=cmd.compensation_key,
         )
-        failures = _Failures(f"verification of {cmd.compensation_key}", self._clock)
-        while not self._stopping.is_set():
-            try:
-                confirmed = self._run(call, lambda: spec.verify(ctx), spec.deadline_ms)
-            except _TOOL_ERRORS as exc:
-                failures.failed(
-                    exc,
-                    scrub(str(exc), ctx.input, spec.secret_paths, self._sealer.marker_key)[:500],
-                )
-            else:
-                failures.answered()
-                if confirmed:
-                    self._completed(command_id, cmd, verified=True)
-                    return
-            if self._clock() >= deadline:
-                if self._stopping.is_set():
-                    return  # maybe not checked: resumed at the next start
-                log.warning(
-                    "compensation %s was not confirmed within its declared wait; the "
-                    "coordinator raises the incident (not checked here again)",
-                    cmd.compensation_key,
-                )
-                # Settled: its answer stays the acceptance (re-sent on redelivery); it
-                # is not resumed at later starts and is pruned like any done entry.
-                self.journal.mark(command_id, "done")
-                return
-            self._stopping.wait(self._verify_poll_ms / 1000)
+        return _Confirming(
+            command_id,
+            cmd,
+            spec,
+            self._compensation_context(cmd, spec),
+            call,
+            self._completion_deadline(command_id, spec),
+            _Failures(f"verification of {cmd.compensation_key}", self._clock),
+        )
 
-    def resume_accepted(self, poll: Callable[[str, bytes], None]) -> None:
-        """At start: resume the ``accepted`` journal rows (R12) without a thread each.
-
-        A row whose declared wait is still running is handed to ``poll`` (its own
-        thread, polling its verification until the wait ends: such rows are the few
-        accepted within the last ``completion_within``). A row whose wait has ended
-        gets its last check, and a row whose tool is no longer served its report,
-        on a pool of two threads, then each is settled. A row of a tool without a
-        verification waits for :meth:`complete_accepted`: nothing to run."""
-        from schemas.codec import decode
-
-        now = self._clock()
-        for command_id, command in self.journal.accepted():
-            try:
-                spec = self.catalogue.get(decode(command, CompensateStep).tool)
-                if spec is not None and spec.verify_func is None:
-                    continue
-                live = spec is not None and self._completion_deadline(command_id, spec) > now
-            except Exception as exc:  # an unreadable row must not stop the start
-                log.error("journal entry %s unreadable (%s); left as it is", command_id, exc)
-                continue
-            if live:
-                poll(command_id, command)
-            elif self.claim_confirmation(command_id):
-                self._resuming.submit(self.confirm_claimed, command_id, command)
-
-    def claim_confirmation(self, command_id: str) -> bool:
-        """Whether the caller is to confirm this accepted compensation: False while
-        another poller has it (a redelivery of its command, a start's resume), so
-        the provider is not polled twice as often and no thread is added. The
-        caller runs :meth:`confirm_claimed`, which gives the claim back."""
-        with self._confirming_lock:
-            if command_id in self._confirming:
-                return False
-            self._confirming.add(command_id)
-            return True
-
-    def confirm_claimed(self, command_id: str, command: bytes) -> None:
-        """:meth:`confirm_logged` for a claimed compensation, then the claim back."""
+    def _poll_once(self, c: _Confirming) -> bool:
+        """One poll of an accepted compensation's verification; True when its
+        confirmation has ended: confirmed (``CompensationCommitted`` appended), its
+        wait over and the row settled, or the runtime stopping."""
+        if self._stopping.is_set():
+            return True  # resumed at the next start
+        spec, ctx = c.spec, c.ctx
         try:
-            self.confirm_logged(command_id, command)
-        finally:
-            with self._confirming_lock:
-                self._confirming.discard(command_id)
-
-    def confirm_logged(self, command_id: str, command: bytes) -> None:
-        """:meth:`confirm_accepted` on a background thread: what fails is logged in
-        one line (the row stays accepted, resumed at the next start)."""
-        try:
-            self.confirm_accepted(command_id, command)
+            confirmed = self._run(c.call, lambda: spec.verify(ctx), spec.deadline_ms)
         except _TOOL_ERRORS as exc:
-            if self._stopping.is_set():
-                return
-            log.error(
-                "confirming accepted compensation %s failed (%s: %s); resumed at the next start",
-                command_id,
-                type(exc).__name__,
-                exc,
+            c.failures.failed(
+                exc, scrub(str(exc), ctx.input, spec.secret_paths, self._sealer.marker_key)[:500]
             )
+        else:
+            c.failures.answered()
+            if confirmed:
+                self._completed(c.command_id, c.cmd, verified=True)
+                return True
+        if self._clock() < c.deadline:
+            return False
+        if self._stopping.is_set():
+            return True  # maybe not checked: resumed at the next start
+        log.warning(
+            "compensation %s was not confirmed within its declared wait; the "
+            "coordinator raises the incident (not checked here again)",
+            c.cmd.compensation_key,
+        )
+        # Settled: its answer stays the acceptance (re-sent on redelivery); it is not
+        # resumed at later starts and is pruned like any done entry.
+        self.journal.mark(c.command_id, "done")
+        return True
 
     def complete_accepted(self, provider_operation_id: str, result: Any = None) -> bool:
         """Record the provider's completion receipt for an accepted compensation (R12).
@@ -1747,7 +1848,7 @@ class ParticipantRuntime:
                 on_lost=on_lost,
             )
             self.publish_catalogue()
-            self.handler.resume_accepted(self._confirm_in_background)
+            self.handler.resume_accepted()
             log.info(
                 "participant %s serving %s (%d commands in flight at most)",
                 self.participant,
@@ -1856,18 +1957,7 @@ class ParticipantRuntime:
         return True
 
     def _confirm_in_background(self, command_id: str, command: bytes) -> None:
-        # One poller per accepted compensation: a redelivery of its command while it
-        # is confirmed starts none. Not kept in a list: nothing joins them, and a
-        # list would grow by one thread per accepted command for the life of the
-        # process.
-        if not self.handler.claim_confirmation(command_id):
-            return
-        threading.Thread(
-            target=self.handler.confirm_claimed,
-            args=(command_id, command),
-            name=f"{self.participant}-confirm",
-            daemon=True,
-        ).start()
+        self.handler.confirm_in_background(command_id, command)
 
 
 def _max_poll_interval_s(bootstrap: str, group: str) -> float:
@@ -2228,6 +2318,9 @@ class _Watchdog:
 _RETRY_AFTER_S = 0.5  # before a command whose record the broker refused is tried again
 _ONE_AT_A_TIME_WAIT_S = 0.05  # the longest wait() blocks before the consumer is polled
 _JOURNAL_AGAIN_S = 1.0  # before journal marks SQLite could not write (a full disk) go again
+# How many threads poll the verifications of accepted compensations, however many
+# there are (_Confirmations).
+_CONFIRM_THREADS = 4
 _FAILURES_SUMMARY_MS = 60_000  # how often a verification that keeps failing is logged
 _JOURNAL_NAG_S = 60.0  # how often a journal that stays unwritable is logged again
 

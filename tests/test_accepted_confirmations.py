@@ -160,7 +160,9 @@ class _Gated:
 
 
 def _confirm_threads(participant: str) -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name == f"{participant}-confirm"]
+    return sorted(
+        t.name for t in threading.enumerate() if t.name.startswith(f"{participant}-confirm")
+    )
 
 
 def test_a_redelivered_accepted_compensation_does_not_start_a_second_poller_R12(
@@ -196,6 +198,7 @@ def test_a_redelivered_accepted_compensation_does_not_start_a_second_poller_R12(
         accepted = _compensate(1, saga_id="s-dup")
         send(accepted)
         wait_until(lambda: gated.checks >= 1, 60, "the first verification")
+        before = _confirm_threads("desks")
         for _redelivery in range(3):
             send(accepted)
         # After the redeliveries, in the same saga (so handled after them): a
@@ -208,8 +211,78 @@ def test_a_redelivered_accepted_compensation_does_not_start_a_second_poller_R12(
         )
         assert found[0].step_id == "02-note"
         assert any(isinstance(r, CompensationAccepted) for r in records("s-dup")())
-        assert len(_confirm_threads("desks")) == 1, _confirm_threads("desks")
+        assert _confirm_threads("desks") == before
+        assert gated.checks == 1  # the one poller is still in its first verification
     finally:
         gated.gate.set()
+        runtime.stop()
+        thread.join(30)
+
+
+class _Slow:
+    """Bookings whose verification waits for the test, then reports done."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.lock = threading.Lock()
+        self.inside = 0
+        self.most_inside = 0
+        self.checks = 0
+
+    @tool(description="Book a desk", verify="released", deadline=300)
+    @compensable(by="release", completion_within=HOUR_S)
+    def book(self, desk: str) -> dict[str, str]:
+        return {"desk": desk}
+
+    def release(self, ctx: CompensationContext) -> Accepted:
+        return Accepted(operation_id=f"release-{ctx.idempotency_key}")
+
+    def released(self, ctx: CompensationContext) -> bool:
+        with self.lock:
+            self.checks += 1
+            self.inside += 1
+            self.most_inside = max(self.most_inside, self.inside)
+        assert self.gate.wait(120)
+        with self.lock:
+            self.inside -= 1
+        return True
+
+
+def test_many_accepted_compensations_within_their_wait_do_not_take_a_thread_each_R12(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    # R12: forty compensations accepted a moment ago, each with an hour to
+    # complete, resumed at a start. Their verifications are polled by a fixed set
+    # of threads, a few at a time, not by a thread each for the whole hour (whose
+    # calls then queued in the tool pool, the queueing eating their deadlines).
+    slow = _Slow()
+    catalogue = wrap(slow, name="slow")
+    journal = CommandJournal(tmp_path / "slow" / "commands.sqlite")
+    seeding = CommandHandler(catalogue, "slow", journal, lambda r: None)
+    rows = 40
+    for n in range(rows):
+        assert seeding.handle(_compensate(n)) == "accepted"
+    seeding.close()
+    journal.close()
+    settings = Settings(
+        bootstrap=kafka_bootstrap, topic_prefix=unique_prefix, partitions=1, state_dir=tmp_path
+    )
+    ensure_topics(kafka_bootstrap, settings.topics, ["slow"], 1)
+    idle = set(_confirm_threads("slow"))
+    runtime = ParticipantRuntime(catalogue, settings, kafka_bootstrap)
+    ready = threading.Event()
+    thread = threading.Thread(target=runtime.run, kwargs={"ready": ready}, daemon=True)
+    thread.start()
+    try:
+        assert ready.wait(60), "participant did not start"
+        wait_until(lambda: slow.inside >= 2, 60, "the first verifications")
+        polling = [t for t in _confirm_threads("slow") if t not in idle]
+        assert len(polling) <= 8, polling
+        slow.gate.set()
+        wait_until(lambda: runtime.journal.accepted() == [], 60, "every compensation confirmed")
+        assert slow.checks == rows  # each polled until confirmed, once here
+        assert slow.most_inside <= 8
+    finally:
+        slow.gate.set()
         runtime.stop()
         thread.join(30)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from participants import Accepted, CompensationContext, compensable, tool, wrap
 from participants.catalogue import Catalogue
-from participants.runtime import CommandHandler, CommandJournal, _now_ms
+from participants.runtime import _CONFIRM_THREADS, CommandHandler, CommandJournal, _now_ms
 from schemas import (
     CompensateStep,
     CompensationAccepted,
@@ -221,7 +221,8 @@ def test_start_up_resumes_overdue_accepted_rows_on_a_small_pool_and_settles_them
     with System(kafka_bootstrap, unique_prefix, tmp_path, [catalogue]) as system:
         wait_until(lambda: gated.inside >= 2, 60, "the first checks")
         confirming = [t for t in threading.enumerate() if t.name.startswith("gated-confirm")]
-        assert len(confirming) <= 2, [t.name for t in confirming]
+        # the pool that polls every confirmation, and its scheduler
+        assert len(confirming) <= _CONFIRM_THREADS + 1, [t.name for t in confirming]
         gated.gate.set()
         runtime = system._runtimes[0]
         wait_until(lambda: runtime.journal.accepted() == [], 60, "every row settled")
