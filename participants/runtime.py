@@ -1380,7 +1380,7 @@ class CommandHandler:
             compensation_key=cmd.compensation_key,
             attempt=cmd.attempt,
             provider_operation_id=provider_operation_id,
-            result=_json(result),
+            result=self._bounded_compensation_result(_json(result)),
             verified=verified,
         )
         self._append(record)

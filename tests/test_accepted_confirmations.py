@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import orjson
 import pytest
 
 from participants import Accepted, CompensationContext, compensable, tool, wrap
@@ -26,6 +27,7 @@ from schemas import (
     derived_event_id,
     envelope_for,
 )
+from schemas.limits import RESULT_OMITTED, Limits
 from schemas.settings import Settings
 from schemas.wire import to_message
 from tests.system import wait_until
@@ -286,3 +288,44 @@ def test_many_accepted_compensations_within_their_wait_do_not_take_a_thread_each
         slow.gate.set()
         runtime.stop()
         thread.join(30)
+
+
+class _Held:
+    """A table hold whose release the provider confirms by a receipt (no verify)."""
+
+    @tool(description="Hold a table")
+    @compensable(by="release", completion_within=HOUR_S)
+    def book(self, desk: str) -> dict[str, str]:
+        return {"desk": desk}
+
+    def release(self, ctx: CompensationContext) -> Accepted:
+        return Accepted(operation_id=f"release-{ctx.idempotency_key}")
+
+
+def test_a_receipt_whose_result_is_over_the_limit_completes_with_a_marker_R12(
+    tmp_path: Path,
+) -> None:
+    # The provider's receipt carries a large body (a full statement). Like a
+    # compensation's own result, it is informational: over max_result_bytes the
+    # ledger gets a marker (size, fingerprint), so the completion can be written.
+    # In full it made a record the coordinator parks the saga for, or (over the
+    # broker's message.max.bytes) one refused at every try, the compensation never
+    # completed.
+    out: list[Record] = []
+    journal = CommandJournal(tmp_path / "journal.sqlite")
+    handler = CommandHandler(
+        wrap(_Held(), name="tables"),
+        "tables",
+        journal,
+        out.append,
+        limits=Limits(max_result_bytes=1024),
+    )
+    assert handler.handle(_compensate()) == "accepted"
+    statement = {"lines": ["x" * 100] * 100}  # about 10 KB
+    assert handler.complete_accepted("release-k-1", result=statement) is True
+    handler.close()
+    completion = out[-1]
+    assert isinstance(completion, CompensationCommitted)
+    assert len(completion.result) < 1024
+    assert RESULT_OMITTED in orjson.loads(completion.result)
+    assert journal.accepted() == []
