@@ -1228,20 +1228,12 @@ class CommandHandler:
             return None
         if spec.verify_func is None:
             return None  # completed by complete_accepted, or by the coordinator's deadline
-        call = CallContext(
-            cmd.saga_id,
-            cmd.step_id,
-            cmd.tool,
-            cmd.idempotency_key,
-            cmd.attempt,
-            compensation_key=cmd.compensation_key,
-        )
         return _Confirming(
             command_id,
             cmd,
             spec,
             self._compensation_context(cmd, spec),
-            call,
+            _compensation_call(cmd),
             self._completion_deadline(command_id, spec),
             _Failures(f"verification of {cmd.compensation_key}", self._clock),
         )
@@ -1285,7 +1277,10 @@ class CommandHandler:
         Returns False when no accepted compensation of this participant has that
         operation id (already completed, never accepted here, or, for a tool with
         a verification, settled after its declared wait ended: see
-        :meth:`confirm_accepted`).
+        :meth:`confirm_accepted`). For a tool with a verification the receipt counts
+        only once the verification passes (R12): it is run here, and while it does
+        not pass nothing is recorded and this returns False (the compensation stays
+        accepted, its verification polled until it passes or its wait ends).
         """
         from schemas.codec import decode
 
@@ -1308,6 +1303,8 @@ class CommandHandler:
                         self.participant,
                         cmd.tool,
                     )
+                if spec is not None and not self._receipt_verified(cmd, spec):
+                    return False
                 self._completed(
                     command_id,
                     cmd,
@@ -1316,6 +1313,26 @@ class CommandHandler:
                     provider_operation_id=provider_operation_id,
                 )
                 return True
+        return False
+
+    def _receipt_verified(self, cmd: CompensateStep, spec: ToolSpec) -> bool:
+        """Whether a receipt for ``cmd`` may count: its tool declares no verification,
+        or the verification passes now."""
+        if spec.verify_func is None:
+            return True
+        ctx = self._compensation_context(cmd, spec)
+        try:
+            if self._run(_compensation_call(cmd), lambda: spec.verify(ctx), spec.deadline_ms):
+                return True
+            why = "it does not pass yet"
+        except _TOOL_ERRORS as exc:
+            why = f"it failed ({type(exc).__name__})"
+        log.warning(
+            "completion receipt for %s not recorded: its verification must pass first and %s; "
+            "it is polled until it passes or its declared wait ends",
+            cmd.compensation_key,
+            why,
+        )
         return False
 
     def _tool_gone(self, command_id: str, cmd: CompensateStep) -> None:
@@ -1570,6 +1587,18 @@ class CommandHandler:
 
 
 _MAX_OPERATION_ID = 1024
+
+
+def _compensation_call(cmd: CompensateStep) -> CallContext:
+    """The call context of ``cmd``'s compensation (and of its verification)."""
+    return CallContext(
+        cmd.saga_id,
+        cmd.step_id,
+        cmd.tool,
+        cmd.idempotency_key,
+        cmd.attempt,
+        compensation_key=cmd.compensation_key,
+    )
 
 
 def _operation_id(found: str | None) -> str | None:

@@ -329,3 +329,47 @@ def test_a_receipt_whose_result_is_over_the_limit_completes_with_a_marker_R12(
     assert len(completion.result) < 1024
     assert RESULT_OMITTED in orjson.loads(completion.result)
     assert journal.accepted() == []
+
+
+class _Checked:
+    """Releases confirmed by a verification the test sets, and by receipts."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.checks = 0
+
+    @tool(description="Book a desk", verify="released")
+    @compensable(by="release", completion_within=HOUR_S)
+    def book(self, desk: str) -> dict[str, str]:
+        return {"desk": desk}
+
+    def release(self, ctx: CompensationContext) -> Accepted:
+        return Accepted(operation_id=f"release-{ctx.idempotency_key}")
+
+    def released(self, ctx: CompensationContext) -> bool:
+        self.checks += 1
+        return self.done
+
+
+def test_a_receipt_for_a_tool_with_a_verification_is_verified_before_it_counts_R12(
+    tmp_path: Path,
+) -> None:
+    # R12: a declared verification must pass before the step counts as
+    # compensated. A receipt reaching complete_accepted for such a tool is not
+    # "verified" by itself: the verification runs, and while it does not pass the
+    # receipt records nothing (the compensation stays accepted and polled).
+    desks = _Checked()
+    out: list[Record] = []
+    journal = CommandJournal(tmp_path / "journal.sqlite")
+    handler = CommandHandler(wrap(desks, name="desks"), "desks", journal, out.append)
+    assert handler.handle(_compensate()) == "accepted"
+    assert handler.complete_accepted("release-k-1") is False
+    assert desks.checks == 1
+    assert not any(isinstance(r, CompensationCommitted) for r in out)
+    assert [row_id for row_id, _c in journal.accepted()] == [_compensate().event_id]
+    desks.done = True
+    assert handler.complete_accepted("release-k-1") is True
+    handler.close()
+    completion = out[-1]
+    assert isinstance(completion, CompensationCommitted) and completion.verified is True
+    assert journal.accepted() == []
