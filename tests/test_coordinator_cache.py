@@ -38,7 +38,6 @@ def _settled_at(coordinator: Coordinator, offset: int) -> Callable[[], bool]:
     return done
 
 
-
 def test_a_failed_transaction_leaves_nothing_of_its_decisions_in_the_decoded_cache(
     transport: str, unique_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -26,7 +26,6 @@ def _committed(settings: Settings, bootstrap: str, group: str) -> int:
         consumer.close()
 
 
-
 def _changelog(settings: Settings, bootstrap: str, saga_id: str) -> int:
     return sum(
         1

@@ -36,9 +36,7 @@ def test_partition_for_matches_the_murmur2_random_producer(
     topic = unique_prefix + "partitioning"
     admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
     admin.create_topics([NewTopic(topic, num_partitions=5, replication_factor=1)])[topic].result()
-    producer = Producer(
-        {"bootstrap.servers": kafka_bootstrap, "partitioner": "murmur2_random"}
-    )
+    producer = Producer({"bootstrap.servers": kafka_bootstrap, "partitioner": "murmur2_random"})
     keys = [f"saga-{i}" for i in range(40)]
     for key in keys:
         producer.produce(topic, key=key.encode(), value=b"x")
