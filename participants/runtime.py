@@ -41,6 +41,7 @@ import signal
 import sqlite3
 import threading
 import time
+import traceback
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -367,6 +368,13 @@ class _Mark:
             raise RuntimeError(f"journal write failed: {self.outcome}") from self.outcome
 
 
+def _traceback_text(exc: BaseException, clean: Callable[[str], str]) -> str:
+    """``exc``'s traceback, as ``exc_info`` would log it, through ``clean``: the
+    exception of a tool may quote a secret argument (in its message, or in the one it
+    was raised from), and no log gets a secret in clear."""
+    return clean("".join(traceback.format_exception(exc)).rstrip("\n"))
+
+
 class _Failures:
     """The failures of a call made again and again (a verification polled every
     ``verify_poll_ms`` for as long as ``completion_within``), logged without a flood:
@@ -380,15 +388,17 @@ class _Failures:
         self._since = 0
         self._logged_at = 0
 
-    def failed(self, exc: BaseException, message: str) -> None:
+    def failed(self, exc: BaseException, clean: Callable[[str], str]) -> None:
+        """``clean``: the text of ``exc`` (which may quote a secret argument) as it may
+        be logged (the call's clear secrets replaced by their markers)."""
         now = self._clock()
         self._count += 1
         if self._count == 1:
             self._since = self._logged_at = now
             log.error(
-                "%s failed; retrying (a summary a minute while it fails)",
+                "%s failed; retrying (a summary a minute while it fails)\n%s",
                 self._what,
-                exc_info=exc,
+                _traceback_text(exc, clean),
             )
         elif now - self._logged_at >= _FAILURES_SUMMARY_MS:
             self._logged_at = now
@@ -398,7 +408,7 @@ class _Failures:
                 self._count,
                 (now - self._since) / 1000,
                 type(exc).__name__,
-                message,
+                clean(str(exc))[:500],
             )
 
     def answered(self) -> None:
@@ -1249,7 +1259,7 @@ class CommandHandler:
             confirmed = self._run(c.call, lambda: spec.verify(ctx), spec.deadline_ms)
         except _TOOL_ERRORS as exc:
             c.failures.failed(
-                exc, scrub(str(exc), ctx.input, spec.secret_paths, self._sealer.marker_key)[:500]
+                exc, lambda text: scrub(text, ctx.input, spec.secret_paths, self._sealer.marker_key)
             )
         else:
             c.failures.answered()
