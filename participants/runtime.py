@@ -375,6 +375,38 @@ def _traceback_text(exc: BaseException, clean: Callable[[str], str]) -> str:
     return clean("".join(traceback.format_exception(exc)).rstrip("\n"))
 
 
+_CLEAN = "_sagaline_clean"  # on a tool's escaping exception: how to scrub its text
+
+
+def _mark_clean(exc: BaseException, clean: Callable[[str], str]) -> None:
+    """Remember on ``exc`` (raised by a tool past its step's outcome: not an
+    ``Exception``) how to scrub its text of the call's clear secrets, for whoever logs
+    or dead-letters it."""
+    setattr(exc, _CLEAN, clean)  # every exception has a __dict__ (BaseException's)
+
+
+def _cleaner(exc: BaseException) -> Callable[[str], str] | None:
+    clean = getattr(exc, _CLEAN, None)
+    return clean if callable(clean) else None
+
+
+def _error_text(exc: BaseException) -> str:
+    """``"<type>: <message>"``, scrubbed of the secrets of the tool call that raised it."""
+    clean = _cleaner(exc)
+    text = str(exc)
+    return f"{type(exc).__name__}: {clean(text) if clean is not None else text}"
+
+
+def _log_failure(msg: str, *args: object, exc: BaseException) -> None:
+    """``log.error(msg, *args, exc_info=exc)``, the traceback scrubbed when ``exc``
+    came from a tool call with secrets (:func:`_mark_clean`)."""
+    clean = _cleaner(exc)
+    if clean is None:
+        log.error(msg, *args, exc_info=exc)
+    else:
+        log.error(msg + "\n%s", *args, _traceback_text(exc, clean))
+
+
 class _Failures:
     """The failures of a call made again and again (a verification polled every
     ``verify_poll_ms`` for as long as ``completion_within``), logged without a flood:
@@ -1001,6 +1033,11 @@ class CommandHandler:
                 else FailureKind.TRANSIENT
             )
             return _Outcome(self._failed(cmd, common, kind, exc, args, spec.secret_paths))
+        except BaseException as exc:  # not an Exception: the loop dead-letters its command
+            _mark_clean(
+                exc, lambda text: scrub(text, args, spec.secret_paths, self._sealer.marker_key)
+            )
+            raise
         body = self._bounded_result(cmd, spec, _json(result))
         return _Outcome(
             self._record(
@@ -1155,6 +1192,14 @@ class CommandHandler:
                     ),
                 )
             )
+        except BaseException as exc:  # not an Exception: the loop dead-letters its command
+            _mark_clean(
+                exc,
+                lambda text: scrub(
+                    text, ctx.input if ctx else {}, spec.secret_paths, self._sealer.marker_key
+                ),
+            )
+            raise
         return _Outcome(
             self._record(
                 CompensationCommitted,
@@ -1986,9 +2031,9 @@ class ParticipantRuntime:
 
     def _dead_letter_blocking(self, msg: Message, command: Record, exc: BaseException) -> bool:
         """:meth:`_process`'s last resort; False when the DLQ copy was not written."""
-        log.error("handling %s %s failed", command.TYPE, command.event_id, exc_info=exc)
+        _log_failure("handling %s %s failed", command.TYPE, command.event_id, exc=exc)
         try:
-            self._dead_letters.write(msg, "handler-error", f"{type(exc).__name__}: {exc}")
+            self._dead_letters.write(msg, "handler-error", _error_text(exc))
         except DeliveryFailed:  # tried again: its offset must not move past it
             log.exception("dead-lettering %s %s failed", command.TYPE, command.event_id)
             return False
@@ -2854,7 +2899,7 @@ class _CommandLoop:
                 if job.ended:  # given up on a revoke: nothing of it counts here
                     return
                 if error is not None:  # _process dead-letters what fails: a last resort
-                    log.error("command at offset %s failed", job.msg.offset(), exc_info=error)
+                    _log_failure("command at offset %s failed", job.msg.offset(), exc=error)
                     self._finished(job)
                 elif ok:
                     self._finished(job)
@@ -2872,18 +2917,17 @@ class _CommandLoop:
         owner's to decide (a copy in the DLQ from here would be a second answer)."""
         if job.ended:
             log.warning(
-                "the command at offset %s failed after it was given up (%s: %s): left to "
+                "the command at offset %s failed after it was given up (%s): left to "
                 "the partition's owner",
                 job.msg.offset(),
-                type(exc).__name__,
-                exc,
+                _error_text(exc),
             )
             return
         command = job.command
         if command is not None:
-            log.error("handling %s %s failed", command.TYPE, command.event_id, exc_info=exc)
+            _log_failure("handling %s %s failed", command.TYPE, command.event_id, exc=exc)
         job.settled = True
-        self._dead_letter(job, "handler-error", f"{type(exc).__name__}: {exc}")
+        self._dead_letter(job, "handler-error", _error_text(exc))
 
     def _broken(self, job: _Job, exc: Exception) -> None:
         """A step of ``job`` raised (a bug; the journal, an encoding or a metrics
