@@ -29,10 +29,25 @@ def seconds(text: str) -> float:
     """An argparse type: a duration in seconds, positive and finite (0, a negative
     number, ``nan`` or ``inf`` would make a wait end at once, never, or crash deep in
     the client); anything else is a usage error that says what was given."""
+    value = _finite(text, "a number > 0")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds (a number > 0), got {text!r}")
+    return value
+
+
+def seconds_or_zero(text: str) -> float:
+    """As :func:`seconds`, but 0 is allowed: a wait that only looks once."""
+    value = _finite(text, "a number >= 0")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected seconds (a number >= 0), got {text!r}")
+    return value
+
+
+def _finite(text: str, what: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds (a number > 0), got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"expected seconds (a number > 0), got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected seconds ({what}), got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected seconds ({what}), got {text!r}")
     return value

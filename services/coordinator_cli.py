@@ -30,7 +30,7 @@ from schemas.partitioning import partition_for
 from schemas.receipt import Receipt
 from schemas.settings import Settings
 from schemas.signing import HeaderList, Signer
-from services._args import at_least, seconds
+from services._args import at_least, seconds_or_zero
 
 if TYPE_CHECKING:
     from coordinator.state import SagaState
@@ -571,7 +571,9 @@ def register(subparsers: Any) -> None:
     show.set_defaults(func=_cmd_show)
     wait = saga_sub.add_parser("wait", help="wait until the saga is terminal; print the receipt")
     wait.add_argument("saga_id")
-    wait.add_argument("--timeout", type=seconds, default=300.0, help="seconds (default 300)")
+    wait.add_argument(
+        "--timeout", type=seconds_or_zero, default=300.0, help="seconds (default 300)"
+    )
     wait.add_argument("--json", action="store_true", help="machine-readable output")
     wait.set_defaults(func=_cmd_wait)
 

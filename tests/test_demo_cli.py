@@ -97,7 +97,7 @@ def test_demo_flags_that_would_run_nothing_or_kill_nothing_are_refused(
         ["demo", "--timeout", "-5"],
         ["demo", "--call-timeout", "nan"],
         ["agent", "run", "--call-timeout", "inf"],
-        ["saga", "wait", "saga-1", "--timeout", "0"],
+        ["saga", "wait", "saga-1", "--timeout", "-1"],
     ],
 )
 def test_durations_that_are_no_positive_number_of_seconds_are_refused(
@@ -108,7 +108,7 @@ def test_durations_that_are_no_positive_number_of_seconds_are_refused(
     with pytest.raises(SystemExit) as exited:
         build_parser().parse_args(flags)
     assert exited.value.code == 2
-    assert "expected seconds (a number > 0), got" in capsys.readouterr().err
+    assert "expected seconds (a number >" in capsys.readouterr().err
 
 
 def test_an_interrupted_demo_with_keep_does_not_claim_it_stopped_everything(
