@@ -47,6 +47,13 @@ PARKED_INCIDENT = "saga-parked"
 reason of the saga's records it receives afterwards)."""
 
 
+MAX_OPERATOR_TEXT_BYTES = 8 * KIB
+"""The most bytes of an operator's free text: a denial's reason, an incident
+resolution's resolution or note, the operator's name. The coordinator copies them
+into the saga's state and receipt; the operator channel refuses longer ones
+(:class:`sagaline.ops.actions.DecisionTooLarge`)."""
+
+
 class LimitsError(ValueError):
     """An environment variable holds a limit Sagaline cannot use."""
 

@@ -15,6 +15,7 @@ from sagaline.ops.actions import OperatorChannel
 from sagaline.ops.metrics import SagalineMetrics
 from schemas import IncidentRaised, IncidentResolved
 from schemas.codec import decode
+from schemas.limits import MAX_OPERATOR_TEXT_BYTES
 from schemas.settings import Settings
 from schemas.wire import to_message
 from services.cli import main
@@ -60,12 +61,13 @@ def test_a_note_over_the_producers_limit_is_one_line_and_nothing_written(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     settings, _ledger, _raised = _incident(kafka_bootstrap, unique_prefix, monkeypatch)
-    note = "x" * 1_100_000  # over librdkafka's default message.max.bytes (1,000,000)
+    monkeypatch.setenv("SAGALINE_KAFKA_MESSAGE_MAX_BYTES", "2000")  # the producer's limit
+    note = "x" * 5000  # under MAX_OPERATOR_TEXT_BYTES, over the producer's limit
     rc = main(["incidents", "resolve", "inc-1", "--operator", "bob", "--note", note])
     err = capsys.readouterr().err
     assert rc == 2
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
-    assert "note alone is 1100000 bytes" in err and "Nothing was recorded" in err
+    assert "note alone is 5000 bytes" in err and "Nothing was recorded" in err
     assert _resolutions(settings, kafka_bootstrap) == []
 
 
@@ -126,4 +128,49 @@ def test_the_dashboard_answers_a_decision_over_the_producers_limit_with_a_4xx_pa
         channel.close()
     assert response.status_code == 400
     assert "note alone is 5000 bytes" in response.text
+    assert _resolutions(settings, kafka_bootstrap) == []
+
+
+def test_an_operators_text_over_its_cap_is_refused_before_it_is_written(
+    kafka_bootstrap: str,
+    unique_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The coordinator copies a resolution or a denial's reason into the saga's state
+    and receipt (and a refusal's detail): far under SAGALINE_MAX_RECORD_BYTES, a few
+    pasted logs could still push the saga over it and park it. Operator text is held
+    to MAX_OPERATOR_TEXT_BYTES, refused in one line, nothing written."""
+    settings, _ledger, _raised = _incident(kafka_bootstrap, unique_prefix, monkeypatch)
+    text = "r" * (MAX_OPERATOR_TEXT_BYTES + 1)
+    rc = main(["incidents", "resolve", "inc-1", "--operator", "bob", "--resolution", text])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert f"resolution is {MAX_OPERATOR_TEXT_BYTES + 1} bytes" in err
+    assert f"limit of {MAX_OPERATOR_TEXT_BYTES} bytes" in err and "Nothing was recorded" in err
+    assert _resolutions(settings, kafka_bootstrap) == []
+
+
+def test_the_dashboard_refuses_a_note_over_the_operator_text_cap_with_a_4xx_page(
+    kafka_bootstrap: str, unique_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings, _ledger, raised = _incident(kafka_bootstrap, unique_prefix, monkeypatch)
+    state = DashboardState(SagalineMetrics("dashboard"))
+    for _k, value, _h in LedgerReader(kafka_bootstrap).records(settings.topics.events):
+        state.apply(decode(value or b""))
+    channel = OperatorChannel(kafka_bootstrap, settings.topics, settings.signer())
+    note = "log line\n" * 2_000  # 18 KB of pasted logs: under every other limit
+    try:
+        client = TestClient(create_app(state, channel))
+        response = client.post(
+            f"/incidents/{raised.saga_id}/inc-1/resolve",
+            data={"operator": "carol", "resolution": "done", "note": note},
+            follow_redirects=False,
+        )
+    finally:
+        channel.close()
+    assert response.status_code == 400
+    assert f"note is {len(note)} bytes" in response.text
+    assert "Nothing was recorded" in response.text
     assert _resolutions(settings, kafka_bootstrap) == []

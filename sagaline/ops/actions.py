@@ -42,7 +42,7 @@ from sagaline.kafka import (
 from schemas.codec import decode, encode
 from schemas.errors import CodecError
 from schemas.keys import derived_event_id
-from schemas.limits import DEFAULT_LIMITS, Limits
+from schemas.limits import DEFAULT_LIMITS, MAX_OPERATOR_TEXT_BYTES, Limits
 from schemas.models import (
     ApprovalDenied,
     ApprovalGranted,
@@ -320,6 +320,17 @@ def _largest_part(record: Record) -> tuple[str, int]:
     return max(sizes, key=lambda part: part[1])
 
 
+# The operator's free text in a decision, as the error names it.
+_OPERATOR_TEXT = {
+    "reason": "reason",
+    "resolution": "resolution",
+    "note": "note",
+    "granted_by": "operator name",
+    "denied_by": "operator name",
+    "resolved_by": "operator name",
+}
+
+
 def _too_large(record: Record, size: int, limit: int, source: str) -> DecisionTooLarge:
     name, part = _largest_part(record)
     alone = f"; its {name} alone is {part} bytes: shorten it" if part else ""
@@ -335,7 +346,8 @@ class OperatorChannel:
 
     A decision larger than the coordinator takes (``limits.max_record_bytes``; a
     COMMITTED resolution's result over ``limits.max_result_bytes``, like a tool's) or
-    than the producer sends (``message.max.bytes``) is refused with
+    than the producer sends (``message.max.bytes``), or with a reason, resolution, note
+    or operator name over ``MAX_OPERATOR_TEXT_BYTES``, is refused with
     :class:`DecisionTooLarge`, nothing written."""
 
     def __init__(
@@ -415,7 +427,20 @@ class OperatorChannel:
     def _check_size(self, record: Record) -> None:
         """Refuse a decision the coordinator could not take: its record over
         ``max_record_bytes`` (it copies the record to the incident feed and the
-        saga's state and receipt), a result over ``max_result_bytes``."""
+        saga's state and receipt), a result over ``max_result_bytes``, a piece of
+        operator text (reason, resolution, note, name) over ``MAX_OPERATOR_TEXT_BYTES``
+        (copied into the saga's state and receipt, several of them could park it)."""
+        for name in _OPERATOR_TEXT:
+            value = getattr(record, name, None)
+            size = len(value.encode()) if isinstance(value, str) else 0
+            if size > MAX_OPERATOR_TEXT_BYTES:
+                label = _OPERATOR_TEXT[name]
+                raise DecisionTooLarge(
+                    f"{record.TYPE} for saga {record.saga_id}: its {label} is {size} "
+                    f"bytes, {size - MAX_OPERATOR_TEXT_BYTES} over the limit of "
+                    f"{MAX_OPERATOR_TEXT_BYTES} bytes for an operator's text: shorten it "
+                    "(put long logs elsewhere and say where). Nothing was recorded"
+                )
         result = getattr(record, "result", None)
         if isinstance(result, bytes) and len(result) > self.limits.max_result_bytes:
             limit = self.limits.max_result_bytes
