@@ -50,6 +50,7 @@ from schemas.keys import (
     key_hash,
     step_id_problem,
 )
+from schemas.limits import cut_operator_text
 from schemas.models import (
     COMMAND_TYPES,
     ApprovalDenied,
@@ -255,7 +256,7 @@ def unknown_outcome_refusal(incident_id: str, resolution: str) -> str:
     """Why the core refuses an answer that is not :func:`unknown_outcome_answer`."""
     return (
         f"incident {incident_id} is about an unknown outcome; resolve it with "
-        f"COMMITTED or NOT_FOUND, not {resolution!r}"
+        f"COMMITTED or NOT_FOUND, not {cut_operator_text(resolution)!r}"
     )
 
 
@@ -922,10 +923,12 @@ def _on_approval_granted(ctx: _Ctx, r: ApprovalGranted) -> None:
     expired = at > r.expires_at or at > pending.expires_at
     if problems:
         decision = "EXPIRED" if expired and len(problems) == 1 else "REJECTED_MISMATCH"
-        _log_approval(ctx, step, r.purpose, decision, r.granted_by, r.args_fingerprint, r.principal)
+        by = cut_operator_text(r.granted_by)
+        _log_approval(ctx, step, r.purpose, decision, by, r.args_fingerprint, r.principal)
         ctx.reject(r, RejectReason.APPROVAL_MISMATCH, "; ".join(problems))
         return
-    _log_approval(ctx, step, r.purpose, "GRANTED", r.granted_by, r.args_fingerprint)
+    by = cut_operator_text(r.granted_by)
+    _log_approval(ctx, step, r.purpose, "GRANTED", by, r.args_fingerprint)
     step.approval = None
     step.timers.pop(TimerPurpose.APPROVAL_EXPIRY, None)
     if r.purpose is ApprovalPurpose.FORWARD:
@@ -951,10 +954,12 @@ def _on_approval_denied(ctx: _Ctx, r: ApprovalDenied) -> None:
             f"step {step.step_id} (it is {step.status.value})",
         )
         return
-    _log_approval(ctx, step, r.purpose, "DENIED", r.denied_by, pending.args_fingerprint)
+    # An operator's text is copied (several times) into the state: kept cut (R5).
+    by = cut_operator_text(r.denied_by)
+    _log_approval(ctx, step, r.purpose, "DENIED", by, pending.args_fingerprint)
     step.approval = None
     step.timers.pop(TimerPurpose.APPROVAL_EXPIRY, None)
-    why = f"approval denied by {r.denied_by}: {r.reason}"
+    why = f"approval denied by {by}: {cut_operator_text(r.reason)}"
     if r.purpose is ApprovalPurpose.FORWARD:
         step.observation = "DENIED"
         step.last_error = why
@@ -1233,6 +1238,8 @@ def _on_incident_raised(ctx: _Ctx, r: IncidentRaised) -> None:
 
 def _on_incident_resolved(ctx: _Ctx, r: IncidentResolved) -> None:
     s = ctx.s
+    # The resolution and name go into the state and receipt: kept cut (R5).
+    by, text = cut_operator_text(r.resolved_by), cut_operator_text(r.resolution)
     incident = s.incident(r.incident_id)
     if incident is None:
         ctx.reject(
@@ -1248,19 +1255,19 @@ def _on_incident_resolved(ctx: _Ctx, r: IncidentResolved) -> None:
             r,
             RejectReason.INVALID_TRANSITION,
             f"incident {r.incident_id} is already resolved ({incident.resolution}); the "
-            f"resolution by {r.resolved_by} ({r.resolution}) does not count",
+            f"resolution by {by} ({text}) does not count",
         )
         return
     step = s.steps.get(incident.step_id) if incident.step_id is not None else None
     unsettled = step is not None and step.status in (StepStatus.UNKNOWN, StepStatus.RECONCILING)
     if incident.kind not in _SETTLES_UNKNOWN or step is None or not unsettled:
-        _mark_resolved(ctx, incident.incident_id, f"{r.resolution} (by {r.resolved_by})")
+        _mark_resolved(ctx, incident.incident_id, f"{text} (by {by})")
         return
     answer = unknown_outcome_answer(r.resolution)
     if answer is ReconcileResult.COMMITTED:
         # Every incident asking about this step is settled by this person (an earlier
         # run's too), before the commit would mark them "observed in the ledger".
-        _resolve_unknown_incidents(ctx, step, f"COMMITTED (by {r.resolved_by})")
+        _resolve_unknown_incidents(ctx, step, f"COMMITTED (by {by})")
         # The operator may know what the provider did: the compensation then gets it.
         _commit(
             ctx,
@@ -1275,10 +1282,8 @@ def _on_incident_resolved(ctx: _Ctx, r: IncidentResolved) -> None:
     elif answer is ReconcileResult.NOT_FOUND:
         step.timers.pop(TimerPurpose.RECONCILE_RETRY, None)
         step.observation = "RESOLVED_NOT_FOUND"
-        _resolve_unknown_incidents(ctx, step, f"NOT_FOUND (by {r.resolved_by})")
-        _after_attempt_failed(
-            ctx, step, FailureKind.TRANSIENT, f"not found (settled by {r.resolved_by})"
-        )
+        _resolve_unknown_incidents(ctx, step, f"NOT_FOUND (by {by})")
+        _after_attempt_failed(ctx, step, FailureKind.TRANSIENT, f"not found (settled by {by})")
     else:
         ctx.reject(
             r,

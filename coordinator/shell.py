@@ -96,7 +96,7 @@ from sagaline.kafka._groups import PartitionMoves
 from sagaline.kafka._topics import topics_max_message_bytes
 from schemas import IncidentRaised, IncidentResolved, Record, derived_event_id, envelope_for
 from schemas.errors import CodecError
-from schemas.limits import PARKED_INCIDENT
+from schemas.limits import PARKED_INCIDENT, cut_operator_text
 from schemas.settings import Settings
 from schemas.signing import Headers, header_value
 from schemas.trust import IdentitySigner, SigningKeyError
@@ -725,7 +725,8 @@ class Coordinator:
                 return
             detail = (
                 f"incident {record.incident_id} is already resolved ({counted.resolution}); "
-                f"the resolution by {record.resolved_by} ({record.resolution}) does not count"
+                f"the resolution by {cut_operator_text(record.resolved_by)} "
+                f"({cut_operator_text(record.resolution)}) does not count"
             )
             self._reject(msg, RejectReason.INVALID_TRANSITION, detail, pending.loose)
             return

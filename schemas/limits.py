@@ -51,7 +51,23 @@ MAX_OPERATOR_TEXT_BYTES = 8 * KIB
 """The most bytes of an operator's free text: a denial's reason, an incident
 resolution's resolution or note, the operator's name. The coordinator copies them
 into the saga's state and receipt; the operator channel refuses longer ones
-(:class:`sagaline.ops.actions.DecisionTooLarge`)."""
+(:class:`sagaline.ops.actions.DecisionTooLarge`), and the coordinator keeps only
+this much of a longer one written past it (:func:`cut_operator_text`)."""
+
+
+def cut_operator_text(text: str) -> str:
+    """``text`` as the coordinator copies it into a saga's state, receipt or a
+    refusal's detail: unchanged up to :data:`MAX_OPERATOR_TEXT_BYTES`, else its first
+    that many bytes (never half a character) and a marker with its full size, so one
+    long note written past the operator channel cannot get the saga parked.
+    Deterministic: the same text is always cut the same way."""
+    if len(text) <= MAX_OPERATOR_TEXT_BYTES // 4:  # at most 4 bytes a character
+        return text
+    raw = text.encode()
+    if len(raw) <= MAX_OPERATOR_TEXT_BYTES:
+        return text
+    kept = raw[:MAX_OPERATOR_TEXT_BYTES].decode("utf-8", "ignore")
+    return f"{kept}… [cut: {len(raw)} bytes in all]"
 
 
 class LimitsError(ValueError):

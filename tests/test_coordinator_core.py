@@ -54,6 +54,7 @@ from schemas import (
     derived_event_id,
     key_hash,
 )
+from schemas.limits import MAX_OPERATOR_TEXT_BYTES
 from schemas.models import CompensateStep, Record
 from schemas.receipt import Disposition
 
@@ -300,6 +301,51 @@ def test_denial_is_a_business_rejection_not_retried_R7_R9() -> None:
     assert h.status("wire") == "FAILED"
     assert events(out, StepRetryScheduled) == []
     assert compensates(out) == ["hold"]
+
+
+def _long_text() -> str:
+    return "pasted log line\n" * 25_000  # 400,000 bytes: far under a record's limit
+
+
+def test_a_long_denial_reason_written_past_the_channel_is_kept_cut_R7() -> None:
+    """The core copies a denial's reason into the step (error, note) and the saga's
+    compensation reason: a 400 KB reason from an older client or written by hand
+    made the state over 1 MB, and the shell parked the saga for it."""
+    reason = _long_text()
+    short_ledger, short, short_request = irreversible_pending()
+    short.feed(short_ledger.deny(short_request))
+    ledger, h, request = irreversible_pending()
+    out = h.feed(ledger.deny(request, reason=reason))
+    assert h.status("wire") == "FAILED" and compensates(out) == ["hold"]
+    grown = len(h.s.to_bytes()) - len(short.s.to_bytes())
+    assert grown < 4 * MAX_OPERATOR_TEXT_BYTES
+    step = h.s.steps["wire"]
+    assert step.last_error is not None
+    assert f"[cut: {len(reason)} bytes in all]" in step.last_error
+    assert step.last_error.startswith("approval denied by bob: pasted log line")
+
+
+def test_a_long_resolution_written_past_the_channel_is_kept_cut_R11() -> None:
+    """A free-text resolution is copied into the incident (state, receipt); one the
+    core refuses is copied into the refusal's detail (state and DLQ)."""
+    text = _long_text()
+    ledger, h = fresh()
+    h.feed(ledger.started(), ledger.scheduled("charge"))
+    raised = ledger.participant_incident("charge", "inc-manual")
+    h.feed(raised.model_copy(update={"kind": "manual-check"}))
+    before = len(h.s.to_bytes())
+    h.feed(ledger.resolve("inc-manual", text))
+    [incident] = [i for i in h.s.incidents if i.incident_id == "inc-manual"]
+    assert incident.resolved and incident.resolution is not None
+    assert f"[cut: {len(text)} bytes in all]" in incident.resolution
+    assert len(h.s.to_bytes()) - before < 2 * MAX_OPERATOR_TEXT_BYTES
+
+    [unknown] = incidents(h.feed(ledger.unknown("charge")))
+    before = len(h.s.to_bytes())
+    [rejected] = rejections(h.feed(ledger.resolve(unknown.incident_id, text)))
+    assert "COMMITTED or NOT_FOUND" in rejected.detail
+    assert len(rejected.detail) < 2 * MAX_OPERATOR_TEXT_BYTES
+    assert len(h.s.to_bytes()) - before < 2 * MAX_OPERATOR_TEXT_BYTES
 
 
 # ------------------------------------------------------------------ R8/R9 retries
