@@ -4,13 +4,20 @@ real broker: the producer's own size check is librdkafka's."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
 from coordinator_ledger import Ledger
 from starlette.testclient import TestClient
 
-from sagaline.kafka import LedgerReader, create_producer, ensure_topics
+from sagaline.kafka import (
+    KafkaError,
+    KafkaException,
+    LedgerReader,
+    create_producer,
+    ensure_topics,
+)
 from sagaline.ops.actions import OperatorChannel
 from sagaline.ops.metrics import SagalineMetrics
 from schemas import IncidentRaised, IncidentResolved
@@ -173,4 +180,50 @@ def test_the_dashboard_refuses_a_note_over_the_operator_text_cap_with_a_4xx_page
     assert response.status_code == 400
     assert f"note is {len(note)} bytes" in response.text
     assert "Nothing was recorded" in response.text
+    assert _resolutions(settings, kafka_bootstrap) == []
+
+
+class _RefusingProducer:
+    """A producer whose ``produce`` raises what librdkafka raises at once for a
+    reason other than size (an unknown topic, a fatal producer error)."""
+
+    def __init__(self, real: object) -> None:
+        self._real = real
+
+    def produce(self, *_args: object, **_kwargs: object) -> None:
+        raise KafkaException(KafkaError(KafkaError._UNKNOWN_TOPIC, "Unknown topic"))
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._real, name)
+
+
+def test_the_dashboard_answers_a_producer_error_with_a_page_not_a_traceback(
+    kafka_bootstrap: str,
+    unique_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A KafkaException from produce that is not about size was a 500 with a
+    traceback: the operator could not tell whether the decision counted."""
+    settings, _ledger, raised = _incident(kafka_bootstrap, unique_prefix, monkeypatch)
+    state = DashboardState(SagalineMetrics("dashboard"))
+    for _k, value, _h in LedgerReader(kafka_bootstrap).records(settings.topics.events):
+        state.apply(decode(value or b""))
+    channel = OperatorChannel(kafka_bootstrap, settings.topics, settings.signer())
+    channel._writer.producer = _RefusingProducer(channel._writer.producer)  # type: ignore[assignment]
+    try:
+        client = TestClient(create_app(state, channel))
+        with caplog.at_level(logging.WARNING, logger="sagaline.dashboard"):
+            response = client.post(
+                f"/incidents/{raised.saga_id}/inc-1/resolve",
+                data={"operator": "carol", "resolution": "done"},
+                follow_redirects=False,
+            )
+    finally:
+        channel.close()
+    assert response.status_code == 502
+    assert "Not recorded" in response.text and "nothing was recorded" in response.text
+    assert "Unknown topic" in response.text and "Traceback" not in response.text
+    logged = [r for r in caplog.records if "Unknown topic" in r.getMessage()]
+    assert len(logged) == 1
     assert _resolutions(settings, kafka_bootstrap) == []

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import html
 import ipaddress
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -30,6 +31,7 @@ from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Re
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from sagaline.kafka import KafkaError, KafkaException
 from sagaline.ops import actions as operator_actions
 from sagaline.ops.metrics import HistogramSummary, MeasuresSnapshot
 from sagaline.ops.receipts import format_duration, format_ms, render_receipt_html
@@ -46,6 +48,7 @@ from services.dashboard.view import (
 )
 
 _e = html.escape
+log = logging.getLogger("sagaline.dashboard")
 
 # After a decision: the record is on Kafka, but another operator may have decided the
 # same request a moment earlier; the coordinator counts the first (R7, R11).
@@ -917,6 +920,20 @@ def create_app(
         except operator_actions.OperatorActionError as exc:
             back_link = f'<p><a href="{_e(back)}">Back</a></p>'
             return _page("Not recorded", back_link, str(exc), True, viewer)
+        except KafkaException as exc:
+            # The producer refused the record before sending it (an unknown topic, a
+            # fatal producer error...): not in the log. Said to the operator and
+            # logged once for whoever runs the dashboard.
+            error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+            why = error.str() if error is not None else str(exc)
+            log.error("decision on saga %s not recorded: the producer refused it: %s", saga_id, why)
+            back_link = f'<p><a href="{_e(back)}">Back</a></p>'
+            message = (
+                f"the Kafka producer refused the decision ({why}): it was not sent, so "
+                "nothing was recorded. Decide again once Kafka is fixed (the dashboard's "
+                "log has the error)"
+            )
+            return _page("Not recorded", back_link, message, True, viewer, status=502)
         sep = "&" if "?" in back else "?"
         return RedirectResponse(f"{back}{sep}{urlencode({'notice': notice})}", status_code=303)
 
