@@ -1101,9 +1101,12 @@ def _on_end_requested(ctx: _Ctx, r: SagaEndRequested) -> None:
             )
         return
     s.end_requested = r.outcome
-    s.end_reason = r.reason or r.outcome.value
+    # Often an exception's text, copied twice into the state: kept cut, as an
+    # operator's text is, so a long one cannot get the saga parked (R5: deterministic).
+    reason = cut_operator_text(r.reason)
+    s.end_reason = reason or r.outcome.value
     if r.outcome is SagaOutcome.ABORT and not s.compensation_reason:
-        s.compensation_reason = f"aborted by the agent: {r.reason or 'no reason given'}"
+        s.compensation_reason = f"aborted by the agent: {reason or 'no reason given'}"
 
 
 def _on_compensation_accepted(ctx: _Ctx, r: CompensationAccepted) -> None:

@@ -59,7 +59,8 @@ def cut_operator_text(text: str) -> str:
     """``text`` as the coordinator copies it into a saga's state, receipt or a
     refusal's detail: unchanged up to :data:`MAX_OPERATOR_TEXT_BYTES`, else its first
     that many bytes (never half a character) and a marker with its full size, so one
-    long note written past the operator channel cannot get the saga parked.
+    long note written past the operator channel (or an agent's long abort reason)
+    cannot get the saga parked.
     Deterministic: the same text is always cut the same way."""
     if len(text) <= MAX_OPERATOR_TEXT_BYTES // 4:  # at most 4 bytes a character
         return text

@@ -325,6 +325,21 @@ def test_a_long_denial_reason_written_past_the_channel_is_kept_cut_R7() -> None:
     assert step.last_error.startswith("approval denied by bob: pasted log line")
 
 
+def test_a_long_abort_reason_from_the_agent_is_kept_cut() -> None:
+    """The agent's abort reason (often an exception's text: a pasted response, a
+    stack of causes) is copied into the saga's end and compensation reasons: one of
+    400 KB made the state over the record limit, and the shell parked the saga."""
+    reason = _long_text()
+    ledger, h = fresh()
+    h.feed(ledger.started(), ledger.scheduled("charge"))
+    before = len(h.s.to_bytes())
+    h.feed(ledger.end(SagaOutcome.ABORT, reason=reason))
+    assert h.s.end_reason is not None and h.s.compensation_reason is not None
+    assert f"[cut: {len(reason)} bytes in all]" in h.s.end_reason
+    assert h.s.compensation_reason.startswith("aborted by the agent: pasted log line")
+    assert len(h.s.to_bytes()) - before < 3 * MAX_OPERATOR_TEXT_BYTES
+
+
 def test_a_long_resolution_written_past_the_channel_is_kept_cut_R11() -> None:
     """A free-text resolution is copied into the incident (state, receipt); one the
     core refuses is copied into the refusal's detail (state and DLQ)."""
