@@ -32,7 +32,7 @@ from sagaline.kafka import (
     watermarks,
 )
 from schemas import Record
-from schemas.errors import CodecError
+from schemas.errors import CodecError, SchemaMismatch, UnknownFingerprint
 from schemas.partitioning import partition_for
 from schemas.signing import Signer
 from schemas.wire import from_message
@@ -140,8 +140,20 @@ class LedgerProbe:
                 if msg.key() == key:
                     try:
                         record = from_message(msg.key(), msg.value(), msg.headers(), self._signer)
+                    except (UnknownFingerprint, SchemaMismatch) as exc:
+                        # Signed, but written under a schema this version cannot read
+                        # (a replica already on a later contract version): it may be
+                        # this command's intent or outcome, so "nothing found" would
+                        # be a guess. Not run blind: tried again until a replica that
+                        # reads it (upgraded) owns the partition.
+                        raise LedgerProbeError(
+                            f"{self.topic}[{partition}]@{msg.offset()} holds a record of "
+                            f"saga {key.decode('utf-8', 'replace')!r} this participant cannot read "
+                            f"({exc.reason}: {exc}); it may be this command's intent or "
+                            f"outcome, written by a newer version: upgrade this replica"
+                        ) from exc
                     except CodecError:
-                        record = None  # the coordinator has sent it to the DLQ
+                        record = None  # garbage or forged: the coordinator DLQs it
                     if record is not None and record.envelope.causation_id == cause:
                         out.append(record)
                 if msg.offset() >= high - 1:

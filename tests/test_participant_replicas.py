@@ -245,3 +245,54 @@ def test_the_probe_retries_a_partition_error_of_its_time_lookup_instead_of_findi
         probe.close()
     assert failures == []
     assert [r.event_id for r in found] == [intent.event_id]
+
+
+def _framed_by_a_newer_version(record: StepIntentRecorded) -> bytes:
+    """``record`` as a later contract version writes it: its schema has one more
+    optional field, so its fingerprint is one this version does not know."""
+    import io
+
+    from fastavro import schemaless_writer
+
+    from schemas.codec import MAGIC
+    from schemas.registry import SchemaRegistry
+
+    registry = SchemaRegistry()  # a private one: this version's readers never learn it
+    newer = dict(registry.reader("StepIntentRecorded").schema)
+    newer["fields"] = [
+        *newer["fields"],
+        {"name": "replica", "type": ["null", "string"], "default": None},
+    ]
+    writer = registry.register_writer(newer)
+    buf = io.BytesIO()
+    buf.write(MAGIC + writer.fingerprint)
+    schemaless_writer(buf, writer.parsed, {**record.model_dump(), "replica": "a"})
+    return buf.getvalue()
+
+
+def test_the_probe_does_not_read_a_newer_replicas_intent_as_nothing(
+    replicas: Replicas,
+) -> None:
+    """A rolling upgrade: replica a (already on a later contract version) recorded the
+    intent under a schema replica b does not know, and died. The probe cannot read
+    that record, so it cannot say nobody took the command: finding nothing, b would
+    run the tool a second time. It must not answer (the command is tried again, never
+    run blind) and say why."""
+    from participants.ledger_probe import LedgerProbeError
+
+    topic = replicas.settings.topics.events
+    command = replicas.execute("s1", {"sku": "a", "quantity": 1})
+    intent = _intent_of(replicas, command)
+    key = intent.saga_id.encode()
+    value = _framed_by_a_newer_version(intent)
+    signer = replicas.settings.signer()
+    replicas.producer.produce(topic, key=key, value=value, headers=signer.headers(key, value))
+    assert replicas.producer.flush(30) == 0
+
+    probe = LedgerProbe(replicas.bootstrap, topic, signer)
+    try:
+        with pytest.raises(LedgerProbeError, match="unknown-fingerprint") as raised:
+            probe.caused_by(command)
+    finally:
+        probe.close()
+    assert value[2:10].hex() in str(raised.value)
