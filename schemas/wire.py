@@ -94,7 +94,14 @@ def from_message(
     # it: one reading of the trust file for both steps.
     signer.authorize(record, headers, writer)
     saga_key = record.envelope.saga_id.encode("utf-8")
-    if key is not None and key != saga_key:
+    if key is None:
+        # Without a key the record lands on any partition, away from the rest of its
+        # saga (and from the coordinator that holds the saga's state).
+        raise MalformedRecord(
+            f"{record.TYPE} {record.event_id} of saga {record.envelope.saga_id!r} has no key: "
+            "producers must key by saga id"
+        )
+    if key != saga_key:
         raise MalformedRecord(
             f"{record.TYPE} {record.event_id} is keyed {key!r} but belongs to saga "
             f"{record.envelope.saga_id!r}: producers must key by saga id"

@@ -131,6 +131,16 @@ def test_message_keyed_by_another_saga_is_refused() -> None:
         from_message(b"saga-x", value, headers, Signer(None))
 
 
+def test_message_without_a_key_is_refused() -> None:
+    """A record produced with no key lands on a random partition, away from the rest
+    of its saga (the coordinator owning that partition decides it against no state,
+    or starts the saga there): as malformed as one keyed by another saga."""
+    record = example_records(saga_id="saga-k")[0]
+    _key, value, _headers = to_message(record, Signer(None))
+    with pytest.raises(MalformedRecord, match="no key"):
+        from_message(None, value, [], Signer(None))
+
+
 def test_tombstone_on_a_record_topic_is_malformed() -> None:
     with pytest.raises(MalformedRecord, match="no value"):
         from_message(b"k", None, None, Signer(None))
