@@ -73,7 +73,7 @@ from schemas import (
     envelope_for,
 )
 from schemas.codec import record_type
-from schemas.errors import CodecError
+from schemas.errors import CodecError, SchemaMismatch, UnknownFingerprint
 from schemas.keys import step_id_problem
 from schemas.limits import (
     PARKED_INCIDENT,
@@ -223,7 +223,7 @@ class _SagaFeed:
     ``resume()`` a step, so its records outlive its terminal record until it is ended
     or waited for; ``terminal``: that record, once it arrived."""
 
-    __slots__ = ("cond", "futures", "held", "inserted", "records", "terminal")
+    __slots__ = ("cond", "futures", "held", "inserted", "records", "terminal", "unreadable")
 
     def __init__(self) -> None:
         self.records: list[Record] = []
@@ -234,6 +234,9 @@ class _SagaFeed:
         self.futures: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self.held = False
         self.terminal: SagaTerminal | None = None
+        # The first record of the saga this client could not read for its schema (a
+        # newer writer): it may be what a wait is waiting for, so a wait says so.
+        self.unreadable: str | None = None
 
 
 CATALOGUE_MAX_AGE_S = 30.0
@@ -385,6 +388,24 @@ class _Ledger:
         for loop, future in futures:
             with contextlib.suppress(RuntimeError):  # a loop closed since: nobody waits
                 loop.call_soon_threadsafe(_wake, [future])
+
+    def unreadable(self, saga_id: str, where: str, error: CodecError) -> None:
+        """A record of a followed saga at ``where`` was written under a schema this
+        client cannot read (``error``): noted once per saga, for its waits to say."""
+        feed = self._feeds.get(saga_id)
+        if feed is None or feed.unreadable is not None:
+            return
+        feed.unreadable = (
+            f"this client could not read a record of saga {saga_id} at {where} "
+            f"({error.reason}: {error}); it may be the one waited for, written by a "
+            "newer version of Sagaline: upgrade this client"
+        )
+        log.warning("%s", feed.unreadable)
+
+    def unreadable_note(self, saga_id: str) -> str:
+        """``"; <why>"`` when a record of the saga could not be read here, else ``""``."""
+        feed = self._feeds.get(saga_id)
+        return "" if feed is None or feed.unreadable is None else f"; {feed.unreadable}"
 
     def add(self, records: Iterable[Record]) -> None:
         """Hand each record to its saga's waiters; asyncio waiters are woken once per
@@ -892,6 +913,12 @@ class SagaClient:
                         continue  # of a type no wait looks at: not verified nor decoded
                     try:
                         record = from_message(key, value, msg.headers(), self.signer)
+                    except (UnknownFingerprint, SchemaMismatch) as exc:
+                        # Its writer may read it (a coordinator on a later version: then
+                        # nobody DLQs it), and it may be what a wait waits for.
+                        where = f"{msg.topic()}[{msg.partition()}]@{msg.offset()}"
+                        self._ledger.unreadable(key.decode("utf-8", "replace"), where, exc)
+                        continue
                     except CodecError:
                         continue  # the coordinator routes it to the DLQ
                     records.append(record)
@@ -1378,7 +1405,10 @@ class Saga:
                 f"stopped ({_why(ledger.failure)}); see `sagaline saga show {self.saga_id}`"
             ) from ledger.failure
         if found is None:
-            raise TimeoutError(f"saga {self.saga_id} is not terminal after {timeout_s} s")
+            raise TimeoutError(
+                f"saga {self.saga_id} is not terminal after {timeout_s} s"
+                + ledger.unreadable_note(self.saga_id)
+            )
         self._receipt = Receipt.from_json(found.receipt)
         ledger.release(self.saga_id)
         return self._receipt
@@ -1596,11 +1626,14 @@ class Saga:
             status = self.client.coordinator_status()
             if status is not None and not status.consuming:
                 raise CoordinatorNotRunning(no_coordinator_message(self.client.settings, status))
+            note = self.client._ledger.unreadable_note(self.saga_id)
             if state["unknown"]:
                 raise OutcomeUnknown(
-                    f"{contract.tool} timed out and is not reconciled yet", **where
+                    f"{contract.tool} timed out and is not reconciled yet{note}", **where
                 )
-            raise OutcomeUnknown(f"no outcome for {contract.tool} within {timeout_s} s", **where)
+            raise OutcomeUnknown(
+                f"no outcome for {contract.tool} within {timeout_s} s{note}", **where
+            )
         kind, value = found
         if kind == "err":
             raise value

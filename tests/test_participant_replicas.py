@@ -26,6 +26,7 @@ from schemas import (
     derived_event_id,
 )
 from schemas.wire import to_message
+from tests.newer_version import framed_by_a_newer_version
 from tests.test_participant_runtime import PARTICIPANT, Harness, _of
 
 pytestmark = pytest.mark.kafka
@@ -247,29 +248,6 @@ def test_the_probe_retries_a_partition_error_of_its_time_lookup_instead_of_findi
     assert [r.event_id for r in found] == [intent.event_id]
 
 
-def _framed_by_a_newer_version(record: StepIntentRecorded) -> bytes:
-    """``record`` as a later contract version writes it: its schema has one more
-    optional field, so its fingerprint is one this version does not know."""
-    import io
-
-    from fastavro import schemaless_writer
-
-    from schemas.codec import MAGIC
-    from schemas.registry import SchemaRegistry
-
-    registry = SchemaRegistry()  # a private one: this version's readers never learn it
-    newer = dict(registry.reader("StepIntentRecorded").schema)
-    newer["fields"] = [
-        *newer["fields"],
-        {"name": "replica", "type": ["null", "string"], "default": None},
-    ]
-    writer = registry.register_writer(newer)
-    buf = io.BytesIO()
-    buf.write(MAGIC + writer.fingerprint)
-    schemaless_writer(buf, writer.parsed, {**record.model_dump(), "replica": "a"})
-    return buf.getvalue()
-
-
 def test_the_probe_does_not_read_a_newer_replicas_intent_as_nothing(
     replicas: Replicas,
 ) -> None:
@@ -284,7 +262,7 @@ def test_the_probe_does_not_read_a_newer_replicas_intent_as_nothing(
     command = replicas.execute("s1", {"sku": "a", "quantity": 1})
     intent = _intent_of(replicas, command)
     key = intent.saga_id.encode()
-    value = _framed_by_a_newer_version(intent)
+    value = framed_by_a_newer_version(intent)
     signer = replicas.settings.signer()
     replicas.producer.produce(topic, key=key, value=value, headers=signer.headers(key, value))
     assert replicas.producer.flush(30) == 0

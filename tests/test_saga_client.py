@@ -1364,3 +1364,74 @@ def test_a_wait_for_the_receipt_with_a_timeout_that_is_no_duration_is_refused(
     asyncio.run(agent())
     assert saga.wait(60).status is TerminalStatus.COMPLETED
     assert saga.wait(0).status is TerminalStatus.COMPLETED
+
+
+def test_a_wait_that_ends_without_a_record_this_client_cannot_read_says_so(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    """A coordinator already on a later contract version wrote the saga's terminal
+    record under a schema this client does not know. The listener skipped it without
+    a word (nobody sends it to the DLQ: its writer reads it), so the wait ended as "not
+    terminal after N s", as if the saga were still running. It must say that a record
+    of the saga could not be read, why, and what to do."""
+    from schemas import Envelope, FailureKind, envelope_for
+    from schemas.wire import to_message
+    from tests.newer_version import framed_by_a_newer_version
+
+    settings = Settings(
+        bootstrap=kafka_bootstrap, topic_prefix=unique_prefix, state_dir=tmp_path, partitions=1
+    )
+    ensure_topics(kafka_bootstrap, settings.topics, [], 1)
+    client = SagaClient(settings, kafka_bootstrap)
+    client.check_coordinator = False  # none runs: the records below stand in for it
+    client.start()
+    try:
+        saga = client.saga("desk", "agent").__enter__()
+
+        def envelope(cls: type[Record]) -> Envelope:
+            return envelope_for(
+                cls,
+                saga_id=saga.saga_id,
+                tenant_id=saga.tenant_id,
+                producer="coordinator",
+                now=1_700_000_000_000,
+            )
+
+        terminal = SagaTerminal(
+            envelope=envelope(SagaTerminal),
+            status=TerminalStatus.COMPLETED,
+            receipt=b"{}",
+        )
+        key = saga.saga_id.encode()
+        value = framed_by_a_newer_version(terminal)
+        client._writer.producer.produce(
+            settings.topics.events, key=key, value=value, headers=client.signer.headers(key, value)
+        )
+        # Then a record it reads (behind it, on the same partition): once the listener
+        # has it, it has been past the unreadable one.
+        failed = StepFailed(
+            envelope=envelope(StepFailed),
+            step_id="01-x",
+            tool="x",
+            idempotency_key="k",
+            attempt=1,
+            kind=FailureKind.TRANSIENT,
+            error_type="E",
+            message="m",
+        )
+        k, v, h = to_message(failed, client.signer)
+        client._writer.producer.produce(settings.topics.events, key=k, value=v, headers=h)
+        assert client._writer.producer.flush(30) == 0
+        seen = client._ledger.wait_for(
+            saga.saga_id, lambda r: r if r.event_id == failed.event_id else None, 120
+        )
+        assert seen is not None
+
+        with pytest.raises(TimeoutError) as raised:
+            saga.wait(timeout_s=0.1)
+        message = str(raised.value)
+        assert "could not read" in message and "unknown-fingerprint" in message
+        assert value[2:10].hex() in message
+        assert "upgrade" in message
+    finally:
+        client.close()
