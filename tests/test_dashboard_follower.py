@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from confluent_kafka import OFFSET_INVALID, KafkaError, KafkaException, TopicPartition
-from dashboard_scenarios import SagaScript, awaiting_approval, running
+from dashboard_scenarios import SagaScript, awaiting_approval, completed, running
 from starlette.testclient import TestClient
 
 from schemas import ApprovalRequested
@@ -255,3 +255,34 @@ def test_healthz_answers_503_with_the_reason_once_the_follower_thread_has_stoppe
         health = client.get("/healthz")
         assert health.status_code == 503, health.text
         assert "the consumer is broken" in health.json()["follower"]
+
+
+def test_a_record_written_by_a_newer_version_is_reported_not_skipped_in_silence(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A coordinator already on a later contract version wrote a saga's terminal record
+    under a schema this dashboard does not know. The follower skipped it with a DEBUG
+    line and a count nobody could see: the saga stayed "running" on the page for good
+    while /healthz said all was well, and nobody sends such a record to the DLQ (its
+    writer reads it). Now it is logged at WARNING (what to upgrade) and counted in
+    /healthz and /api/state."""
+    from schemas import SagaTerminal
+    from tests.newer_version import framed_by_a_newer_version
+
+    signer = Signer(b"k" * 32)
+    script = completed("s-newer")
+    *readable, terminal = script.records
+    assert isinstance(terminal, SagaTerminal)
+    key = terminal.saga_id.encode()
+    value = framed_by_a_newer_version(terminal)
+    messages = [Message(*to_message(r, signer)) for r in readable]
+    messages.append(Message(key, value, signer.headers(key, value)))
+    consumer = Scripted([messages])
+    follower, state = _follow(monkeypatch, consumer, signer)
+    with caplog.at_level("INFO"), TestClient(create_app(state, follower=follower)) as client:
+        consumer.settle(follower)
+        health = client.get("/healthz").json()
+        api = client.get("/api/state").json()
+    assert (health.get("unreadable_records"), api.get("unreadable_records")) == (1, 1)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(value[2:10].hex() in w and "upgrade" in w for w in warnings), warnings

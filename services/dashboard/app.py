@@ -1096,6 +1096,7 @@ def create_app(
                 "ledger_duplicates": state.ledger_duplicates,
                 "refused_records": state.refused_records,
                 "fold_errors": follower.fold_errors if follower else 0,
+                "unreadable_records": follower.unreadable if follower else 0,
                 "counts": {s.slug: n for s, n in state.counts(flt).items()},
                 "sagas": [
                     {
@@ -1133,7 +1134,11 @@ def create_app(
         if follower is None:
             return JSONResponse({"caught_up": True})
         ready = follower.caught_up.is_set()
-        body: dict[str, Any] = {"caught_up": ready, "fold_errors": follower.fold_errors}
+        body: dict[str, Any] = {
+            "caught_up": ready,
+            "fold_errors": follower.fold_errors,
+            "unreadable_records": follower.unreadable,
+        }
         # A follower thread that ended leaves a view that no longer moves: not healthy,
         # however caught up it once was (the orchestrator restarts us, which rebuilds).
         stopped = follower.health()

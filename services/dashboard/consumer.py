@@ -20,7 +20,7 @@ from sagaline.kafka import (
     TopicPartition,
     create_consumer,
 )
-from schemas.errors import CodecError
+from schemas.errors import CodecError, SchemaMismatch, UnknownFingerprint
 from schemas.signing import HeaderList, Signer
 from schemas.topics import TopicNames
 from schemas.wire import from_message
@@ -45,6 +45,10 @@ class LedgerFollower:
         self.state = state
         self.caught_up = threading.Event()
         self.rejected = 0  # records that failed verification/decoding (the coordinator DLQs them)
+        # Of those, the ones written under a schema this version cannot read (a newer
+        # writer, which reads them itself: nobody DLQs them), and their fingerprints.
+        self.unreadable = 0
+        self._unreadable_schemas: set[bytes] = set()
         # Records that verified but could not be folded into the view (a bug in the
         # fold): logged with their saga and skipped, never a reason to stop (R16).
         self.fold_errors = 0
@@ -128,6 +132,23 @@ class LedgerFollower:
             return  # a tombstone on a compacted topic
         try:
             record = from_message(key, value, headers, self.signer)
+        except (UnknownFingerprint, SchemaMismatch) as exc:
+            self.rejected += 1
+            self.unreadable += 1
+            schema = bytes(value[2:10])
+            # Once per writer schema, for the first few (garbage names any schema).
+            if schema not in self._unreadable_schemas and len(self._unreadable_schemas) < 64:
+                self._unreadable_schemas.add(schema)
+                log.warning(
+                    "skipping records on %s written under schema %s, which this dashboard "
+                    "cannot read (%s: %s): a newer version of Sagaline wrote them, and the "
+                    "sagas they belong to are shown without them; upgrade the dashboard",
+                    topic,
+                    schema.hex(),
+                    exc.reason,
+                    exc,
+                )
+            return
         except CodecError as exc:
             self.rejected += 1
             log.debug("skipping a record on %s the codec rejects: %s", topic, exc)
