@@ -88,9 +88,11 @@ from sagaline.kafka import (
     create_consumer,
     create_producer,
     ensure_topics,
+    headers_of,
     producer_config,
     raise_if_fatal,
     read_to_end,
+    readable_headers,
 )
 from sagaline.kafka._groups import PartitionMoves
 from sagaline.kafka._topics import topics_max_message_bytes
@@ -695,7 +697,7 @@ class Coordinator:
     def _decode(self, msg: Message, loose: list[_Msg]) -> Record | None:
         """The record, or None when it went to the DLQ (R16)."""
         try:
-            record = from_message(msg.key(), msg.value(), msg.headers(), self.signer)
+            record = from_message(msg.key(), msg.value(), headers_of(msg), self.signer)
         except CodecError as exc:
             self._reject(msg, exc.reason, str(exc), loose)
             return None
@@ -1153,7 +1155,7 @@ class Coordinator:
         log.warning(
             "dlq: %s at %s[%s]@%s: %s", reason, msg.topic(), msg.partition(), msg.offset(), detail
         )
-        where = (msg.key(), msg.value(), msg.headers())
+        where = (msg.key(), msg.value(), readable_headers(msg))
         position = (msg.topic(), msg.partition(), msg.offset())
         copy: tuple[bytes | None, bytes | None, Headers] = dlq_message(
             *where, reason, detail, *position

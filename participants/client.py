@@ -50,6 +50,7 @@ from sagaline.kafka import (
     LedgerWriter,
     TopicPartition,
     create_consumer,
+    headers_of,
 )
 from schemas import (
     ApprovalDenied,
@@ -912,7 +913,7 @@ class SagaClient:
                     if kind is not None and kind not in AWAITED:
                         continue  # of a type no wait looks at: not verified nor decoded
                     try:
-                        record = from_message(key, value, msg.headers(), self.signer)
+                        record = from_message(key, value, headers_of(msg), self.signer)
                     except (UnknownFingerprint, SchemaMismatch) as exc:
                         # Its writer may read it (a coordinator on a later version: then
                         # nobody DLQs it), and it may be what a wait waits for.

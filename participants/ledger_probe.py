@@ -29,6 +29,7 @@ from sagaline.kafka import (
     KafkaException,
     TopicPartition,
     create_uncommitted_reader,
+    headers_of,
     watermarks,
 )
 from schemas import Record
@@ -139,7 +140,7 @@ class LedgerProbe:
                     continue
                 if msg.key() == key:
                     try:
-                        record = from_message(msg.key(), msg.value(), msg.headers(), self._signer)
+                        record = from_message(msg.key(), msg.value(), headers_of(msg), self._signer)
                     except (UnknownFingerprint, SchemaMismatch) as exc:
                         # Signed, but written under a schema this version cannot read
                         # (a replica already on a later contract version): it may be

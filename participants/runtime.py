@@ -69,6 +69,7 @@ from sagaline.kafka import (
     consumer_config,
     create_consumer,
     ensure_topics,
+    headers_of,
     raise_if_fatal,
     watermarks,
 )
@@ -1835,7 +1836,7 @@ class ParticipantRuntime:
         msg = self._reader.message_at(self.topics.events, ref.partition, ref.offset)
         if msg is None:
             return None
-        return from_message(msg.key(), msg.value(), msg.headers(), self.signer)
+        return from_message(msg.key(), msg.value(), headers_of(msg), self.signer)
 
     def _append(self, record: Record) -> None:
         # Wait for the broker's acknowledgement of this record (not a flush of every
@@ -2714,7 +2715,7 @@ class _CommandLoop:
         rt = self._rt
         msg = job.msg
         try:
-            command = from_message(msg.key(), msg.value(), msg.headers(), rt.signer)
+            command = from_message(msg.key(), msg.value(), headers_of(msg), rt.signer)
             if not isinstance(command, (ExecuteStep, CompensateStep, ReconcileStep)):
                 raise _NotACommand(f"{command.TYPE} is not a participant command")
         except (CodecError, _NotACommand) as exc:

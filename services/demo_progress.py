@@ -25,7 +25,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
 
-from sagaline.kafka import OFFSET_BEGINNING, KafkaException, TopicPartition, create_consumer
+from sagaline.kafka import (
+    OFFSET_BEGINNING,
+    KafkaException,
+    TopicPartition,
+    create_consumer,
+    headers_of,
+)
 from sagaline.ops.actions import OperatorActionError, OperatorChannel, grant_approval
 from schemas.errors import CodecError
 from schemas.models import (
@@ -195,7 +201,7 @@ class LedgerFollower:
                     if msg.error() is not None:
                         continue
                     try:
-                        record = from_message(msg.key(), msg.value(), msg.headers(), self.signer)
+                        record = from_message(msg.key(), msg.value(), headers_of(msg), self.signer)
                     except CodecError:
                         continue  # the coordinator dead-letters it; not the demo's concern
                     self.records += 1

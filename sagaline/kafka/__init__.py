@@ -52,6 +52,7 @@ from sagaline.kafka._config import (
     redacted,
 )
 from sagaline.kafka._groups import GroupInfo, describe_group
+from sagaline.kafka._headers import headers_of, readable_headers
 from sagaline.kafka._reader import LedgerReader, TopicMissing, read_to_end
 from sagaline.kafka._topics import TopicSetupError, ensure_topics
 from sagaline.kafka._writers import (
@@ -91,9 +92,11 @@ __all__ = [
     "deliver",
     "describe_group",
     "ensure_topics",
+    "headers_of",
     "producer_config",
     "raise_if_fatal",
     "read_to_end",
+    "readable_headers",
     "redacted",
     "require_bootstrap",
     "watermarks",

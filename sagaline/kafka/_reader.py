@@ -23,6 +23,7 @@ from confluent_kafka import (
 
 from sagaline.kafka._clients import create_consumer, watermarks
 from sagaline.kafka._config import ClientConfig, client_config
+from sagaline.kafka._headers import readable_headers
 from schemas.errors import CodecError
 from schemas.models import Record
 from schemas.partitioning import partition_for
@@ -194,7 +195,8 @@ class LedgerReader:
     ) -> Iterator[tuple[bytes | None, bytes | None, HeaderList | None]]:
         """(key, value, headers) of every committed message, from the start to now."""
         for msg in self.read(topic, partitions):
-            yield msg.key(), msg.value(), msg.headers()
+            # Headers that cannot be read (a name not UTF-8) as none: no signature.
+            yield msg.key(), msg.value(), readable_headers(msg)
 
     def saga_records(self, topic: str, saga_id: str, signer: Signer) -> list[Record]:
         """Every decodable record of one saga on ``topic``, in log order."""

@@ -18,6 +18,7 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from sagaline.kafka._clients import create_producer
 from sagaline.kafka._config import ClientConfig
+from sagaline.kafka._headers import readable_headers
 from schemas.models import Record
 from schemas.signing import Headers, Signer, header_value
 from schemas.topics import TopicNames
@@ -477,7 +478,7 @@ class DeadLetterWriter:
         the command's offset then moves on, but not past a record nobody can find.
         Raises :class:`DeliveryFailed` (retry) when even that copy was not
         acknowledged."""
-        where = (msg.key(), msg.value(), msg.headers())
+        where = (msg.key(), msg.value(), readable_headers(msg))
         position = (msg.topic(), msg.partition(), msg.offset())
         try:
             self._write(*dlq_message(*where, reason, detail, *position), reason)

@@ -19,6 +19,7 @@ from sagaline.kafka import (
     KafkaException,
     TopicPartition,
     create_consumer,
+    headers_of,
 )
 from schemas.errors import CodecError, SchemaMismatch, UnknownFingerprint
 from schemas.signing import HeaderList, Signer
@@ -109,7 +110,13 @@ class LedgerFollower:
                 for msg in messages:
                     if msg.error() is not None:
                         continue
-                    self._apply(msg.topic() or "", msg.key(), msg.value(), msg.headers())
+                    try:
+                        headers = headers_of(msg)
+                    except CodecError as exc:  # a header name not UTF-8: one record
+                        self.rejected += 1
+                        log.debug("skipping a record on %s: %s", msg.topic(), exc)
+                        continue
+                    self._apply(msg.topic() or "", msg.key(), msg.value(), headers)
                 self._check_caught_up(consumer)
         except Exception as exc:
             # The consumer itself broke (a record never gets here: _apply keeps those).
