@@ -186,6 +186,7 @@ _BATCH_FRAMING = 1024
 # What a broker says of a record (or record batch) over a topic's max.message.bytes.
 _SIZE_REFUSALS = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
 _NO_LIMIT = 1 << 62
+_LOGGED_DETAIL = 2000  # as much of a DLQ detail as its copy carries (schemas.wire)
 
 FEED_TOO_LARGE_REASON = "incident-feed-too-large"
 """DLQ reason of an accepted ``IncidentResolved`` whose copy the incident feed no longer
@@ -1152,8 +1153,13 @@ class Coordinator:
 
     def _reject(self, msg: Message, reason: str, detail: str, into: list[_Msg]) -> None:
         """R16: bad input goes to the DLQ with its reason; the loop goes on."""
-        log.warning(
-            "dlq: %s at %s[%s]@%s: %s", reason, msg.topic(), msg.partition(), msg.offset(), detail
+        log.warning(  # the detail as the DLQ copy has it: a record cannot flood the log
+            "dlq: %s at %s[%s]@%s: %s",
+            reason,
+            msg.topic(),
+            msg.partition(),
+            msg.offset(),
+            detail[:_LOGGED_DETAIL],
         )
         where = (msg.key(), msg.value(), readable_headers(msg))
         position = (msg.topic(), msg.partition(), msg.offset())

@@ -120,7 +120,8 @@ class Signer:
         kid_text = kid.decode("utf-8", "replace") if kid is not None else None
         if kid_text is not None and kid_text != self.key_id:
             raise BadSignature(
-                f"record is signed with key id {kid_text!r}, this service holds {self.key_id!r}"
+                f"record is signed with key id {shown(kid_text)}, this service holds "
+                f"{self.key_id!r}"
             )
         try:
             given = bytes.fromhex(sig.decode("ascii"))
@@ -141,10 +142,28 @@ class Signer:
         verified record passes."""
 
 
+def shown(text: str | bytes | None, limit: int = 80) -> str:
+    """``text`` (a header or key, as received) for an error message: its repr, cut at
+    ``limit`` characters with its full length said, so a record carrying a huge one
+    cannot put megabytes into every log line and DLQ detail about it."""
+    if text is None or len(text) <= limit:
+        return repr(text)
+    unit = "bytes" if isinstance(text, bytes) else "characters"
+    return f"{text[:limit]!r}... ({len(text)} {unit})"
+
+
 def _show(key: bytes | None) -> str:
     if key is None:
         return "<none>"
     return repr(key.decode("utf-8", "replace")[:80])
 
 
-__all__ = ["ALG_HEADER", "KID_HEADER", "SIG_HEADER", "Signer", "header_value", "signed_material"]
+__all__ = [
+    "ALG_HEADER",
+    "KID_HEADER",
+    "SIG_HEADER",
+    "Signer",
+    "header_value",
+    "shown",
+    "signed_material",
+]

@@ -83,6 +83,7 @@ from schemas.signing import (
     Headers,
     Signer,
     header_value,
+    shown,
     signed_material,
 )
 
@@ -332,7 +333,7 @@ class TrustStore:
         found = self.keys.get(key_id)
         if found is None:
             raise UnknownKey(
-                f"key id {key_id!r} is not in the trust file: add its entry "
+                f"key id {shown(key_id)} is not in the trust file: add its entry "
                 "(`sagaline keys new` prints it) or stop the writer"
             )
         if found.retired:
@@ -707,7 +708,7 @@ class IdentitySigner(Signer):
         alg = header_value(headers, ALG_HEADER)
         if alg != ED25519.encode():
             raise BadSignature(
-                f"record is signed with {alg!r}, not ed25519: shared-key (HMAC) records "
+                f"record is signed with {shown(alg)}, not ed25519: shared-key (HMAC) records "
                 "carry no identity and are refused when a trust file is configured"
             )
         entry = self.trust.key(kid.decode("utf-8", "replace"))

@@ -26,7 +26,7 @@ from typing import TypeVar, overload
 from schemas.codec import decode, encode
 from schemas.errors import MalformedRecord
 from schemas.models import Record
-from schemas.signing import HeaderList, Headers, Signer, header_value
+from schemas.signing import HeaderList, Headers, Signer, header_value, shown
 
 R = TypeVar("R", bound=Record)
 
@@ -103,7 +103,7 @@ def from_message(
         )
     if key != saga_key:
         raise MalformedRecord(
-            f"{record.TYPE} {record.event_id} is keyed {key!r} but belongs to saga "
+            f"{record.TYPE} {record.event_id} is keyed {shown(key)} but belongs to saga "
             f"{record.envelope.saga_id!r}: producers must key by saga id"
         )
     return record

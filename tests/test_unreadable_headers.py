@@ -147,3 +147,50 @@ def test_the_participant_runtime_dead_letters_a_header_name_that_is_not_utf8(
         assert "not UTF-8" in dead[0][3]
     finally:
         harness.stop()
+
+
+def test_an_oversized_key_id_header_is_refused_in_a_few_lines_not_copied_into_every_log_line(
+    kafka_bootstrap: str,
+    events: tuple[Settings, threading.Thread, SagaClient, LedgerFollower],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A forged record whose sagaline-kid header is 200 KB: the refusal quoted the whole
+    header, so the coordinator wrote a 200 KB WARNING line per such record (a few
+    thousand of them fill a disk) and the DLQ detail, cut at 2000 characters, lost
+    what it was about to say (which key id this service holds)."""
+    from sagaline.kafka import create_producer
+
+    settings, coordinator, _client, _follower = events
+    huge = b"k" * 200_000
+    producer = create_producer(kafka_bootstrap)
+    failed = StepFailed(
+        envelope=envelope_for(
+            StepFailed, saga_id="s-forged", tenant_id="default", producer="p", now=1
+        ),
+        step_id="01-x",
+        tool="x",
+        idempotency_key="k",
+        attempt=1,
+        kind=FailureKind.TRANSIENT,
+        error_type="E",
+        message="m",
+    )
+    key, value, _headers = to_message(failed, settings.signer())
+    with caplog.at_level("WARNING"):
+        producer.produce(
+            settings.topics.events,
+            key=key,
+            value=value,
+            headers=[("sagaline-sig", b"00" * 32), ("sagaline-kid", huge)],
+        )
+        assert producer.flush(30) == 0
+
+        def letter() -> list[tuple[bytes | None, bytes | None, str, str]]:
+            return [d for d in _dead_letters(kafka_bootstrap, settings.topics.dlq) if d[1] == value]
+
+        [(_key, _value, reason, detail)] = wait_until(letter, WAIT_S, "the record in the DLQ")
+    assert coordinator.is_alive()
+    assert reason == "bad-signature"
+    assert "this service holds 'k1'" in detail
+    longest = max(len(r.getMessage()) for r in caplog.records if r.name.startswith("sagaline"))
+    assert longest < 10_000, f"a log line of {longest} characters"
