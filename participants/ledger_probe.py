@@ -147,12 +147,15 @@ class LedgerProbe:
                         # this command's intent or outcome, so "nothing found" would
                         # be a guess. Not run blind: tried again until a replica that
                         # reads it (upgraded) owns the partition.
-                        raise LedgerProbeError(
-                            f"{self.topic}[{partition}]@{msg.offset()} holds a record of "
-                            f"saga {key.decode('utf-8', 'replace')!r} this participant cannot read "
-                            f"({exc.reason}: {exc}); it may be this command's intent or "
-                            f"outcome, written by a newer version: upgrade this replica"
-                        ) from exc
+                        if self._maybe_a_replicas(msg):
+                            raise LedgerProbeError(
+                                f"{self.topic}[{partition}]@{msg.offset()} holds a record "
+                                f"of saga {key.decode('utf-8', 'replace')!r} this participant "
+                                f"cannot read ({exc.reason}: {exc}); it may be this command's "
+                                "intent or outcome, written by a newer version: upgrade this "
+                                "replica"
+                            ) from exc
+                        record = None  # signed by another identity: not this command's
                     except CodecError:
                         record = None  # garbage or forged: the coordinator DLQs it
                     if record is not None and record.envelope.causation_id == cause:
@@ -161,6 +164,16 @@ class LedgerProbe:
                     return out
         finally:
             self._consumer.unassign()
+
+    def _maybe_a_replicas(self, msg: Any) -> bool:
+        """Whether a verified record could come from a replica of this participant:
+        with identities, only when this participant's own identity signed it (no one
+        else may write its intents and outcomes); with a shared key or none, any."""
+        own = self._signer.signs_as
+        if own is None:
+            return True
+        writer = self._signer.verify(msg.key(), msg.value(), headers_of(msg))
+        return writer is not None and writer.name == own
 
     def _partition_count(self) -> int:
         if self._partitions is None:

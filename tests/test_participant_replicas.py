@@ -274,3 +274,38 @@ def test_the_probe_does_not_read_a_newer_replicas_intent_as_nothing(
     finally:
         probe.close()
     assert value[2:10].hex() in str(raised.value)
+
+
+def test_the_probe_waits_only_for_unreadable_records_its_own_participant_signed(
+    replicas: Replicas, tmp_path: Path
+) -> None:
+    """With identities, only this participant's own key can have written a command's
+    intent or outcome. A record of the saga it cannot read, signed by someone else
+    (an agent on a later version, or any agent writing bytes under the saga's key),
+    must not hold the command back: it would wait for ever for an upgrade that reads
+    a record that is not its business. One its own identity signed still does."""
+    from participants.ledger_probe import LedgerProbeError
+    from schemas.trust import Role
+    from tests.trust_kit import TrustKit
+
+    kit = TrustKit(tmp_path / "trust")
+    shop_kid = kit.add(PARTICIPANT, Role.PARTICIPANT)
+    agent_kid = kit.add("agent-1", Role.AGENT, principals=["agent"])
+    topic = replicas.settings.topics.events
+    command = replicas.execute("s1", {"sku": "a", "quantity": 1})
+    key = command.saga_id.encode()
+    value = framed_by_a_newer_version(_intent_of(replicas, command))
+    headers = kit.signed_headers(key, value, agent_kid)
+    replicas.producer.produce(topic, key=key, value=value, headers=headers)
+    assert replicas.producer.flush(30) == 0
+
+    probe = LedgerProbe(replicas.bootstrap, topic, kit.signer(PARTICIPANT))
+    try:
+        assert probe.caused_by(command) == []
+        headers = kit.signed_headers(key, value, shop_kid)
+        replicas.producer.produce(topic, key=key, value=value, headers=headers)
+        assert replicas.producer.flush(30) == 0
+        with pytest.raises(LedgerProbeError, match="unknown-fingerprint"):
+            probe.caused_by(command)
+    finally:
+        probe.close()
