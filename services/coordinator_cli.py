@@ -164,15 +164,20 @@ def _cmd_show(args: argparse.Namespace) -> int:
     from sagaline.ops.receipts import render_receipt_text
 
     settings, bootstrap = configured_broker("sagaline")
+    unreadable: list[str] = []
     try:
         records = LedgerReader(bootstrap).saga_records(
-            settings.topics.events, args.saga_id, settings.signer()
+            settings.topics.events, args.saga_id, settings.signer(), unreadable=unreadable
         )
     except TopicMissing as exc:
         print(str(exc), file=sys.stderr)
         return 2
     if not records:
-        print(f"no records for saga {args.saga_id!r} on {settings.topics.events}", file=sys.stderr)
+        why = f" ({_unreadable_note(unreadable)})" if unreadable else ""
+        print(
+            f"no records for saga {args.saga_id!r} on {settings.topics.events}{why}",
+            file=sys.stderr,
+        )
         return 1
     terminal = [r for r in records if isinstance(r, SagaTerminal)]
     if terminal:
@@ -187,8 +192,12 @@ def _cmd_show(args: argparse.Namespace) -> int:
     # Not terminal yet: the ledger so far, which is what the coordinator folds.
     if args.json:
         print(orjson.dumps([_record_json(r) for r in records], option=orjson.OPT_INDENT_2).decode())
+        if unreadable:
+            print(_unreadable_note(unreadable), file=sys.stderr)
         return 0
     print(f"saga {args.saga_id}: running ({len(records)} records so far)")
+    if unreadable:
+        print(f"  [{_unreadable_note(unreadable)}]")
     state = _folded(records, args.saga_id, settings)
     refused = {n.event_id: n for n in state.recent_rejections} if state else {}
     for record in records:
@@ -223,8 +232,11 @@ def _cmd_wait(args: argparse.Namespace) -> int:
     reader = LedgerReader(bootstrap)
     deadline = time.monotonic() + args.timeout
     while True:
+        unreadable: list[str] = []
         try:
-            records = reader.saga_records(settings.topics.events, args.saga_id, settings.signer())
+            records = reader.saga_records(
+                settings.topics.events, args.saga_id, settings.signer(), unreadable=unreadable
+            )
         except TopicMissing as exc:
             print(str(exc), file=sys.stderr)
             return 2
@@ -232,13 +244,21 @@ def _cmd_wait(args: argparse.Namespace) -> int:
             return _cmd_show(args)
         if time.monotonic() >= deadline:
             state = f"{len(records)} records so far" if records else "no records at all"
+            note = f"; {_unreadable_note(unreadable)}" if unreadable else ""
             print(
-                f"saga {args.saga_id!r} is not terminal after {args.timeout:.0f} s ({state});"
-                f" see `sagaline saga show {args.saga_id}` and `sagaline status`",
+                f"saga {args.saga_id!r} is not terminal after {args.timeout:.0f} s ({state})"
+                f"{note}; see `sagaline saga show {args.saga_id}` and `sagaline status`",
                 file=sys.stderr,
             )
             return 124
         time.sleep(1.0)
+
+
+def _unreadable_note(unreadable: list[str]) -> str:
+    return (
+        f"{len(unreadable)} record(s) of this saga could not be read, written by a newer "
+        f"version of Sagaline (upgrade this command): {'; '.join(unreadable[:5])}"
+    )
 
 
 def _record_json(record: Record) -> dict[str, Any]:

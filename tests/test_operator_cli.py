@@ -267,3 +267,54 @@ def test_resolving_an_ended_sagas_incident_shows_in_the_coordinators_metrics(
     after = metrics.snapshot()
     assert after.manual_interventions.get("incident_resolved", 0) == 1
     assert after.time_to_recovery["ESCALATED"].count == 1
+
+
+def test_saga_wait_and_show_say_when_a_record_of_the_saga_cannot_be_read(
+    kafka_bootstrap: str,
+    unique_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A coordinator already on a later contract version wrote the saga's terminal
+    record; this (older) command line cannot read it. `saga wait` waited out its
+    timeout and said "not terminal", `saga show` listed the saga as running: both as
+    if the record were not there. They must say a record could not be read, and why."""
+    from sagaline.kafka import create_producer, ensure_topics
+    from schemas import Record, SagaStarted, SagaTerminal, envelope_for
+    from schemas.settings import Settings
+    from schemas.wire import to_message
+    from services.cli import main
+    from tests.newer_version import framed_by_a_newer_version
+
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
+    monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
+    settings = Settings.from_env()
+    ensure_topics(kafka_bootstrap, settings.topics, [], settings.partitions)
+    signer = settings.signer()
+
+    def envelope(cls: type[Record], producer: str) -> Any:
+        return envelope_for(
+            cls, saga_id="s-newer", tenant_id="default", producer=producer, now=1_700_000_000_000
+        )
+
+    started = SagaStarted(envelope=envelope(SagaStarted, "agent"), workflow="w", principal="p")
+    terminal = SagaTerminal(
+        envelope=envelope(SagaTerminal, "sagaline-coordinator"),
+        status=TerminalStatus.COMPLETED,
+        receipt=b"{}",
+    )
+    producer = create_producer(kafka_bootstrap)
+    key, value, headers = to_message(started, signer)
+    producer.produce(settings.topics.events, key=key, value=value, headers=headers)
+    newer = framed_by_a_newer_version(terminal)
+    producer.produce(
+        settings.topics.events, key=key, value=newer, headers=signer.headers(key, newer)
+    )
+    assert producer.flush(30) == 0
+
+    assert main(["saga", "wait", "s-newer", "--timeout", "0"]) == 124
+    err = capsys.readouterr().err
+    assert "could not be read" in err and newer[2:10].hex() in err, err
+    assert main(["saga", "show", "s-newer"]) == 0
+    out = capsys.readouterr().out
+    assert "could not be read" in out and newer[2:10].hex() in out, out

@@ -24,7 +24,7 @@ from confluent_kafka import (
 from sagaline.kafka._clients import create_consumer, watermarks
 from sagaline.kafka._config import ClientConfig, client_config
 from sagaline.kafka._headers import readable_headers
-from schemas.errors import CodecError
+from schemas.errors import CodecError, SchemaMismatch, UnknownFingerprint
 from schemas.models import Record
 from schemas.partitioning import partition_for
 from schemas.signing import HeaderList, Signer
@@ -198,16 +198,35 @@ class LedgerReader:
             # Headers that cannot be read (a name not UTF-8) as none: no signature.
             yield msg.key(), msg.value(), readable_headers(msg)
 
-    def saga_records(self, topic: str, saga_id: str, signer: Signer) -> list[Record]:
-        """Every decodable record of one saga on ``topic``, in log order."""
+    def saga_records(
+        self,
+        topic: str,
+        saga_id: str,
+        signer: Signer,
+        *,
+        unreadable: list[str] | None = None,
+    ) -> list[Record]:
+        """Every decodable record of one saga on ``topic``, in log order.
+
+        ``unreadable``, given, gets a line for each record of the saga written under a
+        schema this version cannot read (``unknown-fingerprint``, ``schema-mismatch``:
+        a newer writer, which reads it itself, so it is in no DLQ): what the records
+        returned lack."""
         key = saga_id.encode()
         partition = partition_for(key, self.partition_count(topic))
         out: list[Record] = []
-        for k, value, headers in self.records(topic, [partition]):
+        for msg in self.read(topic, [partition]):
+            k, value = msg.key(), msg.value()
             if k != key or value is None:
                 continue
             try:
-                out.append(from_message(k, value, headers, signer))
+                out.append(from_message(k, value, readable_headers(msg), signer))
+            except (UnknownFingerprint, SchemaMismatch) as exc:
+                if unreadable is not None:
+                    unreadable.append(
+                        f"{topic}[{msg.partition()}]@{msg.offset()} (schema "
+                        f"{bytes(value[2:10]).hex()}): {exc.reason}"
+                    )
             except CodecError:
                 continue  # the coordinator has already sent it to the DLQ
         return out
