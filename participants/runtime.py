@@ -476,11 +476,14 @@ class _Confirmations:
     due poll to a pool of ``_CONFIRM_THREADS``; a poll that does not end the
     confirmation is due again ``poll_s`` after it returned, so an entry is never
     polled twice at once and the pool's queue holds each entry at most once. A
-    verification call is timed from its own start (``CommandHandler._run``), not
-    from when it was due. ``start(command_id, command)`` gives an entry's state at
-    its first poll (None: nothing to poll), ``poll(state)`` runs one poll (True:
-    ended). What raises ends the entry with one log line (its row stays accepted,
-    resumed at the next start)."""
+    verification runs through :meth:`call`, on threads of its own
+    (:class:`_CallThreads`), never on the handler's tool pool: it is timed from its
+    own start, not from when it was due, and a call that hangs past its deadline
+    keeps its own thread only; until it returns, its entry gets no second call.
+    ``start(command_id, command)`` gives an entry's state at its first poll (None:
+    nothing to poll), ``poll(state)`` runs one poll (True: ended). What raises ends
+    the entry with one log line (its row stays accepted, resumed at the next
+    start)."""
 
     def __init__(
         self,
@@ -502,6 +505,38 @@ class _Confirmations:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=_CONFIRM_THREADS, thread_name_prefix=f"{name}-confirm"
         )
+        self._calls = _CallThreads(f"{name}-verify", _CONFIRM_THREADS)
+        self._running: dict[str, float] = {}  # command id -> monotonic start of its call
+
+    def call(self, command_id: str, fn: Callable[[], Any], timeout_s: float) -> Any:
+        """``fn()`` (a verification of ``command_id``) on a call thread; past
+        ``timeout_s`` a ``TimeoutError`` (the call runs on). While a call of the same
+        command id has not returned (even past its deadline), no second one starts:
+        :class:`_StillRunning` instead."""
+        with self._cv:
+            started = self._running.get(command_id)
+            if started is not None:
+                raise _StillRunning(
+                    f"its previous verification call, started {time.monotonic() - started:.0f}"
+                    " s ago, has not returned (past its deadline); not called again until it"
+                    " does"
+                )
+            self._running[command_id] = time.monotonic()
+
+        def run() -> Any:
+            try:
+                return fn()
+            finally:
+                with self._cv:
+                    self._running.pop(command_id, None)
+
+        try:
+            future = self._calls.submit(run)
+        except BaseException:
+            with self._cv:
+                self._running.pop(command_id, None)
+            raise
+        return future.result(timeout=timeout_s)
 
     def add(self, command_id: str, command: bytes) -> None:
         with self._cv:
@@ -569,6 +604,71 @@ class _Confirmations:
             self._closed = True
             self._cv.notify()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._calls.close()
+
+
+class _StillRunning(Exception):
+    """A verification's previous call has not returned: no second one is started."""
+
+
+class _CallThreads:
+    """Threads for verification calls, none shared with commands. A call never
+    waits for a thread: an idle one takes it, or a new one starts (so its deadline
+    counts from its own start); a call that hangs keeps its thread only, and that
+    thread leaves once the call returns when ``idle_max`` others are idle. How many
+    hang at once is bounded by the confirmations: one call each at most
+    (:meth:`_Confirmations.call`)."""
+
+    def __init__(self, name: str, idle_max: int) -> None:
+        self._name = name
+        self._idle_max = idle_max
+        self._lock = threading.Lock()
+        self._idle: list[queue.SimpleQueue[_CallItem | None]] = []
+        self._spawned = 0
+        self._closed = False
+
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the participant is stopping")
+            inbox = self._idle.pop() if self._idle else None
+            if inbox is None:
+                self._spawned += 1
+                spawned = self._spawned
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(
+                target=self._serve, args=(inbox,), name=f"{self._name}-{spawned}", daemon=True
+            ).start()
+        inbox.put((fn, future))
+        return future
+
+    def _serve(self, inbox: queue.SimpleQueue[_CallItem | None]) -> None:
+        while (item := inbox.get()) is not None:
+            fn, future = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    result = fn()
+                except BaseException as exc:
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
+            del item, fn, future
+            with self._lock:
+                if self._closed or len(self._idle) >= self._idle_max:
+                    return
+                self._idle.append(inbox)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for inbox in idle:
+            inbox.put(None)
+
+
+_CallItem = tuple[Callable[[], Any], "concurrent.futures.Future[Any]"]
 
 
 @dataclass(frozen=True)
@@ -1302,7 +1402,7 @@ class CommandHandler:
             return True  # resumed at the next start
         spec, ctx = c.spec, c.ctx
         try:
-            confirmed = self._run(c.call, lambda: spec.verify(ctx), spec.deadline_ms)
+            confirmed = self._verify(c.command_id, c.call, lambda: spec.verify(ctx), spec)
         except _TOOL_ERRORS as exc:
             c.failures.failed(
                 exc, lambda text: scrub(text, ctx.input, spec.secret_paths, self._sealer.marker_key)
@@ -1359,7 +1459,7 @@ class CommandHandler:
                         self.participant,
                         cmd.tool,
                     )
-                if spec is not None and not self._receipt_verified(cmd, spec):
+                if spec is not None and not self._receipt_verified(command_id, cmd, spec):
                     return False
                 self._completed(
                     command_id,
@@ -1371,16 +1471,18 @@ class CommandHandler:
                 return True
         return False
 
-    def _receipt_verified(self, cmd: CompensateStep, spec: ToolSpec) -> bool:
+    def _receipt_verified(self, command_id: str, cmd: CompensateStep, spec: ToolSpec) -> bool:
         """Whether a receipt for ``cmd`` may count: its tool declares no verification,
         or the verification passes now."""
         if spec.verify_func is None:
             return True
         ctx = self._compensation_context(cmd, spec)
         try:
-            if self._run(_compensation_call(cmd), lambda: spec.verify(ctx), spec.deadline_ms):
+            if self._verify(command_id, _compensation_call(cmd), lambda: spec.verify(ctx), spec):
                 return True
             why = "it does not pass yet"
+        except _StillRunning:
+            why = "its previous call has not returned yet"
         except _TOOL_ERRORS as exc:
             why = f"it failed ({type(exc).__name__})"
         log.warning(
@@ -1586,6 +1688,20 @@ class CommandHandler:
             )
         return data
 
+    def _verify(
+        self, command_id: str, ctx: CallContext, fn: Callable[[], Any], spec: ToolSpec
+    ) -> Any:
+        """The verification ``fn()`` of the accepted compensation ``command_id``, as the
+        call ``ctx``, on the confirmations' own threads (never the tool pool, sized for
+        commands): past the tool's deadline a ``TimeoutError``, and while a previous
+        call of it has not returned, :class:`_StillRunning` (no second call)."""
+
+        def call() -> Any:
+            with call_context(ctx), deadline_at(time.monotonic() + spec.deadline_ms / 1000):
+                return fn()
+
+        return self._confirmations.call(command_id, call, spec.deadline_ms / 1000)
+
     def _run(
         self,
         ctx: CallContext,
@@ -1603,8 +1719,9 @@ class CommandHandler:
         loop settles ``command`` with ``late()`` (the answer a timeout gives) and
         carries on with the saga's later commands, and this thread, once the tool
         returns, discards what it returned and leaves (:class:`_TakenOver`).
-        Elsewhere (background verification, a handler driven directly) the tool runs
-        on the pool and a timeout raises ``concurrent.futures.TimeoutError``.
+        Elsewhere (a handler driven directly) the tool runs on the pool and a timeout
+        raises ``concurrent.futures.TimeoutError``. (Verifications of accepted
+        compensations run on threads of their own: :meth:`_verify`.)
         """
 
         def call() -> Any:

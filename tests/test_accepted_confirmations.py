@@ -23,6 +23,7 @@ from schemas import (
     CompensateStep,
     CompensationAccepted,
     CompensationCommitted,
+    ExecuteStep,
     Record,
     derived_event_id,
     envelope_for,
@@ -163,7 +164,9 @@ class _Gated:
 
 def _confirm_threads(participant: str) -> list[str]:
     return sorted(
-        t.name for t in threading.enumerate() if t.name.startswith(f"{participant}-confirm")
+        t.name
+        for t in threading.enumerate()
+        if t.name.startswith((f"{participant}-confirm", f"{participant}-verify"))
     )
 
 
@@ -279,7 +282,7 @@ def test_many_accepted_compensations_within_their_wait_do_not_take_a_thread_each
         assert ready.wait(60), "participant did not start"
         wait_until(lambda: slow.inside >= 2, 60, "the first verifications")
         polling = [t for t in _confirm_threads("slow") if t not in idle]
-        assert len(polling) <= 8, polling
+        assert len(polling) <= 9, polling  # 4 pollers, their scheduler, 4 call threads
         slow.gate.set()
         wait_until(lambda: runtime.journal.accepted() == [], 60, "every compensation confirmed")
         assert slow.checks == rows  # each polled until confirmed, once here
@@ -373,3 +376,133 @@ def test_a_receipt_for_a_tool_with_a_verification_is_verified_before_it_counts_R
     completion = out[-1]
     assert isinstance(completion, CompensationCommitted) and completion.verified is True
     assert journal.accepted() == []
+
+
+class _Stuck:
+    """``book``'s releases are accepted; the verification of ``c-1`` blocks until the
+    test releases it, the others pass at once. ``note`` is an ordinary tool."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.lock = threading.Lock()
+        self.stuck_calls = 0
+        self.noted = 0
+
+    @tool(description="Book a desk", verify="released", deadline=300)
+    @compensable(by="release", completion_within=HOUR_S)
+    def book(self, desk: str) -> dict[str, str]:
+        return {"desk": desk}
+
+    def release(self, ctx: CompensationContext) -> Accepted:
+        return Accepted(operation_id=f"release-{ctx.idempotency_key}")
+
+    def released(self, ctx: CompensationContext) -> bool:
+        if ctx.compensation_key != "c-1":
+            return True
+        with self.lock:
+            self.stuck_calls += 1
+        self.gate.wait()
+        return False
+
+    @tool(description="Look a desk up", read_only=True, deadline=60)
+    def note(self, desk: str) -> dict[str, str]:
+        with self.lock:
+            self.noted += 1
+        return {"desk": desk}
+
+
+class _Hung(_Stuck):
+    """As :class:`_Stuck`, the verification's deadline 300 ms: the blocked call
+    overruns it."""
+
+    @tool(description="Book a desk", verify="released", deadline=0.3)
+    @compensable(by="release", completion_within=HOUR_S)
+    def book(self, desk: str) -> dict[str, str]:
+        return {"desk": desk}
+
+
+def _execute(saga_id: str) -> ExecuteStep:
+    body = b'{"desk":"d9"}'
+    return ExecuteStep(
+        envelope=envelope_for(
+            ExecuteStep,
+            saga_id=saga_id,
+            tenant_id="t",
+            producer="sagaline-coordinator",
+            now=1,
+            event_id=derived_event_id(saga_id, "exec/note"),
+        ),
+        step_id="01-note",
+        tool="note",
+        args=body,
+        idempotency_key=f"k-{saga_id}",
+        attempt=1,
+        deadline_ms=60_000,
+        principal="agent",
+    )
+
+
+def _accept(handler: CommandHandler, journal: CommandJournal, n: int) -> str:
+    command = _compensate(n)
+    assert handler.handle(command) == "accepted"
+    return command.event_id
+
+
+def test_verifications_do_not_queue_in_a_tool_pool_of_one_R12(tmp_path: Path) -> None:
+    # --max-in-flight 1: the handler's tool pool has one thread. A verification that
+    # takes long (the provider's status endpoint is slow) must not hold up the
+    # verification of another accepted compensation (queued behind it, the wait
+    # counted against its deadline), nor a command.
+    stuck = _Stuck()
+    out: list[Record] = []
+    journal = CommandJournal(tmp_path / "journal.sqlite")
+    handler = CommandHandler(wrap(stuck, name="desks"), "desks", journal, out.append, workers=1)
+    try:
+        first = _accept(handler, journal, 1)
+        second = _accept(handler, journal, 2)
+        by_id = dict(journal.accepted())
+        handler.confirm_in_background(first, by_id[first])
+        wait_until(lambda: stuck.stuck_calls >= 1, 60, "the slow verification")
+        handler.confirm_in_background(second, by_id[second])
+        wait_until(
+            lambda: [r for r in out if isinstance(r, CompensationCommitted)],
+            60,
+            "the other compensation confirmed while the slow verification runs",
+        )
+        assert handler.handle(_execute("s-note")) == "done"
+        assert stuck.noted == 1
+        assert stuck.stuck_calls == 1
+    finally:
+        stuck.gate.set()
+        handler.close()
+
+
+def test_a_hung_verification_is_not_called_again_and_takes_no_tool_thread_R12(
+    tmp_path: Path,
+) -> None:
+    # A verification hangs past its deadline (300 ms). Each later poll of that
+    # compensation used to start another call on the tool pool while the first
+    # still ran: a few polls filled the pool, and every command then timed out
+    # waiting for a thread. Now a compensation has at most one call outstanding (a
+    # poll while it runs counts as a failure), and commands keep their threads.
+    stuck = _Hung()
+    out: list[Record] = []
+    journal = CommandJournal(tmp_path / "journal.sqlite")
+    handler = CommandHandler(
+        wrap(stuck, name="desks"), "desks", journal, out.append, workers=2, verify_poll_ms=50
+    )
+    try:
+        first = _accept(handler, journal, 1)
+        handler.confirm_in_background(first, dict(journal.accepted())[first])
+
+        def failures() -> int:
+            entry = handler._confirmations._entries.get(first)
+            return getattr(getattr(entry, "failures", None), "_count", 0)
+
+        wait_until(lambda: failures() >= 4, 60, "polls after the hung call's deadline")
+        assert stuck.stuck_calls == 1
+        assert handler.handle(_execute("s-note")) == "done"
+        assert stuck.noted == 1
+    finally:
+        stuck.gate.set()
+        handler.close()

@@ -220,9 +220,12 @@ def test_start_up_resumes_overdue_accepted_rows_on_a_small_pool_and_settles_them
     journal.close()
     with System(kafka_bootstrap, unique_prefix, tmp_path, [catalogue]) as system:
         wait_until(lambda: gated.inside >= 2, 60, "the first checks")
-        confirming = [t for t in threading.enumerate() if t.name.startswith("gated-confirm")]
-        # the pool that polls every confirmation, and its scheduler
-        assert len(confirming) <= _CONFIRM_THREADS + 1, [t.name for t in confirming]
+        confirming = [
+            t for t in threading.enumerate() if t.name.startswith(("gated-confirm", "gated-verify"))
+        ]
+        # the pool that polls every confirmation, its scheduler, and the threads its
+        # verification calls run on (one per poller while none hangs)
+        assert len(confirming) <= 2 * _CONFIRM_THREADS + 1, [t.name for t in confirming]
         gated.gate.set()
         runtime = system._runtimes[0]
         wait_until(lambda: runtime.journal.accepted() == [], 60, "every row settled")
