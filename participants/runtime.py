@@ -338,6 +338,23 @@ class CommandJournal:
             nxt = 0
         return len(drop), nxt
 
+    def command(self, command_id: str) -> bytes | None:
+        """The command a row was written with (None: no row, or none recorded)."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT command FROM handled WHERE command_id = ?", (command_id,)
+            ).fetchone()
+        return None if row is None or row[0] is None else bytes(row[0])
+
+    def accepted_outcomes(self) -> list[tuple[str, bytes]]:
+        """The ``accepted`` rows' ids and outcomes (their ``CompensationAccepted``)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT command_id, outcome FROM handled "
+                "WHERE state = 'accepted' AND outcome IS NOT NULL"
+            ).fetchall()
+        return [(str(r[0]), bytes(r[1])) for r in rows]
+
     def accepted(self) -> list[tuple[str, bytes]]:
         with self._lock:
             rows = self._db.execute(
@@ -753,6 +770,13 @@ class CommandHandler:
         self._metrics = metrics
         self._stopping = threading.Event()
         self._watchdog = _Watchdog(f"{participant}-deadlines")
+        # Which accepted compensation a provider operation id is (complete_accepted):
+        # read from the journal's accepted rows once, when first needed, and kept up
+        # to date as compensations are accepted and settled here.
+        self._ops_lock = threading.Lock()
+        self._ops_loaded = False
+        self._ops: dict[str, list[str]] = {}  # operation id -> command ids
+        self._op_of: dict[str, str] = {}  # command id -> operation id
 
     def close(self) -> None:
         self._stopping.set()
@@ -1252,16 +1276,15 @@ class CommandHandler:
                 call, lambda: spec.compensate(ctx), spec.deadline_ms, command=cmd, late=late
             )
             if isinstance(result, Accepted):
-                return _Outcome(
-                    self._record(
-                        CompensationAccepted,
-                        cmd,
-                        "outcome",
-                        **common,
-                        provider_operation_id=_operation_id(result.operation_id),
-                    ),
-                    state="accepted",
+                accepted = self._record(
+                    CompensationAccepted,
+                    cmd,
+                    "outcome",
+                    **common,
+                    provider_operation_id=_operation_id(result.operation_id),
                 )
+                self._index_operation(cmd.event_id, accepted.provider_operation_id)
+                return _Outcome(accepted, state="accepted")
             verified = (
                 self._run(call, lambda: spec.verify(ctx), spec.deadline_ms, command=cmd, late=late)
                 if spec.verify_func is not None
@@ -1424,6 +1447,7 @@ class CommandHandler:
         # Settled: its answer stays the acceptance (re-sent on redelivery); it is not
         # resumed at later starts and is pruned like any done entry.
         self.journal.mark(c.command_id, "done")
+        self._forget_operation(c.command_id)
         return True
 
     def complete_accepted(self, provider_operation_id: str, result: Any = None) -> bool:
@@ -1440,13 +1464,17 @@ class CommandHandler:
         """
         from schemas.codec import decode
 
-        for command_id, command in self.journal.accepted():
+        for command_id in self._operation_rows(provider_operation_id):
             seen = self.journal.get(command_id)
-            if seen is None or seen[1] is None:
-                continue
+            if seen is not None and seen[0] == "done":
+                self._forget_operation(command_id)  # settled
+            if seen is None or seen[0] != "accepted" or seen[1] is None:
+                continue  # settled, or not journalled yet
             outcome = decode(seen[1])
+            command = self.journal.command(command_id)
             if (
-                isinstance(outcome, CompensationAccepted)
+                command is not None
+                and isinstance(outcome, CompensationAccepted)
                 and outcome.provider_operation_id == provider_operation_id
             ):
                 cmd = decode(command, CompensateStep)
@@ -1470,6 +1498,49 @@ class CommandHandler:
                 )
                 return True
         return False
+
+    def _index_operation(self, command_id: str, operation_id: str | None) -> None:
+        if operation_id is None:
+            return
+        with self._ops_lock:
+            self._index_locked(command_id, operation_id)
+
+    def _index_locked(self, command_id: str, operation_id: str) -> None:
+        if self._op_of.get(command_id) == operation_id:
+            return
+        self._op_of[command_id] = operation_id
+        self._ops.setdefault(operation_id, []).append(command_id)
+
+    def _forget_operation(self, command_id: str) -> None:
+        """``command_id``'s accepted compensation is settled: no receipt finds it."""
+        with self._ops_lock:
+            operation_id = self._op_of.pop(command_id, None)
+            ids = self._ops.get(operation_id, []) if operation_id is not None else []
+            if command_id in ids:
+                ids.remove(command_id)
+            if operation_id is not None and not ids:
+                self._ops.pop(operation_id, None)
+
+    def _operation_rows(self, operation_id: str) -> list[str]:
+        """The command ids of the compensations accepted as ``operation_id``: the
+        journal's accepted rows are read once, at the first receipt."""
+        from schemas.codec import decode
+
+        with self._ops_lock:
+            if not self._ops_loaded:
+                for command_id, outcome in self.journal.accepted_outcomes():
+                    try:
+                        accepted = decode(outcome)
+                    except Exception as exc:  # an unreadable row must not stop receipts
+                        log.error(
+                            "journal entry %s unreadable (%s); left as it is", command_id, exc
+                        )
+                        continue
+                    found = getattr(accepted, "provider_operation_id", None)
+                    if isinstance(accepted, CompensationAccepted) and found is not None:
+                        self._index_locked(command_id, found)
+                self._ops_loaded = True
+            return list(self._ops.get(operation_id, ()))
 
     def _receipt_verified(self, command_id: str, cmd: CompensateStep, spec: ToolSpec) -> bool:
         """Whether a receipt for ``cmd`` may count: its tool declares no verification,
@@ -1524,6 +1595,7 @@ class CommandHandler:
         )
         self._append(record)
         self.journal.mark(command_id, "done", outcome=encode(record))
+        self._forget_operation(command_id)
 
     def _completion_deadline(self, command_id: str, spec: ToolSpec) -> int:
         """When the declared wait of an accepted compensation ends: its acceptance
@@ -1560,6 +1632,7 @@ class CommandHandler:
         )
         self._append(record)
         self.journal.mark(command_id, "done", outcome=encode(record))
+        self._forget_operation(command_id)
 
     # ------------------------------------------------------------ reconcile step
 

@@ -506,3 +506,59 @@ def test_a_hung_verification_is_not_called_again_and_takes_no_tool_thread_R12(
     finally:
         stuck.gate.set()
         handler.close()
+
+
+class _CountingJournal(CommandJournal):
+    """A journal that counts its reads of rows."""
+
+    reads = 0
+
+    def get(self, command_id: str) -> tuple[str, bytes | None] | None:
+        self.reads += 1
+        return super().get(command_id)
+
+    def accepted(self) -> list[tuple[str, bytes]]:
+        rows = super().accepted()
+        self.reads += len(rows)
+        return rows
+
+    def command(self, command_id: str) -> bytes | None:
+        self.reads += 1
+        return super().command(command_id)
+
+    def accepted_outcomes(self) -> list[tuple[str, bytes]]:
+        rows = super().accepted_outcomes()
+        self.reads += len(rows)
+        return rows
+
+
+def test_a_receipt_reads_its_own_journal_row_not_every_accepted_one_R12(tmp_path: Path) -> None:
+    # A provider's webhook calls complete_accepted once per completed operation.
+    # It read and decoded every accepted row to find the one with that operation
+    # id: with thousands of accepted compensations, each receipt (and each retried
+    # receipt of one already completed) cost as many reads. Now it reads the row
+    # of its operation (an index kept in memory, built from the journal once).
+    out: list[Record] = []
+    path = tmp_path / "journal.sqlite"
+    seeding = CommandHandler(
+        wrap(_Held(), name="tables"), "tables", CommandJournal(path), out.append
+    )
+    rows = 30
+    for n in range(rows):
+        assert seeding.handle(_compensate(n)) == "accepted"
+    seeding.close()
+    journal = _CountingJournal(path)  # an existing journal, as at a restart
+    handler = CommandHandler(wrap(_Held(), name="tables"), "tables", journal, out.append)
+    try:
+        assert handler.complete_accepted("release-k-0") is True
+        journal.reads = 0
+        assert handler.complete_accepted(f"release-k-{rows - 1}") is True
+        assert handler.complete_accepted(f"release-k-{rows - 1}") is False  # a retried receipt
+        assert handler.complete_accepted("release-unknown") is False
+        assert journal.reads <= 3, journal.reads
+        # one accepted later, found too
+        assert handler.handle(_compensate(rows)) == "accepted"
+        assert handler.complete_accepted(f"release-k-{rows}") is True
+        assert len(journal.accepted()) == rows - 2
+    finally:
+        handler.close()
