@@ -483,6 +483,7 @@ class _Confirming:
     call: CallContext
     deadline: int  # epoch ms: the acceptance plus completion_within
     failures: _Failures
+    recording: _Failures  # of writing its completion (or settlement): tried again
 
 
 class _Confirmations:
@@ -1369,8 +1370,11 @@ class CommandHandler:
         the ones being confirmed, polled every ``verify_poll_ms`` by one scheduler
         thread on a few threads. Nothing is added for one already there (a
         redelivery of its command), so the provider is polled at that pace only. A
-        failure (the journal, the ledger) is logged in one line and its row stays
-        accepted, resumed at the next start."""
+        completion (or settlement) that cannot be written (the broker, the journal
+        failing for now) is reported like a failing verification and the entry
+        polled again; another failure (the ledger reference of its arguments gone,
+        say) is logged in one line and its row stays accepted, resumed at the next
+        start."""
         self._confirmations.add(command_id, command)
 
     def resume_accepted(self) -> None:
@@ -1415,6 +1419,7 @@ class CommandHandler:
             _compensation_call(cmd),
             self._completion_deadline(command_id, spec),
             _Failures(f"verification of {cmd.compensation_key}", self._clock),
+            _Failures(f"recording the confirmation of {cmd.compensation_key}", self._clock),
         )
 
     def _poll_once(self, c: _Confirming) -> bool:
@@ -1433,8 +1438,12 @@ class CommandHandler:
         else:
             c.failures.answered()
             if confirmed:
-                self._completed(c.command_id, c.cmd, verified=True)
-                return True
+                # Not written (the broker or the journal failing for now): polled
+                # again, not left until the next start (the coordinator would raise
+                # an incident for a compensation that completed).
+                return self._recorded(
+                    c, lambda: self._completed(c.command_id, c.cmd, verified=True)
+                )
         if self._clock() < c.deadline:
             return False
         if self._stopping.is_set():
@@ -1446,8 +1455,24 @@ class CommandHandler:
         )
         # Settled: its answer stays the acceptance (re-sent on redelivery); it is not
         # resumed at later starts and is pruned like any done entry.
-        self.journal.mark(c.command_id, "done")
-        self._forget_operation(c.command_id)
+        return self._recorded(c, lambda: self._settle_unconfirmed(c.command_id))
+
+    def _settle_unconfirmed(self, command_id: str) -> None:
+        self.journal.mark(command_id, "done")
+        self._forget_operation(command_id)
+
+    def _recorded(self, c: _Confirming, write: Callable[[], None]) -> bool:
+        """``write()`` (the end of ``c``'s confirmation); True once written. A failure
+        is reported like a verification's (the first with its traceback, then a
+        summary a minute) and the entry polled again."""
+        try:
+            write()
+        except _TOOL_ERRORS as exc:
+            if self._stopping.is_set():
+                return True  # resumed at the next start
+            c.recording.failed(exc, str)
+            return False
+        c.recording.answered()
         return True
 
     def complete_accepted(self, provider_operation_id: str, result: Any = None) -> bool:

@@ -562,3 +562,34 @@ def test_a_receipt_reads_its_own_journal_row_not_every_accepted_one_R12(tmp_path
         assert len(journal.accepted()) == rows - 2
     finally:
         handler.close()
+
+
+def test_a_confirmation_whose_completion_could_not_be_written_is_tried_again_R12(
+    tmp_path: Path,
+) -> None:
+    # The verification passes, but the CompensationCommitted cannot be written
+    # this once (the broker unreachable past the producer's delivery timeout, or
+    # a full disk). The confirmation used to end there, the row left accepted
+    # until the next start: the compensation had completed, but the coordinator
+    # raised an incident when its wait ended. It is polled again instead.
+    desks = _Checked()
+    desks.done = True
+    out: list[Record] = []
+    refused: list[Record] = []
+
+    def append(record: Record) -> None:
+        if isinstance(record, CompensationCommitted) and not refused:
+            refused.append(record)
+            raise RuntimeError("delivery failed: broker unreachable")
+        out.append(record)
+
+    journal = CommandJournal(tmp_path / "journal.sqlite")
+    handler = CommandHandler(wrap(desks, name="desks"), "desks", journal, append, verify_poll_ms=0)
+    try:
+        command_id = _accept(handler, journal, 1)
+        handler.confirm_in_background(command_id, dict(journal.accepted())[command_id])
+        wait_until(lambda: journal.accepted() == [], 60, "the completion written at last")
+        assert refused
+        assert [r for r in out if isinstance(r, CompensationCommitted)]
+    finally:
+        handler.close()
