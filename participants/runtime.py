@@ -526,19 +526,25 @@ class _Confirmations:
         self._calls = _CallThreads(f"{name}-verify", _CONFIRM_THREADS)
         self._running: dict[str, float] = {}  # command id -> monotonic start of its call
 
-    def call(self, command_id: str, fn: Callable[[], Any], timeout_s: float) -> Any:
+    def call(
+        self, command_id: str, fn: Callable[[], Any], timeout_s: float, *, wait: bool = False
+    ) -> Any:
         """``fn()`` (a verification of ``command_id``) on a call thread; past
         ``timeout_s`` a ``TimeoutError`` (the call runs on). While a call of the same
         command id has not returned (even past its deadline), no second one starts:
-        :class:`_StillRunning` instead."""
+        :class:`_StillRunning` instead, at once (a poll), or once ``timeout_s`` has
+        passed waiting for it (``wait``: a receipt, which runs its own call after)."""
+        end = time.monotonic() + timeout_s
         with self._cv:
-            started = self._running.get(command_id)
-            if started is not None:
-                raise _StillRunning(
-                    f"its previous verification call, started {time.monotonic() - started:.0f}"
-                    " s ago, has not returned (past its deadline); not called again until it"
-                    " does"
-                )
+            while (started := self._running.get(command_id)) is not None:
+                left = end - time.monotonic()
+                if not wait or left <= 0:
+                    raise _StillRunning(
+                        "its previous verification call, started "
+                        f"{time.monotonic() - started:.0f} s ago, has not returned; not "
+                        "called again until it does"
+                    )
+                self._cv.wait(left)
             self._running[command_id] = time.monotonic()
 
         def run() -> Any:
@@ -547,6 +553,7 @@ class _Confirmations:
             finally:
                 with self._cv:
                     self._running.pop(command_id, None)
+                    self._cv.notify_all()
 
         try:
             future = self._calls.submit(run)
@@ -1514,6 +1521,9 @@ class CommandHandler:
                     )
                 if spec is not None and not self._receipt_verified(command_id, cmd, spec):
                     return False
+                now = self.journal.get(command_id)
+                if now is None or now[0] != "accepted":
+                    return False  # completed meanwhile (a poll confirmed it)
                 self._completed(
                     command_id,
                     cmd,
@@ -1574,7 +1584,10 @@ class CommandHandler:
             return True
         ctx = self._compensation_context(cmd, spec)
         try:
-            if self._verify(command_id, _compensation_call(cmd), lambda: spec.verify(ctx), spec):
+            # A poll's call under way: the receipt waits for it (within the deadline),
+            # then makes its own.
+            call = _compensation_call(cmd)
+            if self._verify(command_id, call, lambda: spec.verify(ctx), spec, wait=True):
                 return True
             why = "it does not pass yet"
         except _StillRunning:
@@ -1787,18 +1800,25 @@ class CommandHandler:
         return data
 
     def _verify(
-        self, command_id: str, ctx: CallContext, fn: Callable[[], Any], spec: ToolSpec
+        self,
+        command_id: str,
+        ctx: CallContext,
+        fn: Callable[[], Any],
+        spec: ToolSpec,
+        *,
+        wait: bool = False,
     ) -> Any:
         """The verification ``fn()`` of the accepted compensation ``command_id``, as the
         call ``ctx``, on the confirmations' own threads (never the tool pool, sized for
         commands): past the tool's deadline a ``TimeoutError``, and while a previous
-        call of it has not returned, :class:`_StillRunning` (no second call)."""
+        call of it has not returned, :class:`_StillRunning` (no second call), at once
+        or (``wait``) once it has not returned within the deadline."""
 
         def call() -> Any:
             with call_context(ctx), deadline_at(time.monotonic() + spec.deadline_ms / 1000):
                 return fn()
 
-        return self._confirmations.call(command_id, call, spec.deadline_ms / 1000)
+        return self._confirmations.call(command_id, call, spec.deadline_ms / 1000, wait=wait)
 
     def _run(
         self,

@@ -593,3 +593,62 @@ def test_a_confirmation_whose_completion_could_not_be_written_is_tried_again_R12
         assert [r for r in out if isinstance(r, CompensationCommitted)]
     finally:
         handler.close()
+
+
+class _FirstGated:
+    """A verification whose first call (a poll) waits for the test and does not
+    pass; the later ones pass."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.lock = threading.Lock()
+        self.calls = 0
+
+    @tool(description="Book a desk", verify="released", deadline=300)
+    @compensable(by="release", completion_within=HOUR_S)
+    def book(self, desk: str) -> dict[str, str]:
+        return {"desk": desk}
+
+    def release(self, ctx: CompensationContext) -> Accepted:
+        return Accepted(operation_id=f"release-{ctx.idempotency_key}")
+
+    def released(self, ctx: CompensationContext) -> bool:
+        with self.lock:
+            self.calls += 1
+            first = self.calls == 1
+        if first:
+            self.gate.wait()
+        return not first
+
+
+def test_a_receipt_during_a_poll_of_its_compensation_waits_for_it_then_counts_R12(
+    tmp_path: Path,
+) -> None:
+    # The provider's webhook comes while a poll's verification of the same
+    # compensation is under way. The receipt waits for that call (a compensation
+    # has one verification call at a time), then runs its own, and is recorded:
+    # it is not refused because a poll happened to be running.
+    desks = _FirstGated()
+    out: list[Record] = []
+    journal = CommandJournal(tmp_path / "journal.sqlite")
+    handler = CommandHandler(
+        wrap(desks, name="desks"), "desks", journal, out.append, verify_poll_ms=HOUR_S * 1000
+    )
+    answers: list[bool] = []
+    try:
+        command_id = _accept(handler, journal, 1)
+        handler.confirm_in_background(command_id, dict(journal.accepted())[command_id])
+        wait_until(lambda: desks.calls >= 1, 60, "the poll's verification")
+        receipt = threading.Thread(
+            target=lambda: answers.append(handler.complete_accepted("release-k-1"))
+        )
+        receipt.start()
+        receipt.join(5)  # not a synchronisation: gives a receipt refused at once time to show
+        desks.gate.set()
+        receipt.join(60)
+        assert answers == [True]
+        assert len([r for r in out if isinstance(r, CompensationCommitted)]) == 1
+        assert journal.accepted() == []
+    finally:
+        desks.gate.set()
+        handler.close()
