@@ -170,6 +170,18 @@ class InvalidSagaId(ValueError):
     refused, never replaced."""
 
 
+class SagaHistoryUnreadable(RuntimeError):
+    """attach() found records of the saga on the ledger that this client cannot read
+    (written under a schema it does not know, by a newer version of Sagaline): it
+    cannot tell which steps the saga has, so it refuses, writing nothing; upgrade
+    this client. ``unreadable`` lists the records (position and schema)."""
+
+    def __init__(self, message: str, *, saga_id: str, unreadable: list[str]) -> None:
+        super().__init__(message)
+        self.saga_id = saga_id
+        self.unreadable = unreadable
+
+
 class UnknownTool(LookupError):
     """No local or published catalogue declares the tool."""
 
@@ -1237,7 +1249,9 @@ class Saga:
         (as for a saga left open on ``ApprovalPending``). New records carry the saga's
         own tenant (from its start), whatever
         ``tenant_id`` this view was made with. An id with no start on the ledger is
-        :class:`InvalidSagaId`, nothing written."""
+        :class:`InvalidSagaId`, nothing written. A saga with records this client
+        cannot read (written by a newer version) is :class:`SagaHistoryUnreadable`,
+        nothing written."""
         client = self.client
         client.ensure_coordinator()
         # Followed first: what the listener reads from now on is kept, and the read
@@ -1248,9 +1262,25 @@ class Saga:
         # end() or wait(): it may have ended while the agent was away (an approval
         # denied, the saga compensated), and resume() still reads why a step ended.
         client._ledger.hold(self.saga_id)
+        unreadable: list[str] = []
         history = LedgerReader(client.bootstrap).saga_records(
-            client.topics.events, self.saga_id, client.signer
+            client.topics.events, self.saga_id, client.signer, unreadable=unreadable
         )
+        if unreadable:
+            # A newer version wrote them (e.g. before this agent was rolled back): a
+            # step it scheduled would be missing here, and a new call could get its id.
+            if not followed:
+                client._ledger.release(self.saga_id)
+                client._ledger.unfollow_unused(self.saga_id)
+            raise SagaHistoryUnreadable(
+                f"cannot attach saga {self.saga_id}: {len(unreadable)} of its record(s) "
+                "on the ledger were written under a schema this client cannot read, by "
+                "a newer version of Sagaline, so the steps it has are not known here: "
+                f"{'; '.join(unreadable[:5])}. Nothing was written; upgrade this client "
+                "(the version that wrote them) and attach again",
+                saga_id=self.saga_id,
+                unreadable=unreadable,
+            )
         if not followed and not any(isinstance(r, SagaStarted) for r in history):
             # Its steps would be rejected as steps of an unknown saga, each call
             # waiting out its timeout as if it might have run.

@@ -1005,9 +1005,9 @@ def test_a_restart_reads_the_saga_from_the_ledger_once(
     reads: list[str] = []
     real = sagaline.kafka.LedgerReader.saga_records
 
-    def counted(self: Any, topic: str, saga_id: str, signer: Any) -> list[Any]:
+    def counted(self: Any, topic: str, saga_id: str, signer: Any, **kw: Any) -> list[Any]:
         reads.append(saga_id)
-        return real(self, topic, saga_id, signer)
+        return real(self, topic, saga_id, signer, **kw)
 
     client = SagaClient(world.settings, world.bootstrap)
     client.start()

@@ -174,6 +174,7 @@ PUBLIC: dict[str, list[str]] = {
         "Saga",
         "SagaCallError",
         "SagaClient",
+        "SagaHistoryUnreadable",
         "SagaParked",
         "SagaUnwinding",
         "SagalineParticipantError",

@@ -33,6 +33,7 @@ from participants.client import (
     Saga,
     SagaCallError,
     SagaClient,
+    SagaHistoryUnreadable,
     SagaUnwinding,
     UnknownTool,
 )
@@ -1435,3 +1436,36 @@ def test_a_wait_that_ends_without_a_record_this_client_cannot_read_says_so(
         assert "upgrade" in message
     finally:
         client.close()
+
+
+def test_attach_refuses_a_saga_with_records_this_client_cannot_read(
+    local: tuple[System, Desk],
+) -> None:
+    """attach() skipped the saga's records written under a schema this client does
+    not know (a newer agent's, after a rollback of the agent): it numbered its next
+    call as a step the newer agent had already scheduled, and its results and steps
+    lacked those records. It refuses, naming the records and saying to upgrade, and
+    writes nothing."""
+    from sagaline.kafka import create_producer
+    from schemas.wire import to_message
+    from tests.newer_version import framed_by_a_newer_version
+
+    system, desk = local
+    saga = system.client.saga("desk", "agent")
+    saga.__enter__()  # started; the agent's process dies inside the block
+    saga.call("book_slot", day="fri")
+    [first] = [r for r in system.records(saga.saga_id) if isinstance(r, StepScheduled)]
+    newer_step = first.model_copy(update={"step_id": "02-book_slot"})
+    signer = system.settings.signer()
+    key, _value, _headers = to_message(newer_step, signer)
+    newer = framed_by_a_newer_version(newer_step)
+    producer = create_producer(system.bootstrap)
+    producer.produce(system.topics.events, key=key, value=newer, headers=signer.headers(key, newer))
+    assert producer.flush(30) == 0
+    before = len(system.records(saga.saga_id))
+    with _restarted_agent(system, desk) as again:
+        with pytest.raises(SagaHistoryUnreadable) as err:
+            again.saga("desk", "agent", saga_id=saga.saga_id).attach()
+        assert newer[2:10].hex() in str(err.value) and "upgrade" in str(err.value)
+        assert not again._ledger.knows(saga.saga_id)  # not followed for nothing
+    assert len(system.records(saga.saga_id)) == before  # nothing written
