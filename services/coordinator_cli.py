@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from sagaline.kafka import LedgerReader, TopicMissing, configured_broker
+from sagaline.kafka import LedgerReader, TopicMissing, configured_broker, readable_headers
 from schemas import (
     ApprovalRequested,
     IncidentRaised,
@@ -85,39 +85,47 @@ def _one_line_errors(func: Callable[..., int]) -> Callable[..., int]:
 
 def _saga_messages(
     bootstrap: str, topic: str, saga_id: str
-) -> list[tuple[bytes, bytes, HeaderList | None]]:
+) -> list[tuple[bytes, bytes, HeaderList | None, str]]:
     """Every message of one saga on ``topic``, undecoded (the headers say whether the
-    ledger is signed), in log order."""
+    ledger is signed), with its position (``topic[partition]@offset``), in log order."""
     reader = LedgerReader(bootstrap)
     key = saga_id.encode()
     partition = partition_for(key, reader.partition_count(topic))
-    return [
-        (k, value, headers)
-        for k, value, headers in reader.records(topic, [partition])
-        if k == key and value is not None
-    ]
+    out: list[tuple[bytes, bytes, HeaderList | None, str]] = []
+    for msg in reader.read(topic, [partition]):
+        value = msg.value()
+        if msg.key() == key and value is not None:
+            where = f"{topic}[{msg.partition()}]@{msg.offset()}"
+            out.append((key, value, readable_headers(msg), where))
+    return out
 
 
 def _decodable(
-    messages: list[tuple[bytes, bytes, HeaderList | None]], signer: Signer
+    messages: list[tuple[bytes, bytes, HeaderList | None, str]],
+    signer: Signer,
+    unreadable: list[str],
 ) -> list[Record]:
-    """The messages that verify and decode; the rest the coordinator sent to the DLQ."""
-    from schemas.errors import CodecError
+    """The messages that verify and decode; the rest the coordinator sent to the DLQ,
+    except those under a schema this version does not know (a newer writer's), each
+    noted in ``unreadable`` (position, schema)."""
+    from schemas.errors import CodecError, SchemaMismatch, UnknownFingerprint
     from schemas.wire import from_message
 
     out: list[Record] = []
-    for k, value, headers in messages:
+    for k, value, headers, where in messages:
         try:
             out.append(from_message(k, value, headers, signer))
+        except (UnknownFingerprint, SchemaMismatch) as exc:
+            unreadable.append(f"{where} (schema {bytes(value[2:10]).hex()}): {exc.reason}")
         except CodecError:
             continue
     return out
 
 
-def _signed(messages: list[tuple[bytes, bytes, HeaderList | None]]) -> bool:
+def _signed(messages: list[tuple[bytes, bytes, HeaderList | None, str]]) -> bool:
     from schemas.signing import SIG_HEADER, header_value
 
-    return any(header_value(h, SIG_HEADER) is not None for _k, _v, h in messages)
+    return any(header_value(h, SIG_HEADER) is not None for _k, _v, h, _w in messages)
 
 
 # -------------------------------------------------------------------- run
@@ -379,8 +387,9 @@ def _decide(args: argparse.Namespace, *, grant: bool) -> int:
         )
         return 1
     operator_identity(signer, ledger_signed=_signed(messages))  # refuses a grant that won't count
-    records = _decodable(messages, signer)
-    if not records:
+    unreadable: list[str] = []
+    records = _decodable(messages, signer, unreadable)
+    if not records and not unreadable:
         print(
             f"{args.command}: no record of saga {args.saga_id} verifies with this process's "
             "key: use the key the services use (SAGALINE_HMAC_KEY or the trust file)",
@@ -390,7 +399,10 @@ def _decide(args: argparse.Namespace, *, grant: bool) -> int:
     state = _folded(records, args.saga_id, settings)
     request = _pending_request(records, state, args.step_id, int(time.time() * 1000))
     if isinstance(request, str):
-        print(f"{args.command}: {request}", file=sys.stderr)
+        # The request (or what decided it) may be among the records this version
+        # cannot read: say so rather than only that there is none.
+        why = f"; {_unreadable_note(unreadable)}" if unreadable else ""
+        print(f"{args.command}: {request}{why}", file=sys.stderr)
         return 1
     watch = _watch(args, settings, bootstrap, args.saga_id)
     channel = OperatorChannel.from_settings(settings, bootstrap)

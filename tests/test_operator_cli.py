@@ -153,6 +153,68 @@ def test_deny_on_the_cli_is_a_business_rejection_R7(
     assert saga.wait(60).status is TerminalStatus.COMPENSATED
 
 
+def test_approve_says_a_record_of_the_saga_could_not_be_read_not_that_there_is_no_request(
+    office: tuple[System, Office],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    new_topic_prefix: Any,
+) -> None:
+    """A command line older than the coordinator could not read the approval request
+    it wrote (a schema it does not know) and said the step was not awaiting approval;
+    ``find_approval_request`` said there was no such request. Both say that a record
+    of the saga could not be read (position, schema) and to upgrade the command line."""
+    from sagaline.kafka import create_producer, ensure_topics
+    from sagaline.ops.actions import UnknownRequest, find_approval_request
+    from schemas.settings import Settings
+    from schemas.wire import to_message
+    from tests.newer_version import framed_by_a_newer_version
+
+    system, _desk = office
+    saga = system.client.saga("letters", "agent")
+
+    def agent() -> Any:
+        with saga:
+            return saga.call("send_letter", to="eve")
+
+    thread, out = _run_in_thread(agent)
+    request = _await_request(system, saga.saga_id)
+    records = system.records(saga.saga_id)
+    # The same saga on a ledger where a newer coordinator wrote the request.
+    monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", new_topic_prefix("newer"))
+    settings = Settings.from_env()
+    ensure_topics(system.bootstrap, settings.topics, [], settings.partitions)
+    signer = settings.signer()
+    producer = create_producer(system.bootstrap)
+    newer = b""
+    for record in records[: records.index(request) + 1]:
+        key, value, headers = to_message(record, signer)
+        if record == request:
+            value = newer = framed_by_a_newer_version(record)
+            headers = signer.headers(key, value)
+        producer.produce(settings.topics.events, key=key, value=value, headers=headers)
+    assert producer.flush(30) == 0
+    capsys.readouterr()
+    assert main(["approve", saga.saga_id, request.step_id, "--operator", "alice"]) == 1
+    err = capsys.readouterr().err
+    assert "could not be read" in err and newer[2:10].hex() in err, err
+    assert "upgrade" in err, err
+
+    unreadable: list[str] = []
+    found = LedgerReader(system.bootstrap).saga_records(
+        settings.topics.events, saga.saga_id, signer, unreadable=unreadable
+    )
+    with pytest.raises(UnknownRequest, match="could not be read") as refused:
+        find_approval_request(found, request.approval_id, unreadable=unreadable)
+    assert newer[2:10].hex() in str(refused.value)
+
+    monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", system.settings.topic_prefix)
+    assert (
+        main(["deny", saga.saga_id, request.step_id, "--operator", "carol", "--reason", "x"]) == 0
+    )
+    thread.join(60)
+    assert isinstance(out.get("error"), ApprovalDeniedError)
+
+
 def test_an_approval_needs_an_operator_identity(
     office: tuple[System, Office], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -14,7 +14,9 @@ no ack does not know it is not: repeating the same decision is safe).
 Example::
 
     channel = OperatorChannel.from_settings(Settings.from_env())
-    request = find_approval_request(saga_records(...), approval_id)
+    unreadable: list[str] = []
+    records = LedgerReader(bootstrap).saga_records(topic, saga_id, signer, unreadable=unreadable)
+    request = find_approval_request(records, approval_id, unreadable=unreadable)
     grant_approval(channel, request, operator="alice@example.com", via="cli")
 """
 
@@ -23,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import orjson
@@ -284,22 +286,51 @@ def incident_resolved(
     )
 
 
-def find_approval_request(records: Iterable[Record], approval_id: str) -> ApprovalRequested:
-    """The ``ApprovalRequested`` with this id among a saga's records."""
+def _not_found(what: str, unreadable: Sequence[str]) -> str:
+    """Why ``what`` is not among a saga's records: records this version cannot read
+    (``saga_records(..., unreadable=...)``) may hold it."""
+    if not unreadable:
+        return ""
+    return (
+        f"{len(unreadable)} record(s) of this saga could not be read, written under a "
+        "schema this version does not know by a newer version of Sagaline, and "
+        f"{what} may be among them: upgrade this command line (or library) and retry; "
+        f"{'; '.join(unreadable[:5])}"
+    )
+
+
+def find_approval_request(
+    records: Iterable[Record], approval_id: str, *, unreadable: Sequence[str] = ()
+) -> ApprovalRequested:
+    """The ``ApprovalRequested`` with this id among a saga's records.
+
+    ``unreadable``: the records of the saga that could not be read (as
+    :meth:`sagaline.kafka.LedgerReader.saga_records` lists them); when the request is
+    not found and there are some, :class:`UnknownRequest` says so instead of that
+    there is no such request."""
     for record in records:
         if isinstance(record, ApprovalRequested) and record.approval_id == approval_id:
             return record
+    why = _not_found(f"approval request {approval_id!r}", unreadable)
+    if why:
+        raise UnknownRequest(f"approval request {approval_id!r} not found: {why}")
     raise UnknownRequest(
         f"no approval request {approval_id!r} in this saga's ledger: check the saga id and "
         "the approval id (sagaline dashboard or `sagaline saga show` list pending ones)"
     )
 
 
-def find_incident(records: Iterable[Record], incident_id: str) -> IncidentRaised:
-    """The ``IncidentRaised`` with this id among a saga's records."""
+def find_incident(
+    records: Iterable[Record], incident_id: str, *, unreadable: Sequence[str] = ()
+) -> IncidentRaised:
+    """The ``IncidentRaised`` with this id among a saga's records (``unreadable``: as
+    for :func:`find_approval_request`)."""
     for record in records:
         if isinstance(record, IncidentRaised) and record.incident_id == incident_id:
             return record
+    why = _not_found(f"incident {incident_id!r}", unreadable)
+    if why:
+        raise UnknownRequest(f"incident {incident_id!r} not found: {why}")
     raise UnknownRequest(
         f"no incident {incident_id!r} in this saga's ledger: check the saga id and the incident id"
     )
