@@ -1388,7 +1388,21 @@ class Coordinator:
         group = f"{self.group_id}-restore"
         markers: dict[str, SagaMarker] = {}
         for msg in read_to_end(self.bootstrap, self.topics.state, numbers, group):
-            saga_id = (msg.key() or b"").decode()
+            try:
+                saga_id = (msg.key() or b"").decode()
+            except UnicodeDecodeError:
+                # Not this coordinator's (it keys by saga id): hand-written or
+                # corrupted. No saga has that key, so none is stopped by it.
+                log.error(
+                    "skipped the changelog record at %s[%s]@%s: its key %r is not UTF-8, "
+                    "so it is no saga's state (hand-written or corrupted); delete it "
+                    "with a tombstone under that key",
+                    msg.topic(),
+                    msg.partition(),
+                    msg.offset(),
+                    msg.key(),
+                )
+                continue
             value = msg.value()
             self._states.pop(saga_id)
             markers.pop(saga_id, None)
@@ -1398,7 +1412,11 @@ class Coordinator:
             if value is None:
                 self._partition_of.pop(saga_id, None)
                 continue
-            known, due_at = (False, None) if is_marker(value) else _due_header(msg.headers())
+            # Headers that cannot be read (a name not UTF-8) as none: the state is
+            # decoded for its timer, as one written before the header existed.
+            known, due_at = (
+                (False, None) if is_marker(value) else _due_header(readable_headers(msg))
+            )
             if known:  # a live state with its next timer: keep its bytes as they are
                 self._states.put(saga_id, value, due_at)
                 continue

@@ -273,3 +273,54 @@ def test_a_saga_parked_from_a_timer_with_an_unreadable_state_keeps_its_tenant_or
     assert incident("saga-garbled").envelope.tenant_id == UNKNOWN_TENANT != "default"
     marker = markers["saga-garbled"]
     assert marker is not None and marker.tenant_id == UNKNOWN_TENANT
+
+
+def test_restore_skips_a_state_record_whose_key_is_not_utf8_and_restores_the_rest(
+    kafka_bootstrap: str, unique_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hand-written or corrupted record on the state topic whose key is not UTF-8
+    stopped the restore with a UnicodeDecodeError: the coordinator could not start,
+    and no saga moved. It is skipped with a logged error; the others are restored."""
+    from tests.raw_headers import produce_raw
+
+    settings = Settings(bootstrap=kafka_bootstrap, topic_prefix=unique_prefix, partitions=1)
+    ensure_topics(kafka_bootstrap, settings.topics, [], settings.partitions)
+    good = _waiting("saga-good")
+    due = good.next_due_at()
+    assert due is not None
+    produce_raw(kafka_bootstrap, settings.topics.state, b"\xff\xfe", good.to_bytes(), [])
+    producer = Producer(producer_config(kafka_bootstrap))
+    producer.produce(
+        settings.topics.state, key=b"saga-good", value=good.to_bytes(), headers=_due_headers(due)
+    )
+    assert producer.flush(30) == 0
+
+    coordinator = Coordinator(settings, kafka_bootstrap, instance_id="bad-key-test")
+    assert coordinator._restore([0]) == 1
+    assert coordinator.state_of("saga-good") == good
+    assert coordinator._timers == [(due, "saga-good")]
+    assert "not UTF-8" in caplog.text
+
+
+def test_restore_reads_a_state_record_whose_header_name_is_not_utf8_from_its_value(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    """A state record with a header name that is not UTF-8 stopped the restore (the
+    headers were read directly, and confluent-kafka raises SystemError for them): the
+    coordinator could not start. Its headers are taken as none, so its state is
+    decoded for its timer, as a record written before the header existed."""
+    from tests.raw_headers import produce_raw
+
+    settings = Settings(bootstrap=kafka_bootstrap, topic_prefix=unique_prefix, partitions=1)
+    ensure_topics(kafka_bootstrap, settings.topics, [], settings.partitions)
+    odd = _waiting("saga-odd-header")
+    due = odd.next_due_at()
+    assert due is not None
+    [(name, value)] = _due_headers(due)
+    headers = [(b"\xff", b"x"), (name.encode(), value)]
+    produce_raw(kafka_bootstrap, settings.topics.state, b"saga-odd-header", odd.to_bytes(), headers)
+
+    coordinator = Coordinator(settings, kafka_bootstrap, instance_id="bad-header-test")
+    assert coordinator._restore([0]) == 1
+    assert coordinator.state_of("saga-odd-header") == odd
+    assert coordinator._timers == [(due, "saga-odd-header")]
