@@ -194,3 +194,33 @@ def test_an_oversized_key_id_header_is_refused_in_a_few_lines_not_copied_into_ev
     assert "this service holds 'k1'" in detail
     longest = max(len(r.getMessage()) for r in caplog.records if r.name.startswith("sagaline"))
     assert longest < 10_000, f"a log line of {longest} characters"
+
+
+def test_latest_by_key_skips_a_key_that_is_not_utf8(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    """``LedgerReader.latest_by_key`` decoded each key strictly: a tombstone on the
+    topic whose key is not UTF-8 raised UnicodeDecodeError, and no latest record of
+    any key could be read. Such a key keys no saga: skipped."""
+    from sagaline.kafka import create_producer
+    from schemas import SagaStarted
+
+    settings = Settings(bootstrap=kafka_bootstrap, topic_prefix=unique_prefix, partitions=1)
+    ensure_topics(kafka_bootstrap, settings.topics, [], settings.partitions)
+    signer = settings.signer()
+    started = SagaStarted(
+        envelope=envelope_for(
+            SagaStarted, saga_id="s-good", tenant_id="default", producer="agent", now=1
+        ),
+        workflow="w",
+        principal="p",
+    )
+    key, value, headers = to_message(started, signer)
+    producer = create_producer(kafka_bootstrap)
+    producer.produce(settings.topics.terminal, key=key, value=value, headers=headers)
+    producer.produce(settings.topics.terminal, key=b"\xff\xfe", value=value)
+    producer.produce(settings.topics.terminal, key=b"\xff\xfe", value=None)
+    assert producer.flush(30) == 0
+
+    latest = LedgerReader(kafka_bootstrap).latest_by_key(settings.topics.terminal, signer)
+    assert list(latest) == ["s-good"] and latest["s-good"] == started

@@ -232,16 +232,21 @@ class LedgerReader:
         return out
 
     def latest_by_key(self, topic: str, signer: Signer) -> dict[str, Record]:
-        """The latest decodable record per key of a compacted topic (e.g. terminal)."""
+        """The latest decodable record per key of a compacted topic (e.g. terminal); a
+        key that is not UTF-8 (no saga's) is passed over."""
         latest: dict[str, Record] = {}
         for k, value, headers in self.records(topic):
             if k is None:
                 continue
+            try:
+                key = k.decode()
+            except UnicodeDecodeError:
+                continue  # no saga's key (hand-written or corrupted): no record of one
             if value is None:
-                latest.pop(k.decode(), None)
+                latest.pop(key, None)
                 continue
             try:
-                latest[k.decode()] = from_message(k, value, headers, signer)
+                latest[key] = from_message(k, value, headers, signer)
             except CodecError:
                 continue
         return latest
