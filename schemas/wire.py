@@ -120,11 +120,12 @@ def dlq_message(
     offset: int | None,
 ) -> tuple[bytes | None, bytes | None, Headers]:
     """The DLQ copy of a rejected message: key and value byte-for-byte as received,
-    the original headers, plus why and where from (``sagaline-dlq-*`` headers)."""
+    the original headers (one with a null value too; ``sagaline-dlq-*`` ones it
+    already carried are replaced), plus why and where from (``sagaline-dlq-*``)."""
     kept: Headers = [
         (name, v.encode() if isinstance(v, str) else v)
         for name, v in (headers.items() if isinstance(headers, dict) else headers or ())
-        if v is not None and name not in _DLQ_HEADERS
+        if name not in _DLQ_HEADERS
     ]
     kept += [
         (DLQ_REASON, reason.encode("utf-8")),

@@ -160,3 +160,31 @@ def test_bad_records_are_dead_lettered_and_the_consumer_keeps_going(
     assert "00112233445566aa" in info[1].detail
     assert [i.offset for i in info] == [1, 2, 3]
     assert {i.source_topic for i in info} == {names.events}
+
+
+def test_a_dlq_copy_keeps_a_header_whose_value_is_null(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    """``dlq_message`` dropped every header whose value is null, while the contract
+    (docs/event-contract.md) says a DLQ copy keeps the headers byte-for-byte: a
+    header present without a value (a flag, a tracing marker) was lost from the copy."""
+    names = TopicNames(unique_prefix)
+    ensure_topics(kafka_bootstrap, names, [], partitions=1)
+    headers = [("flag", None), ("trace", b"t-1"), ("empty", b"")]
+
+    def send(producer: Producer) -> None:
+        producer.produce(names.events, key=b"s-1", value=b"not avro", headers=headers)
+
+    _produce(kafka_bootstrap, send)
+    [msg] = _consume(kafka_bootstrap, names.events, f"{unique_prefix}loop", 1)
+    copy = dlq_message(
+        msg.key(), msg.value(), msg.headers(), "malformed", "x", msg.topic(), 0, msg.offset()
+    )
+
+    def send_copy(producer: Producer) -> None:
+        producer.produce(names.dlq, key=copy[0], value=copy[1], headers=copy[2])
+
+    _produce(kafka_bootstrap, send_copy)
+    [letter] = _consume(kafka_bootstrap, names.dlq, f"{unique_prefix}dlq", 1)
+    assert (letter.headers() or [])[:3] == headers
+    assert read_dead_letter(letter.headers()).reason == "malformed"
