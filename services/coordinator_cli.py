@@ -425,18 +425,30 @@ def _decide(args: argparse.Namespace, *, grant: bool) -> int:
 
 
 def incident_feed(
-    settings: Settings, bootstrap: str
+    settings: Settings, bootstrap: str, *, unreadable: list[str] | None = None
 ) -> tuple[dict[str, IncidentRaised], dict[str, IncidentResolved]]:
-    """Every incident on the incidents topic, and the resolutions forwarded there."""
-    from schemas.errors import CodecError
+    """Every incident on the incidents topic, and the resolutions forwarded there.
+
+    ``unreadable``, given, gets a line (position, schema) for each record written
+    under a schema this version cannot read (a newer coordinator's)."""
+    from schemas.errors import CodecError, SchemaMismatch, UnknownFingerprint
     from schemas.wire import from_message
 
     raised: dict[str, IncidentRaised] = {}
     resolved: dict[str, IncidentResolved] = {}
     signer = settings.signer()
-    for key, value, headers in LedgerReader(bootstrap).records(settings.topics.incidents):
+    topic = settings.topics.incidents
+    for msg in LedgerReader(bootstrap).read(topic):
+        value = msg.value()
         try:
-            record = from_message(key, value, headers, signer)
+            record = from_message(msg.key(), value, readable_headers(msg), signer)
+        except (UnknownFingerprint, SchemaMismatch) as exc:
+            if unreadable is not None and value is not None:
+                unreadable.append(
+                    f"{topic}[{msg.partition()}]@{msg.offset()} (schema "
+                    f"{bytes(value[2:10]).hex()}): {exc.reason}"
+                )
+            continue
         except CodecError:
             continue
         if isinstance(record, IncidentRaised):
@@ -445,6 +457,14 @@ def incident_feed(
             # The first one is what the coordinator acted on: it ignores later ones.
             resolved.setdefault(record.incident_id, record)
     return raised, resolved
+
+
+def _unreadable_incidents_note(unreadable: list[str]) -> str:
+    return (
+        f"{len(unreadable)} record(s) of the incidents topic could not be read, written by "
+        "a newer version of Sagaline, and may be the incident (upgrade this command): "
+        f"{'; '.join(unreadable[:5])}"
+    )
 
 
 def superseded_incidents(raised: dict[str, IncidentRaised]) -> dict[str, IncidentRaised]:
@@ -471,7 +491,8 @@ def superseded_incidents(raised: dict[str, IncidentRaised]) -> dict[str, Inciden
 @_one_line_errors
 def _cmd_incidents_list(args: argparse.Namespace) -> int:
     settings, bootstrap = configured_broker("sagaline")
-    raised, resolved = incident_feed(settings, bootstrap)
+    unreadable: list[str] = []
+    raised, resolved = incident_feed(settings, bootstrap, unreadable=unreadable)
     superseded = superseded_incidents(raised)
     shown = 0
     for incident_id, incident in raised.items():
@@ -489,6 +510,8 @@ def _cmd_incidents_list(args: argparse.Namespace) -> int:
         )
         shown += 1
     print(f"{shown} incident(s){'' if args.all else ' open'}")
+    if unreadable:
+        print(f"[{_unreadable_incidents_note(unreadable)}]")
     return 0
 
 
@@ -501,12 +524,14 @@ def _cmd_incidents_resolve(args: argparse.Namespace) -> int:
     operator = _operator(args, _key_operator(signer))
     if operator is None:
         return 2
-    raised, resolved = incident_feed(settings, bootstrap)
+    unreadable: list[str] = []
+    raised, resolved = incident_feed(settings, bootstrap, unreadable=unreadable)
     incident = raised.get(args.incident_id)
     if incident is None:
+        why = f"; {_unreadable_incidents_note(unreadable)}" if unreadable else ""
         print(
             f"{args.command}: no incident {args.incident_id!r} on "
-            f"{settings.topics.incidents}; `sagaline incidents list` shows the open ones",
+            f"{settings.topics.incidents}; `sagaline incidents list` shows the open ones{why}",
             file=sys.stderr,
         )
         return 1

@@ -215,6 +215,57 @@ def test_approve_says_a_record_of_the_saga_could_not_be_read_not_that_there_is_n
     assert isinstance(out.get("error"), ApprovalDeniedError)
 
 
+def test_incidents_resolve_says_an_incident_could_not_be_read_not_that_there_is_none(
+    kafka_bootstrap: str,
+    unique_prefix: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A command line older than the coordinator could not read an incident it raised
+    (a schema it does not know) and said there was no such incident; `incidents list`
+    left it out in silence. Both say a record could not be read and to upgrade."""
+    from sagaline.kafka import create_producer, ensure_topics
+    from schemas import IncidentRaised, envelope_for
+    from schemas.settings import Settings
+    from tests.newer_version import framed_by_a_newer_version
+
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
+    monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
+    monkeypatch.setenv("SAGALINE_HMAC_KEY", "test-key")
+    settings = Settings.from_env()
+    ensure_topics(kafka_bootstrap, settings.topics, [], settings.partitions)
+    signer = settings.signer()
+    incident = IncidentRaised(
+        envelope=envelope_for(
+            IncidentRaised,
+            saga_id="s-newer",
+            tenant_id="default",
+            producer="sagaline-coordinator",
+            now=1_700_000_000_000,
+        ),
+        incident_id="inc-newer",
+        kind="unknown-outcome",
+        inconsistency="i",
+        effect="e",
+        owner="o",
+    )
+    newer = framed_by_a_newer_version(incident)
+    producer = create_producer(kafka_bootstrap)
+    key = b"s-newer"
+    producer.produce(
+        settings.topics.incidents, key=key, value=newer, headers=signer.headers(key, newer)
+    )
+    assert producer.flush(30) == 0
+
+    code = main(["incidents", "resolve", "inc-newer", "--operator", "alice", "--resolution", "x"])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "could not be read" in err and newer[2:10].hex() in err and "upgrade" in err, err
+    assert main(["incidents", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "could not be read" in out and newer[2:10].hex() in out, out
+
+
 def test_an_approval_needs_an_operator_identity(
     office: tuple[System, Office], monkeypatch: pytest.MonkeyPatch
 ) -> None:
