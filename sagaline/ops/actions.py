@@ -37,6 +37,7 @@ from sagaline.kafka import (
     RecordTooLarge,
     TopicPartition,
     create_consumer,
+    headers_of,
     producer_config,
     require_bootstrap,
     watermarks,
@@ -595,7 +596,7 @@ class VerdictWatch:
                 msg = consumer.poll(0.5)
                 if msg is not None and msg.error() is None and msg.key() == self._key:
                     try:
-                        dead = read_dead_letter(msg.headers())
+                        dead = read_dead_letter(headers_of(msg))
                     except CodecError:
                         dead = None
                     if (

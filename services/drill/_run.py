@@ -38,6 +38,7 @@ from sagaline.kafka import (
     create_consumer,
     create_producer,
     ensure_topics,
+    headers_of,
 )
 from sagaline.ops.actions import OperatorChannel, approval_granted, incident_resolved
 from schemas import (
@@ -225,7 +226,7 @@ class _Watcher:
             if msg is None or msg.error() is not None:
                 continue
             try:
-                record = from_message(msg.key(), msg.value(), msg.headers(), signer)
+                record = from_message(msg.key(), msg.value(), headers_of(msg), signer)
             except CodecError:
                 continue
             with self._cond:
