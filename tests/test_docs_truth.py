@@ -97,3 +97,52 @@ def test_every_file_the_docs_name_exists() -> None:
             if not ((ROOT / name).exists() or (ROOT / "docs" / name).exists()):
                 missing.append(f"{doc.relative_to(ROOT)} -> {name}")
     assert not missing, missing
+
+
+def _acl_rows() -> dict[str, list[str]]:
+    """principal -> its cells (read, write, groups/other), from docs/security.md's
+    "Kafka ACLs per identity" table."""
+    text = (ROOT / "docs" / "security.md").read_text()
+    section = text.split("## Kafka ACLs per identity", 1)[1]
+    rows: dict[str, list[str]] = {}
+    for line in section.splitlines():
+        if line.startswith("| `User:"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_security_acls_list_what_each_process_asks_of_kafka() -> None:
+    """Each permission the code needs, in the table and in the participant example:
+    a least-privilege deployment granted only what the page lists must work."""
+    rows = _acl_rows()
+    text = (ROOT / "docs" / "security.md").read_text()
+    example = text.split("For example, for the payments participant:", 1)[1].split("```")[1]
+    grants = example.split("kafka-acls.sh")[1:]
+
+    # The throw-away groups of the participant's readers, as the code names them.
+    probe = (ROOT / "participants" / "ledger_probe.py").read_text()
+    reader = (ROOT / "sagaline" / "kafka" / "_reader.py").read_text()
+    assert 'f"sagaline-probe-{' in probe and 'f"sagaline-reader-{' in reader
+    participant = rows["`User:<participant>`"][2]
+    for group in ("sagaline-participant-<participant>", "sagaline-probe-*", "sagaline-reader-*"):
+        assert f"`{group}`" in participant, (group, participant)
+    for group in ("sagaline-probe-", "sagaline-reader-"):
+        assert any("Read" in g and "prefixed" in g and f"--group {group}" in g for g in grants), (
+            group,
+            example,
+        )
+
+    # Journal pruning reads the command topic's retention (participants.runtime).
+    assert "DescribeConfigs on `sagaline.commands.<participant>`" in participant
+    assert any("DescribeConfigs" in g and "--topic sagaline.commands.payments" in g for g in grants)
+
+    # The agent's client checks that a coordinator consumes (participants.readiness).
+    client = (ROOT / "participants" / "client.py").read_text()
+    assert "check_coordinator = True" in client
+    agent = rows["`User:<agent>`"][2]
+    assert "Describe on group `sagaline-coordinator`" in agent, agent
+
+    # `--wait` reads the coordinator's committed offsets and the DLQ (sagaline.ops).
+    operator = rows["`User:<operator>` (CLI)"][2]
+    assert "Read on `sagaline.dlq`" in operator and "group `sagaline-coordinator`" in operator
