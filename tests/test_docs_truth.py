@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from schemas.limits import Limits
 from schemas.settings import Settings
 
@@ -146,3 +148,39 @@ def test_security_acls_list_what_each_process_asks_of_kafka() -> None:
     # `--wait` reads the coordinator's committed offsets and the DLQ (sagaline.ops).
     operator = rows["`User:<operator>` (CLI)"][2]
     assert "Read on `sagaline.dlq`" in operator and "group `sagaline-coordinator`" in operator
+
+
+def test_readme_defaults_of_the_service_commands_are_the_codes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The rows whose default lives in a command's options or a module constant."""
+    from coordinator.shell import DECODED_STATES
+    from schemas.limits import DAY_MS
+    from services.cli import build_parser
+
+    for var in ("SAGALINE_MAX_IN_FLIGHT", "SAGALINE_DECODED_STATES", "SAGALINE_JOURNAL_KEEP_MS"):
+        monkeypatch.delenv(var, raising=False)
+    parser = build_parser()
+    participant = parser.parse_args(["participant", "run", "p"])
+    coordinator = parser.parse_args(["coordinator", "run"])
+    table = _readme_table()
+    assert table["SAGALINE_MAX_IN_FLIGHT"] == f"`{participant.max_in_flight}`"
+    assert participant.journal_keep_ms is None  # auto
+    assert table["SAGALINE_JOURNAL_KEEP_MS"] == "`auto`"
+    assert coordinator.decoded_states is None  # the shell's own default
+    assert table["SAGALINE_DECODED_STATES"] == f"`{DECODED_STATES}`"
+    assert Limits().terminal_memory_ms == 365 * DAY_MS
+    assert table["SAGALINE_TERMINAL_MEMORY_MS"] == "365 days"
+
+
+def test_the_sizes_the_docs_state_for_operator_input_are_the_codes() -> None:
+    """docs/security.md's request body limit and docs/operating.md's operator text cap."""
+    from schemas.limits import MAX_OPERATOR_TEXT_BYTES
+    from services.dashboard.app import MAX_BODY_BYTES
+
+    security = (ROOT / "docs" / "security.md").read_text()
+    operating = (ROOT / "docs" / "operating.md").read_text()
+    assert f"A request body over {MAX_BODY_BYTES // 1024} KiB" in security
+    assert f"at most\n{MAX_OPERATOR_TEXT_BYTES // 1024} KiB ({MAX_OPERATOR_TEXT_BYTES} bytes" in (
+        operating
+    )
