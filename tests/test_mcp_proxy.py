@@ -1665,3 +1665,18 @@ def _listening(port: int) -> bool:
 
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_a_tool_without_upstream_among_several_upstreams_is_refused_not_guessed() -> None:
+    """With two upstreams, a tool naming none would be served by whichever upstream
+    the file lists first: its call (and its undo) could go to the wrong server."""
+    with pytest.raises(DeclarationError) as err:
+        parse_declaration(
+            {
+                "upstreams": {"desk": {"command": "x"}, "billing": {"url": "http://h/mcp"}},
+                "tools": {"list_tickets": {"read_only": True}},
+            }
+        )
+    message = str(err.value)
+    assert "tool 'list_tickets': name its upstream" in message, message
+    assert "'billing'" in message and "'desk'" in message, message

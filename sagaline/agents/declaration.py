@@ -10,7 +10,7 @@ A YAML (or JSON) file; every key is checked, so a typo is an error, not a defaul
       billing: {url: "http://127.0.0.1:8000/mcp"}          # streamable HTTP
     tools:
       create_ticket:
-        upstream: desk               # optional when there is one upstream
+        upstream: desk               # optional when there is one upstream (else an error)
         compensation: {tool: delete_ticket, args: {ticket_id: "{result.id}"}}
         lookup: {tool: find_ticket, args: {key: "{idempotency_key}"}}
         idempotency_arg: request_id  # upstream argument that receives the key
@@ -115,6 +115,7 @@ class Declaration:
         mapping = self.tools.get(tool)
         if mapping is not None and mapping.upstream:
             return mapping.upstream
+        # parse_declaration refuses a tool without upstream: when there are several.
         return next(iter(self.upstreams))
 
     def internal_tools(self) -> set[str]:
@@ -271,6 +272,13 @@ def _tool(
     if upstream is not None and upstream not in upstreams:
         problems.append(
             f"{where}: upstream {upstream!r} is not declared{_close(upstream, upstreams)}"
+        )
+    elif upstream is None and len(upstreams) > 1:
+        # Optional with one upstream only: guessing the first would send the call (and
+        # its undo) to whichever server the file happens to list first.
+        problems.append(
+            f"{where}: name its upstream (upstream: NAME); there are several:"
+            f" {', '.join(repr(u) for u in upstreams)}"
         )
     try:
         reversibility = Reversibility(str(raw.get("reversibility", "COMPENSATABLE")).upper())
