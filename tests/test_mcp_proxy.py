@@ -1680,3 +1680,23 @@ def test_a_tool_without_upstream_among_several_upstreams_is_refused_not_guessed(
     message = str(err.value)
     assert "tool 'list_tickets': name its upstream" in message, message
     assert "'billing'" in message and "'desk'" in message, message
+
+
+@pytest.mark.parametrize("saved", ['{"saga_id": "s-7", "next_st', '{"next_step": 3}', "[]"])
+def test_an_unreadable_session_file_is_set_aside_with_a_warning_not_a_crash_at_every_call(
+    tmp_path: Path, saved: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The remembered saga's file is torn or not the proxy's (a full disk, a hand
+    edit): every call raised out of the MCP server ("Internal server error"), on every
+    start. It is kept aside for a person, said in the log, and the session goes on."""
+    state = tmp_path / "state" / "fake-desk" / "mcp-session.json"
+    state.parent.mkdir(parents=True)
+    state.write_text(saved)
+    client = FakeClient()
+    with caplog.at_level("WARNING", logger="sagaline.mcp"):
+        result = _call(_fake_proxy(tmp_path, client), "create_ticket", {"title": "t"})
+    assert result.structured_content == {"ok": "01-create_ticket"}, result
+    aside = state.with_name("mcp-session.json.unreadable")
+    assert aside.read_text() == saved
+    assert str(aside) in caplog.text, caplog.text
+    assert json.loads(state.read_text())["saga_id"] == client.sagas[-1].saga_id

@@ -549,6 +549,31 @@ class _Session:
         tmp.replace(self.path)
 
 
+def _read_saved(path: Path) -> dict[str, Any] | None:
+    """The saga remembered in ``path``; None when the file is unreadable (torn, or not
+    the proxy's): it is set aside for a person with a warning, not raised at every
+    call and every start (a saga it named, if any, is not continued here)."""
+    try:
+        saved = json.loads(path.read_text())
+        if not isinstance(saved, dict) or not isinstance(saved.get("saga_id"), str):
+            raise ValueError("no saga_id")
+        int(saved.get("next_step", 1))
+        if saved.get("ending"):
+            SagaOutcome(saved["ending"])
+        return saved
+    except (ValueError, TypeError) as exc:
+        aside = path.with_name(path.name + ".unreadable")
+        path.replace(aside)
+        log.warning(
+            "the saga remembered in %s cannot be read (%s): set aside as %s; a saga it"
+            " named is not continued by this proxy (`sagaline dashboard` lists it)",
+            path,
+            exc,
+            aside,
+        )
+        return None
+
+
 class McpProxy:
     """The MCP server side: tools, saga tools, the receipt resource."""
 
@@ -585,7 +610,9 @@ class McpProxy:
     def _resume(self) -> None:
         if not self.session.path.exists():
             return
-        saved = json.loads(self.session.path.read_text())
+        saved = _read_saved(self.session.path)
+        if saved is None:
+            return
         # attach() reads the saga's records from the ledger (a scan of its partition):
         # the one read tells both what to continue and whether it already ended.
         try:
@@ -604,7 +631,7 @@ class McpProxy:
             log.info("saga %s ended while the proxy was down", saved["saga_id"])
             return
         self.session.saga = saga
-        self.session.next_step = int(saved["next_step"])
+        self.session.next_step = int(saved.get("next_step", 1))
         if saved.get("ending"):
             self.session.ending = SagaOutcome(saved["ending"])
             self.session.ending_reason = str(saved.get("ending_reason", ""))
