@@ -1049,7 +1049,8 @@ class _Inspector:
             self.problem(tool_name, "owner is empty; name who is handed this tool's incidents (R8)")
         if args_model is not None:
             for secret in decl.secret_fields:
-                if secret not in args_model.model_fields:
+                # An argument, or a dotted path into one (``card.number``, ``keys.*``).
+                if secret.split(".", 1)[0] not in args_model.model_fields:
                     close = difflib.get_close_matches(secret, list(args_model.model_fields), n=1)
                     hint = f"; did you mean {close[0]!r}?" if close else ""
                     self.problem(

@@ -260,7 +260,8 @@ def tool(
     is transient and retried under ``retry``.
     - ``owner``: who is handed the problem when recovery runs out (R8).
     - ``deadline``: how long a call may take before its outcome is unknown (R11).
-    - ``secret_fields``: argument names redacted before they reach the ledger.
+    - ``secret_fields``: argument names (or dotted paths into them, ``card.number``,
+      ``*`` for every item) redacted before they reach the ledger.
     - ``operation_id``: how to read the provider operation id from the result: a key
       or attribute name, or a callable; by default a ``str`` result is the id.
     """

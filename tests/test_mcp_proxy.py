@@ -1700,3 +1700,68 @@ def test_an_unreadable_session_file_is_set_aside_with_a_warning_not_a_crash_at_e
     assert aside.read_text() == saved
     assert str(aside) in caplog.text, caplog.text
     assert json.loads(state.read_text())["saga_id"] == client.sagas[-1].saga_id
+
+
+def test_an_optional_or_nested_secret_argument_never_reaches_the_ledger_in_clear(
+    tmp_path: Path,
+) -> None:
+    """pydantic lists an optional ``SecretStr | None`` as ``anyOf`` [password, null] and
+    a secret inside a model argument under ``$defs``: only a top-level writeOnly /
+    password was taken for a secret, so these went to sagaline.events in clear."""
+    from sagaline.agents.mcp_proxy import Upstreams, build_catalogue
+
+    decl = _decl(
+        {"connect": {"compensation": {"tool": "disconnect", "args": {"id": "{result.id}"}}}},
+        participant="fake-desk",
+    )
+    secret = {"type": "string", "format": "password", "writeOnly": True}
+    upstreams = Upstreams(decl)
+    upstreams.tools = [
+        UpstreamTool(
+            "connect",
+            "desk",
+            {
+                "$defs": {
+                    "Card": {
+                        "type": "object",
+                        "properties": {"holder": {"type": "string"}, "number": secret},
+                    },
+                    "Key": {
+                        "type": "object",
+                        "properties": {"label": {"type": "string"}, "value": secret},
+                    },
+                },
+                "properties": {
+                    "user": {"type": "string"},
+                    "otp": {"anyOf": [secret, {"type": "null"}], "default": None},
+                    "card": {"$ref": "#/$defs/Card"},
+                    "keys": {"type": "array", "items": {"$ref": "#/$defs/Key"}},
+                },
+                "required": ["user", "card"],
+            },
+            {"properties": {"id": {}}},
+        ),
+        UpstreamTool("disconnect", "desk", {"properties": {"id": {}}, "required": ["id"]}),
+    ]
+    catalogue = build_catalogue(decl, upstreams)
+    settings = Settings(bootstrap="unused:1", state_dir=tmp_path / "state")
+    client = SagaClient(settings, "unused:1", catalogues=[catalogue])
+    try:
+        saga = client.saga("helpdesk", "agent:helpdesk")
+        body = saga._checked_body(
+            client.contract("connect"),
+            "01-connect",
+            1,
+            {
+                "user": "ann",
+                "otp": "990-117",
+                "card": {"holder": "Ann Lee", "number": "4111-2222"},
+                "keys": [{"label": "prod", "value": "k-5150"}],
+            },
+        )
+    finally:
+        client.close()
+    written = body.decode()
+    assert "ann" in written and "Ann Lee" in written and "prod" in written  # not secrets
+    assert "990-117" not in written and "4111-2222" not in written, written
+    assert "k-5150" not in written, written

@@ -430,13 +430,35 @@ def _secret_fields(listed: UpstreamTool, mapping: ToolMapping) -> tuple[str, ...
     """The arguments the upstream lists as secrets (JSON Schema ``writeOnly`` or
     ``format: password``, what pydantic's ``SecretStr`` gives): sealed or redacted on
     the ledger like any secret argument, never written there in clear."""
-    return tuple(
-        arg
-        for arg, schema in listed.properties.items()
-        if arg != mapping.idempotency_arg
-        and isinstance(schema, Mapping)
-        and (schema.get("writeOnly") is True or schema.get("format") == "password")
-    )
+    defs = listed.input_schema.get("$defs") or listed.input_schema.get("definitions") or {}
+    paths: list[str] = []
+    for arg, schema in listed.properties.items():
+        if arg != mapping.idempotency_arg:
+            _secret_paths(schema, defs, arg, paths, set())
+    return tuple(dict.fromkeys(paths))
+
+
+def _secret_paths(schema: Any, defs: Any, path: str, out: list[str], seen: set[str]) -> None:
+    """The paths of the secrets in an argument's schema: itself, an optional one
+    (``anyOf`` [password, null], what ``SecretStr | None`` gives), or a field of an
+    object or an item of a list (through ``$defs``, as a pydantic model lists it)."""
+    if not isinstance(schema, Mapping):
+        return
+    if schema.get("writeOnly") is True or schema.get("format") == "password":
+        out.append(path)
+        return
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref not in seen and isinstance(defs, Mapping):
+        _secret_paths(defs.get(ref.rsplit("/", 1)[-1]), defs, path, out, seen | {ref})
+    for key in ("anyOf", "oneOf", "allOf"):
+        alternatives = schema.get(key)
+        for alternative in alternatives if isinstance(alternatives, list) else ():
+            _secret_paths(alternative, defs, path, out, seen)
+    props = schema.get("properties")
+    for name, sub in props.items() if isinstance(props, Mapping) else ():
+        _secret_paths(sub, defs, f"{path}.{name}", out, seen)
+    for key in ("items", "additionalProperties"):
+        _secret_paths(schema.get(key), defs, f"{path}.*", out, seen)
 
 
 def _forward(
