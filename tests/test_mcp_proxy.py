@@ -1702,6 +1702,45 @@ def test_an_unreadable_session_file_is_set_aside_with_a_warning_not_a_crash_at_e
     assert json.loads(state.read_text())["saga_id"] == client.sagas[-1].saga_id
 
 
+def test_an_upstream_that_never_answers_initialize_is_refused_naming_it_not_waited_on_forever(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stdio upstream that starts but never answers (stuck, or not an MCP server):
+    the proxy waited for its initialize for ever, so `sagaline mcp proxy` (and the MCP
+    client that started it) hung with nothing said. Past the start-up wait it is an
+    upstream that cannot be reached, named, and its process is not left behind."""
+    from contextlib import AsyncExitStack
+
+    from sagaline.agents import mcp_proxy
+
+    monkeypatch.setattr(mcp_proxy, "CONNECT_WAIT_S", 2.0)  # it never answers
+    pid_file = tmp_path / "pid"
+    script = (
+        f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(600)"
+    )
+    decl = _decl({}, upstreams={"desk": {"command": sys.executable, "args": ["-c", script]}})
+
+    async def start() -> None:
+        async with AsyncExitStack() as stack:
+            await mcp_proxy.Upstreams(decl).open(stack)
+
+    with pytest.raises(mcp_proxy.UpstreamUnavailable) as err:
+        asyncio.run(asyncio.wait_for(start(), 120))
+    assert "upstream 'desk'" in str(err.value) and "did not answer" in str(err.value), err.value
+    pid = int(pid_file.read_text())
+    wait_until(lambda: not _alive(pid), timeout_s=60, what="the stuck upstream to be ended")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with suppress(OSError):  # a zombie is ended
+        return "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    return False
+
+
 def test_an_optional_or_nested_secret_argument_never_reaches_the_ledger_in_clear(
     tmp_path: Path,
 ) -> None:

@@ -149,8 +149,17 @@ class Upstreams:
         for name, spec in self.declaration.upstreams.items():
             self.opening = name
             try:
-                session = await self._connect(name, spec)
-                await self._list(name, session)
+                # Bounded: a server that starts but never answers (stuck, or no MCP
+                # server) would hold the proxy, and the client that started it, for good.
+                async with asyncio.timeout(CONNECT_WAIT_S):
+                    session = await self._connect(name, spec)
+                    await self._list(name, session)
+            except TimeoutError as exc:
+                raise self.unavailable(
+                    TimeoutError(
+                        f"it did not answer initialize and list_tools within {CONNECT_WAIT_S:g} s"
+                    )
+                ) from exc
             except Exception as exc:
                 raise self.unavailable(exc) from exc
         self.opening = None
@@ -341,6 +350,9 @@ class Upstreams:
 
 RECONNECT_WAIT_S = 60.0
 """How long a call waits for a lost upstream to be connected again."""
+
+CONNECT_WAIT_S = 60.0
+"""How long start-up waits for an upstream to answer initialize and list its tools."""
 
 
 def _connection_lost(exc: BaseException) -> bool:
