@@ -1804,3 +1804,14 @@ def test_an_optional_or_nested_secret_argument_never_reaches_the_ledger_in_clear
     assert "ann" in written and "Ann Lee" in written and "prod" in written  # not secrets
     assert "990-117" not in written and "4111-2222" not in written, written
     assert "k-5150" not in written, written
+
+
+@pytest.mark.parametrize("calls", ["create_ticket", [{"args": {}}], [{"tool": "x", "args": "y"}]])
+def test_a_malformed_plan_is_a_tool_result_saying_why_not_a_protocol_error(
+    tmp_path: Path, calls: Any
+) -> None:
+    """saga_check_plan given calls it cannot read (a model's mistake): check_plan's
+    ValueError escaped the handler, a JSON-RPC error and a traceback in the proxy's
+    log, instead of a tool result the agent reads and corrects."""
+    result = _call(_fake_proxy(tmp_path, FakeClient()), "saga_check_plan", {"calls": calls})
+    assert result.is_error and "planned call 0" in _text(result), _text(result)

@@ -786,7 +786,10 @@ class McpProxy:
             if params.name == "saga_abort":
                 return await self._end(SagaOutcome.ABORT, str(args.get("reason") or "aborted"))
             if params.name == "saga_check_plan":
-                report = check_plan(args.get("calls") or [], self.catalogue)
+                try:
+                    report = check_plan(args.get("calls") or [], self.catalogue)
+                except ValueError as exc:  # calls it cannot read: said to the agent
+                    return _text(f"saga_check_plan: {exc}; nothing was checked", error=True)
                 return _text(report.render(), error=not report.ok)
             mapping = self.declaration.tools.get(params.name)
             if mapping is None or params.name in self.declaration.internal_tools():
