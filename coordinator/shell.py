@@ -102,7 +102,14 @@ from schemas.limits import PARKED_INCIDENT, cut_operator_text
 from schemas.settings import Settings
 from schemas.signing import Headers, header_value
 from schemas.trust import IdentitySigner, SigningKeyError
-from schemas.wire import DLQ_OMITTED, dlq_message, dlq_summary, from_message, to_message
+from schemas.wire import (
+    DLQ_OMITTED,
+    dlq_message,
+    dlq_summary,
+    from_message,
+    message_size,
+    to_message,
+)
 
 log = logging.getLogger("sagaline.coordinator")
 
@@ -761,8 +768,7 @@ class Coordinator:
         key, value, headers = msg.key(), msg.value(), _headers(msg)
         room = self._room.get(self.topics.incidents)
         if room is not None:
-            size = len(key or b"") + len(value or b"")
-            size += sum(len(name) + len(v or b"") for name, v in headers)
+            size = message_size(key, value, headers)
             if size > room:
                 detail = (
                     f"accepted, but its copy for the incident feed {self.topics.incidents} is "
@@ -1166,8 +1172,7 @@ class Coordinator:
         copy: tuple[bytes | None, bytes | None, Headers] = dlq_message(
             *where, reason, detail, *position
         )
-        size = len(copy[0] or b"") + len(copy[1] or b"")
-        size += sum(len(name) + len(v or b"") for name, v in copy[2])
+        size = message_size(*copy)
         limit = self._room_on(self.topics.dlq)
         if size > limit:
             # A record near the size limit whose copy (the headers added) is over it

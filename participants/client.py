@@ -35,7 +35,7 @@ import orjson
 
 from participants.catalogue import Catalogue, ToolSpec
 from participants.errors import ContractChanged
-from participants.published import SEPARATOR, _named, fold
+from participants.published import SEPARATOR, fold, named_participant
 from participants.readiness import (
     CoordinatorNotRunning,
     GroupStatus,
@@ -732,7 +732,7 @@ class SagaClient:
             except CodecError as exc:
                 refused[name] = f"{exc.reason}: {exc}"
                 continue
-            named = owner if sep else _named(value)
+            named = owner if sep else named_participant(value)
             if writer.role is not Role.PARTICIPANT or writer.name != named:
                 refused[name] = (
                     f"forbidden-writer: entry of {named!r} signed by {writer.name!r} "

@@ -96,7 +96,7 @@ def fold(
         _owner, sep, tool = key.partition(SEPARATOR)
         if not sep:
             tool = key
-            if _named(value) in qualified.get(tool, ()):
+            if named_participant(value) in qualified.get(tool, ()):
                 continue  # a newer version of this participant publishes per participant
         try:
             if key in refused:
@@ -126,7 +126,7 @@ def fold(
     return out
 
 
-def _named(value: bytes) -> str | None:
+def named_participant(value: bytes) -> str | None:
     """The participant an entry names, read from the raw JSON (None if it cannot be)."""
     try:
         raw: Any = orjson.loads(value)

@@ -20,8 +20,9 @@ Example::
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TypeVar, overload
+from typing import Any, TypeVar, overload
 
 from schemas.codec import decode, encode
 from schemas.errors import MalformedRecord
@@ -107,6 +108,13 @@ def from_message(
             f"{record.envelope.saga_id!r}: producers must key by saga id"
         )
     return record
+
+
+def message_size(key: bytes | None, value: bytes | None, headers: Iterable[Any] | None) -> int:
+    """A record's bytes as the size limits count them: key, value, and each header's
+    name and value (the broker's framing aside)."""
+    size = len(key or b"") + len(value or b"")
+    return size + sum(len(name) + len(v or b"") for name, v in headers or ())
 
 
 def dlq_message(

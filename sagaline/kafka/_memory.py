@@ -37,6 +37,7 @@ from confluent_kafka import (
 )
 
 from schemas.partitioning import partition_for
+from schemas.wire import message_size
 
 SCHEME = "memory://"
 
@@ -198,8 +199,7 @@ def _now_ms() -> int:
 
 def _size(key: bytes | None, value: bytes | None, headers: Any) -> int:
     """A record's bytes as the size limits count them (key, value, headers)."""
-    size = len(key or b"") + len(value or b"")
-    return size + sum(len(name) + len(v or b"") for name, v in headers or ())
+    return message_size(key, value, headers)
 
 
 def _headers(raw: Any) -> list[tuple[str, str | bytes | None]]:

@@ -23,7 +23,7 @@ from schemas.models import Record
 from schemas.signing import Headers, Signer, header_value
 from schemas.topics import TopicNames
 from schemas.trust import SigningKeyError
-from schemas.wire import DLQ_OMITTED, dlq_message, dlq_summary, to_message
+from schemas.wire import DLQ_OMITTED, dlq_message, dlq_summary, message_size, to_message
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +110,7 @@ def _refused(
         )
     error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
     if error is not None and error.code() == KafkaError.MSG_SIZE_TOO_LARGE:
-        size = len(key or b"") + len(value or b"")
-        size += sum(len(name) + len(v or b"") for name, v in headers or ())
+        size = message_size(key, value, headers)
         return RecordTooLarge(
             f"{what} is {size} bytes (key, value and headers) on {topic}, more than the "
             f"producer's message.max.bytes allows: it can never be written ({error.str()})",
