@@ -130,14 +130,9 @@ def test_a_verification_that_keeps_failing_logs_one_traceback_then_a_summary_a_m
     assert len(lines) <= 5, [r.getMessage() for r in lines]
 
 
-class _Gated:
-    """``book``'s release is accepted, and its verification waits for the test;
-    ``note``'s release is done at once."""
-
-    def __init__(self) -> None:
-        self.gate = threading.Event()
-        self.lock = threading.Lock()
-        self.checks = 0
+class _AcceptingDesk:
+    """``book``, whose release the provider accepts and finishes later; subclasses
+    say how its verification ``released`` answers."""
 
     @tool(description="Book a desk", verify="released", deadline=300)
     @compensable(by="release", completion_within=HOUR_S)
@@ -146,6 +141,19 @@ class _Gated:
 
     def release(self, ctx: CompensationContext) -> Accepted:
         return Accepted(operation_id=f"release-{ctx.idempotency_key}")
+
+    def released(self, ctx: CompensationContext) -> bool:
+        raise NotImplementedError
+
+
+class _Gated(_AcceptingDesk):
+    """``book``'s release is accepted, and its verification waits for the test;
+    ``note``'s release is done at once."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.lock = threading.Lock()
+        self.checks = 0
 
     def released(self, ctx: CompensationContext) -> bool:
         with self.lock:
@@ -224,7 +232,7 @@ def test_a_redelivered_accepted_compensation_does_not_start_a_second_poller_R12(
         thread.join(30)
 
 
-class _Slow:
+class _Slow(_AcceptingDesk):
     """Bookings whose verification waits for the test, then reports done."""
 
     def __init__(self) -> None:
@@ -233,14 +241,6 @@ class _Slow:
         self.inside = 0
         self.most_inside = 0
         self.checks = 0
-
-    @tool(description="Book a desk", verify="released", deadline=300)
-    @compensable(by="release", completion_within=HOUR_S)
-    def book(self, desk: str) -> dict[str, str]:
-        return {"desk": desk}
-
-    def release(self, ctx: CompensationContext) -> Accepted:
-        return Accepted(operation_id=f"release-{ctx.idempotency_key}")
 
     def released(self, ctx: CompensationContext) -> bool:
         with self.lock:
@@ -378,7 +378,7 @@ def test_a_receipt_for_a_tool_with_a_verification_is_verified_before_it_counts_R
     assert journal.accepted() == []
 
 
-class _Stuck:
+class _Stuck(_AcceptingDesk):
     """``book``'s releases are accepted; the verification of ``c-1`` blocks until the
     test releases it, the others pass at once. ``note`` is an ordinary tool."""
 
@@ -387,14 +387,6 @@ class _Stuck:
         self.lock = threading.Lock()
         self.stuck_calls = 0
         self.noted = 0
-
-    @tool(description="Book a desk", verify="released", deadline=300)
-    @compensable(by="release", completion_within=HOUR_S)
-    def book(self, desk: str) -> dict[str, str]:
-        return {"desk": desk}
-
-    def release(self, ctx: CompensationContext) -> Accepted:
-        return Accepted(operation_id=f"release-{ctx.idempotency_key}")
 
     def released(self, ctx: CompensationContext) -> bool:
         if ctx.compensation_key != "c-1":
@@ -595,7 +587,7 @@ def test_a_confirmation_whose_completion_could_not_be_written_is_tried_again_R12
         handler.close()
 
 
-class _FirstGated:
+class _FirstGated(_AcceptingDesk):
     """A verification whose first call (a poll) waits for the test and does not
     pass; the later ones pass."""
 
@@ -603,14 +595,6 @@ class _FirstGated:
         self.gate = threading.Event()
         self.lock = threading.Lock()
         self.calls = 0
-
-    @tool(description="Book a desk", verify="released", deadline=300)
-    @compensable(by="release", completion_within=HOUR_S)
-    def book(self, desk: str) -> dict[str, str]:
-        return {"desk": desk}
-
-    def release(self, ctx: CompensationContext) -> Accepted:
-        return Accepted(operation_id=f"release-{ctx.idempotency_key}")
 
     def released(self, ctx: CompensationContext) -> bool:
         with self.lock:
