@@ -14,7 +14,8 @@ when a finding has ERROR severity. The file::
      "calls": [{"tool": "place_hold", "args": {"order_id": "o-1"}}, ...]}
 
 Exit codes: 0 fine, 1 problems found (or nothing to withdraw, or refused), 2 the
-module, file or broker could not be read.
+module, file or broker could not be read (for withdraw, also: the broker will not
+describe the participant's consumer group, so whether it runs is unknown).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def register(subparsers: Any) -> None:
         " tool, or those named with --tool), so agents no longer call them by name. Refused"
         " while PARTICIPANT is consuming: a running participant publishes its tools again"
         " when it restarts. Exit 0 withdrawn, 1 refused or nothing to withdraw, 2 the"
-        " broker does not answer.",
+        " broker does not answer or will not describe PARTICIPANT's consumer group.",
     )
     withdraw.add_argument("participant", metavar="PARTICIPANT")
     withdraw.add_argument(
@@ -126,6 +127,7 @@ def _catalogue_withdraw(args: argparse.Namespace) -> int:
     from participants.readiness import group_status, participant_group
     from sagaline.kafka import (
         DeliveryFailed,
+        GroupNotAuthorized,
         KafkaException,
         LedgerReader,
         LedgerWriter,
@@ -159,7 +161,18 @@ def _catalogue_withdraw(args: argparse.Namespace) -> int:
                 )
                 return EXIT_PROBLEMS
             keys = stale_keys(current, name, set(published) - set(args.tool))
-        status = group_status(bootstrap, participant_group(settings, name))
+        group = participant_group(settings, name)
+        try:
+            status = group_status(bootstrap, group, hidden_is_error=True)
+        except GroupNotAuthorized:
+            print(
+                f"{prog}: cannot tell whether participant {name!r} is consuming: the broker"
+                f" will not describe consumer group {group} to this principal, and would"
+                f" show it as empty even with the participant running; grant Describe on"
+                f" group {group} (docs/security.md); nothing withdrawn",
+                file=sys.stderr,
+            )
+            return EXIT_UNREADABLE
         if status.consuming:
             print(
                 f"{prog}: participant {name!r} is consuming ({status.members} member(s) in"

@@ -52,15 +52,20 @@ def participant_group(settings: Settings, participant: str) -> str:
     return f"{settings.topic_prefix}sagaline-participant-{participant}"
 
 
-def group_status(bootstrap: str, group: str, *, timeout_s: float = 10.0) -> GroupStatus:
+def group_status(
+    bootstrap: str, group: str, *, timeout_s: float = 10.0, hidden_is_error: bool = False
+) -> GroupStatus:
     """The state and member count of ``group``; an unknown group is ``DEAD`` with 0.
+    ``hidden_is_error``: a group the broker hides from this principal (no Describe
+    ACL on it) raises :class:`sagaline.kafka.GroupNotAuthorized` instead of reading
+    as ``DEAD``.
 
     Read with :func:`sagaline.kafka.describe_group`, which a broker going away cannot
     turn into a crash of this process (the client calls this after a call times out,
     which is when a broker may be down)."""
     admin = create_admin(bootstrap)
     try:
-        info = describe_group(admin, group, timeout_s=timeout_s)
+        info = describe_group(admin, group, timeout_s=timeout_s, hidden_is_error=hidden_is_error)
     except KafkaException as exc:
         raise ConnectionError(
             f"cannot describe consumer group {group!r} on {bootstrap}: {exc}"

@@ -344,6 +344,7 @@ def test_rendered_config_uses_given_ports_and_data_dir(tmp_path: Path) -> None:
     assert props["listeners"] == "PLAINTEXT://127.0.0.1:1111,CONTROLLER://127.0.0.1:2222"
     assert props["controller.quorum.voters"] == "1@127.0.0.1:2222"
     assert props["log.dirs"] == str(tmp_path)
+    assert "authorizer.class.name" not in props  # ACLs only when asked (acls=True)
 
 
 def test_status_and_down_of_an_empty_state_dir(tmp_path: Path) -> None:

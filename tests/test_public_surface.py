@@ -57,6 +57,7 @@ PUBLIC: dict[str, list[str]] = {
         "DeadLetterWriter",
         "DeliveryFailed",
         "GroupInfo",
+        "GroupNotAuthorized",
         "KafkaConfigError",
         "KafkaError",
         "KafkaException",

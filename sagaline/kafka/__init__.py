@@ -51,7 +51,7 @@ from sagaline.kafka._config import (
     producer_config,
     redacted,
 )
-from sagaline.kafka._groups import GroupInfo, describe_group
+from sagaline.kafka._groups import GroupInfo, GroupNotAuthorized, describe_group
 from sagaline.kafka._headers import headers_of, readable_headers
 from sagaline.kafka._reader import LedgerReader, TopicMissing, read_to_end
 from sagaline.kafka._topics import TopicSetupError, ensure_topics
@@ -72,6 +72,7 @@ __all__ = [
     "DeadLetterWriter",
     "DeliveryFailed",
     "GroupInfo",
+    "GroupNotAuthorized",
     "KafkaConfigError",
     "KafkaError",
     "KafkaException",

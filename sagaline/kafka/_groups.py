@@ -8,6 +8,13 @@ request fails or times out on a connection that drops or is not up yet
 (confluentinc/librdkafka#4605, #3663; seen in CI on a broker kill and on a fresh
 three-node cluster). The listing call keeps its state on the caller's stack and drops
 late replies once it has returned, so a timeout is only a timeout.
+
+The listing has one blind spot: a broker enforcing ACLs leaves out the groups the
+caller may not Describe, so a group with members reads exactly like one that does
+not exist. ``describe_group(..., hidden_is_error=True)`` then asks once more with
+``describe_consumer_groups``, which reports ``GROUP_AUTHORIZATION_FAILED``; only a
+command that is about to act on "nothing consumes this" asks (``sagaline catalogue
+withdraw``), right after the listing answered, never the client's checks.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 
-__all__ = ["GroupInfo", "PartitionMoves", "describe_group"]
+__all__ = ["GroupInfo", "GroupNotAuthorized", "PartitionMoves", "describe_group"]
 
 # The listing API is deprecated in confluent-kafka in favour of the call above, the one
 # this module exists to avoid.
@@ -54,9 +61,22 @@ class GroupInfo:
         return {p for member in self.assignments for t, p in member if t == topic}
 
 
-def describe_group(admin: Any, group: str, *, timeout_s: float = 10.0) -> GroupInfo:
+class GroupNotAuthorized(PermissionError):
+    """The broker will not describe ``group`` to this principal (no Describe ACL on
+    it), so whether it has members cannot be known."""
+
+    def __init__(self, group: str) -> None:
+        super().__init__(f"not authorized to describe consumer group {group!r}")
+        self.group = group
+
+
+def describe_group(
+    admin: Any, group: str, *, timeout_s: float = 10.0, hidden_is_error: bool = False
+) -> GroupInfo:
     """The state and members' assignments of ``group``; raises ``KafkaException`` if the
-    brokers do not answer within ``timeout_s``."""
+    brokers do not answer within ``timeout_s``. ``hidden_is_error``: a group the
+    listing does not show is checked once more, and :class:`GroupNotAuthorized` when
+    the broker hides it from this principal (see the module's docstring)."""
     listed = admin.list_groups(group, timeout=timeout_s)
     for meta in listed:
         if meta.id != group:
@@ -65,7 +85,27 @@ def describe_group(admin: Any, group: str, *, timeout_s: float = 10.0) -> GroupI
             raise KafkaException(meta.error)
         state = _STATES.get(meta.state, str(meta.state).upper())
         return GroupInfo(group, state, tuple(_assignment(m.assignment) for m in meta.members or ()))
+    if hidden_is_error:
+        _require_describable(admin, group, timeout_s)
     return GroupInfo(group, "DEAD", ())
+
+
+def _require_describable(admin: Any, group: str, timeout_s: float) -> None:
+    """Raise :class:`GroupNotAuthorized` when the broker refuses to describe ``group``."""
+    describe = getattr(admin, "describe_consumer_groups", None)
+    if describe is None:
+        return  # the in-memory transport: no ACLs, nothing hidden
+    (future,) = describe([group], request_timeout=timeout_s).values()
+    try:
+        future.result(timeout=timeout_s + 5)
+    except KafkaException as exc:
+        if exc.args and exc.args[0].code() == KafkaError.GROUP_AUTHORIZATION_FAILED:
+            raise GroupNotAuthorized(group) from None
+        raise
+    except TimeoutError as exc:
+        raise KafkaException(
+            KafkaError(KafkaError._TIMED_OUT, f"describing group {group!r} timed out")
+        ) from exc
 
 
 def _assignment(raw: bytes | None) -> frozenset[tuple[str, int]]:
