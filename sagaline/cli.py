@@ -10,7 +10,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from participants.readiness import GroupStatus
 
 
 def register(subparsers: Any) -> None:
@@ -20,7 +23,7 @@ def register(subparsers: Any) -> None:
         description="Reads the consumer groups of the coordinator and of every participant"
         " with tools on the catalogue (plus any named with --participant) through the Kafka"
         " admin API. Exit 0 when all consume, 1 when one does not, 2 when the broker does"
-        " not answer.",
+        " not answer or will not describe a group to this principal (shown UNKNOWN).",
     )
     status.add_argument(
         "--participant",
@@ -50,25 +53,16 @@ def register(subparsers: Any) -> None:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from participants.readiness import (
-        GroupStatus,
-        coordinator_group,
-        group_status,
-        participant_group,
-    )
+    from participants.readiness import coordinator_group, participant_group
     from sagaline.kafka import KafkaException, configured_broker
 
     settings, bootstrap = configured_broker("sagaline status")
     try:
         names = sorted({*_published_participants(bootstrap, settings.topics.catalogue)})
         names = sorted({*names, *args.participant})
-        rows: list[tuple[str, GroupStatus]] = [
-            ("coordinator", group_status(bootstrap, coordinator_group(settings)))
-        ]
-        rows += [
-            (f"participant {n}", group_status(bootstrap, participant_group(settings, n)))
-            for n in names
-        ]
+        groups = [("coordinator", coordinator_group(settings))]
+        groups += [(f"participant {n}", participant_group(settings, n)) for n in names]
+        rows = [(role, group, _group_row(bootstrap, group)) for role, group in groups]
     except (ConnectionError, KafkaException, TimeoutError) as exc:
         print(f"sagaline status: {exc}", file=sys.stderr)
         return 2
@@ -78,23 +72,48 @@ def _cmd_status(args: argparse.Namespace) -> int:
                 [
                     {
                         "role": role,
-                        "group": s.group,
-                        "state": s.state,
-                        "members": s.members,
-                        "consuming": s.consuming,
+                        "group": group,
+                        "state": s.state if s else None,
+                        "members": s.members if s else None,
+                        "consuming": s.consuming if s else None,
                     }
-                    for role, s in rows
+                    | ({} if s else {"error": _hidden(group)})
+                    for role, group, s in rows
                 ],
                 indent=2,
             )
         )
     else:
         print(f"broker {bootstrap}, topics {settings.topics.events} ...")
-        width = max(len(role) for role, _ in rows)
-        for role, s in rows:
+        width = max(len(role) for role, _, _ in rows)
+        for role, group, s in rows:
+            if s is None:
+                print(f"  {role:<{width}}  {'UNKNOWN':<13}  {_hidden(group)}")
+                continue
             verdict = "consuming" if s.consuming else "NOT consuming"
             print(f"  {role:<{width}}  {verdict:<13}  {s.state} ({s.members} member(s), {s.group})")
-    return 0 if all(s.consuming for _, s in rows) else 1
+    if any(s is not None and not s.consuming for _, _, s in rows):
+        return 1
+    return 2 if any(s is None for _, _, s in rows) else 0
+
+
+def _group_row(bootstrap: str, group: str) -> GroupStatus | None:
+    """The group's status; None when the broker hides it from this principal (no
+    Describe ACL on it), which the listing alone would show as a stopped group."""
+    from participants.readiness import group_status
+    from sagaline.kafka import GroupNotAuthorized
+
+    try:
+        return group_status(bootstrap, group, hidden_is_error=True)
+    except GroupNotAuthorized:
+        return None
+
+
+def _hidden(group: str) -> str:
+    return (
+        f"the broker will not describe {group} to this principal: grant it Describe on"
+        f" group {group} (docs/security.md)"
+    )
 
 
 def _published_participants(bootstrap: str, topic: str) -> set[str]:

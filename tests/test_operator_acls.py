@@ -9,12 +9,15 @@ member, ACLs). The operator connects through SASL with exactly the grants
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
 import pytest
+from confluent_kafka import Consumer
 from confluent_kafka.admin import (
     AclBinding,
     AclOperation,
@@ -24,7 +27,7 @@ from confluent_kafka.admin import (
 )
 
 from participants.published import entry_key, fold
-from participants.readiness import participant_group
+from participants.readiness import coordinator_group, participant_group
 from sagaline.kafka import (
     ClientConfig,
     LedgerReader,
@@ -149,6 +152,66 @@ def test_withdraw_refuses_when_the_operator_cannot_see_the_participants_group(
     assert main(["catalogue", "withdraw", "legacy"]) == 0
     assert "withdrew legacy/audit" in capsys.readouterr().out
     assert _published(superuser, topic) == []
+
+
+def _joined(superuser: ClientConfig, group: str, topic: str) -> Consumer:
+    """A member of ``group`` (a running process, as the broker sees it)."""
+    consumer = create_consumer(superuser, group)
+    consumer.subscribe([topic])
+    for _ in range(600):  # a bound on polls, not a deadline
+        consumer.poll(0.5)
+        if consumer.assignment():
+            return consumer
+    consumer.close()
+    raise AssertionError(f"{group} was never assigned {topic}")
+
+
+def test_status_says_which_group_it_may_not_see_instead_of_not_consuming(
+    acl_broker: AclBroker,
+    unique_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    superuser = acl_broker.superuser
+    settings = Settings(bootstrap=superuser.bootstrap, topic_prefix=unique_prefix, partitions=1)
+    topic = settings.topics.catalogue
+    ensure_topics(superuser, settings.topics, [], 1)
+    producer = create_producer(superuser)
+    producer.produce(topic, key=entry_key("payments", "pay"), value=_entry("payments", "pay"))
+    assert producer.flush(30) == 0
+    coordinator, payments = coordinator_group(settings), participant_group(settings, "payments")
+    # `sagaline status` as docs/security.md lists it, except Describe on the
+    # participant's group.
+    acl_broker.grant(
+        "agent",
+        (ResourceType.TOPIC, topic, AclOperation.READ),
+        (ResourceType.GROUP, "sagaline-reader-", AclOperation.READ),
+        (ResourceType.GROUP, coordinator, AclOperation.DESCRIBE),
+    )
+    for var in [v for v in os.environ if v.startswith("SAGALINE_KAFKA_")]:
+        monkeypatch.delenv(var)
+    for name, value in acl_broker.sasl.client_env("agent").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
+
+    running = [_joined(superuser, g, topic) for g in (coordinator, payments)]
+    try:
+        # Both run; the one it may not see is not reported as stopped.
+        assert main(["status"]) == 2
+        out = capsys.readouterr().out
+        assert re.search(r"coordinator +consuming", out), out
+        assert re.search(rf"participant payments +UNKNOWN .*Describe on group {payments}", out)
+        assert main(["status", "--json"]) == 2
+        rows = {row["role"]: row for row in json.loads(capsys.readouterr().out)}
+        assert rows["participant payments"]["consuming"] is None
+        assert rows["coordinator"]["consuming"] is True
+
+        acl_broker.grant("agent", (ResourceType.GROUP, payments, AclOperation.DESCRIBE))
+        assert main(["status"]) == 0
+        assert re.search(r"participant payments +consuming", capsys.readouterr().out)
+    finally:
+        for consumer in running:
+            consumer.close()
 
 
 def test_a_broker_enforcing_acls_is_not_reused_as_an_open_one(acl_broker: AclBroker) -> None:

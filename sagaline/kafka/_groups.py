@@ -12,9 +12,10 @@ late replies once it has returned, so a timeout is only a timeout.
 The listing has one blind spot: a broker enforcing ACLs leaves out the groups the
 caller may not Describe, so a group with members reads exactly like one that does
 not exist. ``describe_group(..., hidden_is_error=True)`` then asks once more with
-``describe_consumer_groups``, which reports ``GROUP_AUTHORIZATION_FAILED``; only a
-command that is about to act on "nothing consumes this" asks (``sagaline catalogue
-withdraw``), right after the listing answered, never the client's checks.
+``describe_consumer_groups``, which reports ``GROUP_AUTHORIZATION_FAILED``; only the
+short-lived operator commands that act on "nothing consumes this" ask (``sagaline
+status``, ``sagaline catalogue withdraw``), right after the listing answered, never
+the client's checks or a long-running process.
 """
 
 from __future__ import annotations
