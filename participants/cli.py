@@ -145,22 +145,24 @@ def _catalogue_withdraw(args: argparse.Namespace) -> int:
         except TopicMissing:
             print(f"{prog}: {topic} does not exist: nothing is published", file=sys.stderr)
             return EXIT_PROBLEMS
-        published = sorted(t for t, owners in current.tools.items() if name in owners)
         keys = stale_keys(current, name, ())
         if not keys:
             print(f"{prog}: participant {name!r} publishes no tools on {topic}", file=sys.stderr)
             return EXIT_PROBLEMS
+        # Per tool, from its keys: an entry this version cannot read (a newer
+        # participant's contract) is still one of its tools, withdrawn only when named.
+        tool_of = {key: key.decode().rpartition(SEPARATOR)[2] for key in keys}
         if args.tool:
+            published = sorted(set(tool_of.values()))
             unknown = sorted(set(args.tool) - set(published))
             if unknown:
                 print(
                     f"{prog}: participant {name!r} publishes no tool {', '.join(unknown)}"
-                    f" (it publishes {', '.join(published) or 'none readable'}); nothing"
-                    " withdrawn",
+                    f" (it publishes {', '.join(published)}); nothing withdrawn",
                     file=sys.stderr,
                 )
                 return EXIT_PROBLEMS
-            keys = stale_keys(current, name, set(published) - set(args.tool))
+            keys = [key for key in keys if tool_of[key] in args.tool]
         group = participant_group(settings, name)
         try:
             status = group_status(bootstrap, group, hidden_is_error=True)

@@ -119,3 +119,34 @@ def test_catalogue_withdraw_takes_a_retired_participants_tools_out(
     assert "publishes no tools" in capsys.readouterr().err
     assert main(["status"]) == 1
     assert "legacy" not in capsys.readouterr().out
+
+
+def test_withdraw_of_one_tool_leaves_an_entry_this_version_cannot_read(
+    deployment: Settings, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A newer participant version's entry (a contract field this CLI does not know)
+    is still that participant's tool: withdrawn only when named, or with all of them."""
+    topic = deployment.topics.catalogue
+    bootstrap = deployment.bootstrap or ""
+    newer = orjson.loads(_entry("legacy", "refund"))
+    newer["contract"]["field_of_a_later_version"] = 1
+    _publish(
+        bootstrap,
+        topic,
+        (entry_key("legacy", "audit"), _entry("legacy", "audit")),
+        (entry_key("legacy", "refund"), orjson.dumps(newer)),
+    )
+    assert main(["catalogue", "withdraw", "legacy", "--tool", "audit"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["withdrew legacy/audit"]
+    assert _latest(deployment) == {"legacy/audit": False, "legacy/refund": True}
+
+    assert main(["catalogue", "withdraw", "legacy", "--tool", "refund"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["withdrew legacy/refund"]
+    assert _latest(deployment) == {"legacy/audit": False, "legacy/refund": False}
+
+
+def _latest(settings: Settings) -> dict[str, bool]:
+    """Every key of the catalogue topic: whether it is live."""
+    reader = LedgerReader(settings.bootstrap or "")
+    current = fold((k, v) for k, v, _h in reader.records(settings.topics.catalogue))
+    return {key: value is not None for key, value in sorted(current.latest.items())}
