@@ -132,6 +132,7 @@ def _catalogue_withdraw(args: argparse.Namespace) -> int:
         LedgerReader,
         LedgerWriter,
         TopicMissing,
+        TopicNotAuthorized,
         configured_broker,
     )
 
@@ -142,6 +143,9 @@ def _catalogue_withdraw(args: argparse.Namespace) -> int:
     try:
         try:
             current = fold((k, v) for k, v, _h in LedgerReader(bootstrap).records(topic))
+        except TopicNotAuthorized as exc:
+            print(f"{prog}: {exc}; nothing withdrawn", file=sys.stderr)
+            return EXIT_UNREADABLE
         except TopicMissing:
             print(f"{prog}: {topic} does not exist: nothing is published", file=sys.stderr)
             return EXIT_PROBLEMS

@@ -54,7 +54,7 @@ def register(subparsers: Any) -> None:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from participants.readiness import coordinator_group, participant_group
-    from sagaline.kafka import KafkaException, configured_broker
+    from sagaline.kafka import KafkaException, TopicNotAuthorized, configured_broker
 
     settings, bootstrap = configured_broker("sagaline status")
     try:
@@ -63,6 +63,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
         groups = [("coordinator", coordinator_group(settings))]
         groups += [(f"participant {n}", participant_group(settings, n)) for n in names]
         rows = [(role, group, _group_row(bootstrap, group)) for role, group in groups]
+    except TopicNotAuthorized as exc:
+        print(f"sagaline status: cannot tell which participants to check: {exc}", file=sys.stderr)
+        return 2
     except (ConnectionError, KafkaException, TimeoutError) as exc:
         print(f"sagaline status: {exc}", file=sys.stderr)
         return 2
@@ -119,10 +122,12 @@ def _hidden(group: str) -> str:
 def _published_participants(bootstrap: str, topic: str) -> set[str]:
     """The participants with tools on the catalogue now (a withdrawn one is not)."""
     from participants.published import fold, publishers
-    from sagaline.kafka import LedgerReader, TopicMissing
+    from sagaline.kafka import LedgerReader, TopicMissing, TopicNotAuthorized
 
     try:
         current = fold((k, v) for k, v, _h in LedgerReader(bootstrap).records(topic))
+    except TopicNotAuthorized:
+        raise  # not "nothing published": which participants to check is unknown
     except TopicMissing:
         return set()  # nothing published yet
     return publishers(current)

@@ -214,6 +214,48 @@ def test_status_says_which_group_it_may_not_see_instead_of_not_consuming(
             consumer.close()
 
 
+def test_a_catalogue_the_operator_may_not_read_is_not_taken_for_an_empty_one(
+    acl_broker: AclBroker,
+    unique_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    superuser = acl_broker.superuser
+    settings = Settings(bootstrap=superuser.bootstrap, topic_prefix=unique_prefix, partitions=1)
+    topic = settings.topics.catalogue
+    ensure_topics(superuser, settings.topics, [], 1)
+    producer = create_producer(superuser)
+    producer.produce(topic, key=entry_key("payments", "pay"), value=_entry("payments", "pay"))
+    assert producer.flush(30) == 0
+    coordinator = coordinator_group(settings)
+    # A principal with everything `status` needs but Read on the catalogue topic.
+    acl_broker.grant(
+        "participant",
+        (ResourceType.GROUP, "sagaline-reader-", AclOperation.READ),
+        (ResourceType.GROUP, coordinator, AclOperation.DESCRIBE),
+        (ResourceType.GROUP, "sagaline-participant-", AclOperation.DESCRIBE),
+    )
+    for var in [v for v in os.environ if v.startswith("SAGALINE_KAFKA_")]:
+        monkeypatch.delenv(var)
+    for name, value in acl_broker.sasl.client_env("participant").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
+
+    running = _joined(superuser, coordinator, topic)  # the coordinator runs; payments not
+    try:
+        # Not "every process consumes" from the coordinator alone: payments is down.
+        assert main(["status"]) == 2
+        err = capsys.readouterr().err
+        assert f"not authorized to describe topic {topic!r}" in err, err
+        # Not "nothing is published" (exit 1, as if already withdrawn).
+        assert main(["catalogue", "withdraw", "payments"]) == 2
+        err = capsys.readouterr().err
+        assert f"not authorized to describe topic {topic!r}" in err, err
+    finally:
+        running.close()
+    assert _published(superuser, topic) == ["pay"]
+
+
 def test_a_broker_enforcing_acls_is_not_reused_as_an_open_one(acl_broker: AclBroker) -> None:
     with pytest.raises(kafka_local.KafkaLauncherError, match="with an ACL authorizer"):
         kafka_local.ensure_running(acl_broker.state, sasl=True)

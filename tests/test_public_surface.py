@@ -68,6 +68,7 @@ PUBLIC: dict[str, list[str]] = {
         "Producer",
         "RecordTooLarge",
         "TopicMissing",
+        "TopicNotAuthorized",
         "TopicPartition",
         "TopicSetupError",
         "configured_broker",

@@ -53,7 +53,7 @@ from sagaline.kafka._config import (
 )
 from sagaline.kafka._groups import GroupInfo, GroupNotAuthorized, describe_group
 from sagaline.kafka._headers import headers_of, readable_headers
-from sagaline.kafka._reader import LedgerReader, TopicMissing, read_to_end
+from sagaline.kafka._reader import LedgerReader, TopicMissing, TopicNotAuthorized, read_to_end
 from sagaline.kafka._topics import TopicSetupError, ensure_topics
 from sagaline.kafka._writers import (
     DeadLetterWriter,
@@ -82,6 +82,7 @@ __all__ = [
     "Producer",
     "RecordTooLarge",
     "TopicMissing",
+    "TopicNotAuthorized",
     "TopicPartition",
     "TopicSetupError",
     "configured_broker",

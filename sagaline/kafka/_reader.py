@@ -35,14 +35,27 @@ class TopicMissing(LookupError):
     """The topic does not exist: usually a wrong bootstrap or topic prefix."""
 
 
+class TopicNotAuthorized(TopicMissing):
+    """The broker will not describe the topic to this principal (no ACL on it), so
+    whether it exists, and what it holds, is unknown. A :class:`TopicMissing` to the
+    callers that only report it; catch it first where "missing" would mean "empty"."""
+
+
 def _reader(config: ClientConfig, group_id: str | None = None) -> Consumer:
     group = group_id or f"sagaline-reader-{uuid.uuid4().hex[:8]}"
     return create_consumer(config, group, **{"enable.partition.eof": True})
 
 
 def partition_count(consumer: Consumer, topic: str) -> int:
-    """Partitions of ``topic``; :class:`TopicMissing` when it does not exist."""
+    """Partitions of ``topic``; :class:`TopicMissing` when it does not exist,
+    :class:`TopicNotAuthorized` when the broker will not say."""
     meta = consumer.list_topics(topic, timeout=30).topics.get(topic)
+    error = None if meta is None else meta.error
+    if error is not None and error.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED:
+        raise TopicNotAuthorized(
+            f"not authorized to describe topic {topic!r}: grant this principal Read on"
+            " it (docs/security.md)"
+        )
     if meta is None or meta.error is not None or not meta.partitions:
         raise TopicMissing(
             f"topic {topic!r} does not exist on this broker: check KAFKA_BOOTSTRAP_SERVERS "
