@@ -53,6 +53,7 @@ SLOW_FIRST = (
     "test_soak.py",
     "test_kafka_cluster.py",
     "test_kafka_sasl.py",
+    "test_operator_acls.py",
     "test_compose_services.py",
 )
 
