@@ -289,7 +289,7 @@ def tool(
     )
 
     def mark(func: F) -> F:
-        setattr(func, TOOL_ATTR, declaration)
+        _record(func, TOOL_ATTR, declaration)
         return func
 
     return mark
@@ -334,7 +334,7 @@ def compensable(
     )
 
     def mark(func: F) -> F:
-        setattr(func, COMPENSABLE_ATTR, declaration)
+        _record(func, COMPENSABLE_ATTR, declaration)
         return func
 
     return mark
@@ -347,8 +347,17 @@ def compensation(func: F) -> F:
     The marker makes the pairing greppable; omitting it changes nothing.
     """
 
-    setattr(func, COMPENSATION_ATTR, True)
+    _record(func, COMPENSATION_ATTR, True)
     return func
+
+
+def _record(func: object, attr: str, value: object) -> None:
+    """Write a declaration on ``func``; above ``@staticmethod`` or ``@classmethod``
+    also on the function inside, which is what ``wrap()`` reads (the descriptor is
+    never bound), so the decorators' order does not matter there either."""
+    setattr(func, attr, value)
+    if isinstance(func, staticmethod | classmethod):
+        setattr(func.__func__, attr, value)
 
 
 def tool_declaration(func: object) -> ToolDeclaration | None:

@@ -465,3 +465,38 @@ def test_a_parameter_saga_call_takes_for_itself_is_refused() -> None:
 
     with pytest.raises(CatalogueError, match="parameter 'timeout_s' is reserved"):
         wrap(Clock(), name="clock")
+
+
+def test_tool_above_staticmethod_or_classmethod_is_still_a_tool() -> None:
+    """The decorators' order does not matter, also above ``@staticmethod`` and
+    ``@classmethod``: the declarations were written on the descriptor, which wrap()
+    looks through, so the tool (and its compensation) silently left the catalogue."""
+
+    class Desk:
+        @tool(description="Find a ticket", read_only=True)
+        @staticmethod
+        def find_ticket(ticket_id: str) -> str:
+            return ticket_id
+
+        @tool(description="Open a ticket")
+        @compensable(by="close_ticket")
+        @classmethod
+        def open_ticket(cls, title: str) -> str:
+            return f"t-{title}"
+
+        @compensation
+        @staticmethod
+        def close_ticket(ctx: CompensationContext) -> str:
+            return f"closed {ctx.result}"
+
+        @tool(description="List tickets", read_only=True)
+        def list_tickets(self) -> list[str]:
+            return []
+
+    catalogue = wrap(Desk(), name="desk")
+    assert sorted(catalogue) == ["find_ticket", "list_tickets", "open_ticket"]
+    assert catalogue["find_ticket"].invoke({"ticket_id": "t-1"}) == "t-1"
+    spec = catalogue["open_ticket"]
+    assert spec.contract().compensation == "close_ticket"
+    assert spec.invoke({"title": "x"}) == "t-x"
+    assert spec.compensate(_ctx("open_ticket", {"title": "x"}, "t-x")) == "closed t-x"
