@@ -544,6 +544,22 @@ class _Inspector:
         bound = getattr(self.obj, attr)
         return bound if callable(bound) else None
 
+    def _own_method(self, declared: object) -> str | None:
+        """The name of ``declared`` when it is a method of this object given as a
+        function (``by=release_seat`` written in the class body hands over the plain
+        function, which called as it is would miss ``self``): it is then bound like a
+        name. None for anything else."""
+        if not inspect.isfunction(declared) or isinstance(self.obj, types.ModuleType):
+            return None
+        names = [declared.__name__, *sorted(self._callable_names())]
+        for name in names:
+            try:
+                if inspect.getattr_static(self.obj, name) is declared:
+                    return name
+            except AttributeError:
+                continue
+        return None
+
     def _missing(self, tool_name: str, what: str, method: str, declared_as: str) -> None:
         close = difflib.get_close_matches(method, self._callable_names(), n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]!r}?" if close else f"; add a method {method}() to it"
@@ -743,28 +759,29 @@ class _Inspector:
                 ' e.g. args=lambda ctx: {"reservation_id": ctx.result["id"]}',
             )
             return none
-        if isinstance(comp.by, str):
-            declared_as = f'@compensable(by="{comp.by}")'
-            target = self._function(comp.by)
+        by = self._own_method(comp.by) or comp.by
+        if isinstance(by, str):
+            declared_as = f'@compensable(by="{by}")'
+            target = self._function(by)
             if not callable(target):
-                self._missing(tool_name, "compensation", comp.by, declared_as)
+                self._missing(tool_name, "compensation", by, declared_as)
                 return none
-            if comp.by == attr:
+            if by == attr:
                 self.problem(
                     tool_name,
                     f"{declared_as} names the tool itself; name the method that undoes it",
                 )
                 return none
-            bound = self._bound(comp.by)
+            bound = self._bound(by)
             assert bound is not None
-            label = comp.by
-        elif callable(comp.by):
+            label = by
+        elif callable(by):
             # A plain function or a callable object (functools.partial, a class with
             # __call__): only functions carry type hints worth checking.
-            target = comp.by if inspect.isroutine(comp.by) else None
-            bound = comp.by
-            label = _name(comp.by)
-            if getattr(comp.by, "__func__", comp.by) is getattr(
+            target = by if inspect.isroutine(by) else None
+            bound = by
+            label = _name(by)
+            if getattr(by, "__func__", by) is getattr(
                 self._function(attr), "__func__", self._function(attr)
             ):
                 self.problem(
@@ -776,7 +793,7 @@ class _Inspector:
         else:
             self.problem(
                 tool_name,
-                f"@compensable(by={comp.by!r}) is neither a method name nor a callable;"
+                f"@compensable(by={by!r}) is neither a method name nor a callable;"
                 " pass the name of a method of this class or the undo function itself",
             )
             return none
@@ -849,6 +866,7 @@ class _Inspector:
         ``verify=``: the name of a method of the same object, or, as with ``by=``,
         a function or callable itself (a plain-function tool has no sibling methods).
         None when it names nothing (a problem has been recorded)."""
+        declared = self._own_method(declared) or declared
         if isinstance(declared, str):
             target = self._function(declared)
             if not callable(target):

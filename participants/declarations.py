@@ -306,8 +306,10 @@ def compensable(
 
     ``by`` is the compensation: the name of a method of the same class (or
     participant object), or any function or callable, such as an undo function you
-    already have. It is required unless ``reversibility`` is IRREVERSIBLE; an
-    IRREVERSIBLE tool may still name one, as a correction (a follow-up message).
+    already have (a method of the same class given as itself, ``by=release_seat``
+    in the class body, is bound to the object like its name). It is required
+    unless ``reversibility`` is IRREVERSIBLE; an IRREVERSIBLE tool may still name
+    one, as a correction (a follow-up message).
 
     How the compensation is called:
 

@@ -500,3 +500,69 @@ def test_tool_above_staticmethod_or_classmethod_is_still_a_tool() -> None:
     assert spec.contract().compensation == "close_ticket"
     assert spec.invoke({"title": "x"}) == "t-x"
     assert spec.compensate(_ctx("open_ticket", {"title": "x"}, "t-x")) == "closed t-x"
+
+
+class Seats:
+    """Its tools name their helpers by the methods themselves, as written in the
+    class body: ``by=release_seat``, not ``by="release_seat"``."""
+
+    def __init__(self) -> None:
+        self.released: list[str] = []
+
+    def release_seat(self, reservation_id: str) -> None:
+        self.released.append(reservation_id)
+
+    def cancel_all(self) -> None:
+        self.released.append("all")
+
+    def find_booking(self, key: str) -> LookupResult | None:
+        return LookupResult.committed({"id": f"r-{key}"}) if self.released else None
+
+    def seat_is_free(self, ctx: CompensationContext) -> bool:
+        return str(ctx.result["id"]) in self.released
+
+    @tool(description="Reserve a seat")
+    @compensable(by=release_seat, args=lambda ctx: {"reservation_id": ctx.result["id"]})
+    def reserve_seat(self, flight: str) -> dict[str, str]:
+        return {"id": f"r-{flight}"}
+
+    @tool(description="Book the whole flight")
+    @compensable(by=cancel_all)
+    def book_flight(self, flight: str) -> str:
+        return flight
+
+
+class CheckedSeats(Seats):
+    @tool(
+        description="Reserve a seat, checked",
+        lookup=Seats.find_booking,
+        verify=Seats.seat_is_free,
+    )
+    @compensable(by="release_seat", args=lambda ctx: {"reservation_id": ctx.result["id"]})
+    def reserve_checked(self, flight: str) -> dict[str, str]:
+        return {"id": f"r-{flight}"}
+
+
+def test_by_given_a_method_of_the_class_itself_runs_it_bound() -> None:
+    """``by=release_seat`` in the class body hands over the method's plain function:
+    wrap() accepted it as an undo function and called it without the object, so
+    every compensation failed at run time (``missing ... 'self'``, or the context
+    taken for ``self``)."""
+    seats = Seats()
+    catalogue = wrap(seats, name="seats")
+    spec = catalogue["reserve_seat"]
+    assert spec.contract().compensation == "release_seat"
+    spec.compensate(_ctx("reserve_seat", {"flight": "LX1"}, {"id": "r-LX1"}))
+    catalogue["book_flight"].compensate(_ctx("book_flight", {"flight": "LX1"}, "LX1"))
+    assert seats.released == ["r-LX1", "all"]
+
+
+def test_lookup_and_verify_given_a_method_of_the_class_itself_run_bound() -> None:
+    """The same for ``lookup=`` and ``verify=``, which wrap() refused as taking one
+    argument too many (``self``)."""
+    spec = wrap(CheckedSeats(), name="seats")["reserve_checked"]
+    assert (spec.lookup_name, spec.verify_name) == ("find_booking", "seat_is_free")
+    assert spec.lookup("LX1") == LookupResult.not_found()
+    spec.compensate(_ctx("reserve_checked", {"flight": "LX1"}, {"id": "r-LX1"}))
+    assert spec.verify(_ctx("reserve_checked", {"flight": "LX1"}, {"id": "r-LX1"})) is True
+    assert spec.lookup("LX1") == LookupResult.committed({"id": "r-LX1"})
