@@ -120,6 +120,17 @@ class ToolSpec:
     def is_async(self) -> bool:
         return inspect.iscoroutinefunction(self.func)
 
+    @property
+    def runs_async(self) -> bool:
+        """Whether the tool, its compensation, its lookup or its verification is
+        async (or wraps an async function): the participant runtime then serves them
+        on its one long-lived event loop."""
+        return any(
+            _is_async(f)
+            for f in (self.func, self.compensation_func, self.lookup_func, self.verify_func)
+            if f is not None
+        )
+
     def contract(self, participant: str | None = None) -> StepContract:
         """The snapshot the coordinator decides from (recorded in ``StepScheduled``).
 
@@ -1197,6 +1208,17 @@ def _type_name(hint: Any) -> str:
     if inspect.isclass(hint):
         return hint.__name__
     return str(hint).replace("typing.", "")
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    """An ``async def`` (bound, in a ``partial``, or behind ``functools.wraps``), or a
+    callable object whose ``__call__`` is one."""
+    try:
+        inner = inspect.unwrap(fn)
+    except ValueError:  # a __wrapped__ cycle
+        inner = fn
+    call = None if inspect.isroutine(fn) else type(fn).__call__
+    return any(inspect.iscoroutinefunction(f) for f in (fn, inner, call))
 
 
 def _takes_one_argument(fn: Any) -> bool:

@@ -2017,8 +2017,10 @@ class ParticipantRuntime:
         self._assigned_end: dict[int, int] = {}
         for spec in catalogue.values():
             _check_served(spec, self.participant)
-        if any(spec.is_async for spec in catalogue.values()):
-            serve_async_tools()  # async tools share one long-lived loop, sync ones threads
+        if any(spec.runs_async for spec in catalogue.values()):
+            # Async tools, compensations, lookups and verifications share one
+            # long-lived loop; sync ones run in threads.
+            serve_async_tools()
 
     def publish_catalogue(self) -> None:
         """Publish every tool's contract and definition on the compacted catalogue

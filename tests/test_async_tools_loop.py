@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from participants import CompensationContext, compensable, current_call, tool, wrap
+from participants import (
+    CompensationContext,
+    LookupResult,
+    compensable,
+    current_call,
+    tool,
+    wrap,
+)
 from participants.catalogue import ToolSpec
 from participants.context import CallContext, call_context, serve_async_tools
 from participants.runtime import CommandHandler, CommandJournal
@@ -144,3 +151,63 @@ def test_a_hung_async_tool_is_cancelled_at_its_deadline_and_its_outcome_is_unkno
     assert shop.cancelled.wait(60), "the hung coroutine was never cancelled"
     handler.close()
     handler.journal.close()
+
+
+class SyncToolAsyncUndo:
+    """A sync tool whose compensation, lookup and verification are async (an undo
+    function of an async provider client)."""
+
+    def __init__(self) -> None:
+        self.loops: list[asyncio.AbstractEventLoop] = []
+
+    @tool(description="Reserve", lookup="find", verify="released")
+    @compensable(by="release")
+    def reserve(self, sku: str) -> dict[str, str]:
+        return {"sku": sku}
+
+    async def release(self, ctx: CompensationContext) -> None:
+        self.loops.append(asyncio.get_running_loop())
+
+    async def find(self, key: str) -> LookupResult | None:
+        self.loops.append(asyncio.get_running_loop())
+        return None
+
+    async def released(self, ctx: CompensationContext) -> bool:
+        self.loops.append(asyncio.get_running_loop())
+        return True
+
+
+def test_async_compensations_of_a_sync_tool_also_run_on_the_runtime_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runtime started its shared loop only when a *tool* was async: an async
+    compensation, lookup or verification of a sync tool got a fresh ``asyncio.run``
+    loop per call, so a provider client bound to the loop of its first call (a
+    connection pool) failed on every later one."""
+    import uuid
+
+    from participants import context
+    from participants.runtime import ParticipantRuntime
+    from schemas.settings import Settings
+
+    monkeypatch.setattr(context, "_tool_loop", None)  # as in a fresh participant process
+    bootstrap = f"memory://{uuid.uuid4().hex[:12]}"
+    shop = SyncToolAsyncUndo()
+    catalogue = wrap(shop, name="shop")
+    settings = Settings(bootstrap=bootstrap, topic_prefix="t.", state_dir=tmp_path)
+    runtime = ParticipantRuntime(catalogue, settings, bootstrap)
+    loop = context.async_tool_loop()
+    try:
+        spec = catalogue["reserve"]
+        ctx = CompensationContext("s-1", "reserve", {"sku": "a"}, {"sku": "a"}, "k-1")
+        for _ in range(2):
+            spec.compensate(ctx)
+            spec.lookup("k-1")
+            assert spec.verify(ctx) is True
+        assert loop is not None
+        assert shop.loops == [loop] * 6
+    finally:
+        runtime.handler.close()
+        runtime.journal.close()
+        if loop is not None:
+            loop.call_soon_threadsafe(loop.stop)
