@@ -1077,10 +1077,18 @@ class _Inspector:
         if not decl.owner:
             self.problem(tool_name, "owner is empty; name who is handed this tool's incidents (R8)")
         if args_model is not None:
+            # An argument arrives under its name or, when it has one, its alias (what
+            # its JSON schema shows): a secret path names it either way.
+            names = {
+                key
+                for name, info in args_model.model_fields.items()
+                for key in (name, info.alias, info.validation_alias)
+                if isinstance(key, str)
+            }
             for secret in decl.secret_fields:
                 # An argument, or a dotted path into one (``card.number``, ``keys.*``).
-                if secret.split(".", 1)[0] not in args_model.model_fields:
-                    close = difflib.get_close_matches(secret, list(args_model.model_fields), n=1)
+                if secret.split(".", 1)[0] not in names:
+                    close = difflib.get_close_matches(secret, sorted(names), n=1)
                     hint = f"; did you mean {close[0]!r}?" if close else ""
                     self.problem(
                         tool_name,

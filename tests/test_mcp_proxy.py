@@ -1815,3 +1815,58 @@ def test_a_malformed_plan_is_a_tool_result_saying_why_not_a_protocol_error(
     log, instead of a tool result the agent reads and corrects."""
     result = _call(_fake_proxy(tmp_path, FakeClient()), "saga_check_plan", {"calls": calls})
     assert result.is_error and "planned call 0" in _text(result), _text(result)
+
+
+def test_upstream_arguments_that_are_no_python_names_are_served_under_their_own_names(
+    tmp_path: Path,
+) -> None:
+    """An email tool's ``from``, a ``reply-to``: the proxy built each tool's Python
+    signature from the upstream's argument names, and ``inspect.Parameter`` refuses
+    these, so `sagaline mcp proxy` died at start-up with a ValueError traceback. They
+    are served, validated, sealed and sent upstream under the upstream's names."""
+    from participants.context import CallContext, call_context
+    from sagaline.agents.mcp_proxy import Upstreams, build_catalogue
+
+    decl = _decl(
+        {"send_email": {"reversibility": "IRREVERSIBLE"}},
+        participant="fake-mail",
+    )
+    upstreams = Upstreams(decl)
+    upstreams.tools = [
+        UpstreamTool(
+            "send_email",
+            "desk",
+            {
+                "properties": {
+                    "from": {"type": "string"},
+                    "to": {"type": "string"},
+                    "reply-to": {"type": "string"},
+                    "api-key": {"type": "string", "writeOnly": True},
+                },
+                "required": ["from", "to", "api-key"],
+            },
+        )
+    ]
+    catalogue = build_catalogue(decl, upstreams)
+    spec = catalogue["send_email"]
+    assert set(spec.input_schema()["properties"]) == {"from", "to", "reply-to", "api-key"}
+    assert "api-key" in spec.secret_paths
+    sent: list[tuple[str, dict[str, Any]]] = []
+
+    def call_sync(upstream: str, name: str, args: dict[str, Any], *a: Any, **k: Any) -> str:
+        sent.append((name, dict(args)))
+        return "sent"
+
+    upstreams.call_sync = call_sync  # type: ignore[method-assign]
+    args = {"from": "desk@example.com", "to": "ann@example.com", "api-key": "k-5150"}
+    with call_context(CallContext("s-1", "01-send_email", "send_email", "key-1")):
+        assert spec.invoke(args) == "sent"
+    assert sent == [("send_email", args)]
+    settings = Settings(bootstrap="unused:1", state_dir=tmp_path / "state")
+    client = SagaClient(settings, "unused:1", catalogues=[catalogue])
+    try:
+        saga = client.saga("helpdesk", "agent:helpdesk")
+        body = saga._checked_body(client.contract("send_email"), "01-send_email", 1, args)
+    finally:
+        client.close()
+    assert "k-5150" not in body.decode() and "ann@example.com" in body.decode()

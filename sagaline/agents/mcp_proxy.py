@@ -29,18 +29,21 @@ import asyncio
 import contextlib
 import inspect
 import json
+import keyword
 import logging
 import os
+import re
 import sys
 import threading
 from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
 import mcp_types as types
+import pydantic
 from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import Server
@@ -479,16 +482,25 @@ def _forward(
     required = set(listed.required)
     params = []
     annotations: dict[str, Any] = {}
+    upstream_name: dict[str, str] = {}  # Python parameter -> the upstream's argument
+    taken = set(listed.properties)
     for arg, schema in listed.properties.items():
         if arg == mapping.idempotency_arg:
             continue  # filled by the proxy, never by the model
         kind = schema.get("type") if isinstance(schema, Mapping) else None
-        annotations[arg] = _JSON_TYPES.get(kind, Any) if isinstance(kind, str) else Any
+        hint = _JSON_TYPES.get(kind, Any) if isinstance(kind, str) else Any
+        param = _parameter_name(arg, taken)
+        if param != arg:  # ``from``, ``reply-to``: served under the upstream's name
+            taken.add(param)
+            hint = Annotated[hint, pydantic.Field(alias=arg)]
+        upstream_name[param] = arg
+        annotations[param] = hint
         default = inspect.Parameter.empty if arg in required else None
-        params.append(inspect.Parameter(arg, inspect.Parameter.KEYWORD_ONLY, default=default))
+        params.append(inspect.Parameter(param, inspect.Parameter.KEYWORD_ONLY, default=default))
 
     def call_upstream(**kwargs: Any) -> Any:
-        args = {k: v for k, v in kwargs.items() if v is not None or k in required}
+        named = {upstream_name.get(k, k): v for k, v in kwargs.items()}
+        args = {k: v for k, v in named.items() if v is not None or k in required}
         key = current_call().idempotency_key
         if mapping.idempotency_arg:
             args[mapping.idempotency_arg] = key
@@ -504,6 +516,21 @@ def _forward(
     call_upstream.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     call_upstream.__annotations__ = annotations
     return call_upstream
+
+
+def _parameter_name(arg: str, taken: set[str]) -> str:
+    """``arg`` as a Python parameter name: itself when it is one, else a name made
+    from it (``from`` -> ``from_``, ``reply-to`` -> ``reply_to``) that no other
+    argument has; the argument keeps the upstream's name as its alias."""
+    if arg.isidentifier() and not keyword.iskeyword(arg):
+        return arg
+    name = re.sub(r"\W", "_", arg)
+    if not name.isidentifier():  # starts with a digit, or empty
+        name = f"arg_{name}"
+    name = f"{name}_" if keyword.iskeyword(name) else name
+    while name in taken:
+        name = f"{name}_"
+    return name
 
 
 def _wait_s(mapping: ToolMapping) -> float:
