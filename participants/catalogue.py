@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import difflib
+import functools
 import inspect
 import re
 import time
@@ -51,7 +52,7 @@ from participants.errors import (
     UnknownToolError,
 )
 from schemas.models import CompensationApproval, RetryPolicy, Reversibility, StepContract
-from schemas.redaction import redact, secret_paths
+from schemas.redaction import redact, secret_paths, spelled_paths
 
 __all__ = ["TOOL_SHAPES", "Catalogue", "ToolKind", "ToolSpec", "wrap"]
 
@@ -216,12 +217,14 @@ class ToolSpec:
             raise InvalidArgumentsError(self.name, _short_errors(exc)) from exc
         return {field: getattr(model, field) for field in type(model).model_fields}
 
-    @property
+    @functools.cached_property
     def secret_paths(self) -> tuple[str, ...]:
-        """Argument paths never written in clear: ``@tool(secret_fields=...)`` plus
-        fields typed ``schemas.redaction.Secret`` (or pydantic's ``SecretStr``,
-        ``SecretBytes``, ``Secret[T]``)."""
-        return tuple(dict.fromkeys((*self.secret_fields, *secret_paths(self.args_model))))
+        """Argument paths never written in clear: ``@tool(secret_fields=...)`` (under
+        each key a part can arrive as: a field's name and its alias) plus fields typed
+        ``schemas.redaction.Secret`` (or pydantic's ``SecretStr``, ``SecretBytes``,
+        ``Secret[T]``). Worked out once per spec (the runtime asks for every command)."""
+        declared = (p for f in self.secret_fields for p in spelled_paths(self.args_model, f))
+        return tuple(dict.fromkeys((*declared, *secret_paths(self.args_model))))
 
     def redact(self, args: Mapping[str, Any]) -> dict[str, Any]:
         """``args`` with every secret replaced by its redaction marker, for the ledger."""

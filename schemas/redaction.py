@@ -125,6 +125,52 @@ def _walk_model(model: type[BaseModel], prefix: str, out: list[str], stack: set[
             _walk_type(info.annotation, path, out, stack)
 
 
+def spelled_paths(model: type[BaseModel], path: str) -> tuple[str, ...]:
+    """A declared secret path (``card.card_number``) under every key each of its parts
+    can arrive as: a field comes under its alias (what the model's JSON schema shows,
+    so what an agent sends) as well as its name. A part that names no field is kept."""
+    return tuple(dict.fromkeys(".".join(p) for p in _spell(model, path.split("."))))
+
+
+def _spell(tp: Any, parts: list[str]) -> list[list[str]]:
+    if not parts:
+        return [[]]
+    head, rest = parts[0], parts[1:]
+    found = [[key, *tail] for key, sub in _children(tp, head) for tail in _spell(sub, rest)]
+    return found or [parts]
+
+
+def _children(tp: Any, head: str) -> list[tuple[str, Any]]:
+    """The keys ``head`` may arrive as inside a value of type ``tp``, with the type
+    of the value under each."""
+    origin = typing.get_origin(tp)
+    if origin is Annotated:
+        return _children(typing.get_args(tp)[0], head)
+    if origin in (typing.Union, types.UnionType):
+        return [c for branch in typing.get_args(tp) for c in _children(branch, head)]
+    if isinstance(origin, type) and issubclass(origin, collections.abc.Mapping):
+        args = typing.get_args(tp)
+        return [(head, args[1] if len(args) == 2 else Any)]
+    if (
+        isinstance(origin, type)
+        and issubclass(origin, collections.abc.Iterable)
+        and not issubclass(origin, str | bytes)
+    ):
+        items = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        return [(head, item) for item in items or [Any]]
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return [
+            (key, info.annotation)
+            for name, info in tp.model_fields.items()
+            if head in (keys := _keys(name, info))
+            for key in keys
+        ]
+    if isinstance(tp, type) and (_is_typeddict(tp) or is_dataclass(tp)):
+        hints = typing.get_type_hints(tp, include_extras=True)
+        return [(head, hints[head])] if head in hints else []
+    return []
+
+
 def _keys(name: str, info: FieldInfo) -> list[str]:
     """The keys a field's value may arrive under: its name and its aliases."""
     keys = [name]
@@ -321,4 +367,5 @@ __all__ = [
     "reveal",
     "scrub",
     "secret_paths",
+    "spelled_paths",
 ]

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import pytest
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
 
 from participants import (
     CatalogueError,
@@ -780,6 +781,43 @@ def test_redact_masks_declared_and_typed_secrets() -> None:
     redacted = spec.redact({"card": "4111111111111111", "cvv": "123", "amount_cents": 5})
     assert is_redacted(redacted["card"]) and is_redacted(redacted["cvv"])
     assert redacted["amount_cents"] == 5
+
+
+class CamelCard(BaseModel):
+    """A provider's API model: its fields travel under camelCase aliases."""
+
+    model_config = ConfigDict(alias_generator=to_camel)
+    card_number: str
+    holder_name: str
+
+
+class CamelPayments:
+    @tool(description="Pay", secret_fields=("card.card_number", "api_key", "cards.*.card_number"))
+    @compensable(reversibility=Reversibility.IRREVERSIBLE)
+    def pay(
+        self,
+        card: CamelCard,
+        api_key: Annotated[str, Field(alias="apiKey")],
+        cards: list[CamelCard] | None = None,
+    ) -> str:
+        return "p-1"
+
+
+def test_secret_fields_named_by_field_name_are_redacted_under_their_aliases() -> None:
+    """The model's schema shows a field's alias, so that is how the agent sends it
+    (``cardNumber``, ``apiKey``); ``secret_fields`` naming the field by its Python
+    name redacted only that spelling, and the secret went to the ledger in clear."""
+    spec = wrap(CamelPayments(), name="payments")["pay"]
+    args = {
+        "card": {"cardNumber": "4111-2222", "holderName": "Ann Lee"},
+        "apiKey": "k-5150",
+        "cards": [{"cardNumber": "5500-0004", "holderName": "Bo"}],
+    }
+    assert spec.validate_args(args)["api_key"] == "k-5150"
+    redacted = spec.redact(args)
+    assert is_redacted(redacted["card"]["cardNumber"]), redacted
+    assert is_redacted(redacted["apiKey"]) and is_redacted(redacted["cards"][0]["cardNumber"])
+    assert redacted["card"]["holderName"] == "Ann Lee"
 
 
 def test_unknown_tool_names_the_catalogue_and_suggests_the_closest() -> None:
