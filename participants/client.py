@@ -1157,6 +1157,17 @@ class Saga:
                 step_id=step,
                 tool=name,
             )
+        if isinstance(depends_on, str):
+            raise CallRefused(
+                f"step {step} ({name}): depends_on must be a list of step ids, not the "
+                f"string {depends_on!r}; write depends_on=[{depends_on!r}]. Nothing was "
+                "written",
+                limit="depends_on",
+                size=1,
+                saga_id=self.saga_id,
+                step_id=step,
+                tool=name,
+            )
         missing = [d for d in depends_on or () if d not in self._step_ids]
         if missing:
             # The coordinator would reject the step to the dead-letter topic, and the

@@ -815,6 +815,23 @@ def test_a_call_depending_on_a_step_the_saga_never_scheduled_is_refused_at_once(
     assert desk.log == ["book:mon", "book:wed"]
 
 
+def test_depends_on_given_as_one_string_is_refused_saying_to_pass_a_list(
+    local: tuple[System, Desk],
+) -> None:
+    """``depends_on="first"`` (a list was meant) was read letter by letter: refused as
+    depending on steps 'f', 'i', 'r', 's', 't', a message that names no mistake (and,
+    were each letter a step, a ValidationError traceback from the record)."""
+    system, desk = local
+    with system.client.saga("desk", "agent") as saga:
+        saga.call("book_slot", step_id="first", day="mon")
+        with pytest.raises(CallRefused, match=r"depends_on=\['first'\]") as err:
+            saga.call("book_slot", depends_on="first", timeout_s=10, day="tue")  # type: ignore[arg-type]
+        assert err.value.limit == "depends_on"
+        assert saga.call("book_slot", depends_on=["first"], day="wed") == {"slot": "slot-wed"}
+    assert saga.wait(60).status is TerminalStatus.COMPLETED
+    assert desk.log == ["book:mon", "book:wed"]
+
+
 def test_a_step_id_with_a_slash_is_refused_before_anything_is_written(
     local: tuple[System, Desk],
 ) -> None:
