@@ -612,6 +612,8 @@ class _Inspector:
                 " the model chooses tools by it",
             )
         args_model = self._args_model(tool_name, target, func)
+        for problem in (*decl.problems, *(comp.problems if comp else ())):
+            self.problem(tool_name, problem)
 
         reversibility = comp.reversibility if comp else Reversibility.COMPENSATABLE
         compensation_name, compensation_func, takes_context = self._compensation(
@@ -853,7 +855,7 @@ class _Inspector:
             return
         can_accept = returns is not None and returns is not Any and _allows(returns, Accepted)
         within = comp.completion_within_ms
-        if can_accept and within is None:
+        if can_accept and within is None and not comp.problems:  # else: reported as given
             self.problem(
                 tool_name,
                 f"compensation {label!r} can return Accepted but declares no completion wait;"

@@ -60,6 +60,20 @@ def _to_ms(value: Duration | None) -> int | None:
     return None if value is None else round(_duration_s(value) * 1000)
 
 
+def _checked_ms(
+    field: str, value: Duration | None, problems: list[str], default: int | None = None
+) -> int | None:
+    """``value`` in milliseconds; ``default`` and a problem for ``wrap()`` to report
+    (naming the tool) when it is no duration: ``"1h"``, ``inf``, ``nan``, ``True``."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError(field)
+        return _to_ms(value)
+    except (TypeError, ValueError, OverflowError):
+        problems.append(f"{field} is {value!r}; give a timedelta or a number of seconds")
+        return default
+
+
 def _entries(value: Any) -> tuple[Any, ...]:
     """A declared collection as a tuple; one string or one class is one entry.
 
@@ -189,6 +203,7 @@ class ToolDeclaration:
     deadline_ms: int
     secret_fields: tuple[str, ...]
     operation_id: str | Callable[[Any], str | None] | None
+    problems: tuple[str, ...] = ()  # values that are not what their field takes
 
 
 CompensationArgs = Callable[[CompensationContext], Mapping[str, Any]]
@@ -204,6 +219,7 @@ class CompensableDeclaration:
     reversibility: Reversibility
     args: CompensationArgs | None = None
     completion_within_ms: int | None = None
+    problems: tuple[str, ...] = ()  # values that are not what their field takes
 
 
 def tool(
@@ -266,6 +282,9 @@ def tool(
       or attribute name, or a callable; by default a ``str`` result is the id.
     """
 
+    problems: list[str] = []
+    deadline_ms = _checked_ms("deadline", deadline, problems, default=10_000)
+    window_ms = _checked_ms("reversal_window", reversal_window, problems)
     declaration = ToolDeclaration(
         description=description,
         name=name,
@@ -274,7 +293,7 @@ def tool(
         lookup=lookup,
         verify=verify,
         resources=_entries(resources),
-        reversal_window_ms=_to_ms(reversal_window),
+        reversal_window_ms=window_ms,
         compensation_approval=compensation_approval,
         retry=retry if retry is not None else RetryPolicy(),
         compensation_retry=(
@@ -283,9 +302,10 @@ def tool(
         non_retryable=_entries(non_retryable),
         transient=_entries(transient),
         owner=owner,
-        deadline_ms=round(_duration_s(deadline) * 1000),
+        deadline_ms=deadline_ms if deadline_ms is not None else 10_000,
         secret_fields=_entries(secret_fields),
         operation_id=operation_id,
+        problems=tuple(problems),
     )
 
     def mark(func: F) -> F:
@@ -328,11 +348,13 @@ def compensable(
     arrived by then is an incident (R12).
     """
 
+    problems: list[str] = []
     declaration = CompensableDeclaration(
         by=by,
         reversibility=Reversibility(reversibility),
         args=args,
-        completion_within_ms=_to_ms(completion_within),
+        completion_within_ms=_checked_ms("completion_within", completion_within, problems),
+        problems=tuple(problems),
     )
 
     def mark(func: F) -> F:

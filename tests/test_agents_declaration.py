@@ -95,3 +95,30 @@ def test_the_declaration_in_docs_agents_md_is_accepted(tmp_path: Path) -> None:
     assert declared.participant == "helpdesk" and set(declared.upstreams) == {"desk", "billing"}
     assert set(declared.tools) == {"create_ticket", "charge", "send_email", "list_tickets"}
     assert declared.internal_tools() >= {"delete_ticket", "find_ticket", "refund"}
+
+
+def test_a_deadline_that_is_no_finite_positive_number_is_a_problem_not_a_traceback() -> None:
+    """``deadline: .inf`` (meant as "no deadline"), ``.nan``, ``0`` or ``true`` were
+    accepted here; the first two then crashed `sagaline mcp proxy` at start-up with an
+    OverflowError / ValueError traceback (converting them to milliseconds) naming no
+    tool, and ``true`` became a deadline of one second."""
+    tools = {
+        name: {"reversibility": "IRREVERSIBLE", "deadline": value}
+        for name, value in (
+            ("send_email", float("inf")),
+            ("send_sms", float("nan")),
+            ("post", 0),
+            ("page", True),
+        )
+    }
+    with pytest.raises(DeclarationError) as err:
+        parse_declaration({"upstreams": {"desk": {"command": "desk"}}, "tools": tools})
+    assert err.value.problems == [
+        f"tool {name!r}: deadline must be a positive number of seconds, not {value!r}"
+        for name, value in (
+            ("send_email", float("inf")),
+            ("send_sms", float("nan")),
+            ("post", 0),
+            ("page", True),
+        )
+    ]

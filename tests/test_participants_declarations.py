@@ -566,3 +566,30 @@ def test_lookup_and_verify_given_a_method_of_the_class_itself_run_bound() -> Non
     spec.compensate(_ctx("reserve_checked", {"flight": "LX1"}, {"id": "r-LX1"}))
     assert spec.verify(_ctx("reserve_checked", {"flight": "LX1"}, {"id": "r-LX1"})) is True
     assert spec.lookup("LX1") == LookupResult.committed({"id": "r-LX1"})
+
+
+def test_a_duration_that_is_no_duration_is_a_wrap_problem_naming_the_tool() -> None:
+    """``deadline=float("inf")`` (meant as "no deadline"), ``reversal_window="1h"``,
+    ``completion_within=None``-like mistakes raised OverflowError / ValueError /
+    TypeError from the decorator at import, naming no tool, instead of being listed
+    by wrap() with the catalogue's other problems."""
+
+    def build() -> type:
+        class Mail:
+            @tool(description="Send", deadline=float("inf"), reversal_window="1h")
+            @compensable(by="recall", completion_within=float("nan"))
+            def send(self, to: str) -> str:
+                return to
+
+            def recall(self, ctx: CompensationContext) -> Accepted:
+                return Accepted("op-1")
+
+        return Mail
+
+    with pytest.raises(CatalogueError) as err:
+        wrap(build()(), name="mail")
+    assert [(p.tool, p.message) for p in err.value.problems] == [
+        ("send", "deadline is inf; give a timedelta or a number of seconds"),
+        ("send", "reversal_window is '1h'; give a timedelta or a number of seconds"),
+        ("send", "completion_within is nan; give a timedelta or a number of seconds"),
+    ]

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -304,10 +305,13 @@ def _tool(
             f"{where}: a write tool needs compensation: {{tool: ..., args: {{...}}}},"
             " reversibility: IRREVERSIBLE, or read_only: true"
         )
-    try:
-        deadline = float(raw.get("deadline", 10.0))
+    given = raw.get("deadline", 10.0)
+    try:  # ``true`` is a number to Python; ``.inf`` / ``.nan`` are no time to wait for
+        deadline = math.nan if isinstance(given, bool) else float(given)
     except (TypeError, ValueError):
-        problems.append(f"{where}: deadline must be a number of seconds")
+        deadline = math.nan
+    if not (math.isfinite(deadline) and deadline > 0):
+        problems.append(f"{where}: deadline must be a positive number of seconds, not {given!r}")
         deadline = 10.0
     idempotency_arg = raw.get("idempotency_arg")
     if idempotency_arg is not None and not isinstance(idempotency_arg, str):
