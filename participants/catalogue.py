@@ -565,6 +565,11 @@ class _Inspector:
         name. None for anything else."""
         if not inspect.isfunction(declared) or isinstance(self.obj, types.ModuleType):
             return None
+        # Written in the body of this object's class (or a base), not a free function
+        # that a class also holds as an attribute: that one is called as it is.
+        owner = declared.__qualname__.rpartition(".")[0]
+        if not any(c.__qualname__ == owner for c in type(self.obj).__mro__):
+            return None
         names = [declared.__name__, *sorted(self._callable_names())]
         for name in names:
             try:

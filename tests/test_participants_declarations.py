@@ -593,3 +593,24 @@ def test_a_duration_that_is_no_duration_is_a_wrap_problem_naming_the_tool() -> N
         ("send", "reversal_window is '1h'; give a timedelta or a number of seconds"),
         ("send", "completion_within is nan; give a timedelta or a number of seconds"),
     ]
+
+
+def test_a_free_undo_function_a_class_also_holds_is_still_called_as_it_is() -> None:
+    """Only a function written in the class body is bound to the object: a free
+    function the class also holds as an attribute is called with the context."""
+    given: list[object] = []
+
+    def undo(ctx: CompensationContext) -> None:
+        given.append(ctx)
+
+    class Desk:
+        release = undo  # also a method of Desk, but by= means the function
+
+        @tool(description="Reserve")
+        @compensable(by=undo)
+        def reserve(self, x: str) -> str:
+            return x
+
+    ctx = _ctx("reserve", {"x": "a"}, "a")
+    wrap(Desk(), name="desk")["reserve"].compensate(ctx)
+    assert given == [ctx]
