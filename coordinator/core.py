@@ -1059,6 +1059,10 @@ def _on_reconciled(ctx: _Ctx, r: StepReconciled) -> None:
         return
     if step.status not in (StepStatus.RECONCILING, StepStatus.UNKNOWN):
         return  # already settled
+    if r.outcome is not ReconcileResult.COMMITTED and r.attempt != step.attempt:
+        # A lookup made before the current attempt ran says nothing about it (R11);
+        # a commit found for any attempt is the effect (one key runs them all).
+        return
     if r.outcome is ReconcileResult.COMMITTED:
         _commit(
             ctx,
