@@ -1020,6 +1020,15 @@ def _obligation_met(ctx: _Ctx, step: StepState) -> None:
     for incident in ctx.s.open_incidents():
         if incident.kind == _FORWARD_FAILED_AFTER_PIVOT and incident.step_id == step.step_id:
             _mark_resolved(ctx, incident.incident_id, "COMMITTED (observed in the ledger)")
+    if not _forward_allowed(ctx.s):
+        return
+    # The work not run because a dependency had not completed was carried by that
+    # dependency's incident, now settled: it is owed again and goes forward (R6).
+    # ``_dispatch_ready`` cancels again what another escalated step still blocks.
+    for other in ctx.s.steps.values():
+        if other.status is StepStatus.CANCELLED and other.attempt == 0:
+            other.status = StepStatus.SCHEDULED
+            other.note = ""
 
 
 def _on_failed(ctx: _Ctx, r: StepFailed) -> None:

@@ -14,7 +14,7 @@ from coordinator_ledger import Harness, Ledger, executes, fresh, incidents, rece
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schemas import ReconcileResult, RetryPolicy, TerminalStatus
+from schemas import FailureKind, ReconcileResult, RetryPolicy, TerminalStatus
 from schemas.receipt import Disposition
 
 SETTINGS = settings(max_examples=150, deadline=None)
@@ -95,3 +95,80 @@ def test_a_lookup_finding_an_earlier_attempt_committed_still_counts_R11(
     h.feed(ledger.reconciled("charge", ReconcileResult.COMMITTED, earlier))
     assert h.status("charge") == "COMMITTED"
     assert incidents(h.outputs) == []
+
+
+@st.composite
+def _after_the_pivot(draw: st.DrawFn) -> tuple[list[list[str] | None], int]:
+    """Steps scheduled after a committed pivot (each with the implicit chain or an
+    explicit list of earlier ones), and the one whose forward work fails."""
+    n = draw(st.integers(2, 5))
+    deps: list[list[str] | None] = []
+    for i in range(n):
+        earlier = ["credit", *(f"s{j}" for j in range(i))]
+        explicit = draw(st.booleans())
+        deps.append(
+            sorted(draw(st.sets(st.sampled_from(earlier), min_size=1))) if explicit else None
+        )
+    return deps, draw(st.integers(0, n - 2))
+
+
+@SETTINGS
+@given(
+    plan=_after_the_pivot(),
+    kind=st.sampled_from([FailureKind.BUSINESS_REJECTION, FailureKind.TRANSIENT]),
+)
+def test_work_cancelled_for_an_escalated_step_runs_once_that_step_commits_after_all_R6_R14(
+    plan: tuple[list[list[str] | None], int], kind: FailureKind
+) -> None:
+    """Past the pivot the saga only goes forward (R6). A step whose dependency was
+    escalated is not run (the escalation carries the incident); when the ledger then
+    shows the dependency committed after all, its incident is settled, so nothing
+    carried the work cancelled for it any more: the saga ended COMPLETED with steps
+    the agent asked for never run and nobody told."""
+    deps, failing = plan
+    ledger, h = fresh()
+    h.feed(ledger.started())
+    h.feed(ledger.scheduled("credit", pivot=True), ledger.committed("credit"))
+    steps = [f"s{i}" for i in range(len(deps))]
+    for step_id, depends_on in zip(steps, deps, strict=True):
+        h.feed(ledger.scheduled(step_id, depends_on=depends_on, retry=_retry(1)))
+    answered: set[str] = set()
+    for _ in range(4 * len(steps)):
+        ready = [s for s in executes(h.outputs) if s in steps and s not in answered]
+        if not ready:
+            break
+        step_id = ready[0]
+        answered.add(step_id)
+        if step_id == steps[failing]:
+            h.feed(ledger.failed(step_id, kind=kind))
+            assert h.status(step_id) == "ESCALATED"
+        else:
+            h.feed(ledger.committed(step_id))
+    h.feed(ledger.committed(steps[failing]))  # the provider did it after all
+    for _ in range(4 * len(steps)):
+        ready = [s for s in executes(h.outputs) if s in steps and s not in answered]
+        if not ready:
+            break
+        answered.add(ready[0])
+        h.feed(ledger.committed(ready[0]))
+    receipt = receipt_of(h.feed(ledger.end()))
+    assert answered == set(steps)
+    assert receipt.status is TerminalStatus.COMPLETED
+    assert {s.disposition for s in receipt.steps} == {Disposition.RETAINED}
+
+
+def test_work_still_blocked_by_another_escalated_step_stays_cancelled_R6() -> None:
+    ledger, h = fresh()
+    h.feed(ledger.started())
+    h.feed(ledger.scheduled("credit", pivot=True), ledger.committed("credit"))
+    for step_id in ("a", "b"):
+        h.feed(ledger.scheduled(step_id, depends_on=["credit"], retry=_retry(1)))
+    h.feed(ledger.scheduled("c", depends_on=["a", "b"]))
+    h.feed(ledger.failed("a", kind=FailureKind.BUSINESS_REJECTION))
+    h.feed(ledger.failed("b", kind=FailureKind.BUSINESS_REJECTION))
+    assert h.status("c") == "CANCELLED"
+    h.feed(ledger.committed("a"))  # a did it after all; b still did not
+    assert (h.status("a"), h.status("c")) == ("COMMITTED", "CANCELLED")
+    assert "c" not in executes(h.outputs)
+    receipt = receipt_of(h.feed(ledger.end()))
+    assert receipt.status is TerminalStatus.ESCALATED and receipt.unresolved == ["b"]
