@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from coordinator.state import SagaState, StepState, StepStatus
 from schemas.keys import compensation_key, key_hash
-from schemas.models import TerminalStatus
+from schemas.models import SagaOutcome, TerminalStatus
 from schemas.receipt import Disposition, Receipt, StepReceipt
 
 _ESCALATED_STEP = frozenset({StepStatus.COMPENSATION_FAILED, StepStatus.HELD, StepStatus.ESCALATED})
@@ -75,6 +75,16 @@ def unresolved(state: SagaState) -> list[str]:
     return [s.step_id for s in escalated] + extra
 
 
+def end_reason(state: SagaState) -> str:
+    """Why the saga ended as it did: the agent's words, except for a saga that unwound
+    because a step failed finally; that one names the step, whatever the agent asked
+    at the end (an agent that caught the tool's error and left its block normally asked
+    to COMPLETE, which is not why the saga was compensated)."""
+    if state.end_requested is SagaOutcome.COMPLETE and state.compensation_reason:
+        return state.compensation_reason
+    return state.end_reason or state.compensation_reason
+
+
 def build_receipt(state: SagaState, status: TerminalStatus, ended_at: int) -> Receipt:
     """The receipt published with ``SagaTerminal``."""
     steps = [step_receipt(s) for s in state.steps.values()]
@@ -97,7 +107,7 @@ def build_receipt(state: SagaState, status: TerminalStatus, ended_at: int) -> Re
         status=status,
         started_at=state.started_at,
         ended_at=ended_at,
-        end_reason=state.end_reason or state.compensation_reason,
+        end_reason=end_reason(state),
         pivot_step=pivot,
         approvals=list(state.approvals),
         steps=steps,

@@ -22,6 +22,8 @@ from coordinator_ledger import (
     rejections,
     terminal,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from coordinator import (
     COORDINATOR_PRODUCER,
@@ -933,6 +935,52 @@ def test_receipt_lists_every_step_and_its_evidence_R14() -> None:
     assert by_step["wire"].disposition is Disposition.NOT_COMMITTED
     assert [a.decision for a in receipt.approvals] == ["GRANTED"]
     assert receipt.unresolved == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    committed=st.integers(0, 3),
+    how=st.sampled_from(["business", "transient", "denied"]),
+    end=st.sampled_from(["none", "complete-before", "complete-after"]),
+)
+def test_the_receipt_of_an_unwound_saga_says_which_step_failed_R9_R14(
+    committed: int, how: str, end: str
+) -> None:
+    """A saga that unwound because a step failed finally says so in its receipt's end
+    reason, whatever the agent asked at the end: an agent that caught the tool's error
+    and left its block normally asked to COMPLETE, and the receipt of the COMPENSATED
+    saga said only "COMPLETE", losing which step failed and why."""
+    ledger, h = fresh()
+    h.feed(ledger.started())
+    for i in range(committed):
+        h.feed(ledger.scheduled(f"s{i}"), ledger.committed(f"s{i}"))
+    irreversible = Reversibility.IRREVERSIBLE if how == "denied" else Reversibility.COMPENSATABLE
+    h.feed(
+        ledger.scheduled("credit", reversibility=irreversible, retry=RetryPolicy(max_attempts=1))
+    )
+    if end == "complete-before":
+        h.feed(ledger.end())
+    if how == "denied":
+        [request] = approval_requests(h.outputs)
+        h.feed(ledger.deny(request, reason="over limit"))
+    else:
+        kind = FailureKind.BUSINESS_REJECTION if how == "business" else FailureKind.TRANSIENT
+        h.feed(ledger.failed("credit", kind=kind, message="over limit"))
+    if end == "complete-after":
+        h.feed(ledger.end())
+    for i in reversed(range(committed)):
+        h.feed(ledger.comp_committed(f"s{i}"))
+    receipt = receipt_of(h.outputs)
+    assert receipt.status is TerminalStatus.COMPENSATED
+    assert receipt.end_reason.startswith("step credit failed: "), receipt.end_reason
+    assert "over limit" in receipt.end_reason
+
+
+def test_the_receipt_of_an_aborted_saga_keeps_the_agents_reason_R14() -> None:
+    ledger, h = running("hold")
+    h.feed(ledger.end(SagaOutcome.ABORT, reason="ValueError: customer changed their mind"))
+    receipt = receipt_of(h.feed(ledger.comp_committed("hold")))
+    assert receipt.end_reason == "ValueError: customer changed their mind"
 
 
 def test_terminal_record_goes_to_the_terminal_topic_and_the_ledger_R14() -> None:
