@@ -1,0 +1,86 @@
+"""Operator resolutions as the dashboard reads them: its view and its measures must
+agree with the coordinator's, whatever order the topics are read in.
+
+The coordinator copies every resolution it accepts to ``sagaline.incidents`` (the
+operators' incident feed) next to the ledger's record. A restarted dashboard reads all
+three topics at once, so the feed's copy is often folded before the ledger's record
+(the ledger is by far the longer topic).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from dashboard_scenarios import unknown_outcome
+from starlette.testclient import TestClient
+
+from sagaline.kafka import create_producer, ensure_topics
+from schemas import IncidentResolved, Record, SagaEndRequested, SagaOutcome
+from schemas.settings import Settings
+from schemas.wire import to_message
+from services.dashboard import Dashboard
+
+
+def _until(condition: Callable[[], Any], what: str, timeout_s: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def _publish(bootstrap: str, settings: Settings, placed: list[tuple[Record, list[str]]]) -> None:
+    producer = create_producer(bootstrap)
+    for record, topics in placed:
+        key, value, headers = to_message(record, settings.signer())
+        for attr in topics:
+            producer.produce(getattr(settings.topics, attr), key=key, value=value, headers=headers)
+    assert producer.flush(30) == 0
+
+
+@pytest.mark.kafka
+def test_a_resolution_read_first_on_the_incident_feed_is_still_measured(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    """The ledger's record of a resolution the view had already folded from the feed
+    was taken for a second resolution of a resolved incident: not measured, so after a
+    restart the dashboard's /metrics lost the operator's intervention and the step's
+    time in the unknown state."""
+    settings = Settings(bootstrap=kafka_bootstrap, topic_prefix=unique_prefix,
+                        hmac_key=b"dashboard-test-key", partitions=1)  # fmt: skip
+    ensure_topics(kafka_bootstrap, settings.topics, partitions=1)
+    saga = unknown_outcome("s-feed-first")
+    incident_id = saga.incidents[0].incident_id
+    _publish(
+        kafka_bootstrap,
+        settings,
+        [(r, ["events", "incidents"] if r.TYPE == "IncidentRaised" else ["events"])
+         for r in saga.records],
+    )  # fmt: skip
+    resolved = saga.add(
+        IncidentResolved, incident_id=incident_id, resolved_by="carol", resolution="COMMITTED"
+    )
+    ended = saga.add(SagaEndRequested, outcome=SagaOutcome.COMPLETE)
+    dashboard = Dashboard(kafka_bootstrap, settings)
+    state = dashboard.state
+    with TestClient(dashboard.app, base_url="http://localhost"):
+        _until(dashboard.follower.caught_up.is_set, "the dashboard to catch up")
+        # The feed's copy first, as a restart often reads it ...
+        _publish(kafka_bootstrap, settings, [(resolved, ["incidents"])])
+        _until(
+            lambda: incident_id not in state.sagas["s-feed-first"].open_incidents,
+            "the feed's copy to be folded",
+        )
+        # ... then the ledger's record (and the agent's next one, to know it was read).
+        _publish(kafka_bootstrap, settings, [(resolved, ["events"]), (ended, ["events"])])
+        _until(lambda: state.sagas["s-feed-first"].end_requested, "the ledger to be read")
+        measures = state.metrics.snapshot()
+        assert measures.manual_interventions == {"incident_resolved": 1}
+        assert measures.time_in_unknown["restock_inventory"].count == 1
+        assert state.sagas["s-feed-first"].refused == []
