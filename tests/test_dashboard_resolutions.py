@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from dashboard_scenarios import unknown_outcome
+from dashboard_scenarios import escalated, unknown_outcome
 from starlette.testclient import TestClient
 
 from sagaline.kafka import create_producer, ensure_topics
@@ -22,6 +22,7 @@ from schemas import IncidentResolved, Record, SagaEndRequested, SagaOutcome
 from schemas.settings import Settings
 from schemas.wire import to_message
 from services.dashboard import Dashboard
+from services.dashboard.view import DashboardState
 
 
 def _until(condition: Callable[[], Any], what: str, timeout_s: float = 60.0) -> Any:
@@ -84,3 +85,26 @@ def test_a_resolution_read_first_on_the_incident_feed_is_still_measured(
         assert measures.manual_interventions == {"incident_resolved": 1}
         assert measures.time_in_unknown["restock_inventory"].count == 1
         assert state.sagas["s-feed-first"].refused == []
+
+
+def test_resolutions_the_coordinator_refuses_after_the_end_are_not_counted() -> None:
+    """An ESCALATED saga's incident counts its first resolution only, and one naming no
+    incident of the saga counts none (``coordinator.shell._resolve_ended`` refuses
+    them invalid-transition, off the feed and the measures). The view took every one
+    once the saga had ended: /metrics counted each as an intervention and the page did
+    not list them as refused."""
+    saga = escalated("s-resolved-twice")
+    incident_id = saga.incidents[0].incident_id
+    first = saga.add(
+        IncidentResolved, incident_id=incident_id, resolved_by="alice", resolution="restocked"
+    )
+    saga.add(IncidentResolved, incident_id=incident_id, resolved_by="bob", resolution="written off")
+    saga.add(IncidentResolved, incident_id="inc-none", resolved_by="bob", resolution="done")
+    state = DashboardState()
+    for record in saga.records:
+        state.apply(record)
+    view = state.sagas["s-resolved-twice"]
+    assert state.metrics.snapshot().manual_interventions == {"incident_resolved": 1}
+    assert view.resolved_incidents[incident_id] == first
+    assert len(view.refused) == 2, view.refused
+    assert "already resolved (restocked (by alice))" in view.refused[0]

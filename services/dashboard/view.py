@@ -700,9 +700,11 @@ def _not_counted(
 def _resolution_refused(saga: SagaView, r: IncidentResolved) -> str | None:
     """Why the coordinator rejects this resolution (``_on_incident_resolved``): an
     unknown outcome still unsettled is answered only with COMMITTED or NOT_FOUND;
-    anything else leaves the incident open, waiting for a person."""
+    anything else leaves the incident open, waiting for a person. An ended saga's
+    incident too counts its first resolution only (``coordinator.shell._resolve_ended``),
+    and one naming no incident of the saga is refused whether it runs or not."""
     incident = saga.open_incidents.get(r.incident_id)
-    if incident is None and saga.terminal_status is None:
+    if incident is None:
         # Settled before, by a person or the ledger: the coordinator acts on the first
         # resolution only and refuses this one (``_on_incident_resolved``).
         first = saga.resolved_incidents.get(r.incident_id)
@@ -720,7 +722,8 @@ def _resolution_refused(saga: SagaView, r: IncidentResolved) -> str | None:
                 f"incident {r.incident_id} is already resolved ({how}); the resolution by "
                 f"{r.resolved_by} ({r.resolution}) does not count"
             )
-    if incident is None or incident.kind not in SETTLES_UNKNOWN or incident.step_id is None:
+        return f"no open incident {r.incident_id} in saga {saga.saga_id}"
+    if incident.kind not in SETTLES_UNKNOWN or incident.step_id is None:
         return None
     step = saga.steps.get(incident.step_id)
     if step is None or step.state != "unknown":
