@@ -169,7 +169,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 @_one_line_errors
 def _cmd_show(args: argparse.Namespace) -> int:
-    from sagaline.ops.receipts import render_receipt_text
+    from sagaline.ops.receipts import later_resolutions, render_receipt_text
 
     settings, bootstrap = configured_broker("sagaline")
     unreadable: list[str] = []
@@ -195,7 +195,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
                 orjson.dumps(receipt.model_dump(mode="json"), option=orjson.OPT_INDENT_2).decode()
             )
         else:
-            print(render_receipt_text(receipt))
+            print(render_receipt_text(receipt, later_resolutions(receipt, records)))
         return 0
     # Not terminal yet: the ledger so far, which is what the coordinator folds.
     if args.json:

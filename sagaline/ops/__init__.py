@@ -46,6 +46,7 @@ from sagaline.ops.receipts import (
     describe_receipt,
     format_duration,
     format_ms,
+    later_resolutions,
     render_receipt_html,
     render_receipt_text,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "format_ms",
     "grant_approval",
     "incident_resolved",
+    "later_resolutions",
     "render_receipt_html",
     "render_receipt_text",
     "resolve_incident",

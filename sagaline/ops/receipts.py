@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import datetime as _dt
 import html
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from schemas.models import Reversibility, TerminalStatus
+from schemas.models import IncidentResolved, Record, Reversibility, SagaTerminal, TerminalStatus
 from schemas.receipt import ApprovalRecord, Disposition, Receipt, StepReceipt
 
 
@@ -142,13 +143,41 @@ def _approval_words(a: ApprovalRecord) -> str:
     )
 
 
-def describe_receipt(receipt: Receipt) -> ReceiptStory:
-    """The one description both renderers print."""
+def later_resolutions(receipt: Receipt, records: Iterable[Record]) -> dict[str, str]:
+    """How each incident the saga left open at its end was resolved since, from the
+    saga's ledger records (in log order): the first resolution after the terminal
+    record, of the saga's tenant, as the coordinator counts it
+    (``coordinator.shell._resolve_ended``). Incident id -> "resolution (by whom)"."""
+    left_open = {i.incident_id for i in receipt.incidents if not i.resolved}
+    out: dict[str, str] = {}
+    ended = False
+    for record in records:
+        if isinstance(record, SagaTerminal):
+            ended = True
+        elif (
+            ended
+            and isinstance(record, IncidentResolved)
+            and record.incident_id in left_open
+            and record.incident_id not in out
+            and record.envelope.tenant_id == receipt.tenant_id
+        ):
+            out[record.incident_id] = f"{record.resolution} (by {record.resolved_by})"
+    return out
+
+
+def describe_receipt(
+    receipt: Receipt, resolved_after: Mapping[str, str] | None = None
+) -> ReceiptStory:
+    """The one description both renderers print. ``resolved_after``: incidents the
+    saga left open and a person resolved after its end (incident id -> how, e.g. from
+    :func:`later_resolutions`); they are told as resolved, not as pending."""
     done: list[Item] = []
     undone: list[Item] = []
     irreversible: list[Item] = []
     pending: list[Item] = []
     not_committed: list[Item] = []
+    settled: list[Item] = []  # handed to a person at the end, resolved since
+    later = dict(resolved_after or {})
 
     open_incidents = {i.incident_id: i for i in receipt.incidents if not i.resolved}
     told: set[str] = set()  # the ``unresolved`` entries the pending items already name
@@ -173,6 +202,17 @@ def describe_receipt(receipt: Receipt) -> ReceiptStory:
             ref = f" (incident {step.incident_id})" if step.incident_id else ""
             raised = open_incidents.pop(step.incident_id or "", None)
             told.add(step.step_id)
+            if raised is not None and raised.incident_id in later:
+                told.add(f"incident:{raised.incident_id}")
+                settled.append(
+                    Item(
+                        f"{name} was handed to {step.owner}{ref}, resolved after the saga "
+                        f"ended: {later[raised.incident_id]}.",
+                        _forward_details(step)
+                        + (_compensation_details(step) if step.compensation else ()),
+                    )
+                )
+                continue
             what = ""
             if raised is not None:
                 told.add(f"incident:{raised.incident_id}")
@@ -207,6 +247,15 @@ def describe_receipt(receipt: Receipt) -> ReceiptStory:
 
     for incident in open_incidents.values():  # those not already told with their step
         told.add(f"incident:{incident.incident_id}")
+        if incident.incident_id in later:
+            settled.append(
+                Item(
+                    f"Incident {incident.incident_id} ({incident.kind}) was resolved after the "
+                    f"saga ended: {later[incident.incident_id]}.",
+                    (f"owner {incident.owner}; {incident.inconsistency}",),
+                )
+            )
+            continue
         where = f" on {', '.join(incident.resources)}" if incident.resources else ""
         pending.append(
             Item(
@@ -226,7 +275,7 @@ def describe_receipt(receipt: Receipt) -> ReceiptStory:
         )
         for a in receipt.approvals
     )
-    resolved = tuple(
+    resolved = tuple(settled) + tuple(
         Item(
             f"Incident {i.incident_id} ({i.kind}) was resolved: {i.resolution or 'no note'}.",
             (f"owner {i.owner}; {i.inconsistency}",),
@@ -248,7 +297,12 @@ def describe_receipt(receipt: Receipt) -> ReceiptStory:
         (s.owner for s in receipt.steps if s.disposition is Disposition.ESCALATED), None
     )
     headline = f"Saga {receipt.saga_id} ({receipt.workflow}) {_HEADLINES[receipt.status]}"
-    if owner and receipt.status is TerminalStatus.ESCALATED:
+    if receipt.status is TerminalStatus.ESCALATED and settled and not pending:
+        headline = (
+            f"Saga {receipt.saga_id} ({receipt.workflow}) was escalated; what it left for a "
+            "person has since been resolved (see 'Resolved incidents')."
+        )
+    elif owner and receipt.status is TerminalStatus.ESCALATED:
         headline += f" Owner: {owner}."
     facts = (
         ("saga", receipt.saga_id),
@@ -277,9 +331,9 @@ def describe_receipt(receipt: Receipt) -> ReceiptStory:
     )
 
 
-def render_receipt_text(receipt: Receipt) -> str:
+def render_receipt_text(receipt: Receipt, resolved_after: Mapping[str, str] | None = None) -> str:
     """The receipt as plain text for a terminal (``sagaline saga show``)."""
-    story = describe_receipt(receipt)
+    story = describe_receipt(receipt, resolved_after)
     lines = [story.headline, ""]
     for section in story.sections:
         lines.append(f"{section.title}:")
@@ -293,9 +347,9 @@ def render_receipt_text(receipt: Receipt) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_receipt_html(receipt: Receipt) -> str:
+def render_receipt_html(receipt: Receipt, resolved_after: Mapping[str, str] | None = None) -> str:
     """The receipt as an HTML fragment (no <html> wrapper) for the dashboard."""
-    story = describe_receipt(receipt)
+    story = describe_receipt(receipt, resolved_after)
     e = html.escape
     status = story.status.value.lower()
     parts = [

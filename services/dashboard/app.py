@@ -504,7 +504,13 @@ def _saga_fragment(saga: SagaView, now: int, viewer: Viewer = DEV) -> str:
         for s in saga.steps.values()
     )
     if saga.receipt is not None:
-        receipt = render_receipt_html(saga.receipt)
+        # Resolutions the view counts (the coordinator's first, of the saga's tenant);
+        # only those of incidents the receipt left open change what it tells.
+        later = {
+            incident_id: f"{r.resolution} (by {r.resolved_by})"
+            for incident_id, r in saga.resolved_incidents.items()
+        }
+        receipt = render_receipt_html(saga.receipt, later)
     elif saga.receipt_error:
         receipt = f'<p class="notice error">{_e(saga.receipt_error)}</p>'
     else:
