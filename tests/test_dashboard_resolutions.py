@@ -14,11 +14,20 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from dashboard_scenarios import escalated, unknown_outcome
+from dashboard_scenarios import SagaScript, escalated, unknown_outcome
 from starlette.testclient import TestClient
 
 from sagaline.kafka import create_producer, ensure_topics
-from schemas import IncidentResolved, Record, SagaEndRequested, SagaOutcome
+from schemas import (
+    FailureKind,
+    IncidentResolved,
+    Record,
+    SagaEndRequested,
+    SagaOutcome,
+    SagaStarted,
+    TerminalStatus,
+)
+from schemas.receipt import Disposition
 from schemas.settings import Settings
 from schemas.wire import to_message
 from services.dashboard import Dashboard
@@ -108,3 +117,41 @@ def test_resolutions_the_coordinator_refuses_after_the_end_are_not_counted() -> 
     assert view.resolved_incidents[incident_id] == first
     assert len(view.refused) == 2, view.refused
     assert "already resolved (restocked (by alice))" in view.refused[0]
+
+
+def _restamped(saga: SagaScript, generation: int) -> None:
+    """The record just added, written under ``generation`` (a later run of the saga)."""
+    last = saga.records[-1]
+    envelope = last.envelope.model_copy(update={"generation": generation})
+    saga.records[-1] = last.model_copy(update={"envelope": envelope})
+
+
+def test_a_superseded_runs_late_records_are_not_measured() -> None:
+    """The agent restarted the saga (generation 2) while a step's first run was in
+    flight; that run's failure arrived after the restart. The coordinator refuses it
+    stale-generation and measures nothing; the view left it out too, but the
+    dashboard's measures took it as the saga's first failure signal: a failure-free
+    completed saga showed a disclosure latency and a recovery time."""
+    saga = SagaScript("s-rerun").start()
+    saga.schedule("1", "place_hold", amount_cents=500)
+    saga.intent("1")
+    saga.add(SagaStarted, workflow=saga.workflow, principal=saga.principal)
+    _restamped(saga, 2)
+    saga.fail("1", FailureKind.TRANSIENT)  # the first run's late answer: generation 1
+    saga.intent("1", attempt=2)
+    _restamped(saga, 2)
+    saga.commit("1", attempt=2)
+    _restamped(saga, 2)
+    saga.add(SagaEndRequested, outcome=SagaOutcome.COMPLETE)
+    _restamped(saga, 2)
+    saga.step_receipt("1", Disposition.RETAINED, forward_attempts=2)
+    saga.terminal(TerminalStatus.COMPLETED)
+    _restamped(saga, 2)
+    state = DashboardState()
+    for record in saga.records:
+        state.apply(record)
+    assert state.sagas["s-rerun"].status.slug == "completed"
+    assert state.stale_records == 1
+    measures = state.metrics.snapshot()
+    assert measures.disclosure_latency == {}
+    assert measures.time_to_recovery == {}

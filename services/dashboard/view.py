@@ -320,6 +320,11 @@ class DashboardState:
         known = self.sagas.get(record.saga_id)
         if known is None:
             return not isinstance(record, ApprovalGranted | ApprovalDenied)
+        if (
+            record.envelope.generation < known.generation
+            and record.envelope.producer != COORDINATOR_PRODUCER
+        ):
+            return False  # a superseded run's: refused stale-generation (R15)
         if _refusal(known, record, self.bind_writers) is not None:
             return False
         if isinstance(record, ApprovalGranted):
