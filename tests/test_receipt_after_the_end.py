@@ -6,6 +6,8 @@ resolved it (the coordinator counts that resolution: its measures, the incident 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from dashboard_scenarios import SagaScript
 from starlette.testclient import TestClient
@@ -17,7 +19,10 @@ from schemas.settings import Settings
 from schemas.wire import to_message
 from services.cli import main
 from services.dashboard.app import create_app
+from services.dashboard.timeline import PLOT_X0, PLOT_X1, render_timeline_svg
 from services.dashboard.view import DashboardState
+
+DAY = 86_400_000
 
 
 def _escalated_then_resolved(saga_id: str) -> SagaScript:
@@ -72,3 +77,22 @@ def test_saga_show_and_the_dashboard_tell_an_incident_resolved_after_the_end(
     page = TestClient(create_app(state)).get(f"/sagas/{saga.saga_id}").text
     assert "is still in effect" not in page
     assert "restocked by hand (by alice)" in page
+
+
+def test_the_timeline_of_a_saga_resolved_days_later_still_shows_the_saga() -> None:
+    """A resolution two days after the end is no bar or marker of the timeline, yet
+    its time stretched the time axis: the whole saga (seconds long) was squeezed into
+    a sliver at the left edge, its terminal line on top of its start."""
+    saga = _escalated_then_resolved("s-resolved-later")
+    last = saga.records[-1]
+    later = last.envelope.model_copy(update={"occurred_at": last.envelope.occurred_at + 2 * DAY})
+    saga.records[-1] = last.model_copy(update={"envelope": later})
+    state = DashboardState()
+    for record in saga.records:
+        state.apply(record)
+    view = state.sagas["s-resolved-later"]
+    svg = render_timeline_svg(view, now=view.last_at)
+    found = re.search(r'class="terminal-marker"><line x1="([0-9.]+)"', svg)
+    assert found is not None
+    # The terminal record is the saga's last drawn moment: at the right end of the plot.
+    assert float(found.group(1)) > (PLOT_X0 + PLOT_X1) / 2, found.group(0)

@@ -82,7 +82,9 @@ class _Scale:
 
 def _bounds(saga: SagaView, now: int) -> tuple[int, int]:
     starts = [saga.started_at] if saga.started_at is not None else []
-    ends: list[int] = [saga.last_at]
+    # An ended saga's axis ends with what is drawn: records after its terminal one (a
+    # resolution days later) are no bar and would squeeze the saga into a sliver.
+    ends: list[int] = [saga.last_at] if saga.terminal_at is None else []
     for step in saga.steps.values():
         if step.scheduled_at is not None:
             starts.append(step.scheduled_at)
