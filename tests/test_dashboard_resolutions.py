@@ -20,6 +20,7 @@ from starlette.testclient import TestClient
 from sagaline.kafka import create_producer, ensure_topics
 from schemas import (
     FailureKind,
+    IncidentRaised,
     IncidentResolved,
     Record,
     SagaEndRequested,
@@ -81,12 +82,12 @@ def test_a_resolution_read_first_on_the_incident_feed_is_still_measured(
     state = dashboard.state
     with TestClient(dashboard.app, base_url="http://localhost"):
         _until(dashboard.follower.caught_up.is_set, "the dashboard to catch up")
-        # The feed's copy first, as a restart often reads it ...
-        _publish(kafka_bootstrap, settings, [(resolved, ["incidents"])])
-        _until(
-            lambda: incident_id not in state.sagas["s-feed-first"].open_incidents,
-            "the feed's copy to be folded",
-        )
+        # The feed's copy first, as a restart often reads it (another saga's incident
+        # after it on the feed, to know it was read) ...
+        other = unknown_outcome("s-other").records
+        later = next(r for r in other if isinstance(r, IncidentRaised))
+        _publish(kafka_bootstrap, settings, [(resolved, ["incidents"]), (later, ["incidents"])])
+        _until(lambda: "s-other" in state.sagas, "the feed's copy to be read")
         # ... then the ledger's record (and the agent's next one, to know it was read).
         _publish(kafka_bootstrap, settings, [(resolved, ["events"]), (ended, ["events"])])
         _until(lambda: state.sagas["s-feed-first"].end_requested, "the ledger to be read")
@@ -155,3 +156,33 @@ def test_a_superseded_runs_late_records_are_not_measured() -> None:
     measures = state.metrics.snapshot()
     assert measures.disclosure_latency == {}
     assert measures.time_to_recovery == {}
+
+
+@pytest.mark.kafka
+def test_an_unknown_outcome_resolved_committed_is_not_shown_unknown_after_a_restart(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    """A restart reads the short incident feed long before the ledger's records of the
+    saga: the feed's copy of a COMMITTED resolution was folded while the step was not
+    yet unknown in the view (its StepOutcomeUnknown still unread), so it settled
+    nothing; the ledger's record was then a duplicate, and the saga, which the
+    coordinator had moved on, showed "unknown outcome" until it ended."""
+    settings = Settings(bootstrap=kafka_bootstrap, topic_prefix=unique_prefix,
+                        hmac_key=b"dashboard-test-key", partitions=1)  # fmt: skip
+    ensure_topics(kafka_bootstrap, settings.topics, partitions=1)
+    saga = unknown_outcome("s-restarted")
+    incident_id = saga.incidents[0].incident_id
+    saga.add(IncidentResolved, incident_id=incident_id, resolved_by="carol", resolution="COMMITTED")
+    saga.add(SagaEndRequested, outcome=SagaOutcome.COMPLETE)
+    feed = [r for r in saga.records if isinstance(r, IncidentRaised | IncidentResolved)]
+    dashboard = Dashboard(kafka_bootstrap, settings)
+    state = dashboard.state
+    with TestClient(dashboard.app, base_url="http://localhost"):
+        _until(dashboard.follower.caught_up.is_set, "the dashboard to start")
+        _publish(kafka_bootstrap, settings, [(r, ["incidents"]) for r in feed])
+        _until(lambda: "s-restarted" in state.sagas, "the feed to be read")
+        _publish(kafka_bootstrap, settings, [(r, ["events"]) for r in saga.records])
+        _until(lambda: state.sagas["s-restarted"].end_requested, "the ledger to be read")
+        view = state.sagas["s-restarted"]
+        assert (view.status.slug, view.steps["2"].state) == ("running", "committed")
+        assert view.open_incidents == {}

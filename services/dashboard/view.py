@@ -266,6 +266,13 @@ class DashboardState:
         for a record already applied (a duplicate) or of a superseded generation."""
         with self.lock:
             event_id = record.event_id
+            if not from_ledger and isinstance(record, IncidentResolved):
+                # The incident feed's copy of a resolution is on the ledger too (which
+                # outlives the feed). What it settles depends on the step's state when
+                # the coordinator read it; read early (a restart reads the short feed
+                # before the ledger's earlier records) it would settle nothing, so only
+                # the ledger's record, in the saga's order, is folded.
+                return False
             if from_ledger:
                 if event_id in self._seen_on_ledger:
                     # The same fact twice in the ledger: consumers deduplicate it (R15).
