@@ -1345,17 +1345,14 @@ class Saga:
         """The approval request of ``step_id`` as soon as the coordinator records it
         (an IRREVERSIBLE step, R7); None when the step ends first or within
         ``timeout_s`` nothing is requested."""
+        found = self.client._ledger.wait_for(self.saga_id, _approval_check(step_id), timeout_s)
+        return found if isinstance(found, ApprovalRequested) else None
 
-        def check(record: Record) -> Any:
-            if getattr(record, "step_id", step_id) != step_id:
-                return None  # another step's record
-            if isinstance(record, ApprovalRequested):
-                return record
-            if isinstance(record, (StepCommitted, StepFailed, IncidentRaised, SagaTerminal)):
-                return False  # the step ended without asking
-            return None
-
-        found = self.client._ledger.wait_for(self.saga_id, check, timeout_s)
+    async def aapproval_request(self, step_id: str, timeout_s: float) -> ApprovalRequested | None:
+        """:meth:`approval_request` for asyncio (the waiter is a future, not a thread)."""
+        found = await self.client._ledger.wait_for_async(
+            self.saga_id, _approval_check(step_id), timeout_s
+        )
         return found if isinstance(found, ApprovalRequested) else None
 
     def resume(self, step_id: str, timeout_s: float | None = None) -> Any:
@@ -1793,6 +1790,22 @@ class AsyncSaga:
         return await self._saga.await_terminal(timeout_s)
 
     await_terminal = wait
+
+
+def _approval_check(step_id: str) -> Callable[[Record], Any]:
+    """What ends a wait for ``step_id``'s approval request: the request, or ``False``
+    once the step ended without asking."""
+
+    def check(record: Record) -> Any:
+        if getattr(record, "step_id", step_id) != step_id:
+            return None  # another step's record
+        if isinstance(record, ApprovalRequested):
+            return record
+        if isinstance(record, (StepCommitted, StepFailed, IncidentRaised, SagaTerminal)):
+            return False  # the step ended without asking
+        return None
+
+    return check
 
 
 def _tool_name(tool: str | ToolSpec | Callable[..., Any]) -> str:

@@ -576,6 +576,8 @@ class FakeSaga:
         self.release = threading.Event()  # what would end a real wait: a record
         self.ended: list[SagaOutcome] = []
         self.attached_on_loop: list[bool] = []
+        self.wakers: list[Any] = []  # the async waits on the saga, woken with release
+        self.waits_in_threads: list[str] = []  # sync waits the proxy ran (in threads)
 
     def __enter__(self) -> FakeSaga:
         return self
@@ -604,9 +606,43 @@ class FakeSaga:
         # end, records that never come for a step never written; then None.
         self.approval_wait_ran_out.append(not self.release.wait(timeout_s))
 
+    async def acall(self, name: str, *, step_id: str, **args: Any) -> Any:
+        return self.call(name, step_id=step_id, **args)
+
+    async def aapproval_request(self, step_id: str, timeout_s: float) -> None:
+        # As approval_request, as a future woken by the saga's records, not a thread.
+        self.approval_wait_ran_out.append(not await self.released(timeout_s))
+
+    async def await_terminal(self, timeout_s: float) -> Any:
+        return await asyncio.to_thread(self.wait, timeout_s)
+
+    async def released(self, timeout_s: float) -> bool:
+        """Whether release came within timeout_s: an async wait, as the real client's."""
+        loop = asyncio.get_running_loop()
+        woken: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:
+            with suppress(RuntimeError):  # its loop has closed since
+                loop.call_soon_threadsafe(lambda: woken.done() or woken.set_result(None))
+
+        self.wakers.append(wake)
+        if self.release.is_set():
+            wake()
+        try:
+            await asyncio.wait_for(woken, timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def let_go(self) -> None:
+        """End every wait on the saga (sync and async)."""
+        self.release.set()
+        for wake in list(self.wakers):
+            wake()
+
     def end(self, outcome: SagaOutcome, reason: str) -> None:
         self.ended.append(outcome)
-        self.release.set()  # its terminal record ends every wait on the saga
+        self.let_go()  # its terminal record ends every wait on the saga
 
     def wait(self, timeout_s: float) -> Any:
         from types import SimpleNamespace
@@ -627,6 +663,40 @@ class FakeClient:
 
     def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
         saga = FakeSaga(saga_id or f"s-{len(self.sagas) + 1}", self.answer)
+        self.sagas.append(saga)
+        return saga
+
+
+class AwaitsApproval(FakeSaga):
+    """An IRREVERSIBLE step's saga: its approval is requested at once, and the step's
+    wait lasts until a person answers (release), as the real client's does."""
+
+    def call(self, name: str, *, step_id: str, **args: Any) -> Any:
+        self.calls.append(step_id)
+        self.waits_in_threads.append(step_id)
+        self.release.wait(120)  # waits for a person, as the real call does
+        return {"ok": step_id}
+
+    def approval_request(self, step_id: str, timeout_s: float) -> Any:
+        from types import SimpleNamespace
+
+        self.waits_in_threads.append(f"approval of {step_id}")
+        return SimpleNamespace(approval_id="ap-1", step_id=step_id)
+
+    async def acall(self, name: str, *, step_id: str, **args: Any) -> Any:
+        self.calls.append(step_id)
+        await self.released(120)  # waits for a person, as the real call does
+        return {"ok": step_id}
+
+    async def aapproval_request(self, step_id: str, timeout_s: float) -> Any:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(approval_id="ap-1", step_id=step_id)
+
+
+class AwaitingClient(FakeClient):
+    def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
+        saga = AwaitsApproval(saga_id or f"s-{len(self.sagas) + 1}", None)
         self.sagas.append(saga)
         return saga
 
@@ -697,6 +767,39 @@ def test_an_irreversible_call_refused_before_it_is_written_does_not_wait_for_an_
         "answered only after the wait for an approval that cannot come"
     )
     assert result.is_error and "over the limit" in _text(result), _text(result)
+
+
+def test_steps_awaiting_approval_hold_no_thread_each_so_the_proxy_keeps_serving_R7(
+    tmp_path: Path,
+) -> None:
+    """Without elicitation an IRREVERSIBLE call answers "awaiting approval" at once,
+    but its step's wait goes on until a person answers (or the client's call
+    timeout). Each such wait, and each wait for an approval request, was a thread of
+    the event loop's default executor (min(32, CPUs + 4) of them), which every saga
+    start, end and restart also needs: a few approvals nobody had answered yet took
+    them all, and the proxy stopped answering. The waits are futures, not threads."""
+    client = AwaitingClient()
+    proxy = _fake_proxy(tmp_path, client)
+
+    async def run() -> list[types.CallToolResult]:
+        try:
+            results = []
+            for n in range(3):
+                args = {"to": f"c{n}@example.com", "body": "b"}
+                params = types.CallToolRequestParams(name="send_email", arguments=args)
+                results.append(await proxy._call_tool(_no_elicitation(), params))
+            return results
+        finally:
+            for saga in client.sagas:
+                saga.let_go()
+
+    results = asyncio.run(run())
+    (saga,) = client.sagas
+    assert [(r.structured_content or {}).get("status") for r in results] == [
+        "awaiting_approval"
+    ] * 3, [_text(r) for r in results]
+    assert saga.calls == ["01-send_email", "02-send_email", "03-send_email"]
+    assert saga.waits_in_threads == [], "waits held a thread each"
 
 
 def test_a_timed_out_step_is_reported_as_an_unknown_outcome_not_as_a_failure_R11(
@@ -1316,21 +1419,6 @@ def test_an_approval_the_client_fails_to_ask_is_awaited_like_one_without_elicita
 
     from mcp.shared.exceptions import MCPError
 
-    class AwaitsApproval(FakeSaga):
-        def call(self, name: str, *, step_id: str, **args: Any) -> Any:
-            self.calls.append(step_id)
-            self.release.wait(120)  # waits for a person, as the real call does
-            return {"ok": step_id}
-
-        def approval_request(self, step_id: str, timeout_s: float) -> Any:
-            return SimpleNamespace(approval_id="ap-1", step_id=step_id)
-
-    class Client(FakeClient):
-        def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
-            saga = AwaitsApproval(saga_id or f"s-{len(self.sagas) + 1}", None)
-            self.sagas.append(saga)
-            return saga
-
     async def elicit_form(message: str, schema: Any) -> Any:
         raise MCPError(-32603, "the client could not show the form")
 
@@ -1341,16 +1429,16 @@ def test_an_approval_the_client_fails_to_ask_is_awaited_like_one_without_elicita
             elicit_form=elicit_form,
         )
     )
-    client = Client()
+    client = AwaitingClient()
     proxy = _fake_proxy(tmp_path, client)
     params = types.CallToolRequestParams(name="send_email", arguments={"to": "a", "body": "b"})
 
     async def run() -> types.CallToolResult:
         try:
             return await proxy._call_tool(ctx, params)
-        finally:  # the person never comes: let the call's thread go
+        finally:  # the person never comes: let the call's wait go
             for saga in client.sagas:
-                saga.release.set()
+                saga.let_go()
 
     result = asyncio.run(run())
     assert not result.is_error and result.structured_content is not None, _text(result)
@@ -1450,21 +1538,6 @@ def test_an_elicitation_nobody_answers_does_not_hold_the_session_for_good_R7(
     approves with `sagaline approve`), the saga stays open, and the session serves."""
     from types import SimpleNamespace
 
-    class AwaitsApproval(FakeSaga):
-        def call(self, name: str, *, step_id: str, **args: Any) -> Any:
-            self.calls.append(step_id)
-            self.release.wait(120)  # waits for a person, as the real call does
-            return {"ok": step_id}
-
-        def approval_request(self, step_id: str, timeout_s: float) -> Any:
-            return SimpleNamespace(approval_id="ap-1", step_id=step_id)
-
-    class Client(FakeClient):
-        def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
-            saga = AwaitsApproval(saga_id or f"s-{len(self.sagas) + 1}", None)
-            self.sagas.append(saga)
-            return saga
-
     never = asyncio.Event()
 
     async def elicit_form(message: str, schema: Any) -> Any:
@@ -1477,7 +1550,7 @@ def test_an_elicitation_nobody_answers_does_not_hold_the_session_for_good_R7(
             elicit_form=elicit_form,
         )
     )
-    client = Client()
+    client = AwaitingClient()
     proxy = _fake_proxy(tmp_path, client, approval_wait_s=0.5)
     params = types.CallToolRequestParams(name="send_email", arguments={"to": "a", "body": "b"})
 
@@ -1490,7 +1563,7 @@ def test_an_elicitation_nobody_answers_does_not_hold_the_session_for_good_R7(
             return asked, after
         finally:
             for saga in client.sagas:
-                saga.release.set()
+                saga.let_go()
 
     asked, after = asyncio.run(run())
     assert asked.structured_content is not None, _text(asked)

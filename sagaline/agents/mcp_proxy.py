@@ -885,9 +885,10 @@ class McpProxy:
         step_id = f"{self.session.next_step:02d}-{name}"
         self.session.next_step += 1
         self.session.save()
-        call = asyncio.ensure_future(
-            asyncio.to_thread(lambda: saga.call(name, step_id=step_id, **args))
-        )
+        # A future, not a thread: a step awaiting a person's approval goes on waiting
+        # after the agent was answered, and a thread each would soon take all of the
+        # default executor's, which every saga start and end needs.
+        call = asyncio.ensure_future(saga.acall(name, step_id=step_id, **args))
         if mapping.reversibility is Reversibility.IRREVERSIBLE:
             outcome = await self._approval(ctx, saga, step_id, call)
             if outcome is not None:
@@ -948,12 +949,10 @@ class McpProxy:
         """An IRREVERSIBLE step: ask the person through elicitation if the client can,
         else answer "awaiting approval" (the saga stays open). A call that ends first
         (refused or never written, so no approval will be asked) is answered at once."""
-        asking = asyncio.ensure_future(
-            asyncio.to_thread(saga.approval_request, step_id, self.approval_wait_s)
-        )
+        asking = asyncio.ensure_future(saga.aapproval_request(step_id, self.approval_wait_s))
         await asyncio.wait({call, asking}, return_when=asyncio.FIRST_COMPLETED)
         if not asking.done():
-            _forget(asking)  # its thread ends with the saga or its wait
+            asking.cancel()  # nothing more to ask for
             return None  # the call ended without asking: see its outcome
         request = asking.result()
         if request is None:
@@ -1077,7 +1076,7 @@ class McpProxy:
                 " until its end is acknowledged.",
             }
         try:
-            receipt = await asyncio.to_thread(saga.wait, self.receipt_wait_s)
+            receipt = await saga.await_terminal(self.receipt_wait_s)  # a future, no thread
         except TimeoutError as exc:
             log.warning("saga %s ended without its receipt in time: %s", saga.saga_id, exc)
             return pending
@@ -1189,7 +1188,7 @@ def _awaiting(saga: Saga, step_id: str, detail: str) -> types.CallToolResult:
 
 
 def _forget(call: asyncio.Future[Any]) -> None:
-    """The call (or wait) goes on in its thread; its eventual error is nobody's."""
+    """The call (or wait) goes on; its eventual error is nobody's."""
     call.add_done_callback(lambda f: f.exception() if not f.cancelled() else None)
 
 
