@@ -561,6 +561,28 @@ def test_an_argument_named_like_a_saga_call_option_is_refused_not_obeyed(world: 
     assert "charge" not in world.log()
 
 
+def test_a_call_refused_before_anything_is_written_leaves_the_saga_usable(world: World) -> None:
+    """Arguments the saga client refuses before writing anything (here over
+    SAGALINE_MAX_ARGS_BYTES) ran nothing and have nothing to undo: the agent gets a
+    tool error to correct, and the saga goes on with its earlier effects kept, instead
+    of being aborted and every earlier effect compensated."""
+
+    async def run() -> tuple[types.CallToolResult, dict[str, Any]]:
+        async with world.proxy() as session:
+            await session.call_tool("create_ticket", {"title": "keep me"})
+            refused = await session.call_tool("create_ticket", {"title": "x" * 300_000})
+            await session.call_tool("charge", {"amount": 40})
+            await session.call_tool("saga_commit", {})
+            return refused, await _receipt(session)
+
+    refused, receipt = asyncio.run(run())
+    assert world.log() == ["create_ticket", "charge"]  # nothing undone
+    assert refused.is_error and "max_args_bytes" in _text(refused).lower(), _text(refused)
+    assert "nothing was called" in _text(refused), _text(refused)
+    assert receipt["status"] == "COMPLETED"
+    assert [s["tool"] for s in receipt["steps"]] == ["create_ticket", "charge"]
+
+
 # ------------------------------------------------- the proxy's saga handling, in-process
 # A fake saga client stands in for the ledger: these tests pin what the proxy does
 # with each answer saga.call can give, which the broker cannot be made to give at will.

@@ -52,6 +52,7 @@ from mcp.server.stdio import stdio_server
 from participants.catalogue import Catalogue, wrap
 from participants.client import (
     ApprovalPending,
+    CallRefused,
     InvalidSagaId,
     OutcomeUnknown,
     Saga,
@@ -91,6 +92,7 @@ RECEIPT_URI = "sagaline://saga/receipt"
 SAGA_TOOLS = ("saga_commit", "saga_abort", "saga_check_plan")
 RECEIPT_PENDING = "RECEIPT_PENDING"  # the saga was ended; its receipt is not in yet
 END_NOT_ACKNOWLEDGED = "END_NOT_ACKNOWLEDGED"  # the end may or may not be on the ledger
+SAGA_NOT_STARTED = "saga-not-started"  # CallRefused.limit: the client does not know the saga
 
 __all__ = ["RECEIPT_URI", "McpProxy", "UpstreamOutcomeUnknown", "UpstreamRejected", "main"]
 
@@ -912,16 +914,32 @@ class McpProxy:
                 f" effects (status {receipt.get('status')}); read {RECEIPT_URI}.",
                 error=True,
             )
-        except SagaCallError as exc:
-            receipt = await self._finish(SagaOutcome.ABORT, f"{name} failed: {exc}")
-            if receipt.get("status") == END_NOT_ACKNOWLEDGED:
-                return _text(f"{name} failed: {exc}. {receipt['note']}", error=True)
+        except CallRefused as exc:
+            if exc.limit == SAGA_NOT_STARTED:  # the saga itself cannot go on
+                return await self._failed(saga, name, exc)
+            # Refused before anything was written (its arguments, the step limit):
+            # nothing ran, nothing to undo, so the saga goes on and the agent may
+            # correct the call.
             return _text(
-                f"{name} failed: {exc}. The saga {saga.saga_id} was aborted and its earlier"
-                f" effects compensated (status {receipt.get('status')}); read {RECEIPT_URI}.",
+                f"{name} was refused: {exc}; nothing was called. The saga {saga.saga_id}"
+                f" stays open with its earlier effects: call {name} again with other"
+                " arguments, or end the saga (saga_commit / saga_abort).",
                 error=True,
             )
+        except SagaCallError as exc:
+            return await self._failed(saga, name, exc)
         return _value(value)
+
+    async def _failed(self, saga: Saga, name: str, exc: SagaCallError) -> types.CallToolResult:
+        """A write that did not commit: the saga is aborted, its earlier effects undone."""
+        receipt = await self._finish(SagaOutcome.ABORT, f"{name} failed: {exc}")
+        if receipt.get("status") == END_NOT_ACKNOWLEDGED:
+            return _text(f"{name} failed: {exc}. {receipt['note']}", error=True)
+        return _text(
+            f"{name} failed: {exc}. The saga {saga.saga_id} was aborted and its earlier"
+            f" effects compensated (status {receipt.get('status')}); read {RECEIPT_URI}.",
+            error=True,
+        )
 
     def _started(self, saga: Saga, start: asyncio.Future[Any]) -> None:
         """The session's part of starting ``saga`` (on the loop, once it started): it
