@@ -1965,3 +1965,28 @@ def test_upstream_arguments_that_are_no_python_names_are_served_under_their_own_
     finally:
         client.close()
     assert "k-5150" not in body.decode() and "ann@example.com" in body.decode()
+
+
+def test_the_session_file_is_on_disk_before_it_replaces_the_last_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The open saga's id is what a restarted proxy continues. It was written to a
+    temporary file renamed over the last one with nothing flushed: after a crash of
+    the machine the rename may be on disk and the data not (an empty or torn file,
+    set aside at the next start, the saga's id lost and the saga open for good). The
+    temporary file is synced before the rename, and its directory after."""
+    from sagaline.agents.mcp_proxy import _Session
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    path = tmp_path / "state" / "desk" / "mcp-session.json"
+    session = _Session(path, saga=FakeSaga("s-1", None), next_step=4)  # type: ignore[arg-type]
+    session.save()
+    assert json.loads(path.read_text()) == {"saga_id": "s-1", "next_step": 4}
+    assert synced == [str(path.with_suffix(".tmp")), str(path.parent)], synced

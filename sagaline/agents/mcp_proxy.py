@@ -608,8 +608,18 @@ class _Session:
         saved: dict[str, Any] = {"saga_id": self.saga.saga_id, "next_step": self.next_step}
         if self.ending is not None:
             saved.update(ending=self.ending.value, ending_reason=self.ending_reason)
-        tmp.write_text(json.dumps(saved))
+        # On disk before it replaces the last one, and the rename too: after a crash
+        # of the machine an unsynced file may be empty or torn, its saga's id lost.
+        with tmp.open("w") as out:
+            out.write(json.dumps(saved))
+            out.flush()
+            os.fsync(out.fileno())
         tmp.replace(self.path)
+        directory = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
 
 
 def _read_saved(path: Path) -> dict[str, Any] | None:
