@@ -463,7 +463,7 @@ DESK = [
     UpstreamTool(
         "delete_ticket", "desk", {"properties": {"ticket_id": {}}, "required": ["ticket_id"]}
     ),
-    UpstreamTool("send_email", "desk", {"properties": {"to": {}}}),
+    UpstreamTool("send_email", "desk", {"properties": {"to": {}, "body": {}}}),
 ]
 
 
@@ -579,6 +579,35 @@ def test_a_call_refused_before_anything_is_written_leaves_the_saga_usable(world:
     assert world.log() == ["create_ticket", "charge"]  # nothing undone
     assert refused.is_error and "max_args_bytes" in _text(refused).lower(), _text(refused)
     assert "nothing was called" in _text(refused), _text(refused)
+    assert receipt["status"] == "COMPLETED"
+    assert [s["tool"] for s in receipt["steps"]] == ["create_ticket", "charge"]
+
+
+def test_arguments_that_do_not_fit_the_tool_are_a_tool_error_not_an_aborted_saga(
+    world: World,
+) -> None:
+    """A model that names an argument the tool does not take, or leaves out a
+    required one, made the proxy schedule the step; the participant refused it (a
+    business rejection) and the whole saga was aborted, every earlier effect undone.
+    Nothing ran: the agent gets a tool error to correct and the saga goes on."""
+
+    async def run() -> tuple[list[types.CallToolResult], dict[str, Any]]:
+        async with world.proxy() as session:
+            await session.call_tool("create_ticket", {"title": "keep me"})
+            bad = [
+                await session.call_tool("create_ticket", {"title": "t", "priority": "high"}),
+                await session.call_tool("charge", {}),
+            ]
+            await session.call_tool("charge", {"amount": 40})
+            await session.call_tool("saga_commit", {})
+            return bad, await _receipt(session)
+
+    bad, receipt = asyncio.run(run())
+    assert world.log() == ["create_ticket", "charge"]  # nothing undone
+    assert all(r.is_error and "nothing was called" in _text(r) for r in bad), [
+        _text(r) for r in bad
+    ]
+    assert "priority" in _text(bad[0]) and "amount" in _text(bad[1])
     assert receipt["status"] == "COMPLETED"
     assert [s["tool"] for s in receipt["steps"]] == ["create_ticket", "charge"]
 

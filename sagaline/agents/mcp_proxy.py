@@ -67,7 +67,7 @@ from participants.declarations import (
     compensable,
     tool,
 )
-from participants.errors import CatalogueError
+from participants.errors import CatalogueError, InvalidArgumentsError
 from participants.plan import check_plan
 from participants.readiness import CoordinatorNotRunning
 from participants.runtime import ParticipantRuntime
@@ -868,6 +868,19 @@ class McpProxy:
         if clash:  # saga.call would take them for its own options: refuse, write nothing
             return _text(
                 f"{name} takes no argument {', '.join(clash)}; nothing was called", error=True
+            )
+        try:
+            # Checked before the step is written: the participant would refuse it, a
+            # failed step, and the saga would be aborted for a call that never ran.
+            self.catalogue[name].validate_args(args)
+        except InvalidArgumentsError as exc:
+            kept = self.session.saga
+            return _text(
+                f"{exc}; nothing was called"
+                + (
+                    f". The saga {kept.saga_id} stays open with its earlier effects" if kept else ""
+                ),
+                error=True,
             )
         if self.session.saga is not None and self.session.ending is not None:
             # A step scheduled after an end that lands is rejected by the coordinator.
