@@ -853,6 +853,72 @@ def test_steps_awaiting_approval_hold_no_thread_each_so_the_proxy_keeps_serving_
     assert saga.waits_in_threads == [], "waits held a thread each"
 
 
+def test_an_approval_given_after_the_steps_wait_ran_out_returns_the_steps_outcome_R7(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The person answers the elicitation after the step's own wait (the client's call
+    timeout, 60 s; the form may stay up to 600 s) ran out with ApprovalPending. The
+    approval is granted and the step runs, so the agent must get its outcome, not
+    "awaiting approval ... it runs once approved" for a call already approved."""
+    from types import SimpleNamespace
+
+    import sagaline.ops.actions as actions
+    from participants.client import ApprovalPending
+
+    granted: list[str] = []
+    monkeypatch.setattr(
+        actions.OperatorChannel,
+        "from_settings",
+        classmethod(lambda cls, *a: SimpleNamespace(close=lambda: None)),
+    )
+    monkeypatch.setattr(
+        actions, "grant_approval", lambda channel, request, **kw: granted.append(request.step_id)
+    )
+    asked = asyncio.Event()
+    ran_out = asyncio.Event()
+
+    class WaitRunsOut(AwaitsApproval):
+        async def acall(self, name: str, *, step_id: str, **args: Any) -> Any:
+            self.calls.append(step_id)
+            await asyncio.wait_for(asked.wait(), 120)
+            ran_out.set()  # the task ends with this raise, before the person answers
+            raise ApprovalPending(
+                "waits for approval ap-1",
+                saga_id=self.saga_id,
+                step_id=step_id,
+                tool=name,
+                approval_id="ap-1",
+            )
+
+        async def aresume(self, step_id: str, timeout_s: float | None = None) -> Any:
+            return {"ok": step_id} if step_id in granted else None
+
+    class Client(FakeClient):
+        def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
+            saga = WaitRunsOut(saga_id or f"s-{len(self.sagas) + 1}", None)
+            self.sagas.append(saga)
+            return saga
+
+    async def elicit_form(message: str, schema: Any) -> Any:
+        asked.set()
+        await asyncio.wait_for(ran_out.wait(), 120)  # answered after the step's wait
+        return SimpleNamespace(action="accept", content={"approve": True})
+
+    ctx = SimpleNamespace(
+        session=SimpleNamespace(
+            client_capabilities=SimpleNamespace(elicitation=object()),
+            client_params=None,
+            elicit_form=elicit_form,
+        )
+    )
+    client = Client()
+    proxy = _fake_proxy(tmp_path, client)
+    params = types.CallToolRequestParams(name="send_email", arguments={"to": "a", "body": "b"})
+    result = asyncio.run(proxy._call_tool(ctx, params))
+    assert granted == ["01-send_email"]
+    assert result.structured_content == {"ok": "01-send_email"}, _text(result)
+
+
 def test_a_timed_out_step_is_reported_as_an_unknown_outcome_not_as_a_failure_R11(
     tmp_path: Path,
 ) -> None:

@@ -914,12 +914,14 @@ class McpProxy:
         # after the agent was answered, and a thread each would soon take all of the
         # default executor's, which every saga start and end needs.
         call = asyncio.ensure_future(saga.acall(name, step_id=step_id, **args))
+        granted = False
         if mapping.reversibility is Reversibility.IRREVERSIBLE:
             outcome = await self._approval(ctx, saga, step_id, call)
-            if outcome is not None:
+            if isinstance(outcome, types.CallToolResult):
                 return outcome
+            granted = outcome
         try:
-            value = await call
+            value = await _outcome(saga, step_id, call, granted)
         except ApprovalPending as exc:
             return _awaiting(saga, step_id, str(exc))
         except (OutcomeUnknown, DeliveryFailed) as exc:  # R11: not a failure: it may have
@@ -986,18 +988,20 @@ class McpProxy:
         saga: Saga,
         step_id: str,
         call: asyncio.Future[Any],
-    ) -> types.CallToolResult | None:
+    ) -> types.CallToolResult | bool:
         """An IRREVERSIBLE step: ask the person through elicitation if the client can,
         else answer "awaiting approval" (the saga stays open). A call that ends first
-        (refused or never written, so no approval will be asked) is answered at once."""
+        (refused or never written, so no approval will be asked) is answered at once.
+        Otherwise whether the person granted the approval through the client (the
+        call's outcome is awaited next)."""
         asking = asyncio.ensure_future(saga.aapproval_request(step_id, self.approval_wait_s))
         await asyncio.wait({call, asking}, return_when=asyncio.FIRST_COMPLETED)
         if not asking.done():
             asking.cancel()  # nothing more to ask for
-            return None  # the call ended without asking: see its outcome
+            return False  # the call ended without asking: see its outcome
         request = asking.result()
         if request is None:
-            return None  # the step ended without asking (e.g. rejected): see its outcome
+            return False  # the step ended without asking (e.g. rejected): see its outcome
         caps = ctx.session.client_capabilities
         if caps is None or caps.elicitation is None:
             _forget(call)
@@ -1045,7 +1049,7 @@ class McpProxy:
         try:
             if answer.action == "accept" and (answer.content or {}).get("approve") is True:
                 await asyncio.to_thread(grant_approval, channel, request, operator=who, via="mcp")
-                return None  # the step runs now: wait for its outcome
+                return True  # the step runs now: wait for its outcome
             await asyncio.to_thread(
                 deny_approval,
                 channel,
@@ -1054,7 +1058,7 @@ class McpProxy:
                 reason=f"elicitation {answer.action}",
                 via="mcp",
             )
-            return None  # the denial is a business rejection: the call fails
+            return False  # the denial is a business rejection: the call fails
         finally:
             channel.close()
 
@@ -1226,6 +1230,18 @@ def _awaiting(saga: Saga, step_id: str, detail: str) -> types.CallToolResult:
             "step_id": step_id,
         },
     )
+
+
+async def _outcome(saga: Saga, step_id: str, call: asyncio.Future[Any], granted: bool) -> Any:
+    """The step's outcome. One approved through the client after the call's own wait
+    ran out (ApprovalPending: a person may take longer than the client's call timeout
+    to answer) runs now: its outcome is waited for again, not said to be pending."""
+    try:
+        return await call
+    except ApprovalPending:
+        if not granted:
+            raise
+        return await saga.aresume(step_id)
 
 
 def _forget(call: asyncio.Future[Any]) -> None:
