@@ -869,7 +869,9 @@ def test_an_approval_given_after_the_steps_wait_ran_out_returns_the_steps_outcom
     monkeypatch.setattr(
         actions.OperatorChannel,
         "from_settings",
-        classmethod(lambda cls, *a: SimpleNamespace(close=lambda: None)),
+        classmethod(
+            lambda cls, *a: SimpleNamespace(close=lambda: None, producer_for=lambda *a: None)
+        ),
     )
     monkeypatch.setattr(
         actions, "grant_approval", lambda channel, request, **kw: granted.append(request.step_id)
@@ -1561,6 +1563,55 @@ def test_an_approval_the_client_fails_to_ask_is_awaited_like_one_without_elicita
     assert not result.is_error and result.structured_content is not None, _text(result)
     assert result.structured_content["status"] == "awaiting_approval"
     assert "could not show the form" in _text(result), _text(result)
+    assert proxy.session.saga is client.sagas[0] and client.sagas[0].ended == []
+
+
+def test_an_approval_the_proxys_key_cannot_record_is_not_asked_for_in_vain_R7(
+    tmp_path: Path,
+) -> None:
+    """With per-identity keys the proxy signs as its participant, and only an operator
+    key may approve or deny (docs/security.md). The proxy asked the person anyway, then
+    could not record the answer: NoUsableKey out of the handler (the client's bare
+    "Internal server error", a traceback in the proxy's log). It answers "awaiting
+    approval" saying why, without asking; a person approves with `sagaline approve`."""
+    from types import SimpleNamespace
+
+    from schemas.trust import Role
+    from tests.trust_kit import TrustKit
+
+    kit = TrustKit(tmp_path / "keys")
+    kit.add("fake-desk", Role.PARTICIPANT)
+    base = Settings(bootstrap="unused:1", state_dir=tmp_path / "state")
+    settings = kit.settings(base, "fake-desk")
+    asked: list[str] = []
+
+    async def elicit_form(message: str, schema: Any) -> Any:
+        asked.append(message)
+        return SimpleNamespace(action="accept", content={"approve": True})
+
+    ctx = SimpleNamespace(
+        session=SimpleNamespace(
+            client_capabilities=SimpleNamespace(elicitation=object()),
+            client_params=None,
+            elicit_form=elicit_form,
+        )
+    )
+    client = AwaitingClient()
+    proxy = _fake_proxy(tmp_path, client, settings=settings)
+    params = types.CallToolRequestParams(name="send_email", arguments={"to": "a", "body": "b"})
+
+    async def run() -> types.CallToolResult:
+        try:
+            return await proxy._call_tool(ctx, params)
+        finally:  # the person never comes: let the call's wait go
+            for saga in client.sagas:
+                saga.let_go()
+
+    result = asyncio.run(run())
+    assert result.structured_content is not None, _text(result)
+    assert result.structured_content["status"] == "awaiting_approval", _text(result)
+    assert "operator key" in _text(result) and "sagaline approve" in _text(result)
+    assert asked == []
     assert proxy.session.saga is client.sagas[0] and client.sagas[0].ended == []
 
 

@@ -1006,8 +1006,43 @@ class McpProxy:
         if caps is None or caps.elicitation is None:
             _forget(call)
             return _awaiting(saga, step_id, f"approval {request.approval_id} requested")
-        from sagaline.ops.actions import OperatorChannel, deny_approval, grant_approval
+        from sagaline.ops.actions import OperatorChannel
 
+        who = "mcp-user"
+        client_info = ctx.session.client_params.client_info if ctx.session.client_params else None
+        if client_info is not None:
+            who = f"mcp-user:{client_info.name}"
+        channel = OperatorChannel.from_settings(self.settings, self.client.bootstrap)
+        try:
+            return await self._ask(ctx, saga, step_id, call, request, channel, who)
+        finally:
+            channel.close()
+
+    async def _ask(
+        self,
+        ctx: ServerRequestContext[Any],
+        saga: Saga,
+        step_id: str,
+        call: asyncio.Future[Any],
+        request: Any,
+        channel: Any,
+        who: str,
+    ) -> types.CallToolResult | bool:
+        """Ask the person through the client and record the answer as ``who``."""
+        from sagaline.ops.actions import OperatorActionError, deny_approval, grant_approval
+
+        try:
+            # An answer this proxy's key cannot record (with per-identity keys only an
+            # operator's may decide): not asked in vain.
+            channel.producer_for(who, "mcp")
+        except OperatorActionError as exc:
+            _forget(call)
+            return _awaiting(
+                saga,
+                step_id,
+                f"approval {request.approval_id} requested; it cannot be decided through"
+                f" the client: {exc}",
+            )
         try:
             # Bounded: an answer that never comes (and a client that never cancels the
             # call) would hold the session's lock, and every later call, for good.
@@ -1041,13 +1076,9 @@ class McpProxy:
                 f"approval {request.approval_id} requested; asking through the client"
                 f" failed: {exc}",
             )
-        who = "mcp-user"
-        client_info = ctx.session.client_params.client_info if ctx.session.client_params else None
-        if client_info is not None:
-            who = f"mcp-user:{client_info.name}"
-        channel = OperatorChannel.from_settings(self.settings, self.client.bootstrap)
+        granted = answer.action == "accept" and (answer.content or {}).get("approve") is True
         try:
-            if answer.action == "accept" and (answer.content or {}).get("approve") is True:
+            if granted:
                 await asyncio.to_thread(grant_approval, channel, request, operator=who, via="mcp")
                 return True  # the step runs now: wait for its outcome
             await asyncio.to_thread(
@@ -1059,8 +1090,15 @@ class McpProxy:
                 via="mcp",
             )
             return False  # the denial is a business rejection: the call fails
-        finally:
-            channel.close()
+        except OperatorActionError as exc:  # not recorded (or not confirmed): said
+            log.warning("saga %s: the answer given through the client: %s", saga.saga_id, exc)
+            _forget(call)
+            return _awaiting(
+                saga,
+                step_id,
+                f"approval {request.approval_id} requested; the answer given through the"
+                f" client ({'granted' if granted else 'denied'}) was not recorded: {exc}",
+            )
 
     async def _end(self, outcome: SagaOutcome, reason: str) -> types.CallToolResult:
         if self.session.saga is None:
