@@ -2136,3 +2136,42 @@ def test_the_session_file_is_on_disk_before_it_replaces_the_last_one(
     session.save()
     assert json.loads(path.read_text()) == {"saga_id": "s-1", "next_step": 4}
     assert synced == [str(path.with_suffix(".tmp")), str(path.parent)], synced
+
+
+def test_an_http_upstreams_credentials_are_not_logged_in_clear(tmp_path: Path) -> None:
+    """A streamable-HTTP upstream whose URL carries a password or a token (its query):
+    the proxy logs at INFO, and the HTTP client's INFO line for every request ("HTTP
+    Request: POST http://ann:pw-123@.../mcp?token=tok-456") put them in the proxy's
+    log in clear, which its own messages take care to leave out."""
+    port = _free_port()
+    upstream = subprocess.Popen(
+        [sys.executable, str(UPSTREAM)],
+        env={**os.environ, "DESK_STATE": str(tmp_path / "desk.json"), "DESK_HTTP_PORT": str(port)},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert upstream.stderr is not None
+        for line in upstream.stderr:  # uvicorn says when it listens
+            if "running on" in line.lower() or "startup complete" in line.lower():
+                break
+        else:
+            pytest.fail(f"the HTTP upstream exited {upstream.wait()}")
+        text = _declaration(tmp_path).read_text()
+        start, end = text.index("  desk:\n"), text.index("tools:")
+        url = f"http://ann:pw-123@127.0.0.1:{port}/mcp?token=tok-456"
+        declaration = tmp_path / "http.yaml"
+        declaration.write_text(text[:start] + f"  desk: {{url: '{url}'}}\n" + text[end:])
+        done = subprocess.run(
+            [sys.executable, "-m", "services.cli", "mcp", "proxy", str(declaration), "--check"],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        upstream.terminate()
+        upstream.wait(30)
+    assert done.returncode == 0, done.stderr
+    assert "pw-123" not in done.stderr and "tok-456" not in done.stderr, done.stderr

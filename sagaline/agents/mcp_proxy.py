@@ -1294,6 +1294,10 @@ def main(path: Path, *, check_only: bool = False) -> int:
     """Run the proxy on stdio until the agent disconnects. 1: the declaration cannot
     work (every problem printed), 2: it cannot be read or a service is missing."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s %(message)s")
+    # At INFO the HTTP client logs every request's URL, an upstream's password and
+    # token (its query) in clear, and the MCP client its session id: warnings only.
+    for noisy in ("httpx", "httpx2", "httpcore", "mcp.client.streamable_http"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         declaration = load_declaration(path)
     except DeclarationError as exc:
