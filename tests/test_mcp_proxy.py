@@ -2175,3 +2175,39 @@ def test_an_http_upstreams_credentials_are_not_logged_in_clear(tmp_path: Path) -
         upstream.wait(30)
     assert done.returncode == 0, done.stderr
     assert "pw-123" not in done.stderr and "tok-456" not in done.stderr, done.stderr
+
+
+def test_a_remembered_saga_written_by_a_newer_version_is_said_not_a_protocol_error(
+    tmp_path: Path,
+) -> None:
+    """A restarted proxy (rolled back to an older version) cannot read records of its
+    open saga: attach() refuses, SagaHistoryUnreadable. Every call, saga_abort
+    included, then failed with the MCP server's bare "Internal server error", the
+    reason (upgrade) only on the proxy's stderr. The agent is told, nothing called."""
+    from participants.client import SagaHistoryUnreadable
+
+    class Unreadable(FakeSaga):
+        def attach(self) -> FakeSaga:
+            raise SagaHistoryUnreadable(
+                f"cannot attach saga {self.saga_id}: 1 of its record(s) were written by a"
+                " newer version of Sagaline; upgrade this client",
+                saga_id=self.saga_id,
+                unreadable=["events[0]@7"],
+            )
+
+    class Client(FakeClient):
+        def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
+            saga = Unreadable(saga_id or f"s-{len(self.sagas) + 1}", None)
+            self.sagas.append(saga)
+            return saga
+
+    state = tmp_path / "state" / "fake-desk" / "mcp-session.json"
+    state.parent.mkdir(parents=True)
+    state.write_text(json.dumps({"saga_id": "s-1", "next_step": 2}))
+    client = Client()
+    proxy = _fake_proxy(tmp_path, client)
+    for name, args in [("create_ticket", {"title": "t"}), ("saga_abort", {})]:
+        refused = _call(proxy, name, args)
+        text = _text(refused)
+        assert refused.is_error and "upgrade" in text and "nothing was called" in text, text
+    assert [s.calls for s in client.sagas] == [[], []]

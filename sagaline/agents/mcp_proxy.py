@@ -58,6 +58,7 @@ from participants.client import (
     Saga,
     SagaCallError,
     SagaClient,
+    SagaHistoryUnreadable,
 )
 from participants.context import current_call
 from participants.declarations import (
@@ -814,7 +815,9 @@ class McpProxy:
         async with self._lock:  # one saga, one step at a time (steps are ordered)
             try:
                 await self._ensure_resumed()
-            except CoordinatorNotRunning as exc:  # said to the agent; retried next call
+            except (CoordinatorNotRunning, SagaHistoryUnreadable) as exc:
+                # Said to the agent (no coordinator; records of a newer version: upgrade);
+                # retried at the next call.
                 return _text(
                     f"the saga this session had open cannot be continued yet: {exc};"
                     " nothing was called",
