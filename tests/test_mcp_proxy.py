@@ -245,6 +245,48 @@ def test_without_elicitation_an_irreversible_call_awaits_approval_and_the_saga_s
     assert world.state()["emails"] == [{"to": "bob@example.com", "body": "x"}]
 
 
+def test_a_write_after_a_step_awaiting_approval_is_refused_not_taken_for_unknown_R7(
+    world: World,
+) -> None:
+    """Each step follows the one before it, so a write made while an IRREVERSIBLE step
+    waits for a person (the agent was told the saga stays open) waited behind it: no
+    outcome within the client's wait, told "the outcome is unknown: it may have
+    happened" (it had not), and the whole saga aborted, every effect undone. It is
+    refused at once, nothing called, saying what it waits for; once the step is
+    approved and done, writes go on."""
+
+    async def run() -> tuple[types.CallToolResult, types.CallToolResult, dict[str, Any]]:
+        async with world.proxy() as session:
+            await session.call_tool("create_ticket", {"title": "keep me"})
+            waiting = await session.call_tool("send_email", {"to": "bob@example.com", "body": "x"})
+            status = waiting.structured_content
+            assert status is not None and status["status"] == "awaiting_approval", waiting
+            blocked = await session.call_tool("charge", {"amount": 40})
+            events = world.settings.topics.events
+            signer = world.settings.signer()
+            request = next(
+                r
+                for r in LedgerReader(world.bootstrap).saga_records(
+                    events, status["saga_id"], signer
+                )
+                if isinstance(r, ApprovalRequested)
+            )
+            channel = OperatorChannel.from_settings(world.settings, world.bootstrap)
+            grant_approval(channel, request, operator="ops:carol")
+            channel.close()
+            wait_until(lambda: world.state()["emails"], what="the approved email")
+            paid = await session.call_tool("charge", {"amount": 40})
+            await session.call_tool("saga_commit", {})
+            return blocked, paid, await _receipt(session)
+
+    blocked, paid, receipt = asyncio.run(run())
+    assert world.log() == ["create_ticket", "send_email", "charge"]  # nothing undone
+    assert blocked.is_error and "nothing was called" in _text(blocked), _text(blocked)
+    assert "02-send_email" in _text(blocked), _text(blocked)
+    assert paid.structured_content == {"charge_id": "CH-1", "amount": 40}, _text(paid)
+    assert receipt["status"] == "COMPLETED"
+
+
 def _proxy_pids() -> list[int]:
     """The proxy processes this test started (children of this process)."""
     pids = []
@@ -744,6 +786,14 @@ class AwaitsApproval(FakeSaga):
 
         return SimpleNamespace(approval_id="ap-1", step_id=step_id)
 
+    async def aresume(self, step_id: str, timeout_s: float | None = None) -> Any:
+        from participants.client import ApprovalPending
+
+        if not self.release.is_set():  # the person has not answered
+            where = {"saga_id": self.saga_id, "step_id": step_id, "tool": "send_email"}
+            raise ApprovalPending("waits for approval ap-1", approval_id="ap-1", **where)
+        return {"ok": step_id}
+
 
 class AwaitingClient(FakeClient):
     def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
@@ -835,21 +885,22 @@ def test_steps_awaiting_approval_hold_no_thread_each_so_the_proxy_keeps_serving_
     async def run() -> list[types.CallToolResult]:
         try:
             results = []
-            for n in range(3):
-                args = {"to": f"c{n}@example.com", "body": "b"}
-                params = types.CallToolRequestParams(name="send_email", arguments=args)
+            for name, args in [
+                ("send_email", {"to": "c@example.com", "body": "b"}),
+                ("saga_check_plan", {"calls": []}),
+            ]:
+                params = types.CallToolRequestParams(name=name, arguments=args)
                 results.append(await proxy._call_tool(_no_elicitation(), params))
             return results
         finally:
             for saga in client.sagas:
                 saga.let_go()
 
-    results = asyncio.run(run())
+    waiting, served = asyncio.run(run())
     (saga,) = client.sagas
-    assert [(r.structured_content or {}).get("status") for r in results] == [
-        "awaiting_approval"
-    ] * 3, [_text(r) for r in results]
-    assert saga.calls == ["01-send_email", "02-send_email", "03-send_email"]
+    assert (waiting.structured_content or {}).get("status") == "awaiting_approval", _text(waiting)
+    assert served.content, "the session does not serve while the approval is awaited"
+    assert saga.calls == ["01-send_email"]
     assert saga.waits_in_threads == [], "waits held a thread each"
 
 
@@ -919,6 +970,49 @@ def test_an_approval_given_after_the_steps_wait_ran_out_returns_the_steps_outcom
     result = asyncio.run(proxy._call_tool(ctx, params))
     assert granted == ["01-send_email"]
     assert result.structured_content == {"ok": "01-send_email"}, _text(result)
+
+
+def test_an_approval_denied_while_the_agent_waited_aborts_the_saga_at_the_next_write_R7(
+    tmp_path: Path,
+) -> None:
+    """The step left awaiting approval is denied by a person (`sagaline deny`): the
+    next write is not run behind it; it says so and the saga is aborted, as for a
+    failed write, and the write after that starts a new saga."""
+    from participants.client import ApprovalDeniedError
+
+    class Denied(AwaitsApproval):
+        async def aresume(self, step_id: str, timeout_s: float | None = None) -> Any:
+            where = {"saga_id": self.saga_id, "step_id": step_id, "tool": "send_email"}
+            raise ApprovalDeniedError("approval for send_email denied by ops:carol", **where)
+
+    class Client(FakeClient):
+        def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
+            kind = Denied if not self.sagas else FakeSaga
+            saga = kind(saga_id or f"s-{len(self.sagas) + 1}", None)
+            self.sagas.append(saga)
+            return saga
+
+    client = Client()
+    proxy = _fake_proxy(tmp_path, client)
+    waiting = _call(proxy, "send_email", {"to": "a", "body": "b"})
+    assert (waiting.structured_content or {}).get("status") == "awaiting_approval"
+    failed = _call(proxy, "create_ticket", {"title": "t"})
+    assert failed.is_error and "denied by ops:carol" in _text(failed), _text(failed)
+    first = client.sagas[0]
+    assert first.calls == ["01-send_email"] and first.ended == [SagaOutcome.ABORT]
+    again = _call(proxy, "create_ticket", {"title": "t"})
+    assert again.structured_content == {"ok": "01-create_ticket"}
+    first.let_go()
+
+
+def test_a_restarted_proxy_remembers_the_step_awaiting_approval_R7(tmp_path: Path) -> None:
+    state = tmp_path / "state" / "fake-desk" / "mcp-session.json"
+    state.parent.mkdir(parents=True)
+    state.write_text(json.dumps({"saga_id": "s-1", "next_step": 3, "awaiting": ["02-send_email"]}))
+    client = AwaitingClient()
+    refused = _call(_fake_proxy(tmp_path, client), "create_ticket", {"title": "t"})
+    assert refused.is_error and "02-send_email" in _text(refused), _text(refused)
+    assert "nothing was called" in _text(refused) and client.sagas[0].calls == []
 
 
 def test_a_timed_out_step_is_reported_as_an_unknown_outcome_not_as_a_failure_R11(

@@ -37,7 +37,7 @@ import sys
 import threading
 from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -357,6 +357,10 @@ class Upstreams:
 RECONNECT_WAIT_S = 60.0
 """How long a call waits for a lost upstream to be connected again."""
 
+_PROBE_S = 0.01
+"""How long a write looks for the outcome of a step awaiting approval: the records the
+client already has say it; no more is waited for."""
+
 CONNECT_WAIT_S = 60.0
 """How long start-up waits for an upstream to answer initialize and list its tools."""
 
@@ -599,6 +603,9 @@ class _Session:
     # the saga is kept until an end is acknowledged, and a retry asks for this outcome.
     ending: SagaOutcome | None = None
     ending_reason: str = ""
+    # IRREVERSIBLE steps answered "awaiting approval" and not known done since: each
+    # step follows the one before, so a write now would wait behind them.
+    awaiting: list[str] = field(default_factory=list)
 
     def save(self) -> None:
         if self.saga is None:
@@ -609,6 +616,8 @@ class _Session:
         saved: dict[str, Any] = {"saga_id": self.saga.saga_id, "next_step": self.next_step}
         if self.ending is not None:
             saved.update(ending=self.ending.value, ending_reason=self.ending_reason)
+        if self.awaiting:
+            saved["awaiting"] = self.awaiting
         # On disk before it replaces the last one, and the rename too: after a crash
         # of the machine an unsynced file may be empty or torn, its saga's id lost.
         with tmp.open("w") as out:
@@ -634,6 +643,9 @@ def _read_saved(path: Path) -> dict[str, Any] | None:
         int(saved.get("next_step", 1))
         if saved.get("ending"):
             SagaOutcome(saved["ending"])
+        awaiting = saved.get("awaiting", [])
+        if not isinstance(awaiting, list) or not all(isinstance(a, str) for a in awaiting):
+            raise ValueError("awaiting is not a list of step ids")
         return saved
     except (ValueError, TypeError) as exc:
         aside = path.with_name(path.name + ".unreadable")
@@ -706,6 +718,7 @@ class McpProxy:
             return
         self.session.saga = saga
         self.session.next_step = int(saved.get("next_step", 1))
+        self.session.awaiting = list(saved.get("awaiting", []))
         if saved.get("ending"):
             self.session.ending = SagaOutcome(saved["ending"])
             self.session.ending_reason = str(saved.get("ending_reason", ""))
@@ -894,6 +907,10 @@ class McpProxy:
                 " called",
                 error=True,
             )
+        if self.session.saga is not None and self.session.awaiting:
+            waited = await self._awaited(self.session.saga, name)
+            if waited is not None:
+                return waited
         if self.session.saga is None:
             starting = self._saga()
             started = asyncio.ensure_future(asyncio.to_thread(starting.__enter__))
@@ -920,12 +937,16 @@ class McpProxy:
         granted = False
         if mapping.reversibility is Reversibility.IRREVERSIBLE:
             outcome = await self._approval(ctx, saga, step_id, call)
-            if isinstance(outcome, types.CallToolResult):
+            if isinstance(outcome, types.CallToolResult):  # "awaiting approval"
+                self.session.awaiting.append(step_id)
+                self.session.save()
                 return outcome
             granted = outcome
         try:
             value = await _outcome(saga, step_id, call, granted)
         except ApprovalPending as exc:
+            self.session.awaiting.append(step_id)
+            self.session.save()
             return _awaiting(saga, step_id, str(exc))
         except (OutcomeUnknown, DeliveryFailed) as exc:  # R11: not a failure: it may have
             # happened (DeliveryFailed: the step's record may still reach the ledger)
@@ -958,6 +979,34 @@ class McpProxy:
             return await self._failed(saga, name, exc)
         return _value(value)
 
+    async def _awaited(self, saga: Saga, name: str) -> types.CallToolResult | None:
+        """None when no step this session left awaiting approval is still unfinished;
+        else the answer to ``name``'s write, which would wait behind it (each step
+        follows the one before): refused, nothing called. A step that ended meanwhile
+        is forgotten; one that failed (a denied approval) aborts the saga, as a
+        failed write does."""
+        for step_id in list(self.session.awaiting):
+            try:
+                # Its outcome, if the ledger has it; else ApprovalPending at once.
+                await saga.aresume(step_id, _PROBE_S)
+            except ApprovalPending:
+                return _text(
+                    f"step {step_id} of saga {saga.saga_id} is IRREVERSIBLE and has not run"
+                    f" yet: it waits for a person's approval (`sagaline approve"
+                    f" {saga.saga_id} {step_id}`), or runs now. Each write follows the one"
+                    f" before, so {name} would wait behind it: call it again once {step_id}"
+                    f" is done (do not repeat {step_id}'s own call: it runs once approved;"
+                    f" the steps done are listed in {RECEIPT_URI}), or saga_abort to undo"
+                    " the saga; nothing was called",
+                    error=True,
+                )
+            except SagaCallError as exc:
+                self.session.awaiting.remove(step_id)
+                return await self._failed(saga, step_id, exc)
+            self.session.awaiting.remove(step_id)
+            self.session.save()
+        return None
+
     async def _failed(self, saga: Saga, name: str, exc: SagaCallError) -> types.CallToolResult:
         """A write that did not commit: the saga is aborted, its earlier effects undone."""
         receipt = await self._finish(SagaOutcome.ABORT, f"{name} failed: {exc}")
@@ -979,6 +1028,7 @@ class McpProxy:
         if self.session.saga is None:
             self.session.saga = saga
             self.session.next_step = 1
+            self.session.awaiting = []
             self.session.save()
         elif self.session.saga is not saga:
             log.info("saga %s: started by a cancelled call, not used: aborting it", saga.saga_id)
@@ -1188,6 +1238,7 @@ class McpProxy:
             self.session.ending, self.session.ending_reason = outcome, reason
         elif failure is None:
             self.session.saga = None
+            self.session.awaiting = []
             self.session.ending = None
             self.session.last_receipt = json.dumps(pending, indent=2)
         self.session.save()
