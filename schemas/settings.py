@@ -22,6 +22,8 @@ variable                       field                 default
 ``SAGALINE_MAX_*``             ``limits``            see :mod:`schemas.limits`
 =============================  ====================  ==========================
 
+``SAGALINE_SIGNING_KEY`` or ``SAGALINE_SIGNING_KEY_ID`` without
+``SAGALINE_TRUST_FILE`` is refused (:class:`SettingsError`), not ignored.
 ``SAGALINE_REPLICATION_FACTOR`` (default 1) and ``SAGALINE_MIN_INSYNC_REPLICAS``
 (default: the broker's) set ``replication``, used when topics are created.
 Kafka client settings (SASL, SSL, tuning) are not here: they pass straight to
@@ -102,6 +104,19 @@ class Settings:
         if partitions < 1:
             raise SettingsError(f"SAGALINE_PARTITIONS={partitions} must be at least 1")
         key = env.get("SAGALINE_HMAC_KEY") or None
+        trust_file = _path(env.get("SAGALINE_TRUST_FILE"))
+        if trust_file is None:
+            # Meant to sign as an identity: without the trust file this process would
+            # sign with the shared key, or not at all, and say nothing.
+            given = [
+                var for var in ("SAGALINE_SIGNING_KEY", "SAGALINE_SIGNING_KEY_ID") if env.get(var)
+            ]
+            if given:
+                raise SettingsError(
+                    f"{' and '.join(given)} set without SAGALINE_TRUST_FILE: an identity key"
+                    " is used only with a trust file; set SAGALINE_TRUST_FILE too (or unset"
+                    f" {' and '.join(given)})"
+                )
         replication = _replication(env)
         try:
             limits = Limits.from_env(env)
@@ -119,7 +134,7 @@ class Settings:
             replication=replication,
             secret_key_id=env.get("SAGALINE_SECRET_KEY_ID") or "s1",
             old_secret_keys=_old_secret_keys(env.get("SAGALINE_OLD_SECRET_KEYS") or ""),
-            trust_file=_path(env.get("SAGALINE_TRUST_FILE")),
+            trust_file=trust_file,
             signing_key=_path(env.get("SAGALINE_SIGNING_KEY")),
             signing_key_id=env.get("SAGALINE_SIGNING_KEY_ID") or None,
             metrics_host=env.get("SAGALINE_METRICS_HOST") or "127.0.0.1",
