@@ -25,6 +25,19 @@ def at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def port(text: str) -> int:
+    """An argparse type: a TCP port, 0 to 65535 (0: the server is off, or any free
+    port, as the option says); anything else is a usage error, not a traceback from
+    the server's bind."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port (0-65535), got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port (0-65535), got {value}")
+    return value
+
+
 def seconds(text: str) -> float:
     """An argparse type: a duration in seconds, positive and finite (0, a negative
     number, ``nan`` or ``inf`` would make a wait end at once, never, or crash deep in

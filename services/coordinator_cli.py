@@ -30,7 +30,7 @@ from schemas.partitioning import partition_for
 from schemas.receipt import Receipt
 from schemas.settings import Settings
 from schemas.signing import HeaderList, Signer
-from services._args import at_least, seconds_or_zero
+from services._args import at_least, port, seconds_or_zero
 
 if TYPE_CHECKING:
     from coordinator.state import SagaState
@@ -136,7 +136,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     settings, bootstrap = configured_broker("sagaline coordinator run")
     from coordinator.shell import Coordinator
     from sagaline.kafka import TopicSetupError, ensure_topics
-    from sagaline.ops.metrics import CoordinatorMetrics, start_metrics_server
+    from sagaline.ops.metrics import CoordinatorMetrics, MetricsServerError, start_metrics_server
     from schemas.trust import TrustFileError
     from services.refund import economic_effect
 
@@ -158,7 +158,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             start_metrics_server(args.metrics_port, metrics, settings.metrics_host)
         coordinator.install_signal_handlers()
         coordinator.run()
-    except (TopicSetupError, TrustFileError) as exc:  # to fix first: one line, no traceback
+    except (TopicSetupError, TrustFileError, MetricsServerError) as exc:  # one line, no traceback
         print(f"coordinator run: {exc}", file=sys.stderr)
         return 2
     return 0
@@ -603,7 +603,7 @@ def register(subparsers: Any) -> None:
         default="",
         help="comma-separated participants whose command topics to create",
     )
-    run.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
+    run.add_argument("--metrics-port", type=port, default=0, help="Prometheus port (0: off)")
     run.add_argument(
         "--decoded-states",
         type=at_least(0),

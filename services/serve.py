@@ -19,9 +19,9 @@ from typing import Any
 from participants.catalogue import Catalogue
 from participants.runtime import ParticipantRuntime
 from sagaline.kafka import KafkaException, TopicSetupError, configured_broker, ensure_topics
-from sagaline.ops.metrics import ParticipantMetrics, start_metrics_server
+from sagaline.ops.metrics import MetricsServerError, ParticipantMetrics, start_metrics_server
 from schemas.settings import Settings
-from services._args import at_least
+from services._args import at_least, port
 
 log = logging.getLogger("sagaline.serve")
 
@@ -82,7 +82,11 @@ def _cmd_participant_run(args: argparse.Namespace) -> int:
 
     metrics = ParticipantMetrics(args.name, effect=economic_effect)
     if args.metrics_port:
-        start_metrics_server(args.metrics_port, metrics, settings.metrics_host)
+        try:
+            start_metrics_server(args.metrics_port, metrics, settings.metrics_host)
+        except MetricsServerError as exc:
+            print(f"sagaline participant run {args.name}: {exc}", file=sys.stderr)
+            return 2
     runtime = ParticipantRuntime(
         catalogue,
         settings,
@@ -119,7 +123,7 @@ def register(subparsers: Any) -> None:
     run = participant_sub.add_parser("run", help="serve a catalogue on its command topic")
     run.add_argument("name", help="participant name (its command topic)")
     run.add_argument("--catalogue", help="module:attr of a Catalogue (default: refund example)")
-    run.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
+    run.add_argument("--metrics-port", type=port, default=0, help="Prometheus port (0: off)")
     run.add_argument(
         "--max-in-flight",
         type=at_least(1),

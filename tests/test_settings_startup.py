@@ -3,6 +3,8 @@ and exit code 2, never a traceback, and never a quiet fall-back to a weaker mode
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -46,3 +48,42 @@ def test_a_command_with_a_signing_key_but_no_trust_file_exits_2_saying_so(
     assert main(["incidents", "list"]) == 2
     err = capsys.readouterr().err
     assert "SAGALINE_SIGNING_KEY" in err and "SAGALINE_TRUST_FILE" in err, err
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A port something else listens on (another process's metrics server)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield int(sock.getsockname()[1])
+
+
+@pytest.mark.kafka
+@pytest.mark.parametrize("command", [["participant", "run", "policy"], ["coordinator", "run"]])
+def test_a_metrics_port_in_use_exits_2_naming_it_not_a_traceback(
+    command: list[str],
+    busy_port: int,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    kafka_bootstrap: str,
+    unique_prefix: str,
+    tmp_path: Path,
+) -> None:
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
+    monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
+    monkeypatch.setenv("SAGALINE_STATE_DIR", str(tmp_path))
+    assert main([*command, "--metrics-port", str(busy_port)]) == 2
+    err = capsys.readouterr().err
+    assert f"--metrics-port {busy_port}" in err and "127.0.0.1" in err, err
+
+
+@pytest.mark.parametrize("command", [["participant", "run", "policy"], ["coordinator", "run"]])
+@pytest.mark.parametrize("port", ["70000", "-1", "http"])
+def test_a_metrics_port_out_of_range_is_a_usage_error(
+    command: list[str], port: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main([*command, "--metrics-port", port])
+    assert exit_.value.code == 2
+    assert "argument --metrics-port" in capsys.readouterr().err

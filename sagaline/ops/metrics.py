@@ -557,5 +557,15 @@ def start_metrics_server(port: int, metrics: SagalineMetrics, addr: str = "127.0
     """Serve ``/metrics`` for ``metrics`` on a daemon thread; returns the bound port
     (pass 0 for a free one). Loopback unless told otherwise (``SAGALINE_METRICS_HOST``):
     the numbers name tools and tenants."""
-    server, _thread = start_http_server(port, addr=addr, registry=metrics.registry)
+    try:
+        server, _thread = start_http_server(port, addr=addr, registry=metrics.registry)
+    except OSError as exc:  # in use, an address not of this host, a name that does not resolve
+        raise MetricsServerError(
+            f"cannot serve metrics on {addr}:{port} (--metrics-port {port}, "
+            f"SAGALINE_METRICS_HOST={addr}): {exc.strerror or exc}"
+        ) from None
     return int(server.server_address[1])
+
+
+class MetricsServerError(Exception):
+    """The metrics server could not listen where it was told to."""
