@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sqlite3
 import sys
 from pathlib import Path
 from typing import Any
@@ -73,10 +74,32 @@ def _cmd_participant_run(args: argparse.Namespace) -> int:
     from participants.discovery import DiscoveryError
     from participants.errors import CatalogueError
 
+    prog = f"sagaline participant run {args.name}"
+    journal = args.journal_dir or settings.state_dir / args.name
+    where = "--journal-dir" if args.journal_dir else "SAGALINE_STATE_DIR"
+    # Every directory it will write, checked first: one line naming it and where it
+    # came from, not a traceback from deep in the refund store or the journal.
+    dirs = [(journal, where)]
+    if not args.catalogue:  # the refund example keeps its provider's state there too
+        dirs.append((settings.state_dir / args.name, "SAGALINE_STATE_DIR"))
+    for path, source in dirs:
+        problem = _unusable_dir(path)
+        if problem:
+            print(f"{prog}: cannot use {path} ({source}): {problem}", file=sys.stderr)
+            return 2
     try:
         catalogue = load_catalogue(args.name, args.catalogue, settings)
     except (DiscoveryError, CatalogueError) as exc:
-        print(f"sagaline participant run {args.name}: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, sqlite3.Error) as exc:
+        if args.catalogue:
+            raise  # the catalogue's own code: its traceback is the report
+        print(
+            f"{prog}: cannot open the example's state under {settings.state_dir / args.name}"
+            f" (SAGALINE_STATE_DIR): {exc}",
+            file=sys.stderr,
+        )
         return 2
     from services.refund import economic_effect
 
@@ -87,20 +110,39 @@ def _cmd_participant_run(args: argparse.Namespace) -> int:
         except MetricsServerError as exc:
             print(f"sagaline participant run {args.name}: {exc}", file=sys.stderr)
             return 2
-    runtime = ParticipantRuntime(
-        catalogue,
-        settings,
-        bootstrap,
-        participant=args.name,
-        instance_id=args.instance_id or args.name,
-        state_dir=args.journal_dir,
-        metrics=metrics,
-        max_in_flight=args.max_in_flight,
-        journal_keep_ms=args.journal_keep_ms,
-    )
+    try:
+        runtime = ParticipantRuntime(
+            catalogue,
+            settings,
+            bootstrap,
+            participant=args.name,
+            instance_id=args.instance_id or args.name,
+            state_dir=args.journal_dir,
+            metrics=metrics,
+            max_in_flight=args.max_in_flight,
+            journal_keep_ms=args.journal_keep_ms,
+        )
+    except sqlite3.Error as exc:  # only the command journal is opened here
+        print(
+            f"{prog}: cannot open the command journal {journal / 'commands.sqlite'} ({where}):"
+            f" {exc}",
+            file=sys.stderr,
+        )
+        return 2
     runtime.install_signal_handlers()
     runtime.run()
     return 0
+
+
+def _unusable_dir(path: Path) -> str | None:
+    """Why this process cannot keep its files in ``path`` (made if missing), or None."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
+        return "not readable and writable by this user"
+    return None
 
 
 def register(subparsers: Any) -> None:

@@ -4,7 +4,7 @@ and exit code 2, never a traceback, and never a quiet fall-back to a weaker mode
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -87,3 +87,65 @@ def test_a_metrics_port_out_of_range_is_a_usage_error(
         main([*command, "--metrics-port", port])
     assert exit_.value.code == 2
     assert "argument --metrics-port" in capsys.readouterr().err
+
+
+def _not_a_directory(tmp_path: Path) -> Path:
+    path = tmp_path / "state"
+    path.write_text("a file where a directory should be\n")
+    return path
+
+
+def _not_a_database(tmp_path: Path) -> Path:
+    (tmp_path / "policy").mkdir()
+    (tmp_path / "policy" / "commands.sqlite").write_text("not SQLite\n" * 20)
+    return tmp_path
+
+
+@pytest.mark.kafka
+@pytest.mark.parametrize(
+    ("make", "option"),
+    [
+        (_not_a_directory, "SAGALINE_STATE_DIR"),
+        (_not_a_directory, "--journal-dir"),
+        (_not_a_database, "SAGALINE_STATE_DIR"),
+    ],
+)
+def test_a_state_dir_it_cannot_use_exits_2_naming_it_not_a_traceback(
+    make: Callable[[Path], Path],
+    option: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    kafka_bootstrap: str,
+    unique_prefix: str,
+    tmp_path: Path,
+) -> None:
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
+    monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
+    bad = make(tmp_path)
+    argv = ["participant", "run", "policy", "--catalogue", "tests.fixtures.participants_good"]
+    if option == "--journal-dir":
+        monkeypatch.setenv("SAGALINE_STATE_DIR", str(tmp_path / "fine"))
+        argv += ["--journal-dir", str(bad / "policy")]
+    else:
+        monkeypatch.setenv("SAGALINE_STATE_DIR", str(bad))
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and option in err, err
+
+
+@pytest.mark.kafka
+def test_the_refund_services_state_dir_it_cannot_use_exits_2(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    kafka_bootstrap: str,
+    unique_prefix: str,
+    tmp_path: Path,
+) -> None:
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
+    monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
+    bad = _not_a_directory(tmp_path)
+    monkeypatch.setenv("SAGALINE_STATE_DIR", str(bad))
+    assert main(["participant", "run", "policy"]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "SAGALINE_STATE_DIR" in err, err
