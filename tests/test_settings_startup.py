@@ -89,6 +89,24 @@ def test_a_metrics_port_out_of_range_is_a_usage_error(
     assert "argument --metrics-port" in capsys.readouterr().err
 
 
+@pytest.mark.kafka
+@pytest.mark.parametrize("port", ["70000", "-1"])
+def test_a_dashboard_port_out_of_range_is_a_usage_error(
+    port: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    kafka_bootstrap: str,
+    unique_prefix: str,
+) -> None:
+    """It was an OverflowError traceback from uvicorn's bind (after reading the ledger)."""
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
+    monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
+    with pytest.raises(SystemExit) as exit_:
+        main(["dashboard", "--port", port])
+    assert exit_.value.code == 2
+    assert "argument --port" in capsys.readouterr().err
+
+
 def _not_a_directory(tmp_path: Path) -> Path:
     path = tmp_path / "state"
     path.write_text("a file where a directory should be\n")

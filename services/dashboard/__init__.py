@@ -24,6 +24,7 @@ from sagaline.ops.actions import OperatorChannel
 from sagaline.ops.metrics import SagalineMetrics
 from schemas.settings import Settings
 from schemas.trust import IdentitySigner
+from services._args import port
 from services.dashboard.app import create_app
 from services.dashboard.auth import AuthConfigError, OperatorAuth
 from services.dashboard.consumer import LedgerFollower
@@ -101,7 +102,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "SAGALINE_DASHBOARD_SECURE_COOKIE=1 makes the session cookie always Secure; see "
         "docs/security.md).",
     )
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port (8088)")
+    parser.add_argument("--port", type=port, default=DEFAULT_PORT, help="HTTP port (8088)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1)")
     parser.add_argument(
         "--bootstrap", default=None, help="Kafka bootstrap servers (overrides the environment)"
