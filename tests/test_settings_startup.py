@@ -167,3 +167,33 @@ def test_the_refund_services_state_dir_it_cannot_use_exits_2(
     assert main(["participant", "run", "policy"]) == 2
     err = capsys.readouterr().err
     assert str(bad) in err and "SAGALINE_STATE_DIR" in err, err
+
+
+@pytest.mark.parametrize(
+    "var",
+    [
+        "SAGALINE_DASHBOARD_SECURE_COOKIE",
+        "SAGALINE_DASHBOARD_READ_OPEN",
+        "SAGALINE_DASHBOARD_METRICS_OPEN",
+    ],
+)
+@pytest.mark.parametrize("value", ["on", "enabled", "Y", "2"])
+def test_a_dashboard_switch_it_cannot_read_is_refused_not_taken_as_off(
+    var: str, value: str
+) -> None:
+    """SAGALINE_DASHBOARD_SECURE_COOKIE=on left the session cookie without Secure, and
+    said nothing: any value but 1/true/yes was quietly "off"."""
+    from services.dashboard.auth import AuthConfigError, OperatorAuth
+
+    with pytest.raises(AuthConfigError, match=var):
+        OperatorAuth.from_env({var: value})
+
+
+@pytest.mark.parametrize(
+    ("value", "on"), [("1", True), (" TRUE ", True), ("0", False), ("", False)]
+)
+def test_the_dashboard_switches_read_1_true_yes_and_0_false_no(value: str, on: bool) -> None:
+    from services.dashboard.auth import OperatorAuth
+
+    auth = OperatorAuth.from_env({"SAGALINE_DASHBOARD_SECURE_COOKIE": value})
+    assert auth.secure_cookie is on

@@ -74,7 +74,17 @@ def check_password(password: str, stored: str) -> bool:
 
 
 def _flag(env: Mapping[str, str], name: str) -> bool:
-    return env.get(name, "").strip().lower() in ("1", "true", "yes")
+    """``1``/``true``/``yes`` on, unset or ``0``/``false``/``no`` off; anything else is
+    refused, not read as off (``SAGALINE_DASHBOARD_SECURE_COOKIE=on`` was)."""
+    value = env.get(name, "").strip().lower()
+    if value in ("1", "true", "yes"):
+        return True
+    if value in ("", "0", "false", "no"):
+        return False
+    raise AuthConfigError(
+        f"{name}={env[name]!r}: expected 1 (or true, yes) to turn it on, 0 (or false, no,"
+        " or unset) for off"
+    )
 
 
 def _read_users(path: str) -> dict[str, str]:
