@@ -73,6 +73,7 @@ def _cmd_participant_run(args: argparse.Namespace) -> int:
     settings, bootstrap = configured_broker("sagaline participant run")
     from participants.discovery import DiscoveryError
     from participants.errors import CatalogueError
+    from services.refund.errors import FaultPlanError  # SAGALINE_FAULTS, the example's
 
     prog = f"sagaline participant run {args.name}"
     journal = args.journal_dir or settings.state_dir / args.name
@@ -89,7 +90,7 @@ def _cmd_participant_run(args: argparse.Namespace) -> int:
             return 2
     try:
         catalogue = load_catalogue(args.name, args.catalogue, settings)
-    except (DiscoveryError, CatalogueError) as exc:
+    except (DiscoveryError, CatalogueError, FaultPlanError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     except (OSError, sqlite3.Error) as exc:

@@ -197,3 +197,22 @@ def test_the_dashboard_switches_read_1_true_yes_and_0_false_no(value: str, on: b
 
     auth = OperatorAuth.from_env({"SAGALINE_DASHBOARD_SECURE_COOKIE": value})
     assert auth.secure_cookie is on
+
+
+@pytest.mark.kafka
+@pytest.mark.parametrize("plan", ["{not json", "@/nonexistent/faults.json"])
+def test_a_refund_fault_plan_it_cannot_read_exits_2_naming_it_not_a_traceback(
+    plan: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    kafka_bootstrap: str,
+    unique_prefix: str,
+    tmp_path: Path,
+) -> None:
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
+    monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
+    monkeypatch.setenv("SAGALINE_STATE_DIR", str(tmp_path))
+    monkeypatch.setenv("SAGALINE_FAULTS", plan)
+    assert main(["participant", "run", "policy"]) == 2
+    err = capsys.readouterr().err
+    assert "fault plan" in err and "Traceback" not in err, err
