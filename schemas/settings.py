@@ -23,7 +23,10 @@ variable                       field                 default
 =============================  ====================  ==========================
 
 ``SAGALINE_SIGNING_KEY`` or ``SAGALINE_SIGNING_KEY_ID`` without
-``SAGALINE_TRUST_FILE`` is refused (:class:`SettingsError`), not ignored.
+``SAGALINE_TRUST_FILE``, ``SAGALINE_SECRET_KEY_ID`` or ``SAGALINE_OLD_SECRET_KEYS``
+without ``SAGALINE_SECRET_KEY``, and ``SAGALINE_HMAC_KEY_ID`` without
+``SAGALINE_HMAC_KEY`` (and no trust file) are refused (:class:`SettingsError`), not
+ignored.
 ``SAGALINE_REPLICATION_FACTOR`` (default 1) and ``SAGALINE_MIN_INSYNC_REPLICAS``
 (default: the broker's) set ``replication``, used when topics are created.
 Kafka client settings (SASL, SSL, tuning) are not here: they pass straight to
@@ -105,18 +108,7 @@ class Settings:
             raise SettingsError(f"SAGALINE_PARTITIONS={partitions} must be at least 1")
         key = env.get("SAGALINE_HMAC_KEY") or None
         trust_file = _path(env.get("SAGALINE_TRUST_FILE"))
-        if trust_file is None:
-            # Meant to sign as an identity: without the trust file this process would
-            # sign with the shared key, or not at all, and say nothing.
-            given = [
-                var for var in ("SAGALINE_SIGNING_KEY", "SAGALINE_SIGNING_KEY_ID") if env.get(var)
-            ]
-            if given:
-                raise SettingsError(
-                    f"{' and '.join(given)} set without SAGALINE_TRUST_FILE: an identity key"
-                    " is used only with a trust file; set SAGALINE_TRUST_FILE too (or unset"
-                    f" {' and '.join(given)})"
-                )
+        _companions_need_their_key(env, trust_file is not None)
         replication = _replication(env)
         try:
             limits = Limits.from_env(env)
@@ -160,6 +152,44 @@ class Settings:
                 TrustStore.load(self.trust_file), private, self.signing_key_id, self.signing_key
             )
         return Signer(self.hmac_key, key_id=self.hmac_key_id)
+
+
+def _companions_need_their_key(env: Mapping[str, str], identities: bool) -> None:
+    """A key's companion set without the key means the key went missing (a rotation
+    that lost the new secret, a misspelt name): without this check the process ran in
+    a weaker mode -- secrets redacted, not sealed, so the tool got the marker instead
+    of the value; records signed with the shared key or not at all -- and said nothing."""
+    rules = [
+        (
+            ("SAGALINE_SIGNING_KEY", "SAGALINE_SIGNING_KEY_ID"),
+            "SAGALINE_TRUST_FILE",
+            identities,
+            "an identity key is used only with a trust file; without it this process would"
+            " sign with the shared HMAC key, or not at all",
+        ),
+        (
+            ("SAGALINE_SECRET_KEY_ID", "SAGALINE_OLD_SECRET_KEYS"),
+            "SAGALINE_SECRET_KEY",
+            False,
+            "old keys only open, they never seal; without the current key this process"
+            " would redact secret arguments instead of sealing them (tools get the marker)",
+        ),
+        (
+            ("SAGALINE_HMAC_KEY_ID",),
+            "SAGALINE_HMAC_KEY",
+            identities,  # with identities the HMAC key is not used at all, nor its id
+            "without the key this process would write unsigned records",
+        ),
+    ]
+    for companions, key, satisfied, why in rules:
+        if satisfied or env.get(key):
+            continue
+        given = [var for var in companions if env.get(var)]
+        if given:
+            named = " and ".join(given)
+            raise SettingsError(
+                f"{named} set without {key}: {why}; set {key} too, or unset {named}"
+            )
 
 
 def _replication(env: Mapping[str, str]) -> Replication:

@@ -175,6 +175,10 @@ def test_env_vars_lists_exactly_what_from_env_reads() -> None:
         base = {"SAGALINE_REPLICATION_FACTOR": "7"} if "MIN_INSYNC" in name else {}
         if name.startswith("SAGALINE_SIGNING_KEY"):  # only with a trust file
             base = {"SAGALINE_TRUST_FILE": "trust.json"}
+        if name in ("SAGALINE_SECRET_KEY_ID", "SAGALINE_OLD_SECRET_KEYS"):  # only with a key
+            base = {"SAGALINE_SECRET_KEY": "secret"}
+        if name == "SAGALINE_HMAC_KEY_ID":
+            base = {"SAGALINE_HMAC_KEY": "key"}
         value = shaped.get(name, "7")
         assert Settings.from_env({**base, name: value}) != Settings.from_env(base), name
     assert Settings.from_env({"SAGALINE_NOT_A_SETTING": "x"}) == Settings.from_env({})

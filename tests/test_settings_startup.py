@@ -34,6 +34,41 @@ def test_a_signing_key_without_a_trust_file_is_refused_not_ignored(env: dict[str
         Settings.from_env(env)
 
 
+@pytest.mark.parametrize(
+    ("env", "missing"),
+    [
+        ({"SAGALINE_OLD_SECRET_KEYS": "s1=old-secret"}, "SAGALINE_SECRET_KEY"),
+        ({"SAGALINE_SECRET_KEY_ID": "s2"}, "SAGALINE_SECRET_KEY"),
+        ({"SAGALINE_HMAC_KEY_ID": "k2"}, "SAGALINE_HMAC_KEY"),
+    ],
+)
+def test_a_keys_companion_without_the_key_is_refused_not_a_weaker_mode(
+    env: dict[str, str], missing: str
+) -> None:
+    """A rotation that lost the new key (old keys, a new id, but no key): this process
+    redacted secrets instead of sealing them -- the tool got "[redacted]" for the card
+    number -- or wrote unsigned records, and said nothing."""
+    with pytest.raises(SettingsError, match=f"without {missing}"):
+        Settings.from_env(env)
+
+
+def test_the_companions_with_their_keys_are_fine() -> None:
+    settings = Settings.from_env(
+        {
+            "SAGALINE_SECRET_KEY": "new-secret",
+            "SAGALINE_SECRET_KEY_ID": "s2",
+            "SAGALINE_OLD_SECRET_KEYS": "s1=old-secret",
+            "SAGALINE_HMAC_KEY": "k",
+            "SAGALINE_HMAC_KEY_ID": "k2",
+        }
+    )
+    assert settings.sealer().enabled and settings.signer().key_id == "k2"
+    # With identities the HMAC key id is not used: nothing to refuse.
+    assert Settings.from_env(
+        {"SAGALINE_TRUST_FILE": "trust.json", "SAGALINE_HMAC_KEY_ID": "k2"}
+    ).trust_file == Path("trust.json")
+
+
 @pytest.mark.kafka
 def test_a_command_with_a_signing_key_but_no_trust_file_exits_2_saying_so(
     monkeypatch: pytest.MonkeyPatch,
