@@ -1710,8 +1710,13 @@ def _completion_overdue(ctx: _Ctx, step: StepState) -> None:
 
 
 def _iso(epoch_ms: int) -> str:
-    """A readable UTC time for incident texts (epoch ms in, ISO 8601 out)."""
-    at = datetime.datetime.fromtimestamp(epoch_ms / 1000, tz=datetime.UTC)
+    """A readable UTC time for incident texts (epoch ms in, ISO 8601 out). A time no
+    calendar date names (a participant's absurd clock, a wait of centuries) is given
+    as the number it is: the incident it belongs to must still be raised."""
+    try:
+        at = datetime.datetime.fromtimestamp(epoch_ms / 1000, tz=datetime.UTC)
+    except (ValueError, OverflowError, OSError):
+        return f"{epoch_ms} ms since the epoch"
     return at.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 

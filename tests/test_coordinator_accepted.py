@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 
 from coordinator_ledger import Harness, Ledger, compensates, fresh, incidents, receipt_of, terminal
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from coordinator.state import TimerPurpose
 from schemas import FailureKind, StepScheduled, TerminalStatus
@@ -121,3 +123,39 @@ def test_a_step_recorded_before_completion_within_existed_still_decodes_R12(
 
     assert decoded == scheduled
     assert decoded.contract.completion_within_ms is None
+
+
+_LONG = st.integers(-(2**63), 2**63 - 1)  # what an Avro long (occurred_at) may carry
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    accepted_at=st.one_of(_LONG, st.integers(-(10**15), 10**15)),
+    within=st.one_of(st.none(), st.integers(0, 2**62), st.integers(0, 10**13)),
+)
+def test_an_absurd_acceptance_time_or_wait_still_ends_in_an_incident_R12_R16(
+    accepted_at: int, within: int | None
+) -> None:
+    """A participant's clock (or declaration) may be absurd: an acceptance dated before
+    year 1 or after 9999, a wait of centuries. When the timer fires the saga must still
+    end in the named incident; the incident text cannot turn the time into a calendar
+    date, which raised ValueError out of ``tick`` and got the saga parked instead."""
+    assume(-(2**63) <= accepted_at + (within or 0) < 2**63)
+    ledger, h = fresh()
+    h.feed(
+        ledger.started(),
+        ledger.scheduled("refund", completion_within_ms=within),
+        ledger.committed("refund"),
+    )
+    h.feed(ledger.scheduled("boom"), ledger.failed("boom", kind=FailureKind.BUSINESS_REJECTION))
+    acceptance = ledger.comp_accepted("refund")
+    env = acceptance.envelope.model_copy(update={"occurred_at": accepted_at})
+    h.feed(acceptance.model_copy(update={"envelope": env}))
+    due = h.s.next_due_at()
+    assert due == accepted_at + (within or 0)
+    h.now = max(h.now, due)
+    out = h.advance(0)
+    [incident] = incidents(out)
+    assert incident.kind == "compensation-not-completed"
+    assert incident.envelope.occurred_at == due
+    assert receipt_of(out).status is TerminalStatus.ESCALATED
