@@ -533,7 +533,9 @@ def _refused_writer(ctx: _Ctx, record: Record) -> bool:
                 f"step {step.step_id} runs on participant {step.contract.participant!r}; "
                 f"{env.producer!r} may not report its outcome"
             )
-        elif step is not None and env.causation_id not in _commands_sent(s, step, env.generation):
+        elif step is not None and not _answers_command(
+            s, step, env.generation, env.causation_id, ctx.policy.reconcile_rounds
+        ):
             problem = (
                 f"causation {env.causation_id!r} names no command sent to "
                 f"{step.contract.participant!r} for step {step.step_id}"
@@ -544,16 +546,40 @@ def _refused_writer(ctx: _Ctx, record: Record) -> bool:
     return True
 
 
-def _commands_sent(s: SagaState, step: StepState, generation: int) -> set[str]:
-    """Event ids of every command the core can have sent for ``step`` under
-    ``generation`` (they are derived deterministically, so the set is recomputed
-    instead of stored).
+def _answers_command(
+    s: SagaState, step: StepState, generation: int, causation: str | None, rounds: int
+) -> bool:
+    """Whether ``causation`` is the event id of a command the core can have sent for
+    ``step`` under ``generation`` (they are derived deterministically, so they are
+    recomputed instead of stored).
 
     A participant answers under the generation of the command it answers (the runtime
     copies it), so only that one generation is looked at. Walking every generation up
     to the saga's made the cost grow with a number the agent chooses: a run numbered by
     a timestamp stopped the coordinator, and every saga it owns, on the first outcome.
+
+    The commands of the current attempts come first (nearly every answer is to one of
+    them). ``step.reconcile_round`` counts the lookups of the current attempt only: an
+    earlier attempt may have had more (up to ``rounds``, when a person is asked), and a
+    late answer to one of them is the right participant answering a command that was
+    sent, not a forgery (R11: it is then ignored, or it is the effect).
     """
+    if causation is None or generation > s.generation:
+        return False  # no command of ours carries a generation the saga has not reached
+    if causation in _commands_sent(s, step, generation):
+        return True
+    return any(
+        causation
+        == derived_event_id(s.saga_id, generation, "ReconcileStep", step.step_id, attempt, rnd)
+        for attempt in range(1, step.attempt)
+        for rnd in range(step.reconcile_round + 1, max(rounds, step.reconcile_round) + 1)
+    )
+
+
+def _commands_sent(s: SagaState, step: StepState, generation: int) -> set[str]:
+    """Event ids of the commands :func:`_answers_command` looks at first: each
+    attempt's ``ExecuteStep`` and ``CompensateStep``, and lookups up to the current
+    round, under ``generation``."""
     sent: set[str] = set()
     if generation > s.generation:
         return sent  # no command of ours carries a generation the saga has not reached

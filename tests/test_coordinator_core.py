@@ -37,6 +37,7 @@ from coordinator import (
     retry_delay_ms,
     tick,
 )
+from coordinator.state import StepStatus
 from participants import CompensationContext, compensable, tool, wrap
 from participants.runtime import CommandHandler, CommandJournal
 from schemas import (
@@ -1122,6 +1123,76 @@ def test_checking_who_answered_does_not_grow_with_the_generation_R15_R16(
     assert _ids_derived_to_accept_a_commit(5_000, monkeypatch) == _ids_derived_to_accept_a_commit(
         1, monkeypatch
     )
+
+
+def _answering(record: Record, command: Record) -> Record:
+    """``record`` as a participant writes it in answer to ``command`` (its causation)."""
+    env = record.envelope.model_copy(update={"causation_id": command.event_id})
+    return record.model_copy(update={"envelope": env})
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rounds=st.integers(2, 4),
+    late=st.data(),
+    outcome=st.sampled_from(list(ReconcileResult)),
+)
+def test_a_late_answer_to_an_earlier_attempts_lookup_is_no_forged_writer_R11_R15_R16(
+    rounds: int, late: st.DataObject, outcome: ReconcileResult
+) -> None:
+    """Attempt 1 timed out and took ``rounds`` lookups to be found NOT_FOUND; attempt 2
+    timed out too and is at its first lookup. The participant's answer to one of
+    attempt 1's lookups arrives again (a redelivered command, a second replica): it is
+    the right participant answering a command the coordinator did send, so it is absorbed
+    quietly (a COMMITTED one is the effect, R11). Before, it was refused as
+    ``forbidden-writer``, a false security alarm in the DLQ, because only lookup rounds up
+    to attempt 2's current round were counted as sent. A forged causation is refused."""
+    bound = CorePolicy(bind_writers=True, reconcile_rounds=5)
+    ledger = Ledger()
+    state: SagaState | None = None
+    sent: list[Record] = []
+
+    def feed(record: Record) -> list[str]:
+        nonlocal state
+        d = decide(state, record, ledger.clock, bound)
+        state = d.state
+        sent.extend(o.record for o in d.outputs if o.destination is Destination.COMMAND)
+        return [o.reason for o in d.outputs if o.reason]
+
+    def run_timers() -> None:
+        nonlocal state
+        assert state is not None
+        due = state.next_due_at()
+        assert due is not None
+        ledger.clock = max(ledger.clock, due)
+        d = tick(state, ledger.clock, bound)
+        state = d.state
+        sent.extend(o.record for o in d.outputs if o.destination is Destination.COMMAND)
+
+    assert feed(ledger.started()) == []
+    assert feed(ledger.scheduled("pay", has_lookup=True)) == []
+    assert feed(_answering(ledger.unknown("pay", 1), sent[-1])) == []
+    lookups: list[Record] = []
+    for n in range(rounds):
+        lookups.append(sent[-1])
+        answer = ReconcileResult.PENDING if n < rounds - 1 else ReconcileResult.NOT_FOUND
+        assert feed(_answering(ledger.reconciled("pay", answer, 1), sent[-1])) == []
+        run_timers()  # the next lookup, or the retry of the step
+    assert state is not None and state.steps["pay"].attempt == 2
+    assert feed(_answering(ledger.unknown("pay", 2), sent[-1])) == []
+    assert state.steps["pay"].reconcile_round == 1
+    earlier = late.draw(st.sampled_from(lookups), label="earlier lookup")
+    again = _answering(ledger.reconciled("pay", outcome, 1), earlier)
+    assert feed(again) == []
+    status = state.steps["pay"].status
+    assert status is (
+        StepStatus.COMMITTED if outcome is ReconcileResult.COMMITTED else StepStatus.RECONCILING
+    )
+    forged = ledger.reconciled("pay", outcome, 1)
+    forged = forged.model_copy(
+        update={"envelope": forged.envelope.model_copy(update={"causation_id": "made-up"})}
+    )
+    assert feed(forged) == ["forbidden-writer"]
 
 
 # ------------------------------------------------------------------ payload references
