@@ -962,7 +962,7 @@ def _on_approval_granted(ctx: _Ctx, r: ApprovalGranted) -> None:
         if _forward_allowed(s):
             _dispatch(ctx, step, 1)
         else:
-            _cancel(step, "approved after the saga stopped going forward; never dispatched")
+            _cancel(ctx, step, "approved after the saga stopped going forward; never dispatched")
     else:
         _send_compensation(ctx, step, 1)
 
@@ -1344,12 +1344,39 @@ def _forward_allowed(s: SagaState) -> bool:
     return not (s.end_requested is SagaOutcome.ABORT and s.pivot_committed is None)
 
 
-def _cancel(step: StepState, note: str) -> None:
+def _cancel(ctx: _Ctx, step: StepState, note: str) -> None:
     step.status = StepStatus.CANCELLED
-    step.approval = None
+    _withdraw_approval(ctx, step, note)
     step.note = note
     for purpose in (TimerPurpose.FORWARD_RETRY, TimerPurpose.APPROVAL_EXPIRY):
         step.timers.pop(purpose, None)
+
+
+def _withdraw_approval(ctx: _Ctx, step: StepState, why: str) -> None:
+    """The step no longer waits for the approval it asked for (the saga turned around,
+    the reversal window passed): say so on the ledger, or the request stays open there
+    and every operator surface that reads it (the dashboard) offers a grant the core
+    refuses. The record is an ``ApprovalDenied`` written by the coordinator itself
+    (``denied_by`` is ``COORDINATOR_PRODUCER``); the core ignores its echo, like every
+    record of its own, and the receipt lists the request as ``WITHDRAWN``."""
+    pending = step.approval
+    if pending is None:
+        return
+    step.approval = None
+    step.timers.pop(TimerPurpose.APPROVAL_EXPIRY, None)
+    _log_approval(ctx, step, pending.purpose, "WITHDRAWN", "-", pending.args_fingerprint)
+    ctx.emit(
+        ApprovalDenied(
+            envelope=ctx.envelope(
+                ApprovalDenied, ctx.event_id("ApprovalWithdrawn", pending.approval_id)
+            ),
+            step_id=step.step_id,
+            approval_id=pending.approval_id,
+            purpose=pending.purpose,
+            denied_by=COORDINATOR_PRODUCER,
+            reason=f"withdrawn by the coordinator: {why}",
+        )
+    )
 
 
 def _commit(
@@ -1506,7 +1533,7 @@ def _compensation_failed_finally(
 ) -> None:
     """R3/R8: the compensation gave up; a person owns the remaining effect."""
     step.status = StepStatus.COMPENSATION_FAILED
-    step.approval = None
+    _withdraw_approval(ctx, step, why)
     step.note = why
     for purpose in (
         TimerPurpose.COMPENSATION_RETRY,
@@ -1682,7 +1709,9 @@ def _fire(ctx: _Ctx, step: StepState, purpose: TimerPurpose) -> None:
             if _forward_allowed(s):
                 _dispatch(ctx, step, step.attempt + 1)  # same idempotency key (R6, R8)
             else:
-                _cancel(step, f"retry dropped: the saga stopped going forward ({step.last_error})")
+                _cancel(
+                    ctx, step, f"retry dropped: the saga stopped going forward ({step.last_error})"
+                )
     elif purpose is TimerPurpose.COMPENSATION_RETRY:
         if step.status is StepStatus.COMPENSATION_RETRY_WAIT:
             _send_compensation(ctx, step, step.compensation_attempt + 1)
@@ -1816,9 +1845,9 @@ def _maybe_start_compensating(ctx: _Ctx) -> bool:
     s.status = SagaStatus.COMPENSATING
     for step in s.steps.values():
         if step.status in (StepStatus.SCHEDULED, StepStatus.AWAITING_APPROVAL):
-            _cancel(step, "never dispatched: the saga began compensating")
+            _cancel(ctx, step, "never dispatched: the saga began compensating")
         elif step.status is StepStatus.RETRY_WAIT:
-            _cancel(step, f"retry dropped: the saga began compensating ({step.last_error})")
+            _cancel(ctx, step, f"retry dropped: the saga began compensating ({step.last_error})")
     return True
 
 
@@ -1849,7 +1878,7 @@ def _dispatch_ready(ctx: _Ctx) -> bool:
             (p for p in prereqs if p.status in NEVER_COMMITTED | {StepStatus.ESCALATED}), None
         )
         if blocker is not None:
-            _cancel(step, f"not run: {blocker.step_id} did not complete")
+            _cancel(ctx, step, f"not run: {blocker.step_id} did not complete")
             changed = True
         elif all(p.status is StepStatus.COMMITTED for p in prereqs):
             irreversible = step.contract.reversibility is Reversibility.IRREVERSIBLE
@@ -1897,7 +1926,7 @@ def _progress_unwind(ctx: _Ctx) -> bool:
             _needs_compensation(ctx, step)  # R1: only what committed
             changed = True
         elif step.status in (StepStatus.SCHEDULED, StepStatus.AWAITING_APPROVAL):
-            _cancel(step, "never dispatched: the saga is compensating")
+            _cancel(ctx, step, "never dispatched: the saga is compensating")
             changed = True
     for step in s.steps.values():
         window = step.timers.get(TimerPurpose.REVERSAL_WINDOW)

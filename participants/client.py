@@ -92,6 +92,9 @@ from schemas.wire import from_message
 log = logging.getLogger("sagaline.client")
 
 R = TypeVar("R", bound=Record)
+_COORDINATOR = "sagaline-coordinator"
+"""``envelope.producer`` of the coordinator's records (``coordinator.COORDINATOR_PRODUCER``,
+which this layer may not import): an ``ApprovalDenied`` it writes withdraws a request."""
 
 
 # ---------------------------------------------------------------------- errors
@@ -1593,6 +1596,17 @@ class Saga:
             if isinstance(record, ApprovalRequested) and record.step_id == step:
                 state["approval"] = record.approval_id
             if isinstance(record, ApprovalDenied) and record.step_id == step:
+                if record.envelope.producer == _COORDINATOR:
+                    # The coordinator withdrew the request: the saga turned around and
+                    # cancelled the step; no one denied it.
+                    return (
+                        "err",
+                        SagaUnwinding(
+                            f"saga {self.saga_id} is unwinding; {contract.tool} will not "
+                            f"run ({record.reason})",
+                            **where,
+                        ),
+                    )
                 return (
                     "err",
                     ApprovalDeniedError(

@@ -12,7 +12,7 @@ import xml.etree.ElementTree as ET
 from typing import Any
 
 import pytest
-from coordinator_ledger import approval_requests, fresh, incidents, rejections
+from coordinator_ledger import approval_requests, compensates, fresh, incidents, rejections
 from dashboard_scenarios import (
     ALL,
     T0,
@@ -24,6 +24,8 @@ from dashboard_scenarios import (
     running,
     unknown_outcome,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 from coordinator.core import CorePolicy, decide
@@ -46,6 +48,7 @@ from sagaline.ops.receipts import (
 from schemas import (
     ApprovalGranted,
     ApprovalRequested,
+    CompensationApproval,
     FailureKind,
     IncidentRaised,
     Receipt,
@@ -672,6 +675,96 @@ def test_the_view_agrees_with_the_coordinator_on_approvals() -> None:
     assert h.status("wire") == "CANCELLED"
     assert state.sagas[ledger.saga_id].status is SagaStatus.COMPENSATING
     assert state.pending_approvals() == []
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    turn=st.sampled_from(["abort", "rejected"]),
+    in_flight=st.sampled_from(["dispatched", "running", "unknown"]),
+)
+def test_an_approval_cancelled_while_other_work_is_in_flight_is_not_pending_R7_R11(
+    turn: str, in_flight: str
+) -> None:
+    """A saga turns around (the agent aborts, or a parallel step is rejected) while an
+    IRREVERSIBLE step waits for its approval and another branch is still in flight. The
+    coordinator cancels the waiting step, but no compensation can be asked yet (the
+    in-flight step may still commit, R11), so no CompensationRequested tells the view.
+    The dashboard listed the request as pending, with an Approve button, for as long as
+    the other step stayed unsettled (for an unknown outcome: until a person answers),
+    and a grant made there was refused as invalid-transition."""
+    ledger, h = fresh()
+    h.feed(ledger.started(), ledger.scheduled("hold", depends_on=[]))
+    if in_flight != "dispatched":
+        h.feed(ledger.intent("hold"))
+    if in_flight == "unknown":
+        assert incidents(h.feed(ledger.unknown("hold")))
+    [req] = approval_requests(
+        h.feed(ledger.scheduled("wire", depends_on=[], reversibility=Reversibility.IRREVERSIBLE))
+    )
+    if turn == "abort":
+        h.feed(ledger.end(SagaOutcome.ABORT, "the agent gave up"))
+    else:
+        h.feed(ledger.scheduled("check", depends_on=[]), ledger.intent("check"))
+        h.feed(ledger.failed("check", kind=FailureKind.BUSINESS_REJECTION))
+    assert h.status("wire") == "CANCELLED" and not h.s.is_terminal
+    state = DashboardState()
+    for record in h.log:
+        state.apply(record)
+    saga = state.sagas[ledger.saga_id]
+    assert state.pending_approvals() == [] and state.expired_approvals() == []
+    assert saga.status is not SagaStatus.AWAITING_APPROVAL
+    assert saga.steps["wire"].state == "cancelled"
+    assert saga.steps["wire"].open_span(SpanKind.APPROVAL) is None
+    # A grant sent anyway is refused by the coordinator, and the view says it did not count.
+    grant = ledger.grant(req)
+    assert [o.reason for o in rejections(h.feed(grant))] == ["invalid-transition"]
+    state.apply(grant)
+    assert [u.approval_id for u in saga.uncounted_decisions] == [req.approval_id]
+
+
+def test_a_compensation_approval_past_its_reversal_window_is_not_pending_R13() -> None:
+    """R13: the reversal window of a step awaiting its compensation approval passes; the
+    coordinator hands the step to a person and no longer waits for a grant. Another
+    compensation is still out, so the saga has not ended, and the dashboard kept the
+    request among the pending ones, with an Approve button whose grant was refused."""
+    ledger, h = fresh()
+    h.feed(ledger.started())
+    h.feed(
+        ledger.scheduled(
+            "hold",
+            depends_on=[],
+            reversal_window_ms=1_000,
+            compensation_approval=CompensationApproval.REQUIRE,
+        ),
+        ledger.committed("hold"),
+    )
+    h.feed(
+        ledger.scheduled("ship", depends_on=[], completion_within_ms=10**9),
+        ledger.committed("ship"),
+    )
+    h.feed(ledger.scheduled("check", depends_on=[]), ledger.intent("check"))
+    out = h.feed(ledger.failed("check", kind=FailureKind.BUSINESS_REJECTION))
+    [req] = approval_requests(out)
+    assert req.step_id == "hold" and compensates(out) == ["ship"]
+    h.feed(ledger.comp_accepted("ship"))
+    h.advance(2_000)  # past hold's reversal window
+    assert h.status("hold") == "COMPENSATION_FAILED" and not h.s.is_terminal
+    assert [(a.decision, a.step_id) for a in h.s.approvals] == [("WITHDRAWN", "hold")]
+    state = DashboardState()
+    for record in h.log:
+        state.apply(record)
+    assert state.pending_approvals() == [] and state.expired_approvals() == []
+    assert state.sagas[ledger.saga_id].steps["hold"].open_span(SpanKind.APPROVAL) is None
+    assert [o.reason for o in rejections(h.feed(ledger.grant(req)))] == ["invalid-transition"]
+
+
+def test_the_client_knows_the_coordinator_by_its_producer_name() -> None:
+    """The agent's client tells a request the coordinator withdrew from a person's denial
+    by the coordinator's producer name, which it cannot import (layers)."""
+    from coordinator import COORDINATOR_PRODUCER
+    from participants import client
+
+    assert client._COORDINATOR == COORDINATOR_PRODUCER
 
 
 def test_an_unknown_outcome_settled_by_the_ledger_closes_its_incident() -> None:

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from coordinator.core import COORDINATOR_PRODUCER
 from schemas.models import (
     COMMAND_TYPES,
     ApprovalDenied,
@@ -405,6 +406,8 @@ class SagalineMetrics:
         elif isinstance(record, ApprovalGranted):
             self.manual_interventions.labels("approval_granted").inc()
         elif isinstance(record, ApprovalDenied):
+            if record.envelope.producer == COORDINATOR_PRODUCER:
+                return  # a request the coordinator withdrew: no one intervened
             self.manual_interventions.labels("approval_denied").inc()
             _first_failure(track, at)
         elif isinstance(record, SagaEndRequested):

@@ -137,6 +137,13 @@ def _approval_words(a: ApprovalRecord) -> str:
             f"request for step {a.step_id} ({a.purpose.lower()}) EXPIRED unanswered "
             f"at {format_ms(a.at)}"
         )
+    if a.decision == "WITHDRAWN":
+        # The coordinator stopped waiting (the step was cancelled, or its compensation
+        # handed to a person): nobody decided.
+        return (
+            f"request for step {a.step_id} ({a.purpose.lower()}) WITHDRAWN by the "
+            f"coordinator at {format_ms(a.at)}: the step no longer waited for it"
+        )
     return (
         f"{_DECISION.get(a.decision, a.decision.lower())} by {a.by} for step {a.step_id} "
         f"({a.purpose.lower()}) at {format_ms(a.at)}"

@@ -480,6 +480,16 @@ def _fold(saga: SagaView, record: Record) -> None:
         _close_approval(step, record.approval_id, at, f"granted by {record.granted_by}")
         if step.state in ("awaiting approval", "approval expired"):
             step.state = "approved"
+    elif isinstance(record, ApprovalDenied) and record.envelope.producer == COORDINATOR_PRODUCER:
+        # The coordinator withdrew its request (``core._withdraw_approval``): the step
+        # was cancelled, or its compensation handed to a person; no one denied it, and
+        # it is no decision to list as counted or not.
+        saga.pending_approvals.pop(record.approval_id, None)
+        saga.expired_approvals.pop(record.approval_id, None)
+        step = saga.step(record.step_id)
+        _close_approval(step, record.approval_id, at, "withdrawn by the coordinator")
+        if step.state in ("awaiting approval", "approval expired"):
+            step.state = "cancelled"
     elif isinstance(record, ApprovalDenied):
         problems = _denial_problems(saga, record)
         if problems:
