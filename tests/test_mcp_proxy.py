@@ -1178,6 +1178,60 @@ def test_a_lookup_while_the_proxys_own_call_with_that_key_runs_answers_pending_R
     assert after.status is ReconcileResult.COMMITTED and after.result == forward_result[0]
 
 
+def test_a_lookup_the_upstream_answers_with_an_error_is_no_not_found_R11() -> None:
+    """The coordinator looks up a step whose outcome is unknown and the upstream's
+    lookup answers with an error (a rate limit, a transient failure of its own): it
+    could not tell, so the lookup must not say "not found" (the step would be taken for
+    one that never ran: retried, its effect doubled, or left out of an unwind). It
+    raises, which the participant runtime reports as PENDING (asked again, then a
+    person). Only an error the declaration names as "not found" (``not_found:``),
+    or an empty answer, is NOT_FOUND."""
+    from sagaline.agents.mcp_proxy import UpstreamRejected, build_catalogue
+    from schemas.models import ReconcileResult
+
+    upstreams, catalogue = _reconciling_upstreams()
+    answers = {
+        "busy": "find_ticket: rate limited, retry in 30 s",
+        "gone": "find_ticket: no ticket for gone",
+    }
+
+    def call_sync(upstream: str, name: str, args: dict[str, Any], timeout_s: float) -> Any:
+        assert name == "find_ticket"
+        key = args["request_id"]
+        if key == "empty":
+            return {}
+        raise UpstreamRejected(answers[key])
+
+    upstreams.call_sync = call_sync
+    with pytest.raises(RuntimeError, match=r"could not tell.*rate limited"):
+        catalogue["create_ticket"].lookup("busy")
+    # Not said to be "not found" either, without a not_found: declared.
+    with pytest.raises(RuntimeError, match="no ticket for"):
+        catalogue["create_ticket"].lookup("gone")
+    assert catalogue["create_ticket"].lookup("empty").status is ReconcileResult.NOT_FOUND
+
+    decl = _decl(
+        {
+            "create_ticket": {
+                "compensation": {"tool": "delete_ticket", "args": {"ticket_id": "{result.id}"}},
+                "lookup": {
+                    "tool": "find_ticket",
+                    "args": {"request_id": "{idempotency_key}"},
+                    "not_found": "no ticket for",
+                },
+                "idempotency_arg": "request_id",
+            },
+            "send_email": {"reversibility": "IRREVERSIBLE"},
+        },
+        participant="fake-desk",
+    )
+    upstreams.declaration = decl
+    declared = build_catalogue(decl, upstreams)
+    assert declared["create_ticket"].lookup("gone").status is ReconcileResult.NOT_FOUND
+    with pytest.raises(RuntimeError, match="rate limited"):
+        declared["create_ticket"].lookup("busy")
+
+
 def test_compensations_and_lookups_wait_as_long_as_the_declared_deadline_R8() -> None:
     """A tool declared with a 600 s deadline: its compensation and lookup may take as
     long as the forward call. A fixed 60 s cut a longer compensation short, and the

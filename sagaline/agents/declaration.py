@@ -12,7 +12,7 @@ A YAML (or JSON) file; every key is checked, so a typo is an error, not a defaul
       create_ticket:
         upstream: desk               # optional when there is one upstream (else an error)
         compensation: {tool: delete_ticket, args: {ticket_id: "{result.id}"}}
-        lookup: {tool: find_ticket, args: {key: "{idempotency_key}"}}
+        lookup: {tool: find_ticket, args: {key: "{idempotency_key}"}, not_found: "no ticket"}
         idempotency_arg: request_id  # upstream argument that receives the key
         reversibility: REVERSIBLE    # default COMPENSATABLE
         resources: [tickets]
@@ -81,10 +81,14 @@ class UpstreamSpec:
 
 @dataclass(frozen=True)
 class CallMapping:
-    """An upstream call made on the saga's behalf (a compensation or a lookup)."""
+    """An upstream call made on the saga's behalf (a compensation or a lookup).
+
+    ``not_found`` (a lookup only): text that the lookup's error answer contains when
+    the upstream has no such operation; any other error answer says it could not tell."""
 
     tool: str
     args: Mapping[str, Any]
+    not_found: str | None = None
 
 
 @dataclass(frozen=True)
@@ -167,6 +171,7 @@ _TOOL_KEYS = (
     "owner",
 )
 _CALL_KEYS = ("tool", "args")
+_LOOKUP_KEYS = (*_CALL_KEYS, "not_found")
 
 
 def load_declaration(path: Path) -> Declaration:
@@ -291,7 +296,7 @@ def _tool(
         reversibility = Reversibility.COMPENSATABLE
     read_only = _flag(problems, where, raw, "read_only")
     compensation = _call(problems, f"{where}: compensation", raw.get("compensation"))
-    lookup = _call(problems, f"{where}: lookup", raw.get("lookup"))
+    lookup = _call(problems, f"{where}: lookup", raw.get("lookup"), _LOOKUP_KEYS)
     if read_only and (compensation or raw.get("reversibility")):
         problems.append(f"{where}: is read_only and declares an undo; remove one of them")
     # ``compensation: null`` counts as none (wrap() would refuse it later, in terms of
@@ -358,7 +363,9 @@ def _flag(problems: list[str], where: str, raw: Mapping[str, Any], key: str) -> 
     return False
 
 
-def _call(problems: list[str], where: str, raw: Any) -> CallMapping | None:
+def _call(
+    problems: list[str], where: str, raw: Any, known: Sequence[str] = _CALL_KEYS
+) -> CallMapping | None:
     if raw is None:
         return None
     if isinstance(raw, str):
@@ -366,7 +373,14 @@ def _call(problems: list[str], where: str, raw: Any) -> CallMapping | None:
     if not isinstance(raw, Mapping) or not raw.get("tool"):
         problems.append(f"{where}: must be {{tool: NAME, args: {{...}}}}")
         return None
-    _unknown_keys(problems, where, raw, _CALL_KEYS)
+    _unknown_keys(problems, where, raw, known)
+    not_found = raw.get("not_found")
+    if not_found is not None and (not isinstance(not_found, str) or not not_found):
+        problems.append(
+            f"{where}: not_found must be the text the lookup's error says when it has no"
+            f' such operation, e.g. not_found: "no ticket for", not {not_found!r}'
+        )
+        return None
     args = raw.get("args") or {}
     if not isinstance(args, Mapping):
         problems.append(f"{where}: args must be a mapping of argument name to value/template")
@@ -378,7 +392,7 @@ def _call(problems: list[str], where: str, raw: Any) -> CallMapping | None:
                 f"{where}: template {{{path}}} names {root!r}; use one of"
                 f" {', '.join(_ROOTS)}{_close(root, _ROOTS)}"
             )
-    return CallMapping(tool=str(raw["tool"]), args=dict(args))
+    return CallMapping(tool=str(raw["tool"]), args=dict(args), not_found=not_found)
 
 
 def _unknown_keys(

@@ -106,6 +106,11 @@ class UpstreamUnavailable(RuntimeError):
     """An upstream server could not be started or reached at start-up."""
 
 
+class UpstreamLookupFailed(RuntimeError):
+    """A lookup's upstream call answered with an error that is not its declared "not
+    found" (``not_found:``): it could not tell whether the operation happened (R11)."""
+
+
 class UpstreamDown(ConnectionError):
     """The upstream's connection was lost and connecting again failed: the call was
     not sent (nothing was called), so its outcome is known; a plain failure, which the
@@ -578,7 +583,19 @@ def _lookup(
         args = build_args(call.args, ctx)
         try:
             found = upstreams.call_sync(upstream, call.tool, args, _wait_s(mapping))
-        except UpstreamRejected:
+        except UpstreamRejected as exc:
+            # "Not found" only when the error says so (the declared not_found text): a
+            # rate limit or a failure of the upstream's own cannot tell (R11). Raised,
+            # the runtime reports PENDING: asked again, then a person.
+            if call.not_found is None or call.not_found not in str(exc):
+                raise UpstreamLookupFailed(
+                    f"lookup {call.tool} of {idempotency_key} could not tell: {exc}"
+                    + (
+                        f" (not the declared not_found {call.not_found!r})"
+                        if call.not_found
+                        else " (no not_found: declared for its error answers)"
+                    )
+                ) from exc
             found = None  # the upstream says it has no such operation
         if found not in (None, "", {}, []):
             return LookupResult.committed(found)
