@@ -1015,6 +1015,37 @@ def test_a_restarted_proxy_remembers_the_step_awaiting_approval_R7(tmp_path: Pat
     assert "nothing was called" in _text(refused) and client.sagas[0].calls == []
 
 
+def test_a_result_over_the_limit_is_a_tool_error_that_keeps_the_committed_effect(
+    tmp_path: Path,
+) -> None:
+    """The upstream call ran and committed, but its result was over
+    SAGALINE_MAX_RESULT_BYTES: the client raises ResultTooLarge (the effect exists; an
+    incident names it). The proxy took it for a failed write and aborted the saga,
+    undoing the effect that succeeded and every earlier one. The agent gets an error
+    saying the call happened (not to repeat it) and the saga stays open."""
+    from participants.client import ResultTooLarge
+
+    too_large = ResultTooLarge(
+        "create_ticket committed but its result (300000 bytes) is over the limit of"
+        " 262144 bytes, so it is not on the ledger",
+        saga_id="s-1",
+        step_id="01-create_ticket",
+        tool="create_ticket",
+    )
+    client = FakeClient(too_large)
+    proxy = _fake_proxy(tmp_path, client)
+    first = _call(proxy, "create_ticket", {"title": "t"})
+    (saga,) = client.sagas
+    assert saga.ended == [], "the saga was ended (aborted) for a step that committed"
+    text = _text(first)
+    assert first.is_error and "committed" in text and "over the limit" in text, text
+    assert "do not call" in text, text
+    saga.answer = None
+    second = _call(proxy, "create_ticket", {"title": "u"})
+    assert second.structured_content == {"ok": "02-create_ticket"}  # the same saga went on
+    assert [s.saga_id for s in client.sagas] == ["s-1"]
+
+
 def test_a_timed_out_step_is_reported_as_an_unknown_outcome_not_as_a_failure_R11(
     tmp_path: Path,
 ) -> None:

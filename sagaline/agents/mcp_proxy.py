@@ -55,6 +55,7 @@ from participants.client import (
     CallRefused,
     InvalidSagaId,
     OutcomeUnknown,
+    ResultTooLarge,
     Saga,
     SagaCallError,
     SagaClient,
@@ -992,6 +993,8 @@ class McpProxy:
                 " arguments, or end the saga (saga_commit / saga_abort).",
                 error=True,
             )
+        except ResultTooLarge as exc:  # it ran and committed: not a failed write
+            return _too_large(saga, name, step_id, exc)
         except SagaCallError as exc:
             return await self._failed(saga, name, exc)
         return _value(value)
@@ -1017,6 +1020,8 @@ class McpProxy:
                     " the saga; nothing was called",
                     error=True,
                 )
+            except ResultTooLarge:
+                pass  # it ran and committed (its result not kept): done, as any other
             except SagaCallError as exc:
                 self.session.awaiting.remove(step_id)
                 return await self._failed(saga, step_id, exc)
@@ -1321,6 +1326,19 @@ def _value(value: Any) -> types.CallToolResult:
     structured = value if isinstance(value, dict) else None
     return types.CallToolResult(
         content=[types.TextContent(text=text)], structured_content=structured
+    )
+
+
+def _too_large(saga: Saga, name: str, step_id: str, exc: ResultTooLarge) -> types.CallToolResult:
+    """A write that ran and committed whose result is over the limit (not on the ledger,
+    so not returned): an error for the agent, which must not repeat the call; the saga
+    stays open, the effect undone with the others only if it is aborted."""
+    return _text(
+        f"{name} was called and its effect committed (step {step_id} of saga"
+        f" {saga.saga_id}): do not call it again. Its result is not returned: {exc}. The"
+        f" saga stays open: the effect stands, and is undone with the others if the saga is"
+        f" aborted; the steps done are listed in {RECEIPT_URI}.",
+        error=True,
     )
 
 
