@@ -2390,3 +2390,45 @@ def test_a_remembered_saga_written_by_a_newer_version_is_said_not_a_protocol_err
         text = _text(refused)
         assert refused.is_error and "upgrade" in text and "nothing was called" in text, text
     assert [s.calls for s in client.sagas] == [[], []]
+
+
+@pytest.mark.parametrize("cause", ["unreadable", "no-coordinator"])
+def test_the_receipt_of_a_saga_that_cannot_be_continued_says_why_not_a_protocol_error(
+    tmp_path: Path, cause: str
+) -> None:
+    """A restarted proxy whose open saga cannot be continued (no coordinator running,
+    or records written by a newer Sagaline): reading the receipt resource raised
+    CoordinatorNotRunning / SagaHistoryUnreadable out of the handler, a bare JSON-RPC
+    error (and a traceback in the proxy's log). It answers with a receipt document
+    saying the saga cannot be continued yet, and why."""
+    from participants.client import SagaHistoryUnreadable
+    from participants.readiness import CoordinatorNotRunning
+
+    class Stuck(FakeSaga):
+        def attach(self) -> FakeSaga:
+            if cause == "no-coordinator":
+                raise CoordinatorNotRunning("no coordinator is running: start one")
+            raise SagaHistoryUnreadable(
+                f"cannot attach saga {self.saga_id}: 1 of its record(s) were written by a"
+                " newer version of Sagaline; upgrade this client",
+                saga_id=self.saga_id,
+                unreadable=["events[0]@7"],
+            )
+
+    class Client(FakeClient):
+        def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
+            saga = Stuck(saga_id or f"s-{len(self.sagas) + 1}", None)
+            self.sagas.append(saga)
+            return saga
+
+    state = tmp_path / "state" / "fake-desk" / "mcp-session.json"
+    state.parent.mkdir(parents=True)
+    state.write_text(json.dumps({"saga_id": "s-1", "next_step": 2}))
+    proxy = _fake_proxy(tmp_path, Client())
+    params = types.ReadResourceRequestParams(uri=RECEIPT)
+    read = asyncio.run(proxy._read_resource(_no_elicitation(), params))
+    content = read.contents[0]
+    assert isinstance(content, types.TextResourceContents)
+    receipt = json.loads(content.text)
+    assert receipt["status"] == "CANNOT_CONTINUE" and receipt["saga_id"] == "s-1", receipt
+    assert ("upgrade" if cause == "unreadable" else "start one") in receipt["note"], receipt

@@ -703,6 +703,7 @@ class McpProxy:
         self.session = _Session(state)
         self._lock = asyncio.Lock()
         self._resumed = False
+        self._remembered: str | None = None  # the id of the saga on disk, once read
 
     async def _ensure_resumed(self) -> None:
         """Continue the saga remembered on disk, once, before the first request: its
@@ -717,6 +718,7 @@ class McpProxy:
         saved = _read_saved(self.session.path)
         if saved is None:
             return
+        self._remembered = saved["saga_id"]
         # attach() reads the saga's records from the ledger (a scan of its partition):
         # the one read tells both what to continue and whether it already ended.
         try:
@@ -818,7 +820,25 @@ class McpProxy:
         if params.uri != RECEIPT_URI:
             raise ValueError(f"unknown resource {params.uri!r}; this proxy serves {RECEIPT_URI}")
         async with self._lock:
-            await self._ensure_resumed()
+            try:
+                await self._ensure_resumed()
+            except (CoordinatorNotRunning, SagaHistoryUnreadable) as exc:
+                # Said in the resource (no coordinator; records of a newer version:
+                # upgrade), as the calls say it; retried at the next read.
+                text = json.dumps(
+                    {
+                        "saga_id": self._remembered,
+                        "status": "CANNOT_CONTINUE",
+                        "note": f"the saga this session had open cannot be continued yet: {exc}",
+                    }
+                )
+                return types.ReadResourceResult(
+                    contents=[
+                        types.TextResourceContents(
+                            uri=RECEIPT_URI, text=text, mime_type="application/json"
+                        )
+                    ]
+                )
         if self.session.last_receipt is not None and self.session.saga is None:
             text = self.session.last_receipt
         elif self.session.saga is not None:
