@@ -2432,3 +2432,56 @@ def test_the_receipt_of_a_saga_that_cannot_be_continued_says_why_not_a_protocol_
     receipt = json.loads(content.text)
     assert receipt["status"] == "CANNOT_CONTINUE" and receipt["saga_id"] == "s-1", receipt
     assert ("upgrade" if cause == "unreadable" else "start one") in receipt["note"], receipt
+
+
+def test_an_explicit_null_the_upstream_schema_allows_is_forwarded_not_dropped() -> None:
+    """An optional upstream argument the agent sets to null on purpose (``note: null``
+    to clear it, where the upstream's own default is "keep") was dropped, so the
+    upstream applied its default instead: the call did something else than asked. An
+    explicit null is forwarded when the schema allows it; an argument not given is
+    still left out; a null the schema does not allow is refused, nothing called."""
+    from participants.context import CallContext, call_context
+    from participants.errors import InvalidArgumentsError
+    from sagaline.agents.mcp_proxy import Upstreams, build_catalogue
+
+    decl = _decl(
+        {
+            "create_ticket": {
+                "compensation": {"tool": "delete_ticket", "args": {"ticket_id": "{result.id}"}}
+            },
+        },
+        participant="fake-desk",
+    )
+    upstreams = Upstreams(decl)
+    upstreams.tools = [
+        UpstreamTool(
+            "create_ticket",
+            "desk",
+            {
+                "properties": {
+                    "title": {"type": "string"},
+                    "note": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": "keep"},
+                    "priority": {"type": "integer", "default": 3},
+                },
+                "required": ["title"],
+            },
+        ),
+        DESK[1],
+    ]
+    catalogue = build_catalogue(decl, upstreams)
+    sent: list[dict[str, Any]] = []
+
+    def call_sync(
+        upstream: str, name: str, args: dict[str, Any], timeout_s: float, **_: Any
+    ) -> Any:
+        sent.append(dict(args))
+        return {"id": "T-1"}
+
+    upstreams.call_sync = call_sync
+    spec = catalogue["create_ticket"]
+    with call_context(CallContext("s-1", "01-create_ticket", "create_ticket", "key-1")):
+        spec.invoke({"title": "t", "note": None})
+        spec.invoke({"title": "t"})
+        with pytest.raises(InvalidArgumentsError, match="priority"):
+            spec.invoke({"title": "t", "priority": None})
+    assert sent == [{"title": "t", "note": None}, {"title": "t"}]

@@ -508,12 +508,14 @@ def _forward(
             hint = Annotated[hint, pydantic.Field(alias=arg)]
         upstream_name[param] = arg
         annotations[param] = hint
-        default = inspect.Parameter.empty if arg in required else None
+        # Not given: left out (the upstream applies its own default); an explicit null
+        # is the agent's (forwarded when the schema allows null, else refused).
+        default = inspect.Parameter.empty if arg in required else _not_given()
         params.append(inspect.Parameter(param, inspect.Parameter.KEYWORD_ONLY, default=default))
 
     def call_upstream(**kwargs: Any) -> Any:
         named = {upstream_name.get(k, k): v for k, v in kwargs.items()}
-        args = {k: v for k, v in named.items() if v is not None or k in required}
+        args = {k: v for k, v in named.items() if v is not _OMITTED}
         key = current_call().idempotency_key
         if mapping.idempotency_arg:
             args[mapping.idempotency_arg] = key
@@ -529,6 +531,22 @@ def _forward(
     call_upstream.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     call_upstream.__annotations__ = annotations
     return call_upstream
+
+
+class _Omitted:
+    """An optional upstream argument the call did not give."""
+
+    def __repr__(self) -> str:
+        return "<not given>"
+
+
+_OMITTED = _Omitted()
+
+
+def _not_given() -> Any:
+    """The default of an optional argument: a factory, so the catalogue's JSON schema
+    has no default to show (the upstream's own applies) and pydantic does not check it."""
+    return pydantic.Field(default_factory=lambda: _OMITTED)
 
 
 def _parameter_name(arg: str, taken: set[str]) -> str:
