@@ -1263,6 +1263,28 @@ def test_a_lookup_the_upstream_answers_with_an_error_is_no_not_found_R11() -> No
         declared["create_ticket"].lookup("busy")
 
 
+def test_a_compensation_the_upstream_answers_with_an_error_is_retried_not_given_up_R8() -> None:
+    """The upstream's compensation tool answers with an error (a rate limit, a failure
+    of its own): it was taken for a business rejection, never retried, so one hiccup
+    during an unwind left the effect uncompensated and handed to a person at once.
+    Compensations are retried with backoff before they escalate (R8): the error is a
+    transient failure of the compensation."""
+    from sagaline.agents.mcp_proxy import UpstreamRejected
+
+    upstreams, catalogue = _reconciling_upstreams()
+
+    def call_sync(upstream: str, name: str, args: dict[str, Any], timeout_s: float) -> Any:
+        assert name == "delete_ticket"
+        raise UpstreamRejected("delete_ticket: rate limited, retry in 30 s")
+
+    upstreams.call_sync = call_sync
+    spec = catalogue["create_ticket"]
+    ctx = CompensationContext("s-1", "create_ticket", {"title": "t"}, {"id": "T-1"}, "key-1")
+    with pytest.raises(Exception, match="rate limited") as failed:
+        spec.compensate(ctx)
+    assert not spec.is_business_rejection(failed.value), repr(failed.value)
+
+
 def test_compensations_and_lookups_wait_as_long_as_the_declared_deadline_R8() -> None:
     """A tool declared with a 600 s deadline: its compensation and lookup may take as
     long as the forward call. A fixed 60 s cut a longer compensation short, and the

@@ -66,6 +66,7 @@ from participants.declarations import (
     BusinessRejection,
     CompensationContext,
     LookupResult,
+    TransientError,
     compensable,
     tool,
 )
@@ -110,6 +111,11 @@ class UpstreamUnavailable(RuntimeError):
 class UpstreamLookupFailed(RuntimeError):
     """A lookup's upstream call answered with an error that is not its declared "not
     found" (``not_found:``): it could not tell whether the operation happened (R11)."""
+
+
+class UpstreamCompensationFailed(TransientError):
+    """A compensation's upstream call answered with an error: retried by the
+    coordinator under the compensation's retry policy, then handed to a person (R8)."""
 
 
 class UpstreamDown(ConnectionError):
@@ -578,9 +584,14 @@ def _compensation(
     assert call is not None
 
     def undo(ctx: CompensationContext) -> Any:
-        return upstreams.call_sync(
-            upstream, call.tool, build_args(call.args, ctx), _wait_s(mapping)
-        )
+        args = build_args(call.args, ctx)
+        try:
+            return upstreams.call_sync(upstream, call.tool, args, _wait_s(mapping))
+        except UpstreamRejected as exc:
+            # An error answer cannot say whether it would pass later (a rate limit, a
+            # failure of the upstream's own): retried with backoff, then a person (R8),
+            # not given up at the first one.
+            raise UpstreamCompensationFailed(str(exc)) from exc
 
     undo.__name__ = call.tool
     return undo
