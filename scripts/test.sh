@@ -101,8 +101,9 @@ else
     # by topic prefix and tmp_path; a module whose fixture starts something expensive
     # stays on one worker: xdist_group + --dist loadgroup). Then the secret scan, which
     # reads every topic the suite left on the broker, so it runs alone and last.
-    # Each session deletes its own topics when it ends (tests/conftest.py); here the
-    # workers only record their topic prefixes, and the topics go after the scan.
+    # Each session deletes its own topics and consumer groups when it ends
+    # (tests/conftest.py); here the workers only record their topic prefixes, and the
+    # topics and groups go after the scan.
     prefix_file="$(mktemp)"
     SAGALINE_TEST_TOPIC_PREFIX_FILE="$prefix_file" \
         run_pytest -n "${SAGALINE_TEST_WORKERS:-4}" --dist loadgroup -m "not secretscan"

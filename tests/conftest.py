@@ -9,10 +9,11 @@
 * ``unique_prefix``: a fresh topic-name prefix per test, so tests never share
   topics. ``new_topic_prefix(kind)`` makes more (``kind`` = lower-case letters);
   ``tests.topic_cleanup.record_prefix`` records one a test learned (a demo run's).
-  Every topic whose name starts with a prefix the session handed out is deleted
-  when the session (each pytest-xdist worker's) ends: a long-lived broker would
-  otherwise pile up every run's topics until it runs out of open files
-  (tests/topic_cleanup.py; ``SAGALINE_KEEP_TEST_TOPICS=1`` keeps them).
+  Every topic and consumer group whose name starts with a prefix the session handed
+  out is deleted when the session (each pytest-xdist worker's) ends: a long-lived
+  broker would otherwise pile up every run's topics until it runs out of open files,
+  and every run's groups (tests/topic_cleanup.py; ``SAGALINE_KEEP_TEST_TOPICS=1``
+  keeps them). A group a member is still in is left, and named in the report.
 * ``admin``: a confluent_kafka ``AdminClient`` on that broker.
 * ``transport``: for behaviour suites written once and run twice, the bootstrap of
   the real broker and of a fresh in-process transport (``memory://...``,
@@ -101,11 +102,12 @@ def kafka_bootstrap() -> Iterator[str]:
     choice = broker.choose_broker()
     _chosen.append(choice)
     yield choice.bootstrap
-    # This session's topics go (only those: their names carry its unique prefixes).
+    # This session's topics and groups go (only those: their names carry its unique
+    # prefixes).
     try:
         line = _topics.finish(choice.bootstrap)
     except Exception as exc:  # a broker already gone must not fail the last test
-        line = f"could not delete this session's test topics: {exc}"
+        line = f"could not delete this session's test topics and groups: {exc}"
     if line:
         _cleanup_report.append(f"kafka: {line}")
     # Each pytest-xdist worker has a session of its own: the first to finish must not
@@ -121,7 +123,7 @@ def kafka_bootstrap() -> Iterator[str]:
 @pytest.fixture
 def unique_prefix() -> str:
     """E.g. ``t3f9a0c1d.``: prepend it to every topic (and group id) a test creates.
-    Its topics are deleted when the session ends."""
+    Its topics and groups are deleted when the session ends."""
     return _topics.new_prefix()
 
 
