@@ -37,6 +37,7 @@ from tests.topic_cleanup import SESSION
 _chosen: list[broker.BrokerChoice] = []
 _topics = SESSION
 _cleanup_report: list[str] = []
+_CLEANUP_KEY = "sagaline_cleanup"  # a pytest-xdist worker's cleanup lines, for the controller
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -97,8 +98,18 @@ def pytest_terminal_summary(
         )
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    """pytest-xdist: a worker's cleanup line (it cannot print one itself), for the
+    run's summary."""
+    output = getattr(node, "workeroutput", {})
+    worker = getattr(node, "workerinput", {}).get("workerid", "?")
+    for line in output.get(_CLEANUP_KEY, []):
+        _cleanup_report.append(line.replace("kafka: ", f"kafka: [{worker}] ", 1))
+
+
 @pytest.fixture(scope="session")
-def kafka_bootstrap() -> Iterator[str]:
+def kafka_bootstrap(pytestconfig: pytest.Config) -> Iterator[str]:
     choice = broker.choose_broker()
     _chosen.append(choice)
     yield choice.bootstrap
@@ -110,6 +121,10 @@ def kafka_bootstrap() -> Iterator[str]:
         line = f"could not delete this session's test topics and groups: {exc}"
     if line:
         _cleanup_report.append(f"kafka: {line}")
+        # A pytest-xdist worker's summary is never shown: its controller prints it.
+        workeroutput = getattr(pytestconfig, "workeroutput", None)
+        if workeroutput is not None:
+            workeroutput.setdefault(_CLEANUP_KEY, []).append(f"kafka: {line}")
     # Each pytest-xdist worker has a session of its own: the first to finish must not
     # stop the broker under the others (scripts/test.sh stops it after the run).
     if (

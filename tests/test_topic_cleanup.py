@@ -79,7 +79,9 @@ def _made_groups(tmp_path: Path) -> list[str]:
     return (tmp_path / "names.groups").read_text().split()
 
 
-def _run_inner_session(tmp_path: Path, bootstrap: str, **env: str) -> list[str]:
+def _run_inner_session(
+    tmp_path: Path, bootstrap: str, *args: str, report: list[str] | None = None, **env: str
+) -> list[str]:
     test_file = tmp_path / "test_inner.py"
     test_file.write_text(INNER)
     out = tmp_path / "names"
@@ -93,11 +95,27 @@ def _run_inner_session(tmp_path: Path, bootstrap: str, **env: str) -> list[str]:
     )
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "-p", "tests.conftest", "--rootdir", str(tmp_path), str(test_file)],
+         "-p", "tests.conftest", "--rootdir", str(tmp_path), *args, str(test_file)],
         cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    if report is not None:
+        report.extend(proc.stdout.splitlines())
     return out.read_text().split()
+
+
+def test_a_parallel_runs_workers_report_their_cleanup(kafka_bootstrap: str, tmp_path: Path) -> None:
+    """Each pytest-xdist worker cleans up at its own session's end, where nothing it
+    prints is shown: the run's summary must still say what each worker deleted (or
+    could not), else a failed cleanup goes unnoticed."""
+    report: list[str] = []
+    made = _run_inner_session(tmp_path, kafka_bootstrap, "-n", "1", report=report)
+    assert [
+        n for n in made if n in _listed(AdminClient({"bootstrap.servers": kafka_bootstrap}))
+    ] == []
+    lines = [line for line in report if "test topics deleted: 3" in line]
+    assert len(lines) == 1, "\n".join(report)
+    assert lines[0].startswith("kafka: [gw0] ")
 
 
 def test_a_sessions_consumer_groups_are_deleted_when_it_ends_and_no_other_group(
