@@ -137,8 +137,9 @@ def test_kafka_advertises_an_internal_and_a_host_listener() -> None:
     assert advertised["INTERNAL"] == "kafka:9092"  # what containers use
     host, _, port = advertised["EXTERNAL"].rpartition(":")
     assert host in ("${KAFKA_HOST_ADDRESS:-localhost}", "localhost")  # resolvable on the host
-    assert f"{port}:{port}" in kafka["ports"]  # the host listener is the published one
-    assert "9092:9092" not in kafka["ports"]  # the internal one is not
+    published = [str(p).rpartition("}:")[2] for p in kafka["ports"]]
+    assert f"{port}:{port}" in published  # the host listener is the published one
+    assert "9092:9092" not in published  # the internal one is not
     assert env["KAFKA_INTER_BROKER_LISTENER_NAME"] == "INTERNAL"
     assert all(
         s["environment"]["KAFKA_BOOTSTRAP_SERVERS"] == "kafka:9092"
@@ -248,3 +249,13 @@ def test_the_dockerfile_installs_dependencies_in_a_layer_before_the_code() -> No
     for package in packages:
         assert package.rstrip("*") in copied, f"the image lacks {package}"
     assert any("--no-deps" in line for line in steps[deps + 1 :])
+
+
+def test_every_published_port_is_on_loopback_unless_asked() -> None:
+    """The example runs Kafka without authentication and the dashboard in development
+    mode (no logins): published on every interface, anyone on the network could write
+    to the ledger or approve. ``SAGALINE_PUBLISH_ADDRESS`` opens them on purpose."""
+    published = [(name, p) for name, s in _services().items() for p in s.get("ports", [])]
+    assert published  # Kafka's host listener and the dashboard
+    for name, port in published:
+        assert str(port).startswith("${SAGALINE_PUBLISH_ADDRESS:-127.0.0.1}:"), (name, port)
