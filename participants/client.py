@@ -19,6 +19,7 @@ runtime, so they take exactly the same path and are compensated the same way.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import logging
@@ -579,6 +580,8 @@ class SagaClient:
         self._catalogue_lock = threading.Lock()
         self.catalogue_max_age_s = catalogue_max_age_s
         self._coordinator_lock = threading.Lock()
+        self._coordinator_check_lock = threading.Lock()
+        self._coordinator_checking: concurrent.futures.Future[None] | None = None
         self._coordinator_checked: tuple[float, GroupStatus | None] | None = None
         self.sealer = settings.sealer()
         self._local = local
@@ -745,10 +748,48 @@ class SagaClient:
 
     def ensure_coordinator(self) -> None:
         """Fail fast, saying what to start, when no coordinator consumes the ledger
-        (instead of every call waiting out its timeout). Checked once per client."""
+        (instead of every call waiting out its timeout). Checked until a coordinator
+        is seen once; sagas starting while a check is under way wait for its answer."""
         if self.check_coordinator and not self._coordinator_seen:
-            require_coordinator(self.settings, self.bootstrap)
-            self._coordinator_seen = True
+            try:
+                self._coordinator_check().result()
+            except CoordinatorNotRunning as exc:  # one exception shared by every waiter
+                raise CoordinatorNotRunning(str(exc)) from None
+
+    async def ensure_coordinator_async(self) -> None:
+        """:meth:`ensure_coordinator` for asyncio: awaits the one check under way (run
+        on a thread of its own, not the event loop's executor, which a thousand
+        sagas starting at once would queue behind each other's checks)."""
+        if self.check_coordinator and not self._coordinator_seen:
+            try:
+                await asyncio.wrap_future(self._coordinator_check())
+            except CoordinatorNotRunning as exc:
+                raise CoordinatorNotRunning(str(exc)) from None
+
+    def _coordinator_check(self) -> concurrent.futures.Future[None]:
+        """The check for a coordinator under way, started if none is. Its future is
+        running from the start, so one waiter cancelled cannot cancel it for the rest;
+        a failed check is forgotten, so the next saga checks again."""
+        with self._coordinator_check_lock:
+            check = self._coordinator_checking
+            if check is not None:
+                return check
+            check = self._coordinator_checking = concurrent.futures.Future()
+            check.set_running_or_notify_cancel()
+
+        def run() -> None:
+            try:
+                require_coordinator(self.settings, self.bootstrap)
+            except BaseException as exc:
+                with self._coordinator_check_lock:
+                    self._coordinator_checking = None
+                check.set_exception(exc)
+            else:
+                self._coordinator_seen = True
+                check.set_result(None)
+
+        threading.Thread(target=run, name="coordinator-check", daemon=True).start()
+        return check
 
     def coordinator_status(self) -> GroupStatus | None:
         """The coordinator's consumer group as the broker reports it, or None when the
@@ -1461,8 +1502,7 @@ class Saga:
         """``async with client.saga(...) as saga``: the native asyncio view, whose
         pending calls are futures woken by the client's listener, not threads."""
         self._require_listener()
-        if self.client.check_coordinator and not self.client._coordinator_seen:  # once, I/O
-            await asyncio.to_thread(self.client.ensure_coordinator)
+        await self.client.ensure_coordinator_async()
         self._follow_new()
         try:
             await self.client.append_async(self._start, timeout_s=self.client.call_timeout_s)

@@ -409,6 +409,45 @@ def test_without_a_coordinator_a_saga_says_what_to_start(
     assert "sagaline coordinator run" in message and unique_prefix in message
 
 
+def test_sagas_started_together_share_one_check_for_the_coordinator(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``async with client.saga(...)`` ran the first-saga check for a coordinator on the
+    event loop's default executor (a handful of threads), once per saga started before
+    one check had answered: a thousand sagas gathered at start-up (as in the quickstart)
+    each waited out its own check, a few at a time, so without a coordinator the last
+    one raised only after (sagas / threads) x 15 s. Sagas started together now wait for
+    one check and all get its answer."""
+    checks: list[int] = []
+
+    def counted(settings: Settings, bootstrap: str) -> None:
+        checks.append(1)
+        readiness.require_coordinator(settings, bootstrap, patience_s=1.0)
+
+    monkeypatch.setattr(client_module, "require_coordinator", counted)
+    settings = Settings(
+        bootstrap=kafka_bootstrap, topic_prefix=unique_prefix, state_dir=tmp_path, partitions=1
+    )
+    ensure_topics(kafka_bootstrap, settings.topics, [], 1)
+    client = SagaClient(settings, kafka_bootstrap)
+
+    async def agent() -> None:
+        async with client.saga("desk", "agent"):
+            pass
+
+    async def main() -> list[BaseException | None]:
+        return await asyncio.gather(*(agent() for _ in range(24)), return_exceptions=True)
+
+    with client:
+        outcomes = asyncio.run(main())
+        assert all(isinstance(o, CoordinatorNotRunning) for o in outcomes), outcomes
+        assert len(checks) == 1
+        # A later saga checks again (a coordinator may have started since).
+        with pytest.raises(CoordinatorNotRunning), client.saga("desk", "agent"):
+            pass
+        assert len(checks) == 2
+
+
 def test_an_unknown_tool_is_a_clear_error(local: tuple[System, Desk]) -> None:
     system, _desk = local
     with pytest.raises(UnknownTool, match="no participant declares a tool named 'teleport'"):
