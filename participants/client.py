@@ -586,6 +586,7 @@ class SagaClient:
         self.sealer = settings.sealer()
         self._local = local
         self._stop = threading.Event()
+        self._closed = False
         self._listener: threading.Thread | None = None
         self._local_runtime: Any = None
         self._local_thread: threading.Thread | None = None
@@ -655,6 +656,7 @@ class SagaClient:
         return self
 
     def close(self) -> None:
+        self._closed = True
         self._stop.set()
         if self._local_runtime is not None:
             self._local_runtime.stop()
@@ -917,11 +919,29 @@ class SagaClient:
 
     def append(self, record: Record, timeout_s: float = 30.0) -> None:
         """Produce to the ledger and wait for the broker's acknowledgement."""
+        if self._closed:
+            self._append_after_close(record, timeout_s)
+            return
         self._writer.append(record, timeout_s=timeout_s)
 
     async def append_async(self, record: Record, timeout_s: float = 30.0) -> None:
         """:meth:`append` for asyncio: awaits this record's delivery report."""
+        if self._closed:
+            await asyncio.to_thread(self._append_after_close, record, timeout_s)
+            return
         await self._writer.append_async(record, timeout_s=timeout_s)
+
+    def _append_after_close(self, record: Record, timeout_s: float) -> None:
+        """After :meth:`close` (only a saga's end gets this far: a start or a call is
+        refused, no outcome could reach it): the client's writer no longer serves its
+        delivery reports, so the record goes through a writer of its own, and is
+        acknowledged as ever, instead of waiting out ``timeout_s`` for a report that
+        never comes while the saga's end is left in doubt."""
+        writer = LedgerWriter(self.bootstrap, self.topics, self.signer)
+        try:
+            writer.append(record, timeout_s=timeout_s)
+        finally:
+            writer.close()
 
     def _end_positions(self) -> list[TopicPartition]:
         """Where the listener starts: the end of every partition of the ledger.

@@ -47,6 +47,7 @@ from schemas import (
     Disposition,
     Record,
     RetryPolicy,
+    SagaEndRequested,
     SagaOutcome,
     SagaStarted,
     SagaTerminal,
@@ -786,6 +787,45 @@ def test_a_listener_that_died_fails_the_waits_saying_why_instead_of_timing_them_
     later = system.client.saga("desk", "agent")
     with pytest.raises(RuntimeError, match=r"listener stopped.*nothing was written"), later:
         pass
+
+
+def test_a_saga_whose_block_outlives_its_closed_client_is_still_ended_at_once_R14(
+    local: tuple[System, Desk],
+) -> None:
+    """A client closed while a saga's block was open (a shutdown closing it under
+    requests in flight): the block's exit waited the whole call timeout for the
+    acknowledgement of the saga's end, which the closed writer no longer served, and
+    raised ``DeliveryFailed`` ("is the broker reachable?") over the block's own error,
+    with no telling whether the end was written, so the saga could stay open for
+    good. Now the end is written and acknowledged, and the block's error is raised."""
+    system, _desk = local
+    client = system.client
+    ended: list[str] = []
+
+    async def agent() -> None:
+        async with client.saga("desk", "agent") as saga:
+            ended.append(saga.saga_id)
+            await saga.call("book_slot", day="mon")
+            client.close()
+            raise ValueError("the request was cancelled")
+
+    with pytest.raises(ValueError, match="the request was cancelled"):
+        asyncio.run(agent())
+    sync = Saga(
+        client,
+        saga_id=ended[0],
+        tenant_id=system.settings.tenant_id,
+        workflow="desk",
+        principal="agent",
+        workflow_version="1",
+        policy_version="1",
+        continue_on_compensation_failure=False,
+    )
+    sync.end(SagaOutcome.ABORT, "again")  # ends after close() are written, sync as well
+    reader = LedgerReader(system.bootstrap)
+    records = reader.saga_records(system.settings.topics.events, ended[0], client.signer)
+    reasons = [r.reason for r in records if isinstance(r, SagaEndRequested)]
+    assert reasons == ["ValueError: the request was cancelled", "again"]
 
 
 def test_an_async_saga_left_open_for_an_approval_is_resumed_with_await_R7(
