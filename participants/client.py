@@ -1180,11 +1180,13 @@ class Saga:
         # The step's acknowledgement is awaited as long as its outcome: a record whose
         # wait gave up is still queued in the producer and may reach the ledger after
         # the agent has moved on (and aborted), so the step would run behind its back.
-        if write:
-            self.client.append(scheduled, timeout_s=wait_s)
         # A repeated call is waited for under the contract its step was first
         # scheduled with, the one the coordinator keeps (not the tool's current one).
+        # Kept before the write: a call whose wait for the acknowledgement gave up (or
+        # was cancelled) leaves its step queued, and resume() waits for it.
         contract = self._contracts.setdefault(scheduled.step_id, scheduled.contract)
+        if write:
+            self.client.append(scheduled, timeout_s=wait_s)
         result = self._await_step(scheduled.step_id, contract, wait_s)
         self.results[scheduled.step_id] = result
         return result
@@ -1576,9 +1578,9 @@ class Saga:
         if contract is None:  # reading the published catalogue is blocking I/O
             contract = await asyncio.to_thread(self.client.contract, name)
         scheduled, write = self._scheduled(contract, step_id, depends_on, args)
+        contract = self._contracts.setdefault(scheduled.step_id, contract)  # see call()
         if write:
             await self.client.append_async(scheduled, timeout_s=wait_s)  # as long: see call()
-        contract = self._contracts.setdefault(scheduled.step_id, contract)  # see call()
         result = await self._await_step_async(scheduled.step_id, contract, wait_s)
         self.results[scheduled.step_id] = result
         return result

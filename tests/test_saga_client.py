@@ -828,6 +828,41 @@ def test_a_saga_whose_block_outlives_its_closed_client_is_still_ended_at_once_R1
     assert reasons == ["ValueError: the request was cancelled", "again"]
 
 
+def test_a_call_cancelled_while_its_step_was_being_acknowledged_can_be_resumed(
+    local: tuple[System, Desk], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call cancelled (a request timeout, ``asyncio.wait_for``) while it awaited the
+    broker's acknowledgement of its step (long while the broker is away) leaves the
+    step queued: it reaches the ledger and runs. ``resume(step_id)`` then refused it
+    ("scheduled no step ... here ... attach() the saga first"), as if another process
+    had scheduled it, so the agent could not learn the outcome of a step it wrote."""
+    system, desk = local
+    writer = system.client._writer
+    async_append = writer.append_async
+
+    async def agent() -> object:
+        acknowledged = asyncio.Event()
+
+        async def append_async(record: Record, *, timeout_s: float = 30.0) -> None:
+            await async_append(record, timeout_s=timeout_s)
+            if isinstance(record, StepScheduled):
+                acknowledged.set()
+                await asyncio.get_running_loop().create_future()  # until cancelled
+
+        async with system.client.saga("desk", "agent") as saga:
+            monkeypatch.setattr(writer, "append_async", append_async)
+            call = asyncio.create_task(saga.call("book_slot", step_id="slot", day="wed"))
+            await acknowledged.wait()
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            monkeypatch.setattr(writer, "append_async", async_append)
+            return await saga.resume("slot")
+
+    assert asyncio.run(agent()) == {"slot": "slot-wed"}
+    assert desk.log == ["book:wed"]
+
+
 def test_an_async_saga_left_open_for_an_approval_is_resumed_with_await_R7(
     local: tuple[System, Desk],
 ) -> None:
