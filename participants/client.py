@@ -1124,7 +1124,7 @@ class Saga:
     ) -> None:
         if exc is None:
             self.end(SagaOutcome.COMPLETE)
-        elif isinstance(exc, ApprovalPending):
+        elif _waits_for_a_person(exc):
             # Waiting for a person is not a failure (R7): the saga stays open, the step
             # runs once approved. Finish with resume() then end(), or abort() it.
             log.info("saga %s left open: %s", self.saga_id, exc)
@@ -1541,7 +1541,7 @@ class Saga:
     ) -> None:
         if exc is None:
             await self.end_async(SagaOutcome.COMPLETE)
-        elif isinstance(exc, ApprovalPending):
+        elif _waits_for_a_person(exc):
             log.info("saga %s left open: %s", self.saga_id, exc)  # as in __exit__ (R7)
             self.client._ledger.hold(self.saga_id)
         else:
@@ -1753,6 +1753,15 @@ class Saga:
         if kind == "err":
             raise value
         return value
+
+
+def _waits_for_a_person(exc: BaseException) -> bool:
+    """Whether ``exc`` leaving a saga's block leaves the saga open (R7): an
+    ``ApprovalPending``, or a group of nothing else (calls run together in an
+    ``asyncio.TaskGroup``, one of which waits for an approval)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_waits_for_a_person(e) for e in exc.exceptions)
+    return isinstance(exc, ApprovalPending)
 
 
 def _result_too_large(

@@ -893,6 +893,38 @@ def test_an_async_saga_left_open_for_an_approval_is_resumed_with_await_R7(
     assert desk.log == ["book:mon"]
 
 
+def test_an_approval_pending_out_of_a_task_group_leaves_the_saga_open_R7(
+    local: tuple[System, Desk],
+) -> None:
+    """Calls run together in an ``asyncio.TaskGroup`` inside ``async with`` leave the
+    block with an ``ExceptionGroup``: one holding only ``ApprovalPending`` (a step
+    waiting for a person, R7) aborted the saga, as a failure would, where the same
+    call awaited alone (or in ``gather``) left it open for ``resume()``."""
+    system, desk = local
+
+    async def agent() -> tuple[object, TerminalStatus]:
+        with pytest.raises(ExceptionGroup) as err:
+            async with system.client.saga("desk", "agent") as saga, asyncio.TaskGroup() as group:
+                group.create_task(saga.call("book_slot", day="tue"))
+                group.create_task(saga.call("announce", text="hi", timeout_s=10))
+        (pending,) = err.value.exceptions
+        assert isinstance(pending, ApprovalPending)
+        request = next(
+            r
+            for r in system.records(saga.saga_id)
+            if isinstance(r, ApprovalRequested) and r.step_id == pending.step_id
+        )
+        channel = OperatorChannel.from_settings(system.settings, system.bootstrap)
+        grant_approval(channel, request, operator="ops:alice")
+        channel.close()
+        result = await saga.resume(pending.step_id)
+        await saga.end(SagaOutcome.COMPLETE)
+        return result, (await saga.wait(60)).status
+
+    assert asyncio.run(agent()) == ("hi", TerminalStatus.COMPLETED)
+    assert desk.log == ["book:tue"]
+
+
 def test_resuming_a_step_the_saga_does_not_know_says_what_to_do(
     local: tuple[System, Desk],
 ) -> None:
