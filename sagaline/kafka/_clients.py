@@ -14,7 +14,15 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 from confluent_kafka.admin import AdminClient
 
 from sagaline.kafka import _memory
-from sagaline.kafka._config import BOOTSTRAP_VAR, ClientConfig, client_config
+from sagaline.kafka._config import (
+    BOOTSTRAP_VAR,
+    ENV_PREFIX,
+    PROPERTIES_FILE_VAR,
+    ClientConfig,
+    KafkaConfigError,
+    client_config,
+    is_secret,
+)
 from schemas.settings import Settings
 
 log = logging.getLogger("sagaline.kafka")
@@ -47,6 +55,27 @@ def configured_broker(command: str) -> tuple[Settings, str]:
     return settings, bootstrap
 
 
+def _built(kind: type[Any], settings: dict[str, Any]) -> Any:
+    """``kind(settings)``, with a setting librdkafka refuses at construction (a
+    misspelt property, a value it does not take, an SSL file it cannot load) raised as
+    :class:`KafkaConfigError`: a setting to fix, which every command prints as an error
+    line, not a broker fault (no traceback, no "the broker did not answer")."""
+    try:
+        return kind(settings)
+    except KafkaException as exc:
+        error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+        if error is None or error.code() != KafkaError._INVALID_ARG:
+            raise
+        text = error.str()
+        for name, value in settings.items():  # never a secret value in the message
+            if is_secret(name) and str(value):
+                text = text.replace(str(value), "*****")
+        raise KafkaConfigError(
+            f"the Kafka client settings are refused: {text}; fix the {ENV_PREFIX}* variable "
+            f"or the {PROPERTIES_FILE_VAR} line that sets it (docs/deploying.md)"
+        ) from None
+
+
 # A ``memory://NAME`` bootstrap selects the in-process transport (the fast test
 # tier, :mod:`sagaline.kafka._memory`): the one seam, so nothing above knows.
 
@@ -57,7 +86,7 @@ def create_producer(bootstrap: str | ClientConfig, **overrides: Any) -> Producer
     if _memory.is_memory(config.bootstrap):
         broker = _memory.broker_for(config.bootstrap)
         return cast(Producer, _memory.MemoryProducer(broker, config.producer(**overrides)))
-    return Producer(config.producer(**overrides))
+    return cast(Producer, _built(Producer, config.producer(**overrides)))
 
 
 def create_consumer(bootstrap: str | ClientConfig, group_id: str, **overrides: Any) -> Consumer:
@@ -68,7 +97,7 @@ def create_consumer(bootstrap: str | ClientConfig, group_id: str, **overrides: A
         return cast(
             Consumer, _memory.MemoryConsumer(broker, config.consumer(group_id, **overrides))
         )
-    return Consumer(config.consumer(group_id, **overrides))
+    return cast(Consumer, _built(Consumer, config.consumer(group_id, **overrides)))
 
 
 def create_uncommitted_reader(
@@ -84,7 +113,7 @@ def create_uncommitted_reader(
     if _memory.is_memory(config.bootstrap):
         broker = _memory.broker_for(config.bootstrap)
         return cast(Consumer, _memory.MemoryConsumer(broker, settings))
-    return Consumer(settings)
+    return cast(Consumer, _built(Consumer, settings))
 
 
 def create_admin(bootstrap: str | ClientConfig, **overrides: Any) -> AdminClient:
@@ -93,7 +122,7 @@ def create_admin(bootstrap: str | ClientConfig, **overrides: Any) -> AdminClient
     if _memory.is_memory(config.bootstrap):
         broker = _memory.broker_for(config.bootstrap)
         return cast(AdminClient, _memory.MemoryAdmin(broker, config.admin(**overrides)))
-    return AdminClient(config.admin(**overrides))
+    return cast(AdminClient, _built(AdminClient, config.admin(**overrides)))
 
 
 _RETRY_CODES = (
