@@ -9,13 +9,17 @@ from typing import Any
 import pytest
 
 from sagaline.kafka import (
+    OFFSET_BEGINNING,
     ClientConfig,
     KafkaConfigError,
+    TopicPartition,
     create_admin,
     create_consumer,
     create_producer,
     create_uncommitted_reader,
+    ensure_topics,
 )
+from schemas.topics import TopicNames
 from services import cli
 
 _FACTORIES: dict[str, Callable[[ClientConfig], Any]] = {
@@ -57,3 +61,30 @@ def test_a_service_with_a_misspelt_client_setting_exits_with_an_error_line(
     assert cli.main(command) == 2
     err = capsys.readouterr().err
     assert "error:" in err and "ssl.ca.locaton" in err and "did not answer" not in err
+
+
+@pytest.mark.kafka
+@pytest.mark.parametrize("call", ["poll", "consume", "commit", "assignment", "watermarks"])
+def test_a_closed_consumer_refuses_to_be_used_on_every_transport(
+    transport: str, unique_prefix: str, call: str
+) -> None:
+    """librdkafka raises ``RuntimeError('Consumer closed')``: a service that polls or
+    commits with a consumer it already closed crashes on Kafka, so the in-process
+    transport must not let a fast-tier test pass on it (closing twice is harmless)."""
+    names = TopicNames(unique_prefix)
+    ensure_topics(transport, names, [], 1)
+    consumer = create_consumer(transport, f"{unique_prefix}group")
+    consumer.assign([TopicPartition(names.events, 0, OFFSET_BEGINNING)])
+    consumer.close()
+    uses: dict[str, Callable[[], object]] = {
+        "poll": lambda: consumer.poll(0.1),
+        "consume": lambda: consumer.consume(5, 0.1),
+        "commit": lambda: consumer.commit(
+            offsets=[TopicPartition(names.events, 0, 0)], asynchronous=False
+        ),
+        "assignment": consumer.assignment,
+        "watermarks": lambda: consumer.get_watermark_offsets(TopicPartition(names.events, 0), 5),
+    }
+    with pytest.raises(RuntimeError, match="Consumer closed"):
+        uses[call]()
+    consumer.close()

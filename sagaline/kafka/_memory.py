@@ -10,7 +10,8 @@ fencing by ``transactional.id`` within the process,
 the size limits (``message.max.bytes`` in ``produce``, a topic's ``max.message.bytes``
 in the delivery report), offsets committed with a
 transaction, consumer groups that split partitions among members and call
-``on_assign``/``on_revoke``, committed offsets, watermarks, ``PARTITION_EOF``, seek by
+``on_assign``/``on_revoke``, a closed consumer refusing every
+further call, committed offsets, watermarks, ``PARTITION_EOF``, seek by
 time. Everything lives in this process, so one behaviour suite can run against it
 in seconds and against the real broker as well; the real-broker tier stays the
 authority (replication, networking, anything across processes are not modelled).
@@ -375,6 +376,11 @@ class MemoryConsumer:
         self._callbacks: dict[str, Callable[..., Any] | None] = {}
         self._closed = False
 
+    def _open(self) -> None:
+        """As librdkafka: every call on a closed consumer but ``close()`` raises."""
+        if self._closed:
+            raise RuntimeError("Consumer closed")
+
     # assignment
 
     def subscribe(
@@ -384,25 +390,30 @@ class MemoryConsumer:
         on_revoke: Callable[..., Any] | None = None,
         on_lost: Callable[..., Any] | None = None,
     ) -> None:
+        self._open()
         self.subscription = list(topics)
         self._callbacks = {"assign": on_assign, "revoke": on_revoke}
         self.broker.join(self.group, self)
 
     def assign(self, partitions: list[TopicPartition]) -> None:
+        self._open()
         self.subscription = []
         self.owned = [(tp.topic, tp.partition) for tp in partitions]
         for tp in partitions:
             self._set_position(tp)
 
     def incremental_assign(self, partitions: list[TopicPartition]) -> None:
+        self._open()
         self.owned += [(tp.topic, tp.partition) for tp in partitions]
         for tp in partitions:
             self._set_position(tp)
 
     def unassign(self) -> None:
+        self._open()
         self.owned = []
 
     def assignment(self) -> list[TopicPartition]:
+        self._open()
         return [TopicPartition(t, n) for t, n in self.owned]
 
     def _set_position(self, tp: TopicPartition) -> None:
@@ -504,6 +515,7 @@ class MemoryConsumer:
         return len(self.broker.topics[topic][partition])
 
     def consume(self, num_messages: int = 1, timeout: float = -1) -> list[Message]:
+        self._open()
         deadline = time.monotonic() + max(timeout, 0)
         while True:
             self._apply_rebalance()
@@ -519,6 +531,7 @@ class MemoryConsumer:
         return out[0] if out else None
 
     def position(self, partitions: list[TopicPartition]) -> list[TopicPartition]:
+        self._open()
         positions = self._positions
         return [
             TopicPartition(tp.topic, tp.partition, positions.get((tp.topic, tp.partition), -1001))
@@ -526,11 +539,13 @@ class MemoryConsumer:
         ]
 
     def seek(self, tp: TopicPartition) -> None:
+        self._open()
         self._set_position(tp)
 
     def committed(
         self, partitions: list[TopicPartition], timeout: float = 0
     ) -> list[TopicPartition]:
+        self._open()
         out = []
         for tp in partitions:
             offset = self.broker.committed(self.group, (tp.topic, tp.partition))
@@ -543,6 +558,7 @@ class MemoryConsumer:
         offsets: list[TopicPartition] | None = None,
         asynchronous: bool = True,
     ) -> None:
+        self._open()
         if message is not None:
             done = {(message.topic() or "", message.partition() or 0): (message.offset() or 0) + 1}
         elif offsets is not None:
@@ -552,11 +568,13 @@ class MemoryConsumer:
         self.broker.commit_offsets(self.group, done)
 
     def consumer_group_metadata(self) -> _GroupMetadata:
+        self._open()
         return _GroupMetadata(self.group)
 
     def get_watermark_offsets(
         self, tp: TopicPartition, timeout: float = 0, cached: bool = False
     ) -> tuple[int, int]:
+        self._open()
         with self.broker.changed:
             parts = self.broker.topics.get(tp.topic)
             if parts is None or tp.partition >= len(parts):
@@ -566,6 +584,7 @@ class MemoryConsumer:
     def offsets_for_times(
         self, partitions: list[TopicPartition], timeout: float = 0
     ) -> list[TopicPartition]:
+        self._open()
         out = []
         with self.broker.changed:
             for tp in partitions:
@@ -578,14 +597,17 @@ class MemoryConsumer:
         return out
 
     def list_topics(self, topic: str | None = None, timeout: float = -1) -> _Metadata:
+        self._open()
         return _metadata(self.broker)
 
     def pause(self, partitions: list[TopicPartition]) -> None:
         # Nothing is prefetched here: a paused partition's next record is simply not
         # returned until it is resumed (an assignment starts unpaused).
+        self._open()
         self._paused.update((tp.topic, tp.partition) for tp in partitions)
 
     def resume(self, partitions: list[TopicPartition]) -> None:
+        self._open()
         self._paused.difference_update((tp.topic, tp.partition) for tp in partitions)
 
     def close(self) -> None:
