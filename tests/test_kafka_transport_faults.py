@@ -3,6 +3,7 @@ settings librdkafka refuses, and the in-process transport's fidelity to the brok
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +13,9 @@ from sagaline.kafka import (
     OFFSET_BEGINNING,
     ClientConfig,
     KafkaConfigError,
+    LedgerReader,
+    LedgerWriter,
+    RecordTooLarge,
     TopicPartition,
     create_admin,
     create_consumer,
@@ -19,6 +23,7 @@ from sagaline.kafka import (
     create_uncommitted_reader,
     ensure_topics,
 )
+from schemas.signing import Headers, Signer
 from schemas.topics import TopicNames
 from services import cli
 
@@ -88,3 +93,27 @@ def test_a_closed_consumer_refuses_to_be_used_on_every_transport(
     with pytest.raises(RuntimeError, match="Consumer closed"):
         uses[call]()
     consumer.close()
+
+
+@pytest.mark.kafka
+def test_the_producer_counts_a_records_framing_against_message_max_bytes_on_every_transport(
+    transport: str, unique_prefix: str
+) -> None:
+    """librdkafka refuses a record whose key, value and headers fit under
+    ``message.max.bytes`` but not with the 36 bytes of framing it reserves per record
+    (and each header's two length varints): the in-process transport must refuse it
+    too, or a fast-tier test passes on a record Kafka never takes."""
+    names = TopicNames(unique_prefix)
+    ensure_topics(transport, names, [], 1)
+    writer = LedgerWriter(
+        ClientConfig(transport, {"message.max.bytes": "10000"}), names, Signer(None)
+    )
+    headers: Headers = [("h", b"v" * 10)]
+    # 36 bytes of framing, the key, and the header as written: a one-byte varint of
+    # its name's length, the name, a one-byte varint of its value's length, the value.
+    fits = 10_000 - 36 - len(b"k") - (1 + 1 + 1 + 10)
+    writer.write(names.events, b"k", b"x" * fits, headers)  # exactly at the limit: taken
+    with pytest.raises(RecordTooLarge, match=re.escape(names.events)):
+        writer.write(names.events, b"k", b"x" * (fits + 1), headers)
+    writer.close()
+    assert [len(m.value() or b"") for m in LedgerReader(transport).read(names.events)] == [fits]

@@ -203,6 +203,35 @@ def _size(key: bytes | None, value: bytes | None, headers: Any) -> int:
     return message_size(key, value, headers)
 
 
+# What librdkafka reserves per record on top of its key, value and headers when it
+# checks message.max.bytes in produce() (RD_KAFKA_MESSAGE_V2_MAX_OVERHEAD: the varints
+# of the record's length, timestamp and offset deltas, key and value lengths, header
+# count, and its attributes byte).
+_RECORD_FRAMING = 36
+
+
+def _varint_size(n: int) -> int:
+    """Bytes of ``n`` as a zigzag varint (Kafka's record format)."""
+    zigzag, size = (n << 1) ^ (n >> 63), 1
+    while zigzag >= 0x80:
+        zigzag >>= 7
+        size += 1
+    return size
+
+
+def _wire_size(key: bytes | None, value: bytes | None, headers: Iterable[Any]) -> int:
+    """A record's size as librdkafka counts it against ``message.max.bytes`` in
+    ``produce()``: the framing, key, value, and each header with the varints of its
+    name's and value's lengths (a record that fits without them is still refused)."""
+    size = _RECORD_FRAMING + len(key or b"") + len(value or b"")
+    for name, v in headers:
+        raw = name.encode() if isinstance(name, str) else name
+        data = v.encode() if isinstance(v, str) else v
+        size += _varint_size(len(raw)) + len(raw)
+        size += _varint_size(-1 if data is None else len(data)) + len(data or b"")
+    return size
+
+
 def _headers(raw: Any) -> list[tuple[str, str | bytes | None]]:
     items = raw.items() if isinstance(raw, dict) else (raw or [])
     return [(k, v.encode() if isinstance(v, str) else v) for k, v in items if v is not None]
@@ -224,7 +253,8 @@ class MemoryProducer:
         self.transactional = "transactional.id" in config
         self.txid = str(config.get("transactional.id"))
         self._epoch: int | None = None  # set by init_transactions
-        # librdkafka refuses a record over message.max.bytes in produce() itself.
+        # librdkafka refuses a record over message.max.bytes in produce() itself,
+        # counting its framing too (_wire_size).
         self.max_bytes = int(config.get("message.max.bytes", 1_000_000))
         self._reports: list[tuple[Callable[..., Any], KafkaError | None, Message]] = []
         self._txn: _Transaction | None = None
@@ -247,7 +277,7 @@ class MemoryProducer:
                 raise KafkaException(KafkaError(KafkaError._STATE, "produce outside a transaction"))
             self._check_fenced()
         record = _Record(key, value, _headers(headers), _now_ms(), self._txn)
-        if _size(key, value, record.headers) > self.max_bytes:
+        if _wire_size(key, value, record.headers) > self.max_bytes:
             raise KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE))
         error: KafkaError | None = None
         n, offset = partition, -1
