@@ -117,3 +117,19 @@ def test_the_producer_counts_a_records_framing_against_message_max_bytes_on_ever
         writer.write(names.events, b"k", b"x" * (fits + 1), headers)
     writer.close()
     assert [len(m.value() or b"") for m in LedgerReader(transport).read(names.events)] == [fits]
+
+
+@pytest.mark.kafka
+def test_a_header_with_a_null_value_is_kept_on_every_transport(
+    transport: str, unique_prefix: str
+) -> None:
+    """Kafka keeps a header whose value is null, and a reader gets ``(name, None)``:
+    code reading headers must cope with it (a hand-written or hostile record), so the
+    in-process transport must deliver it too, not drop it."""
+    names = TopicNames(unique_prefix)
+    ensure_topics(transport, names, [], 1)
+    writer = LedgerWriter(transport, names, Signer(None))
+    writer.write(names.events, b"k", b"v", [("a", None), ("b", b""), ("c", b"x")])
+    writer.close()
+    [msg] = list(LedgerReader(transport).read(names.events))
+    assert msg.headers() == [("a", None), ("b", b""), ("c", b"x")]

@@ -233,8 +233,10 @@ def _wire_size(key: bytes | None, value: bytes | None, headers: Iterable[Any]) -
 
 
 def _headers(raw: Any) -> list[tuple[str, str | bytes | None]]:
+    """Headers as a consumer reads them back: ``str`` values as bytes, and a null
+    value kept as ``None`` (Kafka keeps such a header; readers must cope with it)."""
     items = raw.items() if isinstance(raw, dict) else (raw or [])
-    return [(k, v.encode() if isinstance(v, str) else v) for k, v in items if v is not None]
+    return [(k, v.encode() if isinstance(v, str) else v) for k, v in items]
 
 
 class _GroupMetadata:
