@@ -3,6 +3,7 @@ settings librdkafka refuses, and the in-process transport's fidelity to the brok
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +18,7 @@ from sagaline.kafka import (
     LedgerWriter,
     RecordTooLarge,
     TopicPartition,
+    configured_broker,
     create_admin,
     create_consumer,
     create_producer,
@@ -133,3 +135,23 @@ def test_a_header_with_a_null_value_is_kept_on_every_transport(
     writer.close()
     [msg] = list(LedgerReader(transport).read(names.events))
     assert msg.headers() == [("a", None), ("b", b""), ("c", b"x")]
+
+
+def test_a_misspelt_secret_setting_is_refused_before_the_start_up_line_shows_it(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The start-up line lists every client setting, masking the values of those
+    named as secrets; a misspelt name (``sasl.pasword``) is no secret's name, so it
+    must be refused before that line is written, not shown in clear and refused at
+    the first client."""
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9")
+    monkeypatch.setenv("SAGALINE_KAFKA_SASL_PASWORD", "hunter2-in-clear")
+    caplog.set_level(logging.DEBUG)
+    try:
+        configured_broker("sagaline coordinator run")
+    except KafkaConfigError as exc:
+        refused = str(exc)
+    else:
+        refused = ""
+    assert "hunter2" not in caplog.text
+    assert "sasl.pasword" in refused and "hunter2" not in refused

@@ -50,8 +50,14 @@ def configured_broker(command: str) -> tuple[Settings, str]:
     settings = Settings.from_env()
     bootstrap = require_bootstrap(settings, command)
     # Reading the client settings now refuses a bad one at start-up, not at first use;
-    # the line says what this process connects with, secrets masked.
-    log.info("kafka: %s", ClientConfig.from_env(bootstrap).describe())
+    # the line says what this process connects with, secrets masked. librdkafka checks
+    # every name and value first (a client built and dropped, nothing connected): a
+    # misspelt secret's name ("sasl.pasword") is masked by no rule, so it is refused
+    # before the line could show its value.
+    config = ClientConfig.from_env(bootstrap)
+    if not _memory.is_memory(bootstrap):
+        _built(AdminClient, config.admin())
+    log.info("kafka: %s", config.describe())
     return settings, bootstrap
 
 
