@@ -155,3 +155,22 @@ def test_a_misspelt_secret_setting_is_refused_before_the_start_up_line_shows_it(
         refused = ""
     assert "hunter2" not in caplog.text
     assert "sasl.pasword" in refused and "hunter2" not in refused
+
+
+def test_a_deployment_setting_a_client_overrides_is_warned_about_not_dropped_silently(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Some clients set a property themselves (the coordinator's producer its
+    ``transaction.timeout.ms`` and ``retry.backoff.ms``): a deployment's own value for
+    it is not used there, and the log says so, naming the variable, once."""
+    config = ClientConfig.from_env(
+        "b:9092",
+        {"SAGALINE_KAFKA_RETRY_BACKOFF_MS": "500", "SAGALINE_KAFKA_LINGER_MS": "5"},
+    )
+    caplog.set_level(logging.WARNING, logger="sagaline.kafka")
+    for _ in range(2):
+        settings = config.producer(**{"retry.backoff.ms": 5, "linger.ms": "5"})
+    assert settings["retry.backoff.ms"] == 5
+    warned = [r.getMessage() for r in caplog.records if "retry.backoff.ms" in r.getMessage()]
+    assert len(warned) == 1 and "500" in warned[0] and "not used" in warned[0]
+    assert not [r for r in caplog.records if "linger.ms" in r.getMessage()]  # the same value

@@ -16,11 +16,15 @@ Secret values (passwords, JAAS configs, private keys) never appear in a repr or 
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("sagaline.kafka")
 
 ENV_PREFIX = "SAGALINE_KAFKA_"
 PROPERTIES_FILE_VAR = "SAGALINE_KAFKA_PROPERTIES_FILE"
@@ -88,6 +92,11 @@ PER_CLIENT = ("group.id", "group.instance.id", "transactional.id")
 _ALIASES: Mapping[str, str] = {"request.required.acks": "acks"}
 # librdkafka's other spellings of the pinned values: accepted (the pin is applied).
 _SYNONYMS: Mapping[str, str] = {"-1": "all", "smallest": "earliest", "beginning": "earliest"}
+
+
+# (name, deployment's value, client's value) already warned about: once per process.
+_warned: set[tuple[str, str, str]] = set()
+_warned_lock = threading.Lock()
 
 
 class KafkaConfigError(ValueError):
@@ -162,12 +171,39 @@ class ClientConfig:
         """``bootstrap.servers`` plus the deployment's settings (for any client)."""
         return {"bootstrap.servers": self.bootstrap, **self.settings}
 
+    def _warn_overridden(self, overrides: Mapping[str, Any]) -> None:
+        """A warning (once per process) for each deployment setting a client sets
+        itself to another value: not used there, and not silently."""
+        for name, value in overrides.items():
+            given = self.settings.get(name)
+            if given is None or str(given) == str(value):
+                continue
+            shown = (_MASK, _MASK) if is_secret(name) else (str(given), str(value))
+            key = (name, *shown)
+            with _warned_lock:
+                if key in _warned:
+                    continue
+                _warned.add(key)
+            log.warning(
+                "%s=%s (%s%s or %s) is not used by one of this process's Kafka clients: "
+                "Sagaline sets %s=%s for it",
+                name,
+                shown[0],
+                ENV_PREFIX,
+                name.upper().replace(".", "_"),
+                PROPERTIES_FILE_VAR,
+                name,
+                shown[1],
+            )
+
     def producer(self, **overrides: Any) -> dict[str, Any]:
         """Settings of a producer: defaults, the deployment's, the call's, the pins."""
+        self._warn_overridden(overrides)
         return {**PRODUCER_DEFAULTS, **self.base(), **overrides, **PINNED_PRODUCER}
 
     def consumer(self, group_id: str, **overrides: Any) -> dict[str, Any]:
         """Settings of a consumer in ``group_id`` (manual commits, committed reads)."""
+        self._warn_overridden(overrides)
         return {
             **CONSUMER_DEFAULTS,
             **self.base(),
@@ -178,6 +214,7 @@ class ClientConfig:
 
     def admin(self, **overrides: Any) -> dict[str, Any]:
         """Settings of an admin client."""
+        self._warn_overridden(overrides)
         return {**self.base(), **overrides}
 
     def describe(self) -> str:
