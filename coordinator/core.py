@@ -399,7 +399,9 @@ def decide(
     if record.event_id in state.seen:
         return Decision(state)  # a duplicate changes nothing (R15)
     own = _is_own(record)
-    stale = record.envelope.generation < state.generation
+    stale = record.envelope.generation < state.generation and not resolves_earlier_incident(
+        state, record
+    )
     if own or (state.is_terminal and not stale):
         return Decision(state)  # our echo, or a late record for an ended saga
     ctx = _Ctx(_private_copy(state, in_place), now, record.event_id, policy, position)
@@ -500,6 +502,33 @@ PARTICIPANT_OUTCOMES = (
     CompensationFailed,
     IncidentRaised,  # participants raise one for a lookup they cannot do
 )
+
+
+def resolves_earlier_incident(state: SagaState, record: Record) -> bool:
+    """Whether ``record`` is a person's resolution of an incident an earlier run (an
+    older generation) raised that ``state`` holds and no later run asked again: it is
+    decided whatever generation it carries, as one of the current run (counted if the
+    incident is open, else refused naming the first resolution). R15 still refuses
+    every other record of a superseded run as stale.
+
+    A resolution copies its incident's generation, so without this an incident that
+    settles no step (no compensation, a failed compensation, a participant's own) and
+    was open when the agent restarted the saga could never be resolved: no new run
+    raises it again. An unknown outcome still unsettled is asked again under the new
+    generation (``_ask_again_to_settle``): a resolution of the earlier incident stays
+    stale, and the person answers the newer one (which settles both)."""
+    if not isinstance(record, IncidentResolved):
+        return False
+    incident = state.incident(record.incident_id)
+    if incident is None:
+        return False
+    if incident.resolved:
+        return True  # refused all the same, saying who resolved it first
+    if incident.kind in _SETTLES_UNKNOWN and incident.step_id is not None:
+        step = state.steps.get(incident.step_id)
+        if step is not None and step.status in (StepStatus.UNKNOWN, StepStatus.RECONCILING):
+            return False  # asked again under the current generation
+    return True
 
 
 def _refused_writer(ctx: _Ctx, record: Record) -> bool:

@@ -812,9 +812,11 @@ class Coordinator:
         # (deciding in place) marks it resolved; a type check for every other record.
         resolves = False
         if isinstance(record, IncidentResolved) and state is not None:
-            if state.is_terminal and record.envelope.generation >= state.generation:
+            if state.is_terminal:
                 # Ended in this batch: as for its marker (the core ignores it), which
-                # an accepted one puts in place of the state at once.
+                # an accepted one puts in place of the state at once. Whatever its
+                # generation, as for the marker: no later run of an ended saga asks
+                # again, so an earlier run's open incident is resolved as it is.
                 self._resolve_ended(msg, record, terminal_marker(state), pending)
                 return
             resolves = _names_open_incident(state, record)
@@ -849,9 +851,10 @@ class Coordinator:
         if refused is None:
             self.metrics.observe_record(record)
         # A resolution of an open incident that the core did not refuse goes to the
-        # incident feed; so does one refused only as stale (an old run's incident that
-        # is never raised again: the feed is where a person sees it settled).
-        if resolves and refused in (None, RejectReason.STALE_GENERATION):
+        # incident feed (one of an earlier run's incident that no later run asked again
+        # counts, whatever its generation: ``resolves_earlier_incident``). One refused
+        # as stale does not: the step still waits on the incident asked again.
+        if resolves and refused is None:
             self._to_incident_feed(msg, pending)
         if not decision.changed and record.envelope.producer != COORDINATOR_PRODUCER:
             self.metrics.duplicate_prevented()

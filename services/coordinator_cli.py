@@ -468,22 +468,28 @@ def _unreadable_incidents_note(unreadable: list[str]) -> str:
 
 
 def superseded_incidents(raised: dict[str, IncidentRaised]) -> dict[str, IncidentRaised]:
-    """Each incident that a later run (generation) of its saga raised again, mapped to
-    the newest incident of the same saga, step and kind.
+    """Each unknown-outcome incident that a later run (generation) of its saga raised
+    again, mapped to the newest incident of the same saga, step and kind.
 
     A resolution copies its incident's generation, so the coordinator rejects one of
-    a superseded incident as stale: the operator must resolve the newer one.
+    a superseded incident as stale: the operator must resolve the newer one. Only an
+    unknown outcome is asked again; any other incident of an earlier run stays open
+    on its own and the coordinator takes its resolution whatever its generation.
     """
+    from coordinator.core import SETTLES_UNKNOWN
+
     newest: dict[tuple[str, str | None, str], IncidentRaised] = {}
     for incident in raised.values():
+        if incident.kind not in SETTLES_UNKNOWN:
+            continue
         key = (incident.saga_id, incident.step_id, incident.kind)
         known = newest.get(key)
         if known is None or incident.envelope.generation > known.envelope.generation:
             newest[key] = incident
     superseded: dict[str, IncidentRaised] = {}
     for incident_id, incident in raised.items():
-        newer = newest[(incident.saga_id, incident.step_id, incident.kind)]
-        if newer.envelope.generation > incident.envelope.generation:
+        newer = newest.get((incident.saga_id, incident.step_id, incident.kind))
+        if newer is not None and newer.envelope.generation > incident.envelope.generation:
             superseded[incident_id] = newer
     return superseded
 

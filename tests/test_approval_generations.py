@@ -18,6 +18,7 @@ from coordinator_ledger import (
     executes,
     fresh,
     incidents,
+    receipt_of,
     rejections,
 )
 
@@ -321,3 +322,146 @@ def test_cli_lists_the_superseded_incident_as_such_and_refuses_to_resolve_it_R15
     argv = ["incidents", "resolve", first.incident_id, "--operator", "carol"]
     assert main([*argv, "--resolution", "COMMITTED"]) == 1
     assert again.incident_id in capsys.readouterr().err
+
+
+def _open_no_compensation_incident() -> tuple[Ledger, Harness, IncidentRaised]:
+    """Step mail committed with no compensation declared; the saga failed, so a person
+    is told the effect stays in the world (an incident that settles no step)."""
+    ledger, h = fresh()
+    h.feed(
+        ledger.started(),
+        ledger.scheduled("mail", compensation=None),
+        ledger.committed("mail"),
+        ledger.scheduled("hold"),
+        ledger.committed("hold"),
+        ledger.scheduled("pay"),
+    )
+    [incident] = incidents(h.feed(ledger.failed("pay", kind=FailureKind.BUSINESS_REJECTION)))
+    assert incident.kind == "no-compensation" and incident.envelope.generation == 1
+    return ledger, h, incident
+
+
+class _Channel:
+    """What ``resolve_incident`` needs of an ``OperatorChannel``: the records it would
+    publish are kept instead."""
+
+    def __init__(self) -> None:
+        self.published: list[Record] = []
+
+    def producer_for(self, operator: str, via: str) -> str | None:
+        return None
+
+    def publish(self, record: Record) -> None:
+        self.published.append(record)
+
+
+def test_open_incident_of_an_earlier_generation_can_still_be_resolved_R14_R15() -> None:
+    """An incident no later run raises again (it settles no step) stays open across a
+    new generation; the person who deals with it must be able to say so, or the saga's
+    receipt lists it unresolved for good."""
+    ledger, h, incident = _open_no_compensation_incident()
+    _new_generation(ledger, h)
+    resolution = incident_resolved(
+        incident, operator="carol", resolution="told the customer", now=h.now
+    )
+    out = h.feed(resolution)
+    assert rejections(out) == [], _why(out)
+    assert h.s.open_incidents() == []
+    # the saga ends with the incident resolved, as the receipt says
+    ledger.generation = 2
+    receipt = receipt_of(h.feed(ledger.comp_committed("hold")))
+    [listed] = [i for i in receipt.incidents if i.incident_id == incident.incident_id]
+    assert listed.resolved and listed.resolution == "told the customer (by carol)", listed
+
+
+def test_operator_action_resolves_an_earlier_generations_incident_R15() -> None:
+    """Through the operator path (the CLI's and the dashboard's ``resolve_incident``):
+    the record it publishes counts, and a repeat of it is still one fact."""
+    from sagaline.ops.actions import resolve_incident
+
+    ledger, h, incident = _open_no_compensation_incident()
+    _new_generation(ledger, h, 3)
+    channel = _Channel()
+    record = resolve_incident(
+        channel,  # type: ignore[arg-type]
+        incident,
+        operator="carol",
+        resolution="refund mailed by hand",
+        now=h.now,
+    )
+    assert channel.published == [record]
+    out = h.feed(record)
+    assert rejections(out) == [], _why(out)
+    resolved = h.s.incident(incident.incident_id)
+    assert resolved is not None and resolved.resolved, resolved
+    before = h.s.to_bytes()
+    assert h.feed(record) == [] and h.s.to_bytes() == before
+    # a second person's answer is refused as for any resolved incident, not as stale
+    other = incident_resolved(incident, operator="dave", resolution="also done", now=h.now)
+    assert [o.reason for o in rejections(h.feed(other))] == ["invalid-transition"]
+
+
+def test_dashboard_agrees_an_earlier_generations_incident_is_resolved_R15() -> None:
+    ledger, h, incident = _open_no_compensation_incident()
+    _new_generation(ledger, h)
+    dashboard = DashboardState(SagalineMetrics("dashboard"))
+    for record in h.log:
+        dashboard.apply(record)
+    offered = [inc.incident_id for _saga, inc in dashboard.open_incidents()]
+    assert offered == [incident.incident_id]
+    resolution = incident_resolved(incident, operator="carol", resolution="done", now=h.now)
+    out = h.feed(resolution)
+    assert rejections(out) == [], _why(out)
+    assert dashboard.apply(resolution), dashboard.sagas[h.s.saga_id].refused
+    assert dashboard.open_incidents() == []
+    assert dashboard.sagas[h.s.saga_id].refused == []
+
+
+def test_only_an_unknown_outcome_asked_again_is_superseded_R15(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A participant's incident of the same step and kind from a later run does not
+    replace the earlier one: the coordinator holds both open and resolves each on its
+    own, so ``sagaline incidents`` lists and resolves both, and the dashboard offers
+    both."""
+    ledger, h = fresh()
+    h.feed(ledger.started(), ledger.scheduled("reserve"))
+    first = ledger.participant_incident("reserve", "inc-a").model_copy(
+        update={"kind": "manual-check"}
+    )
+    h.feed(first)
+    ledger.generation = 2
+    h.feed(ledger.started())
+    second = ledger.participant_incident("reserve", "inc-b").model_copy(
+        update={"kind": "manual-check"}
+    )
+    h.feed(second)
+    assert {i.incident_id for i in h.s.open_incidents()} == {"inc-a", "inc-b"}
+    feed = {first.incident_id: first, second.incident_id: second}
+    assert superseded_incidents(feed) == {}
+    dashboard = DashboardState(SagalineMetrics("dashboard"))
+    for record in h.log:
+        dashboard.apply(record)
+    assert sorted(i.incident_id for _s, i in dashboard.open_incidents()) == ["inc-a", "inc-b"]
+    out = h.feed(incident_resolved(first, operator="carol", resolution="checked", now=h.now))
+    assert rejections(out) == [], _why(out)
+
+
+def test_dashboard_agrees_an_ended_sagas_earlier_incident_is_resolved_R14_R15() -> None:
+    """The saga ended (its later run unwound) leaving the earlier run's incident open:
+    the coordinator takes its resolution whatever its generation (the ended saga's
+    marker), so the dashboard must stop showing it open."""
+    ledger, h, incident = _open_no_compensation_incident()
+    _new_generation(ledger, h)
+    ledger.generation = 2
+    receipt = receipt_of(h.feed(ledger.comp_committed("hold")))
+    [listed] = [i for i in receipt.incidents if i.incident_id == incident.incident_id]
+    assert not listed.resolved
+    dashboard = DashboardState(SagalineMetrics("dashboard"))
+    for record in h.log:
+        dashboard.apply(record)
+    assert [i.incident_id for _s, i in dashboard.open_incidents()] == [incident.incident_id]
+    resolution = incident_resolved(incident, operator="carol", resolution="done", now=h.now)
+    assert rejections(h.feed(resolution)) == []  # the shell's marker decides it
+    assert dashboard.apply(resolution)
+    assert dashboard.open_incidents() == []

@@ -71,8 +71,9 @@ def test_only_resolutions_the_coordinator_accepts_reach_the_incident_feed(
 def test_a_resolution_of_an_old_runs_incident_still_reaches_the_feed(
     transport: str, unique_prefix: str
 ) -> None:
-    """Refused only as stale (the saga moved to a new generation, and an incident of
-    this kind is never raised again): the feed is where a person sees it settled."""
+    """The saga moved to a new generation, and an incident of this kind is never
+    raised again: its resolution (which copies the incident's generation) counts, in
+    the coordinator's state as on the feed, where a person sees it settled."""
     settings, ledger, first, _participant = one_saga(transport, unique_prefix, "saga-old")
     raised = ledger.participant_incident("reserve", "inc-1").model_copy(
         update={"kind": "manual-check"}
@@ -84,8 +85,11 @@ def test_a_resolution_of_an_old_runs_incident_still_reaches_the_feed(
     old = ledger.resolve("inc-1", "done")  # generation 1
     append(settings, transport, old)
     turn_until(coordinator, lambda: coordinator.positions().get(0, -1) >= 5)
-    assert _dlq(settings, transport) == 1  # refused stale-generation
+    assert _dlq(settings, transport) == 0  # not refused as stale-generation
     assert _feed(settings, transport) == [old.event_id]
+    state = coordinator.state_of("saga-old")
+    incident = state.incident("inc-1") if state is not None else None
+    assert incident is not None and incident.resolved, incident
 
 
 def test_an_ended_sagas_incident_is_resolved_only_by_its_own_tenant(

@@ -330,6 +330,7 @@ class DashboardState:
         if (
             record.envelope.generation < known.generation
             and record.envelope.producer != COORDINATOR_PRODUCER
+            and not _resolves_earlier_incident(known, record)
         ):
             return False  # a superseded run's: refused stale-generation (R15)
         if _refusal(known, record, self.bind_writers) is not None:
@@ -348,7 +349,7 @@ class DashboardState:
                 saga_id=env.saga_id, tenant_id=env.tenant_id, generation=env.generation
             )
             return saga
-        if env.generation < saga.generation:
+        if env.generation < saga.generation and not _resolves_earlier_incident(saga, record):
             return None  # a superseded run: history, not the current saga (R15)
         if (
             env.generation > saga.generation
@@ -784,6 +785,26 @@ def _begin_generation(saga: SagaView, record: Record) -> None:
         _new_generation(saga, env.occurred_at)
 
 
+def _resolves_earlier_incident(saga: SagaView, record: Record) -> bool:
+    """A person's resolution of an incident an earlier run raised, which no later run
+    asked again: the coordinator decides it whatever its generation (a resolution
+    copies its incident's), as ``coordinator.core.resolves_earlier_incident`` says. An
+    unknown outcome still unsettled was asked again (superseded): that one is stale."""
+    if not isinstance(record, IncidentResolved):
+        return False
+    incident_id = record.incident_id
+    incident = saga.open_incidents.get(incident_id)
+    if incident is None:
+        if incident_id in saga.resolved_incidents:
+            return True
+        how = saga.settled_incidents.get(incident_id)
+        return how is not None and not how.startswith("superseded by")
+    if incident.kind in SETTLES_UNKNOWN and incident.step_id is not None:
+        step = saga.steps.get(incident.step_id)
+        return step is None or step.state != "unknown"
+    return True
+
+
 def _refusal(saga: SagaView, record: Record, bind_writers: bool) -> str | None:
     """Why the coordinator refuses ``record`` before acting on it (TENANT_MISMATCH, and
     with a trust file FORBIDDEN_WRITER: ``coordinator.core._refused_writer``), else
@@ -827,9 +848,12 @@ def _new_generation(saga: SagaView, at: int) -> None:
 
 
 def _supersede_incidents(saga: SagaView, record: IncidentRaised) -> None:
-    """An incident a later run raised again (same step and kind) replaces the earlier
-    run's: a resolution copies its incident's generation, so one of the old incident
-    would be stale. As ``sagaline incidents list`` shows it."""
+    """An unknown outcome a later run asked again (same step and kind) replaces the
+    earlier run's incident: a resolution copies its incident's generation, so one of
+    the old incident would be stale. As ``sagaline incidents list`` shows it. No other
+    incident is asked again: an earlier run's stays open on its own."""
+    if record.kind not in SETTLES_UNKNOWN:
+        return
     generation = record.envelope.generation
     for old in list(saga.open_incidents.values()):
         if (
