@@ -845,6 +845,18 @@ def _call(proxy: Any, name: str, args: dict[str, Any]) -> types.CallToolResult:
     return result
 
 
+def _resource(uri: str) -> types.ReadResourceRequestParams:
+    return types.ReadResourceRequestParams(uri=uri)
+
+
+def _fake_receipt(proxy: Any) -> dict[str, Any]:
+    read = asyncio.run(proxy._read_resource(None, _resource(RECEIPT)))
+    content = read.contents[0]
+    assert isinstance(content, types.TextResourceContents)
+    loaded: dict[str, Any] = json.loads(content.text)
+    return loaded
+
+
 def test_an_irreversible_call_refused_before_it_is_written_does_not_wait_for_an_approval(
     tmp_path: Path,
 ) -> None:
@@ -1044,6 +1056,39 @@ def test_a_result_over_the_limit_is_a_tool_error_that_keeps_the_committed_effect
     second = _call(proxy, "create_ticket", {"title": "u"})
     assert second.structured_content == {"ok": "02-create_ticket"}  # the same saga went on
     assert [s.saga_id for s in client.sagas] == ["s-1"]
+
+
+def test_a_parked_saga_is_said_parked_for_a_person_not_aborted_and_compensated(
+    tmp_path: Path,
+) -> None:
+    """The coordinator parked the saga (SagaParked): it decides nothing more for it, so
+    an abort would go to the DLQ and no receipt would come. The proxy asked for one
+    anyway, waited for a receipt that never comes, and told the agent the saga "was
+    aborted and its earlier effects compensated": nothing was undone. It must say the
+    saga is parked for a person, ask for no end, and let go of it (the next write
+    starts a new saga)."""
+    from participants.client import SagaParked
+
+    parked = SagaParked(
+        "the coordinator could not write saga s-1's state (over the limit)",
+        saga_id="s-1",
+        step_id="01-create_ticket",
+        tool="create_ticket",
+    )
+    client = FakeClient(parked)
+    proxy = _fake_proxy(tmp_path, client)
+    result = _call(proxy, "create_ticket", {"title": "t"})
+    text = _text(result)
+    (saga,) = client.sagas
+    assert saga.ended == [], "an end was asked of a parked saga"
+    assert result.is_error and "parked" in text and "compensated" not in text, text
+    assert "s-1" in text and "sagaline saga show s-1" in text, text
+    receipt = _fake_receipt(proxy)
+    assert receipt["status"] == "PARKED" and receipt["saga_id"] == "s-1", receipt
+    client.answer = None
+    again = _call(proxy, "create_ticket", {"title": "u"})
+    assert again.structured_content == {"ok": "01-create_ticket"}, _text(again)
+    assert [s.saga_id for s in client.sagas] == ["s-1", "s-2"]
 
 
 def test_a_timed_out_step_is_reported_as_an_unknown_outcome_not_as_a_failure_R11(

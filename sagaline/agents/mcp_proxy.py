@@ -60,6 +60,7 @@ from participants.client import (
     SagaCallError,
     SagaClient,
     SagaHistoryUnreadable,
+    SagaParked,
 )
 from participants.context import current_call
 from participants.declarations import (
@@ -1079,7 +1080,11 @@ class McpProxy:
         return None
 
     async def _failed(self, saga: Saga, name: str, exc: SagaCallError) -> types.CallToolResult:
-        """A write that did not commit: the saga is aborted, its earlier effects undone."""
+        """A write that did not commit: the saga is aborted, its earlier effects undone.
+        A parked saga is not: the coordinator decides nothing more for it (an abort
+        would go to the DLQ, its receipt never come); it is left to a person."""
+        if isinstance(exc, SagaParked):
+            return self._parked(saga, name, exc)
         receipt = await self._finish(SagaOutcome.ABORT, f"{name} failed: {exc}")
         if receipt.get("status") == END_NOT_ACKNOWLEDGED:
             return _text(f"{name} failed: {exc}. {receipt['note']}", error=True)
@@ -1088,6 +1093,27 @@ class McpProxy:
             f" effects compensated (status {receipt.get('status')}); read {RECEIPT_URI}.",
             error=True,
         )
+
+    def _parked(self, saga: Saga, name: str, exc: SagaParked) -> types.CallToolResult:
+        """The coordinator parked the saga: nothing more runs for it and nothing is
+        undone automatically. The session lets go of it (the next write starts a new
+        saga); the receipt resource says it is parked."""
+        log.warning("saga %s is parked: %s", saga.saga_id, exc)
+        note = (
+            f"the saga {saga.saga_id} is parked by the coordinator ({exc}): nothing more"
+            f" runs for it and nothing is undone automatically; a person settles its"
+            f" effects (`sagaline saga show {saga.saga_id}`, its saga-parked incident in"
+            f" `sagaline incidents list`), {name} included (it may or may not have run)."
+            " The next write starts a new saga."
+        )
+        self.session.saga = None
+        self.session.awaiting = []
+        self.session.ending = None
+        self.session.last_receipt = json.dumps(
+            {"saga_id": saga.saga_id, "status": "PARKED", "note": note}, indent=2
+        )
+        self.session.save()
+        return _text(f"{name}: {note}", error=True)
 
     def _started(self, saga: Saga, start: asyncio.Future[Any]) -> None:
         """The session's part of starting ``saga`` (on the loop, once it started): it
