@@ -1091,6 +1091,23 @@ def test_a_parked_saga_is_said_parked_for_a_person_not_aborted_and_compensated(
     assert [s.saga_id for s in client.sagas] == ["s-1", "s-2"]
 
 
+def test_reading_an_unknown_resource_is_a_clear_invalid_params_error_not_a_crash(
+    tmp_path: Path,
+) -> None:
+    """A resource URI the proxy does not serve raised ValueError from the handler: the
+    MCP server logged it as a crash (a traceback in the proxy's log) and answered with
+    code 0. It is the client's mistake: an INVALID_PARAMS error naming the URI and what
+    the proxy serves."""
+    from mcp.shared.exceptions import MCPError
+
+    proxy = _fake_proxy(tmp_path, FakeClient())
+    with pytest.raises(MCPError) as raised:
+        asyncio.run(proxy._read_resource(None, _resource("sagaline://saga/reciept")))
+    assert raised.value.error.code == types.INVALID_PARAMS, raised.value.error
+    message = raised.value.error.message
+    assert "sagaline://saga/reciept" in message and RECEIPT in message, message
+
+
 def test_a_timed_out_step_is_reported_as_an_unknown_outcome_not_as_a_failure_R11(
     tmp_path: Path,
 ) -> None:

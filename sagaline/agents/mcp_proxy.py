@@ -848,7 +848,15 @@ class McpProxy:
         self, ctx: ServerRequestContext[Any], params: types.ReadResourceRequestParams
     ) -> types.ReadResourceResult:
         if params.uri != RECEIPT_URI:
-            raise ValueError(f"unknown resource {params.uri!r}; this proxy serves {RECEIPT_URI}")
+            # The client's mistake, said as such (an error of another type would be
+            # logged as the server's crash and answered with code 0).
+            from mcp.shared.exceptions import MCPError
+
+            raise MCPError(
+                code=types.INVALID_PARAMS,
+                message=f"unknown resource {params.uri!r}; this proxy serves {RECEIPT_URI}",
+                data={"uri": params.uri},
+            )
         async with self._lock:
             try:
                 await self._ensure_resumed()
