@@ -328,6 +328,48 @@ def test_a_proxy_killed_mid_saga_continues_it_after_a_restart(world: World) -> N
     assert [s["tool"] for s in receipt["steps"]] == ["create_ticket", "charge", "charge"]
 
 
+def test_a_second_proxy_for_the_same_participant_and_state_is_refused_not_sharing_its_saga(
+    world: World,
+) -> None:
+    """Two proxies for one participant with one state directory kept their open sagas
+    in the same mcp-session.json and overwrote each other's saga id: a restart of
+    either continued the other's saga (its writes, its commit). The second is refused
+    at start (exit 2, naming the running one's pid); a restart after the first is
+    gone (even killed: the test above) is not held up."""
+
+    def second() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "services.cli", "mcp", "proxy", str(world.declaration)],
+            env=world.env,
+            cwd=str(ROOT),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    async def run() -> tuple[subprocess.CompletedProcess[str], int, types.CallToolResult]:
+        async with world.proxy() as session:
+            # The first proxy serves (its saga open) before the second starts.
+            opened = await session.call_tool("create_ticket", {"title": "mine"})
+            assert not opened.is_error, _text(opened)
+            (pid,) = _proxy_pids()
+            refused = await asyncio.to_thread(second)
+            still = await session.call_tool("saga_commit", {})
+            return refused, pid, still
+
+    refused, pid, committed = asyncio.run(run())
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert f"pid {pid}" in refused.stderr and "already" in refused.stderr, refused.stderr[-2000:]
+    assert json.loads(_text(committed))["status"] == "COMPLETED", _text(committed)
+
+    async def restarted() -> dict[str, Any]:
+        async with world.proxy() as session:
+            return await _receipt(session)
+
+    assert asyncio.run(restarted())["status"] == "NO_SAGA"
+
+
 def _free_port() -> int:
     import socket
 

@@ -119,6 +119,11 @@ class UpstreamCompensationFailed(TransientError):
     coordinator under the compensation's retry policy, then handed to a person (R8)."""
 
 
+class ProxyAlreadyRunning(RuntimeError):
+    """Another proxy serves the same participant with the same state directory: the
+    two would overwrite each other's open saga in ``mcp-session.json``."""
+
+
 class UpstreamDown(ConnectionError):
     """The upstream's connection was lost and connecting again failed: the call was
     not sent (nothing was called), so its outcome is known; a plain failure, which the
@@ -678,6 +683,38 @@ class _Session:
             os.fsync(directory)
         finally:
             os.close(directory)
+
+
+SESSION_LOCK = "mcp-session.lock"
+
+
+def _claim_state(directory: Path, participant: str) -> int:
+    """Hold the lock of ``directory``'s session file for this process's lifetime (the
+    descriptor returned; closing it, or the process ending however it ends, lets go,
+    so a restarted proxy is never held up by its dead predecessor).
+    :class:`ProxyAlreadyRunning` when another live proxy holds it."""
+    import fcntl
+
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / SESSION_LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # not inherited by upstreams
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise ProxyAlreadyRunning(
+            f"a proxy for participant {participant!r} is already running (pid {holder})"
+            f" with the state directory {directory}: the two would overwrite each other's"
+            f" open saga in {directory / 'mcp-session.json'}. Stop it, or give this one"
+            " its own participant: (or its own SAGALINE_STATE_DIR)"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def _read_saved(path: Path) -> dict[str, Any] | None:
@@ -1480,7 +1517,7 @@ def main(path: Path, *, check_only: bool = False) -> int:
     except (DeclarationError, CatalogueError) as exc:
         print(f"sagaline mcp proxy: refusing to start: {exc}", file=sys.stderr)
         return 1
-    except UpstreamUnavailable as exc:
+    except (UpstreamUnavailable, ProxyAlreadyRunning) as exc:
         print(f"sagaline mcp proxy: cannot start: {exc}", file=sys.stderr)
         return 2
 
@@ -1532,6 +1569,8 @@ async def _run(
     # Started by an MCP client as a service: like `participant run`, it never starts a
     # broker; with none configured it fails and says what to set.
     settings, bootstrap = configured_broker("sagaline mcp proxy")
+    claim = _claim_state(settings.state_dir / declaration.participant, declaration.participant)
+    stack.callback(os.close, claim)
     runtime = ParticipantRuntime(catalogue, settings, bootstrap)
     ready = threading.Event()
     thread = threading.Thread(target=runtime.run, kwargs={"ready": ready}, daemon=True)
