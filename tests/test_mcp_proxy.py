@@ -1367,6 +1367,47 @@ def test_a_lookup_the_upstream_answers_with_an_error_is_no_not_found_R11() -> No
         declared["create_ticket"].lookup("busy")
 
 
+def test_a_lookup_answering_its_declared_not_found_text_without_an_error_is_not_found_R11() -> None:
+    """Many upstream tools say "not found" in a plain text answer, not an error
+    (isError). With the lookup's not_found: text declared, such an answer was taken for
+    a non-empty result, "it happened" (COMMITTED): a step that never ran was settled as
+    done, never retried and its "result" (the not-found text) compensated. The declared
+    text says "not found" in a text answer as in an error answer; any other text, and
+    every answer of a lookup with no not_found:, is still COMMITTED."""
+    from sagaline.agents.mcp_proxy import build_catalogue
+    from schemas.models import ReconcileResult
+
+    upstreams, plain = _reconciling_upstreams()
+    answers: dict[str, Any] = {
+        "gone": "no ticket for gone",
+        "here": {"id": "T-1", "title": "t"},
+        "text": "T-2 opened",
+    }
+    upstreams.call_sync = lambda upstream, name, args, timeout_s: answers[args["request_id"]]
+    decl = _decl(
+        {
+            "create_ticket": {
+                "compensation": {"tool": "delete_ticket", "args": {"ticket_id": "{result.id}"}},
+                "lookup": {
+                    "tool": "find_ticket",
+                    "args": {"request_id": "{idempotency_key}"},
+                    "not_found": "no ticket for",
+                },
+                "idempotency_arg": "request_id",
+            },
+            "send_email": {"reversibility": "IRREVERSIBLE"},
+        },
+        participant="fake-desk",
+    )
+    upstreams.declaration = decl
+    declared = build_catalogue(decl, upstreams)
+    assert declared["create_ticket"].lookup("gone").status is ReconcileResult.NOT_FOUND
+    assert declared["create_ticket"].lookup("here").status is ReconcileResult.COMMITTED
+    assert declared["create_ticket"].lookup("text").status is ReconcileResult.COMMITTED
+    # Without not_found: a text answer cannot be told from a found operation's.
+    assert plain["create_ticket"].lookup("gone").status is ReconcileResult.COMMITTED
+
+
 def test_a_compensation_the_upstream_answers_with_an_error_is_retried_not_given_up_R8() -> None:
     """The upstream's compensation tool answers with an error (a rate limit, a failure
     of its own): it was taken for a business rejection, never retried, so one hiccup

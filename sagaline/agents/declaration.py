@@ -83,8 +83,9 @@ class UpstreamSpec:
 class CallMapping:
     """An upstream call made on the saga's behalf (a compensation or a lookup).
 
-    ``not_found`` (a lookup only): text that the lookup's error answer contains when
-    the upstream has no such operation; any other error answer says it could not tell."""
+    ``not_found`` (a lookup only): text that the lookup's error answer, or its plain
+    text answer, contains when the upstream has no such operation; any other error
+    answer says it could not tell, any other answer that it happened."""
 
     tool: str
     args: Mapping[str, Any]

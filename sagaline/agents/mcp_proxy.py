@@ -633,6 +633,8 @@ def _lookup(
                     )
                 ) from exc
             found = None  # the upstream says it has no such operation
+        if isinstance(found, str) and call.not_found is not None and call.not_found in found:
+            found = None  # said in a text answer, not an error: "not found" all the same
         if found not in (None, "", {}, []):
             return LookupResult.committed(found)
         return LookupResult.pending() if upstreams.running(idempotency_key) else None
