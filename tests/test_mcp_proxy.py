@@ -1430,6 +1430,63 @@ def test_a_compensation_the_upstream_answers_with_an_error_is_retried_not_given_
     assert not spec.is_business_rejection(failed.value), repr(failed.value)
 
 
+def test_a_write_error_answer_declared_transient_is_retried_not_a_business_rejection_R9() -> None:
+    """A forward write whose upstream answers with an error (isError) is a business
+    rejection (R9): never retried, the saga aborted and every earlier effect undone. A
+    rate limit ("try again in 30 s") is no rejection, and a declaration had no way to
+    say so (a Python tool has transient=): one hiccup undid the agent's whole task. An
+    error answer containing one of the tool's declared transient: texts is a transient
+    failure, retried with the same idempotency key; any other is still a rejection."""
+    from participants.context import CallContext, call_context
+    from sagaline.agents.mcp_proxy import UpstreamRejected, Upstreams, build_catalogue
+
+    decl = _decl(
+        {
+            "create_ticket": {
+                "compensation": {"tool": "delete_ticket", "args": {"ticket_id": "{result.id}"}},
+                "idempotency_arg": "request_id",
+                "transient": ["rate limited", "try again"],
+            },
+            "send_email": {"reversibility": "IRREVERSIBLE"},
+        },
+        participant="fake-desk",
+    )
+    upstreams = Upstreams(decl)
+    upstreams.tools = list(DESK)
+    answers = {"busy": "create_ticket: rate limited, retry in 30 s", "no": "title refused"}
+    sent: list[dict[str, Any]] = []
+
+    def call_sync(upstream: str, name: str, args: dict[str, Any], *a: Any, **k: Any) -> Any:
+        sent.append(dict(args))
+        raise UpstreamRejected(answers[args["title"]])
+
+    upstreams.call_sync = call_sync  # type: ignore[method-assign]
+    spec = build_catalogue(decl, upstreams)["create_ticket"]
+    failures = []
+    for title in ("busy", "no"):
+        context = CallContext("s-1", "01-create_ticket", "create_ticket", "key-1")
+        with call_context(context), pytest.raises(Exception) as failed:
+            spec.invoke({"title": title})
+        failures.append(failed.value)
+    busy, refused = failures
+    assert "rate limited" in str(busy) and not spec.is_business_rejection(busy), repr(busy)
+    assert spec.is_business_rejection(refused), repr(refused)
+    assert [s["request_id"] for s in sent] == ["key-1", "key-1"]
+
+    for bad in ("", [""], 3, ["ok", None]):
+        with pytest.raises(DeclarationError, match="transient"):
+            _decl(
+                {
+                    "create_ticket": {
+                        "compensation": {"tool": "delete_ticket", "args": {"ticket_id": "x"}},
+                        "transient": bad,
+                    }
+                }
+            )
+    with pytest.raises(DeclarationError, match="transient"):
+        _decl({"list_tickets": {"read_only": True, "transient": ["busy"]}})
+
+
 def test_compensations_and_lookups_wait_as_long_as_the_declared_deadline_R8() -> None:
     """A tool declared with a 600 s deadline: its compensation and lookup may take as
     long as the forward call. A fixed 60 s cut a longer compensation short, and the

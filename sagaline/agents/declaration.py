@@ -105,6 +105,9 @@ class ToolMapping:
     pivot: bool = False
     deadline: float = 10.0
     owner: str = "operations"
+    # Texts of the forward call's error answers that are transient failures (a brief
+    # unavailability), retried; any other error answer is a business rejection (R9).
+    transient: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -170,6 +173,7 @@ _TOOL_KEYS = (
     "pivot",
     "deadline",
     "owner",
+    "transient",
 )
 _CALL_KEYS = ("tool", "args")
 _LOOKUP_KEYS = (*_CALL_KEYS, "not_found")
@@ -327,6 +331,20 @@ def _tool(
         )
     resources = _list(problems, where, "resources", raw.get("resources"))
     pivot = _flag(problems, where, raw, "pivot")
+    transient = raw.get("transient")
+    transient = [transient] if isinstance(transient, str) else transient
+    if transient is not None and (
+        not isinstance(transient, list) or not all(isinstance(t, str) and t for t in transient)
+    ):
+        problems.append(
+            f"{where}: transient must be the texts of the upstream's error answers worth"
+            f' retrying, e.g. transient: ["rate limit"], not {raw.get("transient")!r}'
+        )
+    elif transient and read_only:
+        problems.append(
+            f"{where}: is read_only and declares transient:; a read-only call is passed"
+            " straight through, never retried"
+        )
     if len(problems) > before:
         return None
     return ToolMapping(
@@ -341,6 +359,7 @@ def _tool(
         pivot=pivot,
         deadline=deadline,
         owner=str(raw.get("owner") or "operations"),
+        transient=tuple(transient or ()),
     )
 
 

@@ -105,6 +105,12 @@ class UpstreamRejected(BusinessRejection):
     """The upstream tool answered with ``isError``: it said no, retrying will not help."""
 
 
+class UpstreamTransient(TransientError):
+    """A forward call's error answer containing one of the tool's declared
+    ``transient:`` texts: retried with the same idempotency key under the tool's retry
+    policy, not a business rejection."""
+
+
 class UpstreamUnavailable(RuntimeError):
     """An upstream server could not be started or reached at start-up."""
 
@@ -535,6 +541,10 @@ def _forward(
             return upstreams.call_sync(upstream, listed.name, args, _wait_s(mapping), key=key)
         except UpstreamDown:
             raise  # not sent: it did not happen, a plain failure
+        except UpstreamRejected as exc:
+            if any(text in str(exc) for text in mapping.transient):
+                raise UpstreamTransient(str(exc)) from exc
+            raise  # the upstream said no: a business rejection (R9)
         except ConnectionError as exc:  # a transient failure would be retried, then
             # taken for a step that never ran: its effect neither undone nor named
             raise UpstreamOutcomeUnknown(f"{exc}; the outcome is unknown") from exc
