@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
 
 
@@ -23,6 +24,27 @@ def at_least(minimum: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def instance_id(text: str) -> str:
+    """An argparse type: an instance id, not empty or blank (an empty one, e.g.
+    ``--instance-id "$ID"`` with ID unset, gave every such instance the same
+    transactional id or static member, so they fenced each other)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            f"expected a non-empty id, distinct per instance, got {text!r}"
+        )
+    return text
+
+
+def env_default(*names: str) -> str | None:
+    """The first of these environment variables that is set and not blank, else None:
+    an empty variable (``${VAR:-}`` in compose, ``HOSTNAME=``) counts as unset."""
+    for name in names:
+        value = os.environ.get(name, "")
+        if value.strip():
+            return value
+    return None
 
 
 def port(text: str) -> int:

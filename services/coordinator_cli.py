@@ -30,7 +30,7 @@ from schemas.partitioning import partition_for
 from schemas.receipt import Receipt
 from schemas.settings import Settings
 from schemas.signing import HeaderList, Signer
-from services._args import at_least, port, seconds_or_zero
+from services._args import at_least, env_default, instance_id, port, seconds_or_zero
 
 if TYPE_CHECKING:
     from coordinator.state import SagaState
@@ -601,8 +601,10 @@ def register(subparsers: Any) -> None:
     run = coordinator_sub.add_parser("run", help="consume sagaline.events until SIGTERM")
     run.add_argument(
         "--instance-id",
-        default=os.environ.get("HOSTNAME", "coordinator-0"),
-        help="stable per instance: its transactional id fences a crashed twin",
+        type=instance_id,
+        default=env_default("HOSTNAME") or "coordinator-0",
+        help="stable per instance: its transactional id fences a crashed twin (default: "
+        "$HOSTNAME, else coordinator-0)",
     )
     run.add_argument(
         "--participants",

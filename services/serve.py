@@ -22,7 +22,7 @@ from participants.runtime import ParticipantRuntime
 from sagaline.kafka import KafkaException, TopicSetupError, configured_broker, ensure_topics
 from sagaline.ops.metrics import MetricsServerError, ParticipantMetrics, start_metrics_server
 from schemas.settings import Settings
-from services._args import at_least, port
+from services._args import at_least, env_default, instance_id, port
 
 log = logging.getLogger("sagaline.serve")
 
@@ -178,7 +178,8 @@ def register(subparsers: Any) -> None:
     )
     run.add_argument(
         "--instance-id",
-        default=os.environ.get("SAGALINE_INSTANCE_ID") or os.environ.get("HOSTNAME"),
+        type=instance_id,
+        default=env_default("SAGALINE_INSTANCE_ID", "HOSTNAME"),
         help="distinct per replica, stable across restarts (default: $SAGALINE_INSTANCE_ID, "
         "else $HOSTNAME, which is per container under docker compose --scale; else the "
         "participant name)",

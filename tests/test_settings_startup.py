@@ -251,3 +251,34 @@ def test_a_refund_fault_plan_it_cannot_read_exits_2_naming_it_not_a_traceback(
     assert main(["participant", "run", "policy"]) == 2
     err = capsys.readouterr().err
     assert "fault plan" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(
+    ("command", "fallback"),
+    [(["coordinator", "run"], "coordinator-0"), (["participant", "run", "policy"], None)],
+)
+def test_an_empty_hostname_is_unset_not_an_empty_instance_id(
+    command: list[str], fallback: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HOSTNAME set but empty (a container run with --hostname '', an env file's
+    HOSTNAME=) gave the coordinator the instance id "": every such instance had the
+    same transactional id, "<group>-", and fenced the others."""
+    from services.cli import build_parser
+
+    monkeypatch.setenv("HOSTNAME", "")
+    monkeypatch.setenv("SAGALINE_INSTANCE_ID", "")
+    args = build_parser().parse_args(command)
+    assert args.instance_id == fallback
+
+
+@pytest.mark.parametrize("command", [["coordinator", "run"], ["participant", "run", "policy"]])
+@pytest.mark.parametrize("given", ["", "  "])
+def test_an_explicitly_empty_instance_id_is_a_usage_error(
+    command: list[str], given: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--instance-id "$ID"`` with ID unset: the coordinator ran as "", the participant
+    quietly as its name (every replica the same static member)."""
+    with pytest.raises(SystemExit) as exit_:
+        main([*command, "--instance-id", given])
+    assert exit_.value.code == 2
+    assert "argument --instance-id" in capsys.readouterr().err
