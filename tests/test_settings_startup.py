@@ -282,3 +282,21 @@ def test_an_explicitly_empty_instance_id_is_a_usage_error(
         main([*command, "--instance-id", given])
     assert exit_.value.code == 2
     assert "argument --instance-id" in capsys.readouterr().err
+
+
+@pytest.mark.kafka
+def test_a_dashboard_port_in_use_exits_2_naming_it_not_uvicorns_exit_3(
+    busy_port: int,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    kafka_bootstrap: str,
+    unique_prefix: str,
+) -> None:
+    """It was uvicorn's log line and exit code 3 (SystemExit from deep in uvicorn.run),
+    unlike every other bind error (--metrics-port: one line, exit 2)."""
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
+    monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
+    assert main(["dashboard", "--port", str(busy_port)]) == 2
+    err = capsys.readouterr().err
+    assert f"--port {busy_port}" in err and "127.0.0.1" in err, err
+    assert len(err.strip().splitlines()) == 1, err

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 
 from sagaline.kafka import require_bootstrap
@@ -58,17 +59,60 @@ class Dashboard:
         """``bootstrap`` overrides; else the settings' (never a broker started here)."""
         return cls(bootstrap or require_bootstrap(settings, "sagaline dashboard"), settings)
 
-    def serve(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> None:
-        """Run the HTTP server until interrupted (the follower runs with the app)."""
+    def serve(
+        self,
+        host: str = "127.0.0.1",
+        port: int = DEFAULT_PORT,
+        sockets: list[socket.socket] | None = None,
+    ) -> None:
+        """Run the HTTP server until interrupted (the follower runs with the app), on
+        ``sockets`` when given (from :func:`listen`), else on ``host:port``; raises
+        :class:`DashboardBindError` when it cannot listen there."""
         import signal
 
         import uvicorn
 
+        if sockets is None:
+            sockets = listen(host, port)
         # uvicorn re-raises the signal that stopped it once it has shut down; with a
         # handler of ours in place that ends the process with 0, a clean stop.
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, _exit_cleanly)
-        uvicorn.run(self.app, host=host, port=port, log_level="info")
+        server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level="info"))
+        server.run(sockets=sockets)
+        if not server.started:  # as uvicorn.run: the app's start-up failed
+            raise SystemExit(3)
+
+
+class DashboardBindError(Exception):
+    """The dashboard could not listen where it was told to."""
+
+
+def listen(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to ``host:port`` (every address the name resolves to, as uvicorn
+    binds them), or :class:`DashboardBindError` saying why not: bound here, before
+    uvicorn runs, so a port in use is one line and exit 2 like ``--metrics-port``, not
+    uvicorn's log line and its exit code 3."""
+    sockets: list[socket.socket] = []
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _name, address in dict.fromkeys(
+            (i[0], i[1], i[2], "", i[4]) for i in infos
+        ):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # as asyncio: each address family on its own
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError as exc:  # in use, an address not of this host, a name that does not resolve
+        for sock in sockets:
+            sock.close()
+        raise DashboardBindError(
+            f"cannot serve the dashboard on {host}:{port} (--host {host} --port {port}): "
+            f"{exc.strerror or exc}"
+        ) from None
+    return sockets
 
 
 def _exit_cleanly(signum: int, frame: object) -> None:
@@ -78,12 +122,21 @@ def _exit_cleanly(signum: int, frame: object) -> None:
 def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
+        sockets = listen(args.host, args.port)
+    except DashboardBindError as exc:
+        print(f"sagaline dashboard: {exc}", file=sys.stderr)
+        return 2
+    try:
         dashboard = Dashboard.from_settings(Settings.from_env(), args.bootstrap)
-    except AuthConfigError as exc:  # a message to fix the configuration, not a traceback
-        print(f"error: {exc}", file=sys.stderr)
+    except BaseException as exc:
+        for sock in sockets:
+            sock.close()
+        if not isinstance(exc, AuthConfigError):
+            raise
+        print(f"error: {exc}", file=sys.stderr)  # what to fix, not a traceback
         return 2
     print(f"sagaline dashboard on http://{args.host}:{args.port}/", flush=True)
-    dashboard.serve(args.host, args.port)
+    dashboard.serve(args.host, args.port, sockets)
     return 0
 
 
