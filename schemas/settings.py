@@ -5,7 +5,7 @@ Defaults run the local demo; deployments override through environment variables:
 =============================  ====================  ==========================
 variable                       field                 default
 =============================  ====================  ==========================
-``KAFKA_BOOTSTRAP_SERVERS``    ``bootstrap``         ``None`` (the local broker)
+``KAFKA_BOOTSTRAP_SERVERS``    ``bootstrap``         ``None`` (unset, see below)
 ``SAGALINE_TOPIC_PREFIX``      ``topic_prefix``      ``""``
 ``SAGALINE_PARTITIONS``        ``partitions``        ``6``
 ``SAGALINE_HMAC_KEY``          ``hmac_key``          unset (no signing)
@@ -27,6 +27,10 @@ variable                       field                 default
 without ``SAGALINE_SECRET_KEY``, and ``SAGALINE_HMAC_KEY_ID`` without
 ``SAGALINE_HMAC_KEY`` (and no trust file) are refused (:class:`SettingsError`), not
 ignored.
+With ``KAFKA_BOOTSTRAP_SERVERS`` unset, service commands stop with
+``sagaline.kafka.BrokerNotConfigured`` (they never start a broker); only development
+paths (the demo, the tests, ``--dev-broker``, ``sagaline.connect()``) then use the
+local broker (``sagaline kafka up``).
 ``SAGALINE_REPLICATION_FACTOR`` (default 1) and ``SAGALINE_MIN_INSYNC_REPLICAS``
 (default: the broker's) set ``replication``, used when topics are created.
 Kafka client settings (SASL, SSL, tuning) are not here: they pass straight to
@@ -73,8 +77,9 @@ class SettingsError(ValueError):
 
 @dataclass(frozen=True)
 class Settings:
-    """Process configuration. ``bootstrap=None`` means "the project's local broker"
-    (started by ``sagaline kafka up``); the key is never shown in its repr."""
+    """Process configuration. ``bootstrap=None``: no broker configured (service
+    commands stop with ``BrokerNotConfigured``; only development paths use the local
+    broker); the keys are never shown in its repr."""
 
     bootstrap: str | None = None
     topic_prefix: str = ""

@@ -184,3 +184,18 @@ def test_the_sizes_the_docs_state_for_operator_input_are_the_codes() -> None:
     assert f"at most\n{MAX_OPERATOR_TEXT_BYTES // 1024} KiB ({MAX_OPERATOR_TEXT_BYTES} bytes" in (
         operating
     )
+
+
+def test_the_settings_say_what_an_unset_bootstrap_does() -> None:
+    """schemas/settings.py said ``bootstrap=None`` meant "the local broker", while a
+    service command with it unset stops (docs/deploying.md: they never start one)."""
+    import schemas.settings as module
+    from sagaline.kafka import BrokerNotConfigured, require_bootstrap
+
+    with pytest.raises(BrokerNotConfigured):
+        require_bootstrap(Settings(), "sagaline coordinator run")
+    row = next(line for line in (module.__doc__ or "").splitlines() if "KAFKA_BOOTSTRAP" in line)
+    for doc in (row, Settings.__doc__ or ""):
+        assert "the local broker" not in doc and "the project's local broker" not in doc, doc
+    for doc in (module.__doc__ or "", Settings.__doc__ or ""):
+        assert "BrokerNotConfigured" in doc, doc
