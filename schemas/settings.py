@@ -102,7 +102,8 @@ class Settings:
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         """Read the variables above (from ``os.environ`` unless ``env`` is given)."""
         env = os.environ if env is None else env
-        raw_partitions = env.get("SAGALINE_PARTITIONS", str(DEFAULT_PARTITIONS))
+        # Empty counts as unset, as for every variable (``${VAR:-}`` in compose).
+        raw_partitions = env.get("SAGALINE_PARTITIONS", "").strip() or str(DEFAULT_PARTITIONS)
         try:
             partitions = int(raw_partitions)
         except ValueError:

@@ -615,7 +615,7 @@ def register(subparsers: Any) -> None:
     run.add_argument(
         "--decoded-states",
         type=at_least(0),
-        default=os.environ.get("SAGALINE_DECODED_STATES"),
+        default=env_default("SAGALINE_DECODED_STATES"),
         help="decoded saga states kept in memory beside their bytes, about 16 KiB each "
         "(default $SAGALINE_DECODED_STATES, else coordinator.shell.DECODED_STATES, 512; "
         "0: off). Raise it when more sagas than this are in flight",

@@ -172,7 +172,7 @@ def register(subparsers: Any) -> None:
         type=at_least(1),
         # A string: argparse converts it only when this command runs, so a bad value in
         # the environment is this command's usage error, not every command's traceback.
-        default=os.environ.get("SAGALINE_MAX_IN_FLIGHT", "16"),
+        default=env_default("SAGALINE_MAX_IN_FLIGHT") or "16",
         help="commands of different sagas run at once (one saga's stay in order; default "
         "$SAGALINE_MAX_IN_FLIGHT, else 16)",
     )
@@ -200,7 +200,7 @@ def register(subparsers: Any) -> None:
     run.add_argument(
         "--journal-keep-ms",
         type=_journal_keep,
-        default=os.environ.get("SAGALINE_JOURNAL_KEEP_MS", "auto"),
+        default=env_default("SAGALINE_JOURNAL_KEEP_MS") or "auto",
         help="how long finished commands stay in the journal: 'auto' (from the command "
         "topic's retention.ms and segment.ms, plus a day), -1 (never pruned) or "
         "milliseconds (default $SAGALINE_JOURNAL_KEEP_MS, else auto; docs/operating.md)",

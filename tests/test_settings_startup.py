@@ -300,3 +300,32 @@ def test_a_dashboard_port_in_use_exits_2_naming_it_not_uvicorns_exit_3(
     err = capsys.readouterr().err
     assert f"--port {busy_port}" in err and "127.0.0.1" in err, err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_an_empty_partitions_variable_counts_as_unset_like_the_others() -> None:
+    """``SAGALINE_PARTITIONS: ${SAGALINE_PARTITIONS:-}`` in a compose file stopped every
+    process ("SAGALINE_PARTITIONS='' is not an integer"), while an empty
+    SAGALINE_MAX_*, SAGALINE_REPLICATION_FACTOR or SAGALINE_HMAC_KEY counts as unset."""
+    env = {"SAGALINE_PARTITIONS": "", "SAGALINE_MAX_STEPS": "", "SAGALINE_REPLICATION_FACTOR": ""}
+    assert Settings.from_env(env).partitions == Settings().partitions
+
+
+@pytest.mark.parametrize(
+    ("command", "var", "attr", "default"),
+    [
+        (["participant", "run", "policy"], "SAGALINE_MAX_IN_FLIGHT", "max_in_flight", 16),
+        (["participant", "run", "policy"], "SAGALINE_JOURNAL_KEEP_MS", "journal_keep_ms", None),
+        (["coordinator", "run"], "SAGALINE_DECODED_STATES", "decoded_states", None),
+    ],
+)
+def test_an_empty_service_variable_counts_as_unset(
+    command: list[str],
+    var: str,
+    attr: str,
+    default: int | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from services.cli import build_parser
+
+    monkeypatch.setenv(var, "")
+    assert getattr(build_parser().parse_args(command), attr) == default
