@@ -938,6 +938,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
+    if args.dashboard_port:
+        # The dashboard child reads its SAGALINE_DASHBOARD_* switches from this
+        # environment: one it cannot read stopped it at once, said only in its log,
+        # while the demo announced it and ran on.
+        from services.dashboard.auth import AuthConfigError, OperatorAuth
+
+        try:
+            OperatorAuth.from_env()
+        except AuthConfigError as exc:
+            print(f"sagaline demo: the dashboard cannot start: {exc}", file=sys.stderr)
+            return 2
     options = DemoOptions(
         sagas=args.sagas,
         seed=args.seed,

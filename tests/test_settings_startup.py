@@ -329,3 +329,24 @@ def test_an_empty_service_variable_counts_as_unset(
 
     monkeypatch.setenv(var, "")
     assert getattr(build_parser().parse_args(command), attr) == default
+
+
+def test_the_demo_refuses_a_dashboard_switch_it_cannot_read_before_starting(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The demo's dashboard (a child process with the demo's environment) stopped at
+    once on SAGALINE_DASHBOARD_READ_OPEN=on, its error only in dashboard.log, while the
+    demo printed its address and ran every saga: one line and exit 2 up front."""
+    import services.demo as demo
+
+    def started(*_args: object) -> object:
+        raise AssertionError("the demo started")
+
+    monkeypatch.setattr(demo, "run_demo", started)
+    monkeypatch.setenv("SAGALINE_DASHBOARD_READ_OPEN", "on")
+    assert main(["demo", "--sagas", "20", "--no-ui"]) == 2
+    err = capsys.readouterr().err
+    assert "SAGALINE_DASHBOARD_READ_OPEN" in err and len(err.strip().splitlines()) == 1, err
+    # Without a dashboard (--dashboard-port 0) the switch is not read.
+    monkeypatch.setattr(demo, "run_demo", lambda options: type("R", (), {"exit_code": 0})())
+    assert main(["demo", "--sagas", "20", "--no-ui", "--dashboard-port", "0"]) == 0
