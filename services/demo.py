@@ -56,7 +56,7 @@ from schemas.models import Record, SagaTerminal
 from schemas.receipt import Receipt
 from schemas.settings import Settings
 from schemas.topics import DEFAULT_PARTITIONS
-from services._args import at_least, seconds
+from services._args import at_least, port, seconds
 from services.cli import PARENT_PID_VAR
 from services.demo_invariants import (
     ProviderFileUnreadable,
@@ -1044,7 +1044,7 @@ def register(subparsers: Any) -> None:
     )
     demo.add_argument(
         "--dashboard-port",
-        type=int,
+        type=port,
         default=8088,
         help="serve the dashboard for this run on this port (8088; 0: none)",
     )

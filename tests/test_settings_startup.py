@@ -350,3 +350,21 @@ def test_the_demo_refuses_a_dashboard_switch_it_cannot_read_before_starting(
     # Without a dashboard (--dashboard-port 0) the switch is not read.
     monkeypatch.setattr(demo, "run_demo", lambda options: type("R", (), {"exit_code": 0})())
     assert main(["demo", "--sagas", "20", "--no-ui", "--dashboard-port", "0"]) == 0
+
+
+@pytest.mark.parametrize("port", ["70000", "-1", "http"])
+def test_a_demo_dashboard_port_out_of_range_is_a_usage_error(
+    port: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--dashboard-port 70000 was an OverflowError traceback from the port probe, after
+    the demo had created its topics and started its services."""
+    import services.demo as demo
+
+    def started(*_args: object) -> object:
+        raise AssertionError("the demo started")
+
+    monkeypatch.setattr(demo, "run_demo", started)
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--dashboard-port", port])
+    assert exit_.value.code == 2
+    assert "argument --dashboard-port" in capsys.readouterr().err
