@@ -109,6 +109,7 @@ PUBLIC: dict[str, list[str]] = {
         "format_ms",
         "grant_approval",
         "incident_resolved",
+        "later_resolutions",
         "render_receipt_html",
         "render_receipt_text",
         "resolve_incident",
