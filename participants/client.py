@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import itertools
 import logging
 import math
 import threading
@@ -1032,7 +1031,11 @@ class Saga:
             principal=principal,
             continue_on_compensation_failure=continue_on_compensation_failure,
         )
-        self._steps = itertools.count(1)
+        # The number of the next generated step id, taken only by a call that is
+        # scheduled (a refused one leaves it to the next call); under the lock, as
+        # calls from several threads share it.
+        self._next_number = 1
+        self._numbering = threading.Lock()
         self.results: dict[str, Any] = {}
         self._contracts: dict[str, StepContract] = {}
         # Every step id this object scheduled (or read back in attach()), as soon as
@@ -1210,7 +1213,24 @@ class Saga:
         ended = self._ended(name, step_id)
         if ended is not None and (step_id is None or step_id not in self._step_ids):
             raise ended
-        number = next(self._steps)
+        with self._numbering:
+            number = self._next_number
+            scheduled = self._numbered(contract, step_id, number, depends_on, args, ended)
+            self._next_number = number + 1  # scheduled: the number is taken
+        return scheduled, ended is None
+
+    def _numbered(
+        self,
+        contract: StepContract,
+        step_id: str | None,
+        number: int,
+        depends_on: list[str] | None,
+        args: dict[str, Any],
+        ended: SagaUnwinding | None,
+    ) -> StepScheduled:
+        """(Under ``_numbering``.) :meth:`_scheduled`'s record, the generated step id
+        numbered ``number``, or :class:`CallRefused` (the number is not taken)."""
+        name = contract.tool
         step = step_id or f"{number:02d}-{name}"
         problem = step_id_problem(step)
         if problem is not None:
@@ -1271,7 +1291,7 @@ class Saga:
                 tool=name,
             )
         self._step_ids.add(step)
-        scheduled = StepScheduled(
+        return StepScheduled(
             envelope=self._envelope(StepScheduled),
             step_id=step,
             args=body,
@@ -1279,7 +1299,6 @@ class Saga:
             depends_on=depends_on,
             contract=contract,
         )
-        return scheduled, ended is None
 
     def _ended(self, tool: str, step_id: str | None) -> SagaUnwinding | None:
         """Why no new step of this saga can run (it ended, or its end was asked for),
@@ -1404,7 +1423,8 @@ class Saga:
                 result = orjson.loads(record.result or b"null")
                 if not is_omitted_result(result):
                     self.results[record.step_id] = result
-        self._steps = itertools.count(numbered + 1)
+        with self._numbering:
+            self._next_number = numbered + 1
         return self
 
     def approval_request(self, step_id: str, timeout_s: float) -> ApprovalRequested | None:
@@ -1462,16 +1482,28 @@ class Saga:
         if bad is not None:
             raise CallRefused(
                 f"argument {bad} of {name} is NaN or infinite, which JSON cannot carry "
-                "(it would be written as null); pass a finite number, None or a string",
+                "(it would be written as null); nothing was written. Pass a finite number, None "
+                "or a string",
                 limit="finite-numbers",
                 size=0,
                 **where,
             )
         # Secrets never reach the ledger in clear: sealed for the tool, or redacted.
         secrets = self.client._secret_paths_of(contract)
+        try:
+            body = canonical_json(self.client.sealer.seal(args, secrets, self.saga_id))
+        except TypeError as exc:  # orjson: a Decimal, a set, bytes, an int over 64 bits
+            bad, why = _unwritable_path(args, "args") or ("args", str(exc))
+            raise CallRefused(
+                f"argument {bad} of {name} cannot be written as JSON ({why}); nothing was "
+                "written. Pass a string, a number (an integer within 64 bits), a "
+                "boolean, None, or a list or an object (string keys) of them",
+                limit="json-args",
+                size=0,
+                **where,
+            ) from None
         if secrets:  # kept to scrub an end reason quoting them (a call with secrets only)
             self._secret_args.append((args, secrets))
-        body = canonical_json(self.client.sealer.seal(args, secrets, self.saga_id))
         if len(body) > limits.max_args_bytes:
             raise CallRefused(
                 f"arguments of {name} are {len(body)} bytes as JSON, over the limit of "
@@ -1807,6 +1839,30 @@ def _generated_number(step_id: str) -> int:
     if 0 < len(prefix) <= 18 and prefix.isascii() and prefix.isdigit():
         return int(prefix)
     return 0
+
+
+def _unwritable_path(value: Any, path: str) -> tuple[str, str] | None:
+    """Where in ``value`` something JSON cannot hold hides (``args.x[2]``), and what
+    it is, or None (asked only once writing the arguments failed)."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                return path, f"key {k!r} is no string"
+            found = _unwritable_path(v, f"{path}.{k}")
+            if found is not None:
+                return found
+        return None
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            found = _unwritable_path(v, f"{path}[{i}]")
+            if found is not None:
+                return found
+        return None
+    try:
+        orjson.dumps(value)
+    except TypeError as exc:
+        return path, f"{type(value).__name__}: {exc}"
+    return None
 
 
 def _non_finite_path(value: Any, path: str) -> str | None:

@@ -1632,3 +1632,35 @@ def test_attach_refuses_a_saga_with_records_this_client_cannot_read(
         assert newer[2:10].hex() in str(err.value) and "upgrade" in str(err.value)
         assert not again._ledger.knows(saga.saga_id)  # not followed for nothing
     assert len(system.records(saga.saga_id)) == before  # nothing written
+
+
+def test_arguments_json_cannot_hold_are_refused_naming_them_and_use_no_step_number(
+    local: tuple[System, Desk], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Decimal, a set, bytes or an integer past 64 bits (a model's JSON may hold
+    one) in a call's arguments raised orjson's ``TypeError`` ("Type is not JSON
+    serializable"), naming neither the tool nor the argument, and used up the step's
+    number, so the next call was ``02-book_slot``. Now the call is refused
+    (``CallRefused``, nothing written) naming the argument's path, and the next call
+    gets the number the refused one would have had."""
+    from decimal import Decimal
+
+    system, desk = local
+    waits = _record_waits(system, monkeypatch)
+    bad: list[tuple[dict[str, object], str]] = [
+        ({"day": Decimal("1.5")}, "args.day"),
+        ({"day": {"mon", "tue"}}, "args.day"),
+        ({"day": {"when": [1, b"\x00"]}}, r"args.day.when\[1\]"),
+        ({"day": {"when": [2**70]}}, r"args.day.when\[0\]"),
+        ({"day": {1: "mon"}}, "args.day"),
+        ({"day": [1.0, float("nan")]}, r"args.day\[1\]"),
+    ]
+    with system.client.saga("desk", "agent") as saga:
+        for args, path in bad:
+            with pytest.raises(CallRefused, match=rf"{path}.*nothing was written") as refused:
+                saga.call("book_slot", **args)
+            assert refused.value.tool == "book_slot"
+        assert saga.call("book_slot", day="mon") == {"slot": "slot-mon"}
+    assert list(saga.results) == ["01-book_slot"]
+    assert [w[0] for w in waits] == ["SagaStarted", "StepScheduled", "SagaEndRequested"]
+    assert desk.log == ["book:mon"]
