@@ -1314,3 +1314,67 @@ def test_openai_agents_stream_closed_early_cancels_the_run(served: Any) -> None:
     assert [e for e in trip.log if "LX85" in e or ":185" in e] == ["reserve:LX85"]
     assert receipt.status is TerminalStatus.COMPLETED
     assert [(s.tool, s.disposition.value) for s in receipt.steps] == [("reserve_seat", "RETAINED")]
+
+
+def test_openai_agents_malformed_tool_arguments_go_back_to_the_model_and_the_saga_goes_on(
+    served: Any,
+) -> None:
+    """A model that sends tool arguments that are no JSON object (cut off, or a list)
+    made the tool raise ``json.JSONDecodeError``, which the SDK wraps in its
+    ``UserError``: the run raised and the saga's block aborted the whole saga,
+    undoing the steps before, though nothing of the bad call was written. Now the
+    model gets a tool error saying so, and the run goes on (its next call runs)."""
+    from agents import Agent, Runner, Usage, set_tracing_disabled
+    from agents.items import ModelResponse
+    from agents.models.interface import Model
+    from openai.types.responses import (
+        ResponseFunctionToolCall,
+        ResponseOutputMessage,
+        ResponseOutputText,
+    )
+
+    from sagaline.agents import openai_agents as adapter
+
+    set_tracing_disabled(True)
+    client, catalogue, trip = served
+    script = iter(
+        [
+            ("c-1", "reserve_seat", '{"flight": "LX9'),
+            ("c-2", "reserve_seat", '["LX91"]'),
+            ("c-3", "reserve_seat", '{"flight": "LX92"}'),
+        ]
+    )
+    inputs: list[str] = []
+
+    class Scripted(Model):
+        async def get_response(self, *args: Any, **kwargs: Any) -> ModelResponse:
+            inputs.append(repr(kwargs.get("input", args[1] if len(args) > 1 else None)))
+            step = next(script, None)
+            out: Any
+            if step is None:
+                text = ResponseOutputText(annotations=[], text="booked", type="output_text")
+                out = ResponseOutputMessage(
+                    id="m-1", content=[text], role="assistant", status="completed", type="message"
+                )
+            else:
+                out = ResponseFunctionToolCall(
+                    arguments=step[2],
+                    call_id=step[0],
+                    name=step[1],
+                    type="function_call",
+                    id=step[0],
+                )
+            return ModelResponse(output=[out], usage=Usage(), response_id=None)
+
+        def stream_response(self, *args: Any, **kwargs: Any) -> Any:
+            raise NotImplementedError
+
+    with client.saga("trip", principal="agent:openai") as saga:
+        agent = Agent(name="booker", model=Scripted(), tools=adapter.tools(saga, catalogue))
+        asyncio.run(Runner.run(agent, "book LX92"))
+    receipt = saga.wait(120)
+    assert receipt.status is TerminalStatus.COMPLETED
+    assert [s.tool for s in receipt.steps] == ["reserve_seat"]
+    assert "reserve:LX92" in trip.log and "reserve:LX9" not in trip.log
+    assert "not a JSON object" in inputs[1] and "nothing was called" in inputs[1]
+    assert "not a JSON object" in inputs[2]

@@ -10,7 +10,9 @@ calls are saga steps (needs ``sagaline[openai-agents]``)::
     # returned: the saga completes; raised: it aborts and is compensated
 
 A step that does not commit is not handed back to the model as text: it raises out
-of the run, so the saga aborts instead of the agent carrying on. A step waiting for
+of the run, so the saga aborts instead of the agent carrying on. Tool arguments that
+are no JSON object (cut off, garbled) are handed back as a tool error: nothing was
+written, and the model may call again. A step waiting for
 approval raises :class:`~participants.client.ApprovalPending` itself (the SDK wraps
 other errors in its ``UserError``), so the saga stays open for the person (R7).
 
@@ -78,7 +80,20 @@ class _ApprovalPending(ApprovalPending, AgentsException):
 def _function_tool(bound: SagaTool) -> FunctionTool:
     async def invoke(ctx: ToolContext[Any], arguments: str) -> str:
         try:
-            result = await bound.acall(json.loads(arguments or "{}"), ctx.tool_call_id)
+            args = json.loads(arguments or "{}")
+        except ValueError as exc:  # JSONDecodeError: the model's text, cut off or garbled
+            args, why = None, f"({exc})"
+        else:
+            why = f"(a JSON {type(args).__name__})"
+        if not isinstance(args, dict):
+            # Nothing was written: the model may correct its call, the saga goes on.
+            return (
+                f"error: the arguments of {bound.name} are not a JSON object {why}; "
+                f"nothing was called. Call {bound.name} again with a JSON object of its "
+                "parameters"
+            )
+        try:
+            result = await bound.acall(args, ctx.tool_call_id)
         except ApprovalPending as exc:
             raise _ApprovalPending(
                 str(exc),
