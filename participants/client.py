@@ -46,6 +46,8 @@ from participants.readiness import (
 )
 from sagaline.kafka import (
     DeliveryFailed,
+    KafkaError,
+    KafkaException,
     LedgerReader,
     LedgerWriter,
     TopicPartition,
@@ -253,6 +255,14 @@ class _SagaFeed:
         # The first record of the saga this client could not read for its schema (a
         # newer writer): it may be what a wait is waiting for, so a wait says so.
         self.unreadable: str | None = None
+
+
+LISTENER_ERROR_LOG_INTERVAL_S = 60.0
+"""How often the client's listener logs a consumer error it rides out (per error)."""
+
+_LISTENER_REFUSED = frozenset({KafkaError.TOPIC_AUTHORIZATION_FAILED})
+"""Consumer errors that do not pass: the ledger cannot be read by this client, so no
+outcome will reach it (as a fatal error). The listener stops, naming it."""
 
 
 CATALOGUE_MAX_AGE_S = 30.0
@@ -587,6 +597,7 @@ class SagaClient:
         self._stop = threading.Event()
         self._closed = False
         self._listener: threading.Thread | None = None
+        self._errors_logged: dict[int, float] = {}  # error code -> when last logged
         self._local_runtime: Any = None
         self._local_thread: threading.Thread | None = None
         given = [*catalogues, *((local,) if local is not None else ())]
@@ -978,7 +989,9 @@ class SagaClient:
                     continue
                 records: list[Record] = []
                 for msg in (first, *consumer.consume(500, 0)):
-                    if msg.error() is not None:
+                    error = msg.error()
+                    if error is not None:
+                        self._consumer_error(error)
                         continue
                     key = msg.key()
                     if key is None or not self._ledger.follows(key.decode("utf-8", "replace")):
@@ -1001,6 +1014,31 @@ class SagaClient:
                 self._ledger.add(records)
         finally:
             consumer.close()
+
+    def _consumer_error(self, error: KafkaError) -> None:
+        """(The listener, for a message that is an error.) One that lasts (read access
+        to the ledger refused, a fatal error) stops the listener, which ends every
+        wait at once naming it; one that passes (a broker away a moment) is logged,
+        at most once a minute per error, as calls may get no outcome while it lasts."""
+        code = error.code()
+        if error.fatal() or code in _LISTENER_REFUSED:
+            raise RuntimeError(
+                f"the ledger {self.topics.events} cannot be read by this client "
+                f"({error.name()}: {error.str()}); no outcome can reach it. Grant this "
+                "agent's principal Read on the topic (docs/security.md), or check that it "
+                "exists"
+            ) from KafkaException(error)
+        if code == KafkaError._PARTITION_EOF:
+            return
+        now = time.monotonic()
+        if now - self._errors_logged.get(code, -math.inf) >= LISTENER_ERROR_LOG_INTERVAL_S:
+            self._errors_logged[code] = now
+            log.warning(
+                "the saga client's listener: consumer error %s: %s (calls may get no "
+                "outcome while it lasts)",
+                error.name(),
+                error.str(),
+            )
 
 
 class Saga:

@@ -9,8 +9,10 @@ import functools
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from confluent_kafka import KafkaError
 
 from participants import (
     BusinessRejection,
@@ -1664,3 +1666,93 @@ def test_arguments_json_cannot_hold_are_refused_naming_them_and_use_no_step_numb
     assert list(saga.results) == ["01-book_slot"]
     assert [w[0] for w in waits] == ["SagaStarted", "StepScheduled", "SagaEndRequested"]
     assert desk.log == ["book:mon"]
+
+
+class _Gate:
+    """A tool that runs only once ``open`` is set (bounded wait)."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+
+    @tool(description="Pass the gate")
+    @compensable(by="nothing")
+    def pass_gate(self) -> str:
+        assert self.open.wait(120), "the gate never opened"
+        return "passed"
+
+    def nothing(self) -> None:
+        return None
+
+
+class _ErrorMessage:
+    """What a consumer's poll returns for an error (no record)."""
+
+    def __init__(self, error: KafkaError) -> None:
+        self._error = error
+
+    def error(self) -> KafkaError:
+        return self._error
+
+
+def test_a_listener_refused_read_access_fails_pending_and_new_calls_naming_why(
+    transport: str,
+    unique_prefix: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The client's listener skipped every consumer error without a word: with read
+    access to the ledger taken away (TOPIC_AUTHORIZATION_FAILED) every pending call
+    waited out its timeout as "no outcome within 30 s", and so did every later one,
+    nothing saying why. Now a passing error is logged once in a while, and one that
+    lasts (refused access, a fatal error) stops the listener: the pending call ends at
+    once naming it, and a new saga is refused before anything is written."""
+    gate = _Gate()
+    errors: list[KafkaError] = []
+    # The tool returns once the listener was handed the refusal: its outcome could
+    # only reach a listener that skipped it.
+    handed = gate.open
+    real = client_module.create_consumer
+
+    class Refused:
+        def __init__(self, consumer: Any) -> None:
+            self._consumer = consumer
+
+        def poll(self, timeout: float) -> Any:
+            if errors:
+                message = _ErrorMessage(errors.pop(0))
+                if not errors:
+                    handed.set()
+                return message
+            return self._consumer.poll(timeout)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._consumer, name)
+
+    catalogue = wrap(gate, name="gate")
+    with System(transport, unique_prefix, tmp_path, [catalogue]) as system:
+        # Only this client's listener gets the errors, not the system's own client.
+        monkeypatch.setattr(
+            client_module, "create_consumer", lambda *a, **k: Refused(real(*a, **k))
+        )
+        client = SagaClient(system.settings, transport, catalogues=[catalogue], call_timeout_s=60)
+        client.start()
+        try:
+            caplog.set_level("WARNING", logger="sagaline.client")
+            saga = client.saga("gate", "agent")
+            with pytest.raises(OutcomeUnknown, match="TOPIC_AUTHORIZATION_FAILED"), saga:
+                errors.extend(
+                    [
+                        KafkaError(KafkaError._TRANSPORT),
+                        KafkaError(KafkaError._TRANSPORT),
+                        KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED),
+                    ]
+                )
+                saga.call("pass_gate")
+            later = client.saga("gate", "agent")
+            with pytest.raises(RuntimeError, match="TOPIC_AUTHORIZATION_FAILED"), later:
+                pass
+        finally:
+            client.close()
+    passing = [r for r in caplog.records if "_TRANSPORT" in r.getMessage()]
+    assert len(passing) == 1
