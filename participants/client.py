@@ -293,6 +293,8 @@ class _Ledger:
         self._feeds: dict[str, _SagaFeed] = {}
         self._ended: OrderedDict[str, SagaTerminal] = OrderedDict()
         self.ended_kept = ended_kept
+        # Sagas whose start was not acknowledged, oldest first (see unconfirmed()).
+        self._unconfirmed: OrderedDict[str, None] = OrderedDict()
         # Guards moving a saga from _feeds to _ended against follow() recreating it.
         self._lock = threading.Lock()
         # Why no record will come any more (the listener stopped): every wait ends.
@@ -329,6 +331,20 @@ class _Ledger:
                 return False
             self._feeds[saga_id] = _SagaFeed()
             return True
+
+    def unconfirmed(self, saga_id: str) -> None:
+        """The saga's start was not acknowledged. It may still land (an abort is queued
+        behind it, and its terminal record lets the saga go as ever), or never: then no
+        record of it ever comes, and it would be followed for as long as the client
+        lives. Only the ``ended_kept`` most recent such sagas are followed; the oldest
+        is let go (a wait on it says it is not followed)."""
+        with self._lock:
+            if saga_id not in self._feeds:
+                return
+            self._unconfirmed[saga_id] = None
+            while len(self._unconfirmed) > self.ended_kept:
+                oldest, _ = self._unconfirmed.popitem(last=False)
+                self._feeds.pop(oldest, None)
 
     def unfollow_unused(self, saga_id: str) -> None:
         """Stop following a saga nothing was read or awaited for (attach() of an id
@@ -387,6 +403,7 @@ class _Ledger:
         while len(self._ended) > self.ended_kept:
             self._ended.popitem(last=False)
         self._feeds.pop(saga_id, None)
+        self._unconfirmed.pop(saga_id, None)  # its start did land
 
     def _after_end(self, saga_id: str, check: Callable[[Record], Any]) -> Any:
         """A wait on a saga with no feed: answered by its terminal record, if kept."""
@@ -1142,6 +1159,7 @@ class Saga:
         lands, the coordinator rejects the lone abort."""
         why = str(exc) or type(exc).__name__
         self._end_requested = SagaOutcome.ABORT
+        self.client._ledger.unconfirmed(self.saga_id)
         end = SagaEndRequested(
             envelope=self._envelope(SagaEndRequested),
             outcome=SagaOutcome.ABORT,

@@ -1756,3 +1756,45 @@ def test_a_listener_refused_read_access_fails_pending_and_new_calls_naming_why(
             client.close()
     passing = [r for r in caplog.records if "_TRANSPORT" in r.getMessage()]
     assert len(passing) == 1
+
+
+def test_sagas_whose_start_never_reached_the_ledger_are_not_followed_for_good(
+    local: tuple[System, Desk], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A saga whose ``SagaStarted`` was not acknowledged stays followed in case the
+    start lands later (an abort is queued behind it, and its terminal record lets it
+    go). One whose start never lands gets no record at all, so the listener followed
+    it for as long as the client lived: a long-lived agent behind a flapping broker
+    grew with every failed start. Now only the most recent ``ended_sagas_kept`` such
+    sagas are followed; older ones are let go."""
+    system, desk = local
+    client = SagaClient(
+        system.settings,
+        system.bootstrap,
+        catalogues=[wrap(desk, name="desk")],
+        call_timeout_s=30,
+        ended_sagas_kept=2,
+    )
+    client.start()
+    try:
+        sync_append = client._writer.append
+
+        def start_lost(record: Record, *, timeout_s: float = 30.0) -> None:
+            if isinstance(record, SagaStarted):  # never sent: it never lands
+                raise DeliveryFailed("no acknowledgement for SagaStarted", topic="t", error=None)
+            sync_append(record, timeout_s=timeout_s)
+
+        monkeypatch.setattr(client._writer, "append", start_lost)
+        sagas = [client.saga("desk", "agent") for _ in range(3)]
+        for saga in sagas:
+            with pytest.raises(DeliveryFailed), saga:
+                pass
+        assert [client._ledger.follows(s.saga_id) for s in sagas] == [False, True, True]
+        assert len(client._ledger._feeds) == 2
+        # A start that is acknowledged again is followed as ever, and ends.
+        monkeypatch.setattr(client._writer, "append", sync_append)
+        with client.saga("desk", "agent") as saga:
+            assert saga.call("book_slot", day="fri") == {"slot": "slot-fri"}
+        assert saga.wait(60).status is TerminalStatus.COMPLETED
+    finally:
+        client.close()
