@@ -1378,3 +1378,69 @@ def test_openai_agents_malformed_tool_arguments_go_back_to_the_model_and_the_sag
     assert "reserve:LX92" in trip.log and "reserve:LX9" not in trip.log
     assert "not a JSON object" in inputs[1] and "nothing was called" in inputs[1]
     assert "not a JSON object" in inputs[2]
+
+
+def test_openai_agents_arguments_the_saga_refuses_go_back_to_the_model_not_abort_the_saga(
+    served: Any,
+) -> None:
+    """A call the saga's client refuses before writing anything (an integer past 64
+    bits in the model's JSON, an argument named like a ``saga.call`` option) raised
+    ``CallRefused`` out of the tool: the SDK wrapped it in ``UserError``, the run
+    raised, and the saga's block aborted the saga, undoing the steps before, for a
+    call that never happened. The model now gets the refusal as a tool error (as
+    from the MCP proxy) and the run goes on."""
+    from agents import Agent, Runner, Usage, set_tracing_disabled
+    from agents.items import ModelResponse
+    from agents.models.interface import Model
+    from openai.types.responses import (
+        ResponseFunctionToolCall,
+        ResponseOutputMessage,
+        ResponseOutputText,
+    )
+
+    from sagaline.agents import openai_agents as adapter
+
+    set_tracing_disabled(True)
+    client, catalogue, trip = served
+    script = iter(
+        [
+            ("c-1", "reserve_seat", '{"flight": "LX95"}'),
+            ("c-2", "charge_card", '{"amount": 123456789012345678901234567890}'),
+            ("c-3", "charge_card", '{"amount": 96, "step_id": "01-reserve_seat"}'),
+            ("c-4", "charge_card", '{"amount": 97}'),
+        ]
+    )
+    inputs: list[str] = []
+
+    class Scripted(Model):
+        async def get_response(self, *args: Any, **kwargs: Any) -> ModelResponse:
+            inputs.append(repr(kwargs.get("input", args[1] if len(args) > 1 else None)))
+            step = next(script, None)
+            out: Any
+            if step is None:
+                text = ResponseOutputText(annotations=[], text="booked", type="output_text")
+                out = ResponseOutputMessage(
+                    id="m-1", content=[text], role="assistant", status="completed", type="message"
+                )
+            else:
+                out = ResponseFunctionToolCall(
+                    arguments=step[2],
+                    call_id=step[0],
+                    name=step[1],
+                    type="function_call",
+                    id=step[0],
+                )
+            return ModelResponse(output=[out], usage=Usage(), response_id=None)
+
+        def stream_response(self, *args: Any, **kwargs: Any) -> Any:
+            raise NotImplementedError
+
+    with client.saga("trip", principal="agent:openai") as saga:
+        agent = Agent(name="booker", model=Scripted(), tools=adapter.tools(saga, catalogue))
+        asyncio.run(Runner.run(agent, "book LX95"))
+    receipt = saga.wait(120)
+    assert receipt.status is TerminalStatus.COMPLETED
+    assert [s.tool for s in receipt.steps] == ["reserve_seat", "charge_card"]
+    assert "charge:97" in trip.log and "charge:96" not in trip.log
+    assert "args.amount" in inputs[2] and "nothing was called" in inputs[2]
+    assert "step_id" in inputs[3]

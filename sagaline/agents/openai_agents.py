@@ -10,9 +10,11 @@ calls are saga steps (needs ``sagaline[openai-agents]``)::
     # returned: the saga completes; raised: it aborts and is compensated
 
 A step that does not commit is not handed back to the model as text: it raises out
-of the run, so the saga aborts instead of the agent carrying on. Tool arguments that
-are no JSON object (cut off, garbled) are handed back as a tool error: nothing was
-written, and the model may call again. A step waiting for
+of the run, so the saga aborts instead of the agent carrying on. A call that is no
+step at all is handed back as a tool error (nothing was written; the model may call
+again): arguments that are no JSON object (cut off, garbled), and a call the client
+refuses before writing it (``CallRefused``: arguments JSON cannot hold, over the
+size limit, named like a ``saga.call`` option; the saga's step limit). A step waiting for
 approval raises :class:`~participants.client.ApprovalPending` itself (the SDK wraps
 other errors in its ``UserError``), so the saga stays open for the person (R7).
 
@@ -59,7 +61,7 @@ from agents.tool import set_function_tool_failure_error_function
 from agents.tool_context import ToolContext
 
 from participants.catalogue import Catalogue, ToolSpec
-from participants.client import ApprovalPending, AsyncSaga, Saga
+from participants.client import ApprovalPending, AsyncSaga, CallRefused, Saga
 from sagaline.agents import _core
 from sagaline.agents._core import SagaTool, resumed, saga_tools
 
@@ -69,6 +71,9 @@ __all__ = ["Interrupted", "StreamedRun", "resumed", "run", "run_streamed", "run_
 def tools(saga: Saga | AsyncSaga, catalogue: Catalogue | Iterable[ToolSpec]) -> list[FunctionTool]:
     """Every tool of ``catalogue`` as a ``FunctionTool`` running as a step of ``saga``."""
     return [_function_tool(t) for t in saga_tools(saga, catalogue)]
+
+
+_SAGA_NOT_STARTED = "saga-not-started"  # CallRefused.limit: no call of the saga can run
 
 
 class _ApprovalPending(ApprovalPending, AgentsException):
@@ -94,6 +99,15 @@ def _function_tool(bound: SagaTool) -> FunctionTool:
             )
         try:
             result = await bound.acall(args, ctx.tool_call_id)
+        except CallRefused as exc:
+            if exc.limit == _SAGA_NOT_STARTED:  # the saga itself cannot go on
+                raise
+            # Refused before anything was written (its arguments, the step limit):
+            # nothing ran, nothing to undo, so the saga goes on (as in the MCP proxy).
+            return (
+                f"error: {bound.name} was refused: {exc}; nothing was called. Call "
+                f"{bound.name} again with other arguments, or stop"
+            )
         except ApprovalPending as exc:
             raise _ApprovalPending(
                 str(exc),
