@@ -1493,9 +1493,18 @@ class CommandHandler:
         only once the verification passes (R12): it is run here, and while it does
         not pass nothing is recorded and this returns False (the compensation stays
         accepted, its verification polled until it passes or its wait ends).
+
+        A saga restarted as a new run (a higher generation, R15) asks again for a
+        compensation it was waiting on, under the same compensation key: the
+        provider answers with the same operation, so two commands of the step are
+        accepted as it here. The receipt completes the newest run's command, the one
+        whose answer the coordinator counts, and settles the older ones (their
+        answers are stale).
         """
         from schemas.codec import decode
 
+        # (saga, step) -> its accepted commands of this operation, in the order accepted
+        found: dict[tuple[str, str], list[tuple[str, CompensateStep]]] = {}
         for command_id in self._operation_rows(provider_operation_id):
             seen = self.journal.get(command_id)
             if seen is not None and seen[0] == "done":
@@ -1510,29 +1519,43 @@ class CommandHandler:
                 and outcome.provider_operation_id == provider_operation_id
             ):
                 cmd = decode(command, CompensateStep)
-                spec = self.catalogue.get(cmd.tool)
-                if spec is None:  # removed since: a receipt is a fact, nothing to verify
-                    log.warning(
-                        "completion of %s recorded unverified: participant %s no longer "
-                        "serves tool %r",
-                        cmd.compensation_key,
-                        self.participant,
-                        cmd.tool,
-                    )
-                if spec is not None and not self._receipt_verified(command_id, cmd, spec):
-                    return False
-                now = self.journal.get(command_id)
-                if now is None or now[0] != "accepted":
-                    return False  # completed meanwhile (a poll confirmed it)
-                self._completed(
-                    command_id,
-                    cmd,
-                    verified=None if spec is None or spec.verify_func is None else True,
-                    result=result,
-                    provider_operation_id=provider_operation_id,
-                )
-                return True
-        return False
+                found.setdefault((cmd.saga_id, cmd.step_id), []).append((command_id, cmd))
+        completed = False
+        for rows in found.values():
+            command_id, cmd = max(rows, key=lambda row: row[1].envelope.generation)
+            if not self._complete_receipt(command_id, cmd, provider_operation_id, result):
+                continue
+            completed = True
+            for older_id, older in rows:
+                if older.envelope.generation < cmd.envelope.generation:
+                    self._settle_unconfirmed(older_id)  # superseded by the newer run
+        return completed
+
+    def _complete_receipt(
+        self, command_id: str, cmd: CompensateStep, provider_operation_id: str, result: Any
+    ) -> bool:
+        """:meth:`complete_accepted` for one accepted command; True once completed."""
+        spec = self.catalogue.get(cmd.tool)
+        if spec is None:  # removed since: a receipt is a fact, nothing to verify
+            log.warning(
+                "completion of %s recorded unverified: participant %s no longer serves tool %r",
+                cmd.compensation_key,
+                self.participant,
+                cmd.tool,
+            )
+        if spec is not None and not self._receipt_verified(command_id, cmd, spec):
+            return False
+        now = self.journal.get(command_id)
+        if now is None or now[0] != "accepted":
+            return False  # completed meanwhile (a poll confirmed it)
+        self._completed(
+            command_id,
+            cmd,
+            verified=None if spec is None or spec.verify_func is None else True,
+            result=result,
+            provider_operation_id=provider_operation_id,
+        )
+        return True
 
     def _index_operation(self, command_id: str, operation_id: str | None) -> None:
         if operation_id is None:
