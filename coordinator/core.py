@@ -399,8 +399,10 @@ def decide(
     if record.event_id in state.seen:
         return Decision(state)  # a duplicate changes nothing (R15)
     own = _is_own(record)
-    stale = record.envelope.generation < state.generation and not resolves_earlier_incident(
-        state, record
+    stale = (
+        record.envelope.generation < state.generation
+        and not resolves_earlier_incident(state, record)
+        and not completes_awaited_compensation(state, record)
     )
     if own or (state.is_terminal and not stale):
         return Decision(state)  # our echo, or a late record for an ended saga
@@ -529,6 +531,34 @@ def resolves_earlier_incident(state: SagaState, record: Record) -> bool:
         if step is not None and step.status in (StepStatus.UNKNOWN, StepStatus.RECONCILING):
             return False  # asked again under the current generation
     return True
+
+
+def completes_awaited_compensation(state: SagaState, record: Record) -> bool:
+    """Whether ``record`` is the completion (``CompensationCommitted``) of the very
+    compensation a step of ``state`` still awaits, answering that compensation's
+    command of an earlier run (an older generation): it is decided whatever
+    generation it carries. R15 still refuses every other record of a superseded run.
+
+    A new run asks again for a compensation in flight, under the same compensation
+    key and attempt (``_on_saga_started``), so the provider's one operation may be
+    completed under either run. When its completion reached the participant before
+    the new run's command did (a receipt comes once), the old run's answer is the only
+    one there will be: refused as stale, the step waited for a second completion
+    that never comes and the saga escalated at the completion deadline, its effect
+    undone. Only the command of the attempt the step awaits counts
+    (``causation_id``), so an answer to an earlier attempt changes nothing."""
+    if not isinstance(record, CompensationCommitted):
+        return False
+    step = state.steps.get(record.step_id)
+    if step is None or step.status not in (
+        StepStatus.COMPENSATING,
+        StepStatus.COMPENSATION_ACCEPTED,
+    ):
+        return False
+    attempt = step.compensation_attempt
+    return record.attempt == attempt and record.envelope.causation_id == derived_event_id(
+        state.saga_id, record.envelope.generation, "CompensateStep", step.step_id, attempt
+    )
 
 
 def _refused_writer(ctx: _Ctx, record: Record) -> bool:

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from coordinator_ledger import commands, fresh, rejections, terminal
 
 from participants import (
     Accepted,
@@ -28,16 +29,20 @@ from participants import (
     tool,
     wrap,
 )
+from participants.runtime import ParticipantRuntime
 from schemas import (
+    CompensateStep,
     CompensationAccepted,
     CompensationCommitted,
     IncidentRaised,
     Record,
+    SagaOutcome,
     SagaStarted,
     SagaTerminal,
     TerminalStatus,
     new_event_id,
 )
+from services.dashboard.view import DashboardState
 from tests.system import DrivenClock, System, wait_until
 
 WAIT_S = 30
@@ -175,3 +180,96 @@ def test_a_receipt_after_a_new_generation_completes_the_step_in_the_new_run_R12_
     assert _of(records, IncidentRaised) == []
     assert _of(records, CompensationCommitted, 1) == []  # the old run's: settled, not sent
     assert sum(tables.asked.values()) <= 2 and len(tables.asked) == 1  # one key: one refund
+
+
+def test_a_receipt_the_old_run_took_before_the_new_run_asked_again_still_completes_R12_R15(
+    world: tuple[System, Tables], clock: DrivenClock
+) -> None:
+    # The agent restarts the saga while the participant is down; the provider's one
+    # receipt reaches the participant before it reads the new run's command, so it
+    # completes the old run's. That completion answers the very compensation the
+    # step still awaits (same attempt, same key): the effect is undone, and no later
+    # receipt will come to say so again.
+    system, _tables = world
+    saga_id = _fail_after_hold(system)
+    first = _accepted(system, saga_id, 1)
+    _folded_as_accepted(system, saga_id, first.step_id)
+    system.stop_participant(system._runtimes[0])
+
+    _restart_as_generation(system, saga_id, 2, clock())
+    coordinator = system.coordinator
+    assert coordinator is not None
+    wait_until(
+        lambda: (s := coordinator.state_of(saga_id)) is not None and s.generation == 2,
+        60,
+        "the coordinator to take the new run",
+    )
+
+    # the participant's journal, before its loop reads the new run's command
+    offline = ParticipantRuntime(
+        system.catalogues[0], system.settings, system.bootstrap, clock=clock
+    )
+    try:
+        assert offline.handler.complete_accepted(str(first.provider_operation_id)) is True
+    finally:
+        offline.handler.close()
+        offline._writer.close()
+        offline.journal.close()
+    [completion] = _of(system.records(saga_id), CompensationCommitted)
+    assert completion.envelope.generation == 1
+
+    def decided() -> bool:
+        state = coordinator.state_of(saga_id)
+        return state is None or state.is_terminal or completion.event_id in state.seen
+
+    wait_until(decided, 60, "the coordinator to decide the completion")
+    state = coordinator.state_of(saga_id)
+    status = None if state is None else state.steps[first.step_id].status.value
+    assert status in (None, "COMPENSATED"), (
+        f"the completion of the compensation the step awaits was refused as stale: {status}"
+    )
+    terminal, records = _terminal(system, saga_id)  # the clock never moved: no deadline
+    assert terminal.status is TerminalStatus.COMPENSATED
+    assert _of(records, IncidentRaised) == []
+
+
+def _answering(record: Record, command: Record, generation: int) -> Record:
+    """``record`` as the participant writes it: under its command's generation, caused
+    by it."""
+    envelope = record.envelope.model_copy(
+        update={"generation": generation, "causation_id": command.event_id}
+    )
+    return record.model_copy(update={"envelope": envelope})
+
+
+def test_the_old_runs_completion_of_the_awaited_compensation_counts_in_core_and_view_R12_R15() -> (
+    None
+):
+    """The coordinator's core and the dashboard's fold read it alike: the completion of
+    the attempt the step awaits counts whatever run's command it answers; any other
+    record of the old run (an answer to another command) is still stale."""
+    ledger, h = fresh()
+    h.feed(ledger.started(), ledger.scheduled("hold"), ledger.intent("hold"))
+    h.feed(ledger.committed("hold"))
+    [command] = commands(h.feed(ledger.end(SagaOutcome.ABORT, "agent gave up")), CompensateStep)
+    assert command.envelope.generation == 1
+    h.feed(_answering(ledger.comp_accepted("hold"), command, 1))
+    assert h.status("hold") == "COMPENSATION_ACCEPTED"
+    ledger.generation = 2
+    [again] = commands(h.feed(ledger.started()), CompensateStep)
+    assert again.envelope.generation == 2
+
+    forged = _answering(ledger.comp_committed("hold"), again, 1)  # names no gen-1 command
+    assert [o.reason for o in rejections(h.feed(forged))] == ["stale-generation"]
+    out = h.feed(_answering(ledger.comp_committed("hold"), command, 1))
+    assert rejections(out) == []
+    assert h.status("hold") == "COMPENSATED"
+    ended = terminal(out)
+    assert ended is not None and ended.status is TerminalStatus.COMPENSATED
+
+    view = DashboardState()
+    for record in h.log:
+        view.apply(record)
+    saga = view.sagas[ledger.saga_id]
+    assert saga.steps["hold"].state == "compensated"
+    assert view.stale_records == 1  # the forged one only

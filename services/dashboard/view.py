@@ -330,7 +330,7 @@ class DashboardState:
         if (
             record.envelope.generation < known.generation
             and record.envelope.producer != COORDINATOR_PRODUCER
-            and not _resolves_earlier_incident(known, record)
+            and not _counts_from_earlier_run(known, record)
         ):
             return False  # a superseded run's: refused stale-generation (R15)
         if _refusal(known, record, self.bind_writers) is not None:
@@ -349,7 +349,7 @@ class DashboardState:
                 saga_id=env.saga_id, tenant_id=env.tenant_id, generation=env.generation
             )
             return saga
-        if env.generation < saga.generation and not _resolves_earlier_incident(saga, record):
+        if env.generation < saga.generation and not _counts_from_earlier_run(saga, record):
             return None  # a superseded run: history, not the current saga (R15)
         if (
             env.generation > saga.generation
@@ -783,6 +783,27 @@ def _begin_generation(saga: SagaView, record: Record) -> None:
     if env.generation > saga.generation and isinstance(record, SagaStarted):
         saga.generation = env.generation
         _new_generation(saga, env.occurred_at)
+
+
+def _counts_from_earlier_run(saga: SagaView, record: Record) -> bool:
+    """A record of an earlier run that the coordinator decides all the same: a person's
+    resolution of an incident no later run asked again, or the completion of the
+    compensation a step still awaits."""
+    return _resolves_earlier_incident(saga, record) or _completes_awaited_compensation(saga, record)
+
+
+def _completes_awaited_compensation(saga: SagaView, record: Record) -> bool:
+    """The completion of the compensation attempt a step still awaits, answering the
+    earlier run's command for it: ``coordinator.core.completes_awaited_compensation``
+    decides it whatever its generation (a new run asks again under the same key, and
+    the provider's one receipt may complete either)."""
+    if not isinstance(record, CompensationCommitted):
+        return False
+    step = saga.steps.get(record.step_id)
+    if step is None or step.state != "compensating":
+        return False
+    span = step.open_span(SpanKind.COMPENSATION)
+    return span is not None and span.label.endswith(f" #{record.attempt}")
 
 
 def _resolves_earlier_incident(saga: SagaView, record: Record) -> bool:
