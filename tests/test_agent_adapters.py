@@ -1444,3 +1444,80 @@ def test_openai_agents_arguments_the_saga_refuses_go_back_to_the_model_not_abort
     assert "charge:97" in trip.log and "charge:96" not in trip.log
     assert "args.amount" in inputs[2] and "nothing was called" in inputs[2]
     assert "step_id" in inputs[3]
+
+
+def test_langgraph_arguments_the_saga_refuses_go_back_to_the_model_not_abort_the_saga(
+    served: Any,
+) -> None:
+    """A call the saga's client refuses before writing anything (an integer past 64
+    bits, an argument named like a ``saga.call`` option) raised ``CallRefused`` out
+    of the LangChain tool, out of the graph: the saga's block aborted the saga,
+    undoing the steps before, for a call that never happened. The model now gets the
+    refusal as a ``ToolMessage`` with ``status="error"`` (as from the OpenAI Agents
+    adapter and the MCP proxy) and the run goes on; so does a call made directly
+    (``ainvoke`` of a tool call)."""
+    from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+    from langgraph.graph import END, START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode, tools_condition
+
+    from sagaline.agents import langchain as adapter
+
+    client, catalogue, trip = served
+    calls = [
+        ("reserve_seat", {"flight": "LX86"}),
+        ("charge_card", {"amount": 123456789012345678901234567890}),
+        ("charge_card", {"amount": 186, "step_id": "01-reserve_seat"}),
+        ("charge_card", {"amount": 187}),
+    ]
+    replies = [
+        AIMessage(content="", tool_calls=[{"name": n, "args": a, "id": f"call-86-{i}"}])
+        for i, (n, a) in enumerate(calls)
+    ] + [AIMessage(content="booked")]
+    model = GenericFakeChatModel(messages=iter(replies))
+
+    with client.saga("trip", principal="agent:langgraph") as saga:
+        tools = adapter.tools(saga, catalogue)
+        graph = StateGraph(MessagesState)
+        graph.add_node("agent", lambda state: {"messages": [model.invoke(state["messages"])]})
+        graph.add_node("tools", ToolNode(tools))
+        graph.add_edge(START, "agent")
+        graph.add_conditional_edges("agent", tools_condition, {"tools": "tools", END: END})
+        graph.add_edge("tools", "agent")
+        out = graph.compile().invoke({"messages": [HumanMessage("book LX86")]})
+        direct = asyncio.run(
+            {t.name: t for t in tools}["charge_card"].ainvoke(
+                {
+                    "name": "charge_card",
+                    "args": {"amount": 188, "timeout_s": 1},
+                    "id": "call-86-9",
+                    "type": "tool_call",
+                }
+            )
+        )
+    receipt = saga.wait(120)
+    assert receipt.status is TerminalStatus.COMPLETED
+    assert [s.tool for s in receipt.steps] == ["reserve_seat", "charge_card"]
+    assert "charge:187" in trip.log
+    assert "charge:186" not in trip.log and "charge:188" not in trip.log
+    results = [m for m in out["messages"] if isinstance(m, ToolMessage)]
+    assert [m.status for m in results] == ["success", "error", "error", "success"]
+    assert "args.amount" in str(results[1].content)
+    assert "nothing was called" in str(results[1].content)
+    assert "step_id" in str(results[2].content)
+    assert direct.status == "error" and "timeout_s" in str(direct.content)
+
+
+def test_langchain_tool_of_a_saga_never_started_still_raises(served: Any) -> None:
+    """A refusal that is no fault of the call (the saga was never started: no call of
+    it can run) is not handed to the model: it raises, as before."""
+    from participants.client import CallRefused
+    from sagaline.agents import langchain as adapter
+
+    client, catalogue, _trip = served
+    saga = client.saga("trip", principal="agent:langgraph")  # never entered
+    tool = {t.name: t for t in adapter.tools(saga, catalogue)}["reserve_seat"]
+    call = {"name": "reserve_seat", "args": {"flight": "LX87"}, "id": "c-87", "type": "tool_call"}
+    with pytest.raises(CallRefused) as refused:
+        tool.invoke(call)
+    assert refused.value.limit == "saga-not-started"

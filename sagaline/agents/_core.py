@@ -124,6 +124,23 @@ class SagaTool:
 
 # CallRefused.limit of a step id the saga scheduled with another tool or other arguments.
 DUPLICATE_STEP = "duplicate-step"
+# CallRefused.limit of a saga never started (or long ended): no call of it can run.
+SAGA_NOT_STARTED = "saga-not-started"
+
+
+def refusal_for_model(tool: str, refused: CallRefused) -> str | None:
+    """The tool error the model gets for a call of ``tool`` the saga's client refused
+    before writing anything (its arguments: JSON cannot hold them, over the size
+    limit, named like a ``saga.call`` option; the saga's step limit): nothing ran,
+    nothing to undo, so the saga goes on and the model may call again (as in the MCP
+    proxy). None when the refusal is no fault of the call (the saga was never
+    started): then it raises out of the run."""
+    if refused.limit == SAGA_NOT_STARTED:
+        return None
+    return (
+        f"error: {tool} was refused: {refused}; nothing was called. Call {tool} again"
+        " with other arguments, or stop"
+    )
 
 
 def tool_args(saga: Saga, tool: str, args: Mapping[str, Any]) -> dict[str, Any]:

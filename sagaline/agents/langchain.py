@@ -10,6 +10,13 @@ are saga steps, usable in a LangGraph ``ToolNode`` (needs ``sagaline[langchain]`
         graph.invoke({"messages": [...]})
     # returned: the saga completes; raised: it aborts and is compensated
 
+A step that does not commit raises out of the tool and out of the run, so the saga
+aborts instead of the agent carrying on. A call the saga's client refuses before
+writing anything (``CallRefused``: arguments JSON cannot hold, over the size limit,
+named like a ``saga.call`` option; the saga's step limit) is no step at all: the
+model gets it as a tool error (a ``ToolMessage`` with ``status="error"``; nothing was
+called, it may call again) and the saga goes on. A saga never started raises.
+
 A graph that asks a person with LangGraph's ``interrupt()``, or reaches a static
 breakpoint (``interrupt_before`` / ``interrupt_after``), stops, and ``graph.invoke``
 *returns*: the block would complete the saga with the effects so far, and the
@@ -43,10 +50,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from typing import Any
 
-from langchain_core.tools import StructuredTool
+from langchain_core.tools import StructuredTool, ToolException
 
 from participants.catalogue import Catalogue, ToolSpec
-from participants.client import AsyncSaga, Saga
+from participants.client import AsyncSaga, CallRefused, Saga
 from sagaline.agents import _core
 from sagaline.agents._core import SagaTool, resumed, saga_tools
 
@@ -86,10 +93,22 @@ class _SagaStructuredTool(StructuredTool):
 
 def _structured_tool(bound: SagaTool) -> StructuredTool:
     def run(arguments: dict[str, Any], call_id: str | None) -> Any:
-        return bound(arguments, call_id)
+        try:
+            return bound(arguments, call_id)
+        except CallRefused as exc:
+            text = _core.refusal_for_model(bound.name, exc)
+            if text is None:  # the saga cannot go on (never started)
+                raise
+            raise ToolException(text) from exc
 
     async def arun(arguments: dict[str, Any], call_id: str | None) -> Any:
-        return await bound.acall(arguments, call_id)
+        try:
+            return await bound.acall(arguments, call_id)
+        except CallRefused as exc:
+            text = _core.refusal_for_model(bound.name, exc)
+            if text is None:  # the saga cannot go on (never started)
+                raise
+            raise ToolException(text) from exc
 
     return _SagaStructuredTool(
         name=bound.name,
@@ -97,7 +116,10 @@ def _structured_tool(bound: SagaTool) -> StructuredTool:
         args_schema=bound.parameters,  # JSON Schema, as the model sees it
         func=run,
         coroutine=arun,
-        handle_tool_error=False,  # a failed step ends the run: the saga aborts
+        # Only a call refused before anything was written (a ToolException) goes back to
+        # the model, as a ToolMessage with status="error", and the saga goes on; a
+        # failed step raises out of the run: the saga aborts.
+        handle_tool_error=True,
         metadata={"irreversible": bound.irreversible, "read_only": bound.read_only},
     )
 
