@@ -1521,3 +1521,85 @@ def test_langchain_tool_of_a_saga_never_started_still_raises(served: Any) -> Non
     with pytest.raises(CallRefused) as refused:
         tool.invoke(call)
     assert refused.value.limit == "saga-not-started"
+
+
+def test_pydantic_ai_arguments_the_saga_refuses_go_back_to_the_model_not_abort_the_saga(
+    served: Any,
+) -> None:
+    """A call the saga's client refuses before writing anything (an integer past 64
+    bits, an argument named like a ``saga.call`` option) raised ``CallRefused`` out
+    of the pydantic-ai tool, out of the run: the saga's block aborted the saga,
+    undoing the steps before, for a call that never happened. The model now gets the
+    refusal as the tool's result (as from the OpenAI Agents adapter and the MCP
+    proxy; not a ``ModelRetry``, whose retry budget would still end the run) and the
+    run goes on."""
+    from pydantic_ai import Agent
+    from pydantic_ai.messages import (
+        ModelMessage,
+        ModelRequest,
+        ModelResponse,
+        TextPart,
+        ToolCallPart,
+        ToolReturnPart,
+    )
+    from pydantic_ai.models.function import AgentInfo, FunctionModel
+
+    from sagaline.agents import pydantic_ai as adapter
+
+    client, catalogue, trip = served
+    script = iter(
+        [
+            ("reserve_seat", {"flight": "LX88"}),
+            ("charge_card", {"amount": 123456789012345678901234567890}),
+            ("charge_card", {"amount": 188, "step_id": "01-reserve_seat"}),
+            ("charge_card", {"amount": 189, "timeout_s": 1}),
+            ("charge_card", {"amount": 187}),
+        ]
+    )
+    returned: list[str] = []
+
+    def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        last = messages[-1]
+        if isinstance(last, ModelRequest):
+            returned.extend(str(p.content) for p in last.parts if isinstance(p, ToolReturnPart))
+        step = next(script, None)
+        if step is None:
+            return ModelResponse(parts=[TextPart("booked")])
+        return ModelResponse(
+            parts=[ToolCallPart(step[0], step[1], tool_call_id=f"p-{len(returned)}")]
+        )
+
+    with client.saga("trip", principal="agent:pydantic-ai") as saga:
+        agent = Agent(FunctionModel(model), toolsets=[adapter.toolset(saga, catalogue)])
+        adapter.run_sync(saga, agent, "book LX88")
+    receipt = saga.wait(120)
+    assert receipt.status is TerminalStatus.COMPLETED
+    assert [s.tool for s in receipt.steps] == ["reserve_seat", "charge_card"]
+    assert "charge:187" in trip.log
+    assert "charge:188" not in trip.log and "charge:189" not in trip.log
+    assert len(returned) == 5
+    assert "args.amount" in returned[1] and "nothing was called" in returned[1]
+    assert "step_id" in returned[2] and "timeout_s" in returned[3]
+
+
+def test_pydantic_ai_tool_of_a_saga_never_started_still_raises(served: Any) -> None:
+    """A refusal that is no fault of the call (the saga was never started) is not
+    handed to the model: it raises out of the run, as before."""
+    from pydantic_ai import Agent
+    from pydantic_ai.messages import ModelMessage, ModelResponse, ToolCallPart
+    from pydantic_ai.models.function import AgentInfo, FunctionModel
+
+    from participants.client import CallRefused
+    from sagaline.agents import pydantic_ai as adapter
+
+    client, catalogue, trip = served
+
+    def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        return ModelResponse(parts=[ToolCallPart("reserve_seat", {"flight": "LX89"})])
+
+    saga = client.saga("trip", principal="agent:pydantic-ai")  # never entered
+    agent = Agent(FunctionModel(model), toolsets=[adapter.toolset(saga, catalogue)])
+    with pytest.raises(CallRefused) as refused:
+        agent.run_sync("book LX89")
+    assert refused.value.limit == "saga-not-started"
+    assert "reserve:LX89" not in trip.log

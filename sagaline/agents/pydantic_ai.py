@@ -9,6 +9,14 @@ saga steps (needs ``sagaline[pydantic-ai]``)::
         agent.run_sync("refund order o-1")
     # returned: the saga completes; raised: it aborts and is compensated
 
+A step that does not commit raises out of the tool and out of the run, so the saga
+aborts instead of the agent carrying on. A call the saga's client refuses before
+writing anything (``CallRefused``: arguments JSON cannot hold, over the size limit,
+named like a ``saga.call`` option; the saga's step limit) is no step at all: the
+model gets the refusal as the tool's result ("error: TOOL was refused: ...; nothing
+was called"; nothing to undo, it may call again) and the saga goes on. A saga never
+started raises.
+
 A run that calls a deferred tool (one with ``requires_approval``, or one that raises
 ``ApprovalRequired`` / ``CallDeferred``) ends with ``DeferredToolRequests`` as its
 output, and ``agent.run_sync`` *returns*: the block would complete the saga with the
@@ -54,7 +62,7 @@ from pydantic_ai.result import StreamedRunResult, StreamedRunResultSync
 from pydantic_ai.toolsets import FunctionToolset
 
 from participants.catalogue import Catalogue, ToolSpec
-from participants.client import AsyncSaga, Saga
+from participants.client import AsyncSaga, CallRefused, Saga
 from sagaline.agents import _core
 from sagaline.agents._core import SagaTool, resumed, saga_tools
 
@@ -80,7 +88,15 @@ def toolset(
 
 def _tool(bound: SagaTool) -> Tool[Any]:
     async def call(ctx: RunContext[Any], /, **kwargs: Any) -> Any:
-        return await bound.acall(kwargs, ctx.tool_call_id)  # see _core: retried calls
+        try:
+            return await bound.acall(kwargs, ctx.tool_call_id)  # see _core: retried calls
+        except CallRefused as exc:
+            text = _core.refusal_for_model(bound.name, exc)
+            if text is None:  # the saga cannot go on (never started)
+                raise
+            # Nothing was written: the tool's result, not a ModelRetry (whose retry
+            # budget, spent, would end the run and abort the saga for it).
+            return text
 
     function: Callable[..., Any] = call
     return Tool.from_schema(
