@@ -1603,3 +1603,58 @@ def test_pydantic_ai_tool_of_a_saga_never_started_still_raises(served: Any) -> N
         agent.run_sync("book LX89")
     assert refused.value.limit == "saga-not-started"
     assert "reserve:LX89" not in trip.log
+
+
+def test_pydantic_ai_tool_arguments_that_are_no_json_object_go_back_to_the_model(
+    served: Any,
+) -> None:
+    """Tool arguments that are JSON but no object (a list, a string, null) passed
+    pydantic-ai's validation of a schema tool (it takes any JSON) and the call of the
+    tool raised ``TypeError`` (``argument after ** must be a mapping``), out of the
+    run: the saga's block aborted the saga, undoing the steps before, though nothing
+    of the bad call was written. The model now gets a retry saying the input should
+    be an object (as for arguments that are not JSON), and the run goes on."""
+    from pydantic_ai import Agent
+    from pydantic_ai.messages import (
+        ModelMessage,
+        ModelRequest,
+        ModelResponse,
+        TextPart,
+        ToolCallPart,
+        ToolReturnPart,
+    )
+    from pydantic_ai.models.function import AgentInfo, FunctionModel
+
+    from sagaline.agents import pydantic_ai as adapter
+
+    client, catalogue, trip = served
+    script = iter(
+        [
+            ("reserve_seat", '{"flight": "LX73"}'),
+            ("reserve_seat", '["LX82"]'),
+            ("reserve_seat", '{"flight": "LX82"}'),
+            ("reserve_seat", "null"),
+            ("charge_card", '{"amount": 181}'),
+        ]
+    )
+    returned: list[str] = []
+
+    def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        last = messages[-1]
+        if isinstance(last, ModelRequest):
+            returned.extend(str(p.content) for p in last.parts if isinstance(p, ToolReturnPart))
+        step = next(script, None)
+        if step is None:
+            return ModelResponse(parts=[TextPart("booked")])
+        call_id = f"q-{len(returned)}"
+        return ModelResponse(parts=[ToolCallPart(step[0], step[1], tool_call_id=call_id)])
+
+    with client.saga("trip", principal="agent:pydantic-ai") as saga:
+        agent = Agent(FunctionModel(model), toolsets=[adapter.toolset(saga, catalogue)])
+        adapter.run_sync(saga, agent, "book LX82")
+    receipt = saga.wait(120)
+    assert receipt.status is TerminalStatus.COMPLETED
+    assert [s.tool for s in receipt.steps] == ["reserve_seat", "reserve_seat", "charge_card"]
+    assert "reserve:LX82" in trip.log and "charge:181" in trip.log
+    assert len(returned) == 5
+    assert "object" in returned[1] and "object" in returned[3]

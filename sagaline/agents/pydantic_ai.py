@@ -60,6 +60,7 @@ from pydantic_ai import Agent, AgentRun, AgentRunResult, DeferredToolRequests, R
 from pydantic_ai.agent.abstract import AgentRunEvents
 from pydantic_ai.result import StreamedRunResult, StreamedRunResultSync
 from pydantic_ai.toolsets import FunctionToolset
+from pydantic_core import SchemaValidator, core_schema
 
 from participants.catalogue import Catalogue, ToolSpec
 from participants.client import AsyncSaga, CallRefused, Saga
@@ -99,13 +100,22 @@ def _tool(bound: SagaTool) -> Tool[Any]:
             return text
 
     function: Callable[..., Any] = call
-    return Tool.from_schema(
+    tool = Tool.from_schema(
         function,
         name=bound.name,
         description=bound.description,
         json_schema=bound.parameters,
         takes_ctx=True,
     )
+    # from_schema takes any JSON as the arguments: a list, a string or null reached
+    # ``call(**args)`` as a TypeError out of the run (the saga aborted for a call that
+    # wrote nothing). An object only: anything else goes back to the model as a retry,
+    # as arguments that are no JSON do.
+    tool.function_schema.validator = _ARGUMENTS
+    return tool
+
+
+_ARGUMENTS = SchemaValidator(core_schema.dict_schema(keys_schema=core_schema.str_schema()))
 
 
 class Interrupted(_core.Interrupted):
