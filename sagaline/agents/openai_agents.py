@@ -63,7 +63,7 @@ from agents.tool_context import ToolContext
 from participants.catalogue import Catalogue, ToolSpec
 from participants.client import ApprovalPending, AsyncSaga, CallRefused, Saga
 from sagaline.agents import _core
-from sagaline.agents._core import SagaTool, resumed, saga_tools
+from sagaline.agents._core import SagaTool, refusal_for_model, resumed, saga_tools
 
 __all__ = ["Interrupted", "StreamedRun", "resumed", "run", "run_streamed", "run_sync", "tools"]
 
@@ -71,9 +71,6 @@ __all__ = ["Interrupted", "StreamedRun", "resumed", "run", "run_streamed", "run_
 def tools(saga: Saga | AsyncSaga, catalogue: Catalogue | Iterable[ToolSpec]) -> list[FunctionTool]:
     """Every tool of ``catalogue`` as a ``FunctionTool`` running as a step of ``saga``."""
     return [_function_tool(t) for t in saga_tools(saga, catalogue)]
-
-
-_SAGA_NOT_STARTED = "saga-not-started"  # CallRefused.limit: no call of the saga can run
 
 
 class _ApprovalPending(ApprovalPending, AgentsException):
@@ -100,14 +97,10 @@ def _function_tool(bound: SagaTool) -> FunctionTool:
         try:
             result = await bound.acall(args, ctx.tool_call_id)
         except CallRefused as exc:
-            if exc.limit == _SAGA_NOT_STARTED:  # the saga itself cannot go on
+            refusal = refusal_for_model(bound.name, exc)
+            if refusal is None:  # the saga itself cannot go on (never started)
                 raise
-            # Refused before anything was written (its arguments, the step limit):
-            # nothing ran, nothing to undo, so the saga goes on (as in the MCP proxy).
-            return (
-                f"error: {bound.name} was refused: {exc}; nothing was called. Call "
-                f"{bound.name} again with other arguments, or stop"
-            )
+            return refusal
         except ApprovalPending as exc:
             raise _ApprovalPending(
                 str(exc),
