@@ -779,6 +779,95 @@ def test_a_record_the_topic_refuses_for_its_size_is_a_permanent_failure_not_a_re
     assert "max.message.bytes" in str(failure) and names.events in str(failure)
 
 
+def _small_topic(bootstrap: str, names: TopicNames, limit: int) -> None:
+    """``names.events`` with ``max.message.bytes`` at ``limit`` (the rest as usual)."""
+    admin = create_admin(bootstrap)  # kept until the topic exists
+    topic = NewTopic(names.events, 1, 1, config={"max.message.bytes": str(limit)})
+    [created] = admin.create_topics([topic]).values()
+    created.result(30)
+    ensure_topics(bootstrap, names, [], 1)
+
+
+@pytest.mark.kafka
+@pytest.mark.parametrize("way", ["send_then", "append", "append_async"])
+def test_records_that_fit_alone_are_written_when_their_batch_is_refused_for_its_size(
+    kafka_bootstrap: str, unique_prefix: str, way: str
+) -> None:
+    """librdkafka does not split a record batch the broker refuses as too large: every
+    record in it gets MSG_SIZE_TOO_LARGE. Records of about 3 KB each, sent together on
+    a topic taking 10 000 bytes, fit one by one: each is written, none is declared
+    too large (a participant would dead-letter its command), and the writer goes on."""
+    names = TopicNames(unique_prefix)
+    _small_topic(kafka_bootstrap, names, 10_000)
+    writer = LedgerWriter(kafka_bootstrap, names, Signer(None), background_poll=True)
+    # Hex of random bytes: lz4 cannot shrink 20 of them under the topic's limit.
+    records = [
+        example_records(saga_id=f"saga-{n}-" + os.urandom(1_400).hex())[0] for n in range(20)
+    ]
+    failures: list[DeliveryFailed | None] = []
+    try:
+        if way == "send_then":
+            reported = threading.Semaphore(0)
+
+            def on_delivered(failure: DeliveryFailed | None) -> None:
+                failures.append(failure)
+                reported.release()
+
+            for record in records:
+                writer.send_then(record, on_delivered)
+            for _ in records:
+                assert reported.acquire(timeout=120)
+        elif way == "append":
+            waits = [writer.begin_append(record, timeout_s=120) for record in records]
+            for wait in waits:
+                try:
+                    wait()
+                    failures.append(None)
+                except DeliveryFailed as exc:
+                    failures.append(exc)
+        else:
+
+            async def all_of_them() -> list[BaseException | None]:
+                return await asyncio.gather(
+                    *(writer.append_async(r, timeout_s=120) for r in records),
+                    return_exceptions=True,
+                )
+
+            for outcome in asyncio.run(all_of_them()):
+                assert outcome is None or isinstance(outcome, DeliveryFailed), outcome
+                failures.append(outcome)
+        assert failures == [None] * len(records), [str(f) for f in failures if f][:2]
+        writer.append(example_records(saga_id="saga-after")[0])
+    finally:
+        writer.close()
+    written = {m.key() for m in LedgerReader(kafka_bootstrap).read(names.events)}
+    assert {r.saga_id.encode() for r in records} <= written
+    assert b"saga-after" in written
+
+
+@pytest.mark.kafka
+def test_a_record_over_the_topic_limit_on_its_own_is_still_too_large_after_a_batch_refusal(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    """Sent again alone, a record the topic cannot take is refused again: then, and
+    only then, it is too large (never retried), while its small neighbours are written."""
+    names = TopicNames(unique_prefix)
+    _small_topic(kafka_bootstrap, names, 10_000)
+    writer = LedgerWriter(kafka_bootstrap, names, Signer(None), background_poll=True)
+    big = example_records(saga_id="saga-big-" + os.urandom(6_000).hex())[0]
+    small = [example_records(saga_id=f"saga-{n}-" + os.urandom(1_400).hex())[0] for n in range(5)]
+    try:
+        waits = [writer.begin_append(record, timeout_s=120) for record in [*small, big]]
+        for wait in waits[:-1]:
+            wait()
+        with pytest.raises(DeliveryFailed) as caught:
+            waits[-1]()
+    finally:
+        writer.close()
+    assert caught.value.too_large, caught.value
+    assert "max.message.bytes" in str(caught.value)
+
+
 @pytest.mark.kafka
 def test_a_dead_letter_the_dlq_topic_refuses_for_its_size_is_written_without_its_value_R16(
     transport: str, unique_prefix: str

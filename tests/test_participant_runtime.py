@@ -35,6 +35,7 @@ from sagaline.kafka import (
     create_admin,
     create_producer,
     ensure_topics,
+    headers_of,
 )
 from schemas import (
     CompensateStep,
@@ -54,7 +55,7 @@ from schemas import (
     idempotency_key,
 )
 from schemas.settings import Settings
-from schemas.wire import read_dead_letter, to_message
+from schemas.wire import from_message, read_dead_letter, to_message
 from tests.system import wait_until
 
 pytestmark = pytest.mark.kafka
@@ -903,6 +904,62 @@ def test_a_record_the_events_topic_refuses_for_its_size_is_dead_lettered_not_ret
         expected = "StepCommitted" if refused == "outcome" else "StepIntentRecorded"
         assert expected in detail, detail
         assert bulky.runs == (1 if refused == "outcome" else 0) + 1
+    finally:
+        harness.stop()
+
+
+@pytest.mark.kafka
+@pytest.mark.parametrize("path", ["loop", "blocking"])
+def test_intents_that_fit_alone_are_written_when_their_batch_is_refused_not_dead_lettered(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path, path: str
+) -> None:
+    # Commands of many sagas at once: their intents (about 3 KB each) go to the
+    # broker in one record batch, over the events topic's 10 000 bytes, and librdkafka
+    # does not split a refused batch (each record gets MSG_SIZE_TOO_LARGE). Each fits
+    # alone: every command is served, none dead-lettered as too large.
+    names = Settings(topic_prefix=unique_prefix).topics
+    admin = create_admin(kafka_bootstrap)
+    small = NewTopic(names.events, 1, 1, config={"max.message.bytes": "10000"})
+    [created] = admin.create_topics([small]).values()
+    created.result(30)
+    harness = Harness(kafka_bootstrap, unique_prefix, tmp_path)
+    harness.catalogue = wrap(Bulky(), name=PARTICIPANT)  # small answers for sku "b"
+    signer = harness.settings.signer()
+    commands = []
+    sagas = [f"saga-{unique_prefix.strip('.')}-{n}" for n in range(16)]
+    for saga in sagas:
+        harness.saga_id = saga
+        # The intent carries the step id (random hex: lz4 cannot shrink it).
+        commands.append(
+            harness.execute("s-" + os.urandom(1_400).hex(), {"sku": "b", "quantity": 1})
+        )
+
+    def send_all() -> None:
+        for command in commands:
+            key, value, headers = to_message(command, harness.settings.signer())
+            harness.producer.produce(
+                names.commands(PARTICIPANT), key=key, value=value, headers=headers
+            )
+        assert harness.producer.flush(30) == 0
+
+    if path == "blocking":
+        send_all()
+    harness.start()
+    try:
+        if path == "loop":
+            wait_until(lambda: harness.runtime and harness.runtime._assigned_end, what="assigned")
+            send_all()
+
+        def settled() -> bool:
+            committed = {
+                (m.key() or b"").decode()
+                for m in LedgerReader(kafka_bootstrap).read(names.events)
+                if from_message(m.key(), m.value(), headers_of(m), signer).TYPE == "StepCommitted"
+            }
+            return committed == set(sagas) or bool(_dead_letters(harness))
+
+        wait_until(settled, what="every command committed or one dead-lettered")
+        assert _dead_letters(harness) == []
     finally:
         harness.stop()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 import time
 import weakref
@@ -45,7 +46,12 @@ class DeliveryFailed(RuntimeError):
         """The broker refused the record for its size: the client took it (under its
         ``message.max.bytes``) but the topic's ``max.message.bytes`` is smaller. As
         permanent as :class:`RecordTooLarge`: sending it again is refused again, so
-        a caller must give it up, not retry it for ever."""
+        a caller must give it up, not retry it for ever.
+
+        From a :class:`LedgerWriter`, only a record refused *on its own*: a refusal
+        of the record batch it went in (librdkafka does not split one the broker
+        refuses, every record in it gets the size error) is no verdict on each
+        record, so the writer sends each one again alone first (:class:`_Alone`)."""
         return self.error is not None and self.error.code() in _SIZE_CODES
 
 
@@ -84,6 +90,121 @@ class RecordTooLarge(ValueError):
         super().__init__(message)
         self.topic = topic
         self.size = size
+
+
+def _batch_refused(err: KafkaError | None) -> bool:
+    """A delivery report's ``err`` is a refusal for size: of the record, or only of the
+    batch it went in (the broker cannot tell which)."""
+    return err is not None and err.code() in _SIZE_CODES
+
+
+class _Alone:
+    """Sends a record again in a record batch of its own, after the broker refused the
+    batch it went in for its size.
+
+    librdkafka batches records queued together (up to ``batch.size``, 1 MB unless set)
+    and does not split a batch the broker refuses as over the topic's
+    ``max.message.bytes``: every record in it gets the size error, also those that
+    fit the topic alone. Here each is sent again through a producer that puts one
+    record in each batch (``batch.num.messages=1``); only a refusal there means the
+    record can never be written. The producer (and the thread that serves
+    :meth:`deliver_then`) is made on the first such refusal: nothing on the normal
+    path. Order is kept where it matters: a writer waits for a saga's record before
+    its next (R10), and a refused batch wrote nothing."""
+
+    def __init__(self, bootstrap: str | ClientConfig) -> None:
+        self._bootstrap = bootstrap
+        self._lock = threading.Lock()
+        self._producer: Producer | None = None
+        self._jobs: queue.SimpleQueue[_AloneJob | None] = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
+        self._closed = False
+
+    def _made(self) -> Producer:
+        with self._lock:
+            if self._producer is None:
+                log.warning(
+                    "the broker refused a record batch for its size (a topic's "
+                    "max.message.bytes is below the producer's batch.size): its records "
+                    "are sent again one by one; set SAGALINE_KAFKA_BATCH_SIZE to at most "
+                    "the smallest max.message.bytes of the topics written to avoid it"
+                )
+                self._producer = create_producer(self._bootstrap, **{"batch.num.messages": 1})
+            return self._producer
+
+    def deliver(
+        self,
+        topic: str,
+        key: bytes | None,
+        value: bytes | None,
+        headers: Headers | None,
+        what: str,
+        timeout_s: float,
+    ) -> None:
+        """:func:`deliver` of the record alone (a refusal for size is then final)."""
+        deliver(self._made(), topic, key, value, headers, timeout_s=timeout_s, what=what)
+
+    def deliver_then(
+        self,
+        topic: str,
+        key: bytes | None,
+        value: bytes | None,
+        headers: Headers | None,
+        what: str,
+        then: Callable[[DeliveryFailed | None], None],
+    ) -> None:
+        """:meth:`deliver` on this writer's own thread (the caller is a delivery
+        callback, which must not wait); ``then`` gets its outcome there."""
+        with self._lock:
+            closed = self._closed
+            if not closed and self._worker is None:
+                self._worker = threading.Thread(
+                    target=self._work, name="ledger-writer-alone", daemon=True
+                )
+                self._worker.start()
+        if closed:  # nobody would send it: it may or may not be in the log
+            then(
+                DeliveryFailed(
+                    f"{what} was not sent again to {topic} before its writer was closed",
+                    topic=topic,
+                    error=None,
+                )
+            )
+            return
+        self._jobs.put((topic, key, value, headers, what, then))
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            topic, key, value, headers, what, then = job
+            failure: DeliveryFailed | None = None
+            try:
+                self.deliver(topic, key, value, headers, what, 30.0)
+            except DeliveryFailed as exc:
+                failure = exc
+            except Exception as exc:  # never left without an answer: it may be retried
+                failure = DeliveryFailed(
+                    f"{what} was not sent again to {topic}: {exc}", topic=topic, error=None
+                )
+            try:
+                then(failure)
+            except Exception:
+                log.exception("a delivery callback of the ledger writer raised")
+
+    def close(self, timeout_s: float) -> None:
+        """Send what is waiting (for up to ``timeout_s``), then stop."""
+        with self._lock:
+            worker, producer = self._worker, self._producer
+            self._closed = True
+        if worker is not None:
+            self._jobs.put(None)
+            worker.join(timeout_s)
+        if producer is not None:
+            producer.flush(timeout_s)
+
+
+_AloneJob = tuple[
+    str, bytes | None, bytes | None, Headers | None, str, Callable[[DeliveryFailed | None], None]
+]
 
 
 def _refused(
@@ -151,6 +272,7 @@ def deliver(
     timeout_s: float = 30.0,
     what: str = "record",
     polled: bool = False,
+    alone: _Alone | None = None,
 ) -> None:
     """Produce one record and return once the broker acknowledged it.
 
@@ -162,8 +284,21 @@ def deliver(
     arrived within ``timeout_s``, or when the producer's local queue is full (not
     sent; retry); :class:`RecordTooLarge` for a record over ``message.max.bytes``
     (never retry it).
+
+    ``alone``: a refusal for size is sent again there, in a batch of its own, and only
+    a refusal of it alone is final (see :class:`_Alone`).
     """
-    send(producer, topic, key, value, headers, timeout_s=timeout_s, what=what, polled=polled)()
+    send(
+        producer,
+        topic,
+        key,
+        value,
+        headers,
+        timeout_s=timeout_s,
+        what=what,
+        polled=polled,
+        alone=alone,
+    )()
 
 
 def send(
@@ -176,6 +311,7 @@ def send(
     timeout_s: float = 30.0,
     what: str = "record",
     polled: bool = False,
+    alone: _Alone | None = None,
 ) -> Callable[[], None]:
     """Produce one record now; the returned call waits for its acknowledgement.
 
@@ -194,7 +330,8 @@ def send(
             failure.append(err)
         done.release()
 
-    _produce(producer, topic, key, value, list(headers or ()), lambda: what, on_delivery)
+    listed = list(headers or ())
+    _produce(producer, topic, key, value, listed, lambda: what, on_delivery)
     deadline = time.monotonic() + timeout_s
 
     def wait() -> None:
@@ -215,6 +352,9 @@ def send(
             producer.poll(min(remaining, 0.1))
             acknowledged = done.acquire(blocking=False)
         if failure:
+            if alone is not None and _batch_refused(failure[0]):
+                alone.deliver(topic, key, value, listed, what, timeout_s)
+                return
             raise _rejected(failure[0], topic, what)
 
     return wait
@@ -240,6 +380,8 @@ class LedgerWriter:
         self.topics = topics
         self.signer = signer
         self.producer = create_producer(bootstrap)
+        # Records of a batch the broker refused for its size go again one by one.
+        self._alone = _Alone(bootstrap)
         # Many threads appending at once: one thread serves every delivery report,
         # so a writer never sits in poll() after another thread served its report.
         self._closed = threading.Event()
@@ -289,6 +431,7 @@ class LedgerWriter:
             timeout_s=timeout_s,
             what=_named(record),
             polled=self._poller is not None,
+            alone=self._alone,
         )
 
     def append_then(
@@ -322,11 +465,14 @@ class LedgerWriter:
         thread polls, so it must be quick and must not raise. ``encoded``: the
         record's bytes when the caller has them already (a journalled outcome)."""
         topic = self.topics.events
+        key, value, headers = self._signed(record, encoded)
 
         def on_delivery(err: KafkaError | None, _msg: Message) -> None:
+            if _batch_refused(err):  # maybe only its batch: sent again alone
+                self._alone.deliver_then(topic, key, value, headers, _named(record), on_delivered)
+                return
             on_delivered(None if err is None else _rejected(err, topic, _named(record)))
 
-        key, value, headers = self._signed(record, encoded)
         _produce(self.producer, topic, key, value, headers, lambda: _named(record), on_delivery)
 
     async def append_async(self, record: Record, *, timeout_s: float = 30.0) -> None:
@@ -355,7 +501,11 @@ class LedgerWriter:
                 topic=self.topics.events,
                 error=None,
             ) from None
-        if err is not None:
+        if _batch_refused(err):  # maybe only its batch: sent again alone
+            await asyncio.to_thread(
+                self._alone.deliver, self.topics.events, key, value, headers, what, timeout_s
+            )
+        elif err is not None:
             raise _rejected(err, self.topics.events, what)
 
     def write(
@@ -376,6 +526,7 @@ class LedgerWriter:
             headers,
             timeout_s=timeout_s,
             polled=self._poller is not None,
+            alone=self._alone,
         )
 
     def close(self, timeout_s: float = 10.0) -> int:
@@ -396,6 +547,7 @@ class LedgerWriter:
             )
             self.producer.purge(in_queue=True, in_flight=True, blocking=True)
             self.producer.flush(timeout_s)  # serves the purged records' reports
+        self._alone.close(timeout_s)
         self._closed.set()
         if self._poller is not None:
             self._poller.join(timeout_s)
