@@ -492,11 +492,40 @@ class Coordinator:
         producers that replace a failed one batch at most that many bytes
         (``batch.size``), so records that fit one by one are not refused together.
         This holds until the coordinator restarts (whose start-up check then names
-        the topic). Called only on such a failure: no per-record work otherwise."""
+        the topic).
+
+        The topics that take only a saga's own records (``sagaline.terminal``, the
+        command topics written so far) are read too: one whose limit is below the
+        producer's ``batch.size`` refuses a whole batch of small records (librdkafka
+        does not split it), and saga by saga a saga's several commands in one batch
+        would park it though each fits. The producers that replace a failed one
+        batch at most that limit less the framing too (a warning says so, and what
+        to raise); a record over it on its own still parks its saga. Called only on
+        such a failure: no per-record work otherwise."""
         carried = self._unparkable_topics()
-        limits = topics_max_message_bytes(self.bootstrap, carried, timeout_s=10)
+        own = [self.topics.terminal]
+        own += [self.topics.commands(p) for p in sorted(self._known_participants)]
+        limits = topics_max_message_bytes(self.bootstrap, [*carried, *own], timeout_s=10)
         needed = max(self._limits.max_record_bytes + _BATCH_FRAMING, self._batch_bytes())
-        for topic, limit in limits.items():
+        batches: list[int] = []
+        for topic in own:
+            limit = limits[topic]
+            if isinstance(limit, int) and limit - _BATCH_FRAMING < self._batch_bytes():
+                log.warning(
+                    "topic %r takes record batches of at most %d bytes (its "
+                    "max.message.bytes), below the producer's batch.size of %d: the "
+                    "coordinator now batches at most %d bytes until it restarts; set "
+                    "SAGALINE_KAFKA_BATCH_SIZE to at most %d, or raise the topic's "
+                    "max.message.bytes",
+                    topic,
+                    limit,
+                    self._batch_bytes(),
+                    max(1, limit - _BATCH_FRAMING),
+                    max(1, limit - _BATCH_FRAMING),
+                )
+                batches.append(limit - _BATCH_FRAMING)
+        for topic in carried:
+            limit = limits[topic]
             if isinstance(limit, KafkaException):
                 log.warning("could not read max.message.bytes of %s again: %s", topic, limit)
                 continue
@@ -519,8 +548,9 @@ class Coordinator:
                     needed,
                 )
             self._room[topic] = room
-        if self._room:
-            batch = max(1, min(self._room.values()))
+        batches += self._room.values()
+        if batches:
+            batch = max(1, min(batches))
             if batch < self._batch_bytes():
                 self._producer_config["batch.size"] = batch
 

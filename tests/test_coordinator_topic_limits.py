@@ -11,14 +11,21 @@ large becomes its summary (R16), a saga whose own record is too large is parked.
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 from confluent_kafka import KafkaError, KafkaException
-from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
+from confluent_kafka.admin import (
+    AdminClient,
+    AlterConfigOpType,
+    ConfigEntry,
+    ConfigResource,
+    NewTopic,
+)
 
 from coordinator.shell import FEED_TOO_LARGE_REASON, Coordinator, _Pending
 from coordinator.state import MarkerKind
-from sagaline.kafka import LedgerReader, create_producer
+from sagaline.kafka import LedgerReader, create_producer, ensure_topics
 from schemas.settings import Settings
 from schemas.wire import read_dead_letter
 from tests.coordinator_ledger import Ledger
@@ -196,3 +203,45 @@ def test_a_resolution_the_lowered_incident_feed_no_longer_takes_goes_to_the_dlq(
     letter = read_dead_letter(headers)
     assert letter.reason == FEED_TOO_LARGE_REASON and "6008 bytes" in letter.detail
     assert letter.offset == 7
+
+
+def test_commands_that_fit_alone_are_written_when_their_batch_is_refused_not_parked(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    """A participant's command topic takes 4 000 bytes per record batch, below the
+    producer's batch.size (1 MB): a saga's parallel steps, about 1.3 kB of command
+    each, go to the broker in one batch, which it refuses whole (librdkafka does not
+    split it). Each command fits alone: all are sent, and the saga is not parked."""
+    bootstrap = kafka_bootstrap
+    settings = Settings(bootstrap=bootstrap, topic_prefix=unique_prefix, partitions=1)
+    group = f"{unique_prefix}sagaline-coordinator"
+    ledger = Ledger(saga_id="saga-fan", t0=int(time.time() * 1000))
+    # Parallel steps (no dependencies) with inline args (under 1 KiB) of random hex:
+    # lz4 cannot shrink them.
+    steps = [
+        ledger.scheduled(f"s{n}", "reserve", args={"blob": os.urandom(450).hex()}, depends_on=[])
+        for n in range(8)
+    ]
+    participant = steps[0].contract.participant
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    small = NewTopic(
+        settings.topics.commands(participant), 1, 1, config={"max.message.bytes": "4000"}
+    )
+    admin.create_topics([small])[small.topic].result(30)
+    ensure_topics(bootstrap, settings.topics, [participant], 1)
+    one = Coordinator(settings, bootstrap, instance_id="fan-1", carry_ms=0, linger_ms=0)
+    one._join()
+    append(settings, bootstrap, ledger.started(), *steps)
+    total = len(steps) + 1
+
+    def written() -> bool:
+        one._settle()
+        return not one._rewind and _committed(settings, bootstrap, group) == total
+
+    try:
+        _turn(one, written)
+        marker = one.marker_of("saga-fan")
+    finally:
+        one._consumer.close()
+    assert marker is None, marker
+    assert sorted(executes(settings, bootstrap, participant)) == sorted(s.step_id for s in steps)
