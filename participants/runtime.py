@@ -58,7 +58,6 @@ from participants.ledger_probe import LedgerProbe, LedgerProbeError
 from participants.published import Published, entry_key, fold, stale_keys
 from sagaline.kafka import (
     Consumer,
-    DeadLetterWriter,
     DeliveryFailed,
     KafkaException,
     LedgerReader,
@@ -2014,9 +2013,7 @@ class ParticipantRuntime:
         # producer (a seam for drills).
         self.send: SendThen = self._writer.send_then
         self._reader = LedgerReader(bootstrap)
-        self._dead_letters = DeadLetterWriter(
-            self._writer.producer, self.topics.dlq, acknowledged=True
-        )
+        self._dead_letters = self._writer.dead_letters(self.topics.dlq)
         self.handler = CommandHandler(
             catalogue,
             self.participant,

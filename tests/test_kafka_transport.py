@@ -896,6 +896,45 @@ def test_a_dead_letter_the_dlq_topic_refuses_for_its_size_is_written_without_its
 
 
 @pytest.mark.kafka
+def test_dead_letters_that_fit_alone_keep_their_value_when_their_batch_is_refused_R16(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    """DLQ copies of about 3 KB written at once (a participant's tool threads) on a DLQ
+    topic taking 10 000 bytes go to the broker in one batch, refused whole: each copy
+    fits alone, so each is written whole (its value kept), not as a summary."""
+    names = TopicNames(unique_prefix)
+    admin = create_admin(kafka_bootstrap)
+    [created] = admin.create_topics(
+        [NewTopic(names.dlq, 1, 1, config={"max.message.bytes": "10000"})]
+    ).values()
+    created.result(30)
+    ensure_topics(kafka_bootstrap, names, [], 1)
+    writer = LedgerWriter(kafka_bootstrap, names, Signer(None))
+    values = {f"saga-{n}".encode(): os.urandom(1_400).hex().encode() for n in range(16)}
+    for key, value in values.items():
+        writer.write(names.events, key, value)
+    sources = list(LedgerReader(kafka_bootstrap).read(names.events))
+    dead_letters = writer.dead_letters(names.dlq)  # as a participant writes them
+    errors: list[BaseException] = []
+
+    def write(source: Any) -> None:
+        try:
+            dead_letters.write(source, "malformed", "junk")
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write, args=(m,)) for m in sources]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    writer.close()
+    assert errors == []
+    copies = {m.key(): m.value() for m in LedgerReader(kafka_bootstrap).read(names.dlq)}
+    assert copies == values, [k for k, v in copies.items() if v is None]
+
+
+@pytest.mark.kafka
 def test_closing_a_subscribed_consumer_revokes_its_partitions_first(
     transport: str, unique_prefix: str
 ) -> None:

@@ -529,6 +529,18 @@ class LedgerWriter:
             alone=self._alone,
         )
 
+    def dead_letters(self, topic: str) -> DeadLetterWriter:
+        """A :class:`DeadLetterWriter` to ``topic`` through this writer's producer, each
+        copy acknowledged; a copy refused for its size with others in its batch is
+        sent again alone, as this writer's records are, before it is summarised."""
+        return DeadLetterWriter(
+            self.producer,
+            topic,
+            acknowledged=True,
+            polled=self._poller is not None,
+            alone=self._alone,
+        )
+
     def close(self, timeout_s: float = 10.0) -> int:
         """Deliver whatever is still queued (nothing, after acknowledged writes), for up
         to ``timeout_s``; returns how many records were still undelivered then.
@@ -608,16 +620,25 @@ class DeadLetterWriter:
     producer whose commit is the acknowledgement (the coordinator's batch).
     ``polled=True``: another thread polls ``producer`` (a :class:`LedgerWriter` with
     ``background_poll``), so a write waits for its own report instead of sitting in
-    ``poll()`` after that thread served it.
+    ``poll()`` after that thread served it. ``alone`` (from
+    :meth:`LedgerWriter.dead_letters`): a copy the broker refused with its batch for
+    the batch's size is sent again alone before it counts as too large.
     """
 
     def __init__(
-        self, producer: Producer, topic: str, *, acknowledged: bool, polled: bool = False
+        self,
+        producer: Producer,
+        topic: str,
+        *,
+        acknowledged: bool,
+        polled: bool = False,
+        alone: _Alone | None = None,
     ) -> None:
         self.producer = producer
         self.topic = topic
         self.acknowledged = acknowledged
         self.polled = polled
+        self._alone = alone
 
     def write(self, msg: Message, reason: str, detail: str) -> None:
         """Dead-letter ``msg`` byte-for-byte, with ``reason`` and ``detail`` headers.
@@ -657,6 +678,7 @@ class DeadLetterWriter:
                 headers,
                 what=f"DLQ copy ({reason})",
                 polled=self.polled,
+                alone=self._alone,
             )
         else:
             _produce(self.producer, self.topic, key, value, headers, lambda: f"DLQ copy ({reason})")
