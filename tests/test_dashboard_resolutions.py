@@ -9,10 +9,6 @@ three topics at once, so the feed's copy is often folded before the ledger's rec
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-from typing import Any
-
 import pytest
 from dashboard_scenarios import SagaScript, escalated, unknown_outcome
 from starlette.testclient import TestClient
@@ -33,17 +29,7 @@ from schemas.settings import Settings
 from schemas.wire import to_message
 from services.dashboard import Dashboard
 from services.dashboard.view import DashboardState
-
-
-def _until(condition: Callable[[], Any], what: str, timeout_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.1)
+from tests.system import wait_until
 
 
 def _publish(bootstrap: str, settings: Settings, placed: list[tuple[Record, list[str]]]) -> None:
@@ -81,16 +67,16 @@ def test_a_resolution_read_first_on_the_incident_feed_is_still_measured(
     dashboard = Dashboard(kafka_bootstrap, settings)
     state = dashboard.state
     with TestClient(dashboard.app, base_url="http://localhost"):
-        _until(dashboard.follower.caught_up.is_set, "the dashboard to catch up")
+        wait_until(dashboard.follower.caught_up.is_set, what="the dashboard to catch up")
         # The feed's copy first, as a restart often reads it (another saga's incident
         # after it on the feed, to know it was read) ...
         other = unknown_outcome("s-other").records
         later = next(r for r in other if isinstance(r, IncidentRaised))
         _publish(kafka_bootstrap, settings, [(resolved, ["incidents"]), (later, ["incidents"])])
-        _until(lambda: "s-other" in state.sagas, "the feed's copy to be read")
+        wait_until(lambda: "s-other" in state.sagas, what="the feed's copy to be read")
         # ... then the ledger's record (and the agent's next one, to know it was read).
         _publish(kafka_bootstrap, settings, [(resolved, ["events"]), (ended, ["events"])])
-        _until(lambda: state.sagas["s-feed-first"].end_requested, "the ledger to be read")
+        wait_until(lambda: state.sagas["s-feed-first"].end_requested, what="the ledger to be read")
         measures = state.metrics.snapshot()
         assert measures.manual_interventions == {"incident_resolved": 1}
         assert measures.time_in_unknown["restock_inventory"].count == 1
@@ -178,11 +164,11 @@ def test_an_unknown_outcome_resolved_committed_is_not_shown_unknown_after_a_rest
     dashboard = Dashboard(kafka_bootstrap, settings)
     state = dashboard.state
     with TestClient(dashboard.app, base_url="http://localhost"):
-        _until(dashboard.follower.caught_up.is_set, "the dashboard to start")
+        wait_until(dashboard.follower.caught_up.is_set, what="the dashboard to start")
         _publish(kafka_bootstrap, settings, [(r, ["incidents"]) for r in feed])
-        _until(lambda: "s-restarted" in state.sagas, "the feed to be read")
+        wait_until(lambda: "s-restarted" in state.sagas, what="the feed to be read")
         _publish(kafka_bootstrap, settings, [(r, ["events"]) for r in saga.records])
-        _until(lambda: state.sagas["s-restarted"].end_requested, "the ledger to be read")
+        wait_until(lambda: state.sagas["s-restarted"].end_requested, what="the ledger to be read")
         view = state.sagas["s-restarted"]
         assert (view.status.slug, view.steps["2"].state) == ("running", "committed")
         assert view.open_incidents == {}
