@@ -50,6 +50,7 @@ from sagaline.kafka import (
     TopicMissing,
     TopicSetupError,
     ensure_topics,
+    require_bootstrap,
 )
 from sagaline.ops.actions import OperatorChannel
 from schemas.models import Record, SagaTerminal
@@ -848,10 +849,12 @@ def run_agent(
     call_timeout_s: float,
     timeout_s: float,
 ) -> int:
-    """The scripted agent alone against a running system (``sagaline agent run``)."""
-    from services.broker import settings_and_bootstrap
-
-    settings, bootstrap = settings_and_bootstrap()
+    """The scripted agent alone against a running system (``sagaline agent run``):
+    the broker that system runs on, never a local one started for it (with
+    ``KAFKA_BOOTSTRAP_SERVERS`` unset it stops with ``BrokerNotConfigured``, as every
+    service command does; ``--dev-broker`` sets it to the local broker first)."""
+    settings = Settings.from_env()
+    bootstrap = require_bootstrap(settings, "sagaline agent run")
     tickets = generate_tickets(sagas, seed)
     plans = [checked_plan(t, declared_catalogues_cached()) for t in tickets]
     client = SagaClient(settings, bootstrap, producer_name="agent", call_timeout_s=call_timeout_s)
@@ -1068,4 +1071,10 @@ def register(subparsers: Any) -> None:
     )
     run.add_argument("--call-timeout", type=seconds, default=60.0)
     run.add_argument("--timeout", type=seconds, default=300.0)
+    run.add_argument(
+        "--dev-broker",
+        action="store_true",
+        help="development only: use (or start) the local broker when KAFKA_BOOTSTRAP_SERVERS "
+        "is unset",
+    )
     run.set_defaults(func=_cmd_agent_run)

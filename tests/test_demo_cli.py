@@ -128,3 +128,24 @@ def test_an_interrupted_demo_with_keep_does_not_claim_it_stopped_everything(
     err = capsys.readouterr().err
     assert "has been stopped" not in err, err
     assert "--keep" in err, err
+
+
+def test_agent_run_without_a_configured_broker_exits_2_and_starts_none(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``sagaline agent run`` runs against a system already running (compose's agent
+    service). With KAFKA_BOOTSTRAP_SERVERS unset it started the local JVM broker (a
+    2 GB heap, left running), where no coordinator could be, then failed on the missing
+    topic; like every other service command it now says what to set, exit 2."""
+    import services.broker
+    from services.cli import main
+
+    def no_broker_may_start() -> object:
+        pytest.fail("sagaline agent run chose (and would start) the local broker")
+
+    monkeypatch.delenv("KAFKA_BOOTSTRAP_SERVERS", raising=False)
+    monkeypatch.setattr(services.broker, "choose_broker", no_broker_may_start)
+    assert main(["agent", "run", "--sagas", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "sagaline agent run: no Kafka broker configured" in err, err
+    assert "--dev-broker" in err, err
