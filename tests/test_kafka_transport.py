@@ -100,6 +100,24 @@ def test_a_properties_file_is_read_and_variables_override_it(tmp_path: Path) -> 
     }
 
 
+def test_an_empty_client_variable_counts_as_unset(tmp_path: Path) -> None:
+    """README ("Configuration"): a variable set to the empty string, as ``${VAR:-}``
+    in a compose file gives, counts as unset. An empty SAGALINE_KAFKA_* variable was
+    passed to librdkafka as "": `security.protocol` refused every command at start
+    (exit 2), and an empty `sasl.username` silently replaced the properties file's."""
+    props = tmp_path / "client.properties"
+    props.write_text("sasl.username=coordinator\n")
+    config = ClientConfig.from_env(
+        "b:1",
+        {
+            "SAGALINE_KAFKA_PROPERTIES_FILE": str(props),
+            "SAGALINE_KAFKA_SASL_USERNAME": "",
+            "SAGALINE_KAFKA_SECURITY_PROTOCOL": "",
+        },
+    )
+    assert config.settings == {"sasl.username": "coordinator"}
+
+
 def test_an_unreadable_or_malformed_properties_file_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(KafkaConfigError, match="SAGALINE_KAFKA_PROPERTIES_FILE"):
         ClientConfig.from_env("b:1", {"SAGALINE_KAFKA_PROPERTIES_FILE": str(tmp_path / "no")})

@@ -4,8 +4,8 @@ A deployment reaches librdkafka through two sources, merged in this order (later
 wins): a Java-style properties file named by ``SAGALINE_KAFKA_PROPERTIES_FILE``, then
 environment variables ``SAGALINE_KAFKA_<NAME>``, where ``<NAME>`` is the librdkafka
 property upper-cased with dots as underscores (``SAGALINE_KAFKA_SECURITY_PROTOCOL=
-SASL_SSL`` sets ``security.protocol``). The bootstrap address has exactly one source,
-``KAFKA_BOOTSTRAP_SERVERS``.
+SASL_SSL`` sets ``security.protocol``; one set to the empty string counts as unset).
+The bootstrap address has exactly one source, ``KAFKA_BOOTSTRAP_SERVERS``.
 
 Settings the design depends on (the partitioner that co-partitions topics, producer
 idempotence and ``acks=all`` behind R10, read_committed reads behind exactly-once,
@@ -137,7 +137,9 @@ class ClientConfig:
             if not var.startswith(ENV_PREFIX) or var in LAUNCHER_VARS | {PROPERTIES_FILE_VAR}:
                 continue
             name = var[len(ENV_PREFIX) :].lower().replace("_", ".")
-            if not name:
+            if not name or not value:
+                # Empty counts as unset, as for every variable (``${VAR:-}`` in
+                # compose): not "" for librdkafka, nor over the properties file's value.
                 continue
             merged[name] = value
         if "bootstrap.servers" in merged:
