@@ -830,12 +830,13 @@ class CommandHandler:
                     "%s %s: already on the ledger, not run again", command.TYPE, command.event_id
                 )
                 return _Plan(outcome=earlier)
+        if isinstance(command, ExecuteStep) and seen is not None:
+            # Started before a crash and never finished: it may have acted (R11), also
+            # when this deploy no longer serves its tool (a rejection would say not).
+            return _Plan(outcome=self._unknown_outcome(command, RESTARTED))
         if command.tool not in self.catalogue:  # type: ignore[attr-defined]
             return _Plan(outcome=_Outcome(self._unknown_tool(command)))
         if isinstance(command, ExecuteStep):
-            if seen is not None:
-                # Started before a crash and never finished: it may have acted (R11).
-                return _Plan(outcome=self._unknown_outcome(command, RESTARTED))
             refused = self._outdated_contract(command)
             if refused is not None:
                 return _Plan(outcome=refused)

@@ -151,6 +151,29 @@ def test_a_command_started_before_a_crash_is_an_unknown_outcome_R11(tmp_path: Pa
     handler.close()
 
 
+def test_a_command_started_before_a_crash_of_a_tool_since_removed_is_an_unknown_outcome_R11(
+    tmp_path: Path,
+) -> None:
+    # A crash mid-tool, then a deploy that no longer serves the tool (renamed or
+    # removed): the tool may have acted, so the redelivered command is an unknown
+    # outcome to reconcile (R11), never a rejection saying nothing happened (a step
+    # that never committed is never compensated).
+    command = _execute()
+    journal = CommandJournal(tmp_path / "journal.sqlite")
+    journal.mark(command.event_id, "started")  # what a crash mid-tool leaves
+    out: list[Record] = []
+
+    class _Other:
+        @tool(description="Something else", read_only=True)
+        def other(self) -> str:
+            return "other"
+
+    handler = CommandHandler(wrap(_Other(), name="desks"), "desks", journal, out.append)
+    handler.handle(command)
+    assert [type(r) for r in out] == [StepOutcomeUnknown]
+    handler.close()
+
+
 def test_an_accepted_compensation_keeps_its_command_without_a_started_mark(
     tmp_path: Path,
 ) -> None:
