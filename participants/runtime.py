@@ -213,6 +213,24 @@ class CommandJournal:
                 "CREATE TABLE IF NOT EXISTS handled (command_id TEXT PRIMARY KEY, "
                 "state TEXT NOT NULL, command BLOB, outcome BLOB, at INTEGER NOT NULL)"
             )
+            self._refuse_read_only(path)
+
+    def _refuse_read_only(self, path: Path) -> None:
+        """A journal SQLite can read but not write (the file read-only, or another
+        user's) opens fine, and every mark would then fail as a journal unwritable for
+        now: every command would wait for good. Refused here instead, with its path.
+        (A full disk or a lock held passes: the runtime waits those out.)"""
+        version = int(self._db.execute("PRAGMA user_version").fetchone()[0])
+        try:
+            self._db.execute(f"PRAGMA user_version = {version}")  # a write, same value
+        except sqlite3.OperationalError as exc:
+            if getattr(exc, "sqlite_errorcode", 0) & 0xFF != 8:  # not SQLITE_READONLY
+                return
+            self._db.close()
+            raise sqlite3.OperationalError(
+                f"the command journal {path} is read-only for this process ({exc}); make "
+                "it (and its directory) writable by the participant's user"
+            ) from exc
 
     def get(self, command_id: str) -> tuple[str, bytes | None] | None:
         with self._lock:

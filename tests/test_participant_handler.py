@@ -421,3 +421,47 @@ def test_a_command_waiting_for_the_journal_gives_up_when_the_runtime_stops(
     assert desk.events == []
     assert [type(r) for r in out] == [StepIntentRecorded]  # no outcome: none was had
     handler.close()
+
+
+_OPEN_READ_ONLY = """
+import os, sqlite3, sys
+from pathlib import Path
+from participants.runtime import CommandJournal
+if os.geteuid() == 0:
+    os.setuid(65534)  # root writes a read-only file all the same: open it as nobody
+try:
+    journal = CommandJournal(Path(sys.argv[1]))
+except sqlite3.Error as exc:
+    print(f"refused: {exc}")
+else:
+    print(f"opened: {journal.get('a')}")
+"""
+
+
+def test_a_journal_file_that_cannot_be_written_is_refused_at_open_not_a_silent_stall() -> None:
+    # A journal SQLite can read but not write (a file left read-only, owned by another
+    # user): opened, every mark would fail as "unwritable for now" and every command
+    # wait for good behind a hint to free disk space. It is refused when opened, so
+    # the participant does not start (one line naming it) instead.
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as where:
+        os.chmod(where, 0o777)
+        path = Path(where) / "commands.sqlite"
+        journal = CommandJournal(path)
+        journal.mark("a", "done", outcome=b"x")
+        journal.close()
+        os.chmod(path, 0o444)
+        child = subprocess.run(
+            [sys.executable, "-c", _OPEN_READ_ONLY, str(path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+        )
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.startswith("refused: "), child.stdout
+    assert "read-only" in child.stdout and str(path) in child.stdout, child.stdout
