@@ -49,6 +49,7 @@ from types import FrameType
 from typing import Any, Protocol, TypeVar
 
 import orjson
+from pydantic_core import to_jsonable_python
 
 from participants.catalogue import Catalogue, ToolSpec
 from participants.context import CallContext, call_context, deadline_at, serve_async_tools
@@ -182,12 +183,17 @@ def _json(value: Any) -> bytes:
 
 
 def _jsonable(value: Any) -> Any:
+    """What orjson cannot write itself, as JSON: the tool has acted once it returned,
+    so its result must be written whatever it holds (an outcome that could not be
+    encoded would leave its saga waiting and the effect never compensated). A
+    ``Decimal``, a ``set``, bytes, an enum, a UUID as pydantic writes them (a string, a
+    list); an object nothing knows, as its ``str()``."""
     dump = getattr(value, "model_dump", None)
     if callable(dump):
         return dump(mode="json")
     if hasattr(value, "__dataclass_fields__"):
         return {k: getattr(value, k) for k in value.__dataclass_fields__}
-    raise TypeError(f"tool result of type {type(value).__name__} is not JSON-serializable")
+    return to_jsonable_python(value, fallback=str)
 
 
 class CommandJournal:

@@ -1157,3 +1157,90 @@ def test_a_poll_interval_not_above_the_revoke_drain_bounds_the_drain_below_it_an
 def test_the_default_poll_interval_keeps_the_revoke_drain_asked_for(harness: Harness) -> None:
     assert harness.runtime is not None
     assert harness.runtime.revoke_drain_bound_s == harness.runtime.revoke_drain_s == 30.0
+
+
+class Till:
+    """Money as ``Decimal`` (as most money code keeps it), a set of tags: not plain
+    JSON types, which orjson refuses."""
+
+    def __init__(self) -> None:
+        self.charged = 0
+        self.refunded = 0
+
+    @tool(description="Charge")
+    @compensable(by="refund")
+    def charge(self, sku: str, quantity: int) -> dict[str, Any]:
+        from decimal import Decimal
+
+        self.charged += 1
+        return {"amount": Decimal("10.50"), "tags": {"card"}}
+
+    def refund(self, ctx: CompensationContext) -> dict[str, Any]:
+        from decimal import Decimal
+
+        self.refunded += 1
+        return {"refunded": Decimal("10.50")}
+
+
+def test_a_result_of_decimals_and_sets_is_committed_not_dead_lettered_after_the_tool_acted(
+    tmp_path: Path,
+) -> None:
+    """The tool acted (it returned): its commit must reach the ledger, or the saga
+    waits for good and the effect is never compensated. A ``Decimal`` or a ``set`` in
+    its result is written as JSON the way pydantic writes it (a string, a list)."""
+    import uuid
+
+    bootstrap = f"memory://{uuid.uuid4().hex[:12]}"
+    settings = Settings(bootstrap=bootstrap, topic_prefix="t.", partitions=1, state_dir=tmp_path)
+    topic = settings.topics.commands("till")
+    ensure_topics(bootstrap, settings.topics, ["till"], 1)
+    till = Till()
+    runtime = ParticipantRuntime(wrap(till, name="till"), settings, bootstrap)
+    ready = threading.Event()
+    thread = threading.Thread(target=runtime.run, kwargs={"ready": ready}, daemon=True)
+    thread.start()
+    reader = LedgerReader(bootstrap)
+    forward = _command("charge", "saga-till")
+
+    def on_ledger() -> list[Record]:
+        return reader.saga_records(settings.topics.events, "saga-till", settings.signer())
+
+    def dead_letters() -> list[str]:
+        return [read_dead_letter(m.headers()).detail for m in reader.read(settings.topics.dlq)]
+
+    try:
+        assert ready.wait(60)
+        _produce(bootstrap, settings, topic, forward, partition=0)
+        wait_until(
+            lambda: any(isinstance(r, StepCommitted) for r in on_ledger()) or dead_letters(),
+            what="the charge committed (or dead-lettered)",
+        )
+        assert dead_letters() == []
+        committed = _of(on_ledger(), StepCommitted)[0]
+        assert orjson.loads(committed.result) == {"amount": "10.50", "tags": ["card"]}
+        compensate = CompensateStep(
+            envelope=envelope_for(
+                CompensateStep, saga_id="saga-till", tenant_id="t", producer="coordinator", now=2
+            ),
+            step_id="s1",
+            tool="charge",
+            compensation="refund",
+            args=forward.args,
+            result=committed.result,
+            idempotency_key=forward.idempotency_key,
+            compensation_key=compensation_key(forward.idempotency_key),
+            attempt=1,
+        )
+        _produce(bootstrap, settings, topic, compensate, partition=0)
+        wait_until(
+            lambda: (
+                any(isinstance(r, CompensationCommitted) for r in on_ledger()) or dead_letters()
+            ),
+            what="the refund committed (or dead-lettered)",
+        )
+        assert dead_letters() == []
+        assert (till.charged, till.refunded) == (1, 1)
+    finally:
+        runtime.stop()
+        thread.join(30)
+    assert not thread.is_alive()
