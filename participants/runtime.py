@@ -1202,7 +1202,7 @@ class CommandHandler:
                 cmd,
                 "outcome",
                 **common,
-                provider_operation_id=_operation_id(spec.provider_operation_id(result)),
+                provider_operation_id=_operation_id(_operation_id_of(spec, result)),
                 result=body,
                 response_fingerprint=fingerprint(body),
             )
@@ -1362,7 +1362,7 @@ class CommandHandler:
                 cmd,
                 "outcome",
                 **common,
-                provider_operation_id=_operation_id(spec.provider_operation_id(result)),
+                provider_operation_id=_operation_id(_operation_id_of(spec, result)),
                 result=self._bounded_compensation_result(_json(result)),
                 verified=verified,
             )
@@ -1778,7 +1778,7 @@ class CommandHandler:
                     **common,
                     outcome=found.status,
                     provider_operation_id=_operation_id(
-                        found.provider_operation_id or spec.provider_operation_id(found.result)
+                        found.provider_operation_id or _operation_id_of(spec, found.result)
                     ),
                     result=body,
                     response_fingerprint=fingerprint(body),
@@ -1949,6 +1949,23 @@ def _operation_id(found: str | None) -> str | None:
     if len(found) <= _MAX_OPERATION_ID:
         return found
     return f"sha256:{fingerprint(found.encode())} ({len(found)} chars)"
+
+
+def _operation_id_of(spec: ToolSpec, result: Any) -> str | None:
+    """``spec.provider_operation_id(result)``, or None when the declared reader raises
+    (a result it did not expect): the tool has acted, so its outcome is written all
+    the same, without the id (a failure here would dead-letter the command, its saga
+    waiting and the effect never compensated)."""
+    try:
+        return spec.provider_operation_id(result)
+    except Exception as exc:
+        log.error(
+            "tool %s: its operation_id could not read the provider operation id from the "
+            "result (%s); the outcome is recorded without it",
+            spec.name,
+            _error_text(exc),
+        )
+        return None
 
 
 def _utf8(text: str) -> str:

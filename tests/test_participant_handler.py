@@ -465,3 +465,40 @@ def test_a_journal_file_that_cannot_be_written_is_refused_at_open_not_a_silent_s
     assert child.returncode == 0, child.stderr
     assert child.stdout.startswith("refused: "), child.stdout
     assert "read-only" in child.stdout and str(path) in child.stdout, child.stdout
+
+
+def test_an_operation_id_reader_that_raises_still_commits_the_step_the_tool_acted_on(
+    tmp_path: Path,
+) -> None:
+    # @tool(operation_id=callable) reads the provider's id from the result; one that
+    # raises on a result it did not expect must not turn a step whose tool acted into
+    # a failure of the command (dead-lettered: its saga waits, the effect is never
+    # compensated). The step commits, without the id.
+    class _Payments:
+        def __init__(self) -> None:
+            self.charged = 0
+
+        @tool(description="Charge", operation_id=lambda result: result["id"])
+        @compensable(by="refund")
+        def charge(self, desk: str) -> dict[str, str]:
+            self.charged += 1
+            return {"charge": "ch-1"}  # no "id"
+
+        def refund(self) -> None:
+            pass
+
+    payments = _Payments()
+    out: list[Record] = []
+    handler = CommandHandler(
+        wrap(payments, name="desks"),
+        "desks",
+        CommandJournal(tmp_path / "journal.sqlite"),
+        out.append,
+    )
+    command = _execute().model_copy(update={"tool": "charge"})
+    assert handler.handle(command) == "done"
+    assert payments.charged == 1
+    committed = [r for r in out if isinstance(r, StepCommitted)]
+    assert len(committed) == 1 and committed[0].provider_operation_id is None
+    assert orjson.loads(committed[0].result) == {"charge": "ch-1"}
+    handler.close()
