@@ -179,7 +179,25 @@ def _now_ms() -> int:
 
 
 def _json(value: Any) -> bytes:
-    return orjson.dumps(value, default=_jsonable)
+    try:
+        return orjson.dumps(value, default=_jsonable)
+    except TypeError:  # refused outright: a key not a str, lone surrogates, a huge int
+        return orjson.dumps(_plain(to_jsonable_python(value, fallback=str)))
+
+
+def _plain(value: Any) -> Any:
+    """JSON-ready ``value`` (dicts, lists, scalars) as orjson writes it: keys and
+    strings as UTF-8 (a lone surrogate, from a name read with surrogateescape, as
+    "?"), an int past 64 bits as its digits."""
+    if isinstance(value, str):
+        return _utf8(value)
+    if isinstance(value, dict):
+        return {_utf8(str(k)): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**64:
+        return str(value)
+    return value
 
 
 def _jsonable(value: Any) -> Any:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import orjson
 import pytest
@@ -501,4 +501,35 @@ def test_an_operation_id_reader_that_raises_still_commits_the_step_the_tool_acte
     committed = [r for r in out if isinstance(r, StepCommitted)]
     assert len(committed) == 1 and committed[0].provider_operation_id is None
     assert orjson.loads(committed[0].result) == {"charge": "ch-1"}
+    handler.close()
+
+
+def test_a_result_orjson_refuses_outright_still_commits_the_step_the_tool_acted_on(
+    tmp_path: Path,
+) -> None:
+    # orjson refuses some results without asking for help: a dict keyed by ints (a
+    # status per order id), a file name read with surrogateescape, an int past 64
+    # bits. The tool has acted, so the outcome is written all the same (keys as
+    # strings, the lone surrogate as "?", the int as its digits), not dead-lettered.
+    class _Orders:
+        @tool(description="Ship", read_only=True)
+        def ship(self, desk: str) -> dict[Any, Any]:
+            return {7: "shipped", "file": "label-\udcff.pdf", "big": 2**70}
+
+    out: list[Record] = []
+    handler = CommandHandler(
+        wrap(_Orders(), name="desks"),
+        "desks",
+        CommandJournal(tmp_path / "journal.sqlite"),
+        out.append,
+    )
+    command = _execute().model_copy(update={"tool": "ship"})
+    assert handler.handle(command) == "done"
+    committed = [r for r in out if isinstance(r, StepCommitted)]
+    assert len(committed) == 1
+    assert orjson.loads(committed[0].result) == {
+        "7": "shipped",
+        "file": "label-?.pdf",
+        "big": str(2**70),
+    }
     handler.close()
