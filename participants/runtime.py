@@ -1528,9 +1528,11 @@ class CommandHandler:
         """Record the provider's completion receipt for an accepted compensation (R12).
 
         Call it from wherever the provider reports completion (a webhook, a poller).
-        Returns False when no accepted compensation of this participant has that
-        operation id (already completed, never accepted here, or, for a tool with
-        a verification, settled after its declared wait ended: see
+        A receipt that comes before the acceptance is journalled (the provider
+        answered the compensation a moment ago) waits for it, up to
+        ``_RECEIPT_WAITS_S``. Returns False when no accepted compensation of this
+        participant has that operation id (already completed, never accepted here,
+        or, for a tool with a verification, settled after its declared wait ended: see
         :meth:`confirm_accepted`). For a tool with a verification the receipt counts
         only once the verification passes (R12): it is run here, and while it does
         not pass nothing is recorded and this returns False (the compensation stays
@@ -1543,25 +1545,15 @@ class CommandHandler:
         whose answer the coordinator counts, and settles the older ones (their
         answers are stale).
         """
-        from schemas.codec import decode
-
-        # (saga, step) -> its accepted commands of this operation, in the order accepted
-        found: dict[tuple[str, str], list[tuple[str, CompensateStep]]] = {}
-        for command_id in self._operation_rows(provider_operation_id):
-            seen = self.journal.get(command_id)
-            if seen is not None and seen[0] == "done":
-                self._forget_operation(command_id)  # settled
-            if seen is None or seen[0] != "accepted" or seen[1] is None:
-                continue  # settled, or not journalled yet
-            outcome = decode(seen[1])
-            command = self.journal.command(command_id)
-            if (
-                command is not None
-                and isinstance(outcome, CompensationAccepted)
-                and outcome.provider_operation_id == provider_operation_id
-            ):
-                cmd = decode(command, CompensateStep)
-                found.setdefault((cmd.saga_id, cmd.step_id), []).append((command_id, cmd))
+        # A receipt may come as soon as the provider answered the compensation, before
+        # its acceptance is journalled: it waits for it (briefly), not dropped.
+        until = time.monotonic() + _RECEIPT_WAITS_S
+        while True:
+            found, unjournalled = self._accepted_as(provider_operation_id)
+            if found or not unjournalled or time.monotonic() >= until:
+                break
+            if self._stopping.wait(_RECEIPT_AGAIN_S):
+                break
         completed = False
         for rows in found.values():
             command_id, cmd = max(rows, key=lambda row: row[1].envelope.generation)
@@ -1572,6 +1564,36 @@ class CommandHandler:
                 if older.envelope.generation < cmd.envelope.generation:
                     self._settle_unconfirmed(older_id)  # superseded by the newer run
         return completed
+
+    def _accepted_as(
+        self, provider_operation_id: str
+    ) -> tuple[dict[tuple[str, str], list[tuple[str, CompensateStep]]], bool]:
+        """Per (saga, step), the commands journalled as accepted as
+        ``provider_operation_id``, in the order accepted; and whether one accepted
+        here as it is not journalled yet."""
+        from schemas.codec import decode
+
+        found: dict[tuple[str, str], list[tuple[str, CompensateStep]]] = {}
+        unjournalled = False
+        for command_id in self._operation_rows(provider_operation_id):
+            seen = self.journal.get(command_id)
+            if seen is None:
+                unjournalled = True  # its acceptance is on its way to the journal
+                continue
+            if seen[0] == "done":
+                self._forget_operation(command_id)  # settled
+            if seen[0] != "accepted" or seen[1] is None:
+                continue
+            outcome = decode(seen[1])
+            command = self.journal.command(command_id)
+            if (
+                command is not None
+                and isinstance(outcome, CompensationAccepted)
+                and outcome.provider_operation_id == provider_operation_id
+            ):
+                cmd = decode(command, CompensateStep)
+                found.setdefault((cmd.saga_id, cmd.step_id), []).append((command_id, cmd))
+        return found, unjournalled
 
     def _complete_receipt(
         self, command_id: str, cmd: CompensateStep, provider_operation_id: str, result: Any
@@ -2720,6 +2742,10 @@ class _Watchdog:
 _RETRY_AFTER_S = 0.5  # before a command whose record the broker refused is tried again
 _ONE_AT_A_TIME_WAIT_S = 0.05  # the longest wait() blocks before the consumer is polled
 _JOURNAL_AGAIN_S = 1.0  # before journal marks SQLite could not write (a full disk) go again
+# How long a completion receipt waits for its compensation's acceptance to be
+# journalled (the provider answered it a moment ago), looking again every so often.
+_RECEIPT_WAITS_S = 5.0
+_RECEIPT_AGAIN_S = 0.02
 # How many threads poll the verifications of accepted compensations, however many
 # there are (_Confirmations).
 _CONFIRM_THREADS = 4

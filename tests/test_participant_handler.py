@@ -533,3 +533,66 @@ def test_a_result_orjson_refuses_outright_still_commits_the_step_the_tool_acted_
         "big": str(2**70),
     }
     handler.close()
+
+
+def test_a_receipt_arriving_while_the_acceptance_is_being_journalled_completes_it_R12(
+    tmp_path: Path,
+) -> None:
+    # A provider may send its completion receipt (a webhook) as soon as it answered
+    # the compensation, before the runtime has journalled the acceptance. That
+    # receipt must not be answered "no such accepted compensation" and dropped: with
+    # no verify= nothing else would ever confirm it (the coordinator's incident at
+    # the end of the wait). It waits for the acceptance, then completes it.
+    import threading
+
+    from schemas import CompensationCommitted
+
+    handler, out, _desk = _handler(tmp_path)
+    journal = handler.journal
+    compensate = _cmd(
+        CompensateStep,
+        step_id="01-book",
+        tool="book",
+        compensation="release",
+        args=b'{"desk":"d7"}',
+        result=b'{"desk":"d7"}',
+        idempotency_key="k-1",
+        compensation_key="c-1",
+        attempt=1,
+    )
+    marking, gate, looked = threading.Event(), threading.Event(), threading.Event()
+    mark, get = journal.mark, journal.get
+
+    def slow_mark(command_id: str, state: str, **kw: bytes | None) -> None:
+        if state == "accepted":
+            marking.set()
+            assert gate.wait(60)
+        mark(command_id, state, **kw)
+
+    def watched_get(command_id: str) -> tuple[str, bytes | None] | None:
+        found = get(command_id)
+        if marking.is_set() and command_id == compensate.event_id and found is None:
+            looked.set()  # the receipt found no acceptance journalled yet
+        return found
+
+    journal.mark = slow_mark  # type: ignore[method-assign]
+    journal.get = watched_get  # type: ignore[method-assign]
+    handled: list[str] = []
+    answered: list[bool] = []
+    compensating = threading.Thread(target=lambda: handled.append(handler.handle(compensate)))
+    compensating.start()
+    assert marking.wait(60), "the compensation was not journalled"
+    receipt = threading.Thread(
+        target=lambda: answered.append(handler.complete_accepted("release-k-1", {"ok": 1}))
+    )
+    receipt.start()
+    assert looked.wait(60), "the receipt did not look for the acceptance"
+    gate.set()
+    compensating.join(60)
+    receipt.join(60)
+    assert handled == ["accepted"]
+    assert answered == [True]
+    assert [type(r) for r in out] == [CompensationAccepted, CompensationCommitted]
+    seen = get(compensate.event_id)
+    assert seen is not None and seen[0] == "done"
+    handler.close()
