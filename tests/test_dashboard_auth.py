@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -460,3 +461,51 @@ def test_the_session_cookie_is_secure_behind_a_trusted_tls_proxy(tmp_path: Path)
     always = _client(OperatorAuth.from_env(env))
     answer = always.post("/login", data=login, follow_redirects=False)
     assert answer.status_code == 303 and "secure" in answer.headers["set-cookie"].lower()
+
+
+def test_without_logins_a_gateway_key_does_not_decide_in_another_operators_name(
+    tmp_path: Path,
+) -> None:
+    """A dashboard holding a gateway key (``acts_for``) but run without logins
+    (development mode) signed whatever name the form was given: anyone who reached the
+    port approved "as alice", a record the coordinator accepts as the dashboard
+    vouching for alice, who never logged in. It now decides only in its key's own name
+    there (as every page says, unauthenticated) and refuses the rest, nothing recorded."""
+    from sagaline.ops.actions import OperatorChannel
+    from schemas.models import ApprovalGranted
+    from schemas.topics import TopicNames
+    from schemas.trust import Role
+    from tests.trust_kit import TrustKit
+
+    kit = TrustKit(tmp_path)
+    kit.add("alice", Role.OPERATOR)
+    kit.add("dashboard", Role.OPERATOR, acts_for=["alice"])
+    channel = OperatorChannel(
+        os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092"),
+        TopicNames("unused-"),
+        kit.signer("dashboard"),
+    )
+    real_writer = channel._writer
+    written: list[object] = []
+    channel._writer = SimpleNamespace(  # type: ignore[assignment]
+        append=lambda record, timeout_s=30.0: written.append(record), close=lambda: None
+    )
+    try:
+        state = DashboardState(SagalineMetrics("dashboard"))
+        for record in awaiting_approval().records:
+            state.apply(record)
+        ((saga, req),) = state.pending_approvals()
+        client = TestClient(create_app(state, channel, auth=OperatorAuth(), clock=lambda: T0))
+        path = f"/approvals/{saga.saga_id}/{req.approval_id}/grant"
+        response = client.post(path, data={"operator": "alice"}, follow_redirects=False)
+        assert (response.status_code, written) == (403, []), response.text
+        assert "nothing was recorded" in response.text
+        # In its own name it still decides (development mode: unauthenticated, as said).
+        response = client.post(path, data={"operator": "dashboard"}, follow_redirects=False)
+        assert response.status_code == 303, response.text
+        assert [(r.granted_by, r.envelope.producer) for r in written] == [  # type: ignore[attr-defined]
+            ("dashboard", "dashboard")
+        ]
+        assert isinstance(written[0], ApprovalGranted)
+    finally:
+        real_writer.close()

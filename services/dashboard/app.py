@@ -36,6 +36,7 @@ from sagaline.ops import actions as operator_actions
 from sagaline.ops.metrics import HistogramSummary, MeasuresSnapshot
 from sagaline.ops.receipts import format_duration, format_ms, render_receipt_html
 from schemas.models import ApprovalRequested, IncidentRaised
+from schemas.trust import IdentitySigner
 from services.dashboard.auth import SESSION_COOKIE, OperatorAuth
 from services.dashboard.consumer import LedgerFollower
 from services.dashboard.timeline import render_timeline_svg
@@ -921,6 +922,10 @@ def create_app(
             )
         if channel is None:
             return _page("Read-only", "", "this dashboard is read-only (no producer)", True, viewer)
+        unvouched = None if viewer.auth else _unvouched(form["operator"])
+        if unvouched is not None:
+            back_link = f'<p><a href="{_e(back)}">Back</a></p>'
+            return _page("Not recorded", back_link, unvouched, True, viewer, status=403)
         try:
             notice = await run_in_threadpool(perform, form, saga)
         except operator_actions.OperatorActionError as exc:
@@ -942,6 +947,23 @@ def create_app(
             return _page("Not recorded", back_link, message, True, viewer, status=502)
         sep = "&" if "?" in back else "?"
         return RedirectResponse(f"{back}{sep}{urlencode({'notice': notice})}", status_code=303)
+
+    def _unvouched(operator: str) -> str | None:
+        """Without logins, why a decision typed in as ``operator`` is refused: a gateway
+        key (``acts_for``) signs for another operator only after that operator logged
+        in, so here it decides in its own name alone (None: allowed)."""
+        signer = getattr(channel, "signer", None)
+        own = signer.signs_as if isinstance(signer, IdentitySigner) else None
+        who = operator.strip()
+        if own is None or who == own:
+            return None
+        return (
+            f"this dashboard runs without logins (development mode), so it cannot vouch "
+            f"that you are {who!r}: its key signs as {own!r}, and decides for another "
+            "operator only after they logged in (SAGALINE_DASHBOARD_USERS or "
+            f"SAGALINE_DASHBOARD_PROXY_SECRET). Decide as {own!r}, or configure logins; "
+            "nothing was recorded"
+        )
 
     def _request_for(saga: SagaView, approval_id: str) -> ApprovalRequested:
         with state.lock:
