@@ -113,6 +113,8 @@ class Settings:
         if partitions < 1:
             raise SettingsError(f"SAGALINE_PARTITIONS={partitions} must be at least 1")
         key = env.get("SAGALINE_HMAC_KEY") or None
+        secret_key = (env.get("SAGALINE_SECRET_KEY") or "").encode("utf-8") or None
+        secret_key_id = env.get("SAGALINE_SECRET_KEY_ID") or "s1"
         trust_file = _path(env.get("SAGALINE_TRUST_FILE"))
         _companions_need_their_key(env, trust_file is not None)
         replication = _replication(env)
@@ -128,10 +130,12 @@ class Settings:
             hmac_key_id=env.get("SAGALINE_HMAC_KEY_ID") or "k1",
             tenant_id=env.get("SAGALINE_TENANT_ID") or "default",
             state_dir=Path(env.get("SAGALINE_STATE_DIR") or ".sagaline"),
-            secret_key=(env.get("SAGALINE_SECRET_KEY") or "").encode("utf-8") or None,
+            secret_key=secret_key,
             replication=replication,
-            secret_key_id=env.get("SAGALINE_SECRET_KEY_ID") or "s1",
-            old_secret_keys=_old_secret_keys(env.get("SAGALINE_OLD_SECRET_KEYS") or ""),
+            secret_key_id=secret_key_id,
+            old_secret_keys=_old_secret_keys(
+                env.get("SAGALINE_OLD_SECRET_KEYS") or "", secret_key_id, secret_key
+            ),
             trust_file=trust_file,
             signing_key=_path(env.get("SAGALINE_SIGNING_KEY")),
             signing_key_id=env.get("SAGALINE_SIGNING_KEY_ID") or None,
@@ -221,9 +225,17 @@ def _path(raw: str | None) -> Path | None:
     return Path(raw) if raw else None
 
 
-def _old_secret_keys(raw: str) -> tuple[tuple[str, bytes], ...]:
-    """``id=secret,id=secret``: sealing keys that still open, never seal."""
+def _old_secret_keys(
+    raw: str, current_id: str = "s1", current: bytes | None = None
+) -> tuple[tuple[str, bytes], ...]:
+    """``id=secret,id=secret``: sealing keys that still open, never seal.
+
+    A sealed value names only its key id, so an id must stand for one secret: an old
+    key under the current key's id (a rotation that kept ``SAGALINE_SECRET_KEY_ID``)
+    or under the id of another old key, with another secret, is refused. Otherwise one
+    of them was silently dropped and every value it sealed failed to open."""
     out: list[tuple[str, bytes]] = []
+    seen: dict[str, bytes] = {} if current is None else {current_id: current}
     for item in filter(None, (part.strip() for part in raw.split(","))):
         kid, sep, secret = item.partition("=")
         if not sep or not kid or not secret:
@@ -231,7 +243,21 @@ def _old_secret_keys(raw: str) -> tuple[tuple[str, bytes], ...]:
                 "SAGALINE_OLD_SECRET_KEYS must be id=secret pairs separated by commas "
                 "(the id a value was sealed under, as in SAGALINE_SECRET_KEY_ID)"
             )
-        out.append((kid, secret.encode("utf-8")))
+        value = secret.encode("utf-8")
+        if seen.setdefault(kid, value) != value:
+            which = (
+                "the id of the current SAGALINE_SECRET_KEY (SAGALINE_SECRET_KEY_ID, s1 when unset)"
+                if current is not None and kid == current_id
+                else "another key in SAGALINE_OLD_SECRET_KEYS"
+            )
+            raise SettingsError(
+                f"SAGALINE_OLD_SECRET_KEYS gives key id {kid!r} a secret other than "
+                f"{which}: a sealed value names only its key id, so one id cannot stand "
+                "for two secrets and the values sealed under one of them would not open; "
+                "give the new SAGALINE_SECRET_KEY a new SAGALINE_SECRET_KEY_ID (e.g. s2) "
+                f"and keep the old secret as {kid}=..."
+            )
+        out.append((kid, value))
     return tuple(out)
 
 

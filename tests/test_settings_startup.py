@@ -69,6 +69,41 @@ def test_the_companions_with_their_keys_are_fine() -> None:
     ).trust_file == Path("trust.json")
 
 
+@pytest.mark.parametrize(
+    "env",
+    [
+        # The new secret under the default id s1, the old one listed as s1 too.
+        {"SAGALINE_SECRET_KEY": "new-secret", "SAGALINE_OLD_SECRET_KEYS": "s1=old-secret"},
+        {
+            "SAGALINE_SECRET_KEY": "new-secret",
+            "SAGALINE_SECRET_KEY_ID": "s2",
+            "SAGALINE_OLD_SECRET_KEYS": "s1=old-secret,s1=older-secret",
+        },
+    ],
+)
+def test_one_secret_key_id_for_two_secrets_is_refused_not_the_old_one_dropped(
+    env: dict[str, str],
+) -> None:
+    """A rotation that kept the key id (the new SAGALINE_SECRET_KEY under the default
+    s1, the old one as ``s1=old-secret``): a sealed value names only its key id, so the
+    old secret was silently dropped, and every secret sealed before the change failed
+    to open (SealError: the step failed as a business rejection, the saga compensated)."""
+    before = Settings.from_env({"SAGALINE_SECRET_KEY": "old-secret"}).sealer()
+    sealed = before.seal({"card": "4111 1111 1111 1111"}, ["card"], "saga-1")
+    with pytest.raises(SettingsError, match="SAGALINE_SECRET_KEY_ID"):
+        after = Settings.from_env(env).sealer()
+        # What a participant then did with a card sealed before the rotation:
+        after.open(sealed, ["card"], "saga-1")
+    # Rotated as docs/security.md says (a new id), the value sealed before opens; the
+    # current secret listed again under its own id changes nothing.
+    for fine in (
+        {**env, "SAGALINE_SECRET_KEY_ID": "s2", "SAGALINE_OLD_SECRET_KEYS": "s1=old-secret"},
+        {"SAGALINE_SECRET_KEY": "old-secret", "SAGALINE_OLD_SECRET_KEYS": "s1=old-secret"},
+    ):
+        opened = Settings.from_env(fine).sealer().open(sealed, ["card"], "saga-1")
+        assert opened == {"card": "4111 1111 1111 1111"}
+
+
 @pytest.mark.kafka
 def test_a_command_with_a_signing_key_but_no_trust_file_exits_2_saying_so(
     monkeypatch: pytest.MonkeyPatch,
