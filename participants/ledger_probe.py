@@ -158,12 +158,25 @@ class LedgerProbe:
                         record = None  # signed by another identity: not this command's
                     except CodecError:
                         record = None  # garbage or forged: the coordinator DLQs it
-                    if record is not None and record.envelope.causation_id == cause:
+                    if (
+                        record is not None
+                        and record.envelope.causation_id == cause
+                        and self._maybe_ours(record)
+                    ):
                         out.append(record)
                 if msg.offset() >= high - 1:
                     return out
         finally:
             self._consumer.unassign()
+
+    def _maybe_ours(self, record: Record) -> bool:
+        """Whether a verified record can be a replica's answer to the command: with
+        identities, only one this participant's own identity wrote (its producer is
+        bound to the signing key). Another participant may write intents and outcomes
+        too, for its own steps; one under this command's ids is a forgery the
+        coordinator refuses, and re-sending it would leave the step unanswered."""
+        own = self._signer.signs_as
+        return own is None or record.envelope.producer == own
 
     def _maybe_a_replicas(self, msg: Any) -> bool:
         """Whether a verified record could come from a replica of this participant:

@@ -309,3 +309,61 @@ def test_the_probe_waits_only_for_unreadable_records_its_own_participant_signed(
             probe.caused_by(command)
     finally:
         probe.close()
+
+
+def test_the_probe_takes_no_intent_or_outcome_another_participant_signed(
+    replicas: Replicas, tmp_path: Path
+) -> None:
+    """With identities, a participant may write intents and outcomes, but only for its
+    own steps (the coordinator refuses the rest). The probe took any verified record
+    with the command's causation: another participant (the mailer) that wrote an
+    outcome under the event id this participant's answer gets (derived from the
+    command's id, which anyone reading the ledger can compute) made a replica re-send
+    it "as is" instead of running the tool, an answer the coordinator refuses, so the
+    step never got one. Only this participant's own records count."""
+    from schemas.trust import Role
+    from tests.trust_kit import TrustKit
+
+    kit = TrustKit(tmp_path / "trust")
+    shop_kid = kit.add(PARTICIPANT, Role.PARTICIPANT)
+    mailer_kid = kit.add("mailer", Role.PARTICIPANT)
+    topic = replicas.settings.topics.events
+    command = replicas.execute("s1", {"sku": "a", "quantity": 1})
+
+    def as_written_by(producer: str) -> list[StepIntentRecorded | StepCommitted]:
+        intent = _intent_of(replicas, command)
+        intent = intent.model_copy(
+            update={"envelope": intent.envelope.model_copy(update={"producer": producer})}
+        )
+        outcome = StepCommitted(
+            envelope=intent.envelope.model_copy(
+                update={
+                    "event_id": derived_event_id(command.event_id, "outcome"),
+                    "type": StepCommitted.TYPE,
+                }
+            ),
+            step_id=command.step_id,
+            tool=command.tool,
+            idempotency_key=command.idempotency_key,
+            attempt=command.attempt,
+            result=b"{}",
+            response_fingerprint="0" * 32,
+        )
+        return [intent, outcome]
+
+    for record in as_written_by("mailer"):
+        key, value, headers = kit.forged(record, mailer_kid)  # the mailer's own key
+        replicas.producer.produce(topic, key=key, value=value, headers=headers)
+    assert replicas.producer.flush(30) == 0
+
+    probe = LedgerProbe(replicas.bootstrap, topic, kit.signer(PARTICIPANT))
+    try:
+        assert probe.caused_by(command) == []
+        own = as_written_by(PARTICIPANT)
+        for record in own:
+            key, value, headers = kit.forged(record, shop_kid)
+            replicas.producer.produce(topic, key=key, value=value, headers=headers)
+        assert replicas.producer.flush(30) == 0
+        assert [r.envelope.producer for r in probe.caused_by(command)] == [PARTICIPANT] * 2
+    finally:
+        probe.close()
