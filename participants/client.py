@@ -1445,6 +1445,7 @@ class Saga:
                 "and nothing was written. Check the id, or start a new saga"
             )
         client._ledger.backfill(self.saga_id, history)
+        bound = isinstance(client.signer, IdentitySigner)  # producers are their signers
         numbered = 0
         started = False
         for record in history:
@@ -1476,6 +1477,12 @@ class Saga:
                     record.outcome is not ReconcileResult.COMMITTED
                 ):
                     continue
+                scheduled = self._contracts.get(record.step_id)
+                if bound and (
+                    scheduled is None
+                    or not _may_report(record, record.step_id, scheduled.participant)
+                ):
+                    continue  # another participant's report: the coordinator refused it
                 result = orjson.loads(record.result or b"null")
                 if not is_omitted_result(result):
                     self.results[record.step_id] = result
@@ -1710,8 +1717,13 @@ class Saga:
         """What ends a wait for ``step``, and what the wait saw on the way."""
         where = {"saga_id": self.saga_id, "step_id": step, "tool": contract.tool}
         state: dict[str, Any] = {"unknown": False, "approval": None}
+        # With identities a record's producer is its signer: as at the coordinator, only
+        # the step's participant reports on it (another's report is refused there).
+        bound = isinstance(self.client.signer, IdentitySigner)
 
         def check(record: Record) -> Any:
+            if bound and not _may_report(record, step, contract.participant):
+                return None
             if isinstance(record, StepCommitted) and record.step_id == step:
                 result = orjson.loads(record.result)
                 if is_omitted_result(result):
@@ -1987,6 +1999,22 @@ class AsyncSaga:
         return await self._saga.await_terminal(timeout_s)
 
     await_terminal = wait
+
+
+_STEP_OUTCOMES = (StepCommitted, StepReconciled, StepFailed, StepOutcomeUnknown)
+
+
+def _may_report(record: Record, step: str, participant: str) -> bool:
+    """With identities, whether ``record`` can count for a wait on ``step`` of
+    ``participant``: a step's outcome only from that participant (the coordinator
+    refuses another's), an incident only from the coordinator or from that participant
+    about that step (the coordinator refuses a participant's incident on no step)."""
+    producer = record.envelope.producer
+    if isinstance(record, _STEP_OUTCOMES):
+        return producer == participant
+    if isinstance(record, IncidentRaised):
+        return producer == _COORDINATOR or (producer == participant and record.step_id == step)
+    return True
 
 
 def _approval_check(step_id: str) -> Callable[[Record], Any]:

@@ -545,3 +545,63 @@ def test_a_participant_cannot_take_another_participants_tool_through_the_catalog
         assert client.contract("send").participant == "mailer"  # its own: still good
     finally:
         client.close()
+
+
+def test_an_agent_takes_a_steps_outcome_only_from_the_participant_it_runs_on(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    """Any participant may write StepCommitted and StepFailed (for its own steps: the
+    coordinator refuses the rest). The agent's client took the first verified outcome
+    naming the step, whoever wrote it: the mailer could hand the agent a made-up result
+    of a payments charge (or a rejection), which the agent acted on though the
+    coordinator refused it. Only the step's own participant answers for it now."""
+    from participants.client import SagaClient
+    from sagaline.kafka import ensure_topics
+    from schemas import StepContract
+
+    kit = TrustKit(tmp_path / "keys")
+    kit.add("agent", Role.AGENT)
+    kit.add("payments", Role.PARTICIPANT)
+    kit.add("mailer", Role.PARTICIPANT)
+    base = Settings(
+        bootstrap=kafka_bootstrap, topic_prefix=unique_prefix, partitions=1, state_dir=tmp_path
+    )
+    ensure_topics(kafka_bootstrap, base.topics, [], 1)
+    contract = StepContract(tool="charge", participant="payments")
+    client = SagaClient(
+        kit.settings(base, "agent"), kafka_bootstrap, contracts={"charge": contract}
+    )
+    client.check_coordinator = False  # none runs: the records below stand in for it
+    client.start()
+    try:
+        saga = client.saga("billing", "agent").__enter__()
+        producer = client._writer.producer
+
+        def committed(by: str, result: str) -> StepCommitted:
+            return StepCommitted(
+                envelope=envelope_for(
+                    StepCommitted,
+                    saga_id=saga.saga_id,
+                    tenant_id=saga.tenant_id,
+                    producer=by,
+                    now=1_700_000_000_000,
+                ),
+                step_id="01-charge",  # the id the call below gets
+                tool="charge",
+                idempotency_key="k",
+                attempt=1,
+                result=orjson.dumps(result),
+                response_fingerprint="0" * 32,
+            )
+
+        forged, real = committed("mailer", "forged by the mailer"), committed("payments", "ch-1")
+        for record, identity in ((forged, "mailer"), (real, "payments")):
+            key, value, headers = kit.forged(record, kit.current[identity])
+            producer.produce(base.topics.events, key=key, value=value, headers=headers)
+        assert producer.flush(30) == 0
+        assert client._ledger.wait_for(
+            saga.saga_id, lambda r: r if r.event_id == real.event_id else None, 120
+        ), "the listener did not get the records"
+        assert saga.call("charge", cents=5, timeout_s=120) == "ch-1"
+    finally:
+        client.close()
