@@ -1769,6 +1769,13 @@ class Saga:
                             **where,
                         ),
                     )
+                asked = state["approval"]  # None: its request unread (a newer schema)
+                if (
+                    asked is not None and record.approval_id != asked
+                ) or record.envelope.tenant_id != self.tenant_id:
+                    # Not a denial of this step's request in the saga's tenant: the
+                    # coordinator refuses it, and the step still waits for a decision.
+                    return None
                 return (
                     "err",
                     ApprovalDeniedError(

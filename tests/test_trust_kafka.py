@@ -605,3 +605,92 @@ def test_an_agent_takes_a_steps_outcome_only_from_the_participant_it_runs_on(
         assert saga.call("charge", cents=5, timeout_s=120) == "ch-1"
     finally:
         client.close()
+
+
+def test_an_agent_takes_a_denial_only_of_its_steps_request_in_its_sagas_tenant(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    """The agent's client ended a call with ApprovalDeniedError on any operator's
+    ApprovalDenied naming the step: one for another tenant (an operator of globex on an
+    acme saga) or of another approval id, both of which the coordinator refuses while
+    the step still waits for its decision. The agent gave up (and its saga unwound)
+    on a denial that never counted."""
+    from participants.client import SagaClient
+    from sagaline.kafka import ensure_topics
+    from schemas import ApprovalDenied, ApprovalPurpose, StepContract
+
+    kit = TrustKit(tmp_path / "keys")
+    kit.add("sagaline-coordinator", Role.COORDINATOR)
+    kit.add("agent", Role.AGENT)
+    kit.add("payments", Role.PARTICIPANT)
+    kit.add("gina", Role.OPERATOR, tenants=["globex"])
+    kit.add("bob", Role.OPERATOR)
+    base = Settings(
+        bootstrap=kafka_bootstrap,
+        topic_prefix=unique_prefix,
+        partitions=1,
+        state_dir=tmp_path,
+        tenant_id=TENANT,
+    )
+    ensure_topics(kafka_bootstrap, base.topics, [], 1)
+    contract = StepContract(tool="charge", participant="payments")
+    client = SagaClient(
+        kit.settings(base, "agent"), kafka_bootstrap, contracts={"charge": contract}
+    )
+    client.check_coordinator = False  # none runs: the records below stand in for it
+    client.start()
+    try:
+        saga = client.saga("billing", "agent").__enter__()
+        step = "01-charge"  # the id the call below gets
+
+        def envelope(cls: type[Record], by: str, tenant: str = TENANT) -> Any:
+            return envelope_for(
+                cls, saga_id=saga.saga_id, tenant_id=tenant, producer=by, now=1_700_000_000_000
+            )
+
+        def denial(by: str, approval_id: str, tenant: str = TENANT) -> ApprovalDenied:
+            return ApprovalDenied(
+                envelope=envelope(ApprovalDenied, by, tenant),
+                step_id=step,
+                approval_id=approval_id,
+                purpose=ApprovalPurpose.FORWARD,
+                denied_by=by,
+                reason="no",
+            )
+
+        request = ApprovalRequested(
+            envelope=envelope(ApprovalRequested, "sagaline-coordinator"),
+            step_id=step,
+            approval_id="appr-1",
+            purpose=ApprovalPurpose.FORWARD,
+            principal="agent",
+            args_fingerprint="f" * 32,
+            scope="payments/charge:execute",
+            expires_at=1_800_000_000_000,
+        )
+        committed = StepCommitted(
+            envelope=envelope(StepCommitted, "payments"),
+            step_id=step,
+            tool="charge",
+            idempotency_key="k",
+            attempt=1,
+            result=orjson.dumps("ch-1"),
+            response_fingerprint="0" * 32,
+        )
+        records = [
+            (request, "sagaline-coordinator"),
+            (denial("gina", "appr-1", tenant="globex"), "gina"),  # another tenant's operator
+            (denial("bob", "appr-0"), "bob"),  # not the approval requested
+            (committed, "payments"),  # what the coordinator's run really led to
+        ]
+        producer = client._writer.producer
+        for record, identity in records:
+            key, value, headers = kit.forged(record, kit.current[identity])
+            producer.produce(base.topics.events, key=key, value=value, headers=headers)
+        assert producer.flush(30) == 0
+        assert client._ledger.wait_for(
+            saga.saga_id, lambda r: r if r.event_id == committed.event_id else None, 120
+        ), "the listener did not get the records"
+        assert saga.call("charge", cents=5, timeout_s=120) == "ch-1"
+    finally:
+        client.close()
