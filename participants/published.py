@@ -171,7 +171,8 @@ def publishers(published: Published) -> set[str]:
 def stale_keys(published: Published, participant: str, serves: Iterable[str]) -> list[bytes]:
     """The keys ``participant`` published for tools it no longer serves: to tombstone
     as it starts, so a tool it dropped (or gave to another participant) is not
-    declared by it any more. A bare-name entry counts when it names this participant."""
+    declared by it any more. A bare-name entry counts when it names this participant
+    (read from the raw JSON, so also when its contract cannot be read)."""
     served = set(serves)
     out: list[bytes] = []
     for key, value in published.latest.items():
@@ -184,10 +185,14 @@ def stale_keys(published: Published, participant: str, serves: Iterable[str]) ->
             continue
         if key in served:
             continue
-        try:
-            named = _entry(value).participant
-        except (ValueError, TypeError, KeyError, AttributeError):
-            continue
+        # Read from the raw JSON, as fold() does: an entry whose contract this
+        # version cannot read (a newer participant's) still names its participant.
+        named = named_participant(value)
+        if named is None:
+            try:
+                named = _entry(value).participant  # named in its contract only
+            except (ValueError, TypeError, KeyError, AttributeError):
+                continue
         if named == participant:
             out.append(key.encode())
     return out

@@ -150,3 +150,23 @@ def _latest(settings: Settings) -> dict[str, bool]:
     reader = LedgerReader(settings.bootstrap or "")
     current = fold((k, v) for k, v, _h in reader.records(settings.topics.catalogue))
     return {key: value is not None for key, value in sorted(current.latest.items())}
+
+
+def test_withdraw_takes_out_the_bare_key_of_an_entry_this_version_cannot_read(
+    deployment: Settings, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The tool-name key (read by agents of earlier versions) that names the retired
+    participant is tombstoned with its ``participant/tool`` key even when its contract
+    is one this CLI cannot read: left live, those agents kept calling the retired
+    participant's tool."""
+    topic = deployment.topics.catalogue
+    bootstrap = deployment.bootstrap or ""
+    newer = orjson.loads(_entry("legacy", "refund"))
+    newer["contract"]["field_of_a_later_version"] = 1
+    body = orjson.dumps(newer)
+    _publish(bootstrap, topic, (b"refund", body), (entry_key("legacy", "refund"), body))
+    assert main(["catalogue", "withdraw", "legacy"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "withdrew legacy/refund" in out
+    assert "withdrew refund (the key agents of earlier versions read)" in out
+    assert _latest(deployment) == {"legacy/refund": False, "refund": False}
