@@ -142,7 +142,12 @@ def _entry(value: bytes) -> Entry:
     participant = raw.get("participant") or contract.participant
     if not isinstance(participant, str):
         raise TypeError(f"participant {participant!r} is not a name")
-    return Entry(participant, contract, tuple(raw.get("secret_paths", ())))
+    # Absent in entries of earlier versions: none. Anything but a list of names is
+    # refused: a string would be read as one path per letter, its secret in clear.
+    paths = raw.get("secret_paths", [])
+    if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+        raise TypeError(f"secret_paths {str(paths)[:80]!r} is not a list of argument paths")
+    return Entry(participant, contract, tuple(paths))
 
 
 def publishers(published: Published) -> set[str]:

@@ -295,6 +295,30 @@ def test_a_tool_whose_latest_entry_cannot_be_read_is_refused_not_taken_from_an_o
         new_client(settings, clients).contract("send")
 
 
+def test_an_entry_whose_secret_paths_are_not_a_list_of_names_is_refused(
+    settings: Settings, clients: list[SagaClient]
+) -> None:
+    """``"secret_paths": "to"`` was read as the paths 't' and 'o', so the argument
+    ``to`` it declares secret would reach the ledger in clear; a list holding a
+    non-name failed every call of the tool. Such an entry cannot be read: refused."""
+    contract = wrap(MailerV1(), name="mailer")["send"].contract("mailer")
+    writer = LedgerWriter(settings.bootstrap, settings.topics, settings.signer())
+    try:
+        for paths in ("to", [1]):
+            body = orjson.dumps(
+                {
+                    "participant": "mailer",
+                    "contract": contract.model_dump(mode="json"),
+                    "secret_paths": paths,
+                }
+            )
+            writer.write(settings.topics.catalogue, entry_key("mailer", "send"), body)
+            with pytest.raises(UnknownTool, match="cannot be read"):
+                new_client(settings, clients).contract("send")
+    finally:
+        writer.close()
+
+
 def test_a_participant_that_cannot_read_the_catalogue_still_publishes(
     settings: Settings, clients: list[SagaClient], caplog: pytest.LogCaptureFixture
 ) -> None:
