@@ -599,9 +599,22 @@ class _Inspector:
     ) -> ToolSpec | None:
         before = len(self.problems)
         tool_name = decl.name or attr
+        if not isinstance(tool_name, str):
+            tool_name = str(tool_name)
+            self.problem(
+                tool_name,
+                f'tool name {decl.name!r} is not a string; set @tool(name="...")'
+                f" (method {self.label}.{attr})",
+            )
         self.declared.append((tool_name, attr))
         func = self._bound(attr)
         assert func is not None  # _callable_names only lists callables
+        for flag in ("read_only", "pivot"):
+            value = getattr(decl, flag)
+            if not isinstance(value, bool):
+                # The contract would read "no" as False while the plan check took it
+                # as set: one declaration, two meanings.
+                self.problem(tool_name, f"{flag} must be True or False, got {value!r}")
 
         if not _TOOL_NAME.match(tool_name):
             self.problem(
@@ -1086,7 +1099,13 @@ class _Inspector:
                 self.problem(tool_name, f"resources must be non-empty strings, got {resource!r}")
         if not decl.owner:
             self.problem(tool_name, "owner is empty; name who is handed this tool's incidents (R8)")
-        if args_model is not None:
+        bad_secrets = [s for s in decl.secret_fields if not isinstance(s, str)]
+        for secret in bad_secrets:
+            self.problem(
+                tool_name,
+                f"secret_fields must list argument names or dotted paths (strings), got {secret!r}",
+            )
+        if args_model is not None and not bad_secrets:
             # An argument arrives under its name or, when it has one, its alias (what
             # its JSON schema shows): a secret path names it either way.
             names = {

@@ -512,6 +512,42 @@ def test_secret_fields_naming_no_argument_is_rejected() -> None:
     assert "'card_numbr'" in problem.message and "did you mean 'card_number'?" in problem.message
 
 
+def test_declaration_values_of_the_wrong_type_are_problems_naming_the_tool() -> None:
+    """``@tool(name=...)`` not a string, a ``secret_fields`` entry not a string, and
+    ``read_only`` / ``pivot`` not a bool: wrap() ended in a bare TypeError or
+    AttributeError naming no tool, or (``pivot="no"``) the plan check read a pivot
+    the contract, which pydantic reads as False, does not declare."""
+
+    class Odd:
+        @tool(description="Charge", name=7)  # type: ignore[arg-type]
+        @compensable(by="refund")
+        def charge(self, card_number: str) -> str:
+            return "c"
+
+        @tool(description="Pay", secret_fields=(["card", "number"],))  # type: ignore[list-item]
+        @compensable(by="refund")
+        def pay(self, card: dict[str, str]) -> str:
+            return "p"
+
+        @tool(description="Book", pivot="no")  # type: ignore[arg-type]
+        @compensable(by="refund")
+        def book(self, seat: str) -> str:
+            return "b"
+
+        @tool(description="Look", read_only="yes")  # type: ignore[arg-type]
+        def look(self, seat: str) -> str:
+            return "l"
+
+        def refund(self) -> None:
+            pass
+
+    problems = {p.tool: p.message for p in problems_of(Odd())}
+    assert "tool name 7 is not a string" in problems["7"]
+    assert "secret_fields must list argument names" in problems["pay"]
+    assert "pivot must be True or False, got 'no'" in problems["book"]
+    assert "read_only must be True or False, got 'yes'" in problems["look"]
+
+
 def test_contract_values_that_cannot_work_are_rejected() -> None:
     """R8/R11/R13 fields: a deadline, a reversal window, exception types, an owner."""
 
