@@ -146,11 +146,16 @@ def _module_name_setting(module: types.ModuleType) -> str | None:
 
 
 def _has_tools(value: Any) -> bool:
-    """Whether ``value`` is an instance whose class has a ``@tool`` method."""
-    if inspect.isclass(value) or isinstance(value, types.ModuleType) or callable(value):
+    """Whether ``value`` is an instance whose class has a ``@tool`` method. A module
+    global that raises when asked (a lazy proxy such as ``django.conf.settings`` not
+    configured, whose ``__class__`` raises) is none: scanning must not fail on it."""
+    try:
+        if inspect.isclass(value) or isinstance(value, types.ModuleType) or callable(value):
+            return False
+        return any(
+            tool_declaration(getattr(member, "__func__", member)) is not None
+            for klass in inspect.getmro(type(value))
+            for member in vars(klass).values()
+        )
+    except Exception:
         return False
-    return any(
-        tool_declaration(getattr(member, "__func__", member)) is not None
-        for klass in inspect.getmro(type(value))
-        for member in vars(klass).values()
-    )

@@ -105,6 +105,16 @@ def test_catalogue_check_of_a_module_without_participants_exits_2(
     assert "holds no participant" in capsys.readouterr().err
 
 
+def test_catalogue_check_passes_over_a_module_object_that_raises_when_inspected(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A module-level lazy object (``django.conf.settings`` unconfigured) raised out
+    of the scan for participants, ending the command in a traceback; it is no
+    participant, and the module's participant is found."""
+    assert main(["catalogue", "check", "tests.fixtures.participants_beside_a_lazy_object"]) == 0
+    assert "find_order" in capsys.readouterr().out
+
+
 def write_plan(tmp_path: Path, calls: list[dict[str, object]]) -> Path:
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({"module": GOOD, "calls": calls}))
