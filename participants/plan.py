@@ -135,12 +135,17 @@ class PlanReport:
 def check_plan(
     calls: Iterable[PlannedCall | Mapping[str, Any]],
     catalogue: Mapping[str, ToolSpec] | Iterable[Mapping[str, ToolSpec]],
+    *,
+    reads_are_steps: bool = True,
 ) -> PlanReport:
     """Classify each call and flag ordering problems (R17).
 
     ``catalogue`` is one ``Catalogue`` or several (an agent may call tools of more
     than one participant). ``calls`` are ``PlannedCall`` or ``{"tool": ..., "args":
-    {...}}`` mappings.
+    {...}}`` mappings. ``reads_are_steps``: a read-only call is a step of the saga (as
+    with the saga client), whose failure before the pivot unwinds the saga like a
+    write's; False where reads are not steps (``sagaline mcp proxy`` passes them
+    straight through), so an irreversible step before one is not flagged.
     """
     tools, declared_by = _merge(catalogue)
     planned = [_planned(i, c) for i, c in enumerate(calls)]
@@ -188,12 +193,14 @@ def check_plan(
                 Finding(FindingCode.INVALID_ARGS, Severity.ERROR, index, call.tool, exc.detail)
             )
 
-    findings += _ordering(classified, specs)
+    findings += _ordering(classified, specs, reads_are_steps)
     findings.sort(key=lambda f: (f.step, list(Severity).index(f.severity)))
     return PlanReport(tuple(classified), tuple(findings))
 
 
-def _ordering(calls: list[ClassifiedCall], specs: list[ToolSpec | None]) -> list[Finding]:
+def _ordering(
+    calls: list[ClassifiedCall], specs: list[ToolSpec | None], reads_are_steps: bool
+) -> list[Finding]:
     findings: list[Finding] = []
     pivots = [c for c in calls if c.call_class is CallClass.PIVOT]
     first_pivot = pivots[0].index if pivots else None
@@ -223,7 +230,7 @@ def _ordering(calls: list[ClassifiedCall], specs: list[ToolSpec | None]) -> list
                 )
             )
         later = (
-            _fallible_writes_until_pivot(calls, call.index)
+            _fallible_until_pivot(calls, call.index, reads_are_steps)
             if call.call_class is CallClass.IRREVERSIBLE and not after_pivot
             else []
         )
@@ -273,12 +280,17 @@ def _ordering(calls: list[ClassifiedCall], specs: list[ToolSpec | None]) -> list
     return findings
 
 
-def _fallible_writes_until_pivot(calls: list[ClassifiedCall], after: int) -> list[ClassifiedCall]:
-    """Writes after step ``after`` whose failure would still unwind the saga: every
-    later write up to and including the next pivot."""
+def _fallible_until_pivot(
+    calls: list[ClassifiedCall], after: int, reads_are_steps: bool
+) -> list[ClassifiedCall]:
+    """Steps after step ``after`` whose failure would still unwind the saga: every
+    later step up to and including the next pivot. A read counts when it is a step:
+    a read that fails (an order not found, a timeout) turns the saga around too."""
     found: list[ClassifiedCall] = []
     for call in calls[after + 1 :]:
-        if call.call_class in (CallClass.READ_ONLY, CallClass.UNKNOWN):
+        if call.call_class is CallClass.UNKNOWN:
+            continue
+        if call.call_class is CallClass.READ_ONLY and not reads_are_steps:
             continue
         found.append(call)
         if call.call_class is CallClass.PIVOT:

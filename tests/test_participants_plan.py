@@ -83,6 +83,29 @@ def test_irreversible_before_the_pivot_is_an_error(refunds: Catalogue) -> None:
     assert FindingCode.IRREVERSIBLE_BEFORE_FALLIBLE in codes
 
 
+def test_irreversible_before_a_read_is_an_error(refunds: Catalogue) -> None:
+    """A read-only call is a step of the saga: if it fails (the order is not found, it
+    times out), the saga unwinds before any pivot, and the email stays sent. The check
+    passed such a plan."""
+    plan = [call("send_email", order_id="o-1", body="x"), call("get_order", order_id="o-1")]
+    report = check_plan(plan, refunds)
+    [finding] = [f for f in report.findings if f.code is FindingCode.IRREVERSIBLE_BEFORE_FALLIBLE]
+    assert (finding.step, finding.tool) == (0, "send_email")
+    assert "step 1 get_order (READ_ONLY)" in finding.message
+    assert not report.ok
+
+
+def test_where_reads_are_not_steps_an_irreversible_step_before_one_is_not_flagged(
+    refunds: Catalogue,
+) -> None:
+    """The MCP proxy passes read-only calls straight through: their failure is the
+    agent's to handle, it does not unwind the saga."""
+    plan = [call("send_email", order_id="o-1", body="x"), call("get_order", order_id="o-1")]
+    report = check_plan(plan, refunds, reads_are_steps=False)
+    assert FindingCode.IRREVERSIBLE_BEFORE_FALLIBLE not in report.codes()
+    assert report.ok
+
+
 def test_irreversible_after_the_pivot_is_not_flagged(refunds: Catalogue) -> None:
     plan = [
         call("issue_credit", order_id="o-1", amount_cents=1),

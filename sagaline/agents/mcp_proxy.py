@@ -967,7 +967,11 @@ class McpProxy:
                 return await self._end(SagaOutcome.ABORT, str(args.get("reason") or "aborted"))
             if params.name == "saga_check_plan":
                 try:
-                    report = check_plan(args.get("calls") or [], self.catalogue)
+                    # Read-only calls are passed straight through, not saga steps:
+                    # one failing does not unwind the saga.
+                    report = check_plan(
+                        args.get("calls") or [], self.catalogue, reads_are_steps=False
+                    )
                 except ValueError as exc:  # calls it cannot read: said to the agent
                     return _text(f"saga_check_plan: {exc}; nothing was checked", error=True)
                 return _text(report.render(), error=not report.ok)
