@@ -147,6 +147,12 @@ def check_plan(
     write's; False where reads are not steps (``sagaline mcp proxy`` passes them
     straight through), so an irreversible step before one is not flagged.
     """
+    if isinstance(calls, Mapping) or not isinstance(calls, Iterable):
+        shown = "one call object" if isinstance(calls, Mapping) else type(calls).__name__
+        raise ValueError(
+            'the planned calls must be a list of {"tool": ..., "args": {...}} objects,'
+            f" got {shown}"
+        )
     tools, declared_by = _merge(catalogue)
     planned = [_planned(i, c) for i, c in enumerate(calls)]
     findings: list[Finding] = []

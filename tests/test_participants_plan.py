@@ -165,6 +165,22 @@ def test_irreversible_steps_note_the_approval_they_wait_for(refunds: Catalogue) 
     assert noted == ["issue_credit", "send_email"]
 
 
+@pytest.mark.parametrize(
+    ("calls", "said"),
+    [(5, "got int"), ({"tool": "get_order", "args": {"order_id": "o-1"}}, "one call")],
+)
+def test_calls_that_are_not_a_list_are_a_value_error_saying_so(
+    refunds: Catalogue, calls: object, said: str
+) -> None:
+    """What a model may pass to the MCP proxy's saga_check_plan as ``calls``: a number
+    raised a TypeError (a protocol error, not a tool result the agent reads), and one
+    call object instead of a list was read key by key ("planned call 0 ... got str
+    'tool'")."""
+    with pytest.raises(ValueError, match="must be a list") as caught:
+        check_plan(calls, refunds)  # type: ignore[arg-type]
+    assert said in str(caught.value)
+
+
 def test_plain_mappings_and_several_catalogues_are_accepted(refunds: Catalogue) -> None:
     from participants import compensable, tool
 
