@@ -743,7 +743,21 @@ class _Inspector:
                 " (a leading underscore, or model_config), so no call could pass it;"
                 " rename it",
             )
-        return None if dropped else model
+        if dropped:
+            return None
+        # A type pydantic validates but cannot describe (a Callable, ``type``) would
+        # fail later, as the runtime publishes the tool's definition: say so now.
+        try:
+            model.model_json_schema()
+        except Exception as exc:
+            self.problem(
+                tool_name,
+                f"its arguments have no JSON schema ({str(exc).splitlines()[0]}), so no"
+                " model could be told how to call it; use JSON-compatible types (str,"
+                " int, float, bool, lists, dicts, pydantic models)",
+            )
+            return None
+        return model
 
     def _compensation(
         self,

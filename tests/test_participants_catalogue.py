@@ -4,6 +4,7 @@ snapshot and call handles."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -546,6 +547,26 @@ def test_declaration_values_of_the_wrong_type_are_problems_naming_the_tool() -> 
     assert "secret_fields must list argument names" in problems["pay"]
     assert "pivot must be True or False, got 'no'" in problems["book"]
     assert "read_only must be True or False, got 'yes'" in problems["look"]
+
+
+def test_a_parameter_with_no_json_schema_is_a_problem_at_wrap() -> None:
+    """``on_done: Callable[[], None] | None = None`` (an existing function passed as a
+    tool) built an argument model, so wrap() and ``catalogue check`` passed it, but no
+    JSON schema: the participant runtime then failed as it published its catalogue
+    (and ``tool_definitions()`` for an agent) with PydanticInvalidForJsonSchema."""
+
+    class Mailer:
+        @tool(description="Notify", read_only=True)
+        def notify(self, to: str, on_done: Callable[[], None] | None = None) -> str:
+            return to
+
+        @tool(description="Make", read_only=True)
+        def make(self, kind: type) -> str:
+            return "made"
+
+    problems = {p.tool: p.message for p in problems_of(Mailer())}
+    assert set(problems) == {"notify", "make"}
+    assert "no JSON schema" in problems["notify"]
 
 
 def test_contract_values_that_cannot_work_are_rejected() -> None:
