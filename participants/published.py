@@ -106,6 +106,17 @@ def fold(
                 raise PermissionError(
                     f"names participant {entry.participant!r} under {_owner!r}'s key"
                 )
+            # A call of the key's tool is scheduled as its contract says: a contract
+            # of another tool or participant would send it elsewhere.
+            if entry.contract.tool != tool:
+                raise PermissionError(
+                    f"holds the contract of tool {entry.contract.tool!r} under {tool!r}"
+                )
+            if entry.contract.participant != entry.participant:
+                raise PermissionError(
+                    f"holds a contract of participant {entry.contract.participant!r}"
+                    f" in {entry.participant!r}'s entry"
+                )
         except (ValueError, TypeError, KeyError, AttributeError, PermissionError) as exc:
             why = f"{type(exc).__name__}: {exc}"[:300]
             unreadable.setdefault(tool, []).append((at[key], key, why))

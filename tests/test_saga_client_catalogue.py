@@ -319,6 +319,27 @@ def test_an_entry_whose_secret_paths_are_not_a_list_of_names_is_refused(
         writer.close()
 
 
+@pytest.mark.parametrize(("field", "value"), [("tool", "refund"), ("participant", "payments")])
+def test_an_entry_whose_contract_names_another_tool_or_participant_is_refused(
+    settings: Settings, clients: list[SagaClient], field: str, value: str
+) -> None:
+    """Under ``mailer/send`` a contract of tool ``refund`` (or of participant
+    ``payments``) was taken as ``send``'s: a call of ``send`` was scheduled as that
+    contract's tool, on that contract's participant. Only the entry's top-level
+    participant was compared with its key (and, with identities, its signature)."""
+    contract = wrap(MailerV1(), name="mailer")["send"].contract("mailer").model_dump(mode="json")
+    contract[field] = value
+    body = orjson.dumps({"participant": "mailer", "contract": contract, "secret_paths": []})
+    writer = LedgerWriter(settings.bootstrap, settings.topics, settings.signer())
+    try:
+        writer.write(settings.topics.catalogue, entry_key("mailer", "send"), body)
+    finally:
+        writer.close()
+
+    with pytest.raises(UnknownTool, match="cannot be read"):
+        new_client(settings, clients).contract("send")
+
+
 def test_a_participant_that_cannot_read_the_catalogue_still_publishes(
     settings: Settings, clients: list[SagaClient], caplog: pytest.LogCaptureFixture
 ) -> None:
