@@ -1013,3 +1013,62 @@ def test_a_saga_whose_id_has_a_slash_gets_its_page_and_its_actions() -> None:
         response = client.post(html.unescape(path), data=form, follow_redirects=False)
         assert response.status_code == 303, (path, response.status_code)
     assert [r.saga_id for r in channel.published] == ["orders/42", "orders/42", "io/7"]  # type: ignore[attr-defined]
+
+
+def _two_runs_ended() -> list[Any]:
+    """A saga whose agent restarted (generation 2) while a step's outcome was unknown:
+    the new run asks a person again, who settles it, and the saga completes."""
+    ledger, h = fresh()
+    h.feed(ledger.started(), ledger.scheduled("hold"), ledger.intent("hold"))
+    h.feed(ledger.committed("hold"), ledger.scheduled("wire"), ledger.intent("wire"))
+    incidents(h.feed(ledger.unknown("wire")))
+    ledger.generation = 2
+    [asked_again] = incidents(h.feed(ledger.started(generation=2)))
+    h.feed(ledger.resolve(asked_again.incident_id, "COMMITTED"))
+    h.feed(ledger.end(SagaOutcome.COMPLETE))
+    assert isinstance(h.log[-1], SagaTerminal) and h.log[-1].envelope.generation == 2
+    return h.log
+
+
+@pytest.mark.parametrize("early", ["terminal", "incidents", "terminal-mid-ledger"])
+def test_a_restart_shows_a_saga_of_two_runs_as_it_was_before(early: str) -> None:
+    """A restarted dashboard reads the short terminal and incident topics alongside the
+    ledger, so their copies of a saga's later records arrive before its earlier ledger
+    records. A copy of generation 2 read first made every record of the first run stale
+    (its steps shown only from the receipt, its time in unknown state lost), and a
+    terminal copy read before the ledger's second SagaStarted made that start look like
+    a late start of an ended saga (the page said generation 1)."""
+    log = _two_runs_ended()
+
+    def fold(order: list[tuple[Any, bool]]) -> tuple[Any, ...]:
+        state = DashboardState(SagalineMetrics("dashboard"))
+        for record, from_ledger in order:
+            state.apply(record, from_ledger=from_ledger)
+        (saga,) = state.sagas.values()
+        steps = {k: (v.state, v.attempts, len(v.spans)) for k, v in saga.steps.items()}
+        measures = state.metrics.snapshot()
+        return (
+            saga.status,
+            saga.generation,
+            saga.record_count,
+            steps,
+            state.stale_records,
+            measures.time_in_unknown,
+            measures.manual_interventions,
+        )
+
+    ledger = [(r, True) for r in log]
+    if early == "terminal-mid-ledger":
+        restart = [*ledger[:5], (log[-1], False), *ledger[5:]]
+    else:
+        kind = SagaTerminal if early == "terminal" else IncidentRaised
+        restart = [*[(r, False) for r in log if isinstance(r, kind)][-1:], *ledger]
+    live = fold(ledger)
+    assert live[:2] == (SagaStatus.COMPLETED, 2) and live[4] == 0
+    assert fold(restart) == live
+    # The terminal topic alone (the ledger expired) still says which run ended.
+    state = DashboardState()
+    state.apply(log[-1], from_ledger=False)
+    page = TestClient(create_app(state)).get(f"/sagas/{log[-1].saga_id}").text
+    # (the saga's facts, then the receipt's)
+    assert re.findall(r"<tr><th>generation</th><td>(\d+)</td></tr>", page) == ["2", "2"]

@@ -488,7 +488,9 @@ def _saga_fragment(saga: SagaView, now: int, viewer: Viewer = DEV) -> str:
         ("tenant", _e(saga.tenant_id)),
         ("workflow", _e(saga.workflow)),
         ("principal", _e(saga.principal)),
-        ("generation", str(saga.generation)),
+        # The receipt's, when the ledger's start of that run is not (yet) read: a copy
+        # from the terminal topic does not move the view's generation.
+        ("generation", str(max(saga.generation, saga.receipt.generation if saga.receipt else 0))),
         ("started", _e(format_ms(saga.started_at))),
         ("ended", _e(format_ms(saga.terminal_at))),
         ("records", str(saga.record_count)),

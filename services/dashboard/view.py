@@ -289,7 +289,7 @@ class DashboardState:
                 if from_ledger:
                     self._ended_in_ledger(record)
                 return False
-            saga = self._saga_for(record)
+            saga = self._saga_for(record, from_ledger)
             if saga is None:
                 self._seen.add(event_id)
                 self.stale_records += 1
@@ -341,12 +341,16 @@ class DashboardState:
             return not _denial_problems(known, record)
         return True
 
-    def _saga_for(self, record: Record) -> SagaView | None:
+    def _saga_for(self, record: Record, from_ledger: bool = True) -> SagaView | None:
         env = record.envelope
         saga = self.sagas.get(env.saga_id)
         if saga is None:
+            # A copy from the terminal or incident topic (read early on a restart) says
+            # nothing of where the ledger's runs begin: it does not make the earlier
+            # runs' records, still to be read from the ledger, stale.
+            generation = env.generation if from_ledger else min(env.generation, 1)
             saga = self.sagas[env.saga_id] = SagaView(
-                saga_id=env.saga_id, tenant_id=env.tenant_id, generation=env.generation
+                saga_id=env.saga_id, tenant_id=env.tenant_id, generation=generation
             )
             return saga
         if env.generation < saga.generation and not _counts_from_earlier_run(saga, record):
@@ -354,9 +358,11 @@ class DashboardState:
         if (
             env.generation > saga.generation
             and isinstance(record, SagaStarted)
-            and saga.terminal_status is not None
+            and saga.ended_in_ledger
         ):
-            return None  # the coordinator ignores a late start of an ended saga
+            # The coordinator ignores a late start of a saga that ended before it in the
+            # ledger; the terminal topic's copy, read early on a restart, does not decide.
+            return None
         return saga
 
     # ----------------------------------------------------------------- reading
