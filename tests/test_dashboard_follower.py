@@ -286,3 +286,28 @@ def test_a_record_written_by_a_newer_version_is_reported_not_skipped_in_silence(
     assert (health.get("unreadable_records"), api.get("unreadable_records")) == (1, 1)
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any(value[2:10].hex() in w and "upgrade" in w for w in warnings), warnings
+
+
+def test_records_that_fail_verification_are_counted_and_reported_not_skipped_in_silence(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A dashboard given another key than the services' (or a record tampered with, or
+    bytes that are no record) skipped every such record with a DEBUG line and a count
+    nobody could see: the page showed no sagas, or a saga without its records, while
+    /healthz said all was well and the log said nothing. Now they are counted in
+    /healthz and /api/state, and the first of each kind is logged at WARNING."""
+    ours, theirs = Signer(b"k" * 32), Signer(b"x" * 32)
+    forged = _messages(theirs, running("s-forged"))
+    garbage = Message(b"s-junk", b"\x00\x01 not a record", [])
+    consumer = Scripted([[*_messages(ours, running("s-good")), *forged, garbage]])
+    follower, state = _follow(monkeypatch, consumer, ours)
+    with caplog.at_level("INFO"), TestClient(create_app(state, follower=follower)) as client:
+        consumer.settle(follower)
+        health = client.get("/healthz").json()
+        api = client.get("/api/state").json()
+    assert set(state.sagas) == {"s-good"}
+    rejected = len(forged) + 1
+    assert (health.get("rejected_records"), api.get("rejected_records")) == (rejected, rejected)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("signature" in w for w in warnings), warnings
+    assert len(warnings) == 2, warnings  # once per kind, not once per record

@@ -1126,6 +1126,7 @@ def create_app(
                 "ledger_duplicates": state.ledger_duplicates,
                 "refused_records": state.refused_records,
                 "fold_errors": follower.fold_errors if follower else 0,
+                "rejected_records": follower.rejected if follower else 0,
                 "unreadable_records": follower.unreadable if follower else 0,
                 "counts": {s.slug: n for s, n in state.counts(flt).items()},
                 "sagas": [
@@ -1167,6 +1168,7 @@ def create_app(
         body: dict[str, Any] = {
             "caught_up": ready,
             "fold_errors": follower.fold_errors,
+            "rejected_records": follower.rejected,
             "unreadable_records": follower.unreadable,
         }
         # A follower thread that ended leaves a view that no longer moves: not healthy,

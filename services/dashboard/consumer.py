@@ -45,7 +45,11 @@ class LedgerFollower:
         self.signer = signer
         self.state = state
         self.caught_up = threading.Event()
-        self.rejected = 0  # records that failed verification/decoding (the coordinator DLQs them)
+        # Records skipped unread: they failed verification or decoding (the coordinator
+        # DLQs them; every one of them here when the dashboard has another key than the
+        # services), the unreadable ones below included. Logged once per reason.
+        self.rejected = 0
+        self._rejected_reasons: set[str] = set()
         # Of those, the ones written under a schema this version cannot read (a newer
         # writer, which reads them itself: nobody DLQs them), and their fingerprints.
         self.unreadable = 0
@@ -113,8 +117,7 @@ class LedgerFollower:
                     try:
                         headers = headers_of(msg)
                     except CodecError as exc:  # a header name not UTF-8: one record
-                        self.rejected += 1
-                        log.debug("skipping a record on %s: %s", msg.topic(), exc)
+                        self._reject(msg.topic() or "", exc)
                         continue
                     self._apply(msg.topic() or "", msg.key(), msg.value(), headers)
                 self._check_caught_up(consumer)
@@ -157,8 +160,7 @@ class LedgerFollower:
                 )
             return
         except CodecError as exc:
-            self.rejected += 1
-            log.debug("skipping a record on %s the codec rejects: %s", topic, exc)
+            self._reject(topic, exc)
             return
         except Exception as exc:  # R16: not a codec refusal, but still one record
             self.rejected += 1
@@ -187,6 +189,25 @@ class LedgerFollower:
                 self.fold_errors,
                 exc_info=True,
             )
+
+    def _reject(self, topic: str, exc: CodecError) -> None:
+        """A record that fails verification or decoding: skipped and counted; the first
+        of each reason logged at WARNING (a key other than the services' rejects them
+        all, and the page would otherwise just stay empty), the others at DEBUG."""
+        self.rejected += 1
+        if exc.reason in self._rejected_reasons:
+            log.debug("skipping a record on %s the codec rejects (%s): %s", topic, exc.reason, exc)
+            return
+        self._rejected_reasons.add(exc.reason)
+        log.warning(
+            "skipping records on %s that fail verification or decoding (%s: %s); their "
+            "sagas are shown without them (counted in rejected_records in /healthz and "
+            "/api/state). If every record fails, the dashboard does not have the "
+            "services' key: check SAGALINE_HMAC_KEY or SAGALINE_TRUST_FILE",
+            topic,
+            exc.reason,
+            exc,
+        )
 
     def _refresh(self, consumer: Consumer) -> None:
         """Assign partitions we do not follow yet (from the beginning); update lag."""
