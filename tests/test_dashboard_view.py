@@ -1072,3 +1072,28 @@ def test_a_restart_shows_a_saga_of_two_runs_as_it_was_before(early: str) -> None
     page = TestClient(create_app(state)).get(f"/sagas/{log[-1].saga_id}").text
     # (the saga's facts, then the receipt's)
     assert re.findall(r"<tr><th>generation</th><td>(\d+)</td></tr>", page) == ["2", "2"]
+
+
+def test_an_effect_measure_that_raises_neither_hides_the_step_nor_stops_the_metrics(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """R16: the deployment's effect measure reads a tool's arguments; one that raised on
+    arguments it did not expect made ``observe_record`` raise: the dashboard skipped the
+    StepScheduled as a fold error (the step was missing from the saga's page) and the
+    coordinator's loop, which calls it outside its per-record guard, stopped on it."""
+
+    def broken(step: Any) -> int | None:
+        raise KeyError("amount")
+
+    state = DashboardState(SagalineMetrics("dashboard", effect=broken))
+    for record in completed().records:
+        state.apply(record)
+    saga = state.sagas["s-completed"]
+    assert saga.status is SagaStatus.COMPLETED
+    assert "?" not in {s.tool for s in saga.steps.values()}
+    coordinator = CoordinatorMetrics(effect=broken)
+    for record in escalated().records:
+        coordinator.observe_record(record)
+    assert coordinator.snapshot().sagas_terminal == {"ESCALATED": 1}
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2 and "KeyError" in warnings[0].getMessage()  # once each

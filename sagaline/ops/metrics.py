@@ -26,6 +26,7 @@ Metric names are documented in ``docs/operations-dashboard.md``.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -54,6 +55,8 @@ from schemas.models import (
     TerminalStatus,
 )
 from schemas.receipt import Disposition, Receipt
+
+log = logging.getLogger("sagaline.metrics")
 
 # Durations from a sub-second hiccup to a human settling something the next day.
 _RECOVERY_BUCKETS = (
@@ -132,6 +135,7 @@ class SagalineMetrics:
     ) -> None:
         self.component = component
         self._effect = effect
+        self._effect_failed = False  # logged at WARNING once
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self._lock = threading.Lock()
@@ -388,7 +392,7 @@ class SagalineMetrics:
 
         if isinstance(record, StepScheduled):
             track.tools[record.step_id] = record.contract.tool
-            amount = self._effect(record) if self._effect is not None else None
+            amount = self._measure_effect(record)
             if amount is not None:
                 track.amounts[record.step_id] = amount
         elif isinstance(record, StepOutcomeUnknown):
@@ -431,6 +435,29 @@ class SagalineMetrics:
             except ValueError:
                 return  # an unreadable receipt is the codec's problem, not a metric's
             self._observe_receipt(receipt, failure_at=track.failure_at)
+
+    def _measure_effect(self, record: StepScheduled) -> int | None:
+        """The deployment's effect measure of ``record``; one that raises (arguments
+        it did not expect) measures nothing for that step, logged once: a metric must
+        never stop the process that feeds it, nor the step's record (R16)."""
+        if self._effect is None:
+            return None
+        try:
+            amount = self._effect(record)
+        except Exception as exc:
+            level = logging.DEBUG if self._effect_failed else logging.WARNING
+            self._effect_failed = True
+            log.log(
+                level,
+                "the economic effect measure failed on step %s of saga %s (%s: %s); no "
+                "amount is counted for it (further failures are logged at DEBUG)",
+                record.step_id,
+                record.saga_id,
+                type(exc).__name__,
+                exc,
+            )
+            return None
+        return amount
 
     def _settle_unknown(self, track: _SagaTrack, step_id: str, at: int) -> None:
         since = track.unknown_since.pop(step_id, None)
