@@ -1097,3 +1097,30 @@ def test_an_effect_measure_that_raises_neither_hides_the_step_nor_stops_the_metr
     assert coordinator.snapshot().sagas_terminal == {"ESCALATED": 1}
     warnings = [r for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 2 and "KeyError" in warnings[0].getMessage()  # once each
+
+
+def test_the_overview_lists_a_bounded_number_of_open_incidents() -> None:
+    """Escalated sagas' incidents stay open until a person resolves them, and every
+    open page fetches the "Needs a person" region again every two seconds: it listed
+    every one of them (20 000 escalations: 14 MB per fetch, per page), while the saga
+    list beside it stops at 500. It lists the oldest 200 (``ACTIONS_SHOWN``) and counts
+    all."""
+    shown = 200  # services.dashboard.app.ACTIONS_SHOWN
+    state = DashboardState(SagalineMetrics("dashboard"))
+    for n in range(shown + 30):
+        for record in escalated(f"s-esc-{n:04d}").records:
+            state.apply(record)
+    total = len(state.open_incidents())
+    assert total > shown
+    client = TestClient(create_app(state, clock=lambda: T0))
+    region = client.get("/fragment/actions").text
+    assert region.count('<li class="incident"') == shown
+    assert f"Open incidents ({total})" in region
+    assert f"{total - shown} more not shown" in region
+    oldest = state.open_incidents()[0][1].incident_id
+    assert f'data-incident="{oldest}"' in region
+    # A saga's own page still offers each of its incidents.
+    last = f"s-esc-{shown + 29:04d}"
+    own = [i for s, i in state.open_incidents() if s.saga_id == last]
+    page = client.get(f"/sagas/{last}").text
+    assert own and all(f'data-incident="{i.incident_id}"' in page for i in own)

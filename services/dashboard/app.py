@@ -363,38 +363,60 @@ def _incident_html(saga: SagaView, inc: IncidentRaised, back: str, viewer: Viewe
     )
 
 
+ACTIONS_SHOWN = 200
+"""How many pending approvals, expired approvals and open incidents the overview lists
+each (the oldest first; the heading counts them all): escalated sagas' incidents stay
+open until a person resolves them, and the region is fetched again every two seconds
+by every open page. A saga's own page lists all of its own."""
+
+
+def _shown(items: list[Any], render: Callable[[Any], str]) -> tuple[str, int]:
+    """The first :data:`ACTIONS_SHOWN` of ``items`` rendered, and how many more there are."""
+    return "".join(render(item) for item in items[:ACTIONS_SHOWN]), max(
+        len(items) - ACTIONS_SHOWN, 0
+    )
+
+
+def _more(hidden: int) -> str:
+    if not hidden:
+        return ""
+    return (
+        f'<p class="muted more">{hidden} more not shown (the oldest {ACTIONS_SHOWN} are): '
+        "filter the sagas above and open a saga's page, or read <code>/api/state</code>.</p>"
+    )
+
+
 def _actions_html(
     state: DashboardState, now: int, saga_id: str | None = None, viewer: Viewer = DEV
 ) -> str:
     back = f"/sagas/{quote(saga_id)}" if saga_id else "/"
-    approvals = [
-        _approval_html(s, a, now, back, viewer)
-        for s, a in state.pending_approvals()
-        if saga_id is None or s.saga_id == saga_id
+    pending = [
+        (s, a) for s, a in state.pending_approvals() if saga_id is None or s.saga_id == saga_id
     ]
     expired = [
-        _expired_html(s, a, now)
-        for s, a in state.expired_approvals()
-        if saga_id is None or s.saga_id == saga_id
+        (s, a) for s, a in state.expired_approvals() if saga_id is None or s.saga_id == saga_id
     ]
-    incidents = [
-        _incident_html(s, i, back, viewer)
-        for s, i in state.open_incidents()
-        if saga_id is None or s.saga_id == saga_id
-    ]
+    open_ = [(s, i) for s, i in state.open_incidents() if saga_id is None or s.saga_id == saga_id]
+    approvals, more_approvals = _shown(
+        pending, lambda p: _approval_html(p[0], p[1], now, back, viewer)
+    )
+    lapsed, more_lapsed = _shown(expired, lambda p: _expired_html(p[0], p[1], now))
+    incidents, more_incidents = _shown(open_, lambda p: _incident_html(p[0], p[1], back, viewer))
     return (
-        f"<h3>Pending approvals ({len(approvals)})</h3>"
-        + (f'<ul class="approvals">{"".join(approvals)}</ul>' if approvals else "")
-        + ('<p class="muted">None.</p>' if not approvals else "")
+        f"<h3>Pending approvals ({len(pending)})</h3>"
+        + (f'<ul class="approvals">{approvals}</ul>' if pending else "")
+        + _more(more_approvals)
+        + ('<p class="muted">None.</p>' if not pending else "")
         + (
             f'<h3>Expired approvals ({len(expired)})</h3><ul class="approvals">'
-            f"{''.join(expired)}</ul>"
+            f"{lapsed}</ul>{_more(more_lapsed)}"
             if expired
             else ""
         )
-        + f"<h3>Open incidents ({len(incidents)})</h3>"
-        + (f'<ul class="incidents">{"".join(incidents)}</ul>' if incidents else "")
-        + ('<p class="muted">None.</p>' if not incidents else "")
+        + f"<h3>Open incidents ({len(open_)})</h3>"
+        + (f'<ul class="incidents">{incidents}</ul>' if open_ else "")
+        + _more(more_incidents)
+        + ('<p class="muted">None.</p>' if not open_ else "")
     )
 
 
