@@ -186,6 +186,10 @@ _LIBRDKAFKA_QUEUE_MESSAGES = 100_000
 # The most expired terminal markers one transaction tombstones (a quarter of the local
 # queue at most, the rest is the batch's own records).
 _EXPIRE_PER_BATCH = 1_000
+# The records one saga's tick is allowed for in the local queue (its commands, events,
+# incidents, terminal records and changelog record): bounds the due sagas a transaction
+# fires to the queue's size over this.
+_RECORDS_PER_TICK = 8
 # What a record batch adds to a DLQ copy's key, value and headers (the batch header,
 # the lengths of the record and of each header): room a topic it writes must leave.
 _BATCH_FRAMING = 1024
@@ -346,6 +350,10 @@ class Coordinator:
             "queue.buffering.max.messages", _LIBRDKAFKA_QUEUE_MESSAGES
         )
         self._expire_max = max(1, min(_EXPIRE_PER_BATCH, int(queue) // 4))
+        # Sagas whose timers one transaction fires: thousands overdue at once (after an
+        # outage, on a restore) overflowed that queue too: three failed attempts, then
+        # one transaction per saga, while no new record was decided.
+        self._due_max = max(1, min(batch_size, int(queue) // _RECORDS_PER_TICK))
         # Waits on the broker for the loop: sends a batch's offsets to its transaction
         # while the batch is decided, and commits it while the next one is read.
         self._sender = ThreadPoolExecutor(1, thread_name_prefix="sagaline-commit")
@@ -584,14 +592,16 @@ class Coordinator:
         return self._moves.batch(first, self._consumer, self._batch_size - 1)
 
     def _due_sagas(self, now: int) -> list[str]:
-        """Sagas with a timer due at ``now``, from the heap (no scan of every saga)."""
-        due: list[str] = []
-        while self._timers and self._timers[0][0] <= now:
+        """Sagas with a timer due at ``now``, from the heap (no scan of every saga); at
+        most ``_due_max`` of them, earliest first: the rest stay in the heap for the
+        next batches' transactions (the loop does not wait while one is overdue)."""
+        due: dict[str, None] = {}
+        while self._timers and self._timers[0][0] <= now and len(due) < self._due_max:
             _at, saga_id = heapq.heappop(self._timers)
             due_at = self._states.due_at(saga_id)  # no decoding: the entry keeps it
-            if due_at is not None and due_at <= now and saga_id not in due:
-                due.append(saga_id)
-        return due
+            if due_at is not None and due_at <= now:
+                due[saga_id] = None
+        return list(due)
 
     def _schedule(self, saga_id: str, due_at: int | None) -> None:
         if due_at is not None:
