@@ -87,12 +87,14 @@ from sagaline.kafka import (
     TopicSetupError,
     create_consumer,
     create_producer,
+    create_uncommitted_reader,
     ensure_topics,
     headers_of,
     producer_config,
     raise_if_fatal,
     read_to_end,
     readable_headers,
+    watermarks,
 )
 from sagaline.kafka._groups import PartitionMoves
 from sagaline.kafka._topics import topics_max_message_bytes
@@ -228,6 +230,12 @@ _CARRY_S = 0.1
 # flight a transaction per commit round trip touches about 20 partitions for about
 # five sagas. A lone saga is never held: its next record waits on this batch's outputs.
 _LINGER_S = 0.02
+# How long a restore waits for a transaction still open on the changelog partitions it
+# reads (the previous owner's last one, completing): a transaction left open by a
+# member that died is aborted by the broker after its transaction.timeout.ms (10 s for
+# a coordinator), once its periodic check for them (every 10 s by default) comes by.
+_STABLE_WAIT_S = 60.0
+_STABLE_POLL_S = 0.02
 
 
 @dataclass
@@ -1434,6 +1442,7 @@ class Coordinator:
         if not numbers:
             return 0
         group = f"{self.group_id}-restore"
+        self._await_stable_changelog(numbers)
         markers: dict[str, SagaMarker] = {}
         for msg in read_to_end(self.bootstrap, self.topics.state, numbers, group):
             try:
@@ -1495,6 +1504,49 @@ class Coordinator:
                 self._timers.append((due_at, saga_id))
         heapq.heapify(self._timers)
         return sum(1 for p in self._partition_of.values() if p in numbers)
+
+    def _await_stable_changelog(self, numbers: list[int]) -> None:
+        """Wait until no transaction is open on the changelog partitions ``numbers``:
+        their last stable offset has reached the high watermark they had when asked.
+
+        The previous owner's last transaction holds its sagas' changelog records and
+        the offsets past their records. Its commit returns once the broker prepared
+        it, and the markers reach the partitions after that (a member dropped from the
+        group mid-commit finishes later still). The consumer fetches committed offsets
+        only once they are stable, so it resumes after those records; a restore that
+        read only to the last stable offset as it was would miss their changelog
+        records, and the sagas they changed would go back to an older state for good.
+        Only a partition's owner writes its changelog, so the high watermark stays
+        put; a transaction that is never completed is aborted by the broker. After
+        ``_STABLE_WAIT_S`` the restore goes on with a warning."""
+        topic = self.topics.state
+        group = f"{self.group_id}-restore"
+        stable = create_consumer(self.bootstrap, group)  # read_committed
+        latest = create_uncommitted_reader(self.bootstrap, group)
+        try:
+            ends = {n: watermarks(latest, TopicPartition(topic, n))[1] for n in numbers}
+            give_up = time.monotonic() + _STABLE_WAIT_S
+            while True:
+                ends = {
+                    n: end
+                    for n, end in ends.items()
+                    if watermarks(stable, TopicPartition(topic, n))[1] < end
+                }
+                if not ends:
+                    return
+                if time.monotonic() >= give_up:
+                    log.warning(
+                        "a transaction is still open on %s partitions %s after %.0f s: "
+                        "restoring what is committed so far",
+                        topic,
+                        sorted(ends),
+                        _STABLE_WAIT_S,
+                    )
+                    return
+                time.sleep(_STABLE_POLL_S)
+        finally:
+            stable.close()
+            latest.close()
 
     # ----------------------------------------------------------------- inspection
 
