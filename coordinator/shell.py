@@ -1423,11 +1423,17 @@ class Coordinator:
             kept = [tp for tp in self._consumer.assignment() if tp.partition not in numbers]
             if kept:
                 self._seek_committed(kept)
-        for saga_id in [s for s, p in self._partition_of.items() if p in numbers]:
+        dropped = {s for s, p in self._partition_of.items() if p in numbers}
+        for saga_id in dropped:
             self._states.pop(saga_id)
             self._markers.pop(saga_id, None)
             self._parked.pop(saga_id, None)
             self._partition_of.pop(saga_id, None)
+        if dropped:
+            # Their timers go too: a restore schedules them again, and entries left
+            # here (a day away, for an approval's expiry) piled up one per rebalance.
+            self._timers = [entry for entry in self._timers if entry[1] not in dropped]
+            heapq.heapify(self._timers)
         # A saga whose records failed here is decided afresh by the partition's next
         # owner: if the partition comes back, nothing failed for it any more.
         self._suspects = {s: p for s, p in self._suspects.items() if p not in numbers}

@@ -324,3 +324,40 @@ def test_restore_reads_a_state_record_whose_header_name_is_not_utf8_from_its_val
     assert coordinator._restore([0]) == 1
     assert coordinator.state_of("saga-odd-header") == odd
     assert coordinator._timers == [(due, "saga-odd-header")]
+
+
+def test_rebalances_do_not_pile_up_timer_entries_of_the_sagas_restored_again() -> None:
+    """Each assignment restores its partitions' sagas and schedules their timers; the
+    entries of the sagas it had before (revoked, then assigned again: every eager
+    rebalance does so) stayed in the heap until due. A timer a day away (an approval's
+    expiry) got one more entry per rebalance: a group that rebalances often (a member
+    flapping) grew the coordinator's heap by its in-flight sagas every time."""
+    import uuid
+
+    from sagaline.kafka import TopicPartition, create_producer
+
+    transport = f"memory://{uuid.uuid4().hex[:12]}"
+    settings = Settings(bootstrap=transport, topic_prefix="rebalanced.", partitions=2)
+    ensure_topics(transport, settings.topics, [], settings.partitions)
+    waiting = _waiting("saga-waits")
+    due = waiting.next_due_at()
+    producer = create_producer(transport)
+    producer.produce(
+        settings.topics.state,
+        key=b"saga-waits",
+        value=waiting.to_bytes(),
+        headers=_due_headers(due),
+        partition=0,
+    )
+    assert producer.flush(30) == 0
+
+    coordinator = Coordinator(settings, transport, instance_id="rebalanced")
+    partitions = [TopicPartition(settings.topics.events, n) for n in range(2)]
+    consumer = coordinator._consumer
+    for _ in range(5):
+        coordinator._on_assign(consumer, partitions)
+        coordinator._on_revoke(consumer, partitions)
+    coordinator._on_assign(consumer, partitions)
+    assert coordinator.state_of("saga-waits") == waiting
+    assert coordinator._timers == [(due, "saga-waits")]
+    coordinator._consumer.close()
