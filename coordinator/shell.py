@@ -1486,9 +1486,11 @@ class Coordinator:
             try:  # a marker, or a state written before the header existed
                 restored = load_changelog(value)
             except ValueError as exc:
-                # Kept as it is: the saga is parked when it is first needed (_current).
+                # Kept as it is, and parked (_current) in the first batch: its timers
+                # are unknown, so a saga waiting on its own timer (a retry, an
+                # approval's expiry) would get no record to park it, ever.
                 log.error("changelog value of saga %s is unreadable: %s", saga_id, exc)
-                self._states.put(saga_id, value, None)
+                self._states.put(saga_id, value, _PARK_AT_ONCE)
                 continue
             if isinstance(restored, SagaMarker) and restored.marker is MarkerKind.PARKED:
                 self._parked[saga_id] = restored  # never expires: not in the expiry order
@@ -1667,6 +1669,9 @@ class _PackedStates:
 
 
 _DUE_HEADER = "sagaline-next-due"
+# The "next timer" of a restored value that could not be decoded: due at once, so the
+# first batch parks its saga.
+_PARK_AT_ONCE = 0
 
 
 def _due_headers(due_at: int | None) -> Headers:

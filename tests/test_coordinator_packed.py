@@ -361,3 +361,42 @@ def test_rebalances_do_not_pile_up_timer_entries_of_the_sagas_restored_again() -
     assert coordinator.state_of("saga-waits") == waiting
     assert coordinator._timers == [(due, "saga-waits")]
     coordinator._consumer.close()
+
+
+def test_an_unreadable_state_without_the_timer_header_is_parked_though_no_record_comes(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    """A state value the restore decodes (one written before the ``sagaline-next-due``
+    header existed) and cannot read has no known timer. It was kept to be parked when
+    a record of its saga came; a saga waiting on its own timer (a retry, an approval's
+    expiry, a reversal window) gets none, so it stayed in memory for good, decided by
+    nobody, with no incident and no parked marker. It is parked in the first batch
+    after the restore."""
+    settings = Settings(bootstrap=kafka_bootstrap, topic_prefix=unique_prefix, partitions=1)
+    ensure_topics(kafka_bootstrap, settings.topics, [], settings.partitions)
+    torn = _waiting("saga-torn-old")
+    producer = Producer(producer_config(kafka_bootstrap))
+    producer.produce(settings.topics.state, key=b"saga-torn-old", value=torn.to_bytes()[:160])
+    assert producer.flush(30) == 0
+
+    one = Coordinator(settings, kafka_bootstrap, instance_id="torn-old", carry_ms=0, linger_ms=0)
+    one._join()
+    try:
+        for _ in range(50):  # loop turns (up to 0.2 s each), not a deadline
+            one._process_batch(one._next_batch())
+            one._settle()
+            if one.marker_of("saga-torn-old") is not None:
+                break
+        marker = one.marker_of("saga-torn-old")
+    finally:
+        one._consumer.close()
+    assert marker is not None and marker.marker is MarkerKind.PARKED, "never parked"
+    assert "unreadable" in marker.reason and marker.tenant_id == torn.tenant_id
+    kinds = [
+        r.kind
+        for r in LedgerReader(kafka_bootstrap).saga_records(
+            settings.topics.events, "saga-torn-old", settings.signer()
+        )
+        if isinstance(r, IncidentRaised)
+    ]
+    assert kinds == [PARKED_INCIDENT]
