@@ -39,6 +39,7 @@ from schemas import (
     ExecuteStep,
     FailureKind,
     IncidentRaised,
+    IncidentResolved,
     Receipt,
     ReconcileResult,
     ReconcileStep,
@@ -554,8 +555,19 @@ class Simulator:
         after = decision.state
         assert after is not None
         keep = {"seen", "rejected_count", "recent_rejections"}
-        if reasons != ["stale-generation"] or after.model_dump(exclude=keep) != before.model_dump(
-            exclude=keep
+        # A person's resolution of an incident the saga holds is decided whatever its
+        # generation (coordinator.core.resolves_earlier_incident): a copy of one this run
+        # already counted is refused as a second resolution (naming the first) rather
+        # than as stale. Either way it is refused, and it changes nothing.
+        expected = (
+            {"stale-generation", "invalid-transition"}
+            if isinstance(stale, IncidentResolved)
+            else {"stale-generation"}
+        )
+        if (
+            len(reasons) != 1
+            or reasons[0] not in expected
+            or after.model_dump(exclude=keep) != before.model_dump(exclude=keep)
         ):
             self.run.duplicates.append(f"stale {original.envelope.type} was not just rejected")
         self.run.log.append(stale)
