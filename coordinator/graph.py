@@ -60,14 +60,25 @@ def blocks_upstream(state: SagaState, step: StepState) -> bool:
 
     A read-only step passes a block through from its own explicit dependents.
     """
+    return _blocks(step, dependents(state), {})
+
+
+def _blocks(step: StepState, direct: dict[str, list[StepState]], memo: dict[str, bool]) -> bool:
+    """``blocks_upstream`` with the graph read once and each step decided once: read-only
+    steps may form diamonds, and walked path by path they cost 2**depth."""
+    known = memo.get(step.step_id)
+    if known is not None:
+        return known
     if step.status in {StepStatus.COMPENSATION_FAILED, StepStatus.HELD, StepStatus.ESCALATED}:
-        return True
-    if step.status is StepStatus.COMMITTED and step.contract.read_only:
-        return any(
-            child.explicit and blocks_upstream(state, child)
-            for child in dependents(state)[step.step_id]
+        blocks = True
+    elif step.status is StepStatus.COMMITTED and step.contract.read_only:
+        blocks = any(
+            child.explicit and _blocks(child, direct, memo) for child in direct[step.step_id]
         )
-    return False
+    else:
+        blocks = False
+    memo[step.step_id] = blocks
+    return blocks
 
 
 def holding_dependent(state: SagaState, step: StepState) -> StepState | None:
@@ -75,8 +86,10 @@ def holding_dependent(state: SagaState, step: StepState) -> StepState | None:
 
     None when the unwind may proceed (implicit edges never hold, R3).
     """
-    for child in dependents(state)[step.step_id]:
-        if child.explicit and blocks_upstream(state, child):
+    direct = dependents(state)
+    memo: dict[str, bool] = {}
+    for child in direct[step.step_id]:
+        if child.explicit and _blocks(child, direct, memo):
             return child
     return None
 

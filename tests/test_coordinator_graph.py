@@ -1,0 +1,68 @@
+"""The reverse dependency graph the unwind reads (R2, R3): holds, order, resources,
+in the pure core (``coordinator/graph.py`` and the unwind of ``coordinator/core.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from coordinator_ledger import Harness, Ledger, compensates, fresh
+
+import coordinator.graph as graph
+from coordinator.state import StepStatus
+from schemas import FailureKind, RetryPolicy
+
+
+def ladder(layers: int, *, bottom_fails: bool) -> tuple[Ledger, Harness]:
+    """A write step ``a``, then ``layers`` layers of two read-only lookups, each
+    depending explicitly on both of the layer before (a ladder of diamonds), and, with
+    ``bottom_fails``, a write step ``w`` at the bottom whose compensation fails."""
+    ledger, h = fresh()
+    h.feed(ledger.started())
+    h.feed(ledger.scheduled("a", depends_on=[]), ledger.committed("a"))
+    previous = ["a"]
+    for i in range(layers):
+        layer = [f"x{i}", f"y{i}"]
+        for step in layer:
+            h.feed(ledger.scheduled(step, depends_on=previous, read_only=True))
+            h.feed(ledger.committed(step))
+        previous = layer
+    if bottom_fails:
+        h.feed(
+            ledger.scheduled(
+                "w", depends_on=previous, compensation_retry=RetryPolicy(max_attempts=1)
+            ),
+            ledger.committed("w"),
+        )
+    h.feed(ledger.scheduled("boom", depends_on=[]))
+    return ledger, h
+
+
+@pytest.mark.parametrize("bottom_fails", [False, True])
+def test_holds_through_diamonds_of_read_only_steps_are_linear_not_exponential_R3(
+    monkeypatch: Any, bottom_fails: bool
+) -> None:
+    """Whether ``a`` is held depends on what lies below the read-only lookups that
+    depend on it (R3). Deciding it must visit each step once: walked path by path, a
+    ladder of diamonds costs 2**layers walks, and at a few dozen layers (well inside
+    the 256 steps a saga may have) one record of one saga stops the coordinator's
+    whole partition."""
+    ledger, h = ladder(12, bottom_fails=bottom_fails)
+    calls = 0
+    real = graph.dependents
+
+    def counting(state: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return real(state)
+
+    monkeypatch.setattr(graph, "dependents", counting)
+    out = h.feed(ledger.failed("boom", kind=FailureKind.BUSINESS_REJECTION))
+    if bottom_fails:
+        assert compensates(out) == ["w"]
+        out = h.feed(ledger.comp_failed("w"))
+        assert h.s.steps["a"].status is StepStatus.HELD  # held through every lookup
+    else:
+        assert compensates(out) == ["a"]
+    steps = len(h.s.steps)
+    assert calls <= 8 * steps, f"{calls} walks of the graph for {steps} steps"
