@@ -2012,7 +2012,15 @@ def _progress_unwind(ctx: _Ctx) -> bool:
                 changed = True
     if _pivot_in_flight(s):
         return changed
-    active = [st for st in s.steps.values() if st.status in COMPENSATION_ACTIVE]
+    # R2: a compensation waits for every started compensation on its resources, and
+    # for a write still running there (its effect may be landing; once it settles it
+    # is undone first, or was never there).
+    active = [
+        st
+        for st in s.steps.values()
+        if st.status in COMPENSATION_ACTIVE
+        or (st.status in FORWARD_IN_FLIGHT and not st.contract.read_only)
+    ]
     for step in reversed(s.steps.values()):
         if step.status is not StepStatus.COMPENSATION_PENDING:
             continue

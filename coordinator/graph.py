@@ -104,7 +104,8 @@ def shares_resource(a: StepState, b: StepState) -> bool:
 
 
 def resource_conflict(candidate: StepState, active: Iterable[StepState]) -> StepState | None:
-    """The active compensation that shares a declared resource with ``candidate``."""
+    """The step in ``active`` (a started compensation, or a write still in flight)
+    that shares a declared resource with ``candidate``."""
     for other in active:
         if other.step_id != candidate.step_id and shares_resource(candidate, other):
             return other

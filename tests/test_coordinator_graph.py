@@ -10,7 +10,7 @@ from coordinator_ledger import Harness, Ledger, compensates, fresh
 
 import coordinator.graph as graph
 from coordinator.state import StepStatus
-from schemas import FailureKind, RetryPolicy
+from schemas import FailureKind, RetryPolicy, SagaOutcome
 
 
 def ladder(layers: int, *, bottom_fails: bool) -> tuple[Ledger, Harness]:
@@ -66,3 +66,38 @@ def test_holds_through_diamonds_of_read_only_steps_are_linear_not_exponential_R3
         assert compensates(out) == ["a"]
     steps = len(h.s.steps)
     assert calls <= 8 * steps, f"{calls} walks of the graph for {steps} steps"
+
+
+def test_a_compensation_waits_for_a_step_still_running_on_its_resource_R2() -> None:
+    """``hold`` and ``restock`` both touch ``stock`` but do not depend on each other.
+    When the saga turns around while ``restock`` is still running, undoing ``hold``
+    must wait for it (R2: steps on one declared resource are serialized), or
+    ``release_hold`` runs on the stock while ``restock`` is changing it; once
+    ``restock`` commits, it is undone first, then ``hold``."""
+    ledger, h = fresh()
+    h.feed(ledger.started())
+    h.feed(ledger.scheduled("hold", depends_on=[], resources=["stock"]))
+    h.feed(ledger.committed("hold"))
+    h.feed(ledger.scheduled("restock", depends_on=[], resources=["stock"]))
+    h.feed(ledger.scheduled("note", depends_on=[]), ledger.committed("note"))
+    h.feed(ledger.scheduled("boom", depends_on=[]))
+    out = h.feed(ledger.failed("boom", kind=FailureKind.BUSINESS_REJECTION))
+    assert h.status("restock") == "DISPATCHED"
+    assert compensates(out) == ["note"]  # another resource: not held
+    out = h.feed(ledger.intent("restock"))
+    assert compensates(out) == []
+    out = h.feed(ledger.committed("restock"))
+    assert compensates(out) == ["restock"]
+    assert compensates(h.feed(ledger.comp_committed("restock"))) == ["hold"]
+
+
+def test_a_compensation_on_a_resource_goes_ahead_when_the_step_running_there_fails_R2() -> None:
+    ledger, h = fresh()
+    h.feed(ledger.started())
+    h.feed(ledger.scheduled("hold", depends_on=[], resources=["stock"]))
+    h.feed(ledger.committed("hold"))
+    h.feed(ledger.scheduled("restock", depends_on=[], resources=["stock"]))
+    h.feed(ledger.end(SagaOutcome.ABORT))
+    assert compensates(h.outputs) == []
+    out = h.feed(ledger.failed("restock", kind=FailureKind.BUSINESS_REJECTION))
+    assert compensates(out) == ["hold"]
