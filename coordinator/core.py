@@ -2000,13 +2000,22 @@ def _progress_unwind(ctx: _Ctx) -> bool:
             if holder is not None:
                 step.status = StepStatus.HELD
                 step.timers.pop(TimerPurpose.REVERSAL_WINDOW, None)
-                step.note = f"held: {holder.step_id} depends on it explicitly and was not undone"
+                left = graph.effect_left(s, holder)
+                if left is holder:
+                    note = f"{holder.step_id} depends on it explicitly and was not undone"
+                    why = f"{holder.step_id} depends on it explicitly and its effect was not undone"
+                else:  # a read-only holder passes on the block of a step below it
+                    note = why = (
+                        f"{holder.step_id} depends on it explicitly, and the effect of "
+                        f"{left.contract.tool} ({left.step_id}), which depends on "
+                        f"{holder.step_id}, was not undone"
+                    )
+                step.note = f"held: {note}"
                 _raise_incident(
                     ctx,
                     "compensation-held",
                     step,
-                    f"{step.contract.tool} (step {step.step_id}) was not compensated because "
-                    f"{holder.step_id} depends on it explicitly and its effect was not undone",
+                    f"{step.contract.tool} (step {step.step_id}) was not compensated because {why}",
                     _effect(step),
                 )
                 changed = True

@@ -94,6 +94,23 @@ def holding_dependent(state: SagaState, step: StepState) -> StepState | None:
     return None
 
 
+def effect_left(state: SagaState, holder: StepState) -> StepState:
+    """The step whose effect, left in the world, makes ``holder`` hold (R3): ``holder``
+    itself, or for a read-only holder the step below it, over explicit edges, that was
+    not undone (a lookup changed nothing, so naming it tells a person nothing)."""
+    direct = dependents(state)
+    memo: dict[str, bool] = {}
+    step = holder
+    while step.status is StepStatus.COMMITTED and step.contract.read_only:
+        below = next(
+            (c for c in direct[step.step_id] if c.explicit and _blocks(c, direct, memo)), None
+        )
+        if below is None:
+            break
+        step = below
+    return step
+
+
 def ready_to_compensate(state: SagaState, step: StepState) -> bool:
     """Every step that depends on ``step`` (transitively) is finished (R2)."""
     return all(finished_for_unwind(d) for d in transitive_dependents(state, step.step_id))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from coordinator_ledger import Harness, Ledger, compensates, fresh
+from coordinator_ledger import Harness, Ledger, compensates, fresh, incidents
 
 import coordinator.graph as graph
 from coordinator.state import StepStatus
@@ -101,3 +101,17 @@ def test_a_compensation_on_a_resource_goes_ahead_when_the_step_running_there_fai
     assert compensates(h.outputs) == []
     out = h.feed(ledger.failed("restock", kind=FailureKind.BUSINESS_REJECTION))
     assert compensates(out) == ["hold"]
+
+
+def test_a_hold_through_a_lookup_names_the_effect_left_in_the_world_R3() -> None:
+    """``a`` is held because ``w``, below the read-only lookups that depend on it, was
+    not undone. The hold's incident and note must name ``w``: the lookup that depends
+    on ``a`` directly changed nothing, and a receipt reader (the receipt's story skips
+    read-only steps) could not find what keeps ``a`` in place."""
+    ledger, h = ladder(2, bottom_fails=True)
+    h.feed(ledger.failed("boom", kind=FailureKind.BUSINESS_REJECTION))
+    out = h.feed(ledger.comp_failed("w"))
+    held = [i for i in incidents(out) if i.kind == "compensation-held"]
+    assert [i.step_id for i in held] == ["a"]
+    assert "w (w)" in held[0].inconsistency, held[0].inconsistency
+    assert "w" in h.s.steps["a"].note.split(), h.s.steps["a"].note
