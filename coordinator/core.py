@@ -1992,15 +1992,16 @@ def _progress_unwind(ctx: _Ctx) -> bool:
         if window is not None and window <= ctx.now:
             _expire_window(ctx, step)
             changed = True
+    view = graph.UnwindView(s)  # the graph read once for this pass (steps change below)
     if not s.continue_on_compensation_failure:
-        for step in reversed(s.steps.values()):
+        for step in reversed(s.steps.values()):  # latest first, as the view needs
             if step.status is not StepStatus.COMPENSATION_PENDING:
                 continue
-            holder = graph.holding_dependent(s, step)
+            holder = view.holding_dependent(step)
             if holder is not None:
                 step.status = StepStatus.HELD
                 step.timers.pop(TimerPurpose.REVERSAL_WINDOW, None)
-                left = graph.effect_left(s, holder)
+                left = view.effect_left(holder)
                 if left is holder:
                     note = f"{holder.step_id} depends on it explicitly and was not undone"
                     why = f"{holder.step_id} depends on it explicitly and its effect was not undone"
@@ -2030,10 +2031,13 @@ def _progress_unwind(ctx: _Ctx) -> bool:
         if st.status in COMPENSATION_ACTIVE
         or (st.status in FORWARD_IN_FLIGHT and not st.contract.read_only)
     ]
+    # A pending step counts as not finished whether or not it starts below, so what
+    # waits on it is the same before and after: one sweep serves the whole loop.
+    waiting = view.waiting()
     for step in reversed(s.steps.values()):
         if step.status is not StepStatus.COMPENSATION_PENDING:
             continue
-        if not graph.ready_to_compensate(s, step):
+        if step.step_id in waiting:
             continue
         if graph.resource_conflict(step, active) is not None:
             continue  # R2: one compensation per resource at a time

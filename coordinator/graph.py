@@ -60,25 +60,7 @@ def blocks_upstream(state: SagaState, step: StepState) -> bool:
 
     A read-only step passes a block through from its own explicit dependents.
     """
-    return _blocks(step, dependents(state), {})
-
-
-def _blocks(step: StepState, direct: dict[str, list[StepState]], memo: dict[str, bool]) -> bool:
-    """``blocks_upstream`` with the graph read once and each step decided once: read-only
-    steps may form diamonds, and walked path by path they cost 2**depth."""
-    known = memo.get(step.step_id)
-    if known is not None:
-        return known
-    if step.status in {StepStatus.COMPENSATION_FAILED, StepStatus.HELD, StepStatus.ESCALATED}:
-        blocks = True
-    elif step.status is StepStatus.COMMITTED and step.contract.read_only:
-        blocks = any(
-            child.explicit and _blocks(child, direct, memo) for child in direct[step.step_id]
-        )
-    else:
-        blocks = False
-    memo[step.step_id] = blocks
-    return blocks
+    return UnwindView(state).blocks(step)
 
 
 def holding_dependent(state: SagaState, step: StepState) -> StepState | None:
@@ -86,34 +68,77 @@ def holding_dependent(state: SagaState, step: StepState) -> StepState | None:
 
     None when the unwind may proceed (implicit edges never hold, R3).
     """
-    direct = dependents(state)
-    memo: dict[str, bool] = {}
-    for child in direct[step.step_id]:
-        if child.explicit and _blocks(child, direct, memo):
-            return child
-    return None
+    return UnwindView(state).holding_dependent(step)
 
 
 def effect_left(state: SagaState, holder: StepState) -> StepState:
     """The step whose effect, left in the world, makes ``holder`` hold (R3): ``holder``
     itself, or for a read-only holder the step below it, over explicit edges, that was
     not undone (a lookup changed nothing, so naming it tells a person nothing)."""
-    direct = dependents(state)
-    memo: dict[str, bool] = {}
-    step = holder
-    while step.status is StepStatus.COMMITTED and step.contract.read_only:
-        below = next(
-            (c for c in direct[step.step_id] if c.explicit and _blocks(c, direct, memo)), None
-        )
-        if below is None:
-            break
-        step = below
-    return step
+    return UnwindView(state).effect_left(holder)
 
 
 def ready_to_compensate(state: SagaState, step: StepState) -> bool:
     """Every step that depends on ``step`` (transitively) is finished (R2)."""
-    return all(finished_for_unwind(d) for d in transitive_dependents(state, step.step_id))
+    return step.step_id not in UnwindView(state).waiting()
+
+
+class UnwindView:
+    """The graph as one decision of the unwind reads it: the edges are read once, and
+    each step is looked at once, however many steps are pending. Asking the questions
+    above step by step read every step and edge for every pending step, a second or so
+    per decision for a saga of a few hundred densely connected steps.
+
+    ``blocks`` answers are remembered for read-only steps only (the ones that recurse);
+    that is sound while the caller changes steps latest first, as the unwind does:
+    a step's answer depends only on steps scheduled after it.
+    """
+
+    def __init__(self, state: SagaState) -> None:
+        self.state = state
+        self.direct = dependents(state)
+        self._passes_block: dict[str, bool] = {}
+
+    def blocks(self, step: StepState) -> bool:
+        """``blocks_upstream``; read-only steps may form diamonds, and walked path by
+        path they cost 2**depth, so each is decided once."""
+        if step.status in {StepStatus.COMPENSATION_FAILED, StepStatus.HELD, StepStatus.ESCALATED}:
+            return True
+        if step.status is not StepStatus.COMMITTED or not step.contract.read_only:
+            return False
+        known = self._passes_block.get(step.step_id)
+        if known is None:
+            known = self.holding_dependent(step) is not None
+            self._passes_block[step.step_id] = known
+        return known
+
+    def holding_dependent(self, step: StepState) -> StepState | None:
+        for child in self.direct[step.step_id]:
+            if child.explicit and self.blocks(child):
+                return child
+        return None
+
+    def effect_left(self, holder: StepState) -> StepState:
+        step = holder
+        while step.status is StepStatus.COMMITTED and step.contract.read_only:
+            below = self.holding_dependent(step)
+            if below is None:
+                break
+            step = below
+        return step
+
+    def waiting(self) -> set[str]:
+        """The steps some step depending on them (transitively) is not finished for
+        (R2): they may not be compensated yet. Dependents are scheduled after what
+        they depend on, so one sweep, latest first, settles every step."""
+        waiting: set[str] = set()
+        for step in reversed(self.state.steps.values()):
+            if any(
+                not finished_for_unwind(child) or child.step_id in waiting
+                for child in self.direct[step.step_id]
+            ):
+                waiting.add(step.step_id)
+        return waiting
 
 
 def shares_resource(a: StepState, b: StepState) -> bool:

@@ -12,6 +12,8 @@ import coordinator.graph as graph
 from coordinator.state import StepStatus
 from schemas import FailureKind, RetryPolicy, SagaOutcome
 
+_DEPENDENTS = graph.dependents  # the real one, for the counting wrappers
+
 
 def ladder(layers: int, *, bottom_fails: bool) -> tuple[Ledger, Harness]:
     """A write step ``a``, then ``layers`` layers of two read-only lookups, each
@@ -49,12 +51,11 @@ def test_holds_through_diamonds_of_read_only_steps_are_linear_not_exponential_R3
     whole partition."""
     ledger, h = ladder(12, bottom_fails=bottom_fails)
     calls = 0
-    real = graph.dependents
 
     def counting(state: Any) -> Any:
         nonlocal calls
         calls += 1
-        return real(state)
+        return _DEPENDENTS(state)
 
     monkeypatch.setattr(graph, "dependents", counting)
     out = h.feed(ledger.failed("boom", kind=FailureKind.BUSINESS_REJECTION))
@@ -115,3 +116,46 @@ def test_a_hold_through_a_lookup_names_the_effect_left_in_the_world_R3() -> None
     assert [i.step_id for i in held] == ["a"]
     assert "w (w)" in held[0].inconsistency, held[0].inconsistency
     assert "w" in h.s.steps["a"].note.split(), h.s.steps["a"].note
+
+
+def graph_reads_for_an_unwind(monkeypatch: Any, steps: int) -> int:
+    """The most times one decision of the core reads the dependency graph while
+    unwinding a saga of ``steps`` steps, each depending explicitly on every step before
+    it."""
+    ledger, h = fresh()
+    h.feed(ledger.started())
+    ids: list[str] = []
+    for i in range(steps):
+        h.feed(ledger.scheduled(f"s{i}", depends_on=list(ids)), ledger.committed(f"s{i}"))
+        ids.append(f"s{i}")
+    calls = 0
+
+    def counting(state: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return _DEPENDENTS(state)
+
+    monkeypatch.setattr(graph, "dependents", counting)
+    order = compensates(h.feed(ledger.end(SagaOutcome.ABORT)))
+    most = calls
+    for step in reversed(ids):
+        before = calls
+        order += compensates(h.feed(ledger.comp_committed(step)))
+        most = max(most, calls - before)
+    assert order == list(reversed(ids))  # R2: each after everything that depends on it
+    assert h.s.status.value == "COMPENSATED"
+    return most
+
+
+def test_each_decision_of_an_unwind_reads_the_graph_a_fixed_number_of_times_R2(
+    monkeypatch: Any,
+) -> None:
+    """Each pending step used to read the whole graph (every step and edge) for its
+    hold and again for its readiness, on every decision: a saga of 255 steps, each
+    depending on those before it, took about a second of the coordinator's one
+    decision loop per record of its unwind (about 4 minutes in all), every other saga
+    of the partition waiting behind it. A decision reads the graph a fixed number of
+    times, however many steps are pending."""
+    small = graph_reads_for_an_unwind(monkeypatch, 5)
+    large = graph_reads_for_an_unwind(monkeypatch, 40)
+    assert large <= small, f"{large} graph reads in a decision at 40 steps, {small} at 5"
