@@ -6,11 +6,19 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from coordinator_ledger import Harness, Ledger, compensates, fresh, incidents
+from coordinator_ledger import (
+    Harness,
+    Ledger,
+    compensates,
+    fresh,
+    incidents,
+    receipt_of,
+)
 
 import coordinator.graph as graph
 from coordinator.state import StepStatus
-from schemas import FailureKind, RetryPolicy, SagaOutcome
+from sagaline.ops.receipts import describe_receipt, render_receipt_text
+from schemas import FailureKind, RetryPolicy, SagaOutcome, TerminalStatus
 
 _DEPENDENTS = graph.dependents  # the real one, for the counting wrappers
 
@@ -159,3 +167,31 @@ def test_each_decision_of_an_unwind_reads_the_graph_a_fixed_number_of_times_R2(
     small = graph_reads_for_an_unwind(monkeypatch, 5)
     large = graph_reads_for_an_unwind(monkeypatch, 40)
     assert large <= small, f"{large} graph reads in a decision at 40 steps, {small} at 5"
+
+
+def test_an_effect_a_person_resolved_before_the_end_is_not_left_pending_R3_R14() -> None:
+    """``a``'s compensation failed finally (R3); while the other branch was still being
+    undone, a person resolved its incident. The saga ends ESCALATED (an effect was
+    handed to a person, and the receipt names it), but its story must not tell the
+    reader ``a`` still needs them: the receipt's incident says they dealt with it, as a
+    resolution given after the end does (``later_resolutions``)."""
+    ledger, h = fresh()
+    h.feed(ledger.started())
+    h.feed(
+        ledger.scheduled("a", depends_on=[], compensation_retry=RetryPolicy(max_attempts=1)),
+        ledger.committed("a"),
+    )
+    h.feed(ledger.scheduled("c", depends_on=[]), ledger.committed("c"))
+    h.feed(ledger.scheduled("e", depends_on=[]))
+    h.feed(ledger.failed("e", kind=FailureKind.BUSINESS_REJECTION))
+    [raised] = incidents(h.feed(ledger.comp_failed("a")))
+    h.feed(ledger.resolve(raised.incident_id, "voided by hand in the provider console"))
+    receipt = receipt_of(h.feed(ledger.comp_committed("c")))
+    assert receipt.status is TerminalStatus.ESCALATED
+    assert receipt.unresolved == ["a"]  # handed to a person: see its (resolved) incident
+    story = describe_receipt(receipt)
+    pending = [s for s in story.sections if s.key == "pending"]
+    assert pending == [], pending
+    text = render_receipt_text(receipt)
+    assert text.count("voided by hand in the provider console") == 1, text
+    assert "needs operations" not in text, text

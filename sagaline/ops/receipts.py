@@ -187,6 +187,8 @@ def describe_receipt(
     later = dict(resolved_after or {})
 
     open_incidents = {i.incident_id: i for i in receipt.incidents if not i.resolved}
+    # Resolved while the saga still ran: the receipt itself says how.
+    resolved_before = {i.incident_id: i for i in receipt.incidents if i.resolved}
     told: set[str] = set()  # the ``unresolved`` entries the pending items already name
     for step in receipt.steps:
         name = _step_name(step)
@@ -209,6 +211,18 @@ def describe_receipt(
             ref = f" (incident {step.incident_id})" if step.incident_id else ""
             raised = open_incidents.pop(step.incident_id or "", None)
             told.add(step.step_id)
+            before = resolved_before.get(step.incident_id or "")
+            if raised is None and before is not None:
+                told.add(f"incident:{before.incident_id}")  # told here, not again below
+                settled.append(
+                    Item(
+                        f"{name} was handed to {step.owner}{ref}, resolved before the saga "
+                        f"ended: {before.resolution or 'no note'}.",
+                        _forward_details(step)
+                        + (_compensation_details(step) if step.compensation else ()),
+                    )
+                )
+                continue
             if raised is not None and raised.incident_id in later:
                 told.add(f"incident:{raised.incident_id}")
                 settled.append(
@@ -288,7 +302,7 @@ def describe_receipt(
             (f"owner {i.owner}; {i.inconsistency}",),
         )
         for i in receipt.incidents
-        if i.resolved
+        if i.resolved and f"incident:{i.incident_id}" not in told
     )
 
     sections = [
