@@ -791,7 +791,8 @@ class _Inspector:
             )
             return none
         if comp.by is None:
-            if comp.reversibility is not Reversibility.IRREVERSIBLE:
+            unread = any(p.startswith("reversibility ") for p in comp.problems)  # reported
+            if comp.reversibility is not Reversibility.IRREVERSIBLE and not unread:
                 self.problem(
                     tool_name,
                     f"declares @compensable(reversibility={comp.reversibility.value})"

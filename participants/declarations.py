@@ -74,16 +74,25 @@ def _checked_ms(
         return default
 
 
-def _entries(value: Any) -> tuple[Any, ...]:
+_EXCEPTIONS = "exception classes"
+
+
+def _entries(field: str, value: Any, problems: list[str], wanted: str) -> tuple[Any, ...]:
     """A declared collection as a tuple; one string or one class is one entry.
 
     ``resources=("inventory")`` (a forgotten trailing comma) is a string, and
     ``tuple()`` of it would be one-letter resources; ``non_retryable=KeyError`` is one
-    class, and ``tuple()`` of it a TypeError at import naming no tool.
+    class, and ``tuple()`` of it a TypeError at import naming no tool. A value that is
+    no collection (``resources=None``) is ``()`` and a problem for ``wrap()`` to
+    report, naming the tool.
     """
     if isinstance(value, str | type):
         return (value,)
-    return tuple(value)
+    try:
+        return tuple(value)
+    except TypeError:
+        problems.append(f"{field} is {value!r}; give a list of {wanted}")
+        return ()
 
 
 class BusinessRejection(Exception):
@@ -292,18 +301,18 @@ def tool(
         pivot=pivot,
         lookup=lookup,
         verify=verify,
-        resources=_entries(resources),
+        resources=_entries("resources", resources, problems, "strings"),
         reversal_window_ms=window_ms,
         compensation_approval=compensation_approval,
         retry=retry if retry is not None else RetryPolicy(),
         compensation_retry=(
             compensation_retry if compensation_retry is not None else DEFAULT_COMPENSATION_RETRY
         ),
-        non_retryable=_entries(non_retryable),
-        transient=_entries(transient),
+        non_retryable=_entries("non_retryable", non_retryable, problems, _EXCEPTIONS),
+        transient=_entries("transient", transient, problems, _EXCEPTIONS),
         owner=owner,
         deadline_ms=deadline_ms if deadline_ms is not None else 10_000,
-        secret_fields=_entries(secret_fields),
+        secret_fields=_entries("secret_fields", secret_fields, problems, "strings"),
         operation_id=operation_id,
         problems=tuple(problems),
     )
@@ -349,9 +358,17 @@ def compensable(
     """
 
     problems: list[str] = []
+    try:
+        declared = Reversibility(reversibility)
+    except ValueError:
+        problems.append(
+            f"reversibility is {reversibility!r}; use one of"
+            f" {', '.join(r.value for r in Reversibility)} (Reversibility)"
+        )
+        declared = Reversibility.COMPENSATABLE  # not used: wrap() refuses the tool
     declaration = CompensableDeclaration(
         by=by,
-        reversibility=Reversibility(reversibility),
+        reversibility=declared,
         args=args,
         completion_within_ms=_checked_ms("completion_within", completion_within, problems),
         problems=tuple(problems),

@@ -614,3 +614,37 @@ def test_a_free_undo_function_a_class_also_holds_is_still_called_as_it_is() -> N
     ctx = _ctx("reserve", {"x": "a"}, "a")
     wrap(Desk(), name="desk")["reserve"].compensate(ctx)
     assert given == [ctx]
+
+
+def test_a_reversibility_or_collection_that_is_no_such_thing_is_a_wrap_problem() -> None:
+    """``@compensable(reversibility="bogus")`` raised ValueError and
+    ``@tool(resources=None)`` (or ``non_retryable=None``...) TypeError from the
+    decorator at import, naming no tool, instead of being listed by wrap() (R4)."""
+
+    def build() -> type:
+        class Shop:
+            @tool(description="Hold", resources=None, secret_fields=None)  # type: ignore[arg-type]
+            @compensable(reversibility="bogus")  # type: ignore[arg-type]
+            def hold(self, sku: str) -> str:
+                return sku
+
+            @tool(description="Ship", non_retryable=None, transient=3)  # type: ignore[arg-type]
+            @compensable(reversibility=Reversibility.IRREVERSIBLE)
+            def ship(self, sku: str) -> str:
+                return sku
+
+        return Shop
+
+    with pytest.raises(CatalogueError) as err:
+        wrap(build()(), name="shop")
+    assert [(p.tool, p.message) for p in err.value.problems] == [
+        ("hold", "resources is None; give a list of strings"),
+        ("hold", "secret_fields is None; give a list of strings"),
+        (
+            "hold",
+            "reversibility is 'bogus'; use one of REVERSIBLE, COMPENSATABLE, IRREVERSIBLE"
+            " (Reversibility)",
+        ),
+        ("ship", "non_retryable is None; give a list of exception classes"),
+        ("ship", "transient is 3; give a list of exception classes"),
+    ]

@@ -403,3 +403,29 @@ def test_a_demo_dashboard_port_out_of_range_is_a_usage_error(
         main(["demo", "--dashboard-port", port])
     assert exit_.value.code == 2
     assert "argument --dashboard-port" in capsys.readouterr().err
+
+
+@pytest.mark.kafka
+@pytest.mark.parametrize("name", ["team/seats", "../seats", "seats desk"])
+def test_a_participant_name_no_topic_can_hold_exits_2_before_anything_is_made(
+    name: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    kafka_bootstrap: str,
+    unique_prefix: str,
+    tmp_path: Path,
+) -> None:
+    """``participant run team/seats --catalogue M`` (M holding a Catalogue: the name was
+    never checked) made <state dir>/team/seats, loaded the catalogue, and ended in a
+    ValueError traceback from the command topic's name; a '/' also makes catalogue keys
+    ``team/seats/<tool>`` that fold as participant 'team''s."""
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
+    monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
+    state = tmp_path / "state"
+    monkeypatch.setenv("SAGALINE_STATE_DIR", str(state))
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    argv = ["participant", "run", name, "--catalogue", "tests.fixtures.participants_good:catalogue"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"participant name {name!r}" in err and "Traceback" not in err, err
+    assert not state.exists() and not (tmp_path / "seats").exists()
