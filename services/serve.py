@@ -75,6 +75,17 @@ def _cmd_participant_run(args: argparse.Namespace) -> int:
     from participants.errors import CatalogueError
     from services.refund.errors import FaultPlanError  # SAGALINE_FAULTS, the example's
 
+    try:
+        # NAME is the command topic's suffix, the state directory's name and the first
+        # part of every catalogue key: checked before anything is made from it (a
+        # Catalogue given by --catalogue is not wrapped with it, so wrap() cannot).
+        settings.topics.commands(args.name)
+    except ValueError as exc:
+        print(
+            f"sagaline participant run: {exc}; use letters, digits, '.', '_' or '-'",
+            file=sys.stderr,
+        )
+        return 2
     prog = f"sagaline participant run {args.name}"
     journal = args.journal_dir or settings.state_dir / args.name
     where = "--journal-dir" if args.journal_dir else "SAGALINE_STATE_DIR"

@@ -415,16 +415,16 @@ def test_a_participant_name_no_topic_can_hold_exits_2_before_anything_is_made(
     unique_prefix: str,
     tmp_path: Path,
 ) -> None:
-    """``participant run team/seats --catalogue M`` (M holding a Catalogue: the name was
-    never checked) made <state dir>/team/seats, loaded the catalogue, and ended in a
-    ValueError traceback from the command topic's name; a '/' also makes catalogue keys
-    ``team/seats/<tool>`` that fold as participant 'team''s."""
+    """``participant run team/seats --catalogue M`` (M holding a Catalogue, which is
+    not wrapped with NAME, so nothing checked it) made <state dir>/team/seats (or,
+    for ``../seats``, a directory beside the state dir), imported the catalogue, and
+    ended in a ValueError traceback from the command topic's name."""
     monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
     monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
     state = tmp_path / "state"
     monkeypatch.setenv("SAGALINE_STATE_DIR", str(state))
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
-    argv = ["participant", "run", name, "--catalogue", "tests.fixtures.participants_good:catalogue"]
+    argv = ["participant", "run", name, "--catalogue", "tests.fixtures.participants_ready"]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"participant name {name!r}" in err and "Traceback" not in err, err
