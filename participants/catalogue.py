@@ -215,6 +215,13 @@ class ToolSpec:
             model = self.args_model.model_validate(dict(args))
         except pydantic.ValidationError as exc:
             raise InvalidArgumentsError(self.name, _short_errors(exc)) from exc
+        except Exception as exc:
+            # A validator of the tool's own types raising what pydantic does not turn
+            # into a validation error (KeyError, TypeError): the arguments are still
+            # what is wrong, and the plan check or the caller must say so, not crash.
+            raise InvalidArgumentsError(
+                self.name, f"a validator raised {type(exc).__name__}: {exc}"
+            ) from exc
         return {field: getattr(model, field) for field in type(model).model_fields}
 
     @functools.cached_property

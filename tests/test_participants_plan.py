@@ -8,14 +8,17 @@ import importlib
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel, field_validator
 
 from participants import (
     CallClass,
     Catalogue,
     FindingCode,
+    InvalidArgumentsError,
     PlannedCall,
     Severity,
     check_plan,
+    tool,
     wrap,
 )
 
@@ -238,3 +241,31 @@ def test_the_same_participant_twice_is_not_ambiguous(refunds: Catalogue) -> None
     report = check_plan(ATLAS, [refunds, refunds])
     assert FindingCode.AMBIGUOUS_TOOL not in report.codes()
     assert report.ok, report.render()
+
+
+class _Address(BaseModel):
+    country: str
+
+    @field_validator("country", mode="before")
+    @classmethod
+    def _known(cls, value: object) -> object:
+        return {"FR": "France", "DE": "Germany"}[value]  # type: ignore[index]  # KeyError
+
+
+class _Shipping:
+    @tool(description="Quote shipping", read_only=True)
+    def quote(self, to: _Address) -> int:
+        return 1
+
+
+@pytest.mark.parametrize("country", ["XX", ["FR"]])
+def test_arguments_a_validator_fails_on_are_an_error_naming_the_tool(country: object) -> None:
+    """A validator of the tool's own types that raises KeyError or TypeError (pydantic
+    turns only ValueError and AssertionError into a validation error) ended plan check,
+    and an MCP client's call, in that exception's traceback."""
+    shipping = wrap(_Shipping(), name="shipping")
+    with pytest.raises(InvalidArgumentsError, match="invalid arguments for tool 'quote'"):
+        shipping["quote"].validate_args({"to": {"country": country}})
+    report = check_plan([call("quote", to={"country": country})], shipping)
+    [finding] = report.findings
+    assert (finding.code, finding.tool) == (FindingCode.INVALID_ARGS, "quote")
