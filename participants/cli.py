@@ -50,7 +50,10 @@ def register(subparsers: Any) -> None:
         " module-level object whose class has @tool methods.",
     )
     check.add_argument("module", metavar="MODULE[:ATTR]")
-    check.add_argument("--name", help="participant name to wrap with (default: derived)")
+    check.add_argument(
+        "--name",
+        help="participant name to wrap with (default: derived); refused for a ready Catalogue",
+    )
     check.add_argument("--json", action="store_true", help="print the contracts as JSON")
     check.set_defaults(func=_catalogue_check)
     withdraw = catalogue_sub.add_parser(
@@ -110,6 +113,16 @@ def _catalogue_check(args: argparse.Namespace) -> int:
         return EXIT_PROBLEMS
     except DiscoveryError as exc:
         print(f"sagaline catalogue check: {exc}", file=sys.stderr)
+        return EXIT_UNREADABLE
+    if args.name is not None and catalogue.name != args.name:
+        # A ready Catalogue keeps the name wrap() gave it: say so, not a table under
+        # another name than the one asked for.
+        print(
+            f"sagaline catalogue check: --name {args.name!r} cannot be applied: {args.module}"
+            f" provides a ready Catalogue, named {catalogue.name!r} by its wrap(...,"
+            " name=...); drop --name or change the name there",
+            file=sys.stderr,
+        )
         return EXIT_UNREADABLE
     if args.json:
         contracts = {n: c.model_dump(mode="json") for n, c in catalogue.contracts().items()}

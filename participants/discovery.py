@@ -14,10 +14,12 @@ The rule, in order:
    ``@tool``, in definition order.
 
 Objects are wrapped with ``name=`` the given name, else the module's
-``PARTICIPANT_NAME``, else the default of ``wrap()``. A module that calls ``wrap()``
-at import time (or a factory that calls it) and fails raises its ``CatalogueError``
-here, unchanged; any other error of an import or a factory is a ``DiscoveryError``
-naming it.
+``PARTICIPANT_NAME``, else the default of ``wrap()``; a ``Catalogue`` (given, or
+made by a factory) keeps the name ``wrap()`` gave it, whatever ``name=`` says
+(``catalogue check --name`` refuses it; ``participant run NAME`` serves it as NAME).
+A module that calls ``wrap()`` at import time (or a factory that calls it) and fails
+raises its ``CatalogueError`` here, unchanged; any other error of an import or a
+factory is a ``DiscoveryError`` naming it.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def load_catalogue(reference: str, *, name: str | None = None) -> Catalogue:
     """The catalogue that ``reference`` (``MODULE[:ATTR]``) points at."""
     module_name, _, attr = reference.partition(":")
     module = _import(module_name)
-    wrap_name = name or _module_name_setting(module)
+    # An empty name is a name (wrap() refuses it), not "none given".
+    wrap_name = name if name is not None else _module_name_setting(module)
     if attr:
         return _from_value(_attribute(module, attr), f"{module_name}:{attr}", wrap_name)
 

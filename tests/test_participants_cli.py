@@ -197,3 +197,25 @@ def test_catalogue_check_of_a_factory_that_fails_exits_2_naming_it(
     err = capsys.readouterr().err
     assert f"{reference}() failed: KeyError" in err
     assert "SAGALINE_TEST_PAYMENTS_URL_THAT_IS_NEVER_SET" in err
+
+
+def test_catalogue_check_refuses_a_name_it_cannot_apply(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A module providing a ready Catalogue keeps the name wrap() gave it: --name was
+    silently ignored, the table said 'participant refunds' for --name billing."""
+    assert (
+        main(["catalogue", "check", "tests.fixtures.participants_ready", "--name", "billing"]) == 2
+    )
+    err = capsys.readouterr().err
+    assert "--name 'billing'" in err and "'refunds'" in err, err
+
+
+def test_catalogue_check_with_an_empty_name_is_refused_not_taken_as_no_name(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--name '' (an unset variable in a script) counted as not given: the objects were
+    wrapped as PARTICIPANT_NAME and the check passed."""
+    assert main(["catalogue", "check", GOOD, "--name", ""]) == 1
+    err = capsys.readouterr().err
+    assert "participant name ''" in err, err
