@@ -126,6 +126,17 @@ def _from_value(value: Any, where: str, name: str | None) -> Catalogue:
     if inspect.isfunction(value):
         return wrap(value, name=name)  # a tool function: wrap() checks its declarations
     if isinstance(value, (list, tuple)):
+        ready = sum(isinstance(v, Catalogue) for v in value)
+        if ready:
+            # Not participant objects to wrap into one ("Catalogue has no method
+            # decorated with @tool" would say the tools are not declared).
+            raise DiscoveryError(
+                f"{where} holds {ready} catalogue{'s' if ready > 1 else ''}"
+                f" ({', '.join(repr(v.name) for v in value if isinstance(v, Catalogue))})"
+                " in a list; a reference names one participant's catalogue: point it at"
+                " one Catalogue (or a factory of one), one reference per participant"
+                ' (plan check: --module once per catalogue, or "modules": [...])'
+            )
         return wrap(*value, name=name)
     if inspect.isclass(value) or isinstance(value, types.ModuleType) or _has_tools(value):
         return wrap(value, name=name)  # wrap() explains what is wrong with a class

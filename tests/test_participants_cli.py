@@ -219,3 +219,14 @@ def test_catalogue_check_with_an_empty_name_is_refused_not_taken_as_no_name(
     assert main(["catalogue", "check", GOOD, "--name", ""]) == 1
     err = capsys.readouterr().err
     assert "participant name ''" in err, err
+
+
+def test_catalogue_check_of_a_factory_of_several_catalogues_says_so(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A zero-argument factory returning a list of Catalogues (one per participant, as
+    the drill takes) was wrapped as participant objects: 'Catalogue has no method
+    decorated with @tool', exit 1, as if the tools were not declared."""
+    assert main(["catalogue", "check", "tests.fixtures.participants_ready:several"]) == 2
+    err = capsys.readouterr().err
+    assert "@tool" not in err and "2 catalogues" in err and "several()" in err, err
