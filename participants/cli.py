@@ -265,7 +265,11 @@ def _plan_check(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_UNREADABLE
-    modules = args.module or _plan_modules(plan)
+    try:
+        modules = args.module or _plan_modules(plan)
+    except ValueError as exc:
+        print(f"sagaline plan check: {args.file}: {exc}", file=sys.stderr)
+        return EXIT_UNREADABLE
     if not modules:
         print(
             f"sagaline plan check: {args.file} names no catalogue; add"
@@ -311,9 +315,24 @@ def _plan_check(args: argparse.Namespace) -> int:
 
 
 def _plan_modules(plan: dict[str, Any]) -> list[str]:
-    if isinstance(plan.get("module"), str):
-        return [plan["module"]]
+    """The file's ``"module"`` or ``"modules"``; ``ValueError`` saying what is wrong
+    with one that is given but is not a reference (or a list of them)."""
+    module = plan.get("module")
+    if module is not None:
+        if not isinstance(module, str) or not module:
+            raise ValueError(
+                f"'module' is {module!r}; give one \"MODULE[:ATTR]\" string"
+                ' (several: "modules": [...])'
+            )
+        return [module]
     modules = plan.get("modules")
-    if isinstance(modules, list) and all(isinstance(m, str) for m in modules):
-        return list(modules)
-    return []
+    if modules is None:
+        return []
+    if not isinstance(modules, list):
+        raise ValueError(f"'modules' is {modules!r}; give a list of \"MODULE[:ATTR]\" strings")
+    for n, entry in enumerate(modules):
+        if not isinstance(entry, str) or not entry:
+            raise ValueError(
+                f"'modules' entry {n} is {entry!r}; each must be a \"MODULE[:ATTR]\" string"
+            )
+    return list(modules)

@@ -230,3 +230,24 @@ def test_catalogue_check_of_a_factory_of_several_catalogues_says_so(
     assert main(["catalogue", "check", "tests.fixtures.participants_ready:several"]) == 2
     err = capsys.readouterr().err
     assert "@tool" not in err and "2 catalogues" in err and "several()" in err, err
+
+
+@pytest.mark.parametrize(
+    ("naming", "wrong"),
+    [
+        ({"modules": [GOOD, 3]}, "'modules' entry 1 is 3"),
+        ({"modules": GOOD}, "'modules' is 'tests.fixtures.participants_good'"),
+        ({"module": ["a", "b"]}, "'module' is ['a', 'b']"),
+    ],
+)
+def test_plan_check_of_a_catalogue_named_wrongly_says_what_is_wrong(
+    naming: dict[str, object], wrong: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A 'modules' list with a non-string entry (or a 'modules' string, a 'module'
+    list) was reported as 'names no catalogue; add "module": ...', though it named
+    one."""
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({**naming, "calls": []}))
+    assert main(["plan", "check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert wrong in err and "names no catalogue" not in err, err
