@@ -354,3 +354,37 @@ def test_a_fault_at_a_point_the_saga_never_reached_is_not_applicable(
     result = _judge(stage, plan, seam, 0, saga_id, "", {}, 1.0)  # type: ignore[arg-type]
 
     assert result.verdict is Verdict.NOT_APPLICABLE, result
+
+
+def test_sagaline_drill_with_no_broker_answering_says_so_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A stale KAFKA_BOOTSTRAP_SERVERS ended `sagaline drill` in a librdkafka
+    traceback (cimpl.KafkaException from ensure_topics) instead of one line."""
+    from sagaline.kafka import KafkaError, KafkaException
+    from services.drill import _run
+
+    def unreachable(*_args: object, **_kwargs: object) -> list[str]:
+        raise KafkaException(
+            KafkaError(KafkaError._TRANSPORT, "Failed to get metadata: Broker transport failure")
+        )
+
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:1")
+    monkeypatch.setattr(_run, "ensure_topics", unreachable)
+    code = sagaline(
+        [
+            "drill",
+            "--plan",
+            str(REFUND_PLAN),
+            "--seam",
+            "before-dispatch",
+            "--step",
+            "1",
+            "--state-dir",
+            str(tmp_path),
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("sagaline drill: ") and err.count("\n") == 1, err
+    assert "127.0.0.1:1" in err and "Broker transport failure" in err, err

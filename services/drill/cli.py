@@ -14,6 +14,7 @@ from typing import Any
 from participants.catalogue import Catalogue
 from participants.discovery import DiscoveryError, load_catalogue
 from participants.errors import CatalogueError
+from sagaline.kafka import DeliveryFailed, KafkaException, TopicSetupError
 from services.drill._inject import Seam
 from services.drill._run import run_drill
 
@@ -94,15 +95,26 @@ def _drill(args: argparse.Namespace) -> int:
     from services.broker import settings_and_bootstrap
 
     _settings, bootstrap = settings_and_bootstrap()
-    report = run_drill(
-        catalogues,
-        calls,
-        bootstrap=bootstrap,
-        state_dir=state_dir,
-        seams=[Seam(s) for s in args.seam] if args.seam else None,
-        steps=[n - 1 for n in args.step] if args.step else None,
-        case_timeout_s=args.timeout,
-    )
+    try:
+        report = run_drill(
+            catalogues,
+            calls,
+            bootstrap=bootstrap,
+            state_dir=state_dir,
+            seams=[Seam(s) for s in args.seam] if args.seam else None,
+            steps=[n - 1 for n in args.step] if args.step else None,
+            case_timeout_s=args.timeout,
+        )
+    except (KafkaException, TopicSetupError, DeliveryFailed) as exc:
+        error = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
+        text = getattr(error, "str", None)
+        words = text() if callable(text) else exc
+        print(
+            f"sagaline drill: the broker at {bootstrap} did not answer as needed ({words});"
+            " check KAFKA_BOOTSTRAP_SERVERS and that the broker is up",
+            file=sys.stderr,
+        )
+        return EXIT_UNREADABLE
     if args.json:
         print(
             json.dumps(
