@@ -276,6 +276,35 @@ def test_an_irreversible_step_that_ran_after_its_approval_expired_is_a_failed_ca
     assert "approval expired" in result.detail
 
 
+def test_an_irreversible_step_that_ran_with_no_approval_ever_requested_is_a_failed_case() -> None:
+    """expired-approval arms nothing until the coordinator asks for the approval. A
+    coordinator that ran the email without asking (R7 broken outright) left the fault
+    unfired, and the case was judged n/a, "the saga did not get there", although the
+    step committed right where it was armed and nobody granted anything."""
+    saga_id = "drill-expired-approval-1-abd"
+    ran = receipt(
+        TerminalStatus.COMPLETED,
+        [step("s01-send_reply", "send_reply", Disposition.RETAINED, key="k", op="msg-1")],
+        saga_id=saga_id,
+    )
+    terminal = SagaTerminal(
+        envelope=envelope_for(
+            SagaTerminal, saga_id=saga_id, tenant_id="t", producer="coordinator", now=1
+        ),
+        status=TerminalStatus.COMPLETED,
+        receipt=ran.to_json(),
+    )
+    board = FaultBoard()
+    board.arm(saga_id, "s01-send_reply", Seam.EXPIRED_APPROVAL)  # armed, never fired
+    stage = SimpleNamespace(watcher=_RecordsOf([terminal]), board=board, specs={})
+    plan = [PlannedCall("send_reply", {})]
+
+    result = _judge(stage, plan, Seam.EXPIRED_APPROVAL, 0, saga_id, "", {}, 1.0)  # type: ignore[arg-type]
+
+    assert result.verdict is Verdict.FAILED, result
+    assert "s01-send_reply ran" in result.detail and "approval" in result.detail, result
+
+
 def _case(
     seam: Seam, disposition: Disposition, status: TerminalStatus, *, fired: bool
 ) -> tuple[object, str]:

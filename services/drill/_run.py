@@ -645,14 +645,21 @@ def _judge(
     fired = stage.board.fired(saga_id)
     if seam is Seam.STALE_GENERATION and fired and "stale-generation" not in dlq.get(saga_id, []):
         problems.append("the stale-generation abort was not rejected to the DLQ")
-    if seam is Seam.EXPIRED_APPROVAL and fired:
+    if seam is Seam.EXPIRED_APPROVAL:
+        # Nobody grants an approval in this case, so the step must never run: not
+        # after its approval expired, and not without an approval ever asked for
+        # (then the fault never fired, yet the saga went right past it, R7).
         target_id = _step_id(target, tool)
         key = _keys(records).get(target_id)
         ledger_ran = any(
             s.step_id == target_id and s.committed_at is not None for s in receipt.steps
         )
         if ledger_ran or (key is not None and stage.board.ran(key) > 0):
-            problems.append(f"{target_id} ran although its approval expired (nobody granted it)")
+            problems.append(
+                f"{target_id} ran although its approval expired (nobody granted it)"
+                if fired
+                else f"{target_id} ran without its approval ever being requested (R7)"
+            )
     status = receipt.status.value
     if problems:
         return CaseResult(seam, target, tool, saga_id, Verdict.FAILED, status, "; ".join(problems))
