@@ -372,10 +372,25 @@ def _connect_read_only(path: Path) -> sqlite3.Connection:
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         conn.execute("SELECT 1 FROM sqlite_master").fetchall()
         return conn
-    except sqlite3.OperationalError:
+    except sqlite3.OperationalError as exc:
         # A WAL database whose writers have all exited may lack its -shm file, which
-        # a read-only connection cannot create; the file is quiescent, so read it as is.
+        # a read-only connection cannot create; the file is quiescent, so read it as
+        # is. Not when it is locked, nor when its -wal file holds commits: an
+        # immutable read skips the WAL, and so would miss effects (raised instead,
+        # as an unreadable file).
+        if "locked" in str(exc) or _wal_may_hold_commits(path):
+            raise
         return sqlite3.connect(f"file:{path}?immutable=1", uri=True)
+
+
+def _wal_may_hold_commits(path: Path) -> bool:
+    """Whether the -wal file beside ``path`` may hold commits not in ``path`` itself."""
+    try:
+        return path.with_name(path.name + "-wal").stat().st_size > 0
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # cannot tell: do not read around it
 
 
 def _rows(conn: sqlite3.Connection, sql: str) -> list[tuple[Any, ...]]:

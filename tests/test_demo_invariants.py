@@ -323,6 +323,34 @@ def test_a_provider_file_of_another_shape_is_an_error_not_an_empty_world(
         read_world(tmp_path)
 
 
+def test_a_locked_provider_file_is_an_error_not_the_world_without_its_log(
+    tmp_path: Path,
+) -> None:
+    """docs/running-the-demo.md: a provider file that is locked is "Invariant NOT
+    checked". read_world fell back to an immutable read instead, which skips the
+    write-ahead log: the hold the provider committed (still in its -wal file) was
+    missing from the world, so an effect nobody accounts for, or one applied twice,
+    would pass unseen."""
+    inventory = InventoryProvider(tmp_path / "inventory")
+    inventory.place_hold("k-hold", "o", "sku", 1)
+    path = tmp_path / "inventory" / InventoryProvider.file_name
+    holder = sqlite3.connect(path, isolation_level=None)
+    try:
+        holder.execute("SELECT count(*) FROM holds").fetchall()
+        inventory.store.close()  # not the last connection: the WAL is not checkpointed
+        holder.execute("PRAGMA locking_mode=EXCLUSIVE")
+        holder.execute("BEGIN IMMEDIATE")
+        holder.execute("CREATE TABLE IF NOT EXISTS scratch (a)")
+        holder.execute("COMMIT")  # the exclusive lock stays held
+        assert path.with_name(path.name + "-wal").stat().st_size > 0
+
+        with pytest.raises(ProviderFileUnreadable, match="inventory"):
+            world = read_world(tmp_path)
+            assert [e.kind for e in world.effects] == ["hold.placed"], world  # never reached
+    finally:
+        holder.close()
+
+
 def test_a_provider_that_never_created_a_table_contributes_nothing(tmp_path: Path) -> None:
     (tmp_path / "mailer").mkdir()
     sqlite3.connect(tmp_path / "mailer" / MailerProvider.file_name).close()
