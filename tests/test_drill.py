@@ -417,3 +417,41 @@ def test_sagaline_drill_with_no_broker_answering_says_so_in_one_line(
     assert code == 2, err
     assert err.startswith("sagaline drill: ") and err.count("\n") == 1, err
     assert "127.0.0.1:1" in err and "Broker transport failure" in err, err
+
+
+@pytest.mark.parametrize("step", ["1", "2"])
+def test_sagaline_drill_refuses_a_plan_naming_a_tool_no_catalogue_has(
+    step: str,
+    kafka_bootstrap: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    new_topic_prefix: Callable[..., str],
+) -> None:
+    """A misspelt tool in the plan ("place_hld", step 2) ended `sagaline drill` in an
+    UnknownTool traceback out of the case threads after the whole stage had started,
+    and drilling only the steps before it reported every case fine (exit 0)."""
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
+    monkeypatch.setattr(
+        drill_cli, "run_drill", functools.partial(run_drill, prefix=new_topic_prefix("drill"))
+    )
+    calls = json.loads(REFUND_PLAN.read_text())["calls"]
+    calls[1] = {**calls[1], "tool": "place_hld"}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"calls": calls, "modules": ["services.refund:drill_catalogues"]}))
+    code = sagaline(
+        [
+            "drill",
+            "--plan",
+            str(path),
+            "--seam",
+            "after-commit",
+            "--step",
+            step,
+            "--state-dir",
+            str(tmp_path),
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "place_hld" in err and "place_hold" in err, err

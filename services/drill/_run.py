@@ -392,6 +392,9 @@ def run_drill(
         raise ValueError(
             f"steps {outside} are not in the plan: 0-based indexes 0 to {len(plan) - 1}"
         )
+    unknown = unknown_tools(catalogues, plan)
+    if unknown:
+        raise ValueError(unknown)
     report = DrillReport(plan)
     started = time.monotonic()
     prefix = prefix or f"drill{uuid.uuid4().hex[:8]}."
@@ -424,6 +427,22 @@ def run_drill(
                 progress(result)
     report.seconds = time.monotonic() - started
     return report
+
+
+def unknown_tools(
+    catalogues: Sequence[Catalogue], calls: Sequence[PlannedCall | Mapping[str, Any]]
+) -> str:
+    """Why the plan cannot be drilled against ``catalogues`` ("" when every tool it
+    calls is declared in one of them)."""
+    known = sorted({name for c in catalogues for name in c})
+    tools = [c.tool if isinstance(c, PlannedCall) else c.get("tool") for c in calls]
+    missing = [f"{n}:{t}" for n, t in enumerate(tools, 1) if t not in known]
+    if not missing:
+        return ""
+    return (
+        f"the plan calls tools no catalogue declares ({', '.join(missing)});"
+        f" known tools are {', '.join(known) or 'none'}"
+    )
 
 
 # ------------------------------------------------------------------------ one case

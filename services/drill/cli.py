@@ -16,7 +16,7 @@ from participants.discovery import DiscoveryError, load_catalogue
 from participants.errors import CatalogueError
 from sagaline.kafka import DeliveryFailed, KafkaException, TopicSetupError
 from services.drill._inject import Seam
-from services.drill._run import run_drill
+from services.drill._run import run_drill, unknown_tools
 
 EXIT_OK, EXIT_FAILED, EXIT_UNREADABLE = 0, 1, 2
 
@@ -91,6 +91,10 @@ def _drill(args: argparse.Namespace) -> int:
         catalogues = [c for ref in refs for c in load_catalogues(ref, state_dir)]
     except (CatalogueError, DiscoveryError) as exc:
         print(f"sagaline drill: {exc}", file=sys.stderr)
+        return EXIT_UNREADABLE
+    unknown = unknown_tools(catalogues, calls)
+    if unknown:
+        print(f"sagaline drill: {args.plan}: {unknown}", file=sys.stderr)
         return EXIT_UNREADABLE
     from services.broker import settings_and_bootstrap
 
