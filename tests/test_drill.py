@@ -455,3 +455,33 @@ def test_sagaline_drill_refuses_a_plan_naming_a_tool_no_catalogue_has(
     err = capsys.readouterr().err
     assert code == 2, err
     assert "place_hld" in err and "place_hold" in err, err
+
+
+class UnreachableVault(ForgetfulVault):
+    """A provider whose compensation works but whose lookup API is down."""
+
+    def remove(self, ctx: CompensationContext) -> None:
+        with self.lock:
+            self.items.pop(ctx.idempotency_key, None)
+
+    def find(self, key: str) -> LookupResult | None:
+        raise ConnectionError("vault API unreachable")
+
+
+def test_a_lookup_that_raises_is_a_failed_case_not_the_end_of_the_drill(
+    kafka_bootstrap: str, tmp_path: Path, new_topic_prefix: Callable[..., str]
+) -> None:
+    """The drill asks the tool's own lookup after each case; one that raised escaped
+    run_drill once every case had run, so the whole report was lost (a traceback
+    from `sagaline drill`) instead of those cases being FAILED, saying why."""
+    report = run_drill(
+        [wrap(UnreachableVault(), name="vault")],
+        [{"tool": "store", "args": {"item": "a"}}],
+        bootstrap=kafka_bootstrap,
+        state_dir=tmp_path,
+        seams=[Seam.AFTER_COMMIT, Seam.DUPLICATES],
+        prefix=new_topic_prefix("drill"),
+    )
+    assert [r.verdict for r in report.results] == [Verdict.FAILED, Verdict.FAILED], report.matrix()
+    for result in report.results:
+        assert "lookup" in result.detail and "vault API unreachable" in result.detail, result

@@ -738,7 +738,14 @@ def _disagreements(stage: _Stage, records: list[Record], receipt: Receipt) -> li
         runs = stage.board.ran(key)
         if runs > 1:
             problems.append(f"{step.step_id} ran {runs} times for one idempotency key")
-        world = _world_has(spec, key, runs)
+        try:
+            world = _world_has(spec, key, runs)
+        except Exception as exc:  # the user's lookup: a failed case, not the drill's end
+            problems.append(
+                f"{step.step_id}: its lookup raised {type(exc).__name__}: {exc}; the"
+                " provider's state cannot be compared with the ledger"
+            )
+            continue
         ledger = step.disposition in (Disposition.RETAINED, Disposition.COMPENSATED) or (
             step.disposition is Disposition.ESCALATED and step.committed_at is not None
         )
@@ -759,8 +766,14 @@ def _disagreements(stage: _Stage, records: list[Record], receipt: Receipt) -> li
             )
             if spec.verify_func is not None:
                 call = CallContext(receipt.saga_id, step.step_id, step.tool, key)
-                with call_context(call):
-                    undone = spec.verify(ctx)
+                try:
+                    with call_context(call):
+                        undone = spec.verify(ctx)
+                except Exception as exc:  # the user's verify, as the lookup above
+                    problems.append(
+                        f"{step.step_id}: its verify raised {type(exc).__name__}: {exc}"
+                    )
+                    continue
                 if not undone:
                     problems.append(f"{step.step_id}: compensated in the ledger, verify says no")
             elif not stage.board.compensated(ctx.compensation_key):
