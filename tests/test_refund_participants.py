@@ -142,3 +142,69 @@ def test_validate_refund_over_the_limit_is_a_business_rejection(tmp_path: Path) 
     assert isinstance(raised.value, BusinessRejection)
     ok = run(catalogue, "validate_refund", "k-2", order_id="o-1", amount_cents=100, reason="x")
     assert ok["approved"] is True
+
+
+@pytest.mark.parametrize(
+    ("participant", "tool", "args", "undone"),
+    [
+        (
+            "inventory",
+            "place_hold",
+            {"order_id": "o-9", "sku": "sku-9", "quantity": 1},
+            lambda p: [h.status for h in p.holds()] == ["released"],
+        ),
+        (
+            "inventory",
+            "return_to_inventory",
+            {"order_id": "o-9", "sku": "sku-9", "quantity": 2},
+            lambda p: [m.status for m in p.movements()] == ["removed"] and p.on_hand("sku-9") == 0,
+        ),
+        (
+            "mailer",
+            "send_reply",
+            {"order_id": "o-9", "text": "refunded", "credit_id": None},
+            lambda p: len(p.emails(kind="correction")) == 1,
+        ),
+        (
+            "tickets",
+            "close_ticket",
+            {"ticket_id": "T-9"},
+            lambda p: p.status("T-9") == "reopened",
+        ),
+    ],
+)
+def test_a_compensation_with_no_result_finds_what_to_undo_by_the_forward_key(
+    participant: str, tool: str, args: dict[str, Any], undone: Any, tmp_path: Path
+) -> None:
+    """docs/operating.md: an unknown outcome an operator settles as COMMITTED without
+    --result gives the compensation ctx.result = None ("write compensations that can
+    find the operation by ctx.idempotency_key then"). The refund compensations read
+    ctx.result["hold_id"] (...) only, and so failed with a TypeError on every attempt:
+    the hold stayed placed although the provider could say which one it was."""
+    catalogue = build_catalogue(participant, tmp_path)
+    run(catalogue, tool, "k-fwd", **args)
+    ctx = CompensationContext("saga-1", tool, args, None, idempotency_key="k-fwd")
+    with call_context(
+        CallContext("saga-1", "s1", tool, "k-fwd", compensation_key=ctx.compensation_key)
+    ):
+        catalogue[tool].compensate(ctx)
+    assert undone(world(catalogue)), world(catalogue).effects()
+
+
+def test_a_compensation_with_no_result_uses_the_operators_operation_id(tmp_path: Path) -> None:
+    catalogue = build_catalogue("inventory", tmp_path)
+    args = {"order_id": "o-9", "sku": "sku-9", "quantity": 1}
+    hold = run(catalogue, "place_hold", "k-fwd", **args)
+    ctx = CompensationContext(
+        "saga-1",
+        "place_hold",
+        args,
+        None,
+        idempotency_key="k-other",  # the operator knows better than the key
+        provider_operation_id=hold["hold_id"],
+    )
+    with call_context(
+        CallContext("saga-1", "s1", "place_hold", "k-other", compensation_key=ctx.compensation_key)
+    ):
+        catalogue["place_hold"].compensate(ctx)
+    assert [h.status for h in world(catalogue).holds()] == ["released"]

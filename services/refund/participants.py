@@ -28,6 +28,7 @@ from participants.declarations import (
     compensation,
     tool,
 )
+from services.refund.errors import UnknownOperationError
 from services.refund.faults import FaultInjector
 from services.refund.providers import (
     InventoryProvider,
@@ -68,6 +69,25 @@ def _lookup(provider: Provider, key: str) -> LookupResult | None:
 
 def _key() -> str:
     return current_call().idempotency_key
+
+
+def _undo_target(ctx: CompensationContext, field: str, provider: Provider) -> str:
+    """What a compensation undoes: ``field`` of the tool's result; else (the outcome
+    was unknown and a person settled it as COMMITTED without ``--result``, so
+    ``ctx.result`` is None) the operation id the person gave, or the operation the
+    provider performed under the forward call's idempotency key."""
+    result = ctx.result
+    if isinstance(result, dict) and result.get(field) is not None:
+        return str(result[field])
+    if ctx.provider_operation_id:
+        return ctx.provider_operation_id
+    found = provider.lookup(ctx.idempotency_key)
+    if found is not None and found.result.get(field) is not None:
+        return str(found.result[field])
+    raise UnknownOperationError(
+        f"{ctx.tool_name}: the result names no {field} and the provider performed"
+        f" nothing under the forward call's idempotency key; there is nothing to undo"
+    )
 
 
 class _Participant:
@@ -132,7 +152,7 @@ class Inventory(_Participant):
     @compensation
     def release_hold(self, ctx: CompensationContext) -> dict[str, Any]:
         """Release the hold named in the tool's result."""
-        hold_id = str(ctx.result["hold_id"])
+        hold_id = _undo_target(ctx, "hold_id", self.provider)
         return self.faults.call(
             "release_hold",
             ctx.compensation_key,
@@ -163,7 +183,7 @@ class Inventory(_Participant):
     @compensation
     def remove_from_inventory(self, ctx: CompensationContext) -> dict[str, Any]:
         """Take the restocked item back off the shelf (the movement in the result)."""
-        movement_id = str(ctx.result["movement_id"])
+        movement_id = _undo_target(ctx, "movement_id", self.provider)
         return self.faults.call(
             "remove_from_inventory",
             ctx.compensation_key,
@@ -210,7 +230,7 @@ class Payments(_Participant):
         """Claw the credit back. Declared so the catalogue says what undoing would
         mean; the coordinator never compensates a committed pivot (R6), so in a
         refund saga this does not run, and the tests check that it did not."""
-        credit_id = str(ctx.result["credit_id"])
+        credit_id = _undo_target(ctx, "credit_id", self.provider)
         return self.faults.call(
             "void_credit",
             ctx.compensation_key,
@@ -255,7 +275,7 @@ class Mailer(_Participant):
     @compensation
     def send_correction(self, ctx: CompensationContext) -> dict[str, Any]:
         """Not an undo: a follow-up that corrects the message in ``ctx.result``."""
-        original = str(ctx.result["message_id"])
+        original = _undo_target(ctx, "message_id", self.provider)
         order_id = ctx.input.get("order_id", "?")
         text = (
             f"A correction to our earlier message about order {order_id}: please disregard"
@@ -303,7 +323,11 @@ class Tickets(_Participant):
     @compensation
     def reopen_ticket(self, ctx: CompensationContext) -> dict[str, Any]:
         """Reopen the ticket named in ``ctx.result``."""
-        ticket_id = str(ctx.result["ticket_id"])
+        ticket_id = str(
+            ctx.result["ticket_id"]
+            if isinstance(ctx.result, dict) and ctx.result.get("ticket_id")
+            else ctx.input["ticket_id"]  # the ticket the forward call closed
+        )
         return self.faults.call(
             "reopen_ticket",
             ctx.compensation_key,
