@@ -43,6 +43,8 @@ from coordinator.state import (
     TimerPurpose,
 )
 from schemas.keys import (
+    args_fingerprint,
+    canonical_json,
     compensation_key,
     derived_event_id,
     fingerprint,
@@ -850,11 +852,35 @@ def _ask_again_to_settle(ctx: _Ctx) -> None:
         )
 
 
+def _fingerprint_problem(r: StepScheduled) -> str | None:
+    """Why ``r.args_fingerprint`` is not the fingerprint of ``r.args``, or None. The
+    agent writes it, and a grant binds to it (R7): the approver sees it, the receipt
+    logs it. A fingerprint an older client wrote, which covered sealed values' bytes
+    (nonce and all) instead of their markers, is still the arguments'."""
+    try:
+        computed = args_fingerprint(r.args)
+        if computed == r.args_fingerprint:
+            return None
+        if fingerprint(canonical_json(orjson.loads(r.args))) == r.args_fingerprint:
+            return None  # written before sealed values counted as their markers
+    except orjson.JSONDecodeError as exc:
+        return f"args of step {r.step_id} are not JSON: {exc}"
+    return (
+        f"step {r.step_id}: arguments fingerprint {r.args_fingerprint} is not that of its "
+        f"arguments ({computed}); a grant binds to the fingerprint, so a step "
+        "fingerprinted as other arguments is refused"
+    )
+
+
 def _on_step_scheduled(ctx: _Ctx, r: StepScheduled) -> None:
     s = ctx.s
     problem = step_id_problem(r.step_id)
     if problem is not None:
         ctx.reject(r, RejectReason.INVALID_STEP_ID, problem)
+        return
+    problem = _fingerprint_problem(r)
+    if problem is not None:
+        ctx.reject(r, RejectReason.INVALID_ARGUMENTS, problem)
         return
     existing = s.steps.get(r.step_id)
     if existing is not None:

@@ -53,8 +53,10 @@ from schemas import (
     SagaOutcome,
     StepRetryScheduled,
     TerminalStatus,
+    canonical_json,
     compensation_key,
     derived_event_id,
+    fingerprint,
     key_hash,
 )
 from schemas.limits import MAX_OPERATOR_TEXT_BYTES
@@ -279,6 +281,32 @@ def test_grant_that_does_not_match_the_request_does_not_count_R7(
     assert executes(out) == []
     assert h.status("wire") == "AWAITING_APPROVAL"
     assert h.s.approvals[-1].decision == "REJECTED_MISMATCH"
+
+
+def test_a_step_whose_fingerprint_is_not_of_its_arguments_is_refused_R7() -> None:
+    """The agent writes the fingerprint; an approver sees only it (the dashboard's
+    "arguments <fp>", the receipt's approval log). One of other arguments than the
+    step's would bind the grant to arguments the step does not run with."""
+    ledger, h = running("hold")
+    benign = ledger.scheduled("wire-small", "wire", args={"amount": 10})
+    forged = ledger.scheduled("wire", args={"amount": 1_000_000}).model_copy(
+        update={"args_fingerprint": benign.args_fingerprint}
+    )
+    out = h.feed(forged)
+    [rejected] = rejections(out)
+    assert rejected.reason == "invalid-arguments" and "fingerprint" in rejected.detail
+    assert "wire" not in h.s.steps and approval_requests(out) == []
+
+
+def test_a_step_fingerprinted_by_an_older_client_is_still_taken() -> None:
+    """Before sealed values counted as their markers, a fingerprint covered the sealed
+    bytes: such a record (a saga in flight across the upgrade) is no forgery."""
+    ledger, h = running("hold")
+    args = {"card": {"$sealed": "bm9uY2U=", "kid": "s1", "fp": "[redacted hmac:abc]"}}
+    old = ledger.scheduled("pay", args=args)
+    old = old.model_copy(update={"args_fingerprint": fingerprint(canonical_json(args))})
+    out = h.feed(old)
+    assert rejections(out) == [] and h.s.steps["pay"].args_fingerprint == old.args_fingerprint
 
 
 def test_grant_after_its_expiry_does_not_count_R7() -> None:

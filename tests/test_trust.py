@@ -29,6 +29,7 @@ from schemas import (
     StepContract,
     StepScheduled,
     TerminalStatus,
+    args_fingerprint,
     envelope_for,
 )
 from schemas.errors import (
@@ -150,7 +151,7 @@ def test_writer_outside_its_tenants_is_a_tenant_mismatch(kit: TrustKit) -> None:
         envelope=_env(StepScheduled, "agent", tenant="beta"),
         step_id="st",
         args=b"{}",
-        args_fingerprint="fp",
+        args_fingerprint=args_fingerprint(b"{}"),
         contract=StepContract(tool="charge", participant="payments"),
     )
     with pytest.raises(TenantMismatch, match="beta"):
@@ -313,7 +314,7 @@ def _dispatched() -> tuple[Any, ExecuteStep]:
         envelope=_env(StepScheduled, "agent"),
         step_id="st-1",
         args=b"{}",
-        args_fingerprint="fp",
+        args_fingerprint=args_fingerprint(b"{}"),
         contract=StepContract(tool="charge", participant="payments"),
     )
     decision = decide(state, scheduled, NOW, BOUND)
@@ -365,7 +366,7 @@ def test_core_refuses_another_agent_driving_the_saga() -> None:
         envelope=_env(StepScheduled, "other-agent"),
         step_id="st-1",
         args=b"{}",
-        args_fingerprint="fp",
+        args_fingerprint=args_fingerprint(b"{}"),
         contract=StepContract(tool="charge", participant="payments"),
     )
     assert _reasons(decide(state, scheduled, NOW, BOUND)) == ["forbidden-writer"]
