@@ -1494,15 +1494,24 @@ class Saga:
         """The approval request of ``step_id`` as soon as the coordinator records it
         (an IRREVERSIBLE step, R7); None when the step ends first or within
         ``timeout_s`` nothing is requested."""
-        found = self.client._ledger.wait_for(self.saga_id, _approval_check(step_id), timeout_s)
+        check = _approval_check(step_id, self._reporter(step_id))
+        found = self.client._ledger.wait_for(self.saga_id, check, timeout_s)
         return found if isinstance(found, ApprovalRequested) else None
 
     async def aapproval_request(self, step_id: str, timeout_s: float) -> ApprovalRequested | None:
         """:meth:`approval_request` for asyncio (the waiter is a future, not a thread)."""
         found = await self.client._ledger.wait_for_async(
-            self.saga_id, _approval_check(step_id), timeout_s
+            self.saga_id, _approval_check(step_id, self._reporter(step_id)), timeout_s
         )
         return found if isinstance(found, ApprovalRequested) else None
+
+    def _reporter(self, step_id: str) -> str | None:
+        """With identities, the participant whose reports on ``step_id`` count (a
+        step scheduled elsewhere: the coordinator's own records only); else None."""
+        if not isinstance(self.client.signer, IdentitySigner):
+            return None
+        contract = self._contracts.get(step_id)
+        return _COORDINATOR if contract is None else contract.participant
 
     def resume(self, step_id: str, timeout_s: float | None = None) -> Any:
         """Wait again for a step this saga scheduled, e.g. after ``ApprovalPending``:
@@ -2024,13 +2033,16 @@ def _may_report(record: Record, step: str, participant: str) -> bool:
     return True
 
 
-def _approval_check(step_id: str) -> Callable[[Record], Any]:
+def _approval_check(step_id: str, participant: str | None) -> Callable[[Record], Any]:
     """What ends a wait for ``step_id``'s approval request: the request, or ``False``
-    once the step ended without asking."""
+    once the step ended without asking. ``participant``: with identities, the step's
+    participant, the only one whose report counts (:func:`_may_report`)."""
 
     def check(record: Record) -> Any:
         if getattr(record, "step_id", step_id) != step_id:
             return None  # another step's record
+        if participant is not None and not _may_report(record, step_id, participant):
+            return None  # another participant's report: the coordinator refuses it
         if isinstance(record, ApprovalRequested):
             return record
         if isinstance(record, (StepCommitted, StepFailed, IncidentRaised, SagaTerminal)):

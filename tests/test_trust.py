@@ -751,3 +751,55 @@ def test_a_broken_trust_file_stops_a_service_with_one_line_not_a_traceback(
     err = capsys.readouterr().err
     assert "needs a role" in err and "Traceback" not in err
     assert err.count("\n") == 1, err
+
+
+def test_an_approval_wait_is_not_ended_by_another_participants_report(kit: TrustKit) -> None:
+    """approval_request() (the MCP proxy asks the person only once it returns the
+    request) ended at any StepCommitted of the step: one the mailer forged before the
+    coordinator asked, which the coordinator refuses, made it return None, so nobody
+    was asked and the step waited out its approval. With identities only the step's
+    participant reports on it, as for the call's own wait."""
+    from types import SimpleNamespace
+
+    from participants.client import Saga, _Ledger
+    from schemas import ApprovalRequested
+
+    ledger = _Ledger()
+    ledger.follow("s-1")
+    client: Any = SimpleNamespace(_ledger=ledger, signer=kit.signer("agent"), producer_name="agent")
+    saga = Saga(
+        client,
+        saga_id="s-1",
+        tenant_id="acme",
+        workflow="w",
+        principal="user:1",
+        workflow_version="",
+        policy_version="",
+        continue_on_compensation_failure=False,
+    )
+    scheduled = StepScheduled(
+        envelope=_env(StepScheduled, "agent"),
+        step_id="st-1",
+        args=b"{}",
+        args_fingerprint=args_fingerprint(b"{}"),
+        contract=StepContract(tool="charge", participant="payments"),
+    )
+    saga._contracts["st-1"] = scheduled.contract
+    request = ApprovalRequested(
+        envelope=_env(ApprovalRequested, "sagaline-coordinator"),
+        step_id="st-1",
+        approval_id="appr-1",
+        purpose=ApprovalPurpose.FORWARD,
+        principal="user:1",
+        args_fingerprint=scheduled.args_fingerprint,
+        scope="payments/charge:execute",
+        expires_at=NOW + 60_000,
+    )
+    ledger.add([scheduled, _committed("mailer", "no-such-command"), request])
+    assert saga.approval_request("st-1", 0) == request
+    # The step's own participant still ends the wait (the step ran without asking).
+    ledger2 = _Ledger()
+    ledger2.follow("s-1")
+    saga.client = SimpleNamespace(_ledger=ledger2, signer=client.signer, producer_name="agent")
+    ledger2.add([scheduled, _committed("payments", "cmd-1"), request])
+    assert saga.approval_request("st-1", 0) is None
