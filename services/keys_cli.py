@@ -70,6 +70,13 @@ def _cmd_new(args: argparse.Namespace) -> int:
 def _cmd_password(args: argparse.Namespace) -> int:
     from services.dashboard.auth import hash_password
 
+    if args.operator != args.operator.strip() or not args.operator.strip():
+        print(
+            f"keys password: the name {args.operator!r} is blank or begins or ends with "
+            "whitespace: the dashboard strips a typed name, so it could never log in",
+            file=sys.stderr,
+        )
+        return 2
     if sys.stdin.isatty():
         import getpass
 

@@ -343,6 +343,28 @@ def test_a_users_file_without_usable_logins_is_refused_not_development_mode(
         OperatorAuth.from_env({"SAGALINE_DASHBOARD_USERS": str(users)})
 
 
+@pytest.mark.parametrize("name", ["alice ", " alice", "alice\n"])
+def test_a_users_file_name_with_surrounding_whitespace_is_refused_at_start(
+    tmp_path: Path, name: str
+) -> None:
+    """The login form's name is stripped, so an entry "alice " could never log in:
+    the dashboard started with logins on and that operator locked out, with no word
+    of why. Refused at start, naming the entry."""
+    users = tmp_path / "users.json"
+    users.write_text(json.dumps({name: hash_password("pw-of-alice-123")}), encoding="utf-8")
+    with pytest.raises(AuthConfigError, match="whitespace"):
+        OperatorAuth.from_env({"SAGALINE_DASHBOARD_USERS": str(users)})
+
+
+def test_keys_password_refuses_a_name_that_could_never_log_in(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from services.cli import main
+
+    assert main(["keys", "password", "alice "]) == 2
+    assert "whitespace" in capsys.readouterr().err
+
+
 def test_a_valid_users_file_enables_logins(tmp_path: Path) -> None:
     users = tmp_path / "users.json"
     users.write_text(json.dumps({"alice": hash_password("pw-of-alice-123")}), encoding="utf-8")

@@ -113,6 +113,14 @@ def _read_users(path: str) -> dict[str, str]:
                 f"SAGALINE_DASHBOARD_USERS={path}: the entry of {name!r} is not a password "
                 f"hash; {fix}"
             )
+        if name != name.strip():
+            # The login form's name is stripped (as the proxy's header is): this entry
+            # could never log in.
+            raise AuthConfigError(
+                f"SAGALINE_DASHBOARD_USERS={path}: the name {name!r} begins or ends with "
+                f"whitespace, so its operator could never log in (a typed name is "
+                f"stripped); write it as {name.strip()!r}"
+            )
     return users
 
 
