@@ -13,7 +13,7 @@ from coordinator_ledger import Ledger
 from coordinator.shell import Coordinator
 from sagaline.kafka import create_producer
 from sagaline.ops import actions
-from schemas import IncidentRaised, Record
+from schemas import IncidentRaised, IncidentResolved, Record
 from schemas.settings import Settings
 from schemas.wire import to_message
 from services.cli import main
@@ -142,3 +142,40 @@ def test_wait_without_a_coordinator_ends_with_124(
     )
     err = capsys.readouterr().err
     assert rc == 124 and "no verdict yet" in err and "is it running" in err
+
+
+def test_wait_judges_the_decision_written_not_another_record_with_its_event_id(
+    ended: tuple[Settings, Ledger, Coordinator],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A decision's event id is derived from what anyone can see (saga, incident,
+    operator): a writer of sagaline.events can put another record under it just before
+    the operator's. The coordinator refuses that one and takes the operator's (a refused
+    record's id is not remembered), but --wait found the first record with the id and
+    reported the other's refusal as the operator's."""
+    settings, _ledger, coordinator = ended
+    publish = actions.OperatorChannel.publish
+
+    def squatted(self: actions.OperatorChannel, record: Record, timeout_s: float = 30.0) -> None:
+        assert isinstance(record, IncidentResolved)
+        append(settings, coordinator.bootstrap, record.model_copy(update={"incident_id": "inc-9"}))
+        publish(self, record, timeout_s)
+
+    monkeypatch.setattr(actions.OperatorChannel, "publish", squatted)
+    _run_while_waiting(monkeypatch, coordinator)
+    rc = main(
+        [
+            "incidents",
+            "resolve",
+            "inc-1",
+            "--operator",
+            "carol",
+            "--resolution",
+            "by hand",
+            "--wait",
+            "120",
+        ]
+    )
+    captured = capsys.readouterr()
+    assert rc == 0 and "accepted by the coordinator" in captured.out, captured.err

@@ -42,7 +42,7 @@ from sagaline.kafka import (
     require_bootstrap,
     watermarks,
 )
-from schemas.codec import decode, encode
+from schemas.codec import encode
 from schemas.errors import CodecError
 from schemas.keys import derived_event_id
 from schemas.limits import DEFAULT_LIMITS, MAX_OPERATOR_TEXT_BYTES, Limits
@@ -554,16 +554,14 @@ class VerdictWatch:
         return Verdict(False, reason, detail)
 
     def _offset_of(self, record: Record) -> int | None:
+        """Where the decision's own bytes are: its event id is derived from what anyone
+        can see (saga, request, operator), so another record under the same id, put
+        there first by any writer of the topic, is not taken for it."""
         reader = LedgerReader(self._bootstrap)
         start = {self._events: self._events_from}
+        written = encode(record)
         for msg in reader.read(self._topics.events, [self._events], start=start):
-            if msg.key() != self._key:
-                continue
-            try:
-                found = decode(msg.value() or b"")
-            except CodecError:
-                continue
-            if found.event_id == record.event_id:
+            if msg.key() == self._key and msg.value() == written:
                 return msg.offset()
         return None
 
