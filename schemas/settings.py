@@ -47,7 +47,7 @@ from pathlib import Path
 from schemas.limits import LIMIT_ENV_VARS, Limits, LimitsError
 from schemas.sealing import Sealer
 from schemas.signing import Signer
-from schemas.topics import DEFAULT_PARTITIONS, Replication, TopicNames
+from schemas.topics import DEFAULT_PARTITIONS, MAX_PARTITIONS, Replication, TopicNames
 
 ENV_VARS: tuple[str, ...] = (
     "KAFKA_BOOTSTRAP_SERVERS",
@@ -110,8 +110,11 @@ class Settings:
             raise SettingsError(
                 f"SAGALINE_PARTITIONS={raw_partitions!r} is not an integer"
             ) from None
-        if partitions < 1:
-            raise SettingsError(f"SAGALINE_PARTITIONS={partitions} must be at least 1")
+        if not 1 <= partitions <= MAX_PARTITIONS:
+            raise SettingsError(
+                f"SAGALINE_PARTITIONS={partitions} must be between 1 and {MAX_PARTITIONS} "
+                "(the most partitions the Kafka client creates a topic with)"
+            )
         key = env.get("SAGALINE_HMAC_KEY") or None
         secret_key = (env.get("SAGALINE_SECRET_KEY") or "").encode("utf-8") or None
         secret_key_id = env.get("SAGALINE_SECRET_KEY_ID") or "s1"
@@ -214,7 +217,9 @@ def _replication(env: Mapping[str, str]) -> Replication:
         except ValueError:
             raise SettingsError(f"{var}={raw!r} is not an integer") from None
     try:
-        return Replication(factor=values["factor"] or 1, min_insync=values["min_insync"])
+        factor = values["factor"]
+        # Unset is 1; an explicit 0 is refused, not taken as 1.
+        return Replication(factor=1 if factor is None else factor, min_insync=values["min_insync"])
     except ValueError as exc:
         raise SettingsError(
             f"SAGALINE_REPLICATION_FACTOR / SAGALINE_MIN_INSYNC_REPLICAS: {exc}"

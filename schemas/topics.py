@@ -14,6 +14,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 DEFAULT_PARTITIONS = 6
+# The most partitions and replicas a topic can be created with: librdkafka, the
+# client every Sagaline process uses, refuses more (1..100000 and 1..10000).
+MAX_PARTITIONS = 100_000
+MAX_REPLICATION_FACTOR = 10_000
 # What Kafka takes as a topic name: ASCII letters, digits, '.', '_', '-'; 249 at most.
 _TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
 _DAY_MS = 24 * 60 * 60 * 1000
@@ -107,8 +111,11 @@ class Replication:
     min_insync: int | None = None
 
     def __post_init__(self) -> None:
-        if self.factor < 1:
-            raise ValueError(f"replication factor {self.factor} must be at least 1")
+        if not 1 <= self.factor <= MAX_REPLICATION_FACTOR:
+            raise ValueError(
+                f"replication factor {self.factor} must be between 1 and "
+                f"{MAX_REPLICATION_FACTOR} (the most the Kafka client creates a topic with)"
+            )
         if self.min_insync is not None and not 1 <= self.min_insync <= self.factor:
             raise ValueError(
                 f"min.insync.replicas {self.min_insync} must be between 1 and the "
@@ -151,6 +158,8 @@ def topic_specs(
 
 __all__ = [
     "DEFAULT_PARTITIONS",
+    "MAX_PARTITIONS",
+    "MAX_REPLICATION_FACTOR",
     "Replication",
     "TopicNames",
     "TopicSpec",

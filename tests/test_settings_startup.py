@@ -429,3 +429,38 @@ def test_a_participant_name_no_topic_can_hold_exits_2_before_anything_is_made(
     err = capsys.readouterr().err
     assert f"participant name {name!r}" in err and "Traceback" not in err, err
     assert not state.exists() and not (tmp_path / "seats").exists()
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [
+        ("SAGALINE_PARTITIONS", "3000000000"),
+        ("SAGALINE_PARTITIONS", "100001"),
+        ("SAGALINE_REPLICATION_FACTOR", "0"),
+        ("SAGALINE_REPLICATION_FACTOR", "10001"),
+        ("SAGALINE_REPLICATION_FACTOR", "3000000000"),
+    ],
+)
+def test_a_partition_or_replica_count_kafka_cannot_take_is_a_settings_error(
+    var: str, value: str
+) -> None:
+    """SAGALINE_PARTITIONS=3000000000 passed the settings and ended `coordinator run`
+    in an OverflowError traceback from the topic set-up (100001: librdkafka's
+    ValueError); SAGALINE_REPLICATION_FACTOR=0 was taken as 1 without a word."""
+    with pytest.raises(SettingsError, match=var):
+        Settings.from_env({var: value})
+
+
+@pytest.mark.kafka
+def test_a_partition_count_kafka_cannot_take_exits_2_naming_it_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    kafka_bootstrap: str,
+    unique_prefix: str,
+) -> None:
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
+    monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
+    monkeypatch.setenv("SAGALINE_PARTITIONS", "3000000000")
+    assert main(["coordinator", "run"]) == 2
+    err = capsys.readouterr().err
+    assert "SAGALINE_PARTITIONS" in err and len(err.strip().splitlines()) == 1, err
