@@ -196,6 +196,48 @@ def test_current_record_is_read_by_an_older_reader(tmp_path: Path) -> None:
     assert decoded == current.model_copy(update={"provider_operation_id": None})
 
 
+# The full-schema fingerprints of record types as earlier versions of Sagaline wrote
+# them, each other than today's: a process not yet upgraded still writes these.
+EARLIER_WRITERS = [
+    ("ExecuteStep", "47bbf6cd6f162bb8"),  # before ledger references (args_ref)
+    ("CompensateStep", "d796c975216b18bf"),  # before provider_operation_id
+    ("CompensateStep", "2fcec3c8abedf8f6"),  # with it, before ledger references
+    ("StepScheduled", "22f998d090c72041"),  # StepContract before completion_within_ms
+    ("IncidentResolved", "51bde6635f23e37c"),  # before provider_operation_id and result
+]
+
+
+@pytest.mark.parametrize(("name", "fingerprint"), EARLIER_WRITERS)
+def test_every_earlier_version_of_a_record_type_is_a_known_writer(
+    name: str, fingerprint: str
+) -> None:
+    """A StepScheduled of an agent not yet upgraded (StepContract before
+    completion_within_ms) and a CompensateStep of a coordinator not yet upgraded
+    (before ledger references) went to the DLQ as unknown-fingerprint: the saga never
+    ran its step, the compensation never ran. schemas/avsc/history had neither."""
+    writer = default_registry().by_fingerprint(bytes.fromhex(fingerprint))
+    assert writer.name == name
+    assert writer is not default_registry().reader(name)
+
+
+def test_a_step_scheduled_of_the_previous_version_is_read_by_the_current_one(
+    tmp_path: Path,
+) -> None:
+    """The previous version's StepContract had no completion_within_ms; its records
+    read as today's with the default (None: no Accepted expected)."""
+    for path in AVSC_DIR.glob("*.avsc"):
+        (tmp_path / path.name).write_text(path.read_text())
+    contract = json.loads((AVSC_DIR / "StepContract.avsc").read_text())
+    contract["fields"] = [f for f in contract["fields"] if f["name"] != "completion_within_ms"]
+    (tmp_path / "StepContract.avsc").write_text(json.dumps(contract))
+    previous = Codec(SchemaRegistry(tmp_path))
+    assert previous.registry.reader("StepScheduled").fingerprint_hex == "22f998d090c72041"
+    current = next(r for r in example_records() if r.TYPE == "StepScheduled")
+    assert current.contract.completion_within_ms is None
+
+    assert decode(previous.encode(current)) == current
+
+
 def test_writer_missing_a_required_field_is_a_schema_mismatch() -> None:
     """Where Avro does not allow evolution (a field removed that has no default), the
     error says so instead of inventing a value."""
