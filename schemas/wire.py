@@ -199,7 +199,8 @@ class DeadLetter:
 
 
 def read_dead_letter(headers: HeaderList | None) -> DeadLetter:
-    """Parse the ``sagaline-dlq-*`` headers of a DLQ record."""
+    """Parse the ``sagaline-dlq-*`` headers of a DLQ record; :class:`MalformedRecord`
+    when one is missing or a position is not an integer."""
 
     def text(name: str) -> str:
         value = header_value(headers, name)
@@ -207,13 +208,23 @@ def read_dead_letter(headers: HeaderList | None) -> DeadLetter:
             raise MalformedRecord(f"DLQ record lacks header {name!r}")
         return value.decode("utf-8", "replace")
 
+    def number(name: str) -> int:
+        value = text(name)
+        try:
+            return int(value)
+        except ValueError:
+            raise MalformedRecord(
+                f"DLQ record's header {name!r} is {shown(value)}, not an integer"
+            ) from None
+
+    omitted = header_value(headers, DLQ_OMITTED)
     return DeadLetter(
         reason=text(DLQ_REASON),
         detail=text(DLQ_DETAIL),
         source_topic=text(DLQ_TOPIC),
-        partition=int(text(DLQ_PARTITION)),
-        offset=int(text(DLQ_OFFSET)),
-        omitted=None if (o := header_value(headers, DLQ_OMITTED)) is None else o.decode(),
+        partition=number(DLQ_PARTITION),
+        offset=number(DLQ_OFFSET),
+        omitted=None if omitted is None else omitted.decode("utf-8", "replace"),
     )
 
 

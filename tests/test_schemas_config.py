@@ -163,6 +163,26 @@ def test_dlq_message_keeps_key_value_and_headers_byte_for_byte_and_adds_the_reas
     )
 
 
+@pytest.mark.parametrize(
+    ("header", "value"), [("sagaline-dlq-partition", b"two"), ("sagaline-dlq-offset", b"")]
+)
+def test_a_dlq_record_with_an_unreadable_header_is_malformed(header: str, value: bytes) -> None:
+    """read_dead_letter raised ValueError (int('two')), not the CodecError its caller
+    catches: one such record on the DLQ under the saga's key ended
+    `sagaline approve --wait` in a traceback instead of being passed over."""
+    _key, _value, out = dlq_message(b"s", b"v", None, "malformed", "x", "sagaline.events", 2, 41)
+    out = [(name, v) for name, v in out if name != header] + [(header, value)]
+    with pytest.raises(MalformedRecord, match=header):
+        read_dead_letter(out)
+
+
+def test_a_dlq_omitted_header_that_is_not_utf8_is_read_like_the_other_texts() -> None:
+    """It raised UnicodeDecodeError (the detail and reason are read with replacement)."""
+    _key, _value, out = dlq_message(b"s", b"v", None, "malformed", "x", "sagaline.events", 2, 41)
+    out.append(("sagaline-dlq-omitted", b"too large \xff"))
+    assert read_dead_letter(out).omitted == "too large \ufffd"
+
+
 def test_env_vars_lists_exactly_what_from_env_reads() -> None:
     """ENV_VARS is the documented list; a variable outside it changes nothing."""
     from schemas.settings import ENV_VARS
