@@ -39,12 +39,19 @@ class Codec:
         self.registry = registry or default_registry()
 
     def encode(self, record: Record) -> bytes:
-        """Frame and serialise ``record`` with the current schema of its type."""
+        """Frame and serialise ``record`` with the current schema of its type.
+
+        Raises :class:`InvalidRecord` naming each field whose value the wire cannot
+        carry (an int outside Avro's 64-bit long, a str with a lone surrogate)."""
         schema = self.registry.reader(record.TYPE)
         buf = io.BytesIO()
         buf.write(MAGIC)
         buf.write(schema.fingerprint)
-        schemaless_writer(buf, schema.parsed, _to_avro(record))
+        datum = _to_avro(record)
+        try:
+            schemaless_writer(buf, schema.parsed, datum)
+        except (OverflowError, UnicodeEncodeError, ValueError, TypeError) as exc:
+            raise _unwritable(record, datum, exc) from exc
         return buf.getvalue()
 
     def record_type(self, data: bytes) -> type[Record] | None:
@@ -122,6 +129,48 @@ class Codec:
             raise InvalidRecord(
                 cls.TYPE, fields, f"{cls.TYPE} decoded but is invalid: {problems}"
             ) from exc
+
+
+_LONG_MIN, _LONG_MAX = -(2**63), 2**63 - 1
+
+
+def _unwritable(record: Record, datum: dict[str, Any], exc: Exception) -> InvalidRecord:
+    """Why ``record`` cannot be written, naming each field the wire cannot carry: the
+    models take any Python int and any str, Avro only a 64-bit long and UTF-8 (a str
+    read with surrogateescape holds lone surrogates). Only on the failure path."""
+    problems: list[tuple[str, str]] = []
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{path}.{key}" if path else str(key))
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                walk(item, f"{path}[{i}]")
+        elif isinstance(value, int) and not isinstance(value, bool):
+            if not _LONG_MIN <= value <= _LONG_MAX:
+                problems.append((path, f"{value} is outside Avro's long (-2**63 .. 2**63-1)"))
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as err:
+                problems.append(
+                    (
+                        path,
+                        f"holds a lone surrogate ({value[err.start]!r} at character "
+                        f"{err.start}), which UTF-8 cannot carry",
+                    )
+                )
+
+    walk(datum, "")
+    if not problems:
+        problems.append(("<record>", f"{type(exc).__name__}: {exc}"))
+    detail = "; ".join(f"{path}: {why}" for path, why in problems)
+    return InvalidRecord(
+        record.TYPE,
+        [path for path, _why in problems],
+        f"{record.TYPE} cannot be written: {detail}",
+    )
 
 
 def _to_avro(record: Record) -> dict[str, Any]:

@@ -50,8 +50,8 @@ def to_message(
 ) -> tuple[bytes, bytes, Headers]:
     """``(key, value, headers)`` for producing ``record``; ``encoded``: its bytes
     (``encode(record)``) when the caller has them already."""
+    value = encode(record) if encoded is None else encoded  # first: says what cannot be written
     key = record.envelope.saga_id.encode("utf-8")
-    value = encode(record) if encoded is None else encoded
     return key, value, signer.headers(key, value)
 
 

@@ -34,6 +34,8 @@ from schemas.errors import (
 from schemas.examples import example_records
 from schemas.models import RECORD_TYPES, Envelope, Record, SagaStarted, StepCommitted
 from schemas.registry import AVSC_DIR, SchemaRegistry, default_registry
+from schemas.signing import Signer
+from schemas.wire import to_message
 
 INT64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 TEXT = st.text(max_size=16)
@@ -305,6 +307,33 @@ def test_decoded_record_failing_validation_is_invalid_and_names_type_and_field()
     assert err.value.record_type == "SagaStarted"
     assert err.value.reason == "invalid-record"
     assert "envelope.type" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("occurred_at", 2**63, "long"),
+        ("generation", -(2**63) - 1, "long"),
+        ("saga_id", "saga-\udcff", "surrogate"),
+        ("producer", "agent-\ud800", "surrogate"),
+    ],
+)
+def test_a_value_the_wire_cannot_carry_is_an_invalid_record_naming_the_field(
+    field: str, value: Any, says: str
+) -> None:
+    """The models take any Python int and any str, Avro only a 64-bit long and UTF-8:
+    encode (and to_message) raised OverflowError or UnicodeEncodeError from inside
+    fastavro, naming no field and no CodecError, so a caller could not tell which value
+    was at fault (a file name read with surrogateescape, an overflowing deadline)."""
+    record = example_records()[0]
+    envelope = record.envelope.model_copy(update={field: value})
+    record = type(record).model_validate({**dict(record), "envelope": envelope})
+
+    for write in (encode, lambda r: to_message(r, Signer(None))):
+        with pytest.raises(InvalidRecord, match=f"envelope.{field}.*{says}") as err:
+            write(record)
+        assert err.value.fields == [f"envelope.{field}"]
+        assert err.value.reason == "invalid-record"
 
 
 def test_unexpected_type_is_a_schema_mismatch() -> None:
