@@ -258,6 +258,15 @@ class _Pending:
     # keeps the bytes, and its decoded-state cache gets them back only once the batch
     # committed, so a batch that fails leaves nothing half-applied).
     loaded: dict[str, SagaState] = field(default_factory=dict)
+    # What the metrics are told once the batch's transaction has committed (a batch
+    # aborted, rewound or moved by a rebalance before that is counted by whoever
+    # commits it, once): per saga, in the order decided, the records it took
+    # (``observe_record``), its outputs (``observe_output``) and the reasons of its
+    # DLQ copies among them (``dlq``); a parked saga's outputs are never written and
+    # are not counted. Then the DLQ reasons of ``loose`` and the duplicates dropped.
+    observed: dict[str, list[Record | Output | str]] = field(default_factory=dict)
+    dlq: list[str] = field(default_factory=list)
+    duplicates: int = 0
 
 
 @dataclass
@@ -631,7 +640,8 @@ class Coordinator:
                 raise_if_fatal(err)  # a fenced consumer: exit, a restart takes over
                 log.warning("consumer error: %s", err)
         loose: list[_Msg] = []  # rejected at decoding, resolutions
-        decoded = [(m, r) for m in records if (r := self._decode(m, loose)) is not None]
+        dlq: list[str] = []  # their reasons, counted once the batch commits
+        decoded = [(m, r) for m in records if (r := self._decode(m, loose, dlq)) is not None]
         self._settle()
         if self._rewind:  # the previous batch failed: this one is read again after it
             self._rewind = False
@@ -641,6 +651,7 @@ class Coordinator:
         carried, self._carry = self._carry, None
         pending = carried or _Pending()
         pending.loose += loose
+        pending.dlq += dlq
         pending.expired = self._expired_markers(now)
         flush = flush or (carried is not None and time.monotonic() >= self._carry_until)
         if not records and not due and not pending.expired and not flush:
@@ -750,12 +761,12 @@ class Coordinator:
             self._read_topic_limits()  # before _abort: its new producer batches less
         self._abort()
 
-    def _decode(self, msg: Message, loose: list[_Msg]) -> Record | None:
+    def _decode(self, msg: Message, loose: list[_Msg], dlq: list[str]) -> Record | None:
         """The record, or None when it went to the DLQ (R16)."""
         try:
             record = from_message(msg.key(), msg.value(), headers_of(msg), self.signer)
         except CodecError as exc:
-            self._reject(msg, exc.reason, str(exc), loose)
+            self._reject(msg, exc.reason, str(exc), loose, dlq.append)
             return None
         return record
 
@@ -774,29 +785,35 @@ class Coordinator:
         tenant = marker.tenant_id
         mismatch = None if tenant is None else tenant_mismatch(record, saga_id, tenant)
         if mismatch is not None:
-            self._reject(msg, RejectReason.TENANT_MISMATCH, mismatch, pending.loose)
+            self._reject(
+                msg, RejectReason.TENANT_MISMATCH, mismatch, pending.loose, pending.dlq.append
+            )
             return
         counted = (marker.resolved or {}).get(record.incident_id)
         if counted is not None:
             if counted.event_id == record.event_id:
-                self.metrics.duplicate_prevented()  # a repeat: already on the feed
+                pending.duplicates += 1  # a repeat: already on the feed
                 return
             detail = (
                 f"incident {record.incident_id} is already resolved ({counted.resolution}); "
                 f"the resolution by {cut_operator_text(record.resolved_by)} "
                 f"({cut_operator_text(record.resolution)}) does not count"
             )
-            self._reject(msg, RejectReason.INVALID_TRANSITION, detail, pending.loose)
+            self._reject(
+                msg, RejectReason.INVALID_TRANSITION, detail, pending.loose, pending.dlq.append
+            )
             return
         if marker.incidents is not None and record.incident_id not in marker.incidents:
             detail = f"no open incident {record.incident_id} in ended saga {saga_id}"
-            self._reject(msg, RejectReason.INVALID_TRANSITION, detail, pending.loose)
+            self._reject(
+                msg, RejectReason.INVALID_TRANSITION, detail, pending.loose, pending.dlq.append
+            )
             return
         if marker.marker is MarkerKind.PARKED:
             why = f"saga {saga_id} is parked: {marker.reason}"
-            self._reject(msg, PARKED_REASON, why, pending.loose)
+            self._reject(msg, PARKED_REASON, why, pending.loose, pending.dlq.append)
         else:
-            self.metrics.observe_record(record)
+            pending.observed.setdefault(saga_id, []).append(record)
         resolution = f"{record.resolution} (by {record.resolved_by})"[:200]
         kept = EndedResolution(event_id=record.event_id, resolution=resolution)
         resolved = {**(marker.resolved or {}), record.incident_id: kept}
@@ -823,7 +840,7 @@ class Coordinator:
                     f"{size} bytes, over the {room} bytes the topic takes now (its "
                     f"max.message.bytes less framing); the resolution is on the ledger"
                 )
-                self._reject(msg, FEED_TOO_LARGE_REASON, detail, pending.loose)
+                self._reject(msg, FEED_TOO_LARGE_REASON, detail, pending.loose, pending.dlq.append)
                 return
         pending.loose.append((self.topics.incidents, key, value, headers, None))
 
@@ -853,7 +870,11 @@ class Coordinator:
                 self._resolve_ended(msg, record, state, pending)
             elif state.marker is MarkerKind.PARKED and not _is_own(record):
                 self._reject(
-                    msg, PARKED_REASON, f"saga {saga_id} is parked: {state.reason}", pending.loose
+                    msg,
+                    PARKED_REASON,
+                    f"saga {saga_id} is parked: {state.reason}",
+                    pending.loose,
+                    pending.dlq.append,
                 )
             return  # history of a saga that ended here (late echo, duplicate, replay)
         # Whether a resolution names an open incident of this saga, before the core
@@ -897,7 +918,7 @@ class Coordinator:
             None,
         )
         if refused is None:
-            self.metrics.observe_record(record)
+            pending.observed.setdefault(saga_id, []).append(record)
         # A resolution of an open incident that the core did not refuse goes to the
         # incident feed (one of an earlier run's incident that no later run asked again
         # counts, whatever its generation: ``resolves_earlier_incident``). One refused
@@ -905,7 +926,7 @@ class Coordinator:
         if resolves and refused is None:
             self._to_incident_feed(msg, pending)
         if not decision.changed and record.envelope.producer != COORDINATOR_PRODUCER:
-            self.metrics.duplicate_prevented()
+            pending.duplicates += 1
         self._apply_or_park(decision, saga_id, record.TYPE, now, pending, msg)
 
     def _apply_or_park(
@@ -951,21 +972,26 @@ class Coordinator:
         source: Message | None = None,
     ) -> None:
         out = pending.outputs.setdefault(saga_id, [])
+        observed = pending.observed.setdefault(saga_id, [])
         for output in decision.outputs:
-            out.extend(self._prepare(output, source))
+            out.extend(self._prepare(output, source, observed))
         if decision.changed and decision.state is not None:
             pending.states[saga_id] = decision.state
             pending.values.pop(saga_id, None)  # encoded again, once, by _check_sizes
 
-    def _prepare(self, output: Output, source: Message | None) -> list[_Msg]:
+    def _prepare(
+        self, output: Output, source: Message | None, observed: list[Record | Output | str]
+    ) -> list[_Msg]:
         if output.destination is Destination.REJECTED:
             if source is None:
                 return []
             rejected: list[_Msg] = []
-            self._reject(source, output.reason or "rejected", output.detail, rejected)
+            self._reject(
+                source, output.reason or "rejected", output.detail, rejected, observed.append
+            )
             return rejected
         key, value, headers = to_message(output.record, self.signer)
-        self.metrics.observe_output(output)
+        observed.append(output)
         return [(topic, key, value, headers, None) for topic in self._topics_for(output)]
 
     def _check_sizes(self, now: int, pending: _Pending) -> None:
@@ -1027,8 +1053,17 @@ class Coordinator:
         log.error("parking saga %s: %s", saga_id, why)
         pending.parked[saga_id] = why
         pending.outputs[saga_id] = []
+        observed = pending.observed.get(saga_id)
+        if observed:  # its outputs are not written: only the records it took count
+            pending.observed[saga_id] = [r for r in observed if not isinstance(r, (Output, str))]
         for msg in pending.sources.pop(saga_id, []):
-            self._reject(msg, PARKED_REASON, f"saga {saga_id} is parked: {why}", pending.loose)
+            self._reject(
+                msg,
+                PARKED_REASON,
+                f"saga {saga_id} is parked: {why}",
+                pending.loose,
+                pending.dlq.append,
+            )
         pending.values.pop(saga_id, None)
         state = self._live(saga_id)
         record = pending.last_record.get(saga_id)
@@ -1208,8 +1243,17 @@ class Coordinator:
             )
             self._known_participants.add(participant)
 
-    def _reject(self, msg: Message, reason: str, detail: str, into: list[_Msg]) -> None:
-        """R16: bad input goes to the DLQ with its reason; the loop goes on."""
+    def _reject(
+        self,
+        msg: Message,
+        reason: str,
+        detail: str,
+        into: list[_Msg],
+        count: Callable[[str], None],
+    ) -> None:
+        """R16: bad input goes to the DLQ with its reason; the loop goes on. The
+        reason goes to ``count``, for the metrics once the batch's transaction
+        commits."""
         log.warning(  # the detail as the DLQ copy has it: a record cannot flood the log
             "dlq: %s at %s[%s]@%s: %s",
             reason,
@@ -1241,7 +1285,7 @@ class Coordinator:
                 (header_value(copy[2], DLQ_OMITTED) or b"").decode(),
             )
         into.append((self.topics.dlq, *copy, None))
-        self.metrics.dlq(reason)
+        count(reason)
 
     def _expired_markers(self, now: int) -> list[str]:
         """Terminal markers past ``limits.terminal_memory_ms`` (oldest first), at most
@@ -1276,7 +1320,24 @@ class Coordinator:
                 self._states.give_back(saga_id, state)
         for saga_id in pending.parked:
             self._suspects.pop(saga_id, None)
+        self._count(pending)
         self.metrics.in_flight(len(self._states))
+
+    def _count(self, pending: _Pending) -> None:
+        """Tell the metrics what a committed batch did (as it decided it)."""
+        metrics = self.metrics
+        for observed in pending.observed.values():
+            for item in observed:
+                if isinstance(item, str):
+                    metrics.dlq(item)
+                elif isinstance(item, Output):
+                    metrics.observe_output(item)
+                else:
+                    metrics.observe_record(item)
+        for reason in pending.dlq:
+            metrics.dlq(reason)
+        if pending.duplicates:
+            metrics.duplicate_prevented(pending.duplicates)
 
     def _current(
         self, saga_id: str, pending: _Pending, now: int, record: Record | None = None
