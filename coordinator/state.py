@@ -13,7 +13,7 @@ import enum
 import json
 import re
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from schemas.models import (
     ApprovalPurpose,
@@ -215,7 +215,12 @@ class SagaState(_StateModel):
 
     @classmethod
     def from_bytes(cls, data: bytes) -> SagaState:
-        return cls.model_validate_json(data)
+        """The state ``data`` encodes; ``ValueError`` naming where it is invalid, and
+        how, without any of its values (``unreadable``)."""
+        try:
+            return cls.model_validate_json(data)
+        except ValidationError as exc:
+            raise ValueError(unreadable(exc)) from None
 
     # ------------------------------------------------------------------------ queries
 
@@ -325,8 +330,29 @@ def state_head(value: bytes, saga_id: str) -> tuple[str, int] | None:
 def load_changelog(value: bytes) -> SagaState | SagaMarker:
     """Decode one changelog value: a full state or a marker."""
     if value.startswith(_MARKER_PREFIX):
-        return SagaMarker.model_validate_json(value)
+        try:
+            return SagaMarker.model_validate_json(value)
+        except ValidationError as exc:
+            raise ValueError(unreadable(exc)) from None
     return SagaState.from_bytes(value)
+
+
+def unreadable(exc: ValidationError) -> str:
+    """Why a changelog value does not decode, for a log line and a parked saga's
+    reason (its marker, its incident on the ledger and the incident feed): each bad
+    field's location and error type, and where the JSON breaks off. Never pydantic's
+    own message, which quotes each bad field's input: a step's arguments or result,
+    or the end of a torn value, in clear."""
+    problems = []
+    for error in exc.errors(include_url=False, include_input=False):
+        where = ".".join(str(part) for part in error["loc"]) or "(value)"
+        problem = f"{where} ({error['type']})"
+        if error["type"] == "json_invalid":  # the parser's position, no input quoted
+            problem += f": {(error.get('ctx') or {}).get('error', '')}"
+        problems.append(problem)
+    shown = "; ".join(problems[:10])
+    more = f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
+    return f"{exc.title} is invalid: {shown}{more}"
 
 
 def terminal_marker(state: SagaState) -> SagaMarker:

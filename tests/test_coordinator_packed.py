@@ -400,3 +400,60 @@ def test_an_unreadable_state_without_the_timer_header_is_parked_though_no_record
         if isinstance(r, IncidentRaised)
     ]
     assert kinds == [PARKED_INCIDENT]
+
+
+SECRET = "sk_live_4eC39HqLyjWDarjtT1zdp7dc"
+
+
+def test_an_unreadable_state_is_reported_without_the_values_it_holds(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Why a changelog value does not decode is logged and put in the saga-parked
+    incident (on the ledger and the incident feed) and the parked marker: pydantic's
+    own message quotes each bad field's input (``input_value=...``), which may be a
+    step's arguments or the end of a torn value, i.e. secrets in clear in a log and
+    on topics. Only where and what kind of error is reported."""
+    import re
+    import uuid
+
+    from sagaline.kafka import TopicPartition, create_producer
+
+    transport = f"memory://{uuid.uuid4().hex[:12]}"
+    settings = Settings(bootstrap=transport, topic_prefix="secret.", partitions=1)
+    ensure_topics(transport, settings.topics, [], settings.partitions)
+    waiting = _waiting("saga-secret")
+    value = waiting.to_bytes()
+    # A step's arguments of the wrong type (as a list), and a value torn right after them.
+    wrong, count = re.subn(rb'"args":"[^"]*"', f'"args":["{SECRET}"]'.encode(), value, count=1)
+    assert count == 1
+    torn = value.replace(b'"args":"', f'"args":"{SECRET}'.encode(), 1)
+    torn = torn[: torn.index(SECRET.encode()) + len(SECRET)]
+    producer = create_producer(transport)
+    for saga_id, garbled, headers in (
+        ("saga-secret", wrong, _due_headers(waiting.next_due_at())),  # parked on use
+        ("saga-torn-secret", torn, []),  # decoded (and logged) by the restore
+    ):
+        producer.produce(
+            settings.topics.state, key=saga_id.encode(), value=garbled, headers=headers
+        )
+    assert producer.flush(30) == 0
+
+    coordinator = Coordinator(settings, transport, instance_id="secret")
+    partitions = [TopicPartition(settings.topics.events, 0)]
+    with caplog.at_level("INFO"):
+        coordinator._on_assign(coordinator._consumer, partitions)
+        pending = _Pending()
+        for saga_id in ("saga-secret", "saga-torn-secret"):
+            marker = coordinator._current(saga_id, pending, 1)
+            assert isinstance(marker, SagaMarker) and marker.marker is MarkerKind.PARKED
+    coordinator._consumer.close()
+
+    reason = pending.states["saga-secret"]
+    assert isinstance(reason, SagaMarker)
+    assert "steps.refund.args" in reason.reason  # where, and what kind of error
+    written = [marker.to_bytes() for marker in pending.states.values()]
+    written += [m[2] or b"" for m in pending.loose]
+    assert len(written) == 6  # two markers, two incidents each
+    for data in written:
+        assert SECRET.encode() not in data, data
+    assert "unreadable" in caplog.text and SECRET not in caplog.text, caplog.text
