@@ -743,9 +743,21 @@ class Coordinator:
         self._committed_to = {tp.partition: tp.offset for tp in committing.offsets}
         pending = committing.pending
         self._commit_pending(pending)
-        for saga_id in committing.due:  # a tick that changed nothing keeps its timer
-            if saga_id not in pending.states:
+        for saga_id in committing.due:
+            if saga_id in pending.states:
+                continue  # scheduled by _commit_pending
+            ticked = pending.loaded.get(saga_id)
+            if ticked is None:  # not ticked (a marker): as memory says
                 self._schedule(saga_id, self._states.due_at(saga_id))
+                continue
+            # The tick changed nothing, so no timer of the saga was due: the time its
+            # entry said (its changelog record's sagaline-next-due header, corrupt or
+            # written by hand) is no timer of its. Kept, it was due again at every
+            # loop turn, each committing an empty transaction. Its real next timer
+            # (from the state the tick decoded) takes the entry's place.
+            due_at = ticked.next_due_at()
+            self._states.retime(saga_id, due_at)
+            self._schedule(saga_id, due_at)
 
     def _failed(self, exc: KafkaException, due: list[str]) -> None:
         """A batch's transaction failed: abort it (memory never saw it)."""
@@ -1707,6 +1719,12 @@ class _PackedStates:
     def due_at(self, saga_id: str) -> int | None:
         entry = self._packed.get(saga_id)
         return None if entry is None else entry[1]
+
+    def retime(self, saga_id: str, due_at: int | None) -> None:
+        """Correct the saga's next timer (its bytes, and its cached state, stay)."""
+        entry = self._packed.get(saga_id)
+        if entry is not None:
+            self._packed[saga_id] = (entry[0], due_at)
 
     def packed(self, saga_id: str) -> bytes | None:
         """The saga's changelog bytes, as kept (not decoded)."""

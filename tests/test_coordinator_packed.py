@@ -457,3 +457,62 @@ def test_an_unreadable_state_is_reported_without_the_values_it_holds(
     for data in written:
         assert SECRET.encode() not in data, data
     assert "unreadable" in caplog.text and SECRET not in caplog.text, caplog.text
+
+
+class _Commits(shell.NoMetrics):
+    def __init__(self) -> None:
+        self.commits = 0
+
+    def transaction_committed(self, seconds: float, records: int) -> None:
+        self.commits += 1
+
+
+def test_a_timer_header_naming_no_timer_of_the_state_is_dropped_not_fired_every_turn() -> None:
+    """A restore schedules a saga's timer from its changelog record's
+    ``sagaline-next-due`` header without decoding the state. A header naming a time at
+    which the state has no timer (corrupt, or written by hand) made the tick at that
+    time change nothing; the saga was scheduled at the same time again, so every loop
+    turn fired it and committed an empty transaction (a busy loop). Its real timer is
+    scheduled instead, once."""
+    import uuid
+
+    transport = f"memory://{uuid.uuid4().hex[:12]}"
+    settings = Settings(bootstrap=transport, topic_prefix="header.", partitions=1)
+    ensure_topics(transport, settings.topics, [], settings.partitions)
+    waiting = _waiting("saga-wrong-header")
+    due = waiting.next_due_at()
+    assert due is not None
+    wrong = due - 10_000  # no timer of the saga is due then
+    from sagaline.kafka import create_producer
+
+    producer = create_producer(transport)
+    producer.produce(
+        settings.topics.state,
+        key=b"saga-wrong-header",
+        value=waiting.to_bytes(),
+        headers=_due_headers(wrong),
+    )
+    assert producer.flush(30) == 0
+
+    metrics = _Commits()
+    one = Coordinator(
+        settings, transport, instance_id="header", clock=lambda: wrong + 1, metrics=metrics
+    )
+    one._join()
+
+    def ticked() -> bool:
+        one._settle()
+        return metrics.commits >= 1  # the tick at the header's time
+
+    try:
+        turn_until(one, ticked)
+        ticks = metrics.commits
+        for _ in range(5):  # loop turns with nothing to do
+            one._process_batch(one._next_batch())
+            one._settle()
+        timers, state = list(one._timers), one.state_of("saga-wrong-header")
+    finally:
+        one._consumer.close()
+    assert metrics.commits == ticks, f"{metrics.commits - ticks} more empty transactions"
+    assert timers == [(due, "saga-wrong-header")]  # its real timer
+    assert state == waiting
