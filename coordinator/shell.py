@@ -251,7 +251,12 @@ class _Pending:
     sources: dict[str, list[Message]] = field(default_factory=dict)
     last_record: dict[str, Record] = field(default_factory=dict)
     parked: dict[str, str] = field(default_factory=dict)
-    loose: list[_Msg] = field(default_factory=list)  # not one saga's: DLQ, resolutions
+    loose: list[_Msg] = field(default_factory=list)  # not one saga's: DLQ, parked incidents
+    # Per saga, the incident feed's copies of the resolutions it accepted (or their DLQ
+    # copies): written with the saga's changelog record, which holds the resolution
+    # (a successor that restored it would take the record for a repeat and not copy
+    # it again); dropped with the saga's outputs if it is parked.
+    feed: dict[str, list[_Msg]] = field(default_factory=dict)
     expired: list[str] = field(default_factory=list)  # terminal markers to tombstone
     values: dict[str, bytes] = field(default_factory=dict)  # encoded once, when checked
     # States taken from memory for this batch: the core changes them in place (memory
@@ -455,9 +460,10 @@ class Coordinator:
 
         A saga's own record the broker refuses parks that saga (saga by saga after
         repeated failures); ``sagaline.terminal`` and the command topics take nothing
-        else. The records of ``_unparkable_topics`` (DLQ copies, the incident feed's
-        copies of resolutions, saga-parked incidents, parked markers, tombstones) are
-        no saga's, so no saga can be parked for them: the broker would refuse them in
+        else. The records of ``_unparkable_topics`` (DLQ copies, saga-parked
+        incidents, parked markers, tombstones) are no saga's, so no saga can be parked
+        for them (the incident feed's copies of resolutions go with their saga's
+        records, but the feed takes saga-parked incidents): the broker would refuse them in
         every transaction (the saga-by-saga commit too, whose last transaction carries
         them), and the coordinator would rewind the same batch for ever and decide no
         saga at all. One DescribeConfigs request for them all; a topic is not checked
@@ -831,9 +837,9 @@ class Coordinator:
         resolved = {**(marker.resolved or {}), record.incident_id: kept}
         pending.states[saga_id] = marker.model_copy(update={"resolved": resolved})
         pending.values.pop(saga_id, None)  # its changelog record is written anew
-        self._to_incident_feed(msg, pending)
+        self._to_incident_feed(msg, saga_id, pending)
 
-    def _to_incident_feed(self, msg: Message, pending: _Pending) -> None:
+    def _to_incident_feed(self, msg: Message, saga_id: str, pending: _Pending) -> None:
         """The operators' incident feed shows each resolution the coordinator accepted
         next to its incident, also for sagas that have already ended ESCALATED (the
         usual case). A refused one (another tenant, no such incident) stays off it:
@@ -841,7 +847,11 @@ class Coordinator:
 
         A copy the incident feed no longer takes (its ``max.message.bytes`` lowered
         while running, ``_read_topic_limits``) goes to the DLQ instead, with reason
-        ``incident-feed-too-large``: it would be refused in every transaction."""
+        ``incident-feed-too-large``: it would be refused in every transaction.
+
+        Either goes with the saga's records (``_Pending.feed``): in the saga-by-saga
+        commit, in the transaction of its changelog record, not in the last one."""
+        feed = pending.feed.setdefault(saga_id, [])
         key, value, headers = msg.key(), msg.value(), _headers(msg)
         room = self._room.get(self.topics.incidents)
         if room is not None:
@@ -852,9 +862,10 @@ class Coordinator:
                     f"{size} bytes, over the {room} bytes the topic takes now (its "
                     f"max.message.bytes less framing); the resolution is on the ledger"
                 )
-                self._reject(msg, FEED_TOO_LARGE_REASON, detail, pending.loose, pending.dlq.append)
+                counted = pending.observed.setdefault(saga_id, [])
+                self._reject(msg, FEED_TOO_LARGE_REASON, detail, feed, counted.append)
                 return
-        pending.loose.append((self.topics.incidents, key, value, headers, None))
+        feed.append((self.topics.incidents, key, value, headers, None))
 
     def _decide_batch(
         self, records: list[tuple[Message, Record]], due: list[str], now: int, pending: _Pending
@@ -936,7 +947,7 @@ class Coordinator:
         # counts, whatever its generation: ``resolves_earlier_incident``). One refused
         # as stale does not: the step still waits on the incident asked again.
         if resolves and refused is None:
-            self._to_incident_feed(msg, pending)
+            self._to_incident_feed(msg, saga_id, pending)
         if not decision.changed and record.envelope.producer != COORDINATOR_PRODUCER:
             pending.duplicates += 1
         self._apply_or_park(decision, saga_id, record.TYPE, now, pending, msg)
@@ -1065,6 +1076,7 @@ class Coordinator:
         log.error("parking saga %s: %s", saga_id, why)
         pending.parked[saga_id] = why
         pending.outputs[saga_id] = []
+        pending.feed.pop(saga_id, None)
         observed = pending.observed.get(saga_id)
         if observed:  # its outputs are not written: only the records it took count
             pending.observed[saga_id] = [r for r in observed if not isinstance(r, (Output, str))]
@@ -1152,6 +1164,7 @@ class Coordinator:
         retried batch parks it. A full local queue is nobody's fault: rewind."""
         try:
             self._produce(pending.outputs.get(saga_id, []))
+            self._produce(pending.feed.get(saga_id, []))
             state = pending.states.get(saga_id)
             if state is not None:
                 partition = pending.partitions.get(saga_id, self._partition_of.get(saga_id))

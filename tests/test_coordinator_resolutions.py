@@ -5,9 +5,11 @@ and a refused resolution never blocks the genuine one. Run on both transports.""
 
 from __future__ import annotations
 
+from typing import Any
+
 from coordinator.shell import Coordinator
 from coordinator.state import SagaMarker, load_changelog
-from sagaline.kafka import LedgerReader
+from sagaline.kafka import KafkaError, KafkaException, LedgerReader
 from schemas import IncidentRaised, IncidentResolved
 from schemas.codec import decode
 from schemas.settings import Settings
@@ -213,3 +215,56 @@ def test_a_marker_without_resolutions_restores_and_is_written_unchanged() -> Non
     marker = load_changelog(old)
     assert isinstance(marker, SagaMarker) and marker.incidents == ["inc-1"]
     assert marker.to_bytes() == old
+
+
+class _OffsetsRefused:
+    """A producer whose transactions take no offsets (the group moved on, say): the
+    transaction that ends a saga-by-saga commit fails."""
+
+    def __init__(self, producer: Any) -> None:
+        self._producer = producer
+        self.refused = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._producer, name)
+
+    def send_offsets_to_transaction(self, *args: Any) -> None:
+        self.refused += 1
+        raise KafkaException(KafkaError(KafkaError._FAIL, "offsets refused"))
+
+
+def test_a_resolution_committed_saga_by_saga_reaches_the_feed_though_the_last_transaction_fails(
+    transport: str, unique_prefix: str
+) -> None:
+    """After three failed transactions a batch is committed saga by saga: each saga's
+    outputs and changelog record in a transaction of its own, then one with the
+    records of no saga and the offsets. The copy of an accepted resolution for the
+    incident feed went in that last one: when it failed and the coordinator stopped
+    (or the partition moved), the successor restored the saga with the incident
+    resolved and took the record read again for a repeat, so the feed never showed
+    the resolution. The copy goes with its saga's records."""
+    settings, ledger, first, _participant = one_saga(transport, unique_prefix, "saga-iso")
+    raised = ledger.participant_incident("reserve", "inc-1").model_copy(
+        update={"kind": "manual-check"}
+    )
+    one = Coordinator(settings, transport, instance_id="iso-1", carry_ms=0, linger_ms=0)
+    one._join()
+    append(settings, transport, ledger.started(), first, raised)
+    turn_until(one, lambda: one.positions().get(0, -1) >= 3)
+
+    genuine = ledger.resolve("inc-1", "refunded by hand")
+    append(settings, transport, genuine)
+    one._failures = 3  # the next batch is committed saga by saga
+    refusing = _OffsetsRefused(one._producer)
+    one._producer = refusing
+    turn_until(one, lambda: refusing.refused == 1)
+    one._consumer.close()  # it stops before the batch is tried again
+
+    two = Coordinator(settings, transport, instance_id="iso-2", carry_ms=0, linger_ms=0)
+    two._join()
+    turn_until(two, lambda: two.positions().get(0, -1) >= 4)
+    state = two.state_of("saga-iso")
+    two._consumer.close()
+    incident = state.incident("inc-1") if state is not None else None
+    assert incident is not None and incident.resolved
+    assert _feed(settings, transport) == [genuine.event_id]

@@ -183,9 +183,10 @@ class _Message:
 
 
 def test_a_resolution_the_lowered_incident_feed_no_longer_takes_goes_to_the_dlq() -> None:
-    """The incident feed's copy of an accepted resolution is no saga's record: one over
-    the feed's lowered limit would be refused in every transaction. It is dead-lettered
-    (a summary if the DLQ's limit is lower still); one that fits is copied as before."""
+    """The incident feed's copy of an accepted resolution over the feed's lowered limit
+    would be refused in every transaction. It is dead-lettered (a summary if the DLQ's
+    limit is lower still); one that fits is copied as before. Either goes with its
+    saga's records."""
     transport = f"memory://{os.urandom(6).hex()}"
     settings = Settings(bootstrap=transport, topic_prefix="feed.", partitions=1)
     one = Coordinator(settings, transport, instance_id="feed-1")
@@ -193,11 +194,13 @@ def test_a_resolution_the_lowered_incident_feed_no_longer_takes_goes_to_the_dlq(
         one._room[settings.topics.incidents] = 5_000
         pending = _Pending()
         events = settings.topics.events
-        one._to_incident_feed(_Message(events, b"saga-a", b"r" * 4_000), pending)
-        one._to_incident_feed(_Message(events, b"saga-b", b"r" * 6_000), pending)
+        one._to_incident_feed(_Message(events, b"saga-a", b"r" * 4_000), "saga-a", pending)
+        one._to_incident_feed(_Message(events, b"saga-b", b"r" * 6_000), "saga-b", pending)
     finally:
         one._consumer.close()
-    [(feed, key, _v, _h, _p), (dlq, dead, value, headers, _p2)] = pending.loose
+    assert pending.loose == []
+    [(feed, key, _v, _h, _p)] = pending.feed["saga-a"]
+    [(dlq, dead, value, headers, _p2)] = pending.feed["saga-b"]
     assert (feed, key) == (settings.topics.incidents, b"saga-a")
     assert (dlq, dead, value) == (settings.topics.dlq, b"saga-b", b"r" * 6_000)
     letter = read_dead_letter(headers)
