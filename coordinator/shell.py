@@ -53,6 +53,8 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Protocol
 
+from pydantic import ValidationError
+
 from coordinator.core import (
     COORDINATOR_PRODUCER,
     CorePolicy,
@@ -74,6 +76,7 @@ from coordinator.state import (
     load_changelog,
     state_head,
     terminal_marker,
+    unreadable,
 )
 from coordinator.watchdog import deadline
 from sagaline.kafka import (
@@ -879,8 +882,8 @@ class Coordinator:
             try:
                 decision = tick(state, now, self._policy, in_place=True)
             except Exception as exc:  # a bug in one saga must not stop the others
-                log.exception("tick failed for %s", saga_id)
-                self._park(saga_id, f"tick raised {type(exc).__name__}: {exc}", now, pending)
+                _log_raised(exc, "tick failed for %s", saga_id)
+                self._park(saga_id, f"tick raised {_raised(exc)}", now, pending)
                 continue
             self._apply_or_park(decision, saga_id, "a timer", now, pending)
 
@@ -924,10 +927,8 @@ class Coordinator:
                 in_place=True,
             )
         except Exception as exc:  # a bug must not stop the service or lose the record
-            log.exception("decide failed for %s", record.event_id)
-            self._park(
-                saga_id, f"deciding {record.TYPE} raised {type(exc).__name__}: {exc}", now, pending
-            )
+            _log_raised(exc, "decide failed for %s", record.event_id)
+            self._park(saga_id, f"deciding {record.TYPE} raised {_raised(exc)}", now, pending)
             return
         # A record the core refused (wrong tenant or writer, a mismatched grant, a stale
         # generation) goes to the DLQ, counted there: it is no fact of the saga, so the
@@ -983,8 +984,8 @@ class Coordinator:
             log.error("a command topic of saga %s cannot be set up: %s", saga_id, exc)
             self._park(saga_id, f"its command topic cannot be set up: {exc}", now, pending)
         except Exception as exc:
-            log.exception("the outputs of saga %s could not be prepared", saga_id)
-            why = f"its outputs for {what} could not be prepared: {type(exc).__name__}: {exc}"
+            _log_raised(exc, "the outputs of saga %s could not be prepared", saga_id)
+            why = f"its outputs for {what} could not be prepared: {_raised(exc)}"
             self._park(saga_id, why, now, pending)
 
     def _apply(
@@ -1868,3 +1869,22 @@ def _names_open_incident(state: SagaState | None, record: IncidentResolved) -> b
     another saga's incident, an unknown one or one already resolved does not)."""
     incident = state.incident(record.incident_id) if state is not None else None
     return incident is not None and not incident.resolved
+
+
+def _raised(exc: Exception) -> str:
+    """What an exception from deciding or preparing a saga says in its parked reason
+    (the marker, the saga-parked incident on the ledger and the incident feed).
+    pydantic's own message quotes each bad field's input, a step's arguments or
+    result in clear: a validation error names the fields and error types only."""
+    if isinstance(exc, ValidationError):
+        return f"ValidationError: {unreadable(exc)}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _log_raised(exc: Exception, message: str, *args: object) -> None:
+    """Log a saga's failure with its traceback, except for a validation error, whose
+    message quotes the values it refused: its fields and error types only."""
+    if isinstance(exc, ValidationError):
+        log.error(message + ": %s", *args, _raised(exc))
+    else:
+        log.exception(message, *args)

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from coordinator_ledger import Harness, Ledger
+from pydantic import BaseModel
 
 import coordinator.shell as shell
 from coordinator import decide as core_decide
@@ -165,6 +166,52 @@ def test_a_decision_that_raises_half_way_parks_its_saga_and_writes_none_of_its_c
         if k == b"saga-bad"
     ]
     assert dead == [PARKED_REASON, PARKED_REASON]  # the raising record, then the next
+
+
+def test_a_decision_that_raises_a_validation_error_parks_its_saga_without_the_values_it_quotes(
+    kafka_bootstrap: str, unique_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A parked saga's reason goes to its marker, to a saga-parked incident on the
+    ledger and to the incident feed. pydantic's message quotes each bad field's input
+    (a step's arguments, in clear): the reason names the fields and the error types
+    only, as for an unreadable changelog value."""
+    settings = Settings(bootstrap=kafka_bootstrap, topic_prefix=unique_prefix, partitions=1)
+    ensure_topics(kafka_bootstrap, settings.topics, ["svc"], settings.partitions)
+    bad = Ledger(saga_id="saga-quotes")
+    records = [bad.started(), bad.scheduled("hold"), bad.intent("hold")]
+
+    class Card(BaseModel):
+        number: int
+
+    def decide(state: Any, record: Any, now: int, *args: Any, **kw: Any) -> Any:
+        if isinstance(record, StepIntentRecorded):
+            Card.model_validate({"number": "4111-1111-1111-1111"})  # raises, quoting it
+        return core_decide(state, record, now, *args, **kw)
+
+    monkeypatch.setattr(shell, "decide", decide)
+    producer = Producer(producer_config(kafka_bootstrap))
+    signer = settings.signer()
+    for record in records:
+        key, value, headers = to_message(record, signer)
+        producer.produce(settings.topics.events, key=key, value=value, headers=headers)
+    assert producer.flush(30) == 0
+
+    coordinator = Coordinator(settings, kafka_bootstrap, instance_id="quotes")
+    ends = LedgerReader(kafka_bootstrap).end_offsets(settings.topics.events)
+    seen: dict[str, Any] = {}
+
+    def done() -> bool:
+        if coordinator.positions().get(0, -1) < ends[0]:
+            return False
+        seen["parked"] = coordinator.marker_of("saga-quotes")
+        return True
+
+    coordinator.run(until=done)
+
+    parked = seen["parked"]
+    assert parked is not None and parked.marker is MarkerKind.PARKED
+    assert "ValidationError" in parked.reason and "number (int_parsing)" in parked.reason
+    assert "4111" not in parked.reason
 
 
 def test_a_saga_whose_changelog_value_is_unreadable_is_parked_as_any_other_with_an_incident(
