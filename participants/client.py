@@ -284,7 +284,9 @@ class _Ledger:
 
     A saga is let go as soon as its ``SagaTerminal`` arrives, whether or not anyone
     waits for it (an agent need not call ``wait()``): its records go, and only that
-    record stays, in a table of the ``ended_kept`` most recently ended sagas. Waiters
+    record stays, in a table of the ``ended_kept`` most recently ended sagas. A held
+    saga (:meth:`hold`) keeps its records past its end, for the ``ended_kept`` most
+    recently ended held sagas. Waiters
     in progress hold the feed itself, which already has the terminal record; every
     wait ends at it, so nothing after it is needed.
     """
@@ -295,6 +297,9 @@ class _Ledger:
         self.ended_kept = ended_kept
         # Sagas whose start was not acknowledged, oldest first (see unconfirmed()).
         self._unconfirmed: OrderedDict[str, None] = OrderedDict()
+        # Held sagas (see hold()) that ended, oldest end first: their feeds are kept
+        # for resume() for the ``ended_kept`` most recent only.
+        self._held_ended: OrderedDict[str, None] = OrderedDict()
         # Guards moving a saga from _feeds to _ended against follow() recreating it.
         self._lock = threading.Lock()
         # Why no record will come any more (the listener stopped): every wait ends.
@@ -395,15 +400,34 @@ class _Ledger:
                 feed.terminal = terminal
             if not feed.held:
                 self._let_go(saga_id, feed.terminal)
+            else:
+                self._ended_held(saga_id, feed.terminal)
+
+    def _ended_held(self, saga_id: str, terminal: SagaTerminal) -> None:
+        """(Under the lock.) A held saga ended: its records stay for resume() until it
+        is released, but only for the ``ended_kept`` most recently ended held sagas
+        (an agent may never come back to one: its approval expired, an operator
+        aborted it, it was attached to read its results); an older one is let go,
+        its terminal record kept as for any saga that ended."""
+        self._remember_end(saga_id, terminal)
+        self._held_ended[saga_id] = None
+        while len(self._held_ended) > self.ended_kept:
+            oldest, _ = self._held_ended.popitem(last=False)
+            self._feeds.pop(oldest, None)
+
+    def _remember_end(self, saga_id: str, terminal: SagaTerminal) -> None:
+        """(Under the lock.) Keep the terminal record among the most recent ones."""
+        self._ended[saga_id] = terminal
+        while len(self._ended) > self.ended_kept:
+            self._ended.popitem(last=False)
 
     def _let_go(self, saga_id: str, terminal: SagaTerminal) -> None:
         """(Under the lock.) Keep the terminal record, drop the feed: in this order, so
         a wait that finds no feed finds the record."""
-        self._ended[saga_id] = terminal
-        while len(self._ended) > self.ended_kept:
-            self._ended.popitem(last=False)
+        self._remember_end(saga_id, terminal)
         self._feeds.pop(saga_id, None)
         self._unconfirmed.pop(saga_id, None)  # its start did land
+        self._held_ended.pop(saga_id, None)
 
     def _after_end(self, saga_id: str, check: Callable[[Record], Any]) -> Any:
         """A wait on a saga with no feed: answered by its terminal record, if kept."""
@@ -1398,7 +1422,8 @@ class Saga:
         outcome (the coordinator does not run a step twice; other ones are refused,
         :class:`CallRefused`), and new steps are numbered after the ones scheduled.
         Its records are kept, even once it ended, until :meth:`end` or :meth:`wait`
-        (as for a saga left open on ``ApprovalPending``). New records carry the saga's
+        (as for a saga left open on ``ApprovalPending``; once ended, for the client's
+        ``ended_sagas_kept`` most recently ended such sagas). New records carry the saga's
         own tenant (from its start), whatever
         ``tenant_id`` this view was made with. An id with no start on the ledger is
         :class:`InvalidSagaId`, nothing written. A saga with records this client

@@ -266,6 +266,37 @@ def test_a_saga_left_open_for_an_approval_keeps_its_records_for_resume_after_it_
     assert desk.log == ["book:fri", "free:slot-fri"]
 
 
+def test_held_sagas_that_ended_are_kept_for_the_most_recently_ended_only_R7(
+    local: tuple[System, Desk],
+) -> None:
+    """A saga held for resume() (left open on ApprovalPending, or attach()ed) kept all
+    its records until end() or wait(), also once it had ended: an agent that left
+    sagas open for a person who never answered (the approval expired, an operator
+    aborted them), or attached sagas to read their results, kept every one of them for
+    as long as it lived. Once ended, held sagas are kept like the terminal records of
+    ended ones: the ``ended_sagas_kept`` most recent."""
+    system, desk = local
+    ids = []
+    for n in range(3):
+        with system.client.saga("desk", "agent") as saga:
+            saga.call("book_slot", day=f"h{n}")
+        assert saga.wait(60).status is TerminalStatus.COMPLETED
+        ids.append(saga.saga_id)
+    with SagaClient(
+        system.settings, system.bootstrap, catalogues=[wrap(desk, name="desk")], ended_sagas_kept=2
+    ) as small:
+        views = [small.saga("desk", "agent", saga_id=i).attach() for i in ids]
+        assert [v.results for v in views] == [
+            {"01-book_slot": {"slot": f"slot-h{n}"}} for n in range(3)
+        ]
+        assert sorted(small._ledger._feeds) == sorted(ids[1:])  # the oldest is let go
+        # The newest still answer from their records; every one with its receipt
+        # while it is among the most recently ended.
+        assert views[2].resume("01-book_slot") == {"slot": "slot-h2"}
+        assert [v.wait(0).status for v in views[1:]] == [TerminalStatus.COMPLETED] * 2
+        assert small._ledger._feeds == {}
+
+
 def test_async_with_completes_the_saga(local: tuple[System, Desk]) -> None:
     system, desk = local
 
