@@ -637,6 +637,13 @@ class SagaClient:
         self._local = local
         self._stop = threading.Event()
         self._closed = False
+        # The writer outlives close() while a saga block started here is still open
+        # (its end is still to be written) or a write through it is in flight: then
+        # the last of them closes it (see _writer_released).
+        self._writer_lock = threading.Lock()
+        self._writer_users = 0
+        self._writer_closed = False
+        self._open_blocks: set[str] = set()
         self._listener: threading.Thread | None = None
         self._errors_logged: dict[int, float] = {}  # error code -> when last logged
         self._local_runtime: Any = None
@@ -714,7 +721,58 @@ class SagaClient:
         for thread in (self._listener, self._local_thread):
             if thread is not None:
                 thread.join(10)
-        self._writer.close()
+        with self._writer_lock:
+            last = self._writer_unused()
+        if last:
+            self._writer.close()
+
+    def _writer_unused(self) -> bool:
+        """(Under ``_writer_lock``.) Whether the writer is to be closed now: the client
+        is closed, and no saga block started here is open nor any write in flight (a
+        thousand sagas in flight at close() end through it, instead of each building
+        a producer of its own). True once: the caller closes it."""
+        if not self._closed or self._writer_closed or self._writer_users or self._open_blocks:
+            return False
+        self._writer_closed = True
+        return True
+
+    def _block_opened(self, saga_id: str) -> None:
+        """A saga block is about to start ``saga_id``: its end is written through the
+        client's writer, also after :meth:`close`."""
+        with self._writer_lock:
+            self._open_blocks.add(saga_id)
+
+    def _block_left(self, saga_id: str) -> bool:
+        """``saga_id``'s end was asked for (or it was left open for a person): True
+        when the caller is to close the writer now."""
+        with self._writer_lock:
+            self._open_blocks.discard(saga_id)
+            return self._writer_unused()
+
+    def _left(self, saga_id: str) -> None:
+        """:meth:`_block_left`, closing the writer when it was the last user."""
+        if self._block_left(saga_id):
+            self._writer.close()
+
+    def _close_writer_soon(self) -> None:
+        """Close the writer off the event loop, not awaited: also from a ``finally``
+        of a task cancelled again, which could not await it."""
+        asyncio.get_running_loop().run_in_executor(None, self._writer.close)
+
+    def _writer_taken(self) -> bool:
+        """Whether the client's writer takes a record (counted until
+        :meth:`_writer_released`); False once it was closed."""
+        with self._writer_lock:
+            if self._writer_closed:
+                return False
+            self._writer_users += 1
+            return True
+
+    def _writer_released(self) -> bool:
+        """A write through the writer ended: True when the caller is to close it now."""
+        with self._writer_lock:
+            self._writer_users -= 1
+            return self._writer_unused()
 
     def __enter__(self) -> SagaClient:
         return self.start()
@@ -970,24 +1028,34 @@ class SagaClient:
 
     def append(self, record: Record, timeout_s: float = 30.0) -> None:
         """Produce to the ledger and wait for the broker's acknowledgement."""
-        if self._closed:
+        if not self._writer_taken():
             self._append_after_close(record, timeout_s)
             return
-        self._writer.append(record, timeout_s=timeout_s)
+        try:
+            self._writer.append(record, timeout_s=timeout_s)
+        finally:
+            if self._writer_released():
+                self._writer.close()
 
     async def append_async(self, record: Record, timeout_s: float = 30.0) -> None:
         """:meth:`append` for asyncio: awaits this record's delivery report."""
-        if self._closed:
+        if not self._writer_taken():
             await asyncio.to_thread(self._append_after_close, record, timeout_s)
             return
-        await self._writer.append_async(record, timeout_s=timeout_s)
+        try:
+            await self._writer.append_async(record, timeout_s=timeout_s)
+        finally:
+            if self._writer_released():
+                self._close_writer_soon()
 
     def _append_after_close(self, record: Record, timeout_s: float) -> None:
-        """After :meth:`close` (only a saga's end gets this far: a start or a call is
-        refused, no outcome could reach it): the client's writer no longer serves its
-        delivery reports, so the record goes through a writer of its own, and is
-        acknowledged as ever, instead of waiting out ``timeout_s`` for a report that
-        never comes while the saga's end is left in doubt."""
+        """After :meth:`close` closed the writer (only the end of a saga whose block
+        was not open at close() gets this far: one attached, or left open for a
+        person; a start or a call is refused, no outcome could reach it): the
+        client's writer no longer serves its delivery reports, so the record goes
+        through a writer of its own, and is acknowledged as ever, instead of waiting
+        out ``timeout_s`` for a report that never comes while the saga's end is left
+        in doubt."""
         writer = LedgerWriter(self.bootstrap, self.topics, self.signer)
         try:
             writer.append(record, timeout_s=timeout_s)
@@ -1145,6 +1213,7 @@ class Saga:
         self._require_listener()
         self.client.ensure_coordinator()
         self._follow_new()
+        self.client._block_opened(self.saga_id)
         try:
             self.client.append(self._start, timeout_s=self.client.call_timeout_s)
         except BaseException as exc:  # DeliveryFailed, or interrupted while waiting
@@ -1174,7 +1243,7 @@ class Saga:
                 f"would reach saga {self.saga_id}: nothing was written; use a new client"
             ) from failure
 
-    def _abort_behind_start(self, exc: BaseException) -> None:
+    def _abort_behind_start(self, exc: BaseException, *, in_loop: bool = False) -> None:
         """``SagaStarted`` was not acknowledged (or the wait for it was cancelled or
         interrupted), so the block does not run and nothing will end this saga; but
         the record may still be in the producer's queue and reach the ledger once the
@@ -1198,6 +1267,11 @@ class Saga:
             self.client._writer.append_then(end, delivered)
         except Exception as failure:  # the start's own error is the one to raise
             log.warning("saga %s: the abort behind its start failed: %s", self.saga_id, failure)
+        finally:  # queued: a writer closed now still delivers it first
+            if not in_loop:
+                self.client._left(self.saga_id)
+            elif self.client._block_left(self.saga_id):
+                self.client._close_writer_soon()
 
     def __exit__(
         self,
@@ -1212,6 +1286,7 @@ class Saga:
             # runs once approved. Finish with resume() then end(), or abort() it.
             log.info("saga %s left open: %s", self.saga_id, exc)
             self.client._ledger.hold(self.saga_id)  # resume() reads its records
+            self.client._left(self.saga_id)
         else:
             self.end(SagaOutcome.ABORT, reason=f"{type(exc).__name__}: {exc}")
 
@@ -1239,6 +1314,7 @@ class Saga:
             )
         finally:  # also when interrupted while waiting: the end is still queued
             self.client._ledger.release(self.saga_id)  # ended: nothing left to resume
+            self.client._left(self.saga_id)
 
     def call(
         self,
@@ -1655,10 +1731,11 @@ class Saga:
         self._require_listener()
         await self.client.ensure_coordinator_async()
         self._follow_new()
+        self.client._block_opened(self.saga_id)
         try:
             await self.client.append_async(self._start, timeout_s=self.client.call_timeout_s)
         except BaseException as exc:  # DeliveryFailed, or cancelled while awaiting it
-            self._abort_behind_start(exc)
+            self._abort_behind_start(exc, in_loop=True)
             raise
         return AsyncSaga(self)
 
@@ -1673,6 +1750,8 @@ class Saga:
         elif _waits_for_a_person(exc):
             log.info("saga %s left open: %s", self.saga_id, exc)  # as in __exit__ (R7)
             self.client._ledger.hold(self.saga_id)
+            if self.client._block_left(self.saga_id):
+                self.client._close_writer_soon()
         else:
             await self.end_async(SagaOutcome.ABORT, reason=f"{type(exc).__name__}: {exc}")
 
@@ -1689,6 +1768,8 @@ class Saga:
             )
         finally:  # cancelled while awaited, the end is still queued: let the saga go
             self.client._ledger.release(self.saga_id)
+            if self.client._block_left(self.saga_id):
+                self.client._close_writer_soon()
 
     async def acall(
         self,

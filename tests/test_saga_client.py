@@ -867,6 +867,59 @@ def test_a_saga_whose_block_outlives_its_closed_client_is_still_ended_at_once_R1
     assert reasons() == ["ValueError: the request was cancelled", "again"]
 
 
+def test_sagas_in_flight_when_their_client_closes_end_through_its_own_writer_R14(
+    local: tuple[System, Desk], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close() under many sagas in flight (a shutdown): each block's end then built a
+    producer of its own, connected, waited for its acknowledgement and closed it, one
+    after another on the event loop's few executor threads (300 sagas: 26 s on an
+    idle machine), so a shutdown's grace period could run out with sagas left open
+    (R14). The client's writer now stays open until the last block open at close()
+    has ended, then closes."""
+    system, desk = local
+    client = _restarted_agent(system, desk).start()
+    built: list[object] = []
+    ledger_writer = client_module.LedgerWriter
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        built.append(args)
+        return ledger_writer(*args, **kwargs)
+
+    monkeypatch.setattr(client_module, "LedgerWriter", counted)
+    n = 12
+
+    async def agent(started: list[str]) -> str:
+        try:
+            async with client.saga("desk", "agent") as saga:
+                started.append(saga.saga_id)
+                await saga.call("announce", text="hello")  # waits for a person
+        except (OutcomeUnknown, RuntimeError) as exc:
+            return str(exc)
+        return "no error"
+
+    async def main() -> tuple[list[str], list[str]]:
+        started: list[str] = []
+        tasks = [asyncio.create_task(agent(started)) for _ in range(n)]
+        while len(started) < n:
+            await asyncio.sleep(0.01)
+        client.close()
+        return started, await asyncio.gather(*tasks)
+
+    started, errors = asyncio.run(main())
+    assert all("listener stopped" in e for e in errors), errors
+    assert built == []  # every end went through the client's own writer
+    assert client._writer._closed.is_set()  # closed once the last block ended
+    reader = LedgerReader(system.bootstrap)
+
+    def aborted(saga_id: str) -> bool:
+        records = reader.saga_records(system.settings.topics.events, saga_id, client.signer)
+        return any(
+            isinstance(r, SagaEndRequested) and r.outcome is SagaOutcome.ABORT for r in records
+        )
+
+    wait_until(lambda: all(aborted(s) for s in started), 120)
+
+
 def test_a_call_cancelled_while_its_step_was_being_acknowledged_can_be_resumed(
     local: tuple[System, Desk], monkeypatch: pytest.MonkeyPatch
 ) -> None:
