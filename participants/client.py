@@ -1008,6 +1008,12 @@ class SagaClient:
 
         ``saga_id`` left out gets a fresh one; an empty or blank one is refused
         (:class:`InvalidSagaId`), since replacing it would hide the caller's bug."""
+        if saga_id is not None and not _is_text(saga_id):
+            raise InvalidSagaId(
+                f"saga_id must be a string (UTF-8 text), got {saga_id!r} "
+                f"({type(saga_id).__name__}): pass str(...) of it, or leave it out to get "
+                "a generated one; nothing was written"
+            )
         if saga_id is not None and not saga_id.strip():
             raise InvalidSagaId(
                 f"saga_id {saga_id!r} is empty: pass a non-blank id, or leave it out to "
@@ -1975,6 +1981,17 @@ class Saga:
         if kind == "err":
             raise value
         return value
+
+
+def _is_text(value: object) -> bool:
+    """Whether ``value`` is a string that UTF-8 can hold (a key on every topic)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate (a bad decode upstream)
+        return False
+    return True
 
 
 def _waits_for_a_person(exc: BaseException) -> bool:

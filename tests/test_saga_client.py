@@ -1173,6 +1173,20 @@ def test_a_new_saga_under_the_id_of_one_that_ended_is_refused_not_answered_by_th
     )
 
 
+@pytest.mark.parametrize("saga_id", [1042, b"order-1", "order-\udc80"])
+def test_a_saga_id_that_is_no_text_is_refused_saying_so_before_anything_is_written(
+    local: tuple[System, Desk], saga_id: Any
+) -> None:
+    """An order number passed as the saga id (``saga_id=order.id``, an int) crashed
+    ``client.saga()`` with ``AttributeError: 'int' object has no attribute 'strip'``;
+    bytes, or text that UTF-8 cannot hold (a lone surrogate from a bad decode), got
+    as far as the start's write and failed there with an encoding traceback."""
+    system, _desk = local
+    with pytest.raises(InvalidSagaId, match="saga_id must be a string"):
+        system.client.saga("desk", "agent", saga_id=saga_id)
+    assert system.client._ledger._feeds == {}
+
+
 def test_a_held_saga_whose_end_is_cancelled_while_awaited_is_still_let_go_R7(
     local: tuple[System, Desk], monkeypatch: pytest.MonkeyPatch
 ) -> None:
