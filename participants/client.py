@@ -1242,6 +1242,11 @@ class Saga:
 
     def _require_listener(self) -> None:
         """Refuse, before anything is written, what could never learn its outcome."""
+        if self.client._closed:  # its listener is stopping, if not stopped yet
+            raise RuntimeError(
+                f"the saga client was closed, so no outcome would reach saga "
+                f"{self.saga_id}: nothing was written; use a new client"
+            )
         failure = self.client._ledger.failure
         if failure is not None:
             raise RuntimeError(

@@ -920,6 +920,45 @@ def test_sagas_in_flight_when_their_client_closes_end_through_its_own_writer_R14
     wait_until(lambda: all(aborted(s) for s in started), 120)
 
 
+def test_a_call_made_while_its_client_closes_is_refused_before_anything_is_written(
+    local: tuple[System, Desk], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call (or a new saga) made after close() began but before the listener had
+    stopped (it notices the stop within its poll, longer with the broker away) was
+    written: its step ran, a pivot committed (the saga then goes forward, R6), while
+    the call could only end without its outcome. It is refused now, nothing written;
+    the saga's end is still written."""
+    system, desk = local
+    client = _restarted_agent(system, desk).start()
+    ledger = client._ledger
+    stopping = threading.Event()
+    release = threading.Event()
+    fail = ledger.fail
+
+    def slow_fail(failure: BaseException) -> None:  # the listener, on its way out
+        stopping.set()
+        release.wait(120)
+        fail(failure)
+
+    monkeypatch.setattr(ledger, "fail", slow_fail)
+    closer = threading.Thread(target=client.close)
+    with pytest.raises(RuntimeError, match="closed"), client.saga("desk", "agent") as saga:
+        assert saga.call("book_slot", day="mon") == {"slot": "slot-mon"}
+        closer.start()
+        assert stopping.wait(60)
+        try:
+            saga.call("book_slot", day="tue", timeout_s=5)
+        finally:
+            release.set()
+    closer.join(60)
+    assert "book:tue" not in desk.log
+    records = system.records(saga.saga_id)
+    assert [r.step_id for r in records if isinstance(r, StepScheduled)] == ["01-book_slot"]
+    assert wait_until(
+        lambda: [type(r) for r in system.records(saga.saga_id)].count(SagaEndRequested) == 1, 60
+    )
+
+
 def test_a_call_cancelled_while_its_step_was_being_acknowledged_can_be_resumed(
     local: tuple[System, Desk], monkeypatch: pytest.MonkeyPatch
 ) -> None:
