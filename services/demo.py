@@ -15,7 +15,8 @@
    SQLite file (``services.demo_invariants``);
 5. stops every process it started, also on Ctrl-C or an error.
 
-It exits 0 only when every saga is terminal and the invariant holds.
+It exits 0 only when every saga is terminal, the invariant holds, every fault it was
+asked for fired mid-run and no service it started exited on its own.
 
 ``sagaline agent run`` is step 3 alone, against a system that is already running
 (docker compose): no processes, no fault plan, no provider files to read.
@@ -312,6 +313,7 @@ class DemoRun:
     stop_codes: dict[str, int | None] = field(default_factory=dict)
     exit_code: int = 1
     fault_problems: list[str] = field(default_factory=list)  # faults that failed
+    crashed: list[tuple[str, int | None]] = field(default_factory=list)  # (service, exit code)
     faults_closed: threading.Event = field(default_factory=threading.Event, repr=False)
     fault_thread: threading.Thread | None = field(default=None, repr=False)
 
@@ -673,9 +675,12 @@ def _run(run: DemoRun, supervisor: Supervisor) -> int:
         if run.fault_thread is not None:  # it notes the faults that never fired
             run.fault_thread.join(60)
         display.stop()
-        crashed = supervisor.crashed()
-        if crashed:
-            _say(f"services that exited on their own: {crashed} (logs in {run.state_dir}/logs)")
+        run.crashed = supervisor.crashed()
+        if run.crashed:
+            _say(
+                f"services that exited on their own: {_exits(run.crashed)}"
+                f" (logs in {run.state_dir}/logs)"
+            )
         return _summarise(run, settings, outcomes, operator, all_terminal)
     finally:
         run.faults_closed.set()
@@ -735,6 +740,8 @@ def _summarise(
         _say(f"  fault        {event}")
     for problem in run.fault_problems:
         _say(f"  fault FAILED {problem}")
+    if run.crashed:
+        _say(f"  crashed      {_exits(run.crashed)}: exited on their own during the run")
 
     _say()
     _say(_scenario_table(run, ours))
@@ -764,7 +771,13 @@ def _summarise(
     run.violations = violations
     _say()
     _say(_invariant_report(world, ours, violations, run.state_dir))
-    ok = all_terminal and not violations and len(ours) == total and not run.fault_problems
+    ok = (
+        all_terminal
+        and not violations
+        and len(ours) == total
+        and not run.fault_problems
+        and not run.crashed
+    )
     _say()
     _say(
         "demo OK: every saga is terminal and each provider's own state agrees with the receipts"
@@ -772,6 +785,10 @@ def _summarise(
         else "demo FAILED: see above"
     )
     return 0 if ok else 1
+
+
+def _exits(exits: Sequence[tuple[str, int | None]]) -> str:
+    return ", ".join(f"{name} (exit code {code})" for name, code in exits)
 
 
 def _scenario_table(run: DemoRun, receipts: dict[str, Receipt]) -> str:

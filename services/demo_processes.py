@@ -63,6 +63,7 @@ class ManagedProcess:
     spec: ServiceSpec
     popen: subprocess.Popen[bytes] | None = None
     starts: int = 0
+    stopped_on_purpose: bool = False  # by kill9 or stop (the run, or its fault plan)
     _log: IO[bytes] | None = field(default=None, repr=False)
 
     def start(self) -> None:
@@ -80,6 +81,7 @@ class ManagedProcess:
             start_new_session=True,  # Ctrl-C reaches the demo only; it stops us in order
         )
         self.starts += 1
+        self.stopped_on_purpose = False
 
     @property
     def pid(self) -> int | None:
@@ -92,6 +94,7 @@ class ManagedProcess:
     def kill9(self) -> None:
         """A crash: SIGKILL, no chance to flush or commit anything."""
         if self.popen is not None and self.popen.poll() is None:
+            self.stopped_on_purpose = True
             self.popen.send_signal(signal.SIGKILL)
             self.popen.wait()
 
@@ -100,6 +103,7 @@ class ManagedProcess:
         if self.popen is None:
             return None
         if self.popen.poll() is None:
+            self.stopped_on_purpose = True
             self.popen.send_signal(signal.SIGTERM)
             try:
                 self.popen.wait(timeout_s)
@@ -130,6 +134,8 @@ class Supervisor:
         # nothing starts a service again behind its back.
         self.lock = threading.RLock()
         self.stopping = False
+        # Exits nobody asked for that a restart then hid: (name, exit code).
+        self.died: list[tuple[str, int | None]] = []
 
     def start(self, spec: ServiceSpec) -> ManagedProcess:
         with self.lock:
@@ -146,6 +152,8 @@ class Supervisor:
             self._refuse_if_stopping(name)
             process = self.processes[name]
             old = process.pid
+            if process.popen is not None and not process.alive and not process.stopped_on_purpose:
+                self.died.append((name, process.popen.returncode))
             process.kill9()
             process.start()
             return old, process.pid
@@ -194,9 +202,16 @@ class Supervisor:
                 )
             time.sleep(0.25)
 
-    def crashed(self) -> list[str]:
-        """Names of services that exited although nobody stopped them."""
-        return [n for n, p in self.processes.items() if p.popen is not None and not p.alive]
+    def crashed(self) -> list[tuple[str, int | None]]:
+        """(name, exit code) of each service that exited although nobody stopped or
+        killed it (neither the run nor its fault plan): also one a restart (a planned
+        kill -9) found already dead."""
+        now = [
+            (n, p.popen.returncode)
+            for n, p in self.processes.items()
+            if p.popen is not None and not p.alive and not p.stopped_on_purpose
+        ]
+        return [*self.died, *now]
 
     def stop_all(self, timeout_s: float = 15.0) -> dict[str, int | None]:
         """Stop every process (reverse start order); returns their exit codes."""
