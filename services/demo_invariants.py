@@ -11,6 +11,8 @@ happened. The demo only passes when the two agree (R1, R6, R8, R12, R14):
 * no credit was ever voided (the pivot is never clawed back), and every credit that
   stands has either a reply that mentions it or an incident in its saga;
 * a step the receipt calls not committed or read-only has no effect in the provider;
+* no step of a completed saga was compensated (a completed saga retains every
+  committed effect);
 * no provider effect is missing from the receipts (an effect nobody accounts for is
   exactly what Sagaline exists to prevent).
 
@@ -317,6 +319,12 @@ def _check_step(
         elif status is TerminalStatus.ESCALATED and not pivot_committed:
             bad("R14", "retained in an escalated saga that has no committed pivot")
     elif disposition is Disposition.COMPENSATED:
+        if status is TerminalStatus.COMPLETED:
+            bad(
+                "R14",
+                "compensated in a saga that ended COMPLETED (a completed saga retains"
+                " every committed effect)",
+            )
         if tool == "issue_credit":
             bad("R6", "the pivot was compensated (credit voided)")
         if not found:

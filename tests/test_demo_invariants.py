@@ -258,6 +258,42 @@ def test_an_escalated_step_with_no_incident_is_a_violation() -> None:
     assert "R8" in rules(check_invariants([escalated], world))
 
 
+def _incident(step_id: str = "01") -> IncidentRecord:
+    return IncidentRecord(
+        incident_id="inc-1",
+        kind="compensation_failed",
+        step_id=step_id,
+        inconsistency="hold still active",
+        effect="hold-1",
+        owner="warehouse",
+    )
+
+
+def test_a_compensated_step_in_a_completed_saga_is_a_violation() -> None:
+    """COMPLETED means every committed effect was retained (docs/protocol.md,
+    Terminal): a receipt that calls the saga completed while one of its steps was
+    undone contradicts itself, and the demo said nothing."""
+    contradicting = receipt(
+        TerminalStatus.COMPLETED,
+        [
+            step("01", "place_hold", Disposition.COMPENSATED, key=HOLD_KEY, op="hold-1"),
+            step("02", "issue_credit", Disposition.RETAINED, key=CREDIT_KEY, op="credit-1"),
+            step("03", "send_reply", Disposition.RETAINED, key=REPLY_KEY, op="msg-1"),
+        ],
+    )
+    world = ProviderWorld(
+        effects=[hold_placed(), hold_released(), credit_issued(), reply_sent()],
+        holds={"hold-1": "released"},
+        credits={"credit-1": "issued"},
+        reply_credits={"msg-1": "credit-1"},
+    )
+    violations = check_invariants([contradicting], world)
+    assert any(
+        v.rule == "R14" and "01 (place_hold)" in v.message and "COMPLETED" in v.message
+        for v in violations
+    ), violations
+
+
 # ------------------------------------------------------------------ read_world
 
 
