@@ -11,6 +11,7 @@ happened. The demo only passes when the two agree (R1, R6, R8, R12, R14):
 * no credit was ever voided (the pivot is never clawed back), and every credit that
   stands has either a reply that mentions it or an incident in its saga;
 * a step the receipt calls not committed or read-only has no effect in the provider;
+  one it calls escalated after the ledger saw it commit has its effect there;
 * no step of a completed saga was compensated (a completed saga retains every
   committed effect);
 * no provider effect is missing from the receipts (an effect nobody accounts for is
@@ -343,6 +344,14 @@ def _check_step(
             bad("R14", f"escalated step in a saga that ended {status.value}")
         if step.incident_id is None or step.incident_id not in incidents:
             bad("R8", "escalated, but no incident of the saga names it")
+        if step.committed_at is not None and not found:
+            # Its compensation failed or was held: the incident hands a committed
+            # effect to a person. (Escalated before any commit, an unknown outcome,
+            # the effect may or may not exist.)
+            bad(
+                "R14",
+                "the ledger saw it commit and escalated it, but the provider has no such effect",
+            )
         if len(undos) > 1:
             bad("R8", f"compensated {len(undos)} times in the provider (at most once)")
     return out

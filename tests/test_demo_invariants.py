@@ -294,6 +294,50 @@ def test_a_compensated_step_in_a_completed_saga_is_a_violation() -> None:
     ), violations
 
 
+def test_an_escalated_step_the_ledger_saw_commit_but_the_provider_lacks_is_a_violation() -> None:
+    """An ESCALATED step whose compensation failed hands a committed effect to a
+    person: the provider must have it, or the incident sends them after nothing (and
+    the ledger's commit was false)."""
+    escalated = receipt(
+        TerminalStatus.ESCALATED,
+        [
+            step(
+                "01",
+                "place_hold",
+                Disposition.ESCALATED,
+                key=HOLD_KEY,
+                op="hold-1",
+                incident_id="inc-1",
+            )
+        ],
+        [_incident()],
+    )
+    violations = check_invariants([escalated], ProviderWorld())
+    assert any(
+        v.rule == "R14" and "the provider has no such effect" in v.message for v in violations
+    ), violations
+
+
+def test_an_escalated_step_of_unknown_outcome_without_an_effect_is_consistent() -> None:
+    """Escalated before any commit was seen (an unknown outcome handed to a person):
+    the effect may or may not exist; neither is a violation."""
+    escalated = receipt(
+        TerminalStatus.ESCALATED,
+        [
+            step(
+                "01",
+                "place_hold",
+                Disposition.ESCALATED,
+                key=HOLD_KEY,
+                op=None,
+                incident_id="inc-1",
+            )
+        ],
+        [_incident()],
+    )
+    assert check_invariants([escalated], ProviderWorld()) == []
+
+
 # ------------------------------------------------------------------ read_world
 
 
