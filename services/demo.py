@@ -189,11 +189,12 @@ class RefundAgent:
         plans: Sequence[CheckedPlan],
         concurrency: int,
         on_start: Callable[[str], None] | None = None,
-        gate: Callable[[int], None] | None = None,
+        gate: Callable[[int], bool] | None = None,
     ) -> list[AgentOutcome]:
         """Run every plan from ``concurrency`` daemon threads (a Ctrl-C never waits
-        for them); returns the outcomes in plan order. ``gate(index)`` is called
-        before plan ``index`` starts and may block (the fault schedule's start gate)."""
+        for them); returns the outcomes of the plans run, in plan order. ``gate(index)``
+        is called before plan ``index`` starts and may block (the fault schedule's start
+        gate); when it returns False the plan is not started (the run gave up)."""
         work: queue.Queue[tuple[int, CheckedPlan]] = queue.Queue()
         for item in enumerate(plans):
             work.put(item)
@@ -205,8 +206,8 @@ class RefundAgent:
                     index, plan = work.get_nowait()
                 except queue.Empty:
                     return
-                if gate is not None:
-                    gate(index)
+                if gate is not None and not gate(index):
+                    continue
                 if on_start is not None:
                     on_start(self.saga_id(plan.ticket))
                 outcomes[index] = self.run_ticket(plan)
@@ -314,6 +315,7 @@ class DemoRun:
     exit_code: int = 1
     fault_problems: list[str] = field(default_factory=list)  # faults that failed
     crashed: list[tuple[str, int | None]] = field(default_factory=list)  # (service, exit code)
+    not_started: int = 0  # sagas held back for a fault that could never be due
     faults_closed: threading.Event = field(default_factory=threading.Event, repr=False)
     fault_thread: threading.Thread | None = field(default=None, repr=False)
 
@@ -497,12 +499,14 @@ class FaultGate:
     """Holds back the start of saga ``i`` until every fault due after at most
     ``i - concurrency`` terminal sagas has been applied, so that each fault lands while
     sagas are still in flight however fast they run (at most ``after + concurrency``
-    sagas have started when the fault due at ``after`` fires)."""
+    sagas have started when the fault due at ``after`` fires). Once the schedule is
+    abandoned (a fault can never be due), no held saga starts."""
 
     def __init__(self, afters: Sequence[int], concurrency: int) -> None:
         self._afters = sorted(afters)
         self._concurrency = max(1, concurrency)
         self._fired = 0
+        self._abandoned = False
         self._cond = threading.Condition()
 
     def fired(self) -> None:
@@ -516,10 +520,19 @@ class FaultGate:
             self._fired = len(self._afters)
             self._cond.notify_all()
 
-    def __call__(self, index: int) -> None:
+    def abandon(self) -> None:
+        """A fault can never be due (the sagas stopped ending, or the run cannot see
+        them end): no saga starts any more, held back or not."""
+        with self._cond:
+            self._abandoned = True
+            self._cond.notify_all()
+
+    def __call__(self, index: int) -> bool:
+        """Whether saga ``index`` may start (False: the run gave up); may block."""
         needed = sum(1 for after in self._afters if after + self._concurrency <= index)
         with self._cond:
-            self._cond.wait_for(lambda: self._fired >= needed)
+            self._cond.wait_for(lambda: self._abandoned or self._fired >= needed)
+            return not self._abandoned
 
 
 def _fault_injector(
@@ -552,15 +565,19 @@ def _fault_injector(
         ordered = sorted(jobs, key=lambda j: j[1])
         for index, (name, after, fault) in enumerate(ordered):
             try:
-                while not board.wait_count(after, 1.0):
-                    if run.faults_closed.is_set() or board.failure is not None:
-                        raise _RunOver
+                _wait_for_terminal(after)
                 event = apply(name, fault)
-            except _RunOver:
+            except (_RunOver, _Stalled) as over:
+                gate.abandon()  # the run is over or stuck: start no held saga
+                why = (
+                    f"no saga ended in the last {opts.timeout_s:.0f} s (--timeout), with"
+                    if isinstance(over, _Stalled)
+                    else "the run ended with"
+                )
                 for late, late_after, _fault in ordered[index:]:
                     run.fault_problems.append(
-                        f"{late} (due after {late_after} terminal sagas) never fired: the run"
-                        f" ended with {board.terminal_count()} of {opts.sagas} sagas terminal"
+                        f"{late} (due after {late_after} terminal sagas) never fired: {why}"
+                        f" {board.terminal_count()} of {opts.sagas} sagas terminal"
                     )
                 return
             except Exception as exc:  # the run fails naming it; the schedule goes on
@@ -578,6 +595,19 @@ def _fault_injector(
                         f" {opts.sagas} sagas had ended: it exercised nothing"
                     )
             gate.fired()
+
+    def _wait_for_terminal(count: int) -> None:
+        """Until ``count`` sagas are terminal; raises :class:`_Stalled` when none
+        ends for ``--timeout`` seconds (the held agents would wait for ever)."""
+        seen, since = board.terminal_count(), time.monotonic()
+        while not board.wait_count(count, 1.0):
+            if run.faults_closed.is_set() or board.failure is not None:
+                raise _RunOver
+            now_seen = board.terminal_count()
+            if now_seen != seen:
+                seen, since = now_seen, time.monotonic()
+            elif time.monotonic() - since >= opts.timeout_s:
+                raise _Stalled
 
     def apply(name: str, fault: DemoFault | None) -> FaultEvent:
         if fault is not None:
@@ -611,6 +641,10 @@ def _fault_injector(
 
 class _RunOver(Exception):
     """The run ended (every saga terminal, or it gave up) before a fault was due."""
+
+
+class _Stalled(Exception):
+    """No saga ended for ``--timeout`` seconds while a fault was still due."""
 
 
 def _refuse_after_the_run(run: DemoRun, supervisor: Supervisor) -> None:
@@ -665,8 +699,11 @@ def _run(run: DemoRun, supervisor: Supervisor) -> int:
         run.started_at = time.monotonic()
         display.start()
         gate = _fault_injector(run, supervisor, board, display)
-        outcomes = agent.run_all(plans, opts.concurrency, gate=gate)
-        all_terminal = board.wait_terminal(set(run.saga_of.values()), opts.timeout_s)
+        started: list[str] = []
+        outcomes = agent.run_all(plans, opts.concurrency, on_start=started.append, gate=gate)
+        # A saga never started (the fault schedule gave up) cannot end: not waited for.
+        all_terminal = board.wait_terminal(set(started), opts.timeout_s)
+        run.not_started = len(plans) - len(started)
         run.ended_at = time.monotonic()
         if board.failure is not None:
             raise ProcessFailed(f"{board.failure}; the sagas' endings are unknown")
@@ -730,12 +767,18 @@ def _summarise(
     _say()
     _say("Summary")
     _say(f"  sagas        {total} run, {len(ours)} terminal on sagaline.terminal")
+    if run.not_started:
+        _say(
+            f"  NOT STARTED  {run.not_started}: held back for a fault that could never be"
+            " due (see fault FAILED)"
+        )
     for status in ("COMPLETED", "COMPENSATED", "ESCALATED"):
         _say(f"  {status.lower():<12} {statuses[status]}")
     _say(f"  time         {elapsed:.1f} s ({len(ours) / elapsed:.1f} sagas/s)")
     _say(f"  approvals    {operator.granted} granted by {OPERATOR} (via operator_actions)")
     aborted = sum(1 for o in outcomes if o.ended == "abort")
-    _say(f"  agents       {total - aborted} asked to complete, {aborted} aborted on a call error")
+    asked = len(outcomes) - aborted
+    _say(f"  agents       {asked} asked to complete, {aborted} aborted on a call error")
     for event in run.faults:
         _say(f"  fault        {event}")
     for problem in run.fault_problems:
@@ -1070,7 +1113,11 @@ def register(subparsers: Any) -> None:
     )
     demo.add_argument("--call-timeout", type=seconds, default=60.0, help="per tool call (s)")
     demo.add_argument(
-        "--timeout", type=seconds, default=300.0, help="for every saga to end after the agents (s)"
+        "--timeout",
+        type=seconds,
+        default=300.0,
+        help="for every saga to end after the agents; with a kill due, the longest the run"
+        " may go without a saga ending (s)",
     )
     demo.set_defaults(func=_cmd_demo)
 

@@ -5,13 +5,25 @@ from __future__ import annotations
 import io
 import threading
 from pathlib import Path
+from typing import cast
 
 import pytest
 
+from participants.client import SagaClient
 from services.cli import build_parser
-from services.demo import DemoFault, DemoOptions, DemoRun, FaultGate, _fault_injector
+from services.demo import (
+    AgentOutcome,
+    DemoFault,
+    DemoOptions,
+    DemoRun,
+    FaultGate,
+    RefundAgent,
+    _fault_injector,
+    declared_catalogues_cached,
+)
 from services.demo_processes import ManagedProcess, ServiceSpec, Supervisor
 from services.demo_progress import ProgressDisplay, SagaBoard
+from services.refund.agent import CheckedPlan, checked_plan, generate_tickets
 
 
 def _start(gate: FaultGate, index: int) -> threading.Thread:
@@ -181,3 +193,56 @@ def test_a_kill_due_too_late_to_land_mid_run_is_a_usage_error(
     args = build_parser().parse_args(["demo", "--no-ui", *flags])
     assert args.func(args) == 2
     assert "--sagas minus --concurrency" in capsys.readouterr().err
+
+
+class _StuckBoard(SagaBoard):
+    """No saga ever ends (the coordinator died, say): every wait runs out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._never = threading.Event()
+
+    def wait_count(self, count: int, timeout_s: float) -> bool:
+        self._never.wait(timeout_s)
+        return False
+
+
+def test_agents_held_for_a_fault_that_can_never_be_due_give_up_within_the_timeout(
+    tmp_path: Path,
+) -> None:
+    """Fewer than K sagas ever ended: the agents held back for the kill due after K
+    waited forever, and --timeout (applied only once every agent had returned)
+    never came: the demo hung."""
+    run = _demo(tmp_path, kill_service="inventory", kill_after=2, concurrency=1, timeout_s=1)
+    supervisor = Supervisor("unused:0")
+    inventory = _FakeProcess("inventory")
+    supervisor.processes["inventory"] = inventory
+    board = _StuckBoard()
+    display = ProgressDisplay(board, 10, live=False, out=io.StringIO())
+    gate = _fault_injector(run, supervisor, board, display)
+    assert gate is not None
+    answers: list[bool] = []
+    held = threading.Thread(target=lambda: answers.append(gate(3)), daemon=True)
+    held.start()
+    held.join(120)  # far beyond the run's 1 s timeout: a busy machine still passes
+    run.faults_closed.set()  # let a hung injector go (before the test fails)
+    assert not held.is_alive(), "the held agent still waits for a fault that never fires"
+    assert answers == [False], "a saga held back by a fault schedule that gave up was started"
+    assert inventory.calls == []
+    assert any("inventory" in p and "never fired" in p for p in run.fault_problems), (
+        run.fault_problems
+    )
+
+
+def test_plans_the_gate_refuses_are_not_started() -> None:
+    class _Agent(RefundAgent):
+        def run_ticket(self, plan: CheckedPlan) -> AgentOutcome:
+            raise AssertionError(f"started {plan.ticket.ticket_id} although the gate refused")
+
+    tickets = generate_tickets(3, 7)
+    plans = [checked_plan(t, declared_catalogues_cached()) for t in tickets]
+    started: list[str] = []
+    outcomes = _Agent(cast(SagaClient, None)).run_all(
+        plans, 2, on_start=started.append, gate=lambda _index: False
+    )
+    assert outcomes == [] and started == []
