@@ -485,3 +485,62 @@ def test_a_lookup_that_raises_is_a_failed_case_not_the_end_of_the_drill(
     assert [r.verdict for r in report.results] == [Verdict.FAILED, Verdict.FAILED], report.matrix()
     for result in report.results:
         assert "lookup" in result.detail and "vault API unreachable" in result.detail, result
+
+
+class TidyVault(ForgetfulVault):
+    """A provider whose compensation really takes the item out (its lookup still
+    finds the store operation: it did commit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.removed: set[str] = set()
+
+    def remove(self, ctx: CompensationContext) -> None:
+        with self.lock:
+            self.removed.add(ctx.idempotency_key)
+
+    def is_gone(self, ctx: CompensationContext) -> bool:
+        with self.lock:
+            return ctx.idempotency_key in self.removed
+
+
+def _drill_vault(
+    kafka_bootstrap: str, tmp_path: Path, prefix: str, seams: list[Seam], **kw: object
+) -> dict[Seam, object]:
+    report = run_drill(
+        [wrap(TidyVault(), name="vault")],
+        [{"tool": "store", "args": {"item": "a"}}],
+        bootstrap=kafka_bootstrap,
+        state_dir=tmp_path,
+        seams=seams,
+        prefix=prefix,
+        **kw,  # type: ignore[arg-type]
+    )
+    print(report.matrix())
+    return {r.seam: r for r in report.results}
+
+
+def test_a_case_that_raises_is_that_cases_failed_verdict_not_the_end_of_the_drill(
+    kafka_bootstrap: str,
+    tmp_path: Path,
+    new_topic_prefix: Callable[..., str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One unexpected exception in a case (here re-sending the duplicates) escaped
+    pool.map and ended run_drill: every other case's verdict was lost."""
+    from services.drill import _run
+
+    def broken(_stage: object, _saga_id: str, _topics: object) -> int:
+        raise RuntimeError("the broker refused the duplicates")
+
+    monkeypatch.setattr(_run._Stage, "reproduce", broken)
+    by = _drill_vault(
+        kafka_bootstrap,
+        tmp_path,
+        new_topic_prefix("drill"),
+        [Seam.AFTER_COMMIT, Seam.DUPLICATES],
+    )
+    duplicates = by[Seam.DUPLICATES]
+    assert duplicates.verdict is Verdict.FAILED, duplicates  # type: ignore[attr-defined]
+    assert "the broker refused the duplicates" in duplicates.detail  # type: ignore[attr-defined]
+    assert by[Seam.AFTER_COMMIT].verdict is Verdict.CONVERGED  # type: ignore[attr-defined]

@@ -409,7 +409,7 @@ def run_drill(
         cases = [(seam, i) for seam in chosen for i in indexes]
         parallel = [c for c in cases if c[0] not in SERIAL]
         serial = [c for c in cases if c[0] in SERIAL]
-        raw: dict[tuple[Seam, int], tuple[str, str]] = {}
+        raw: dict[tuple[Seam, int], tuple[str, str, str]] = {}
 
         def one(case: tuple[Seam, int]) -> None:
             raw[case] = _run_case(stage, plan, case[0], case[1], case_timeout_s)
@@ -420,8 +420,10 @@ def run_drill(
             one(case)
         dlq = stage.dlq_reasons()
         for seam, i in cases:
-            saga_id, applicable = raw[(seam, i)]
-            result = _judge(stage, plan, seam, i, saga_id, applicable, dlq, case_timeout_s)
+            saga_id, applicable, problem = raw[(seam, i)]
+            result = _judge(
+                stage, plan, seam, i, saga_id, applicable, dlq, case_timeout_s, problem=problem
+            )
             report.results.append(result)
             if progress is not None:
                 progress(result)
@@ -454,16 +456,38 @@ class _Abort(Exception):
 
 def _run_case(
     stage: _Stage, plan: list[PlannedCall], seam: Seam, target: int, timeout_s: float
-) -> tuple[str, str]:
-    """Run the plan as one saga with ``seam`` at step ``target``; returns the saga id
-    and "" when the fault applies, or why it does not."""
+) -> tuple[str, str, str]:
+    """Run the plan as one saga with ``seam`` at step ``target``; returns the saga id,
+    "" when the fault applies or why it does not, and "" or why the case failed to
+    run as meant (the fault could not be injected, or the case raised: that case's
+    FAILED verdict, never the end of the drill)."""
     case = uuid.uuid4().hex[:8]
     saga_id = f"drill-{seam.value}-{target + 1}-{case}"
-    target_step = _step_id(target, plan[target].tool)
     spec = stage.specs.get(plan[target].tool)
     why_not = _not_applicable(seam, spec)
     if why_not:
-        return saga_id, why_not
+        return saga_id, why_not, ""
+    problems: list[str] = []
+    try:
+        _drive(stage, plan, seam, target, timeout_s, saga_id, case, problems)
+    except Exception as exc:
+        problems.append(f"the case raised {type(exc).__name__}: {exc}")
+    return saga_id, "", "; ".join(problems)
+
+
+def _drive(
+    stage: _Stage,
+    plan: list[PlannedCall],
+    seam: Seam,
+    target: int,
+    timeout_s: float,
+    saga_id: str,
+    case: str,
+    problems: list[str],
+) -> None:
+    """The drill's agent for one case; what kept the fault from being injected is
+    appended to ``problems``."""
+    target_step = _step_id(target, plan[target].tool)
     stage.board.arm(saga_id, target_step, seam)
     if seam is Seam.EXPIRED_APPROVAL:
         stage.watcher.no_grant.add(saga_id)
@@ -477,7 +501,7 @@ def _run_case(
                 if at_target and seam is Seam.BEFORE_DISPATCH:
                     stage.board.mark_fired(saga_id, step_id, seam)
                     raise _Abort(f"drill: the agent failed before dispatching {step_id}")
-                helper = _helper(stage, saga, seam, step_id) if at_target else None
+                helper = _helper(stage, saga, seam, step_id, problems) if at_target else None
                 try:
                     results[call.tool] = saga.call(
                         call.tool, step_id=step_id, **_resolve(call.args, results, case)
@@ -501,7 +525,6 @@ def _run_case(
                     raise _Abort(f"drill: the saga fails right after {step_id}")
     except (_Abort, SagaCallError):
         pass  # leaving the block by an exception aborted the saga
-    return saga_id, ""
 
 
 def _not_applicable(seam: Seam, spec: ToolSpec | None) -> str:
@@ -519,8 +542,11 @@ def _not_applicable(seam: Seam, spec: ToolSpec | None) -> str:
     return ""
 
 
-def _helper(stage: _Stage, saga: Any, seam: Seam, step_id: str) -> threading.Thread | None:
-    """What happens beside the target call: a cancellation, an outage, an expiry."""
+def _helper(
+    stage: _Stage, saga: Any, seam: Seam, step_id: str, problems: list[str]
+) -> threading.Thread | None:
+    """What happens beside the target call: a cancellation, an outage, an expiry.
+    Why the fault could not be injected goes to ``problems``."""
     saga_id = saga.saga_id
     if seam is Seam.CONCURRENT_CANCELLATION:
 
@@ -633,6 +659,8 @@ def _judge(
     why_not: str,
     dlq: Mapping[str, list[str]],
     timeout_s: float,
+    *,
+    problem: str = "",
 ) -> CaseResult:
     tool = plan[target].tool
     if why_not:
@@ -640,6 +668,11 @@ def _judge(
 
     def ended(rs: list[Record]) -> Record | None:
         return next((r for r in rs if isinstance(r, SagaTerminal)), None)
+
+    if problem:  # the case did not run as meant: whatever its saga did, not a pass
+        seen = ended(stage.watcher.of(saga_id))
+        status = seen.status.value if isinstance(seen, SagaTerminal) else "not terminal"
+        return CaseResult(seam, target, tool, saga_id, Verdict.FAILED, status, problem)
 
     terminal = stage.watcher.wait(saga_id, ended, timeout_s)
     records = stage.watcher.of(saga_id)
