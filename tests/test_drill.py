@@ -544,3 +544,20 @@ def test_a_case_that_raises_is_that_cases_failed_verdict_not_the_end_of_the_dril
     assert duplicates.verdict is Verdict.FAILED, duplicates  # type: ignore[attr-defined]
     assert "the broker refused the duplicates" in duplicates.detail  # type: ignore[attr-defined]
     assert by[Seam.AFTER_COMMIT].verdict is Verdict.CONVERGED  # type: ignore[attr-defined]
+
+
+def test_a_duplicates_case_that_re_sent_nothing_is_not_a_pass(
+    kafka_bootstrap: str,
+    tmp_path: Path,
+    new_topic_prefix: Callable[..., str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """reproduce() found no record to re-send (0 produced), yet the case counted as
+    fired and converged: a duplicates drill that duplicated nothing passed."""
+    from services.drill import _run
+
+    monkeypatch.setattr(_run._Stage, "reproduce", lambda _stage, _saga_id, _topics: 0)
+    by = _drill_vault(kafka_bootstrap, tmp_path, new_topic_prefix("drill"), [Seam.DUPLICATES])
+    duplicates = by[Seam.DUPLICATES]
+    assert duplicates.verdict is Verdict.FAILED, duplicates  # type: ignore[attr-defined]
+    assert "not injected" in duplicates.detail  # type: ignore[attr-defined]

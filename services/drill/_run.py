@@ -514,8 +514,13 @@ def _drive(
                         stage.settings.topics.events,
                         stage.settings.topics.commands(stage.participant_of[call.tool]),
                     ]
-                    stage.reproduce(saga_id, topics)
-                    stage.board.mark_fired(saga_id, step_id, seam)
+                    if stage.reproduce(saga_id, topics) > 0:
+                        stage.board.mark_fired(saga_id, step_id, seam)
+                    else:
+                        problems.append(
+                            f"duplicates: no record of the saga was found to re-send after"
+                            f" {step_id}: nothing was duplicated (not injected)"
+                        )
                 if at_target and seam is Seam.STALE_GENERATION:
                     _stale_abort(stage, saga_id)
                     stage.board.mark_fired(saga_id, step_id, seam)
