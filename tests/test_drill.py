@@ -561,3 +561,34 @@ def test_a_duplicates_case_that_re_sent_nothing_is_not_a_pass(
     duplicates = by[Seam.DUPLICATES]
     assert duplicates.verdict is Verdict.FAILED, duplicates  # type: ignore[attr-defined]
     assert "not injected" in duplicates.detail  # type: ignore[attr-defined]
+
+
+def test_a_partial_outage_whose_step_was_never_seen_scheduled_is_not_a_pass(
+    kafka_bootstrap: str,
+    tmp_path: Path,
+    new_topic_prefix: Callable[..., str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The outage lasts until the step is scheduled, 60 s at most; when that wait ran
+    out the participant was started again and the case still counted as fired, so
+    an outage nobody observed passed as converged."""
+    from services.drill import _run
+
+    real_wait = _run._Watcher.wait
+
+    def wait(self: object, saga_id: str, check: Callable[..., object], timeout_s: float) -> object:
+        if timeout_s == 60:  # the outage's wait for StepScheduled: it runs out at once
+            return False
+        return real_wait(self, saga_id, check, timeout_s)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_run._Watcher, "wait", wait)
+    by = _drill_vault(
+        kafka_bootstrap,
+        tmp_path,
+        new_topic_prefix("drill"),
+        [Seam.PARTIAL_OUTAGE],
+        case_timeout_s=90.0,  # so that 60 s is the outage's wait alone
+    )
+    outage = by[Seam.PARTIAL_OUTAGE]
+    assert outage.verdict is Verdict.FAILED, outage  # type: ignore[attr-defined]
+    assert "not injected" in outage.detail  # type: ignore[attr-defined]

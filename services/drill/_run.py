@@ -547,6 +547,10 @@ def _not_applicable(seam: Seam, spec: ToolSpec | None) -> str:
     return ""
 
 
+OUTAGE_WAIT_S = 60.0
+"""How long a partial outage lasts at most, waiting for its step to be scheduled."""
+
+
 def _helper(
     stage: _Stage, saga: Any, seam: Seam, step_id: str, problems: list[str]
 ) -> threading.Thread | None:
@@ -566,13 +570,30 @@ def _helper(
         stage.stop_participant(participant)
 
         def recover() -> None:
-            stage.watcher.wait(
-                saga_id,
-                lambda rs: any(isinstance(r, StepScheduled) and r.step_id == step_id for r in rs),
-                60,
-            )
-            stage.board.mark_fired(saga_id, step_id, seam)
-            stage.start_participant(participant)
+            try:
+                scheduled = stage.watcher.wait(
+                    saga_id,
+                    lambda rs: any(
+                        isinstance(r, StepScheduled) and r.step_id == step_id for r in rs
+                    ),
+                    OUTAGE_WAIT_S,
+                )
+                if scheduled:
+                    stage.board.mark_fired(saga_id, step_id, seam)
+                else:
+                    problems.append(
+                        f"partial-outage: {step_id} was not scheduled within"
+                        f" {OUTAGE_WAIT_S:.0f} s of stopping {participant}; the outage"
+                        " ended unobserved (not injected)"
+                    )
+            finally:
+                try:
+                    stage.start_participant(participant)
+                except Exception as exc:  # that case fails; the drill goes on
+                    problems.append(
+                        f"partial-outage: {participant} could not be started again:"
+                        f" {type(exc).__name__}: {exc}"
+                    )
 
         return _thread(recover)
     if seam is Seam.EXPIRED_APPROVAL:
