@@ -592,3 +592,33 @@ def test_a_partial_outage_whose_step_was_never_seen_scheduled_is_not_a_pass(
     outage = by[Seam.PARTIAL_OUTAGE]
     assert outage.verdict is Verdict.FAILED, outage  # type: ignore[attr-defined]
     assert "not injected" in outage.detail  # type: ignore[attr-defined]
+
+
+def test_a_step_whose_scheduling_record_the_drill_could_not_read_is_not_judged_agreeing() -> None:
+    """The watcher drops records it cannot decode; a step whose StepScheduled was
+    among them has no idempotency key, and the comparison of ledger and provider
+    skipped it in silence, so the case converged with that step never checked."""
+    saga_id = "drill-after-commit-1-abe"
+    ended = receipt(
+        TerminalStatus.COMPLETED,
+        [step("s01-store", "store", Disposition.RETAINED, key="k", op="op-1")],
+        saga_id=saga_id,
+    )
+    terminal = SagaTerminal(
+        envelope=envelope_for(
+            SagaTerminal, saga_id=saga_id, tenant_id="t", producer="coordinator", now=1
+        ),
+        status=TerminalStatus.COMPLETED,
+        receipt=ended.to_json(),
+    )
+    board = FaultBoard()
+    board.arm(saga_id, "s01-store", Seam.AFTER_COMMIT)
+    board.mark_fired(saga_id, "s01-store", Seam.AFTER_COMMIT)
+    specs = {"store": wrap(TidyVault(), name="vault")["store"]}
+    stage = SimpleNamespace(watcher=_RecordsOf([terminal]), board=board, specs=specs)
+    plan = [PlannedCall("store", {})]
+
+    result = _judge(stage, plan, Seam.AFTER_COMMIT, 0, saga_id, "", {}, 1.0)  # type: ignore[arg-type]
+
+    assert result.verdict is Verdict.FAILED, result
+    assert "s01-store" in result.detail and "StepScheduled" in result.detail, result

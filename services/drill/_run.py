@@ -792,7 +792,13 @@ def _disagreements(stage: _Stage, records: list[Record], receipt: Receipt) -> li
     for step in receipt.steps:
         spec = stage.specs.get(step.tool)
         key = keys.get(step.step_id)
-        if spec is None or key is None or step.disposition is Disposition.READ_ONLY:
+        if spec is None or step.disposition is Disposition.READ_ONLY:
+            continue
+        if key is None:  # its StepScheduled was dropped (undecodable): no key to ask with
+            problems.append(
+                f"{step.step_id}: the drill could not read its StepScheduled on the ledger,"
+                " so the provider's state cannot be compared with the ledger"
+            )
             continue
         runs = stage.board.ran(key)
         if runs > 1:
