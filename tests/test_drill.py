@@ -239,6 +239,7 @@ class _RecordsOf:
 
     def __init__(self, records: list[Record]) -> None:
         self.records = records
+        self.failures: dict[str, list[str]] = {}
 
     def wait(self, _saga_id: str, check: Callable[[list[Record]], object], _t: float) -> object:
         return check(self.records)
@@ -622,3 +623,34 @@ def test_a_step_whose_scheduling_record_the_drill_could_not_read_is_not_judged_a
 
     assert result.verdict is Verdict.FAILED, result
     assert "s01-store" in result.detail and "StepScheduled" in result.detail, result
+
+
+def test_an_unknown_outcome_the_drills_operator_failed_to_settle_is_a_failed_case(
+    kafka_bootstrap: str,
+    tmp_path: Path,
+    new_topic_prefix: Callable[..., str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The drill settles unknown outcomes as the operator; when that resolution
+    failed the watcher swallowed the error, the saga waited for ever on an incident
+    the drill itself should have settled, and the case was judged 'escalated,
+    awaiting a person': a pass."""
+    from sagaline.ops.actions import OperatorActionError
+    from services.drill import _run
+
+    def refused(*_args: object, **_kwargs: object) -> object:
+        raise OperatorActionError("the operator channel refused the resolution")
+
+    monkeypatch.setattr(_run, "incident_resolved", refused)
+    report = run_drill(
+        [wrap(Steps(), name="fixture")],
+        [{"tool": "reserve"}],
+        bootstrap=kafka_bootstrap,
+        state_dir=tmp_path,
+        seams=[Seam.BEFORE_RECEIPT],
+        prefix=new_topic_prefix("drill"),
+        case_timeout_s=30.0,
+    )
+    [result] = report.results
+    assert result.verdict is Verdict.FAILED, result
+    assert "the operator channel refused the resolution" in result.detail, result

@@ -180,6 +180,7 @@ class _Watcher:
     def __init__(self, stage: _Stage) -> None:
         self.stage = stage
         self.records: dict[str, list[Record]] = {}
+        self.failures: dict[str, list[str]] = {}  # saga id -> what the operator failed to do
         self.no_grant: set[str] = set()
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -234,8 +235,12 @@ class _Watcher:
                 self._cond.notify_all()
             try:
                 self._operate(record)
-            except Exception:  # an operator error must not stop the watcher
-                continue
+            except Exception as exc:  # it must not stop the watcher; that case fails
+                with self._cond:
+                    self.failures.setdefault(record.saga_id, []).append(
+                        f"the drill's operator could not act on {record.TYPE}:"
+                        f" {type(exc).__name__}: {exc}"
+                    )
 
     def _operate(self, record: Record) -> None:
         stage = self.stage
@@ -703,7 +708,18 @@ def _judge(
     terminal = stage.watcher.wait(saga_id, ended, timeout_s)
     records = stage.watcher.of(saga_id)
     incidents = [r for r in records if isinstance(r, IncidentRaised)]
+    operator_failed = list(stage.watcher.failures.get(saga_id, []))
     if not isinstance(terminal, SagaTerminal):
+        if operator_failed:  # the drill itself left something undone: not a person's
+            return CaseResult(
+                seam,
+                target,
+                tool,
+                saga_id,
+                Verdict.FAILED,
+                "not terminal",
+                "; ".join(operator_failed),
+            )
         if incidents:
             kinds = ", ".join(sorted({i.kind for i in incidents}))
             return CaseResult(
@@ -719,7 +735,7 @@ def _judge(
             f"no terminal record and no incident within {timeout_s:.0f} s",
         )
     receipt = Receipt.from_json(terminal.receipt)
-    problems = _disagreements(stage, records, receipt)
+    problems = _disagreements(stage, records, receipt) + operator_failed
     fired = stage.board.fired(saga_id)
     if seam is Seam.STALE_GENERATION and fired and "stale-generation" not in dlq.get(saga_id, []):
         problems.append("the stale-generation abort was not rejected to the DLQ")
