@@ -12,7 +12,7 @@ import functools
 import json
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,14 +21,23 @@ import pytest
 from participants import CompensationContext, LookupResult, compensable, tool, wrap
 from participants.context import current_call
 from participants.plan import PlannedCall
-from schemas import Record, SagaTerminal, envelope_for
-from schemas.models import TerminalStatus
+from schemas import (
+    IncidentRaised,
+    IncidentResolved,
+    Record,
+    SagaTerminal,
+    StepCommitted,
+    StepScheduled,
+    envelope_for,
+    idempotency_key,
+)
+from schemas.models import Envelope, StepContract, TerminalStatus
 from schemas.receipt import Disposition
 from services.cli import main as sagaline
 from services.drill import Seam, Verdict, instrument, run_drill
 from services.drill import cli as drill_cli
 from services.drill._inject import FaultBoard
-from services.drill._run import _judge
+from services.drill._run import CaseResult, _judge
 from services.refund import drill_catalogues
 from tests.test_demo_invariants import receipt, step
 from tests.test_seed004_fixture import Steps
@@ -654,3 +663,72 @@ def test_an_unknown_outcome_the_drills_operator_failed_to_settle_is_a_failed_cas
     [result] = report.results
     assert result.verdict is Verdict.FAILED, result
     assert "the operator channel refused the resolution" in result.detail, result
+
+
+def _open_case(records: list[Record], specs: Mapping[str, object]) -> CaseResult:
+    saga_id = "drill-after-commit-1-abf"
+    board = FaultBoard()
+    board.arm(saga_id, "s01-store", Seam.AFTER_COMMIT)
+    stage = SimpleNamespace(watcher=_RecordsOf(records), board=board, specs=specs)
+    plan = [PlannedCall("store", {})]
+    return _judge(stage, plan, Seam.AFTER_COMMIT, 0, saga_id, "", {}, 0.0)  # type: ignore[arg-type]
+
+
+def _env(kind: type[Record], saga_id: str = "drill-after-commit-1-abf") -> Envelope:
+    return envelope_for(kind, saga_id=saga_id, tenant_id="t", producer="coordinator", now=1)
+
+
+def _incident_on(step_id: str) -> IncidentRaised:
+    return IncidentRaised(
+        envelope=_env(IncidentRaised),
+        incident_id="inc-1",
+        kind="unknown-outcome",
+        step_id=step_id,
+        tool="store",
+        inconsistency="unknown",
+        effect="?",
+        owner="ops",
+    )
+
+
+def test_a_saga_stuck_after_every_incident_was_resolved_is_not_awaiting_a_person() -> None:
+    """Not terminal, with an incident: judged 'escalated, awaiting a person' even when
+    that incident had been resolved, i.e. nobody was awaited and the saga was stuck."""
+    incident = _incident_on("s01-store")
+    resolved = IncidentResolved(
+        envelope=_env(IncidentResolved),
+        incident_id="inc-1",
+        resolved_by="drill-operator",
+        resolution="COMMITTED",
+    )
+    result = _open_case([incident, resolved], {})
+    assert result.verdict is Verdict.FAILED, result
+    assert "resolved" in result.detail, result
+
+
+def test_a_saga_awaiting_a_person_whose_committed_step_the_provider_lacks_is_a_failed_case() -> (
+    None
+):
+    """Not terminal, with an open incident: judged escalated without asking the
+    provider whether the steps the ledger saw commit are really there."""
+    scheduled = StepScheduled(
+        envelope=_env(StepScheduled),
+        step_id="s01-store",
+        args=b'{"item": "a"}',
+        args_fingerprint="f",
+        contract=StepContract(tool="store", participant="vault", has_lookup=True),
+    )
+    key = idempotency_key(scheduled.saga_id, "s01-store", "store", scheduled.args)
+    committed = StepCommitted(
+        envelope=_env(StepCommitted),
+        step_id="s01-store",
+        tool="store",
+        idempotency_key=key,
+        attempt=1,
+        result=b'"k"',
+        response_fingerprint="r",
+    )
+    specs = {"store": wrap(TidyVault(), name="vault")["store"]}  # empty: it has nothing
+    result = _open_case([scheduled, committed, _incident_on("s02-other")], specs)
+    assert result.verdict is Verdict.FAILED, result
+    assert "s01-store" in result.detail and "provider" in result.detail, result

@@ -44,6 +44,7 @@ from sagaline.ops.actions import OperatorChannel, approval_granted, incident_res
 from schemas import (
     ApprovalRequested,
     IncidentRaised,
+    IncidentResolved,
     ReconcileResult,
     Record,
     Reversibility,
@@ -710,21 +711,33 @@ def _judge(
     incidents = [r for r in records if isinstance(r, IncidentRaised)]
     operator_failed = list(stage.watcher.failures.get(saga_id, []))
     if not isinstance(terminal, SagaTerminal):
+        waiting = "not terminal"
         if operator_failed:  # the drill itself left something undone: not a person's
+            return CaseResult(
+                seam, target, tool, saga_id, Verdict.FAILED, waiting, "; ".join(operator_failed)
+            )
+        resolved = {r.incident_id for r in records if isinstance(r, IncidentResolved)}
+        open_incidents = [i for i in incidents if i.incident_id not in resolved]
+        if incidents and not open_incidents:
             return CaseResult(
                 seam,
                 target,
                 tool,
                 saga_id,
                 Verdict.FAILED,
-                "not terminal",
-                "; ".join(operator_failed),
+                waiting,
+                f"no terminal record within {timeout_s:.0f} s although every incident was"
+                " resolved: nobody is awaited, the saga is stuck",
             )
-        if incidents:
-            kinds = ", ".join(sorted({i.kind for i in incidents}))
-            return CaseResult(
-                seam, target, tool, saga_id, Verdict.ESCALATED, "awaiting a person", kinds
-            )
+        if open_incidents:
+            waiting = "awaiting a person"
+            problems = _committed_disagreements(stage, records)
+            if problems:
+                return CaseResult(
+                    seam, target, tool, saga_id, Verdict.FAILED, waiting, "; ".join(problems)
+                )
+            kinds = ", ".join(sorted({i.kind for i in open_incidents}))
+            return CaseResult(seam, target, tool, saga_id, Verdict.ESCALATED, waiting, kinds)
         return CaseResult(
             seam,
             target,
@@ -859,6 +872,38 @@ def _disagreements(stage: _Stage, records: list[Record], receipt: Receipt) -> li
                     problems.append(f"{step.step_id}: compensated in the ledger, verify says no")
             elif not stage.board.compensated(ctx.compensation_key):
                 problems.append(f"{step.step_id}: compensated in the ledger, never undone")
+    return problems
+
+
+def _committed_disagreements(stage: _Stage, records: list[Record]) -> list[str]:
+    """For a saga with no receipt yet (awaiting a person): every step the ledger saw
+    commit must be in the provider, and nothing ran twice for one key."""
+    problems: list[str] = []
+    keys = _keys(records)
+    committed = {
+        r.step_id
+        for r in records
+        if isinstance(r, StepCommitted)
+        or (isinstance(r, StepReconciled) and r.outcome is ReconcileResult.COMMITTED)
+    }
+    contracts = {r.step_id: r.contract for r in records if isinstance(r, StepScheduled)}
+    for step_id, key in keys.items():
+        contract = contracts[step_id]
+        spec = stage.specs.get(contract.tool)
+        if spec is None or contract.read_only:
+            continue
+        runs = stage.board.ran(key)
+        if runs > 1:
+            problems.append(f"{step_id} ran {runs} times for one idempotency key")
+        if step_id not in committed:
+            continue  # its outcome is what the person is asked about
+        try:
+            world = _world_has(spec, key, runs)
+        except Exception as exc:  # the user's lookup: a failed case, not the drill's end
+            problems.append(f"{step_id}: its lookup raised {type(exc).__name__}: {exc}")
+            continue
+        if not world:
+            problems.append(f"{step_id}: the ledger says committed, the provider has nothing")
     return problems
 
 
