@@ -2184,14 +2184,40 @@ class ParticipantRuntime:
         self._writer.append(record)
 
     def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT: stop once the commands running finish (their tools may
+        run up to their deadlines); a second one stops now (:meth:`stop_now`)."""
+
         def _stop(signum: int, frame: FrameType | None) -> None:
-            self.stop()
+            if self._running.is_set():
+                self.stop()  # before the line: a signal sent on seeing it is the second
+                log.info(
+                    "signal %s: stopping once the commands running finish (up to their "
+                    "tools' deadlines); signal again to stop now",
+                    signum,
+                )
+            else:
+                self.stop_now()
+                log.warning(
+                    "signal %s again: stopping now; the commands still running are left "
+                    "uncommitted, for the next run (journal and ledger answer them, R11)",
+                    signum,
+                )
 
         signal.signal(signal.SIGTERM, _stop)
         signal.signal(signal.SIGINT, _stop)
 
     def stop(self) -> None:
+        """Stop taking commands; :meth:`run` returns once the running ones finish."""
         self._running.clear()
+
+    def stop_now(self) -> None:
+        """Stop without waiting for running tools: their commands are given up as on a
+        revoke (offsets uncommitted; what they return is dropped), so the next owner,
+        or this replica restarted, answers each from its journal and the ledger: an
+        execution whose tool may have run as an unknown outcome, reconciled (R11),
+        never run twice; a compensation again under its key (R8)."""
+        self._running.clear()
+        self._work.hurry()
 
     def run(self, *, ready: threading.Event | None = None) -> None:
         ensure_topics(
@@ -2896,6 +2922,7 @@ class _CommandLoop:
         self._done: dict[int, set[int]] = {}
         self._committed: dict[int, int] = {}
         self._closing = False
+        self._hurry = False  # stop_now(): give up what runs instead of waiting for it
         self._woken = threading.Event()  # set by post(): wait() returns
         self._sending = 0  # records sent whose report the loop has not taken yet
         self.pending = 0  # taken and not done
@@ -3366,12 +3393,12 @@ class _CommandLoop:
         ``within_s``; then give up the ones that are (:meth:`_give_up`)."""
         until = time.monotonic() + within_s
         while any(len(self._taken.get(p, ())) > len(self._done.get(p, ())) for p in partitions):
-            if time.monotonic() >= until:
+            if self._hurry or time.monotonic() >= until:
                 self._give_up(partitions)
                 return
             self._pause()
 
-    def _give_up(self, partitions: set[int]) -> None:
+    def _give_up(self, partitions: set[int], why: str = "revoked") -> None:
         """Leave the unfinished commands of ``partitions`` to their next owner.
 
         Their offsets stay uncommitted, so the owner reads them again, and nothing of
@@ -3389,9 +3416,10 @@ class _CommandLoop:
                 del self._running[key]
                 self.pending -= 1 + len(self._queues.pop(key, ()))
                 log.warning(
-                    "partition %s revoked with the command at offset %s unfinished: left "
+                    "partition %s %s with the command at offset %s unfinished: left "
                     "to the partition's next owner",
                     job.msg.partition(),
+                    why,
                     job.msg.offset(),
                 )
         kept = []
@@ -3429,8 +3457,17 @@ class _CommandLoop:
             self._queues.pop(msg.key(), None)
         self._retries.clear()
         while self._queues or self._inbox or self._rows:
+            if self._hurry and self._running:
+                running = {j.msg.partition() or 0 for j in self._running.values()}
+                self._give_up(running, "stopping now")
             self._pause()
         self._tools.close()
+
+    def hurry(self) -> None:
+        """(Any thread) Closing, give up the commands running instead of waiting for
+        them (:meth:`ParticipantRuntime.stop_now`)."""
+        self._hurry = True
+        self._woken.set()
 
 
 def _check_served(spec: ToolSpec, participant: str) -> None:
