@@ -2810,13 +2810,19 @@ class _ToolThreads:
     """The threads that run tools, and the rare handling that blocks, for the loop.
 
     A sync tool blocks its thread, never the loop. Up to ``size`` threads, started
-    as work needs them; a thread whose tool overran its deadline is replaced at
-    once and leaves when the tool returns, so stuck tools never eat the capacity.
+    as work needs them; a thread whose tool overran its deadline ("stuck") is
+    replaced at once and leaves when the tool returns, so a few stuck tools do not
+    eat the capacity. Up to ``size`` stuck threads are replaced, no more: a provider
+    that hangs on every call would otherwise add a thread per command for good.
+    Past that each stuck thread takes one off the capacity, and with ``2 x size``
+    stuck no command starts (they wait, and backpressure pauses the partitions)
+    until a stuck tool returns (:attr:`exhausted`).
     """
 
     def __init__(self, name: str, size: int) -> None:
         self._name = name
         self._size = size
+        self._stuck = 0  # threads whose tool overran its deadline and has not returned
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue[
             tuple[_Job, Callable[[], Any], Callable[[Any, BaseException | None], None]] | None
@@ -2824,6 +2830,7 @@ class _ToolThreads:
         self._alive = 0
         self._busy = 0
         self._spawned = 0
+        self._closed = False
 
     def submit(
         self,
@@ -2837,15 +2844,38 @@ class _ToolThreads:
             self._busy += 1
             self._spawn_locked()
 
-    def replace(self) -> None:
-        """A thread's tool overran: one more may run until that thread leaves."""
+    def replace(self, what: str) -> None:
+        """A thread's tool (``what``) overran: one more may run until that thread
+        leaves, while no more than ``size`` are stuck."""
         with self._lock:
-            self._size += 1
+            self._stuck += 1
+            stuck = self._stuck
             self._spawn_locked()
+        if stuck > self._size:
+            log.error(
+                "%d tool calls of %s are stuck past their deadlines (the latest: %s), "
+                "each holding a thread until it returns (their commands were answered "
+                "for: unknown outcomes, reconciled); no more threads replace them, so %s. "
+                "Check the provider; a restart drops the stuck threads",
+                stuck,
+                self._name,
+                what,
+                "no command starts until one returns (they wait; the partitions pause)"
+                if stuck >= 2 * self._size
+                else f"{2 * self._size - stuck} command(s) run at once instead of {self._size}",
+            )
+
+    @property
+    def exhausted(self) -> bool:
+        """Every thread there may be is stuck: a command waiting for one waits until a
+        stuck tool returns."""
+        with self._lock:
+            return self._stuck >= 2 * self._size
 
     def _spawn_locked(self) -> None:
         """(Under the lock) start a thread when work waits and there is room."""
-        if self._busy > self._alive and self._alive < self._size:
+        limit = self._size + min(self._stuck, self._size)
+        if self._busy > self._alive and self._alive < limit and not self._closed:
             self._alive += 1
             self._spawned += 1
             threading.Thread(
@@ -2862,7 +2892,8 @@ class _ToolThreads:
                 with self._lock:  # the loop answered for it: this thread leaves
                     self._busy -= 1
                     self._alive -= 1
-                    self._size -= 1
+                    self._stuck -= 1
+                    self._spawn_locked()  # a command waiting for a thread gets one
                 return
             except BaseException as exc:
                 done(None, exc)
@@ -2875,6 +2906,7 @@ class _ToolThreads:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             alive = self._alive
         for _ in range(alive):
             self._jobs.put(None)
@@ -3201,7 +3233,9 @@ class _CommandLoop:
             self._fail(job, error)
 
     def _overrun(self, job: _Job, late: Callable[[], _Outcome]) -> None:
-        self._tools.replace()  # its thread leaves when the tool returns, settled or not
+        command = job.command
+        what = "?" if command is None else f"{command.TYPE} {getattr(command, 'tool', '?')}"
+        self._tools.replace(what)  # its thread leaves when the tool returns, settled or not
         if job.settled:
             return
         self._settle(job, late())
@@ -3457,9 +3491,12 @@ class _CommandLoop:
             self._queues.pop(msg.key(), None)
         self._retries.clear()
         while self._queues or self._inbox or self._rows:
-            if self._hurry and self._running:
+            if self._running and (self._hurry or self._tools.exhausted):
+                # Stopping now, or every tool thread is stuck: what waits for one
+                # would wait as long as the provider hangs.
                 running = {j.msg.partition() or 0 for j in self._running.values()}
-                self._give_up(running, "stopping now")
+                why = "stopping now" if self._hurry else "stopping with every tool thread stuck"
+                self._give_up(running, why)
             self._pause()
         self._tools.close()
 

@@ -772,3 +772,66 @@ def test_a_journal_that_stays_unwritable_leaves_its_commands_undone_at_close(
     assert rig.loop.pending == 0
     rig.handler.close()
     rig.journal.close()
+
+
+def _tool_threads() -> int:
+    return sum(1 for t in threading.enumerate() if t.name.startswith("desks-tool-"))
+
+
+def test_tools_hanging_past_their_deadlines_do_not_grow_the_threads_without_limit(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A provider that hangs on every call: each call past its deadline is answered
+    # for (an unknown outcome) and its thread stays until the tool returns. Stuck
+    # threads are replaced up to the worker count only, then no more commands start
+    # (they wait, nothing lost), with an error in the log; once the tools return,
+    # the waiting commands run.
+    before = _tool_threads()
+    rig = _Rig(tmp_path, workers=2)
+    gates = [rig.desk.gates.setdefault(f"saga-{n}/{n}", threading.Event()) for n in range(10)]
+    for n in range(10):
+        rig.submit(_execute(f"saga-{n}", n, deadline_ms=10))
+    rig.run_until(
+        lambda: (
+            len(rig.broker.of(StepOutcomeUnknown)) == 10
+            or (getattr(rig.loop._tools, "exhausted", False) and rig.loop.pending == 6)
+        ),
+        "every call answered for, or every tool thread stuck",
+    )
+    assert _tool_threads() - before <= 4, "a tool thread for every stuck call"
+    assert len(rig.broker.of(StepOutcomeUnknown)) == 4
+    assert rig.loop.pending == 6  # waiting for a thread, not lost
+    assert "stuck past their deadlines" in caplog.text
+    for gate in gates:
+        gate.set()
+    rig.run_until(lambda: rig.loop.pending == 0, "the waiting commands done")
+    assert len(rig.broker.of(StepOutcomeUnknown)) + len(rig.broker.of(StepCommitted)) == 10
+    assert rig.loop.committable() == {0: 10}
+    rig.close()
+
+
+def test_a_close_with_every_tool_thread_stuck_leaves_the_waiting_commands_undone(
+    tmp_path: Path,
+) -> None:
+    # The commands waiting for a thread would wait as long as the provider hangs:
+    # a stop leaves them uncommitted for the next run instead.
+    rig = _Rig(tmp_path, workers=1)
+    gates = [rig.desk.gates.setdefault(f"saga-{n}/{n}", threading.Event()) for n in range(4)]
+    for n in range(4):
+        rig.submit(_execute(f"saga-{n}", n, deadline_ms=10))
+    rig.run_until(
+        lambda: getattr(rig.loop._tools, "exhausted", False) and rig.loop.pending == 2,
+        "every thread stuck, their commands answered for",
+    )
+    closer = threading.Thread(target=rig.loop.close, daemon=True)
+    closer.start()
+    closer.join(60)
+    stuck = closer.is_alive()
+    for gate in gates:
+        gate.set()
+    assert not stuck, "the close waited for commands no thread will run"
+    assert rig.loop.committable() == {0: 2}  # the two answered for; the rest redelivered
+    wait_until(lambda: len(rig.desk.ran) == 2, what="the stuck tools returned")
+    assert sorted(rig.desk.ran) == ["saga-0", "saga-1"]  # the waiting ones never ran
+    rig.handler.close()
+    rig.journal.close()
