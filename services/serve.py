@@ -205,8 +205,8 @@ def register(subparsers: Any) -> None:
         "--journal-dir",
         type=Path,
         default=None,
-        help="this replica's command journal (default: <state dir>/<name>); replicas need "
-        "not share it (docs/operating.md)",
+        help="this replica's command journal (default: <state dir>/<name>); replicas may "
+        "share one on a local disk, never on a network file system (docs/operating.md)",
     )
     run.add_argument(
         "--journal-keep-ms",

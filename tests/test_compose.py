@@ -292,3 +292,23 @@ def test_the_dashboard_can_be_told_the_host_names_it_is_reached_by() -> None:
     assert result.returncode == 0, result.stderr
     dashboard = yaml.safe_load(result.stdout)["services"]["dashboard"]
     assert dashboard["environment"].get("SAGALINE_DASHBOARD_HOSTS") == "ops.example.com"
+
+
+def test_the_docs_say_scaled_replicas_share_the_journal_compose_gives_them() -> None:
+    """Each participant mounts one named volume at /data (SAGALINE_STATE_DIR in the
+    image), so ``--scale payments=2`` gives both replicas the same command journal
+    (and the example provider's files, which they must share). The docs must say a
+    journal may be shared so (and what that does), not that each has its own."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "ENV SAGALINE_STATE_DIR=/data" in dockerfile
+    for name, service in _services().items():
+        command = [str(a) for a in service.get("command", [])]
+        if command[:2] != ["participant", "run"]:
+            continue
+        assert "--journal-dir" not in command, name
+        assert service["volumes"] == [f"{command[2]}-data:/data"], name
+    operating = (ROOT / "docs" / "operating.md").read_text()
+    scaling = " ".join(operating.split("## Scaling", 1)[1].split("\n## ", 1)[0].split())
+    assert "a journal of its own" not in scaling
+    assert "--scale" in scaling and "share" in scaling
+    assert "network file system" in scaling
