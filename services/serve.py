@@ -142,7 +142,11 @@ def _cmd_participant_run(args: argparse.Namespace) -> int:
         )
         return 2
     runtime.install_signal_handlers()
-    runtime.run()
+    try:
+        runtime.run()
+    except TopicSetupError as exc:  # the topics do not match the settings: one line
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

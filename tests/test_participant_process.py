@@ -222,3 +222,33 @@ def test_a_second_sigterm_stops_at_once_and_the_restart_runs_nothing_twice(
     assert len(list(calls.iterdir())) == 1, "the tool ran again after the restart"
     again.process.send_signal(signal.SIGTERM)
     assert again.process.wait(90) == 0
+
+
+def test_topics_of_another_partition_count_stop_it_with_one_line_and_exit_2(
+    setup: tuple[Settings, dict[str, str], Path, list[Served]],
+) -> None:
+    """A setting that does not match the topics (SAGALINE_PARTITIONS here) is a
+    usage error, as for ``coordinator run``: one line naming it, exit 2."""
+    _settings, env, cwd, _started = setup
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "participant",
+            "run",
+            PARTICIPANT,
+            "--catalogue",
+            "tools_that_hang:make_catalogue",
+        ],
+        cwd=cwd,
+        env={**env, "SAGALINE_PARTITIONS": "2"},  # the topics have 1
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"sagaline participant run {PARTICIPANT}: topic ")
+    assert "set SAGALINE_PARTITIONS=1" in last
