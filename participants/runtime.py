@@ -2342,6 +2342,12 @@ class ParticipantRuntime:
                     if self.pruning is not None and next_commit >= next_prune:
                         # old done journal entries, a small batch off the commands' path
                         next_prune = time.monotonic() + self.pruning.turn(work.in_flight())
+        except BaseException:
+            # The loop died (a fenced consumer, a bug): the process is to exit, not to
+            # wait for running tools up to their deadlines doing nothing else. What
+            # runs is given up, uncommitted, to the next run (journal, ledger: R11).
+            work.hurry()
+            raise
         finally:
             self.handler.stop_waiting()  # a command waiting for the journal gives up
             work.close()  # lets running commands finish; queued ones are redelivered

@@ -11,6 +11,7 @@ below would loop until pytest-timeout instead of raising.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from coordinator.shell import Coordinator
 from participants import runtime as runtime_module
 from participants.runtime import ParticipantRuntime
 from tests.coordinator_turns import one_saga
+from tests.system import wait_until
 from tests.test_participant_runtime import PARTICIPANT, Harness
 
 FENCED = "Static consumer fenced by other consumer with same group.instance.id"
@@ -89,3 +91,56 @@ def test_a_fatal_consumer_error_ends_the_participant(
     with pytest.raises(KafkaException, match="fenced"):
         runtime.run()
     assert [c.fenced for c in made] == [True]
+
+
+class FencedWhen(FencedOnFirstPoll):
+    """A real consumer whose poll returns the fatal error once ``when`` is set."""
+
+    def __init__(self, consumer: Any, when: threading.Event) -> None:
+        super().__init__(consumer)
+        self._when = when
+
+    def poll(self, timeout: float = -1) -> Any:
+        if self._when.is_set() and not self.fenced:
+            self.fenced = True
+            return FatalMessage()
+        return self._consumer.poll(timeout)
+
+
+def test_a_fatal_consumer_error_ends_the_participant_without_waiting_for_a_hung_tool(
+    transport: str, unique_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop is dead (the consumer fenced: nothing can be committed any more), so
+    run() must not wait for a running tool up to its deadline before raising: the
+    process would sit alive doing nothing, its metrics port answering. The tool's
+    command is left to the next run (its intent is on the ledger)."""
+    harness = Harness(transport, unique_prefix, tmp_path)
+    harness.shop.answer_gates["a"] = gate = threading.Event()  # answers only when set
+    running = threading.Event()
+    create = runtime_module.create_consumer
+    monkeypatch.setattr(
+        runtime_module,
+        "create_consumer",
+        lambda *args, **kwargs: FencedWhen(create(*args, **kwargs), running),
+    )
+    runtime = ParticipantRuntime(
+        harness.catalogue, harness.settings, transport, participant=PARTICIPANT
+    )
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            runtime.run()
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    harness.send(harness.execute("s1", {"sku": "a", "quantity": 1}))
+    wait_until(lambda: harness.shop.count("reserve") == 1, what="the tool running")
+    running.set()
+    thread.join(45)  # the tool's deadline is 60 s; it answers only once the gate is set
+    hung = thread.is_alive()
+    gate.set()
+    assert not hung, "run() waited for the hung tool after its consumer was fenced"
+    assert len(raised) == 1 and "fenced" in str(raised[0])
