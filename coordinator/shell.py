@@ -319,6 +319,7 @@ class Coordinator:
         self._clock = clock or (lambda: int(time.time() * 1000))
         self._batch_size = batch_size
         self._running = True  # until stop(), which may come before run() reaches its loop
+        self._serving = False  # run() is in its loop (health())
         self._states = _PackedStates(decoded_states)
         self._partition_of: dict[str, int] = {}
         # Sagas the changelog keeps as a terminal marker, in the order they ended, so
@@ -406,10 +407,19 @@ class Coordinator:
     def stop(self) -> None:
         self._running = False
 
+    def health(self) -> str | None:
+        """None while the loop runs (joined to its group); else why not (``/healthz``)."""
+        if not self._running:
+            return "stopping"
+        if not self._serving:
+            return "starting: checking its topics, fencing an older instance, joining its group"
+        return None
+
     def run(self, *, until: Callable[[], bool] | None = None) -> None:
         """The loop. ``until`` lets tests and benchmarks stop it on a condition."""
         self._join()
         log.info("coordinator %s consuming %s", self.instance_id, self.topics.events)
+        self._serving = True
         try:
             while self._running and not (until is not None and self._carry is None and until()):
                 self._process_batch(self._next_batch())
@@ -417,6 +427,7 @@ class Coordinator:
                 self._process_batch([], flush=True)
             self._settle()
         finally:
+            self._serving = False
             self._sender.shutdown()
             self._consumer.close()
             try:

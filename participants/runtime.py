@@ -2114,6 +2114,7 @@ class ParticipantRuntime:
         # during start-up must not be lost).
         self._running = threading.Event()
         self._running.set()
+        self._serving = False  # run() is in its loop (health())
         self._work = _CommandLoop(self, max_in_flight)
         # Per command partition assigned to this replica, its end offset when assigned.
         self._assigned_end: dict[int, int] = {}
@@ -2210,6 +2211,15 @@ class ParticipantRuntime:
         """Stop taking commands; :meth:`run` returns once the running ones finish."""
         self._running.clear()
 
+    def health(self) -> str | None:
+        """None while the loop serves its command topic (subscribed, catalogue
+        published); else why not (``/healthz``)."""
+        if not self._running.is_set():
+            return "stopping"
+        if not self._serving:
+            return "starting: checking its topics, joining its group, publishing its tools"
+        return None
+
     def stop_now(self) -> None:
         """Stop without waiting for running tools: their commands are given up as on a
         revoke (offsets uncommitted; what they return is dropped), so the next owner,
@@ -2305,6 +2315,7 @@ class ParticipantRuntime:
                 self.topics.commands(self.participant),
                 self.max_in_flight,
             )
+            self._serving = True
             if ready is not None:
                 ready.set()
             while self._running.is_set():
@@ -2349,6 +2360,7 @@ class ParticipantRuntime:
             work.hurry()
             raise
         finally:
+            self._serving = False
             self.handler.stop_waiting()  # a command waiting for the journal gives up
             work.close()  # lets running commands finish; queued ones are redelivered
             self._writer.producer.flush(10)

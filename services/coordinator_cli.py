@@ -155,7 +155,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
             settings, bootstrap, instance_id=args.instance_id, metrics=metrics, **sizes
         )
         if args.metrics_port:
-            start_metrics_server(args.metrics_port, metrics, settings.metrics_host)
+            start_metrics_server(
+                args.metrics_port, metrics, settings.metrics_host, health=coordinator.health
+            )
         coordinator.install_signal_handlers()
         coordinator.run()
     except (TopicSetupError, TrustFileError, MetricsServerError) as exc:  # one line, no traceback

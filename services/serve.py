@@ -116,9 +116,14 @@ def _cmd_participant_run(args: argparse.Namespace) -> int:
     from services.refund import economic_effect
 
     metrics = ParticipantMetrics(args.name, effect=economic_effect)
+    served: list[ParticipantRuntime] = []  # /healthz: 503 until its loop serves
+
+    def health() -> str | None:
+        return served[0].health() if served else "starting: opening its command journal"
+
     if args.metrics_port:
         try:
-            start_metrics_server(args.metrics_port, metrics, settings.metrics_host)
+            start_metrics_server(args.metrics_port, metrics, settings.metrics_host, health=health)
         except MetricsServerError as exc:
             print(f"sagaline participant run {args.name}: {exc}", file=sys.stderr)
             return 2
@@ -141,6 +146,7 @@ def _cmd_participant_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    served.append(runtime)
     runtime.install_signal_handlers()
     try:
         runtime.run()

@@ -207,7 +207,10 @@ def test_the_healthchecks_probe_the_port_the_command_serves() -> None:
         command = [str(a) for a in service["command"]]
         flag = "--metrics-port" if "--metrics-port" in command else "--port"
         port = command[command.index(flag) + 1]
-        assert port in " ".join(map(str, service["healthcheck"]["test"])), name
+        probe = " ".join(map(str, service["healthcheck"]["test"]))
+        assert port in probe, name
+        # /metrics answers from the start; /healthz only while the process serves
+        assert "/healthz" in probe, name
 
 
 def test_no_service_pins_an_instance_id_so_scaled_replicas_differ() -> None:

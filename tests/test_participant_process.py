@@ -11,11 +11,14 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -68,7 +71,7 @@ TOOLS = textwrap.dedent(
 class Served:
     """One ``participant run`` subprocess, its output read line by line."""
 
-    def __init__(self, cwd: Path, env: dict[str, str]) -> None:
+    def __init__(self, cwd: Path, env: dict[str, str], *args: str) -> None:
         self.process = subprocess.Popen(
             [
                 sys.executable,
@@ -79,6 +82,7 @@ class Served:
                 PARTICIPANT,
                 "--catalogue",
                 "tools_that_hang:make_catalogue",
+                *args,
             ],
             cwd=cwd,
             env=env,
@@ -252,3 +256,46 @@ def test_topics_of_another_partition_count_stop_it_with_one_line_and_exit_2(
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith(f"sagaline participant run {PARTICIPANT}: topic ")
     assert "set SAGALINE_PARTITIONS=1" in last
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _healthz(port: int) -> tuple[int, str] | None:
+    """(status, body) of /healthz; None while nothing listens yet."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as answer:
+            return int(answer.status), answer.read().decode()
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read().decode()
+    except OSError:
+        return None
+
+
+def test_healthz_says_ok_only_while_the_participant_serves(
+    setup: tuple[Settings, dict[str, str], Path, list[Served]],
+) -> None:
+    """/healthz (the compose healthcheck's probe) answers 200 once the loop serves its
+    command topic, and 503 once it is stopping (here waiting for a hung tool), where
+    /metrics answers 200 all along."""
+    settings, env, cwd, started = setup
+    saga_id = f"saga-{settings.topic_prefix.strip('.')}"
+    port = _free_port()
+    served = Served(cwd, env, "--metrics-port", str(port))
+    started.append(served)
+    served.wait_for_line(f"participant {PARTICIPANT} serving")
+    assert _healthz(port) == (200, "ok\n")
+    _send(settings, _execute(settings, saga_id, "s1"))
+    wait_until(lambda: len(list((cwd / "calls").iterdir())) == 1, what="the tool to be called")
+    served.process.send_signal(signal.SIGTERM)
+    served.wait_for_line("signal")  # stopping: it waits for the hung tool
+    answer = _healthz(port)
+    assert answer is not None and answer[0] == 503 and "stopping" in answer[1], answer
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as metrics:
+        assert metrics.status == 200
+    served.process.send_signal(signal.SIGTERM)
+    assert served.process.wait(90) == 0

@@ -27,13 +27,23 @@ Metric names are documented in ``docs/operations-dashboard.md``.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    make_wsgi_app,
+    start_http_server,
+)
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from coordinator.core import COORDINATOR_PRODUCER
 from schemas.models import (
@@ -583,18 +593,66 @@ class ParticipantMetrics(SagalineMetrics):
         super().__init__(f"participant:{participant}", registry, effect=effect)
 
 
-def start_metrics_server(port: int, metrics: SagalineMetrics, addr: str = "127.0.0.1") -> int:
+def start_metrics_server(
+    port: int,
+    metrics: SagalineMetrics,
+    addr: str = "127.0.0.1",
+    *,
+    health: Callable[[], str | None] | None = None,
+) -> int:
     """Serve ``/metrics`` for ``metrics`` on a daemon thread; returns the bound port
     (pass 0 for a free one). Loopback unless told otherwise (``SAGALINE_METRICS_HOST``):
-    the numbers name tools and tenants."""
+    the numbers name tools and tenants.
+
+    With ``health``, ``/healthz`` answers 200 ``ok`` while it returns None and 503
+    with the reason it returns otherwise (starting, stopping): what a healthcheck
+    probes, since ``/metrics`` answers from the moment the server starts."""
     try:
-        server, _thread = start_http_server(port, addr=addr, registry=metrics.registry)
+        if health is None:
+            server, _thread = start_http_server(port, addr=addr, registry=metrics.registry)
+        else:
+            server = _serve_with_health(port, addr, metrics, health)
     except OSError as exc:  # in use, an address not of this host, a name that does not resolve
         raise MetricsServerError(
             f"cannot serve metrics on {addr}:{port} (--metrics-port {port}, "
             f"SAGALINE_METRICS_HOST={addr}): {exc.strerror or exc}"
         ) from None
     return int(server.server_address[1])
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Not every scrape and probe in the log."""
+
+
+def _serve_with_health(
+    port: int, addr: str, metrics: SagalineMetrics, health: Callable[[], str | None]
+) -> WSGIServer:
+    """prometheus_client's server (``start_http_server``) with ``/healthz`` beside."""
+    scrape = make_wsgi_app(metrics.registry)
+
+    def app(environ: dict[str, Any], start_response: Any) -> Any:
+        if environ.get("PATH_INFO") != "/healthz":
+            return scrape(environ, start_response)
+        try:
+            why = health()
+        except Exception as exc:  # a probe must get an answer, not a dropped connection
+            why = f"health check failed: {exc}"
+        status = "200 OK" if why is None else "503 Service Unavailable"
+        body = b"ok\n" if why is None else why.encode("utf-8", "replace") + b"\n"
+        start_response(status, [("Content-Type", "text/plain; charset=utf-8")])
+        return [body]
+
+    family, _type, _proto, _name, sockaddr = socket.getaddrinfo(
+        addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+
+    class Server(ThreadingWSGIServer):
+        address_family = family
+
+    server = make_server(str(sockaddr[0]), port, app, Server, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+    return server
 
 
 class MetricsServerError(Exception):
