@@ -2218,6 +2218,11 @@ class ParticipantRuntime:
             return "stopping"
         if not self._serving:
             return "starting: checking its topics, joining its group, publishing its tools"
+        if self._work._tools.exhausted:
+            return (
+                "every tool thread is stuck in a call past its deadline: no command "
+                "starts until one returns (a restart drops them)"
+            )
         return None
 
     def stop_now(self) -> None:

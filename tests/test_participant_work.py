@@ -835,3 +835,29 @@ def test_a_close_with_every_tool_thread_stuck_leaves_the_waiting_commands_undone
     assert sorted(rig.desk.ran) == ["saga-0", "saga-1"]  # the waiting ones never ran
     rig.handler.close()
     rig.journal.close()
+
+
+def test_health_says_so_when_every_tool_thread_is_stuck(tmp_path: Path) -> None:
+    # /healthz (ParticipantRuntime.health) must not say ok while no command can start.
+    from schemas.settings import Settings
+
+    desk = _Desk()
+    runtime = ParticipantRuntime(
+        wrap(desk, name="desks"),
+        Settings(bootstrap="memory://stuck-health", partitions=1, state_dir=tmp_path),
+        "memory://stuck-health",
+        participant="desks",
+        max_in_flight=1,
+    )
+    try:
+        runtime._serving = True  # as run() sets it once its loop serves
+        assert runtime.health() is None
+        tools = runtime._work._tools
+        tools.replace("ExecuteStep book")
+        assert runtime.health() is None  # one stuck thread, replaced: it still serves
+        tools.replace("ExecuteStep book")  # two: the one thread and its replacement
+        why = runtime.health()
+        assert why is not None and "stuck" in why
+    finally:
+        runtime.handler.close()
+        runtime.journal.close()
