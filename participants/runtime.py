@@ -602,7 +602,19 @@ class _Confirmations:
             with self._cv:
                 self._running.pop(command_id, None)
             raise
-        return future.result(timeout=timeout_s)
+        # Waited for in slices: once closed, this pool thread must not wait out a hung
+        # call's deadline (an hour for a long one), which the interpreter would wait
+        # for at exit (the call's own thread is a daemon; the row stays accepted).
+        until = time.monotonic() + timeout_s
+        while True:
+            left = until - time.monotonic()
+            try:
+                return future.result(timeout=max(0.0, min(left, _CLOSED_CHECK_S)))
+            except concurrent.futures.TimeoutError:
+                if self._closed:
+                    raise concurrent.futures.TimeoutError("closing") from None
+                if left <= _CLOSED_CHECK_S:
+                    raise
 
     def add(self, command_id: str, command: bytes) -> None:
         with self._cv:
@@ -2798,6 +2810,7 @@ _RECEIPT_AGAIN_S = 0.02
 # How many threads poll the verifications of accepted compensations, however many
 # there are (_Confirmations).
 _CONFIRM_THREADS = 4
+_CLOSED_CHECK_S = 1.0  # how often a verification's wait looks whether it is closing
 _FAILURES_SUMMARY_MS = 60_000  # how often a verification that keeps failing is logged
 _JOURNAL_NAG_S = 60.0  # how often a journal that stays unwritable is logged again
 

@@ -9,6 +9,9 @@ compensation is still being confirmed does not start a second poller.
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -636,3 +639,47 @@ def test_a_receipt_during_a_poll_of_its_compensation_waits_for_it_then_counts_R1
     finally:
         desks.gate.set()
         handler.close()
+
+
+_CLOSE_WITH_A_HUNG_VERIFICATION = """
+import sys
+from pathlib import Path
+
+from participants import wrap
+from participants.runtime import CommandHandler, CommandJournal
+from tests.system import wait_until
+from tests.test_accepted_confirmations import _accept, _Stuck
+
+stuck = _Stuck()  # c-1's verification blocks; its deadline is 300 s
+journal = CommandJournal(Path(sys.argv[1]) / "journal.sqlite")
+handler = CommandHandler(wrap(stuck, name="desks"), "desks", journal, [].append, workers=1)
+first = _accept(handler, journal, 1)
+handler.confirm_in_background(first, dict(journal.accepted())[first])
+wait_until(lambda: stuck.stuck_calls >= 1, 60, "the verification hanging")
+handler.close()
+journal.close()
+print("closed", flush=True)
+"""
+
+
+def test_a_hung_verification_does_not_hold_the_process_exit_after_close_R12(
+    tmp_path: Path,
+) -> None:
+    # A participant stopping (even on a second SIGTERM) closes its handler and
+    # returns; the interpreter then waits for the confirmations' pool threads, one
+    # of which waited for a hung verification up to its deadline (an hour for a
+    # long one). What is unconfirmed is resumed from the journal at the next start.
+    root = Path(__file__).resolve().parents[1]
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _CLOSE_WITH_A_HUNG_VERIFICATION, str(tmp_path)],
+            cwd=root,
+            env={**os.environ, "PYTHONPATH": str(root)},
+            capture_output=True,
+            text=True,
+            timeout=120,  # the verification's deadline is 300 s
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the process did not exit: it waited for the hung verification")
+    assert done.returncode == 0, done.stderr
+    assert "closed" in done.stdout
