@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -192,6 +193,23 @@ def test_the_agent_runs_its_sagas_to_a_terminal_state_and_exits_zero(
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "agent: 50 sagas" in result.stdout
     assert "NOT terminal" not in result.stdout
+
+
+@pytest.mark.parametrize("name", LONG_RUNNING)
+def test_the_healthcheck_passes_once_the_service_is_up(system: ComposeSystem, name: str) -> None:
+    """The service's compose healthcheck command itself (on this run's port), run once
+    the service consumes or answers: it passes (the participants' and coordinator's
+    probe /healthz, which answers 200 only while their loop serves)."""
+    wait_up(system, name)
+    test = [str(a) for a in SAGALINE[name]["healthcheck"]["test"]]
+    assert test[:3] == ["CMD", "python", "-c"], test
+    port = str(system.running[name].http_port)
+    script = test[3].replace(":8088/", f":{port}/")
+    args = [port if a in ("9100", "9101") else a for a in test[4:]]
+    probe = subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=60
+    )
+    assert probe.returncode == 0, probe.stderr
 
 
 @pytest.mark.parametrize("name", LONG_RUNNING)
