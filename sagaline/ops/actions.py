@@ -118,8 +118,22 @@ def operator_identity(signer: Signer, ledger_signed: bool) -> str | None:
     return None
 
 
+def _utf8(label: str, value: str) -> str:
+    """``value``, refused when it cannot be written: text that is not valid UTF-8 (an
+    argument typed in a terminal of another encoding reaches Python as lone
+    surrogates, ``$'\\xff'`` as ``'\\udcff'``) would fail deep in the encoder."""
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise OperatorActionError(
+            f"the {label} {value!r} is not valid UTF-8 text (a terminal or variable in "
+            "another encoding?): give it as UTF-8. Nothing was recorded"
+        ) from None
+    return value
+
+
 def _operator(operator: str) -> str:
-    who = operator.strip()
+    who = _utf8("operator name", operator).strip()
     if not who:
         raise MissingOperatorIdentity(
             "an operator identity is required (who is approving, denying or resolving?): "
@@ -209,7 +223,7 @@ def approval_denied(
 ) -> ApprovalDenied:
     """A denial is a business rejection: the saga compensates at once (R7, R9)."""
     who = _operator(operator)
-    why = reason.strip() or f"denied by {who}"
+    why = _utf8("reason", reason).strip() or f"denied by {who}"
     return ApprovalDenied(
         envelope=_envelope(
             ApprovalDenied, request, "deny", request.approval_id, via, now, producer, (who, why)
@@ -239,7 +253,10 @@ def incident_resolved(
     name the provider's ``operation_id`` and the tool's result (``result_json``): the
     step's compensation receives both in its context."""
     who = _operator(operator)
-    text = resolution.strip()
+    text = _utf8("resolution", resolution).strip()
+    _utf8("note", note)
+    _utf8("operation id", operation_id or "")
+    _utf8("result", result_json or "")
     if not text:
         raise OperatorActionError(
             f"incident {incident.incident_id}: say how it was resolved (resolution is empty)"
