@@ -67,6 +67,17 @@ def _one_line_errors(func: Callable[..., int]) -> Callable[..., int]:
         from schemas.settings import SettingsError
         from schemas.trust import TrustFileError
 
+        for name in ("saga_id", "step_id", "incident_id"):
+            value = getattr(args, name, None)
+            if isinstance(value, str) and not _utf8(value):
+                # A Kafka key and a record hold UTF-8 only: refuse it here, not as a
+                # UnicodeEncodeError from deep in the reader.
+                print(
+                    f"{args.command}: the {name.replace('_', ' ')} {value!r} is not valid "
+                    "UTF-8 text (a terminal in another encoding?): give it as UTF-8",
+                    file=sys.stderr,
+                )
+                return 2
         try:
             return func(args, **options)
         except (OperatorActionError, TrustFileError, SettingsError, TopicMissing) as exc:
@@ -81,6 +92,16 @@ def _one_line_errors(func: Callable[..., int]) -> Callable[..., int]:
             return 2
 
     return run
+
+
+def _utf8(text: str) -> bool:
+    """Whether ``text`` is valid UTF-8 (an argument that is not reaches Python as lone
+    surrogates, ``$'\\xff'`` as ``'\\udcff'``)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _saga_messages(

@@ -123,3 +123,24 @@ def test_incident_resolution_text_that_is_not_utf8_is_refused_in_one_line(
         _one_line(err)
         assert "not valid UTF-8" in err, err
     assert _decisions(settings, kafka_bootstrap) == []
+
+
+def test_an_id_that_is_not_utf8_is_refused_in_one_line(
+    kafka_bootstrap: str,
+    unique_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    settings, request = _awaiting_approval(kafka_bootstrap, unique_prefix, monkeypatch)
+    for argv in (
+        ["saga", "show", NOT_UTF8],
+        ["saga", "wait", NOT_UTF8, "--timeout", "0"],
+        ["approve", NOT_UTF8, request.step_id, "--operator", "alice"],
+        ["deny", NOT_UTF8, request.step_id, "--operator", "alice", "--reason", "no"],
+        ["incidents", "resolve", NOT_UTF8, "--operator", "alice"],
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        _one_line(err)
+        assert "not valid UTF-8" in err, (argv, err)
+    assert _decisions(settings, kafka_bootstrap) == []
