@@ -26,6 +26,24 @@ def at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def between(minimum: int, maximum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number from ``minimum`` to ``maximum``; anything else
+    is a usage error that says what was given and the range."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(
+                f"expected a whole number between {minimum} and {maximum}, got {text!r}"
+            )
+        return value
+
+    return parse
+
+
 def instance_id(text: str) -> str:
     """An argparse type: an instance id, not empty or blank (an empty one, e.g.
     ``--instance-id "$ID"`` with ID unset, gave every such instance the same

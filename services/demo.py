@@ -57,8 +57,8 @@ from sagaline.ops.actions import OperatorChannel
 from schemas.models import Record, SagaTerminal
 from schemas.receipt import Receipt
 from schemas.settings import Settings
-from schemas.topics import DEFAULT_PARTITIONS
-from services._args import at_least, port, seconds
+from schemas.topics import DEFAULT_PARTITIONS, MAX_PARTITIONS
+from services._args import at_least, between, port, seconds
 from services.cli import PARENT_PID_VAR
 from services.demo_invariants import (
     ProviderFileUnreadable,
@@ -1090,7 +1090,10 @@ def register(subparsers: Any) -> None:
     demo.add_argument("--seed", type=int, default=7, help="tickets and faults (7)")
     demo.add_argument("--concurrency", type=at_least(1), default=16, help="agent threads (16)")
     demo.add_argument(
-        "--partitions", type=at_least(1), default=DEFAULT_PARTITIONS, help="partitions per topic"
+        "--partitions",
+        type=between(1, MAX_PARTITIONS),
+        default=DEFAULT_PARTITIONS,
+        help=f"partitions per topic (1 to {MAX_PARTITIONS}, as SAGALINE_PARTITIONS)",
     )
     demo.add_argument(
         "--state-dir", type=Path, default=None, help="default: .sagaline/demo-<time>-<id>"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from schemas.topics import MAX_PARTITIONS
 from services.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +75,6 @@ def test_agent_run_before_the_topics_exist_says_so_without_a_traceback(
         ["--sagas", "0"],
         ["--sagas", "-3"],
         ["--concurrency", "0"],
-        ["--partitions", "0"],
         ["--kill-service", "inventory", "--kill-after", "0"],
         ["--kill-coordinator-after", "-1"],
     ],
@@ -88,6 +88,19 @@ def test_demo_flags_that_would_run_nothing_or_kill_nothing_are_refused(
         build_parser().parse_args(["demo", *flags])
     assert exited.value.code == 2
     assert "expected a whole number >=" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("partitions", ["0", "100001", "3000000000", "many"])
+def test_demo_partitions_past_what_a_topic_can_have_are_a_usage_error(
+    partitions: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--partitions 3000000000`` ran into the topic creation and ended the demo in a
+    traceback (OverflowError, or librdkafka's ValueError over 100000), where
+    SAGALINE_PARTITIONS is refused at start with the same bound."""
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["demo", "--partitions", partitions])
+    assert exited.value.code == 2
+    assert f"expected a whole number between 1 and {MAX_PARTITIONS}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
