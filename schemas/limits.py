@@ -87,10 +87,11 @@ class Limits:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Limits:
-        """The defaults, overridden by the ``SAGALINE_MAX_*`` variables that are set."""
+        """The defaults, overridden by the ``SAGALINE_MAX_*`` variables that are set
+        (empty or blank counts as unset, as for every variable)."""
         values: dict[str, int] = {}
         for var, name in _ENV.items():
-            raw = env.get(var)
+            raw = env.get(var, "").strip()
             if not raw:
                 continue
             try:

@@ -60,6 +60,15 @@ def test_limits_have_documented_defaults_and_are_read_from_the_environment() -> 
         Settings.from_env({"SAGALINE_MAX_RECORD_BYTES": "0"})
 
 
+def test_a_blank_limit_variable_counts_as_unset_like_every_other_variable() -> None:
+    """``SAGALINE_MAX_STEPS=" "`` (a compose ``${VAR:- }``, a stray space) stopped every
+    process as "not an integer", where a blank SAGALINE_PARTITIONS is taken as unset
+    (the README's rule: empty counts as unset, the default applies)."""
+    blank = {var: " " for var in LIMIT_ENV_VARS} | {"SAGALINE_PARTITIONS": " "}
+    assert Settings.from_env(blank).limits == Limits()
+    assert Limits.from_env({"SAGALINE_MAX_STEPS": " 12 "}).max_steps == 12
+
+
 def test_the_omitted_result_marker_is_recognised() -> None:
     marker = omitted_result(2_000_000, 262_144, "abc")
     assert is_omitted_result(orjson.loads(orjson.dumps(marker)))
