@@ -91,11 +91,26 @@ class TopicNames:
     def commands(self, participant: str) -> str:
         """The command topic of one participant; ``ValueError`` for a name Kafka would
         refuse in a topic name (characters other than ASCII letters, digits, '.', '_'
-        and '-', or too long)."""
+        and '-', or too long). When the participant's name would do but the prefix does
+        not (characters a topic name cannot hold, or too long with it), the error names
+        the prefix."""
         name = f"{self.prefix}sagaline.commands.{participant}"
-        if not participant or _TOPIC_NAME.fullmatch(name) is None:
+        if participant and _TOPIC_NAME.fullmatch(name) is not None:
+            return name
+        if not participant or _TOPIC_NAME.fullmatch(f"sagaline.commands.{participant}") is None:
             raise ValueError(f"participant name {participant!r} is not usable in a topic name")
-        return name
+        if _TOPIC_NAME.fullmatch(self.prefix) is None and len(self.prefix) < 250:
+            raise ValueError(
+                f"the topic prefix {self.prefix!r} (SAGALINE_TOPIC_PREFIX) is not usable in "
+                "a topic name: use only ASCII letters, digits, '.', '_' or '-'"
+            )
+        room = 249 - len(name) + len(participant)
+        raise ValueError(
+            f"the command topic of participant {participant!r} would be {len(name)} "
+            "characters, over the 249 Kafka allows: the topic prefix (SAGALINE_TOPIC_PREFIX, "
+            f"{len(self.prefix)} characters) leaves room for a participant name of "
+            f"{max(room, 0)} at most; shorten the prefix (or the name)"
+        )
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,21 @@ def test_unusable_participant_name_is_refused() -> None:
         TopicNames().commands("a/b")
 
 
+def test_a_prefix_that_makes_a_command_topic_unusable_is_named_not_the_participant() -> None:
+    """A long SAGALINE_TOPIC_PREFIX pushed the command topic past Kafka's 249
+    characters and the error said the participant's name ('refunds') was unusable."""
+    long_prefix = "p" * 230 + "."
+    with pytest.raises(ValueError) as raised:
+        TopicNames(long_prefix).commands("refunds")
+    text = str(raised.value)
+    assert "SAGALINE_TOPIC_PREFIX" in text and "249" in text, text
+    assert "participant name 'refunds' is not usable" not in text, text
+    with pytest.raises(ValueError, match="SAGALINE_TOPIC_PREFIX"):
+        TopicNames("team a.").commands("refunds")  # a space: no topic name holds one
+    with pytest.raises(ValueError, match="participant name 'a/b'"):
+        TopicNames(long_prefix).commands("a/b")  # the name is unusable whatever the prefix
+
+
 def test_settings_defaults_run_the_demo() -> None:
     settings = Settings.from_env({})
     assert settings == Settings(
