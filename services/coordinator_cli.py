@@ -143,6 +143,24 @@ def _decodable(
     return out
 
 
+def _saga_records(
+    bootstrap: str, settings: Settings, saga_id: str, unreadable: list[str]
+) -> list[Record] | str:
+    """The saga's records that verify and decode (``unreadable`` as for
+    :func:`_decodable`), or why there are none although the saga has records: none
+    verifies with this process's key, which would otherwise look like no saga at all."""
+    topic = settings.topics.events
+    messages = _saga_messages(bootstrap, topic, saga_id)
+    records = _decodable(messages, settings.signer(), unreadable)
+    if messages and not records and not unreadable:
+        return (
+            f"{len(messages)} record(s) of saga {saga_id!r} on {topic}, none verifies with "
+            "this process's key: use the key the services use (SAGALINE_HMAC_KEY or the "
+            "trust file)"
+        )
+    return records
+
+
 def _signed(messages: list[tuple[bytes, bytes, HeaderList | None, str]]) -> bool:
     from schemas.signing import SIG_HEADER, header_value
 
@@ -197,11 +215,12 @@ def _cmd_show(args: argparse.Namespace) -> int:
     settings, bootstrap = configured_broker("sagaline")
     unreadable: list[str] = []
     try:
-        records = LedgerReader(bootstrap).saga_records(
-            settings.topics.events, args.saga_id, settings.signer(), unreadable=unreadable
-        )
+        records = _saga_records(bootstrap, settings, args.saga_id, unreadable)
     except TopicMissing as exc:
         print(str(exc), file=sys.stderr)
+        return 2
+    if isinstance(records, str):
+        print(f"{args.command}: {records}", file=sys.stderr)
         return 2
     if not records:
         why = f" ({_unreadable_note(unreadable)})" if unreadable else ""
@@ -260,16 +279,16 @@ def _cmd_wait(args: argparse.Namespace) -> int:
     import time
 
     settings, bootstrap = configured_broker("sagaline")
-    reader = LedgerReader(bootstrap)
     deadline = time.monotonic() + args.timeout
     while True:
         unreadable: list[str] = []
         try:
-            records = reader.saga_records(
-                settings.topics.events, args.saga_id, settings.signer(), unreadable=unreadable
-            )
+            records = _saga_records(bootstrap, settings, args.saga_id, unreadable)
         except TopicMissing as exc:
             print(str(exc), file=sys.stderr)
+            return 2
+        if isinstance(records, str):
+            print(f"{args.command}: {records}", file=sys.stderr)
             return 2
         if any(isinstance(r, SagaTerminal) for r in records):
             return _cmd_show(args)

@@ -144,3 +144,31 @@ def test_an_id_that_is_not_utf8_is_refused_in_one_line(
         _one_line(err)
         assert "not valid UTF-8" in err, (argv, err)
     assert _decisions(settings, kafka_bootstrap) == []
+
+
+def test_show_and_wait_say_when_no_record_of_the_saga_verifies_with_this_key(
+    kafka_bootstrap: str,
+    unique_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A command holding another key than the services (a typo in SAGALINE_HMAC_KEY)
+    passed over every record of the saga: `saga show` said there was no such saga
+    (exit 1) and `saga wait` waited out its whole timeout for a saga that had ended."""
+    settings = _settings(kafka_bootstrap, unique_prefix, monkeypatch)
+    signed = Settings(
+        bootstrap=kafka_bootstrap, topic_prefix=unique_prefix, partitions=1, hmac_key=b"right"
+    )
+    ledger = Ledger(saga_id="saga-key", t0=int(time.time() * 1000))
+    first = ledger.scheduled("reserve")
+    ensure_topics(kafka_bootstrap, settings.topics, [first.contract.participant], 1)
+    append(signed, kafka_bootstrap, ledger.started(), first)
+    monkeypatch.setenv("SAGALINE_HMAC_KEY", "wrong")
+    for argv in (
+        ["saga", "show", "saga-key"],
+        ["saga", "wait", "saga-key", "--timeout", "0"],
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        _one_line(err)
+        assert "2 record(s) of saga 'saga-key'" in err and "SAGALINE_HMAC_KEY" in err, err
