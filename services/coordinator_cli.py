@@ -472,7 +472,11 @@ def incident_feed(
     """Every incident on the incidents topic, and the resolutions forwarded there.
 
     ``unreadable``, given, gets a line (position, schema) for each record written
-    under a schema this version cannot read (a newer coordinator's)."""
+    under a schema this version cannot read (a newer coordinator's).
+    Raises :class:`sagaline.ops.actions.OperatorActionError` when the topic has records
+    and none verifies with this process's key (another key than the coordinator's),
+    which would otherwise look like no incident at all."""
+    from sagaline.ops.actions import OperatorActionError
     from schemas.errors import CodecError, SchemaMismatch, UnknownFingerprint
     from schemas.wire import from_message
 
@@ -480,11 +484,13 @@ def incident_feed(
     resolved: dict[str, IncidentResolved] = {}
     signer = settings.signer()
     topic = settings.topics.incidents
+    refused = readable = 0
     for msg in LedgerReader(bootstrap).read(topic):
         value = msg.value()
         try:
             record = from_message(msg.key(), value, readable_headers(msg), signer)
         except (UnknownFingerprint, SchemaMismatch) as exc:
+            readable += 1  # it verified: the key is right
             if unreadable is not None and value is not None:
                 unreadable.append(
                     f"{topic}[{msg.partition()}]@{msg.offset()} (schema "
@@ -492,12 +498,19 @@ def incident_feed(
                 )
             continue
         except CodecError:
+            refused += 1
             continue
+        readable += 1
         if isinstance(record, IncidentRaised):
             raised[record.incident_id] = record
         elif isinstance(record, IncidentResolved):
             # The first one is what the coordinator acted on: it ignores later ones.
             resolved.setdefault(record.incident_id, record)
+    if refused and not readable:
+        raise OperatorActionError(
+            f"{refused} record(s) on {topic}, none verifies with this process's key: use "
+            "the key the services use (SAGALINE_HMAC_KEY or the trust file)"
+        )
     return raised, resolved
 
 

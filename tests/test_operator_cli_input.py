@@ -51,9 +51,13 @@ def _awaiting_approval(
     return settings, request
 
 
-def _open_incident(bootstrap: str, prefix: str, monkeypatch: pytest.MonkeyPatch) -> Settings:
-    """A saga with incident inc-1 open, on the ledger and on the incident feed."""
+def _open_incident(
+    bootstrap: str, prefix: str, monkeypatch: pytest.MonkeyPatch, hmac_key: bytes | None = None
+) -> Settings:
+    """A saga with incident inc-1 open, on the ledger and on the incident feed (signed
+    with ``hmac_key``, given)."""
     settings = _settings(bootstrap, prefix, monkeypatch)
+    settings = Settings(bootstrap=bootstrap, topic_prefix=prefix, partitions=1, hmac_key=hmac_key)
     ledger = Ledger(saga_id="saga-inc", t0=int(time.time() * 1000))
     first = ledger.scheduled("reserve")
     ensure_topics(bootstrap, settings.topics, [first.contract.participant], 1)
@@ -172,3 +176,29 @@ def test_show_and_wait_say_when_no_record_of_the_saga_verifies_with_this_key(
         err = capsys.readouterr().err
         _one_line(err)
         assert "2 record(s) of saga 'saga-key'" in err and "SAGALINE_HMAC_KEY" in err, err
+
+
+def test_incidents_say_when_no_record_of_the_feed_verifies_with_this_key(
+    kafka_bootstrap: str,
+    unique_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """With another key than the coordinator's, every incident failed verification:
+    `incidents list` printed "0 incident(s) open" (exit 0) while one was open, and
+    `incidents resolve` said there was no such incident."""
+    settings = _open_incident(kafka_bootstrap, unique_prefix, monkeypatch, hmac_key=b"right")
+    monkeypatch.setenv("SAGALINE_HMAC_KEY", "right")
+    assert main(["incidents", "list"]) == 0
+    assert "inc-1" in capsys.readouterr().out
+    monkeypatch.setenv("SAGALINE_HMAC_KEY", "wrong")
+    for argv in (
+        ["incidents", "list"],
+        ["incidents", "resolve", "inc-1", "--operator", "bob"],
+    ):
+        assert main(argv) == 2, argv
+        captured = capsys.readouterr()
+        _one_line(captured.err)
+        assert "1 record(s)" in captured.err and "SAGALINE_HMAC_KEY" in captured.err, captured
+        assert "0 incident(s)" not in captured.out
+    assert _decisions(settings, kafka_bootstrap) == []
