@@ -32,6 +32,7 @@ import orjson
 
 from sagaline.kafka import (
     DeliveryFailed,
+    KafkaError,
     LedgerReader,
     LedgerWriter,
     RecordTooLarge,
@@ -518,6 +519,10 @@ class Verdict:
     detail: str = ""  # why it was refused, or what else there is to know
 
 
+class _NoVerdict(Exception):
+    """The watch could not read what the verdict rests on; the message says what."""
+
+
 class VerdictWatch:
     """Waits for the coordinator's verdict on one decision: start it before
     publishing, :meth:`wait` after.
@@ -562,7 +567,10 @@ class VerdictWatch:
                 detail=f"the coordinator has not decided on it within {timeout_s:.0f} s (is "
                 "it running, and behind?); it is on the ledger and counts when it is read",
             )
-        refusal = self._refusal(offset, deadline)
+        try:
+            refusal = self._refusal(offset, deadline)
+        except _NoVerdict as exc:
+            return Verdict(None, detail=str(exc))
         if refusal is None:
             return Verdict(True)
         reason, detail = refusal
@@ -609,7 +617,14 @@ class VerdictWatch:
             position = self._dlq_from
             while position < end and time.monotonic() < deadline + 30:
                 msg = consumer.poll(0.5)
-                if msg is not None and msg.error() is None and msg.key() == self._key:
+                error = msg.error() if msg is not None else None
+                if error is not None and error.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED:
+                    raise _NoVerdict(
+                        f"cannot read {self._topics.dlq} ({error.str()}): --wait needs Read "
+                        "on it to see a refusal; the decision is on the ledger, see "
+                        "`sagaline saga show`"
+                    )
+                if msg is not None and error is None and msg.key() == self._key:
                     try:
                         dead = read_dead_letter(headers_of(msg))
                     except CodecError:
@@ -621,6 +636,12 @@ class VerdictWatch:
                     ):
                         return dead.reason, dead.detail
                 position = consumer.position([tp])[0].offset
+            if position < end:  # not read to the end: a refusal may be in the rest
+                raise _NoVerdict(
+                    f"{self._topics.dlq} could not be read to its end in time (at offset "
+                    f"{position} of {end}), so a refusal may be unseen; the decision is on "
+                    "the ledger, see `sagaline saga show`"
+                )
             return None
         finally:
             consumer.close()
