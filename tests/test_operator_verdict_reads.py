@@ -13,6 +13,7 @@ from coordinator_ledger import Ledger
 
 from sagaline.kafka import (
     KafkaError,
+    KafkaException,
     TopicPartition,
     create_consumer,
     create_producer,
@@ -98,3 +99,37 @@ def test_a_dlq_this_principal_may_not_read_gives_no_verdict_not_accepted(
     verdict = watch.wait(decision, timeout_s=1)
     assert verdict.accepted is None, verdict
     assert "sagaline.dlq" in verdict.detail and "Read" in verdict.detail, verdict
+
+
+class _NoDescribeOnGroup:
+    """A consumer of the real broker that may not describe the coordinator's group."""
+
+    def __init__(self, consumer: Any) -> None:
+        self._consumer = consumer
+
+    def committed(self, partitions: Any, timeout: float) -> Any:
+        raise KafkaException(
+            KafkaError(KafkaError.GROUP_AUTHORIZATION_FAILED, "Group authorization failed")
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._consumer, name)
+
+
+def test_a_coordinator_group_this_principal_may_not_describe_gives_no_verdict(
+    kafka_bootstrap: str, unique_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After the decision was written, the KafkaException escaped the watch: the CLI
+    said "the broker did not answer ... then retry" (exit 2, the code of a decision
+    refused before anything was written) for a decision that was on the ledger."""
+    watch, decision = _refused_decision(kafka_bootstrap, unique_prefix)
+
+    def consumer(bootstrap: str, group_id: str, **overrides: Any) -> Any:
+        real = create_consumer(bootstrap, group_id, **overrides)
+        return _NoDescribeOnGroup(real) if group_id.endswith(GROUP_SUFFIX) else real
+
+    monkeypatch.setattr(actions, "create_consumer", consumer)
+    verdict = watch.wait(decision, timeout_s=1)
+    assert verdict.accepted is None, verdict
+    assert "Describe" in verdict.detail and GROUP_SUFFIX in verdict.detail, verdict
+    assert "on the ledger" in verdict.detail, verdict

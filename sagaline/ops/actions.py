@@ -33,6 +33,7 @@ import orjson
 from sagaline.kafka import (
     DeliveryFailed,
     KafkaError,
+    KafkaException,
     LedgerReader,
     LedgerWriter,
     RecordTooLarge,
@@ -561,7 +562,16 @@ class VerdictWatch:
         offset = self._offset_of(record)
         if offset is None:
             return Verdict(None, detail=f"its record is not on {self._topics.events}")
-        if not self._decided(offset, deadline):
+        try:
+            decided = self._decided(offset, deadline)
+        except KafkaException as exc:  # the decision is written: say so, not "retry"
+            return Verdict(
+                None,
+                detail=f"cannot read the committed offsets of the coordinator's group "
+                f"{self._group_id} ({exc.args[0].str()}): --wait needs Describe on it (and a "
+                "broker that answers); the decision is on the ledger, see `sagaline saga show`",
+            )
+        if not decided:
             return Verdict(
                 None,
                 detail=f"the coordinator has not decided on it within {timeout_s:.0f} s (is "
