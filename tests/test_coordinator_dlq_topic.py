@@ -113,9 +113,8 @@ def test_an_undersized_terminal_topic_is_not_refused_it_parks_one_saga_at_most(
     settings = Settings(bootstrap=kafka_bootstrap, topic_prefix=unique_prefix, partitions=1)
     topic = settings.topics.terminal
     admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
-    admin.create_topics([NewTopic(topic, 1, 1, config={"max.message.bytes": "3000"})])[
-        topic
-    ].result(30)
+    config = {"max.message.bytes": "3000", "cleanup.policy": "compact"}  # as ensure_topics'
+    admin.create_topics([NewTopic(topic, 1, 1, config=config)])[topic].result(30)
     ensure_topics(kafka_bootstrap, settings.topics, [], settings.partitions)
     coordinator = Coordinator(settings, kafka_bootstrap, instance_id="small-terminal")
     try:

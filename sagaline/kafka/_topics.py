@@ -6,6 +6,7 @@ business (:mod:`schemas.topics`); this module only makes the broker match it.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -20,7 +21,9 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 from sagaline.kafka import _memory
 from sagaline.kafka._clients import create_admin
 from sagaline.kafka._config import ClientConfig, client_config
-from schemas.topics import DEFAULT_PARTITIONS, Replication, TopicNames, topic_specs
+from schemas.topics import DEFAULT_PARTITIONS, Replication, TopicNames, TopicSpec, topic_specs
+
+log = logging.getLogger("sagaline.kafka")
 
 
 class TopicSetupError(RuntimeError):
@@ -49,7 +52,13 @@ def ensure_topics(
     cluster passes ``settings.replication``). Raises :class:`TopicSetupError` naming
     the topic when creation fails for any reason other than "already exists", or
     when a co-partitioned topic already exists with a different partition count
-    (co-partitioning would silently break). Returns the names this call created.
+    (co-partitioning would silently break), or when a topic it did not create has a
+    ``cleanup.policy`` that loses records (a compacted ledger, incident feed or DLQ
+    keeps one record per key; a catalogue, terminal or state changelog without
+    ``compact`` loses entries to retention; a compacted command topic is tolerated):
+    an existing topic's policy is read with one DescribeConfigs request, and one this
+    client may not describe (no ``DESCRIBE_CONFIGS``) is left unchecked, said in an
+    info line. Returns the names this call created.
     """
     config = client_config(bootstrap)
     replication = replication or Replication()
@@ -141,7 +150,66 @@ def ensure_topics(
                 f"{spec.partitions}: co-partitioned topics must match; recreate it or set "
                 f"SAGALINE_PARTITIONS={actual}"
             )
+    if not _memory.is_memory(config.bootstrap):
+        # A compacted command topic is tolerated: the participant never prunes its
+        # journal then (docs/operating.md, "The command journal").
+        commands = f"{names.prefix}sagaline.commands."
+        checked = [s for s in specs if s.name not in created and not s.name.startswith(commands)]
+        _check_cleanup_policies(admin, checked, timeout_s)
     return sorted(created)
+
+
+def _loses_records(actual: str, expected: str) -> bool:
+    """Whether a topic on ``actual`` drops what the design keeps on ``expected``: a
+    topic meant to keep every record compacted (one per key left), or one meant
+    compacted without compaction (every entry deleted with age, at retention)."""
+    has = {p.strip().lower() for p in actual.split(",")}
+    if "compact" in {p.strip().lower() for p in expected.split(",")}:
+        return "compact" not in has
+    return "compact" in has
+
+
+def _check_cleanup_policies(admin: Any, specs: list[TopicSpec], timeout_s: float) -> None:
+    """Raise :class:`TopicSetupError` for an existing topic whose ``cleanup.policy``
+    loses records its spec's keeps; a topic the broker does not describe is only
+    named in a log line."""
+    if not specs:
+        return
+    resources = {s.name: ConfigResource(ResourceType.TOPIC, s.name) for s in specs}
+    unchecked: list[str] = []
+    try:
+        futures = admin.describe_configs(list(resources.values()), request_timeout=timeout_s)
+    except KafkaException as exc:
+        log.info("cleanup.policy of the existing topics not checked: %s", exc)
+        return
+    wrong: list[str] = []
+    for spec in specs:
+        try:
+            entries = futures[resources[spec.name]].result(timeout=timeout_s)
+        except (KafkaException, TimeoutError) as exc:
+            unchecked.append(f"{spec.name} ({str(exc) or 'no answer'})")
+            continue
+        entry = entries.get("cleanup.policy")
+        expected = spec.config.get("cleanup.policy")
+        if entry is None or entry.value is None or expected is None:
+            continue
+        if _loses_records(str(entry.value), expected):
+            wrong.append(
+                f"topic {spec.name!r} has cleanup.policy={entry.value}, expected "
+                f"cleanup.policy={expected}"
+            )
+    if unchecked:
+        log.info(
+            "cleanup.policy not checked (no DESCRIBE_CONFIGS for this client?): %s",
+            "; ".join(unchecked),
+        )
+    if wrong:
+        raise TopicSetupError(
+            "; ".join(wrong) + ": a compacted events, incidents or DLQ topic keeps one "
+            "record per key, and a state, terminal or catalogue topic without compact loses "
+            "entries to retention; set it (kafka-configs.sh --alter --add-config "
+            "cleanup.policy=...) or recreate the topic (docs/operating.md, Topics)"
+        )
 
 
 def topic_max_message_bytes(
