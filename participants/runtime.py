@@ -2969,7 +2969,9 @@ class _CommandLoop:
     def __init__(self, runtime: ParticipantRuntime, workers: int) -> None:
         self._rt = runtime
         self._handler = runtime.handler
-        self._producer = runtime._writer.producer
+        # The writer's producer, looked up at each poll: the writer replaces one that
+        # failed for good, and a cached one would leave the new one's reports unserved.
+        self._writer = runtime._writer
         self._tools = _ToolThreads(runtime.participant, workers)
         # posted by delivery reports and tool threads, run on the loop thread; each
         # with the job it is a step of, which ends if the step raises
@@ -3028,13 +3030,13 @@ class _CommandLoop:
         if self._inbox:
             return
         if self._sending:
-            self._producer.poll(_ONE_AT_A_TIME_WAIT_S)
+            self._writer.producer.poll(_ONE_AT_A_TIME_WAIT_S)
         else:
             self._woken.wait(_ONE_AT_A_TIME_WAIT_S)
 
     def serve(self) -> None:
         """One turn: delivery reports, finished tools, retries due, journal marks."""
-        self._producer.poll(0)
+        self._writer.producer.poll(0)
         while True:
             while self._inbox:
                 job, work = self._inbox.popleft()
@@ -3506,7 +3508,7 @@ class _CommandLoop:
         """Serve a turn, then block as the run loop would (without consuming)."""
         self.serve()
         self.wait()
-        self._producer.poll(self.wait_s(0.001))
+        self._writer.producer.poll(self.wait_s(0.001))
 
     def forget(self, partitions: set[int]) -> None:
         for p in partitions:

@@ -3,10 +3,23 @@ producer that failed for good, and what a writer reports then."""
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
+from typing import Any
+
 import pytest
 from confluent_kafka.admin import NewTopic
 
-from sagaline.kafka import TopicSetupError, create_admin, ensure_topics
+from sagaline.kafka import (
+    DeliveryFailed,
+    LedgerReader,
+    LedgerWriter,
+    TopicSetupError,
+    create_admin,
+    ensure_topics,
+)
+from schemas.examples import example_records
+from schemas.signing import Signer
 from schemas.topics import TopicNames
 
 
@@ -57,3 +70,83 @@ def test_a_compacted_command_topic_is_still_accepted(
     names = TopicNames(unique_prefix)
     _create(kafka_bootstrap, names.commands("p"), 1, {"cleanup.policy": "compact"})
     assert names.commands("p") not in ensure_topics(kafka_bootstrap, names, ["p"], 1)
+
+
+def _librdkafka() -> ctypes.CDLL:
+    """The librdkafka this process loaded (confluent-kafka's own copy)."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "librdkafka" in line}
+    if len(paths) != 1:
+        pytest.skip(f"librdkafka not found once in this process's maps: {paths}")
+    return ctypes.CDLL(paths.pop())
+
+
+def _fail_for_good(producer: Any) -> None:
+    """Raise a fatal error on a real producer, as librdkafka does for an idempotent
+    producer it cannot go on with (``rd_kafka_test_fatal_error``, its test hook)."""
+    lib = _librdkafka()
+    lib.rd_kafka_name.argtypes = [ctypes.c_void_p]
+    lib.rd_kafka_name.restype = ctypes.c_char_p
+    lib.rd_kafka_test_fatal_error.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p]
+    # confluent-kafka's handle: the object's header, then the rd_kafka_t pointer
+    handle = ctypes.c_void_p.from_address(id(producer) + object.__basicsize__).value
+    if not (lib.rd_kafka_name(handle) or b"").startswith(b"rdkafka#producer"):
+        pytest.skip("confluent-kafka's handle layout is not the one expected")
+    out_of_order_sequence = 45
+    assert lib.rd_kafka_test_fatal_error(handle, out_of_order_sequence, b"a test") == 0
+
+
+@pytest.mark.kafka
+@pytest.mark.parametrize("polled", [False, True], ids=["own-wait", "background-poll"])
+def test_a_ledger_writer_whose_producer_failed_for_good_writes_with_a_new_one(
+    kafka_bootstrap: str, unique_prefix: str, polled: bool
+) -> None:
+    """librdkafka's fatal error leaves a producer unusable for good (every produce()
+    raises _FATAL): a writer that kept it failed every later record for the rest of
+    the process, a service retrying it for ever. The writer puts a new producer in
+    its place, so what is written next is acknowledged, its DLQ copies too."""
+    names = TopicNames(unique_prefix)
+    ensure_topics(kafka_bootstrap, names, [], 1)
+    signer = Signer(None)
+    writer = LedgerWriter(kafka_bootstrap, names, signer, background_poll=polled)
+    first, second, third = example_records(saga_id="saga-f")[:3]
+    try:
+        writer.append(first)
+        _fail_for_good(writer.producer)
+        writer.append(second)
+        if polled:
+            asyncio.run(writer.append_async(third))
+        else:
+            writer.begin_append(third)()
+        writer.write(names.dlq, b"saga-f", b"copy")
+    finally:
+        writer.close()
+    reader = LedgerReader(kafka_bootstrap)
+    assert reader.saga_records(names.events, "saga-f", signer) == [first, second, third]
+    assert [v for _k, v, _h in reader.records(names.dlq)] == [b"copy"]
+
+
+@pytest.mark.kafka
+def test_a_record_lost_with_a_producer_that_failed_for_good_is_reported_not_written(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    """A record still queued when the producer fails is given up by librdkafka
+    (_PURGE_QUEUE): its callback gets a DeliveryFailed that says so (the caller
+    writes it again; it was not blamed on a writer being closed, which nobody did),
+    and the writer goes on through a new producer."""
+    names = TopicNames(unique_prefix)
+    ensure_topics(kafka_bootstrap, names, [], 1)
+    # Its ledger topic does not exist (auto-creation is off): a record to it waits.
+    nowhere = TopicNames(f"{unique_prefix}nowhere.")
+    writer = LedgerWriter(kafka_bootstrap, nowhere, Signer(None))
+    reports: list[DeliveryFailed | None] = []
+    try:
+        writer.send_then(example_records(saga_id="saga-g")[0], reports.append)
+        _fail_for_good(writer.producer)
+        writer.write(names.events, b"saga-g", b"after")
+    finally:
+        writer.close()
+    assert len(reports) == 1 and isinstance(reports[0], DeliveryFailed)
+    text = str(reports[0])
+    assert "failed for good" in text and "may or may not be in the log" in text
+    assert [v for _k, v, _h in LedgerReader(kafka_bootstrap).records(names.events)] == [b"after"]

@@ -67,8 +67,9 @@ def _rejected(err: KafkaError, topic: str, what: str) -> DeliveryFailed:
     its size says so (and that retrying is useless)."""
     if err.code() in _PURGED_CODES:
         message = (
-            f"{what} was not delivered to {topic} before its writer was closed ({err.str()}): "
-            "it may or may not be in the log"
+            f"{what} was not delivered to {topic}: its producer gave it up ({err.str()}; "
+            "its writer was closed first, or the producer failed for good): it may or may "
+            "not be in the log"
         )
     elif err.code() in _SIZE_CODES:
         message = (
@@ -241,6 +242,21 @@ def _refused(
     return exc
 
 
+# Replaces a producer that failed for good (LedgerWriter._renew): the failed one and
+# its error in, the one now in place out.
+Renew = Callable[[Producer, KafkaError], Producer]
+
+
+def _fatal(exc: BaseException) -> KafkaError | None:
+    """The error of a producer that failed for good, when ``exc`` is one: from then on
+    its produce() raises _FATAL, and one poll raises the error that made it fail
+    (``fatal()`` true)."""
+    error = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
+    if isinstance(error, KafkaError) and (error.fatal() or error.code() == KafkaError._FATAL):
+        return error
+    return None
+
+
 def _produce(
     producer: Producer,
     topic: str,
@@ -249,13 +265,24 @@ def _produce(
     headers: Headers | None,
     what: Callable[[], str],
     on_delivery: Callable[[KafkaError | None, Message], None] | None = None,
-) -> None:
+    renew: Renew | None = None,
+) -> Producer:
     """``producer.produce``, with a record it refuses at once raised as :func:`_refused`
-    says; ``what`` names the record, built only then."""
+    says; ``what`` names the record, built only then. A producer that failed for good
+    is replaced through ``renew`` (when given) and the record produced there: returns
+    the producer that took it."""
     try:
         producer.produce(topic, key=key, value=value, headers=headers, on_delivery=on_delivery)
     except (BufferError, KafkaException) as exc:
-        raise _refused(exc, topic, key, value, headers, what()) from exc
+        error = _fatal(exc)
+        if renew is None or error is None:
+            raise _refused(exc, topic, key, value, headers, what()) from exc
+        producer = renew(producer, error)
+        try:
+            producer.produce(topic, key=key, value=value, headers=headers, on_delivery=on_delivery)
+        except (BufferError, KafkaException) as again:
+            raise _refused(again, topic, key, value, headers, what()) from again
+    return producer
 
 
 def _named(record: Record) -> str:
@@ -273,6 +300,7 @@ def deliver(
     what: str = "record",
     polled: bool = False,
     alone: _Alone | None = None,
+    renew: Renew | None = None,
 ) -> None:
     """Produce one record and return once the broker acknowledged it.
 
@@ -286,7 +314,8 @@ def deliver(
     (never retry it).
 
     ``alone``: a refusal for size is sent again there, in a batch of its own, and only
-    a refusal of it alone is final (see :class:`_Alone`).
+    a refusal of it alone is final (see :class:`_Alone`). ``renew``: how a producer
+    that failed for good is replaced (see :meth:`LedgerWriter._renew`).
     """
     send(
         producer,
@@ -298,6 +327,7 @@ def deliver(
         what=what,
         polled=polled,
         alone=alone,
+        renew=renew,
     )()
 
 
@@ -312,6 +342,7 @@ def send(
     what: str = "record",
     polled: bool = False,
     alone: _Alone | None = None,
+    renew: Renew | None = None,
 ) -> Callable[[], None]:
     """Produce one record now; the returned call waits for its acknowledgement.
 
@@ -331,7 +362,7 @@ def send(
         done.release()
 
     listed = list(headers or ())
-    _produce(producer, topic, key, value, listed, lambda: what, on_delivery)
+    producer = _produce(producer, topic, key, value, listed, lambda: what, on_delivery, renew)
     deadline = time.monotonic() + timeout_s
 
     def wait() -> None:
@@ -349,7 +380,15 @@ def send(
                     topic=topic,
                     error=None,
                 )
-            producer.poll(min(remaining, 0.1))
+            try:
+                producer.poll(min(remaining, 0.1))
+            except KafkaException as exc:
+                error = _fatal(exc)
+                if renew is None or error is None:
+                    raise
+                # Failed for good: replaced; this record's report (given up) still
+                # comes from the one it went to, served by the replacement's drain.
+                renew(producer, error)
             acknowledged = done.acquire(blocking=False)
         if failure:
             if alone is not None and _batch_refused(failure[0]):
@@ -379,6 +418,8 @@ class LedgerWriter:
     ) -> None:
         self.topics = topics
         self.signer = signer
+        self._bootstrap = bootstrap
+        self._renewing = threading.Lock()
         self.producer = create_producer(bootstrap)
         # Records of a batch the broker refused for its size go again one by one.
         self._alone = _Alone(bootstrap)
@@ -398,10 +439,43 @@ class LedgerWriter:
 
     def _poll_forever(self) -> None:
         while not self._closed.is_set():
+            producer = self.producer
             try:
-                self.producer.poll(0.1)
-            except Exception:  # a callback raised: the reports after it are still served
-                log.exception("a delivery callback of the ledger writer raised")
+                producer.poll(0.1)
+            except Exception as exc:  # a callback raised: the reports after it are still served
+                error = _fatal(exc)
+                if error is not None:
+                    self._renew(producer, error)
+                else:
+                    log.exception("a delivery callback of the ledger writer raised")
+
+    def _renew(self, failed: Producer, error: KafkaError) -> Producer:
+        """Put a new producer in the place of ``failed``, which failed for good
+        (librdkafka's fatal error: an idempotent producer that cannot go on, every
+        produce() refused with _FATAL from then on); returns the one in place.
+
+        Once per failed producer, whichever thread sees it first. The records it held
+        are given up by librdkafka (_PURGE_QUEUE): their reports are served here, each
+        a :class:`DeliveryFailed` (it may or may not be in the log), and the callers
+        write them again, through the new producer."""
+        with self._renewing:
+            if self.producer is not failed:
+                return self.producer
+            log.error(
+                "the Kafka producer of the ledger writer failed for good (%s): a new one "
+                "takes its place; the records it had not delivered are reported as not "
+                "delivered",
+                error,
+            )
+            self.producer = create_producer(self._bootstrap)
+            fresh = self.producer
+        deadline = time.monotonic() + 10.0
+        while len(failed) and time.monotonic() < deadline:
+            try:  # poll, not flush: librdkafka's flush runs callbacks after an error
+                failed.poll(0.1)
+            except Exception:  # the fatal error again, raised once: served
+                continue
+        return fresh
 
     def _signed(self, record: Record, encoded: bytes | None = None) -> tuple[bytes, bytes, Headers]:
         """``record`` as a message. This process's key no longer signing (retired in
@@ -432,6 +506,7 @@ class LedgerWriter:
             what=_named(record),
             polled=self._poller is not None,
             alone=self._alone,
+            renew=self._renew,
         )
 
     def append_then(
@@ -473,7 +548,16 @@ class LedgerWriter:
                 return
             on_delivered(None if err is None else _rejected(err, topic, _named(record)))
 
-        _produce(self.producer, topic, key, value, headers, lambda: _named(record), on_delivery)
+        _produce(
+            self.producer,
+            topic,
+            key,
+            value,
+            headers,
+            lambda: _named(record),
+            on_delivery,
+            self._renew,
+        )
 
     async def append_async(self, record: Record, *, timeout_s: float = 30.0) -> None:
         """:meth:`append` for asyncio: the caller awaits a future that this record's
@@ -491,7 +575,16 @@ class LedgerWriter:
 
         key, value, headers = self._signed(record)
         what = _named(record)
-        _produce(self.producer, self.topics.events, key, value, headers, lambda: what, on_delivery)
+        _produce(
+            self.producer,
+            self.topics.events,
+            key,
+            value,
+            headers,
+            lambda: what,
+            on_delivery,
+            self._renew,
+        )
         try:
             err = await asyncio.wait_for(future, timeout_s)
         except TimeoutError:
@@ -527,6 +620,7 @@ class LedgerWriter:
             timeout_s=timeout_s,
             polled=self._poller is not None,
             alone=self._alone,
+            renew=self._renew,
         )
 
     def dead_letters(self, topic: str) -> DeadLetterWriter:
@@ -539,6 +633,7 @@ class LedgerWriter:
             acknowledged=True,
             polled=self._poller is not None,
             alone=self._alone,
+            owner=self,
         )
 
     def close(self, timeout_s: float = 10.0) -> int:
@@ -549,7 +644,15 @@ class LedgerWriter:
         delivery callback (:meth:`send_then`, :meth:`append_then`, a
         :meth:`begin_append` wait) gets a :class:`DeliveryFailed` saying its writer was
         closed first (it may or may not be in the log), and a warning says how many."""
-        left = self.producer.flush(timeout_s)
+        producer = self.producer
+        try:
+            left = producer.flush(timeout_s)
+        except KafkaException as exc:
+            error = _fatal(exc)
+            if error is None:
+                raise
+            self._renew(producer, error)  # serves what the failed one held
+            left = self.producer.flush(timeout_s)
         if left:
             log.warning(
                 "ledger writer closed with %d record(s) not acknowledged within %.0f s: "
@@ -633,12 +736,15 @@ class DeadLetterWriter:
         acknowledged: bool,
         polled: bool = False,
         alone: _Alone | None = None,
+        owner: LedgerWriter | None = None,
     ) -> None:
         self.producer = producer
         self.topic = topic
         self.acknowledged = acknowledged
         self.polled = polled
         self._alone = alone
+        # From LedgerWriter.dead_letters: its producer, the one in place now.
+        self._owner = owner
 
     def write(self, msg: Message, reason: str, detail: str) -> None:
         """Dead-letter ``msg`` byte-for-byte, with ``reason`` and ``detail`` headers.
@@ -670,8 +776,9 @@ class DeadLetterWriter:
 
     def _write(self, key: bytes | None, value: bytes | None, headers: Headers, reason: str) -> None:
         if self.acknowledged:
+            owner = self._owner
             deliver(
-                self.producer,
+                self.producer if owner is None else owner.producer,
                 self.topic,
                 key,
                 value,
@@ -679,6 +786,7 @@ class DeadLetterWriter:
                 what=f"DLQ copy ({reason})",
                 polled=self.polled,
                 alone=self._alone,
+                renew=None if owner is None else owner._renew,
             )
         else:
             _produce(self.producer, self.topic, key, value, headers, lambda: f"DLQ copy ({reason})")
