@@ -8,6 +8,7 @@ import ctypes
 from typing import Any
 
 import pytest
+from confluent_kafka import KafkaError, KafkaException, Message
 from confluent_kafka.admin import NewTopic
 
 from sagaline.kafka import (
@@ -17,6 +18,7 @@ from sagaline.kafka import (
     TopicSetupError,
     create_admin,
     ensure_topics,
+    read_to_end,
 )
 from schemas.examples import example_records
 from schemas.signing import Signer
@@ -150,3 +152,62 @@ def test_a_record_lost_with_a_producer_that_failed_for_good_is_reported_not_writ
     text = str(reports[0])
     assert "failed for good" in text and "may or may not be in the log" in text
     assert [v for _k, v, _h in LedgerReader(kafka_bootstrap).records(names.events)] == [b"after"]
+
+
+class _Blip:
+    """A reader's consumer on the real broker whose first poll returns what librdkafka
+    hands a consumer when a broker connection drops (a broker restarting, a leader
+    moving): an error event, not fatal, after which it reconnects and goes on."""
+
+    def __init__(self, consumer: Any, error: KafkaError) -> None:
+        self._consumer = consumer
+        self._error: KafkaError | None = error
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._consumer, name)
+
+    def poll(self, timeout: float) -> Any:
+        error, self._error = self._error, None
+        if error is not None:
+            return Message(error=error)
+        return self._consumer.poll(timeout)
+
+
+@pytest.mark.kafka
+@pytest.mark.parametrize("code", [KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN])
+def test_read_to_end_goes_on_after_a_broker_connection_error(
+    kafka_bootstrap: str, unique_prefix: str, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    """A dropped connection while the coordinator restores its state (read_to_end of
+    the changelog, in its assignment callback) ended the restore with a
+    KafkaException, and the coordinator with it; librdkafka reconnects by itself."""
+    import sagaline.kafka._reader as reader_module
+
+    names = TopicNames(unique_prefix)
+    ensure_topics(kafka_bootstrap, names, [], 1)
+    writer = LedgerWriter(kafka_bootstrap, names, Signer(None))
+    writer.write(names.events, b"saga-r", b"one")
+    writer.write(names.events, b"saga-r", b"two")
+    writer.close()
+    made = reader_module._reader
+    monkeypatch.setattr(reader_module, "_reader", lambda *a: _Blip(made(*a), KafkaError(code)))
+    values = [m.value() for m in read_to_end(kafka_bootstrap, names.events, [0], unique_prefix)]
+    assert values == [b"one", b"two"]
+
+
+@pytest.mark.kafka
+def test_read_to_end_still_raises_a_fatal_consumer_error(
+    kafka_bootstrap: str, unique_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sagaline.kafka._reader as reader_module
+
+    names = TopicNames(unique_prefix)
+    ensure_topics(kafka_bootstrap, names, [], 1)
+    writer = LedgerWriter(kafka_bootstrap, names, Signer(None))
+    writer.write(names.events, b"saga-r", b"one")
+    writer.close()
+    made = reader_module._reader
+    fatal = KafkaError(KafkaError.FENCED_INSTANCE_ID, "fenced", fatal=True)
+    monkeypatch.setattr(reader_module, "_reader", lambda *a: _Blip(made(*a), fatal))
+    with pytest.raises(KafkaException):
+        list(read_to_end(kafka_bootstrap, names.events, [0], unique_prefix))

@@ -41,6 +41,26 @@ class TopicNotAuthorized(TopicMissing):
     callers that only report it; catch it first where "missing" would mean "empty"."""
 
 
+# A consumer's error events that say a broker connection dropped or is not up yet
+# (a broker restarting, a leader moving): librdkafka reconnects and goes on fetching,
+# so a reader waits for it instead of giving up. Any other error is raised.
+_PASSING = frozenset(
+    {
+        KafkaError._TRANSPORT,
+        KafkaError._ALL_BROKERS_DOWN,
+        KafkaError._TIMED_OUT,
+        KafkaError._RESOLVE,
+        KafkaError.NOT_LEADER_FOR_PARTITION,
+        KafkaError.LEADER_NOT_AVAILABLE,
+    }
+)
+
+
+def _passing(err: KafkaError) -> bool:
+    """``err`` is a dropped connection the consumer recovers from by itself."""
+    return not err.fatal() and err.code() in _PASSING
+
+
 def _reader(config: ClientConfig, group_id: str | None = None) -> Consumer:
     group = group_id or f"sagaline-reader-{uuid.uuid4().hex[:8]}"
     return create_consumer(config, group, **{"enable.partition.eof": True})
@@ -78,7 +98,11 @@ def read_to_end(
 
     "As of now" is each partition's end offset when the call starts: records written
     while it reads are not yielded, so a caller that writes back to the topic it reads
-    (the drill re-producing a saga's records) cannot chase its own writes."""
+    (the drill re-producing a saga's records) cannot chase its own writes.
+
+    A dropped broker connection (librdkafka's ``_TRANSPORT``, ``_ALL_BROKERS_DOWN``
+    error events) is waited out, as the consumer reconnects by itself; any other
+    consumer error is raised as ``KafkaException``."""
     consumer = _reader(client_config(bootstrap), group_id)
     try:
         begin = start or {}
@@ -99,6 +123,8 @@ def read_to_end(
             if err is not None:
                 if err.code() == KafkaError._PARTITION_EOF:
                     end.pop(n, None)
+                    continue
+                if _passing(err):
                     continue
                 raise KafkaException(err)
             offset = msg.offset() or 0
@@ -195,6 +221,8 @@ class LedgerReader:
                 if err is not None:
                     if err.code() == KafkaError._PARTITION_EOF:
                         return None
+                    if _passing(err):
+                        continue
                     raise KafkaException(err)
                 # read_committed skips aborted records: the first one read is the one
                 # asked for only if the offsets agree.
