@@ -211,3 +211,19 @@ def test_read_to_end_still_raises_a_fatal_consumer_error(
     monkeypatch.setattr(reader_module, "_reader", lambda *a: _Blip(made(*a), fatal))
     with pytest.raises(KafkaException):
         list(read_to_end(kafka_bootstrap, names.events, [0], unique_prefix))
+
+
+@pytest.mark.kafka
+def test_closing_a_writer_whose_producer_failed_for_good_reports_what_it_held(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    """The fatal error met first by close(): librdkafka's flush then runs the given-up
+    records' callbacks with the error pending, so they broke (SystemError) and close()
+    raised it; each record must be reported as not delivered, and close() return."""
+    nowhere = TopicNames(f"{unique_prefix}nowhere.")
+    writer = LedgerWriter(kafka_bootstrap, nowhere, Signer(None))
+    reports: list[DeliveryFailed | None] = []
+    writer.send_then(example_records(saga_id="saga-c")[0], reports.append)
+    _fail_for_good(writer.producer)
+    writer.close()
+    assert len(reports) == 1 and isinstance(reports[0], DeliveryFailed)

@@ -250,7 +250,10 @@ Renew = Callable[[Producer, KafkaError], Producer]
 def _fatal(exc: BaseException) -> KafkaError | None:
     """The error of a producer that failed for good, when ``exc`` is one: from then on
     its produce() raises _FATAL, and one poll raises the error that made it fail
-    (``fatal()`` true)."""
+    (``fatal()`` true). A flush that meets it raises a ``SystemError`` caused by it
+    instead (librdkafka's flush goes on running callbacks with the error pending)."""
+    if isinstance(exc, SystemError) and isinstance(exc.__cause__, KafkaException):
+        exc = exc.__cause__
     error = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
     if isinstance(error, KafkaError) and (error.fatal() or error.code() == KafkaError._FATAL):
         return error
@@ -382,7 +385,7 @@ def send(
                 )
             try:
                 producer.poll(min(remaining, 0.1))
-            except KafkaException as exc:
+            except (KafkaException, SystemError) as exc:
                 error = _fatal(exc)
                 if renew is None or error is None:
                     raise
@@ -646,8 +649,11 @@ class LedgerWriter:
         closed first (it may or may not be in the log), and a warning says how many."""
         producer = self.producer
         try:
+            # A fatal error met here, not inside flush(), which would run the
+            # records' callbacks with it pending (they break, unreported).
+            producer.poll(0)
             left = producer.flush(timeout_s)
-        except KafkaException as exc:
+        except (KafkaException, SystemError) as exc:
             error = _fatal(exc)
             if error is None:
                 raise
