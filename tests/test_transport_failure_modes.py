@@ -227,3 +227,20 @@ def test_closing_a_writer_whose_producer_failed_for_good_reports_what_it_held(
     _fail_for_good(writer.producer)
     writer.close()
     assert len(reports) == 1 and isinstance(reports[0], DeliveryFailed)
+
+
+@pytest.mark.kafka
+def test_a_partition_count_mismatch_is_refused_before_any_topic_is_created(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    """A process started with the wrong SAGALINE_PARTITIONS against a deployment whose
+    ledger has another count was refused only after it had created the missing
+    topics (a new participant's command topic) with its wrong count: once the
+    operator set the count the error named, those topics were refused in turn, and
+    only deleting them by hand got the process going."""
+    names = TopicNames(unique_prefix)
+    _create(kafka_bootstrap, names.events, 2, {"cleanup.policy": "delete"})
+    with pytest.raises(TopicSetupError, match="SAGALINE_PARTITIONS=2"):
+        ensure_topics(kafka_bootstrap, names, ["p"], 1)
+    created = ensure_topics(kafka_bootstrap, names, ["p"], 2)
+    assert names.commands("p") in created and names.events not in created

@@ -67,6 +67,13 @@ def ensure_topics(
     # Create only what is missing: a service whose topics an admin job created needs
     # DESCRIBE on them, not CREATE (least privilege, docs/deploying.md).
     existing = admin.list_topics(timeout=timeout_s).topics
+    # A co-partitioned topic that exists with another count is refused before any
+    # missing one is made with this call's count: made first, they would be refused
+    # in turn once the count is set to the existing topics'.
+    for spec in specs:
+        listed = existing.get(spec.name)
+        if spec.co_partitioned and listed is not None and listed.error is None:
+            _check_partitions(spec, len(listed.partitions))
     missing = [s for s in specs if s.name not in existing]
     futures = (
         admin.create_topics(
@@ -143,13 +150,8 @@ def ensure_topics(
             )
         time.sleep(0.1)
     for spec in specs:
-        actual = len(metadata.topics[spec.name].partitions)
-        if spec.co_partitioned and actual != spec.partitions:
-            raise TopicSetupError(
-                f"topic {spec.name!r} has {actual} partitions, expected "
-                f"{spec.partitions}: co-partitioned topics must match; recreate it or set "
-                f"SAGALINE_PARTITIONS={actual}"
-            )
+        if spec.co_partitioned:
+            _check_partitions(spec, len(metadata.topics[spec.name].partitions))
     if not _memory.is_memory(config.bootstrap):
         # A compacted command topic is tolerated: the participant never prunes its
         # journal then (docs/operating.md, "The command journal").
@@ -157,6 +159,15 @@ def ensure_topics(
         checked = [s for s in specs if s.name not in created and not s.name.startswith(commands)]
         _check_cleanup_policies(admin, checked, timeout_s)
     return sorted(created)
+
+
+def _check_partitions(spec: TopicSpec, actual: int) -> None:
+    if actual != spec.partitions:
+        raise TopicSetupError(
+            f"topic {spec.name!r} has {actual} partitions, expected "
+            f"{spec.partitions}: co-partitioned topics must match; recreate it or set "
+            f"SAGALINE_PARTITIONS={actual}"
+        )
 
 
 def _loses_records(actual: str, expected: str) -> bool:
