@@ -894,6 +894,16 @@ def _on_step_scheduled(ctx: _Ctx, r: StepScheduled) -> None:
                 f"step {r.step_id} is already scheduled with tool {existing.contract.tool} and "
                 f"arguments {existing.args_fingerprint}; a step id is used once per saga",
             )
+        elif _dependencies(r.depends_on) != _dependencies(
+            existing.depends_on if existing.explicit else None
+        ):
+            ctx.reject(
+                r,
+                RejectReason.DUPLICATE_STEP,
+                f"step {r.step_id} is already scheduled and depends on "
+                f"{_dependency_words(existing)}, not {_dependency_words(r.depends_on)}; "
+                "a step id is used once per saga",
+            )
         return  # the same step scheduled again: idempotent
     if s.end_requested is not None:
         ctx.reject(
@@ -940,6 +950,20 @@ def _on_step_scheduled(ctx: _Ctx, r: StepScheduled) -> None:
         step.status = StepStatus.CANCELLED
         step.note = "scheduled after the saga began compensating; never dispatched"
     s.steps[r.step_id] = step
+
+
+def _dependencies(depends_on: list[str] | None) -> frozenset[str] | None:
+    """What a ``StepScheduled.depends_on`` asks for: None for the implicit chain, else
+    the set of steps (order and repeats do not change it)."""
+    return None if depends_on is None else frozenset(depends_on)
+
+
+def _dependency_words(dependencies: StepState | list[str] | None) -> str:
+    if isinstance(dependencies, StepState):
+        if not dependencies.explicit:
+            return f"{dependencies.depends_on} (the step scheduled before it)"
+        dependencies = dependencies.depends_on
+    return "the step scheduled before it" if dependencies is None else str(dependencies)
 
 
 def _awaiting(step: StepState, purpose: ApprovalPurpose) -> PendingApproval | None:

@@ -1194,9 +1194,10 @@ class Saga:
         # Every step id this object scheduled (or read back in attach()), as soon as
         # its record is produced: what a later step may depend on.
         self._step_ids: set[str] = set()
-        # The tool and arguments fingerprint each step id was first scheduled with:
-        # the only call the coordinator answers under that id.
-        self._calls: dict[str, tuple[str, str]] = {}
+        # The tool, arguments fingerprint and dependencies (None: the implicit chain)
+        # each step id was first scheduled with: the only call the coordinator
+        # answers under that id.
+        self._calls: dict[str, tuple[str, str, frozenset[str] | None]] = {}
         # The arguments (and their secret fields) of every call with secret arguments:
         # an end reason quoting one of their clear values is scrubbed of it.
         self._secret_args: list[tuple[Mapping[str, Any], tuple[str, ...]]] = []
@@ -1440,8 +1441,9 @@ class Saga:
         count = len(self._step_ids) + (step not in self._step_ids)
         body = self._checked_body(contract, step, count, args)
         fingerprint = args_fingerprint(body)
-        first = self._calls.setdefault(step, (name, fingerprint))
-        if first != (name, fingerprint):
+        dependencies = None if depends_on is None else frozenset(depends_on)
+        first = self._calls.setdefault(step, (name, fingerprint, dependencies))
+        if first[:2] != (name, fingerprint):
             # The coordinator would reject the step to the dead-letter topic and run
             # nothing, and the wait for this step id would return the first call's
             # outcome as this one's.
@@ -1451,6 +1453,21 @@ class Saga:
                 f"of {name} ({fingerprint}); nothing was written. A step id names one "
                 "call: repeat it with the same tool and arguments to get its outcome, or "
                 "leave step_id out (or pick a new one) for a new step",
+                limit="duplicate-step",
+                size=1,
+                saga_id=self.saga_id,
+                step_id=step,
+                tool=name,
+            )
+        if first[2] != dependencies:
+            # The coordinator would reject the step (duplicate-step) and keep the
+            # first dependencies; the wait would return the first call's outcome.
+            raise CallRefused(
+                f"step {step} of saga {self.saga_id} is already scheduled with other "
+                f"dependencies ({_dependency_words(first[2])}) than this call of {name} "
+                f"({_dependency_words(dependencies)}); nothing was written. A step id "
+                "names one call: repeat it with the same depends_on to get its outcome, "
+                "or leave step_id out (or pick a new one) for a new step",
                 limit="duplicate-step",
                 size=1,
                 saga_id=self.saga_id,
@@ -1579,7 +1596,12 @@ class Saga:
                 # count a sealed secret's random nonce (see args_fingerprint).
                 with contextlib.suppress(orjson.JSONDecodeError):  # rejected: not JSON
                     self._calls.setdefault(
-                        record.step_id, (record.contract.tool, args_fingerprint(record.args))
+                        record.step_id,
+                        (
+                            record.contract.tool,
+                            args_fingerprint(record.args),
+                            None if record.depends_on is None else frozenset(record.depends_on),
+                        ),
                     )
                 self._contracts.setdefault(record.step_id, record.contract)  # the first
                 self._step_ids.add(record.step_id)
@@ -2040,6 +2062,13 @@ def _duration(timeout_s: float) -> None:
         raise ValueError(
             f"timeout_s must be 0 or more seconds (a finite number), got {timeout_s!r}"
         )
+
+
+def _dependency_words(dependencies: frozenset[str] | None) -> str:
+    """A step's ``depends_on`` as a call's refusal names it."""
+    if dependencies is None:
+        return "depends_on left out: the step scheduled before it"
+    return f"depends_on={sorted(dependencies)}"
 
 
 def _generated_number(step_id: str) -> int:

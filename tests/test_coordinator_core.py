@@ -231,6 +231,30 @@ def test_step_id_reused_with_other_arguments_is_rejected() -> None:
     assert rejected.reason == "duplicate-step"
 
 
+def test_step_id_reused_with_other_dependencies_is_rejected_R2() -> None:
+    """A step scheduled again under its id with other ``depends_on`` was taken as the
+    same step, silently: the first dependencies stayed in force, and the agent that
+    asked for the new ones was never told. Refused like other arguments; the same
+    dependencies (in any order) are still the same step."""
+    ledger, h = fresh()
+    h.feed(ledger.started(), ledger.scheduled("a"), ledger.scheduled("b", depends_on=[]))
+    h.feed(ledger.scheduled("c", depends_on=["a"]))
+    again = [
+        ledger.scheduled("c", depends_on=["a", "b"]),
+        ledger.scheduled("c", depends_on=["b"]),
+        ledger.scheduled("c"),  # the implicit chain is another dependency
+    ]
+    for record in again:
+        [rejected] = rejections(h.feed(record))
+        assert rejected.reason == "duplicate-step"
+        assert "depends on ['a']" in rejected.detail
+    assert h.s.steps["c"].depends_on == ["a"]
+    assert rejections(h.feed(ledger.scheduled("c", depends_on=["a", "a"]))) == []
+    h.feed(ledger.scheduled("d"))
+    assert rejections(h.feed(ledger.scheduled("d", depends_on=["c"]))) != []
+    assert rejections(h.feed(ledger.scheduled("d"))) == []
+
+
 def test_a_step_id_with_a_slash_is_rejected_not_decided() -> None:
     """Derived ids join their parts with "/": generation 1's step "2/x" and
     generation 2's step "x" would share an approval id and its event id."""

@@ -1358,6 +1358,34 @@ def test_a_step_id_repeated_with_other_arguments_is_refused_not_answered_by_the_
     assert desk.log == ["book:fri"]
 
 
+def test_a_step_id_repeated_with_other_dependencies_is_refused_not_answered_by_the_first_call(
+    local: tuple[System, Desk],
+) -> None:
+    """A call repeated under its step id with other ``depends_on`` was taken as the
+    same call: the coordinator kept the first dependencies (now it rejects the record,
+    ``duplicate-step``) and the call returned the first call's outcome, as if run
+    after the steps it named. Refused before anything is written, in the process
+    that scheduled the step and in one that attach()ed the saga."""
+    system, desk = local
+    saga = system.client.saga("desk", "agent")
+    saga.__enter__()
+    saga.call("book_slot", step_id="fri", day="fri")
+    saga.call("book_slot", step_id="sat", day="sat", depends_on=[])
+    first = saga.call("book_slot", step_id="sun", day="sun", depends_on=["fri"])
+    with pytest.raises(CallRefused, match=r"already scheduled.*depend") as refused:
+        saga.call("book_slot", step_id="sun", day="sun", depends_on=["fri", "sat"])
+    assert refused.value.limit == "duplicate-step"
+    with _restarted_agent(system, desk) as again:
+        resumed = again.saga("desk", "agent", saga_id=saga.saga_id).attach()
+        with pytest.raises(CallRefused, match=r"already scheduled.*depend"):
+            resumed.call("book_slot", step_id="sun", day="sun")
+        assert resumed.call("book_slot", step_id="sun", day="sun", depends_on=["fri"]) == first
+        resumed.end(SagaOutcome.COMPLETE)
+        assert resumed.wait(60).status is TerminalStatus.COMPLETED
+    assert [k for k, _h in system.dlq() if k == saga.saga_id.encode()] == []
+    assert desk.log == ["book:fri", "book:sat", "book:sun"]
+
+
 def test_a_saga_of_another_tenant_is_attached_under_its_own_tenant(
     local: tuple[System, Desk],
 ) -> None:
