@@ -143,6 +143,7 @@ class RejectReason(enum.StrEnum):
     INVALID_DEPENDENCY = "invalid-dependency"
     INVALID_ARGUMENTS = "invalid-arguments"
     DUPLICATE_STEP = "duplicate-step"
+    TOO_MANY_STEPS = "too-many-steps"
     INVALID_STEP_ID = "invalid-step-id"
     APPROVAL_MISMATCH = "approval-mismatch"
     NOT_AN_EVENT = "not-an-event"
@@ -192,6 +193,9 @@ class CorePolicy:
     # With a trust file, envelope.producer is the verified signer (schemas.trust), and
     # the core also checks who answers a command and who drives a saga.
     bind_writers: bool = False
+    # The most steps a saga may schedule (the shell sets ``Limits.max_steps``, i.e.
+    # SAGALINE_MAX_STEPS); a step past it is rejected. None: no limit.
+    max_steps: int | None = None
     # Arguments and results up to this size stay in state and commands; larger ones
     # are kept as a ledger reference (when the shell says where the record is).
     inline_payload_bytes: int = 1024
@@ -910,6 +914,16 @@ def _on_step_scheduled(ctx: _Ctx, r: StepScheduled) -> None:
             r,
             RejectReason.INVALID_TRANSITION,
             f"step {r.step_id} scheduled after the agent asked to {s.end_requested.value}",
+        )
+        return
+    limit = ctx.policy.max_steps
+    if limit is not None and len(s.steps) >= limit:
+        ctx.reject(
+            r,
+            RejectReason.TOO_MANY_STEPS,
+            f"step {r.step_id} would be step {len(s.steps) + 1} of saga {s.saga_id}, but at "
+            f"most {limit} steps per saga are allowed (SAGALINE_MAX_STEPS of the "
+            "coordinator); it is not scheduled. Split the work into several sagas",
         )
         return
     explicit = r.depends_on is not None

@@ -313,7 +313,11 @@ class Coordinator:
         self.topics = settings.topics
         self.signer = settings.signer()
         # Identity keys make envelope.producer the verified writer (schemas.trust).
-        self._policy = CorePolicy(bind_writers=isinstance(self.signer, IdentitySigner))
+        # SAGALINE_MAX_STEPS holds for every writer, not only for the saga client.
+        self._policy = CorePolicy(
+            bind_writers=isinstance(self.signer, IdentitySigner),
+            max_steps=settings.limits.max_steps,
+        )
         self.instance_id = instance_id
         self.group_id = group_id or coordinator_group(settings.topic_prefix)
         self._clock = clock or (lambda: int(time.time() * 1000))

@@ -5,7 +5,9 @@ one record that can never be written must not stop every other saga. So the limi
 below are checked where data enters, well under that size:
 
 * the saga client refuses a call whose arguments are too big (or not JSON at all:
-  NaN/Infinity) before anything is produced (:class:`participants.client.CallRefused`);
+  NaN/Infinity), or a step past ``max_steps``, before anything is produced
+  (:class:`participants.client.CallRefused`); the coordinator rejects a step past its
+  own ``max_steps`` (``too-many-steps``), whoever wrote it;
 * a participant whose tool returns a result over ``max_result_bytes`` publishes the
   commit without the result (a marker with size and fingerprint) plus an incident;
 * the coordinator checks every state record and output against ``max_record_bytes``

@@ -268,7 +268,10 @@ def _folded(records: list[Record], saga_id: str, settings: Settings) -> SagaStat
     from coordinator.core import CorePolicy, fold
     from schemas.trust import IdentitySigner
 
-    policy = CorePolicy(bind_writers=isinstance(settings.signer(), IdentitySigner))
+    policy = CorePolicy(
+        bind_writers=isinstance(settings.signer(), IdentitySigner),
+        max_steps=settings.limits.max_steps,
+    )
     return fold(records, policy=policy).get(saga_id)
 
 

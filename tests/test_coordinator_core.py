@@ -255,6 +255,28 @@ def test_step_id_reused_with_other_dependencies_is_rejected_R2() -> None:
     assert rejections(h.feed(ledger.scheduled("d"))) == []
 
 
+def test_a_step_past_the_coordinators_max_steps_is_rejected() -> None:
+    """Only the saga client counted a saga's steps (SAGALINE_MAX_STEPS): a writer that
+    skipped it (a forged record, another client) got every step scheduled and run,
+    and the saga's state grew past what the limit promises. The coordinator refuses a
+    new step past its own limit; a step it has already is still the same step."""
+    ledger, h = fresh()
+    policy = CorePolicy(max_steps=2)
+    records = [ledger.started(), ledger.scheduled("a"), ledger.scheduled("b")]
+    for record in records:
+        h._take(decide(h.state, record, h.now, policy))
+    third = ledger.scheduled("c")
+    decision = decide(h.state, third, h.now, policy)
+    [rejected] = rejections(decision.outputs)
+    assert rejected.reason == "too-many-steps"
+    assert "2 steps" in rejected.detail and "SAGALINE_MAX_STEPS" in rejected.detail
+    assert decision.state is not None and "c" not in decision.state.steps
+    h._take(decision)
+    again = decide(h.state, ledger.scheduled("b"), h.now, policy)
+    assert rejections(again.outputs) == []
+    assert "c" in fold([*records, third])["saga-1"].steps  # the bare core: no limit set
+
+
 def test_a_step_id_with_a_slash_is_rejected_not_decided() -> None:
     """Derived ids join their parts with "/": generation 1's step "2/x" and
     generation 2's step "x" would share an approval id and its event id."""
