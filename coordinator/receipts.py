@@ -92,9 +92,9 @@ def build_receipt(state: SagaState, status: TerminalStatus, ended_at: int) -> Re
         {s.owner for s in steps if s.disposition is Disposition.ESCALATED}
         | {i.owner for i in state.open_incidents()}
     )
-    pivot = state.pivot_committed or next(
-        (s.step_id for s in state.steps.values() if s.contract.pivot), None
-    )
+    # The pivot the saga went past (R6); a declared one that never committed (or
+    # committed only during the unwind) is not: each step's own flag says it is one.
+    pivot = state.pivot_committed
     return Receipt(
         saga_id=state.saga_id,
         tenant_id=state.tenant_id,

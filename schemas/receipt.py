@@ -92,6 +92,8 @@ class Receipt(BaseModel):
     started_at: int
     ended_at: int
     end_reason: str = ""
+    # The pivot that committed, past which the saga went forward only (R6); None when
+    # no pivot committed (a step's own ``pivot`` flag says it was declared one).
     pivot_step: str | None = None
     approvals: list[ApprovalRecord] = Field(default_factory=list)
     steps: list[StepReceipt] = Field(default_factory=list)

@@ -68,6 +68,26 @@ def test_refund_failure_before_the_pivot_unwinds_restock_then_hold_R2_R9() -> No
     }
 
 
+def test_the_receipt_names_no_pivot_when_the_pivot_never_committed_R6_R14() -> None:
+    """The receipt's ``pivot_step`` named the declared pivot whatever became of it:
+    a saga unwound because its pivot was refused said (and ``saga show`` printed)
+    "pivot: credit", as if the saga had gone past it. It names the pivot that
+    committed, past which the saga went forward only; none when none did."""
+    ledger, h = refund_saga_to_the_pivot()
+    h.feed(ledger.failed("credit", kind=FailureKind.BUSINESS_REJECTION, message="limit"))
+    h.feed(ledger.comp_committed("restock"))
+    receipt = receipt_of(h.feed(ledger.comp_committed("hold")))
+    assert receipt.status is TerminalStatus.COMPENSATED
+    assert receipt.pivot_step is None, receipt.pivot_step
+    # A pivot that never ran (the step before it failed): no pivot either.
+    ledger, h = fresh()
+    h.feed(ledger.started(), ledger.scheduled("hold"), ledger.scheduled("credit", pivot=True))
+    out = h.feed(ledger.failed("hold", kind=FailureKind.BUSINESS_REJECTION), ledger.end())
+    receipt = receipt_of(out)
+    assert {s.step_id: s.forward_attempts for s in receipt.steps} == {"hold": 1, "credit": 0}
+    assert receipt.pivot_step is None
+
+
 def test_refund_email_failure_after_the_pivot_is_retried_and_credit_kept_R6() -> None:
     ledger, h = refund_saga_to_the_pivot()
     h.feed(ledger.committed("credit"))

@@ -341,7 +341,7 @@ def describe_receipt(
             f"(after {format_duration(max(receipt.ended_at - receipt.started_at, 0))})",
         ),
         ("end reason", receipt.end_reason or "-"),
-        ("pivot", receipt.pivot_step or "none"),
+        ("pivot", receipt.pivot_step or "none committed"),
         ("owner", owner or "-"),
     )
     return ReceiptStory(
