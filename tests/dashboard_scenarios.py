@@ -235,7 +235,11 @@ class SagaScript:
             workflow_version="1", policy_version="1", sdk_version="0.1.0",
             principal=self.principal, generation=1, status=status, started_at=self.started_at,
             ended_at=self.now + 50,
-            pivot_step=next((s.step_id for s in self.receipt_steps if s.pivot), None),
+            pivot_step=next(  # the pivot that committed, as the coordinator says
+                (s.step_id for s in self.receipt_steps
+                 if s.pivot and s.disposition is Disposition.RETAINED),
+                None,
+            ),
             approvals=self.approvals, steps=self.receipt_steps, incidents=self.incidents,
             unresolved=unresolved or [],
             owner="inventory-team" if status is TerminalStatus.ESCALATED else None,

@@ -158,3 +158,24 @@ def test_a_compensation_verified_after_its_window_passed_is_not_also_still_chang
     text = render_receipt_text(receipt)
     assert "Still changed" not in text, text
     assert receipt.status is TerminalStatus.COMPENSATED, text
+
+
+def test_a_step_that_failed_after_the_pivot_is_told_as_owed_not_in_effect_R6_R14() -> None:
+    """``email`` failed finally after the pivot committed: escalated, never took
+    effect. ``saga show`` said it "is still in effect" and listed the incident's
+    effect as "Still changed", while the incident itself says it did not take effect
+    and is still owed."""
+    ledger, h = fresh()
+    h.feed(ledger.started(), ledger.scheduled("credit", pivot=True))
+    h.feed(ledger.committed("credit"), ledger.scheduled("email", owner="support"))
+    [incident] = incidents(h.feed(ledger.failed("email", kind=FailureKind.BUSINESS_REJECTION)))
+    assert "did not take effect" in incident.effect
+    receipt = receipt_of(h.feed(ledger.end(SagaOutcome.COMPLETE)))
+    assert receipt.status is TerminalStatus.ESCALATED
+    text = render_receipt_text(receipt)
+    assert "is still in effect" not in text, text
+    assert "Still changed" not in text, text
+    assert (
+        f"email (step email) did not take effect and is still owed; it needs support "
+        f"(incident {incident.incident_id})" in text
+    ), text

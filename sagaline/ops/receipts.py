@@ -234,14 +234,23 @@ def describe_receipt(
                     )
                 )
                 continue
+            # Forward work that failed after the pivot never took effect: it is owed,
+            # not in effect (its incident says so too).
+            owed = step.committed_at is None and step.compensation_attempts == 0
             what = ""
             if raised is not None:
                 told.add(f"incident:{raised.incident_id}")
                 where = f" on {', '.join(raised.resources)}" if raised.resources else ""
-                what = f" {raised.inconsistency}{where}. Still changed: {raised.effect}."
+                label = "Now" if owed else "Still changed"
+                what = f" {raised.inconsistency}{where}. {label}: {raised.effect}."
+            state = (
+                "did not take effect and is still owed; it needs"
+                if owed
+                else "is still in effect and needs"
+            )
             pending.append(
                 Item(
-                    f"{name} is still in effect and needs {step.owner}{ref}.{what}"
+                    f"{name} {state} {step.owner}{ref}.{what}"
                     + (f" {step.note}" if step.note else ""),
                     _forward_details(step)
                     + (_compensation_details(step) if step.compensation else ()),
