@@ -3,6 +3,7 @@ in the pure core (``coordinator/graph.py`` and the unwind of ``coordinator/core.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,6 +11,7 @@ from coordinator_ledger import (
     Harness,
     Ledger,
     compensates,
+    executes,
     fresh,
     incidents,
     receipt_of,
@@ -80,7 +82,7 @@ def test_holds_through_diamonds_of_read_only_steps_are_linear_not_exponential_R3
 def test_a_compensation_waits_for_a_step_still_running_on_its_resource_R2() -> None:
     """``hold`` and ``restock`` both touch ``stock`` but do not depend on each other.
     When the saga turns around while ``restock`` is still running, undoing ``hold``
-    must wait for it (R2: steps on one declared resource are serialized), or
+    must wait for it (R2: a compensation waits for a write on its resource), or
     ``release_hold`` runs on the stock while ``restock`` is changing it; once
     ``restock`` commits, it is undone first, then ``hold``."""
     ledger, h = fresh()
@@ -98,6 +100,24 @@ def test_a_compensation_waits_for_a_step_still_running_on_its_resource_R2() -> N
     out = h.feed(ledger.committed("restock"))
     assert compensates(out) == ["restock"]
     assert compensates(h.feed(ledger.comp_committed("restock"))) == ["hold"]
+
+
+def test_independent_forward_steps_on_one_resource_run_at_once_as_rule_R2_says() -> None:
+    """Resources order compensations only: two forward steps on one declared resource
+    with no dependency between them are dispatched together, and ``depends_on`` is
+    what orders them. R2 in docs/rules.md said "Steps that touch the same declared
+    resource are serialized", which the forward dispatch never did."""
+    ledger, h = fresh()
+    h.feed(ledger.started())
+    out = h.feed(
+        ledger.scheduled("hold", depends_on=[], resources=["stock"]),
+        ledger.scheduled("restock", depends_on=[], resources=["stock"]),
+    )
+    assert executes(out) == ["hold", "restock"]
+    r2 = (Path(__file__).resolve().parents[1] / "docs" / "rules.md").read_text()
+    r2 = " ".join(r2.split("- R2 ", 1)[1].split("\n- R3 ", 1)[0].split())
+    assert "Steps that touch the same declared resource are serialized" not in r2, r2
+    assert "Forward steps are not serialized by resource" in r2, r2
 
 
 def test_a_compensation_on_a_resource_goes_ahead_when_the_step_running_there_fails_R2() -> None:
