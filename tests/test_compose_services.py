@@ -33,6 +33,7 @@ from confluent_kafka.admin import AdminClient
 
 from schemas.topics import TopicNames
 from services.demo_processes import ManagedProcess, ServiceSpec, group_assigned, python_env
+from tests.system import wait_until
 
 # One worker of a parallel run takes the whole module: its module fixture starts every service.
 pytestmark = [pytest.mark.kafka, pytest.mark.xdist_group("compose-services")]
@@ -199,17 +200,30 @@ def test_the_agent_runs_its_sagas_to_a_terminal_state_and_exits_zero(
 def test_the_healthcheck_passes_once_the_service_is_up(system: ComposeSystem, name: str) -> None:
     """The service's compose healthcheck command itself (on this run's port), run once
     the service consumes or answers: it passes (the participants' and coordinator's
-    probe /healthz, which answers 200 only while their loop serves)."""
+    probe /healthz, which answers 200 only while their loop serves; the dashboard's,
+    once it has read the topics to their end). Tried again until it passes, as compose
+    does (its ``retries``): the dashboard answers pages before it has caught up."""
     wait_up(system, name)
     test = [str(a) for a in SAGALINE[name]["healthcheck"]["test"]]
     assert test[:3] == ["CMD", "python", "-c"], test
     port = str(system.running[name].http_port)
     script = test[3].replace(":8088/", f":{port}/")
     args = [port if a in ("9100", "9101") else a for a in test[4:]]
-    probe = subprocess.run(
-        [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=60
-    )
-    assert probe.returncode == 0, probe.stderr
+    last: list[str] = []
+
+    def passes() -> bool:
+        started = system.running[name]
+        assert started.process.alive, f"{name} exited:\n{started.process.log_tail(30)}"
+        probe = subprocess.run(
+            [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=60
+        )
+        last[:] = [probe.stderr[-2000:]]
+        return probe.returncode == 0
+
+    try:
+        wait_until(passes, 120, f"the healthcheck of {name} to pass")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the last probe said: {last}") from None
 
 
 @pytest.mark.parametrize("name", LONG_RUNNING)
