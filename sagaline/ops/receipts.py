@@ -90,6 +90,15 @@ def _step_name(step: StepReceipt) -> str:
     return f"{step.tool} (step {step.step_id})"
 
 
+def _handed_and_resolved(step: StepReceipt, name: str, ref: str, when: str, how: str) -> Item:
+    """An escalated step whose incident a person resolved ``when`` ("before" or
+    "after") the saga ended, and how."""
+    return Item(
+        f"{name} was handed to {step.owner}{ref}, resolved {when} the saga ended: {how}.",
+        _forward_details(step) + (_compensation_details(step) if step.compensation else ()),
+    )
+
+
 def _forward_details(step: StepReceipt) -> tuple[str, ...]:
     out = [
         f"participant {step.participant}; {step.reversibility.value.lower()}"
@@ -215,23 +224,13 @@ def describe_receipt(
             if raised is None and before is not None:
                 told.add(f"incident:{before.incident_id}")  # told here, not again below
                 settled.append(
-                    Item(
-                        f"{name} was handed to {step.owner}{ref}, resolved before the saga "
-                        f"ended: {before.resolution or 'no note'}.",
-                        _forward_details(step)
-                        + (_compensation_details(step) if step.compensation else ()),
-                    )
+                    _handed_and_resolved(step, name, ref, "before", before.resolution or "no note")
                 )
                 continue
             if raised is not None and raised.incident_id in later:
                 told.add(f"incident:{raised.incident_id}")
                 settled.append(
-                    Item(
-                        f"{name} was handed to {step.owner}{ref}, resolved after the saga "
-                        f"ended: {later[raised.incident_id]}.",
-                        _forward_details(step)
-                        + (_compensation_details(step) if step.compensation else ()),
-                    )
+                    _handed_and_resolved(step, name, ref, "after", later[raised.incident_id])
                 )
                 continue
             # Forward work that failed after the pivot never took effect: it is owed,
