@@ -56,6 +56,7 @@ from sagaline.kafka import (
 )
 from schemas import (
     ApprovalDenied,
+    ApprovalPurpose,
     ApprovalRequested,
     CompensationRequested,
     IncidentRaised,
@@ -428,6 +429,14 @@ class _Ledger:
         self._feeds.pop(saga_id, None)
         self._unconfirmed.pop(saga_id, None)  # its start did land
         self._held_ended.pop(saga_id, None)
+
+    def records(self, saga_id: str) -> list[Record]:
+        """The records of ``saga_id`` this client holds (empty when it holds none)."""
+        feed = self._feeds.get(saga_id)
+        if feed is None:
+            return []
+        with feed.cond:
+            return list(feed.records)
 
     def _after_end(self, saga_id: str, check: Callable[[Record], Any]) -> Any:
         """A wait on a saga with no feed: answered by its terminal record, if kept."""
@@ -1194,6 +1203,9 @@ class Saga:
         # Every step id this object scheduled (or read back in attach()), as soon as
         # its record is produced: what a later step may depend on.
         self._step_ids: set[str] = set()
+        # The step ids scheduled with explicit ``depends_on`` (a DAG edge, not the
+        # implicit chain of each step behind the one before it).
+        self._explicit: set[str] = set()
         # The tool, arguments fingerprint and dependencies (None: the implicit chain)
         # each step id was first scheduled with: the only call the coordinator
         # answers under that id.
@@ -1475,6 +1487,8 @@ class Saga:
                 tool=name,
             )
         self._step_ids.add(step)
+        if depends_on is not None:
+            self._explicit.add(step)
         return StepScheduled(
             envelope=self._envelope(StepScheduled),
             step_id=step,
@@ -1603,6 +1617,8 @@ class Saga:
                             None if record.depends_on is None else frozenset(record.depends_on),
                         ),
                     )
+                if record.step_id not in self._step_ids and record.depends_on is not None:
+                    self._explicit.add(record.step_id)
                 self._contracts.setdefault(record.step_id, record.contract)  # the first
                 self._step_ids.add(record.step_id)
                 numbered = max(numbered + 1, _generated_number(record.step_id))
@@ -1968,6 +1984,33 @@ class Saga:
 
         return check, state
 
+    def _awaiting_approval_before(self, step: str) -> tuple[str, str] | None:
+        """Another step of this saga (and its approval id) that waits for a person,
+        when ``step`` follows the step scheduled before it (no explicit
+        ``depends_on`` in this saga: one chain); else None. Such a step holds
+        ``step`` back: the coordinator asks for a step's approval only once the steps
+        it follows committed, so a request that is not answered comes before ``step``
+        in the chain, and ``step`` cannot run before it is decided. (With explicit
+        edges the saga is a graph, and ``step`` may not follow it: not guessed.) Read
+        from the records this client holds, once, when a wait for ``step`` ended
+        without its outcome."""
+        if self._explicit:
+            return None
+        bound = isinstance(self.client.signer, IdentitySigner)
+        pending: dict[str, str] = {}
+        for record in self.client._ledger.records(self.saga_id):
+            other = getattr(record, "step_id", None)
+            if other is None or other == step:
+                continue
+            if isinstance(record, ApprovalRequested):
+                if record.purpose is ApprovalPurpose.FORWARD and (
+                    not bound or record.envelope.producer == _COORDINATOR
+                ):
+                    pending[other] = record.approval_id
+            elif isinstance(record, (ApprovalDenied, *_STEP_OUTCOMES, IncidentRaised)):
+                pending.pop(other, None)  # answered, ran or ended: no longer waiting
+        return next(iter(pending.items()), None)
+
     def _step_outcome(
         self,
         found: Any,
@@ -1991,6 +2034,18 @@ class Saga:
                     f"{contract.tool} waits for approval {state['approval']} "
                     "(sagaline approve SAGA STEP)",
                     approval_id=state["approval"],
+                    **where,
+                )
+            blocker = self._awaiting_approval_before(step)
+            if blocker is not None:
+                # Not an unknown outcome: the step has not run, it waits behind a step
+                # that waits for a person (R7), e.g. a call made in parallel with it.
+                other, approval = blocker
+                raise ApprovalPending(
+                    f"{contract.tool} has not run: it follows step {other}, which waits "
+                    f"for approval {approval} (sagaline approve {self.saga_id} {other}); "
+                    f"it runs once {other} is done (resume({step!r}) waits for it)",
+                    approval_id=approval,
                     **where,
                 )
             status = self.client.coordinator_status()

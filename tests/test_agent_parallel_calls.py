@@ -1,0 +1,158 @@
+"""Parallel tool calls of one model turn through the SDK adapters, on the real broker:
+the frameworks run them concurrently (the OpenAI Agents SDK as asyncio tasks,
+LangGraph's ToolNode in threads or tasks, pydantic-ai as tasks), and each is a step
+of the one saga."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import sagaline
+from participants.client import ApprovalPending, SagaClient
+from schemas import SagaEndRequested, TerminalStatus
+from schemas.models import Reversibility
+from schemas.settings import Settings
+
+pytestmark = [pytest.mark.kafka, pytest.mark.xdist_group("agent-parallel")]
+
+
+class Desk:
+    """Seats, a card that declines anything over 500, and an announcement that cannot
+    be undone (it waits for a person, R7)."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.lock = threading.Lock()
+
+    @sagaline.tool(description="Reserve a seat on a flight")
+    @sagaline.compensable(by="release_seat")
+    def reserve_seat(self, flight: str) -> str:
+        with self.lock:
+            self.log.append(f"reserve:{flight}")
+        return f"r-{flight}"
+
+    def release_seat(self, ctx: sagaline.CompensationContext) -> None:
+        with self.lock:
+            self.log.append(f"release:{ctx.result}")
+
+    @sagaline.tool(description="Charge the card")
+    @sagaline.compensable(by="refund")
+    def charge_card(self, amount: int) -> str:
+        if amount > 500:
+            raise sagaline.BusinessRejection(f"card declined for {amount}")
+        with self.lock:
+            self.log.append(f"charge:{amount}")
+        return f"ch-{amount}"
+
+    def refund(self, ctx: sagaline.CompensationContext) -> None:
+        with self.lock:
+            self.log.append(f"refund:{ctx.result}")
+
+    @sagaline.tool(description="Announce to every customer")
+    @sagaline.compensable(reversibility=Reversibility.IRREVERSIBLE)
+    def announce(self, text: str) -> str:
+        with self.lock:
+            self.log.append(f"announce:{text}")
+        return text
+
+
+@pytest.fixture(scope="module")
+def served(
+    kafka_bootstrap: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    new_topic_prefix: Callable[[], str],
+) -> Iterator[tuple[SagaClient, sagaline.Catalogue, Desk]]:
+    desk = Desk()
+    catalogue = sagaline.wrap(desk, name="desk")
+    settings = Settings(
+        bootstrap=kafka_bootstrap,
+        topic_prefix=new_topic_prefix(),
+        partitions=1,
+        state_dir=Path(tmp_path_factory.mktemp("state")),
+    )
+    with sagaline.connect(catalogue, coordinator=True, settings=settings) as client:
+        yield client, catalogue, desk
+
+
+def _short(client: SagaClient, catalogue: Any, timeout_s: float) -> SagaClient:
+    """A client of the served tools with a short call timeout (the participant and the
+    coordinator of ``served`` run them)."""
+    return SagaClient(
+        client.settings, client.bootstrap, catalogues=[catalogue], call_timeout_s=timeout_s
+    ).start()
+
+
+def _ledger(client: SagaClient, saga_id: str) -> list[Any]:
+    from sagaline.kafka import LedgerReader
+
+    return LedgerReader(client.bootstrap).saga_records(
+        client.settings.topics.events, saga_id, client.settings.signer()
+    )
+
+
+def _tool_node_graph(tools: Any) -> Any:
+    from langgraph.graph import END, START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("tools", ToolNode(tools))
+    graph.add_edge(START, "tools")
+    graph.add_edge("tools", END)
+    return graph.compile()
+
+
+def test_a_parallel_call_queued_behind_one_awaiting_approval_leaves_the_saga_open_R7(
+    served: Any,
+) -> None:
+    """A model turn with two calls, an IRREVERSIBLE ``announce`` and a
+    ``reserve_seat``, run at once by LangGraph's ToolNode (threads). ``announce``
+    lands first and waits for a person (R7); ``reserve_seat`` is scheduled behind it
+    (each step follows the one before) and cannot run until ``announce`` is decided.
+    Its call must say so (``ApprovalPending``: the saga stays open for the person),
+    not that its outcome is unknown: ``OutcomeUnknown`` raised out of the run (the
+    ToolNode raises its calls' errors in their order) and the saga was aborted, the
+    person's approval withdrawn, for a turn that only waited for a person."""
+    from langchain_core.callbacks import BaseCallbackHandler
+    from langchain_core.messages import AIMessage
+
+    from sagaline.agents import langchain as adapter
+
+    served_client, catalogue, desk = served
+    client = _short(served_client, catalogue, 3)
+
+    class AnnounceFirst(BaseCallbackHandler):
+        """Holds reserve_seat's call until announce's step waits for approval: the
+        order the threads may take either way, made certain."""
+
+        def on_tool_start(self, serialized: dict[str, Any], input_str: str, **kw: Any) -> None:
+            if serialized.get("name") == "reserve_seat":
+                assert saga.approval_request("announce@c-2", 120) is not None
+
+    calls = [
+        {"name": "reserve_seat", "args": {"flight": "Q1"}, "id": "c-1"},
+        {"name": "announce", "args": {"text": "Q1 is full"}, "id": "c-2"},
+    ]
+    try:
+        saga = client.saga("desk", principal="agent:langgraph")
+        with pytest.raises(ApprovalPending) as err, saga:
+            graph = _tool_node_graph(adapter.tools(saga, catalogue))
+            adapter.invoke(
+                saga,
+                graph,
+                {"messages": [AIMessage(content="", tool_calls=calls)]},
+                {"callbacks": [AnnounceFirst()]},
+            )
+        assert err.value.step_id == "reserve_seat@c-1"
+        assert "announce@c-2" in str(err.value)
+        records = _ledger(client, saga.saga_id)
+        assert [r.outcome for r in records if isinstance(r, SagaEndRequested)] == []
+        assert "reserve:Q1" not in desk.log and "announce:Q1 is full" not in desk.log
+        saga.end(sagaline.SagaOutcome.ABORT, "test over")
+        assert saga.wait(120).status is TerminalStatus.COMPENSATED
+    finally:
+        client.close()
