@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import logging
 import math
 import threading
@@ -1198,6 +1199,11 @@ class Saga:
         # calls from several threads share it.
         self._next_number = 1
         self._numbering = threading.Lock()
+        # The calls awaiting their step here now (a framework runs a turn's tool calls
+        # at once), by the order they were scheduled in (under ``_numbering``): a call
+        # waits on while one scheduled before it is still awaited (see _queued).
+        self._awaited: dict[int, str] = {}
+        self._call_order = itertools.count()
         self.results: dict[str, Any] = {}
         self._contracts: dict[str, StepContract] = {}
         # Every step id this object scheduled (or read back in attach()), as soon as
@@ -1368,11 +1374,40 @@ class Saga:
         # Kept before the write: a call whose wait for the acknowledgement gave up (or
         # was cancelled) leaves its step queued, and resume() waits for it.
         contract = self._contracts.setdefault(scheduled.step_id, scheduled.contract)
-        if write:
-            self.client.append(scheduled, timeout_s=wait_s)
-        result = self._await_step(scheduled.step_id, contract, wait_s)
+        order = self._awaiting(scheduled.step_id)
+        try:
+            if write:
+                self.client.append(scheduled, timeout_s=wait_s)
+            result = self._await_step(scheduled.step_id, contract, wait_s, order)
+        finally:
+            self._awaited_done(order)
         self.results[scheduled.step_id] = result
         return result
+
+    def _awaiting(self, step: str) -> int:
+        """Note a call awaiting ``step`` here; its order among this saga's calls."""
+        with self._numbering:
+            order = next(self._call_order)
+            self._awaited[order] = step
+        return order
+
+    def _awaited_done(self, order: int) -> None:
+        with self._numbering:
+            self._awaited.pop(order, None)
+
+    def _queued(self, step: str, order: int | None) -> bool:
+        """Whether the call ``order`` awaiting ``step``, whose wait ended without an
+        outcome, waits on: while a call of this saga scheduled before it is still
+        awaited here (calls made at once: each step follows the one scheduled before
+        it, so the wait for ``step`` holds that step's time too, and ``step`` may not
+        have run at all), unless a step waits for a person (then ApprovalPending)."""
+        if order is None or self.client._ledger.failure is not None:
+            return False
+        if not self.client._ledger.follows(self.saga_id):
+            return False  # let go (ended): nothing more to wait for
+        with self._numbering:
+            earlier = any(o < order and s != step for o, s in self._awaited.items())
+        return earlier and self._awaiting_approval_before(step) is None
 
     def _wait_s(self, timeout_s: float | None) -> float:
         """How long a call waits: its ``timeout_s``, else the client's call timeout."""
@@ -1838,9 +1873,13 @@ class Saga:
             contract = await asyncio.to_thread(self.client.contract, name)
         scheduled, write = self._scheduled(contract, step_id, depends_on, args)
         contract = self._contracts.setdefault(scheduled.step_id, contract)  # see call()
-        if write:
-            await self.client.append_async(scheduled, timeout_s=wait_s)  # as long: see call()
-        result = await self._await_step_async(scheduled.step_id, contract, wait_s)
+        order = self._awaiting(scheduled.step_id)
+        try:
+            if write:
+                await self.client.append_async(scheduled, timeout_s=wait_s)  # see call()
+            result = await self._await_step_async(scheduled.step_id, contract, wait_s, order)
+        finally:
+            self._awaited_done(order)
         self.results[scheduled.step_id] = result
         return result
 
@@ -1851,9 +1890,14 @@ class Saga:
         self.results[step_id] = result
         return result
 
-    async def _await_step_async(self, step: str, contract: StepContract, wait_s: float) -> Any:
+    async def _await_step_async(
+        self, step: str, contract: StepContract, wait_s: float, order: int | None = None
+    ) -> Any:
         check, seen = self._step_check(step, contract)
-        found = await self.client._ledger.wait_for_async(self.saga_id, check, wait_s)
+        while True:  # see _await_step
+            found = await self.client._ledger.wait_for_async(self.saga_id, check, wait_s)
+            if found is not None or not self._queued(step, order):
+                break
         if found is None:  # the outcome asks the broker about the coordinator: not on the loop
             return await asyncio.to_thread(self._step_outcome, found, seen, step, contract, wait_s)
         return self._step_outcome(found, seen, step, contract, wait_s)
@@ -1870,9 +1914,17 @@ class Saga:
 
     # -------------------------------------------------------------- outcomes
 
-    def _await_step(self, step: str, contract: StepContract, timeout_s: float) -> Any:
+    def _await_step(
+        self, step: str, contract: StepContract, timeout_s: float, order: int | None = None
+    ) -> Any:
         check, seen = self._step_check(step, contract)
-        found = self.client._ledger.wait_for(self.saga_id, check, timeout_s)
+        while True:
+            found = self.client._ledger.wait_for(self.saga_id, check, timeout_s)
+            # No outcome within timeout_s: another such wait while a call scheduled
+            # before this one (``order``) is still awaited here. Ends: the first such
+            # call waits for no other, and each wait is bounded.
+            if found is not None or not self._queued(step, order):
+                break
         return self._step_outcome(found, seen, step, contract, timeout_s)
 
     def _step_check(

@@ -5,7 +5,10 @@ of the one saga."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +16,7 @@ from typing import Any
 import pytest
 
 import sagaline
-from participants.client import ApprovalPending, SagaClient
+from participants.client import ApprovalPending, AsyncSaga, SagaClient
 from schemas import SagaEndRequested, TerminalStatus
 from schemas.models import Reversibility
 from schemas.settings import Settings
@@ -28,6 +31,7 @@ class Desk:
     def __init__(self) -> None:
         self.log: list[str] = []
         self.lock = threading.Lock()
+        self.provisioning = threading.Event()
 
     @sagaline.tool(description="Reserve a seat on a flight")
     @sagaline.compensable(by="release_seat")
@@ -52,6 +56,19 @@ class Desk:
     def refund(self, ctx: sagaline.CompensationContext) -> None:
         with self.lock:
             self.log.append(f"refund:{ctx.result}")
+
+    @sagaline.tool(description="Provision a server (slow: takes a few seconds)")
+    @sagaline.compensable(by="decommission")
+    def provision(self, host: str) -> str:
+        self.provisioning.set()
+        time.sleep(4)  # the work itself: longer than the sibling call's timeout
+        with self.lock:
+            self.log.append(f"provision:{host}")
+        return f"p-{host}"
+
+    def decommission(self, ctx: sagaline.CompensationContext) -> None:
+        with self.lock:
+            self.log.append(f"decommission:{ctx.result}")
 
     @sagaline.tool(description="Announce to every customer")
     @sagaline.compensable(reversibility=Reversibility.IRREVERSIBLE)
@@ -154,5 +171,51 @@ def test_a_parallel_call_queued_behind_one_awaiting_approval_leaves_the_saga_ope
         assert "reserve:Q1" not in desk.log and "announce:Q1 is full" not in desk.log
         saga.end(sagaline.SagaOutcome.ABORT, "test over")
         assert saga.wait(120).status is TerminalStatus.COMPENSATED
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("mode", ["threads", "asyncio"])
+def test_a_parallel_call_waits_out_the_call_before_it_not_only_its_own_timeout(
+    served: Any, mode: str
+) -> None:
+    """Two calls of one saga made at once (a framework running a turn's tool calls
+    in threads or tasks): a ``provision`` that takes 4 s (its call waits up to 120 s)
+    and a ``reserve_seat`` whose call waits 2 s. Each step follows the one scheduled
+    before it, so ``reserve_seat`` runs only after ``provision`` committed: its wait
+    holds ``provision``'s time too. It gave up after its own 2 s with
+    ``OutcomeUnknown`` (the step had not even run), which the adapters raise out of
+    the run: the saga was aborted and ``provision`` undone, though nothing failed.
+    While a call of the saga scheduled before it is still awaited here, a call goes
+    on waiting; both return their results and the saga completes."""
+    served_client, catalogue, desk = served
+    client = _short(served_client, catalogue, 120)
+    host = f"h-{mode}"
+    try:
+        saga = client.saga("desk", principal="agent:parallel")
+        with saga:
+            if mode == "threads":
+                desk.provisioning.clear()
+                with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                    first = pool.submit(saga.call, "provision", host=host)
+                    # provision's step is on the ledger (it runs): reserve_seat's follows it
+                    assert desk.provisioning.wait(120)
+                    second = saga.call("reserve_seat", flight=host, timeout_s=2)
+                    results = [first.result(), second]
+            else:
+                view = AsyncSaga(saga)
+
+                async def both() -> list[Any]:
+                    return list(
+                        await asyncio.gather(
+                            view.call("provision", host=host),
+                            view.call("reserve_seat", flight=host, timeout_s=2),
+                        )
+                    )
+
+                results = asyncio.run(both())
+        assert results == [f"p-{host}", f"r-{host}"]
+        assert saga.wait(120).status is TerminalStatus.COMPLETED
+        assert [e for e in desk.log if host in e] == [f"provision:{host}", f"reserve:{host}"]
     finally:
         client.close()
