@@ -20,42 +20,18 @@ from participants.client import ApprovalPending, AsyncSaga, SagaClient
 from schemas import SagaEndRequested, TerminalStatus
 from schemas.models import Reversibility
 from schemas.settings import Settings
+from tests.test_agent_adapters import Trip
 
 pytestmark = [pytest.mark.kafka, pytest.mark.xdist_group("agent-parallel")]
 
 
-class Desk:
-    """Seats, a card that declines anything over 500, and an announcement that cannot
-    be undone (it waits for a person, R7)."""
+class Desk(Trip):
+    """The seat and card of the adapter tests' ``Trip``, a slow provisioning, and an
+    announcement that cannot be undone (it waits for a person, R7)."""
 
     def __init__(self) -> None:
-        self.log: list[str] = []
-        self.lock = threading.Lock()
+        super().__init__()
         self.provisioning = threading.Event()
-
-    @sagaline.tool(description="Reserve a seat on a flight")
-    @sagaline.compensable(by="release_seat")
-    def reserve_seat(self, flight: str) -> str:
-        with self.lock:
-            self.log.append(f"reserve:{flight}")
-        return f"r-{flight}"
-
-    def release_seat(self, ctx: sagaline.CompensationContext) -> None:
-        with self.lock:
-            self.log.append(f"release:{ctx.result}")
-
-    @sagaline.tool(description="Charge the card")
-    @sagaline.compensable(by="refund")
-    def charge_card(self, amount: int) -> str:
-        if amount > 500:
-            raise sagaline.BusinessRejection(f"card declined for {amount}")
-        with self.lock:
-            self.log.append(f"charge:{amount}")
-        return f"ch-{amount}"
-
-    def refund(self, ctx: sagaline.CompensationContext) -> None:
-        with self.lock:
-            self.log.append(f"refund:{ctx.result}")
 
     @sagaline.tool(description="Provision a server (slow: takes a few seconds)")
     @sagaline.compensable(by="decommission")
