@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import itertools
 import logging
 import math
@@ -2206,6 +2207,12 @@ def _unwritable_path(value: Any, path: str) -> tuple[str, str] | None:
             if found is not None:
                 return found
         return None
+    if _is_dataclass_instance(value):
+        for k, v in _dataclass_fields(value):
+            found = _unwritable_path(v, f"{path}.{k}")
+            if found is not None:
+                return found
+        return None
     try:
         orjson.dumps(value)
     except TypeError as exc:
@@ -2227,7 +2234,25 @@ def _non_finite_path(value: Any, path: str) -> str | None:
             found = _non_finite_path(v, f"{path}[{i}]")
             if found is not None:
                 return found
+    elif _is_dataclass_instance(value):  # orjson writes it as an object, NaN as null
+        for k, v in _dataclass_fields(value):
+            found = _non_finite_path(v, f"{path}.{k}")
+            if found is not None:
+                return found
     return None
+
+
+def _is_dataclass_instance(value: Any) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def _dataclass_fields(value: Any) -> list[tuple[str, Any]]:
+    """The attributes of a dataclass instance that orjson writes: those of its
+    ``__dict__`` (or its fields, with ``slots=True``) not named with a leading ``_``."""
+    attrs = getattr(value, "__dict__", None)
+    if attrs is None:
+        attrs = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    return [(k, v) for k, v in attrs.items() if not k.startswith("_")]
 
 
 class AsyncSaga:

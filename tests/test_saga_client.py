@@ -1969,3 +1969,43 @@ def test_sagas_whose_start_never_reached_the_ledger_are_not_followed_for_good(
         assert saga.wait(60).status is TerminalStatus.COMPLETED
     finally:
         client.close()
+
+
+@dataclasses.dataclass
+class _Slot:
+    day: str
+    hours: float
+
+
+@dataclasses.dataclass(slots=True)
+class _Window:
+    slots: list[_Slot]
+
+
+def test_a_nan_inside_a_dataclass_argument_is_refused_not_written_as_null(
+    local: tuple[System, Desk],
+) -> None:
+    """orjson writes a dataclass as an object and a NaN or infinity in it as ``null``,
+    but the check for non-finite numbers walked dicts, lists and tuples only: a call
+    with ``_Slot("mon", nan)`` was written (and run) with ``"hours": null``. It is
+    refused like any other non-finite argument, naming the field's path, and
+    nothing is written."""
+    system, desk = local
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({"day": _Slot("mon", float("nan"))}, "args.day.hours"),
+        (
+            {"day": _Window([_Slot("mon", 1.0), _Slot("tue", float("inf"))])},
+            r"args.day.slots\[1\].hours",
+        ),
+    ]
+    with system.client.saga("desk", "agent") as saga:
+        for args, path in bad:
+            with pytest.raises(CallRefused, match=rf"{path} .*NaN or infinite") as refused:
+                saga.call("book_slot", **args)
+            assert refused.value.limit == "finite-numbers"
+        assert saga.call("book_slot", day="mon") == {"slot": "slot-mon"}
+    assert list(saga.results) == ["01-book_slot"]
+    assert desk.log == ["book:mon"]
+    assert [r.step_id for r in system.records(saga.saga_id) if isinstance(r, StepScheduled)] == [
+        "01-book_slot"
+    ]
