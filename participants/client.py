@@ -2190,26 +2190,36 @@ def _generated_number(step_id: str) -> int:
     return 0
 
 
-def _unwritable_path(value: Any, path: str) -> tuple[str, str] | None:
+_JSON_DEPTH = 254
+"""How deep lists and objects may nest in arguments: orjson refuses deeper ones, and
+the walkers below stop there (a list that holds itself never ends)."""
+
+
+def _unwritable_path(value: Any, path: str, depth: int = 0) -> tuple[str, str] | None:
     """Where in ``value`` something JSON cannot hold hides (``args.x[2]``), and what
     it is, or None (asked only once writing the arguments failed)."""
+    nested = isinstance(value, (Mapping, list, tuple)) or _is_dataclass_instance(value)
+    if nested and depth >= _JSON_DEPTH:
+        return path if len(path) <= 80 else f"{path[:80]}...", (
+            f"lists and objects nested deeper than {_JSON_DEPTH} levels (one that holds itself?)"
+        )
     if isinstance(value, Mapping):
         for k, v in value.items():
             if not isinstance(k, str):
                 return path, f"key {k!r} is no string"
-            found = _unwritable_path(v, f"{path}.{k}")
+            found = _unwritable_path(v, f"{path}.{k}", depth + 1)
             if found is not None:
                 return found
         return None
     if isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
-            found = _unwritable_path(v, f"{path}[{i}]")
+            found = _unwritable_path(v, f"{path}[{i}]", depth + 1)
             if found is not None:
                 return found
         return None
     if _is_dataclass_instance(value):
         for k, v in _dataclass_fields(value):
-            found = _unwritable_path(v, f"{path}.{k}")
+            found = _unwritable_path(v, f"{path}.{k}", depth + 1)
             if found is not None:
                 return found
         return None
@@ -2220,23 +2230,26 @@ def _unwritable_path(value: Any, path: str) -> tuple[str, str] | None:
     return None
 
 
-def _non_finite_path(value: Any, path: str) -> str | None:
-    """Where in ``value`` a NaN or infinity hides (``args.x[2]``), or None."""
+def _non_finite_path(value: Any, path: str, depth: int = 0) -> str | None:
+    """Where in ``value`` a NaN or infinity hides (``args.x[2]``), or None (also past
+    ``_JSON_DEPTH``: such arguments are refused as JSON cannot hold them)."""
     if isinstance(value, float):
         return None if math.isfinite(value) else path
+    if depth >= _JSON_DEPTH:
+        return None
     if isinstance(value, Mapping):
         for k, v in value.items():
-            found = _non_finite_path(v, f"{path}.{k}")
+            found = _non_finite_path(v, f"{path}.{k}", depth + 1)
             if found is not None:
                 return found
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
-            found = _non_finite_path(v, f"{path}[{i}]")
+            found = _non_finite_path(v, f"{path}[{i}]", depth + 1)
             if found is not None:
                 return found
     elif _is_dataclass_instance(value):  # orjson writes it as an object, NaN as null
         for k, v in _dataclass_fields(value):
-            found = _non_finite_path(v, f"{path}.{k}")
+            found = _non_finite_path(v, f"{path}.{k}", depth + 1)
             if found is not None:
                 return found
     return None

@@ -2009,3 +2009,30 @@ def test_a_nan_inside_a_dataclass_argument_is_refused_not_written_as_null(
     assert [r.step_id for r in system.records(saga.saga_id) if isinstance(r, StepScheduled)] == [
         "01-book_slot"
     ]
+
+
+def test_arguments_that_hold_themselves_or_nest_too_deep_are_refused_saying_so(
+    local: tuple[System, Desk],
+) -> None:
+    """A list that holds itself (or nesting deeper than the Python stack) made the
+    argument checks recurse until ``RecursionError``, a traceback from the client's
+    internals instead of a refusal. Now the call is refused (``CallRefused``,
+    ``limit="json-args"``) naming where, and nothing is written; the next call gets
+    the step number."""
+    system, desk = local
+    loop: list[Any] = ["mon"]
+    loop.append(loop)
+    deep: Any = "mon"
+    for _ in range(5000):
+        deep = [deep]
+    with system.client.saga("desk", "agent") as saga:
+        for value, path in [(loop, r"args.day\[1\]"), (deep, r"args.day(\[0\])+")]:
+            with pytest.raises(
+                CallRefused,
+                match=rf"argument {path}.* cannot be written as JSON \(.*deeper.*nothing was",
+            ) as refused:
+                saga.call("book_slot", day=value)
+            assert refused.value.limit == "json-args"
+        assert saga.call("book_slot", day="mon") == {"slot": "slot-mon"}
+    assert list(saga.results) == ["01-book_slot"]
+    assert desk.log == ["book:mon"]
