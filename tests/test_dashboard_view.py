@@ -1124,3 +1124,26 @@ def test_the_overview_lists_a_bounded_number_of_open_incidents() -> None:
     own = [i for s, i in state.open_incidents() if s.saga_id == last]
     page = client.get(f"/sagas/{last}").text
     assert own and all(f'data-incident="{i.incident_id}"' in page for i in own)
+
+
+def test_a_verification_not_reported_is_not_shown_as_compensated_R12() -> None:
+    """R12: a tool that declares a verification is undone only once it passes. A
+    completion reported without one (the participant no longer serves the tool when
+    the provider's receipt arrives) is a failed compensation for the coordinator: an
+    incident, the saga ESCALATED. The dashboard's steps table and timeline said
+    "compensated", beside the receipt saying its verification FAILED."""
+    ledger, h = fresh()
+    h.feed(ledger.started(), ledger.scheduled("hold", has_verify=True), ledger.intent("hold"))
+    h.feed(ledger.committed("hold"))
+    assert compensates(h.feed(ledger.end(SagaOutcome.ABORT, "the agent gave up"))) == ["hold"]
+    h.feed(ledger.comp_committed("hold", verified=None))
+    assert h.status("hold") == "COMPENSATION_FAILED"
+    assert h.s.is_terminal and h.s.status.value == "ESCALATED"
+    state = DashboardState()
+    for record in h.log:
+        state.apply(record)
+    step = state.sagas[ledger.saga_id].steps["hold"]
+    assert step.state == "compensation failed"
+    assert [s.outcome for s in step.spans if s.kind is SpanKind.COMPENSATION] == [
+        "verification failed"
+    ]

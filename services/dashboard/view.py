@@ -111,6 +111,7 @@ class StepView:
     pivot: bool = False
     read_only: bool = False
     compensation: str | None = None
+    has_verify: bool = False  # a completion counts only with its verification (R12)
     scheduled_at: int | None = None
     committed_at: int | None = None
     state: str = "scheduled"
@@ -460,6 +461,7 @@ def _fold(saga: SagaView, record: Record) -> None:
         step.tool, step.participant = c.tool, c.participant
         step.reversibility, step.pivot, step.read_only = c.reversibility, c.pivot, c.read_only
         step.compensation = c.compensation
+        step.has_verify = c.has_verify
         step.scheduled_at = at
     elif isinstance(record, ApprovalRequested):
         if record.purpose is ApprovalPurpose.COMPENSATION:
@@ -593,7 +595,9 @@ def _fold(saga: SagaView, record: Record) -> None:
             span.outcome = "accepted, awaiting completion"
     elif isinstance(record, CompensationCommitted):
         step = saga.step(record.step_id)
-        if record.verified is False:
+        # As the coordinator reads it (``_on_compensation_committed``): a declared
+        # verification not reported is one that did not pass.
+        if record.verified is False or (step.has_verify and record.verified is None):
             step.close(SpanKind.COMPENSATION, at, "verification failed")
             step.state = "compensation failed"
         else:
