@@ -1147,3 +1147,39 @@ def test_a_verification_not_reported_is_not_shown_as_compensated_R12() -> None:
     assert [s.outcome for s in step.spans if s.kind is SpanKind.COMPENSATION] == [
         "verification failed"
     ]
+
+
+def test_a_completion_after_the_coordinator_gave_up_is_not_shown_as_compensated_R12() -> None:
+    """R12: an accepted compensation whose completion does not come within the declared
+    wait is handed to a person (an incident; the saga ends ESCALATED). The provider's
+    completion read after that changes nothing for the coordinator: the incident stays
+    open for a person. The dashboard kept the step "compensating" once the coordinator
+    had given up, then showed it "compensated" on the late completion, while the same
+    page listed it as escalated and its incident as open."""
+    ledger, h = fresh()
+    h.feed(ledger.started(), ledger.scheduled("ship", completion_within_ms=1_000))
+    h.feed(ledger.intent("ship"), ledger.committed("ship"))
+    assert compensates(h.feed(ledger.end(SagaOutcome.ABORT, "the agent gave up"))) == ["ship"]
+    h.feed(ledger.comp_accepted("ship"))
+    assert [i.kind for i in incidents(h.advance(2_000))] == ["compensation-not-completed"]
+    assert h.status("ship") == "COMPENSATION_FAILED" and h.s.is_terminal
+    state = DashboardState()
+    for record in h.log:
+        state.apply(record)
+    step = state.sagas[ledger.saga_id].steps["ship"]
+    assert step.state == "compensation failed"
+    assert step.open_span(SpanKind.COMPENSATION) is None
+    late = ledger.comp_committed("ship")
+    h.feed(late)
+    assert h.status("ship") == "COMPENSATION_FAILED"
+    assert [i.resolved for i in h.s.incidents] == [False]
+    state.apply(late)
+    assert step.state == "compensation failed"
+    assert len(state.open_incidents()) == 1
+    # A restart reads the incident feed's copy before the ledger's earlier records.
+    restarted = DashboardState()
+    for record in incidents(h.outputs):
+        restarted.apply(record, from_ledger=False)
+    for record in h.log:
+        restarted.apply(record)
+    assert restarted.sagas[ledger.saga_id].steps["ship"].state == "compensation failed"

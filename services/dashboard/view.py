@@ -112,6 +112,9 @@ class StepView:
     read_only: bool = False
     compensation: str | None = None
     has_verify: bool = False  # a completion counts only with its verification (R12)
+    # The coordinator gave the compensation up (its incident read): a completion read
+    # later changes nothing for it (``_on_compensation_committed``), nor here.
+    compensation_given_up: bool = False
     scheduled_at: int | None = None
     committed_at: int | None = None
     state: str = "scheduled"
@@ -289,6 +292,7 @@ class DashboardState:
             if event_id in self._seen:
                 if from_ledger:
                     self._ended_in_ledger(record)
+                    self._given_up_in_ledger(record)
                 return False
             saga = self._saga_for(record, from_ledger)
             if saga is None:
@@ -320,6 +324,15 @@ class DashboardState:
             saga = self.sagas.get(record.saga_id)
             if saga is not None and record.envelope.generation >= saga.generation:
                 saga.ended_in_ledger = True
+
+    def _given_up_in_ledger(self, record: Record) -> None:
+        """The ledger's copy of an incident the incident feed gave first (a restart):
+        what came before it in the ledger (the compensation requested, accepted) is
+        folded now, so the step is marked given up again, after it."""
+        if isinstance(record, IncidentRaised):
+            saga = self.sagas.get(record.saga_id)
+            if saga is not None:
+                _compensation_given_up(saga, record)
 
     def _measured(self, record: Record) -> bool:
         """Whether the coordinator takes ``record`` as a fact (and so measures it): not
@@ -577,6 +590,7 @@ def _fold(saga: SagaView, record: Record) -> None:
         _cancel_forward_approvals(saga, at)
         step = saga.step(record.step_id, record.tool)
         step.compensation = step.compensation or record.compensation
+        step.compensation_given_up = False
         if saga.compensating_since is None:
             saga.compensating_since = at
         step.state = "compensating"
@@ -595,6 +609,8 @@ def _fold(saga: SagaView, record: Record) -> None:
             span.outcome = "accepted, awaiting completion"
     elif isinstance(record, CompensationCommitted):
         step = saga.step(record.step_id)
+        if step.compensation_given_up:
+            return  # the coordinator handed the effect to a person: its incident stays open
         # As the coordinator reads it (``_on_compensation_committed``): a declared
         # verification not reported is one that did not pass.
         if record.verified is False or (step.has_verify and record.verified is None):
@@ -619,6 +635,7 @@ def _fold(saga: SagaView, record: Record) -> None:
             step = saga.step(record.step_id, record.tool)
             step.incident_id = record.incident_id
             step.incidents.append((at, record.kind))
+        _compensation_given_up(saga, record)
     elif isinstance(record, IncidentResolved):
         saga.resolved_incidents.setdefault(record.incident_id, record)  # the first counts
         incident = saga.open_incidents.pop(record.incident_id, None)
@@ -659,6 +676,35 @@ def _fold(saga: SagaView, record: Record) -> None:
                 )
                 step.committed_at = sr.committed_at
                 step.state = sr.disposition.value.lower().replace("_", " ")
+
+
+_COMPENSATION_GIVEN_UP = frozenset(
+    {
+        "compensation-failed",
+        "compensation-not-verified",
+        "compensation-not-completed",
+        "compensation-approval-expired",
+        "compensation-denied",
+    }
+)
+"""Incident kinds of ``coordinator.core._compensation_failed_finally``: the step is
+COMPENSATION_FAILED, and only a person settles its effect (R3, R8, R12)."""
+
+
+def _compensation_given_up(saga: SagaView, record: IncidentRaised) -> None:
+    """The coordinator gave the step's compensation up (an accepted one not completed in
+    time, a verification failed, retries spent, its approval denied or expired): shown
+    so, not as still compensating, and a completion read later does not undo it."""
+    if (
+        record.envelope.producer != COORDINATOR_PRODUCER
+        or record.kind not in _COMPENSATION_GIVEN_UP
+        or record.step_id is None
+    ):
+        return
+    step = saga.step(record.step_id, record.tool)
+    step.compensation_given_up = True
+    step.state = "compensation failed"
+    step.close(SpanKind.COMPENSATION, record.envelope.occurred_at, "failed")
 
 
 def _awaited(saga: SagaView, step_id: str, purpose: ApprovalPurpose) -> ApprovalRequested | None:
