@@ -174,6 +174,39 @@ def journal_unwritable(exc: BaseException) -> bool:
     )
 
 
+# SQLite's primary result codes for a damaged file: SQLITE_CORRUPT, SQLITE_NOTADB
+_DAMAGED = (11, 26)
+
+
+class JournalCorrupt(RuntimeError):
+    """The command journal's file is damaged (SQLite: ``database disk image is
+    malformed``). It can no longer tell a redelivered command from a new one, and
+    every command would fail the same way: the runtime stops with this instead of
+    dead-lettering them all; what it took stays uncommitted for the next run."""
+
+    def __init__(self, path: Path, exc: BaseException) -> None:
+        super().__init__(
+            f"the command journal {path} is damaged ({exc}): the participant stops "
+            "instead of dead-lettering every command; the commands it took are left "
+            "uncommitted for the next run. Move the file aside and start again, after "
+            f"recovering what it holds: sqlite3 OLD .recover | sqlite3 {path} "
+            '(docs/operating.md, "The command journal")'
+        )
+        self.path = path
+
+
+def journal_corrupt(exc: BaseException) -> bool:
+    """Whether ``exc`` is the journal's file being damaged (:class:`JournalCorrupt`,
+    or SQLite's SQLITE_CORRUPT / SQLITE_NOTADB, also as the cause of a failed mark)."""
+    if isinstance(exc, JournalCorrupt):
+        return True
+    return any(
+        isinstance(e, sqlite3.DatabaseError)
+        and getattr(e, "sqlite_errorcode", 0) & 0xFF in _DAMAGED
+        for e in (exc, exc.__cause__)
+    )
+
+
 def _now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -223,6 +256,7 @@ class CommandJournal:
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._lock = threading.Lock()
         # group commit of mark(): marks waiting for the next transaction, and whether
@@ -2370,11 +2404,14 @@ class ParticipantRuntime:
                     if self.pruning is not None and next_commit >= next_prune:
                         # old done journal entries, a small batch off the commands' path
                         next_prune = time.monotonic() + self.pruning.turn(work.in_flight())
-        except BaseException:
-            # The loop died (a fenced consumer, a bug): the process is to exit, not to
-            # wait for running tools up to their deadlines doing nothing else. What
-            # runs is given up, uncommitted, to the next run (journal, ledger: R11).
+        except BaseException as exc:
+            # The loop died (a fenced consumer, a damaged journal, a bug): the process
+            # is to exit, not to wait for running tools up to their deadlines doing
+            # nothing else. What runs is given up, uncommitted, to the next run
+            # (journal, ledger: R11).
             work.hurry()
+            if journal_corrupt(exc) and not isinstance(exc, JournalCorrupt):
+                raise JournalCorrupt(self.journal.path, exc) from exc  # at start: naming it
             raise
         finally:
             self._serving = False
@@ -2422,6 +2459,8 @@ class ParticipantRuntime:
         except (_GivenUp, _TakenOver):
             raise  # the loop's own: nothing of this command is done here any more
         except BaseException as exc:  # R16: never stop the service, never lose the record
+            if journal_corrupt(exc):  # not the command's fault: the loop stops (_fail)
+                raise
             if journal_unwritable(exc):  # still unwritable at stop: left for redelivery
                 log.warning("journal unwritable: %s %s left undone", command.TYPE, command.event_id)
                 return False
@@ -3124,12 +3163,17 @@ class _CommandLoop:
             len(rows),
         )
         for _row, job, _then in rows:
-            if job.ended:
-                continue
-            job.ended = job.settled = True
-            key = job.msg.key()
-            self._running.pop(key, None)
-            self.pending -= 1 + len(self._queues.pop(key, ()))
+            self._leave(job)
+
+    def _leave(self, job: _Job) -> None:
+        """End ``job`` undone, with its saga's queued commands: their offsets stay
+        uncommitted, for the next run (or the partition's next owner)."""
+        if job.ended:
+            return
+        job.ended = job.settled = True
+        key = job.msg.key()
+        self._running.pop(key, None)
+        self.pending -= 1 + len(self._queues.pop(key, ()))
 
     # ------------------------------------------------------------------ commands
 
@@ -3341,6 +3385,9 @@ class _CommandLoop:
             def finish() -> None:
                 if job.ended:  # given up on a revoke: nothing of it counts here
                     return
+                if error is not None and journal_corrupt(error):
+                    self._fail(job, error)  # stops the loop; the command stays uncommitted
+                    return
                 if error is not None:  # _process dead-letters what fails: a last resort
                     _log_failure("command at offset %s failed", job.msg.offset(), exc=error)
                     self._finished(job)
@@ -3357,7 +3404,16 @@ class _CommandLoop:
         """R16: never stop the service, never lose the record: dead-letter it.
 
         Not a command already ended: one a revoke gave up is its partition's next
-        owner's to decide (a copy in the DLQ from here would be a second answer)."""
+        owner's to decide (a copy in the DLQ from here would be a second answer). Nor
+        one the journal failed for being damaged: every command would fail the same
+        way, so the loop stops (:class:`JournalCorrupt`) and leaves it uncommitted."""
+        if journal_corrupt(exc):
+            self._leave(job)
+            if self._closing:
+                return
+            if isinstance(exc, JournalCorrupt):
+                raise exc
+            raise JournalCorrupt(self._handler.journal.path, exc) from exc
         if job.ended:
             log.warning(
                 "the command at offset %s failed after it was given up (%s): left to "
@@ -3378,7 +3434,7 @@ class _CommandLoop:
         so its saga's later commands and its partition's offsets move on. Not tried
         again: its tool may have run (its "started" mark, if any, stays, so a
         redelivery is an unknown outcome), and what failed may fail every time."""
-        if job.ended:
+        if job.ended and not journal_corrupt(exc):
             log.error(
                 "a step of the command at offset %s failed after it ended",
                 job.msg.offset(),

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from participants.catalogue import Catalogue
-from participants.runtime import ParticipantRuntime
+from participants.runtime import JournalCorrupt, ParticipantRuntime
 from sagaline.kafka import KafkaException, TopicSetupError, configured_broker, ensure_topics
 from sagaline.ops.metrics import MetricsServerError, ParticipantMetrics, start_metrics_server
 from schemas.settings import Settings
@@ -150,7 +150,7 @@ def _cmd_participant_run(args: argparse.Namespace) -> int:
     runtime.install_signal_handlers()
     try:
         runtime.run()
-    except TopicSetupError as exc:  # the topics do not match the settings: one line
+    except (TopicSetupError, JournalCorrupt) as exc:  # the topics, the journal: one line
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -223,6 +223,36 @@ def test_a_state_dir_it_cannot_use_exits_2_naming_it_not_a_traceback(
 
 
 @pytest.mark.kafka
+def test_a_damaged_journal_exits_2_naming_it_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    kafka_bootstrap: str,
+    unique_prefix: str,
+    tmp_path: Path,
+) -> None:
+    """A journal whose pages past the first are damaged opens (SQLite reads page 1
+    only), then fails at start when the accepted compensations are read back: that
+    was a DatabaseError traceback ("database disk image is malformed") naming no file."""
+    from participants.runtime import CommandJournal
+
+    path = tmp_path / "policy" / "commands.sqlite"
+    journal = CommandJournal(path)
+    journal.write([(f"old-{i}", "done", b"c" * 200, b"o" * 200, i) for i in range(300)])
+    journal.close()
+    with path.open("r+b") as f:
+        f.seek(4096)  # page 1 (the schema) is kept
+        f.write(b"\xff" * (path.stat().st_size - 4096))
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
+    monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
+    monkeypatch.setenv("SAGALINE_STATE_DIR", str(tmp_path))
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    argv = ["participant", "run", "policy", "--catalogue", "tests.fixtures.participants_good"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and "damaged" in err and "Traceback" not in err, err
+
+
+@pytest.mark.kafka
 def test_the_refund_services_state_dir_it_cannot_use_exits_2(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],

@@ -1,0 +1,91 @@
+"""A damaged command journal stops the participant instead of dead-lettering every
+command.
+
+SQLite reports a damaged page as ``database disk image is malformed``
+(SQLITE_CORRUPT). Before the fix the runtime took that for one command's failure:
+each command whose journal lookup crossed the page went to the DLQ as
+``handler-error`` and its offset was committed, so every saga that reached this
+participant stalled, and nothing came back once the file was repaired. The journal
+is the participant's own storage, not bad input (R16): the runtime now ends with an
+error naming the file, leaving the command uncommitted for the next run.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+import threading
+from pathlib import Path
+
+import pytest
+
+from participants.runtime import CommandJournal, JournalCorrupt, ParticipantRuntime
+from schemas import StepCommitted
+from tests.system import wait_until
+from tests.test_participant_runtime import PARTICIPANT, Harness, _dead_letters, _of
+
+
+def _journal_with_a_damaged_index(path: Path) -> None:
+    """A real journal of 300 done rows whose primary-key index root page is
+    overwritten: a whole-table scan still reads, a lookup by command id does not."""
+    journal = CommandJournal(path)
+    journal.write([(f"old-{i}", "done", b"c" * 200, b"o" * 200, i) for i in range(300)])
+    journal.close()
+    db = sqlite3.connect(path)
+    (root,) = db.execute(
+        "SELECT rootpage FROM sqlite_master WHERE type = 'index' AND tbl_name = 'handled'"
+    ).fetchone()
+    page = int(db.execute("PRAGMA page_size").fetchone()[0])
+    db.close()
+    with path.open("r+b") as f:
+        f.seek((root - 1) * page)
+        f.write(b"\xff" * page)
+    with pytest.raises(sqlite3.DatabaseError, match="malformed"):
+        CommandJournal(path).get("old-1")
+
+
+def test_a_damaged_journal_stops_the_participant_and_dead_letters_nothing_R16(
+    transport: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    harness = Harness(transport, unique_prefix, tmp_path)
+    path = tmp_path / PARTICIPANT / "commands.sqlite"
+    path.parent.mkdir(parents=True)
+    _journal_with_a_damaged_index(path)
+    runtime = ParticipantRuntime(
+        harness.catalogue, harness.settings, transport, participant=PARTICIPANT
+    )
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            runtime.run()
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    wait_until(lambda: runtime._assigned_end or raised, 60, "the command partition assigned")
+    harness.send(harness.execute("s1", {"sku": "a", "quantity": 1}))
+    wait_until(
+        lambda: not thread.is_alive() or _dead_letters(harness),
+        60,
+        "the runtime stopped or dead-lettered the command",
+    )
+    assert _dead_letters(harness) == []
+    thread.join(30)
+    assert not thread.is_alive()
+    [error] = raised
+    assert isinstance(error, JournalCorrupt), repr(error)
+    assert str(path) in str(error) and "malformed" in str(error), str(error)
+    assert harness.shop.count("reserve") == 0
+
+    # The command was left uncommitted: with the damaged file moved aside, the next
+    # run gets it again and runs it, once.
+    shutil.move(path, tmp_path / "damaged.sqlite")
+    harness.start()
+    try:
+        records = harness.wait_for(lambda rs: bool(_of(rs, StepCommitted)))
+        assert [c.step_id for c in _of(records, StepCommitted)] == ["s1"]
+        assert harness.shop.count("reserve") == 1
+    finally:
+        harness.stop()
