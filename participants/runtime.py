@@ -3215,6 +3215,15 @@ class _CommandLoop:
             plan = job.plan = self._handler.plan(
                 command, maybe_taken_elsewhere=maybe, encoded=msg.value()
             )
+        except sqlite3.OperationalError as exc:  # the journal's lookup, for now (as a write)
+            log.warning(
+                "reading the journal for %s %s failed (%s); trying the command again",
+                command.TYPE,
+                command.event_id,
+                exc,
+            )
+            self._retry(job)
+            return
         except Exception as exc:
             self._fail(job, exc)
             return

@@ -785,6 +785,40 @@ def test_a_journal_that_cannot_write_for_a_while_holds_the_commands_and_loses_no
     assert seen is not None and seen[0] == "done"
 
 
+def test_a_journal_that_cannot_be_read_for_a_while_holds_the_command_not_the_DLQ_R16(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The journal lookup that starts every command fails as SQLite fails for a while
+    # (an I/O error, a lock another replica sharing the journal holds too long): the
+    # same OperationalError the journal's writes wait out. The command is tried again,
+    # as it is on the tool-thread path, not dead-lettered (its saga would wait on a
+    # command nobody answers).
+    import sqlite3
+
+    assert harness.runtime is not None
+    journal = harness.runtime.journal
+    get = journal.get
+    failed: list[str] = []
+
+    def unreadable_twice(command_id: str) -> tuple[str, bytes | None] | None:
+        if len(failed) < 2:
+            failed.append(command_id)
+            raise sqlite3.OperationalError("disk I/O error")
+        return get(command_id)
+
+    monkeypatch.setattr(journal, "get", unreadable_twice)
+    runtime = harness.runtime
+    wait_until(lambda: runtime._assigned_end, 60, "the command partition assigned")
+    harness.send(harness.execute("s1", {"sku": "a", "quantity": 1}))
+    records = harness.wait_for(
+        lambda rs: bool(_of(rs, StepCommitted)) or bool(_dead_letters(harness))
+    )
+    assert _dead_letters(harness) == []
+    assert len(failed) == 2
+    assert [c.step_id for c in _of(records, StepCommitted)] == ["s1"]
+    assert harness.shop.count("reserve") == 1
+
+
 def test_an_outcome_too_large_for_the_producer_dead_letters_its_command_not_retried_forever(
     transport: str, unique_prefix: str, tmp_path: Path
 ) -> None:
