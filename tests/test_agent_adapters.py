@@ -1658,3 +1658,138 @@ def test_pydantic_ai_tool_arguments_that_are_no_json_object_go_back_to_the_model
     assert "reserve:LX82" in trip.log and "charge:181" in trip.log
     assert len(returned) == 5
     assert "object" in returned[1] and "object" in returned[3]
+
+
+# Arguments that are a JSON object but do not fit the tool's schema: a wrong type,
+# a required one missing, one the tool does not take.
+_MISFIT: list[dict[str, Any]] = [{"amount": "lots"}, {}, {"amount": 5, "currency": "EUR"}]
+
+
+def _assert_misfits_refused(saga: Any, trip: Trip, told: list[str], amount: int) -> None:
+    receipt = saga.wait(120)
+    assert receipt.status is TerminalStatus.COMPLETED
+    assert [s.tool for s in receipt.steps] == ["reserve_seat", "charge_card"]
+    assert f"charge:{amount}" in trip.log
+    assert len(told) == len(_MISFIT)
+    for text, where in zip(told, ["amount", "amount", "currency"], strict=True):
+        assert "nothing was called" in text and where in text, text
+
+
+def test_arguments_that_do_not_fit_the_tools_schema_go_back_to_the_model_not_abort_the_saga(
+    served: Any,
+) -> None:
+    """A model's call whose arguments do not fit the tool's schema (a wrong type, a
+    required one missing, one the tool does not take) was written as a step: the
+    participant refused it (``InvalidArgumentsError``, a business rejection), the
+    step failed, ``BusinessRejected`` raised out of the run and the saga was aborted,
+    its earlier steps undone, for a call that never ran (the MCP proxy checks them
+    first). Each adapter now refuses it before anything is written, hands the model
+    a tool error saying why, and the run goes on (OpenAI Agents, LangGraph,
+    pydantic-ai in turn)."""
+    from agents import Agent, Usage, set_tracing_disabled
+    from agents.items import ModelResponse as AgentsResponse
+    from agents.models.interface import Model
+    from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+    from langgraph.graph import END, START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode, tools_condition
+    from openai.types.responses import (
+        ResponseFunctionToolCall,
+        ResponseOutputMessage,
+        ResponseOutputText,
+    )
+    from pydantic_ai import Agent as PydanticAgent
+    from pydantic_ai.messages import (
+        ModelMessage,
+        ModelRequest,
+        ModelResponse,
+        TextPart,
+        ToolCallPart,
+        ToolReturnPart,
+    )
+    from pydantic_ai.models.function import AgentInfo, FunctionModel
+
+    from sagaline.agents import langchain as lc_adapter
+    from sagaline.agents import openai_agents as oa_adapter
+    from sagaline.agents import pydantic_ai as pa_adapter
+
+    client, catalogue, trip = served
+
+    def calls(flight: str, amount: int) -> list[tuple[str, dict[str, Any]]]:
+        misfits = [("charge_card", a) for a in _MISFIT]
+        return [("reserve_seat", {"flight": flight}), *misfits, ("charge_card", {"amount": amount})]
+
+    # OpenAI Agents SDK
+    set_tracing_disabled(True)
+    script = iter(calls("LX61", 161))
+    inputs: list[Any] = []
+
+    class Scripted(Model):
+        async def get_response(self, *args: Any, **kwargs: Any) -> AgentsResponse:
+            inputs.append(kwargs.get("input", args[1] if len(args) > 1 else None))
+            step = next(script, None)
+            out: Any
+            if step is None:
+                text = ResponseOutputText(annotations=[], text="booked", type="output_text")
+                out = ResponseOutputMessage(
+                    id="m-1", content=[text], role="assistant", status="completed", type="message"
+                )
+            else:
+                n = len(inputs)
+                out = ResponseFunctionToolCall(
+                    arguments=json.dumps(step[1]),
+                    call_id=f"m-{n}",
+                    name=step[0],
+                    type="function_call",
+                    id=f"m-{n}",
+                )
+            return AgentsResponse(output=[out], usage=Usage(), response_id=None)
+
+        def stream_response(self, *args: Any, **kwargs: Any) -> Any:
+            raise NotImplementedError
+
+    with client.saga("trip", principal="agent:openai") as saga:
+        agent = Agent(name="booker", model=Scripted(), tools=[*oa_adapter.tools(saga, catalogue)])
+        oa_adapter.run_sync(saga, agent, "book LX61")
+    outputs = [str(i["output"]) for i in inputs[-1] if i.get("type") == "function_call_output"]
+    _assert_misfits_refused(saga, trip, outputs[1:-1], 161)
+
+    # LangGraph ToolNode
+    replies = [
+        AIMessage(content="", tool_calls=[{"name": n, "args": a, "id": f"call-62-{i}"}])
+        for i, (n, a) in enumerate(calls("LX62", 162))
+    ] + [AIMessage(content="booked")]
+    model = GenericFakeChatModel(messages=iter(replies))
+    with client.saga("trip", principal="agent:langgraph") as saga:
+        graph = StateGraph(MessagesState)
+        graph.add_node("agent", lambda state: {"messages": [model.invoke(state["messages"])]})
+        graph.add_node("tools", ToolNode(lc_adapter.tools(saga, catalogue)))
+        graph.add_edge(START, "agent")
+        graph.add_conditional_edges("agent", tools_condition, {"tools": "tools", END: END})
+        graph.add_edge("tools", "agent")
+        out = lc_adapter.invoke(saga, graph.compile(), {"messages": [HumanMessage("book")]})
+    results = [m for m in out["messages"] if isinstance(m, ToolMessage)]
+    assert [m.status for m in results] == ["success", "error", "error", "error", "success"]
+    _assert_misfits_refused(saga, trip, [str(m.content) for m in results[1:-1]], 162)
+
+    # pydantic-ai
+    pa_script = iter(calls("LX63", 163))
+    returned: list[str] = []
+
+    def pa_model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        last = messages[-1]
+        if isinstance(last, ModelRequest):
+            returned.extend(str(p.content) for p in last.parts if isinstance(p, ToolReturnPart))
+        step = next(pa_script, None)
+        if step is None:
+            return ModelResponse(parts=[TextPart("booked")])
+        return ModelResponse(
+            parts=[ToolCallPart(step[0], step[1], tool_call_id=f"p63-{len(returned)}")]
+        )
+
+    with client.saga("trip", principal="agent:pydantic-ai") as saga:
+        pa_agent = PydanticAgent(
+            FunctionModel(pa_model), toolsets=[pa_adapter.toolset(saga, catalogue)]
+        )
+        pa_adapter.run_sync(saga, pa_agent, "book LX63")
+    _assert_misfits_refused(saga, trip, returned[1:-1], 163)

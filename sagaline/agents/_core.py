@@ -43,6 +43,7 @@ from typing import Any, TypeVar
 
 from participants.catalogue import Catalogue, ToolKind, ToolSpec
 from participants.client import ApprovalPending, AsyncSaga, CallRefused, Saga
+from participants.errors import InvalidArgumentsError
 from schemas import TerminalStatus
 
 # Options of ``saga.call``, never tool arguments (the catalogue refuses such names).
@@ -81,7 +82,7 @@ class SagaTool:
         return self.spec.read_only
 
     def __call__(self, args: Mapping[str, Any], call_id: str | None = None) -> Any:
-        kwargs = tool_args(self.saga, self.spec.name, args)
+        kwargs = tool_args(self.saga, self.spec, args)
         if not call_id:
             return self.saga.call(self.spec.name, **kwargs)
         for step_id in self._step_ids(call_id):
@@ -93,7 +94,7 @@ class SagaTool:
         raise AssertionError("unreachable: the step ids never run out")
 
     async def acall(self, args: Mapping[str, Any], call_id: str | None = None) -> Any:
-        kwargs = tool_args(self.saga, self.spec.name, args)
+        kwargs = tool_args(self.saga, self.spec, args)
         if not call_id:
             return await self.saga.acall(self.spec.name, **kwargs)
         for step_id in self._step_ids(call_id):
@@ -124,17 +125,19 @@ class SagaTool:
 
 # CallRefused.limit of a step id the saga scheduled with another tool or other arguments.
 DUPLICATE_STEP = "duplicate-step"
+# CallRefused.limit of arguments that do not fit the tool's schema.
+INVALID_ARGS = "invalid-args"
 # CallRefused.limit of a saga never started (or long ended): no call of it can run.
 SAGA_NOT_STARTED = "saga-not-started"
 
 
 def refusal_for_model(tool: str, refused: CallRefused) -> str | None:
     """The tool error the model gets for a call of ``tool`` the saga's client refused
-    before writing anything (its arguments: JSON cannot hold them, over the size
-    limit, named like a ``saga.call`` option; the saga's step limit): nothing ran,
-    nothing to undo, so the saga goes on and the model may call again (as in the MCP
-    proxy). None when the refusal is no fault of the call (the saga was never
-    started): then it raises out of the run."""
+    before writing anything (its arguments: not fitting the tool's schema, JSON cannot
+    hold them, over the size limit, named like a ``saga.call`` option; the saga's step
+    limit): nothing ran, nothing to undo, so the saga goes on and the model may call
+    again (as in the MCP proxy). None when the refusal is no fault of the call (the saga
+    was never started): then it raises out of the run."""
     if refused.limit == SAGA_NOT_STARTED:
         return None
     return (
@@ -143,10 +146,14 @@ def refusal_for_model(tool: str, refused: CallRefused) -> str | None:
     )
 
 
-def tool_args(saga: Saga, tool: str, args: Mapping[str, Any]) -> dict[str, Any]:
+def tool_args(saga: Saga, spec: ToolSpec, args: Mapping[str, Any]) -> dict[str, Any]:
     """The model's arguments as ``saga.call`` keywords; :class:`CallRefused` when one
     is named like an option of ``saga.call`` (it would steer the saga, not reach the
-    tool: ``step_id`` naming an earlier step hands back that step's result)."""
+    tool: ``step_id`` naming an earlier step hands back that step's result), or when
+    they do not fit the tool's schema (a wrong type, a required one missing, one it
+    does not take): the participant would refuse them, a failed step, and the saga
+    would be aborted for a call that never ran (the MCP proxy checks them too)."""
+    tool = spec.name
     clash = sorted(SAGA_CALL_OPTIONS.intersection(args))
     if clash:
         raise CallRefused(
@@ -158,6 +165,17 @@ def tool_args(saga: Saga, tool: str, args: Mapping[str, Any]) -> dict[str, Any]:
             limit="reserved-args",
             size=len(clash),
         )
+    try:
+        spec.validate_args(args)  # the values as given are written, not the coerced ones
+    except InvalidArgumentsError as exc:
+        raise CallRefused(
+            f"{exc}; nothing was written",
+            saga_id=saga.saga_id,
+            step_id="",
+            tool=tool,
+            limit=INVALID_ARGS,
+            size=len(args),
+        ) from exc
     return dict(args)
 
 

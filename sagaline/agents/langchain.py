@@ -11,11 +11,12 @@ are saga steps, usable in a LangGraph ``ToolNode`` (needs ``sagaline[langchain]`
     # returned: the saga completes; raised: it aborts and is compensated
 
 A step that does not commit raises out of the tool and out of the run, so the saga
-aborts instead of the agent carrying on. A call the saga's client refuses before
-writing anything (``CallRefused``: arguments JSON cannot hold, over the size limit,
-named like a ``saga.call`` option; the saga's step limit) is no step at all: the
-model gets it as a tool error (a ``ToolMessage`` with ``status="error"``; nothing was
-called, it may call again) and the saga goes on. A saga never started raises.
+aborts instead of the agent carrying on. A call the saga's client refuses before writing
+anything (``CallRefused``: arguments that do not fit the tool's schema, arguments JSON
+cannot hold, over the size limit, named like a ``saga.call`` option; the saga's step
+limit) is no step at all: the model gets it as a tool error (a ``ToolMessage`` with
+``status="error"``; nothing was called, it may call again) and the saga goes on. A saga
+never started raises.
 
 A graph that asks a person with LangGraph's ``interrupt()``, or reaches a static
 breakpoint (``interrupt_before`` / ``interrupt_after``), stops, and ``graph.invoke``

@@ -13,7 +13,8 @@ A step that does not commit is not handed back to the model as text: it raises o
 of the run, so the saga aborts instead of the agent carrying on. A call that is no
 step at all is handed back as a tool error (nothing was written; the model may call
 again): arguments that are no JSON object (cut off, garbled), and a call the client
-refuses before writing it (``CallRefused``: arguments JSON cannot hold, over the
+refuses before writing it (``CallRefused``: arguments that do not fit the tool's
+schema, arguments JSON cannot hold, over the
 size limit, named like a ``saga.call`` option; the saga's step limit). A step waiting for
 approval raises :class:`~participants.client.ApprovalPending` itself (the SDK wraps
 other errors in its ``UserError``), so the saga stays open for the person (R7).

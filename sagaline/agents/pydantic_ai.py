@@ -10,12 +10,12 @@ saga steps (needs ``sagaline[pydantic-ai]``)::
     # returned: the saga completes; raised: it aborts and is compensated
 
 A step that does not commit raises out of the tool and out of the run, so the saga
-aborts instead of the agent carrying on. A call the saga's client refuses before
-writing anything (``CallRefused``: arguments JSON cannot hold, over the size limit,
-named like a ``saga.call`` option; the saga's step limit) is no step at all: the
-model gets the refusal as the tool's result ("error: TOOL was refused: ...; nothing
-was called"; nothing to undo, it may call again) and the saga goes on. A saga never
-started raises.
+aborts instead of the agent carrying on. A call the saga's client refuses before writing
+anything (``CallRefused``: arguments that do not fit the tool's schema, arguments JSON
+cannot hold, over the size limit, named like a ``saga.call`` option; the saga's step
+limit) is no step at all: the model gets the refusal as the tool's result ("error: TOOL
+was refused: ...; nothing was called"; nothing to undo, it may call again) and the saga
+goes on. A saga never started raises.
 
 A run that calls a deferred tool (one with ``requires_approval``, or one that raises
 ``ApprovalRequired`` / ``CallDeferred``) ends with ``DeferredToolRequests`` as its
