@@ -1793,3 +1793,66 @@ def test_arguments_that_do_not_fit_the_tools_schema_go_back_to_the_model_not_abo
         )
         pa_adapter.run_sync(saga, pa_agent, "book LX63")
     _assert_misfits_refused(saga, trip, returned[1:-1], 163)
+
+
+def test_langgraph_tool_node_handle_tool_errors_must_let_saga_errors_raise(
+    served: Any,
+) -> None:
+    """What docs/agents.md says of LangGraph's ``ToolNode(handle_tool_errors=...)``:
+    its default lets a failed step's ``SagaCallError`` raise out of the run (the
+    saga aborts); ``handle_tool_errors=True`` turns it into a ``ToolMessage``, so the
+    run returns as if it went well while the coordinator compensates the saga (the
+    agent's later calls meet ``SagaUnwinding``, as messages too); a handler that
+    re-raises ``sagaline.SagaCallError`` keeps the adapters' guarantee."""
+    from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+    from langgraph.graph import END, START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode, tools_condition
+
+    from sagaline.agents import langchain as adapter
+
+    client, catalogue, trip = served
+
+    sagas: list[Any] = []
+
+    def run(flight: str, handle: Any) -> Any:
+        calls = [
+            ("reserve_seat", {"flight": flight}),
+            ("charge_card", {"amount": 966}),
+            ("reserve_seat", {"flight": f"{flight}-2"}),
+        ]
+        replies = [
+            AIMessage(content="", tool_calls=[{"name": n, "args": a, "id": f"{flight}-{i}"}])
+            for i, (n, a) in enumerate(calls)
+        ] + [AIMessage(content="booked")]
+        model = GenericFakeChatModel(messages=iter(replies))
+        saga = client.saga("trip", principal="agent:langgraph")
+        sagas.append(saga)
+        with saga:
+            graph = StateGraph(MessagesState)
+            graph.add_node("agent", lambda state: {"messages": [model.invoke(state["messages"])]})
+            tools = adapter.tools(saga, catalogue)
+            node = ToolNode(tools) if handle is None else ToolNode(tools, handle_tool_errors=handle)
+            graph.add_node("tools", node)
+            graph.add_edge(START, "agent")
+            graph.add_conditional_edges("agent", tools_condition, {"tools": "tools", END: END})
+            graph.add_edge("tools", "agent")
+            out = adapter.invoke(saga, graph.compile(), {"messages": [HumanMessage("book")]})
+        return out
+
+    def keep_saga_errors(error: Exception) -> str:
+        if isinstance(error, sagaline.SagaCallError):
+            raise error
+        return f"error: {error}"
+
+    for flight, handle in [("LX64", None), ("LX65", keep_saga_errors)]:
+        with pytest.raises(BusinessRejected):
+            run(flight, handle)
+    out = run("LX66", True)  # the step's error swallowed: the run returns
+    told = [str(m.content) for m in out["messages"] if isinstance(m, ToolMessage)]
+    assert "BusinessRejected" in told[1] and "SagaUnwinding" in told[2]
+    assert out["messages"][-1].content == "booked"
+    # COMPENSATED, all three; the last not what its run's "booked" says
+    assert [s.wait(120).status for s in sagas] == [TerminalStatus.COMPENSATED] * 3
+    for flight in ("LX64", "LX65", "LX66"):
+        assert f"release:r-{flight}" in trip.log and f"reserve:{flight}-2" not in trip.log

@@ -18,6 +18,13 @@ limit) is no step at all: the model gets it as a tool error (a ``ToolMessage`` w
 ``status="error"``; nothing was called, it may call again) and the saga goes on. A saga
 never started raises.
 
+That holds with ``ToolNode``'s default ``handle_tool_errors``; set to ``True`` (or a
+handler or types that catch ``Exception``), the ``ToolNode`` hands a failed step's
+``SagaCallError`` (``OutcomeUnknown`` and ``ApprovalPending`` too) to the model as a
+message, the run returns, and the block asks to complete a saga that is unwinding (or
+has an unsettled step the model may call again: the effect twice). Keep the default,
+or use a handler that re-raises ``sagaline.SagaCallError`` (docs/agents.md).
+
 A graph that asks a person with LangGraph's ``interrupt()``, or reaches a static
 breakpoint (``interrupt_before`` / ``interrupt_after``), stops, and ``graph.invoke``
 *returns*: the block would complete the saga with the effects so far, and the
