@@ -55,10 +55,15 @@ def ensure_topics(
     (co-partitioning would silently break), or when a topic it did not create has a
     ``cleanup.policy`` that loses records (a compacted ledger, incident feed or DLQ
     keeps one record per key; a catalogue, terminal or state changelog without
-    ``compact`` loses entries to retention; a compacted command topic is tolerated):
-    an existing topic's policy is read with one DescribeConfigs request, and one this
-    client may not describe (no ``DESCRIBE_CONFIGS``) is left unchecked, said in an
-    info line. Returns the names this call created.
+    ``compact`` loses entries to retention; a compacted command topic is tolerated),
+    or when a topic's replication breaks what ``acks=all`` promises (R10): fewer
+    replicas than ``replication.factor`` (checked before any topic is made), or a
+    ``min.insync.replicas`` above the topic's replicas (every write refused) or below
+    ``replication.min_insync``; a replicated topic on ``min.insync.replicas=1`` with
+    none configured is only warned about. Policies and ``min.insync.replicas`` are
+    read with one DescribeConfigs request, and a topic this client may not describe
+    (no ``DESCRIBE_CONFIGS``) is left unchecked, said in an info line. Returns the
+    names this call created.
     """
     config = client_config(bootstrap)
     replication = replication or Replication()
@@ -70,10 +75,18 @@ def ensure_topics(
     # A co-partitioned topic that exists with another count is refused before any
     # missing one is made with this call's count: made first, they would be refused
     # in turn once the count is set to the existing topics'.
+    # So is a topic with fewer replicas than the deployment asks for.
+    few: list[str] = []
     for spec in specs:
         listed = existing.get(spec.name)
-        if spec.co_partitioned and listed is not None and listed.error is None:
+        if listed is None or listed.error is not None:
+            continue
+        if spec.co_partitioned:
             _check_partitions(spec, len(listed.partitions))
+        if listed.partitions and not _memory.is_memory(config.bootstrap):
+            refusal, _ = _replication_verdict(spec.name, _replicas(listed), None, replication)
+            few += [refusal] if refusal is not None else []
+    _refuse_replication(few)
     missing = [s for s in specs if s.name not in existing]
     futures = (
         admin.create_topics(
@@ -156,9 +169,74 @@ def ensure_topics(
         # A compacted command topic is tolerated: the participant never prunes its
         # journal then (docs/operating.md, "The command journal").
         commands = f"{names.prefix}sagaline.commands."
-        checked = [s for s in specs if s.name not in created and not s.name.startswith(commands)]
-        _check_cleanup_policies(admin, checked, timeout_s)
+        policed = {
+            s.name for s in specs if s.name not in created and not s.name.startswith(commands)
+        }
+        replicas = {s.name: _replicas(metadata.topics[s.name]) for s in specs}
+        _check_configs(admin, specs, policed, replicas, replication, timeout_s)
     return sorted(created)
+
+
+def _replicas(topic: Any) -> int:
+    """A listed topic's replication factor: its fewest replicas over its partitions
+    (it has some: listed without any, it is not looked at)."""
+    return min(len(p.replicas) for p in topic.partitions.values())
+
+
+# Topics already warned about (replicated, on min.insync.replicas=1): once per process,
+# not again each time the coordinator creates a new participant's command topic.
+_warned: set[str] = set()
+
+
+def _replication_verdict(
+    topic: str, replicas: int, min_insync: int | None, wanted: Replication
+) -> tuple[str | None, str | None]:
+    """What an existing topic's replication means for ``acks=all`` writes (R10):
+    ``(why it is refused, why it is warned about)``, each None when it is not.
+    ``min_insync`` is the topic's effective ``min.insync.replicas``, None when the
+    broker did not say (then only the replication factor is judged)."""
+    if replicas < wanted.factor:
+        return (
+            f"topic {topic!r} has replication factor {replicas}, below "
+            f"SAGALINE_REPLICATION_FACTOR={wanted.factor}: an acknowledged record is on "
+            "fewer brokers than the deployment asks for; add replicas "
+            "(kafka-reassign-partitions.sh) or recreate the topic, or set "
+            "SAGALINE_REPLICATION_FACTOR to what it has",
+            None,
+        )
+    if min_insync is None:
+        return None, None
+    if min_insync > replicas:
+        return (
+            f"topic {topic!r} has min.insync.replicas={min_insync}, above its replication "
+            f"factor {replicas}: the broker refuses every acks=all write to it "
+            "(NOT_ENOUGH_REPLICAS); set its min.insync.replicas (kafka-configs.sh --alter "
+            f"--add-config min.insync.replicas=N) to at most {replicas}",
+            None,
+        )
+    if wanted.min_insync is not None and min_insync < wanted.min_insync:
+        return (
+            f"topic {topic!r} has min.insync.replicas={min_insync}, below "
+            f"SAGALINE_MIN_INSYNC_REPLICAS={wanted.min_insync}: an acks=all write is "
+            "acknowledged with fewer copies than the deployment asks for; set it "
+            "(kafka-configs.sh --alter --add-config "
+            f"min.insync.replicas={wanted.min_insync})",
+            None,
+        )
+    if wanted.min_insync is None and min_insync < 2 <= replicas:
+        return None, (
+            f"topic {topic!r} has {replicas} replicas but min.insync.replicas={min_insync}: "
+            "an acks=all write is acknowledged once its leader alone has it when the other "
+            "replicas lag, and lost with that broker; set SAGALINE_MIN_INSYNC_REPLICAS "
+            "(2 with 3 replicas) and the topic's min.insync.replicas (docs/deploying.md, "
+            "Replication)"
+        )
+    return None, None
+
+
+def _refuse_replication(refusals: list[str]) -> None:
+    if refusals:
+        raise TopicSetupError("; ".join(refusals) + " (docs/deploying.md, Replication)")
 
 
 def _check_partitions(spec: TopicSpec, actual: int) -> None:
@@ -180,29 +258,46 @@ def _loses_records(actual: str, expected: str) -> bool:
     return "compact" in has
 
 
-def _check_cleanup_policies(admin: Any, specs: list[TopicSpec], timeout_s: float) -> None:
-    """Raise :class:`TopicSetupError` for an existing topic whose ``cleanup.policy``
-    loses records its spec's keeps; a topic the broker does not describe is only
-    named in a log line."""
-    if not specs:
-        return
+def _check_configs(
+    admin: Any,
+    specs: list[TopicSpec],
+    policed: set[str],
+    replicas: dict[str, int],
+    replication: Replication,
+    timeout_s: float,
+) -> None:
+    """Raise :class:`TopicSetupError` for a topic of ``policed`` whose
+    ``cleanup.policy`` loses records its spec's keeps, or for any topic whose
+    ``min.insync.replicas`` breaks ``acks=all`` (:func:`_replication_verdict`); a topic
+    the broker does not describe is only named in a log line."""
     resources = {s.name: ConfigResource(ResourceType.TOPIC, s.name) for s in specs}
     unchecked: list[str] = []
     try:
         futures = admin.describe_configs(list(resources.values()), request_timeout=timeout_s)
     except KafkaException as exc:
-        log.info("cleanup.policy of the existing topics not checked: %s", exc)
+        log.info("cleanup.policy and min.insync.replicas of the topics not checked: %s", exc)
         return
     wrong: list[str] = []
+    refusals: list[str] = []
     for spec in specs:
         try:
             entries = futures[resources[spec.name]].result(timeout=timeout_s)
         except (KafkaException, TimeoutError) as exc:
             unchecked.append(f"{spec.name} ({str(exc) or 'no answer'})")
             continue
+        isr = entries.get("min.insync.replicas")
+        min_insync = None if isr is None or isr.value is None else int(isr.value)
+        refusal, warning = _replication_verdict(
+            spec.name, replicas[spec.name], min_insync, replication
+        )
+        if refusal is not None:
+            refusals.append(refusal)
+        if warning is not None and spec.name not in _warned:
+            _warned.add(spec.name)
+            log.warning("%s", warning)
         entry = entries.get("cleanup.policy")
         expected = spec.config.get("cleanup.policy")
-        if entry is None or entry.value is None or expected is None:
+        if spec.name not in policed or entry is None or entry.value is None or expected is None:
             continue
         if _loses_records(str(entry.value), expected):
             wrong.append(
@@ -211,9 +306,11 @@ def _check_cleanup_policies(admin: Any, specs: list[TopicSpec], timeout_s: float
             )
     if unchecked:
         log.info(
-            "cleanup.policy not checked (no DESCRIBE_CONFIGS for this client?): %s",
+            "cleanup.policy and min.insync.replicas not checked (no DESCRIBE_CONFIGS for "
+            "this client?): %s",
             "; ".join(unchecked),
         )
+    _refuse_replication(refusals)
     if wrong:
         raise TopicSetupError(
             "; ".join(wrong) + ": a compacted events, incidents or DLQ topic keeps one "
