@@ -23,6 +23,7 @@ from sagaline.kafka import (
 from schemas.examples import example_records
 from schemas.signing import Signer
 from schemas.topics import TopicNames
+from tests.system import wait_until
 
 
 def _create(bootstrap: str, name: str, partitions: int, config: dict[str, str]) -> None:
@@ -240,7 +241,35 @@ def test_a_partition_count_mismatch_is_refused_before_any_topic_is_created(
     only deleting them by hand got the process going."""
     names = TopicNames(unique_prefix)
     _create(kafka_bootstrap, names.events, 2, {"cleanup.policy": "delete"})
+    # The broker lists a topic a moment after it answers its creation: not yet
+    # listed, it is found only once the missing ones are made (with the wrong count).
+    admin = create_admin(kafka_bootstrap)
+    wait_until(lambda: names.events in admin.list_topics(timeout=30).topics, what="listed")
     with pytest.raises(TopicSetupError, match="SAGALINE_PARTITIONS=2"):
         ensure_topics(kafka_bootstrap, names, ["p"], 1)
     created = ensure_topics(kafka_bootstrap, names, ["p"], 2)
     assert names.commands("p") in created and names.events not in created
+
+
+@pytest.mark.kafka
+def test_co_partitioned_topics_that_disagree_with_each_other_are_named_together(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    """A ledger of 2 partitions and a changelog of 3: the refusal named the first
+    topic found off SAGALINE_PARTITIONS and told the operator to set it to that
+    topic's count, which the other topic then refused in turn, with the opposite
+    advice. No setting fixes it: the error names every count and says so."""
+    names = TopicNames(unique_prefix)
+    _create(kafka_bootstrap, names.events, 2, {"cleanup.policy": "delete"})
+    _create(kafka_bootstrap, names.state, 3, {"cleanup.policy": "compact"})
+    admin = create_admin(kafka_bootstrap)
+    wait_until(
+        lambda: {names.events, names.state} <= set(admin.list_topics(timeout=30).topics),
+        what="both topics listed",
+    )
+    for partitions in (1, 2, 3):
+        with pytest.raises(TopicSetupError) as caught:
+            ensure_topics(kafka_bootstrap, names, [], partitions)
+        text = str(caught.value)
+        assert f"{names.events!r} has 2" in text and f"{names.state!r} has 3" in text
+        assert "SAGALINE_PARTITIONS=" not in text

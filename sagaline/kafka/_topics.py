@@ -76,13 +76,12 @@ def ensure_topics(
     # missing one is made with this call's count: made first, they would be refused
     # in turn once the count is set to the existing topics'.
     # So is a topic with fewer replicas than the deployment asks for.
+    _check_co_partitioning(specs, existing)
     few: list[str] = []
     for spec in specs:
         listed = existing.get(spec.name)
         if listed is None or listed.error is not None:
             continue
-        if spec.co_partitioned:
-            _check_partitions(spec, len(listed.partitions))
         if listed.partitions and not _memory.is_memory(config.bootstrap):
             refusal, _ = _replication_verdict(spec.name, _replicas(listed), None, replication)
             few += [refusal] if refusal is not None else []
@@ -162,9 +161,7 @@ def ensure_topics(
                 "after creation" + (f" ({'; '.join(why)})" if why else "")
             )
         time.sleep(0.1)
-    for spec in specs:
-        if spec.co_partitioned:
-            _check_partitions(spec, len(metadata.topics[spec.name].partitions))
+    _check_co_partitioning(specs, metadata.topics)
     if not _memory.is_memory(config.bootstrap):
         # A compacted command topic is tolerated: the participant never prunes its
         # journal then (docs/operating.md, "The command journal").
@@ -239,13 +236,35 @@ def _refuse_replication(refusals: list[str]) -> None:
         raise TopicSetupError("; ".join(refusals) + " (docs/deploying.md, Replication)")
 
 
-def _check_partitions(spec: TopicSpec, actual: int) -> None:
-    if actual != spec.partitions:
+def _check_co_partitioning(specs: list[TopicSpec], listed: dict[str, Any]) -> None:
+    """Raise :class:`TopicSetupError` when the co-partitioned topics of ``listed``
+    (name to topic metadata) have another partition count than their spec's: naming
+    the count to set when they all have one, every topic's when they differ among
+    themselves (then no setting fixes them)."""
+    counts = {
+        s.name: len(t.partitions)
+        for s in specs
+        if s.co_partitioned
+        and (t := listed.get(s.name)) is not None
+        and t.error is None
+        and t.partitions
+    }
+    if len(set(counts.values())) > 1:
         raise TopicSetupError(
-            f"topic {spec.name!r} has {actual} partitions, expected "
-            f"{spec.partitions}: co-partitioned topics must match; recreate it or set "
-            f"SAGALINE_PARTITIONS={actual}"
+            ", ".join(f"topic {n!r} has {c} partitions" for n, c in counts.items())
+            + ": co-partitioned topics must match, and these do not match each other (a "
+            "saga's records are on other partition numbers in each), so no "
+            "SAGALINE_PARTITIONS fixes them; recreate the topics that are off "
+            "(docs/operating.md, Topics)"
         )
+    for spec in specs:
+        actual = counts.get(spec.name, spec.partitions)
+        if actual != spec.partitions:
+            raise TopicSetupError(
+                f"topic {spec.name!r} has {actual} partitions, expected "
+                f"{spec.partitions}: co-partitioned topics must match; recreate it or set "
+                f"SAGALINE_PARTITIONS={actual}"
+            )
 
 
 def _loses_records(actual: str, expected: str) -> bool:
