@@ -323,7 +323,11 @@ class Coordinator:
         self._clock = clock or (lambda: int(time.time() * 1000))
         self._batch_size = batch_size
         self._running = True  # until stop(), which may come before run() reaches its loop
-        self._serving = False  # run() is in its loop (health())
+        # health(): run() is in its loop, it has joined its group (its first
+        # assignment is restored), and no restore is under way.
+        self._serving = False
+        self._joined = False
+        self._restoring: list[int] | None = None  # the partitions a restore is reading
         self._states = _PackedStates(decoded_states)
         self._partition_of: dict[str, int] = {}
         # Sagas the changelog keeps as a terminal marker, in the order they ended, so
@@ -412,10 +416,16 @@ class Coordinator:
         self._running = False
 
     def health(self) -> str | None:
-        """None while the loop runs (joined to its group); else why not (``/healthz``)."""
+        """None while the loop serves (joined to its group, its partitions' sagas
+        restored); else why not (``/healthz``)."""
         if not self._running:
             return "stopping"
-        if not self._serving:
+        restoring = self._restoring
+        if restoring is not None:
+            return (
+                f"restoring: reading the sagas of partitions {restoring} from {self.topics.state}"
+            )
+        if not self._serving or not self._joined:
             return "starting: checking its topics, fencing an older instance, joining its group"
         return None
 
@@ -431,7 +441,7 @@ class Coordinator:
                 self._process_batch([], flush=True)
             self._settle()
         finally:
-            self._serving = False
+            self._serving = self._joined = False
             self._sender.shutdown()
             self._consumer.close()
             try:
@@ -1501,8 +1511,13 @@ class Coordinator:
         self._settle()  # the changelog read below must hold our last batch
         self._group_metadata = None  # a new generation
         numbers = [p.partition for p in partitions]
-        restored = self._restore(numbers)
+        self._restoring = numbers or None
+        try:
+            restored = self._restore(numbers)
+        finally:
+            self._restoring = None
         self._assigned.update(numbers)
+        self._joined = True  # an empty assignment too: a member with no partition serves
         log.info("assigned %s; restored %d sagas", numbers, restored)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
