@@ -45,6 +45,7 @@ from __future__ import annotations
 import heapq
 import logging
 import signal
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -328,6 +329,7 @@ class Coordinator:
         self._serving = False
         self._joined = False
         self._restoring: list[int] | None = None  # the partitions a restore is reading
+        self._ready: threading.Event | None = None  # run()'s ``ready``
         self._states = _PackedStates(decoded_states)
         self._partition_of: dict[str, int] = {}
         # Sagas the changelog keeps as a terminal marker, in the order they ended, so
@@ -429,8 +431,13 @@ class Coordinator:
             return "starting: checking its topics, fencing an older instance, joining its group"
         return None
 
-    def run(self, *, until: Callable[[], bool] | None = None) -> None:
-        """The loop. ``until`` lets tests and benchmarks stop it on a condition."""
+    def run(
+        self, *, until: Callable[[], bool] | None = None, ready: threading.Event | None = None
+    ) -> None:
+        """The loop. ``until`` lets tests and benchmarks stop it on a condition;
+        ``ready`` is set once it serves (joined to its group, its first assignment
+        restored): what it raises before that is a failure to start."""
+        self._ready = ready
         self._join()
         log.info("coordinator %s consuming %s", self.instance_id, self.topics.events)
         self._serving = True
@@ -1518,6 +1525,8 @@ class Coordinator:
             self._restoring = None
         self._assigned.update(numbers)
         self._joined = True  # an empty assignment too: a member with no partition serves
+        if self._ready is not None:
+            self._ready.set()
         log.info("assigned %s; restored %d sagas", numbers, restored)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:

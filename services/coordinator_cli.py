@@ -173,13 +173,16 @@ def _signed(messages: list[tuple[bytes, bytes, HeaderList | None, str]]) -> bool
 def _cmd_run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     settings, bootstrap = configured_broker("sagaline coordinator run")
+    import threading
+
     from coordinator.shell import Coordinator
-    from sagaline.kafka import TopicSetupError, ensure_topics
+    from sagaline.kafka import KafkaException, TopicSetupError, ensure_topics
     from sagaline.ops.metrics import CoordinatorMetrics, MetricsServerError, start_metrics_server
     from schemas.trust import TrustFileError
     from services.refund import economic_effect
 
     participants = [p for p in args.participants.split(",") if p]
+    ready = threading.Event()  # set once the loop serves: a failure before is a start's
     try:
         ensure_topics(
             bootstrap,
@@ -198,11 +201,30 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 args.metrics_port, metrics, settings.metrics_host, health=coordinator.health
             )
         coordinator.install_signal_handlers()
-        coordinator.run()
+        coordinator.run(ready=ready)
     except (TopicSetupError, TrustFileError, MetricsServerError) as exc:  # one line, no traceback
         print(f"coordinator run: {exc}", file=sys.stderr)
         return 2
+    except KafkaException as exc:
+        if ready.is_set():
+            raise  # the loop's own failure (fenced): its traceback is the report
+        print(f"coordinator run: {start_failed(bootstrap, exc)}", file=sys.stderr)
+        return 2
     return 0
+
+
+def start_failed(bootstrap: str, exc: Exception) -> str:
+    """What a service (the coordinator, a participant) that could not start on the
+    broker prints, after its name: one line, no traceback."""
+    from sagaline.kafka import KafkaError
+
+    error = exc.args[0] if exc.args else None
+    why = error.str() if isinstance(error, KafkaError) else str(exc)
+    return (
+        f"cannot start: Kafka at {bootstrap} did not answer or refused ({why}); check "
+        "KAFKA_BOOTSTRAP_SERVERS, the client settings (SAGALINE_KAFKA_*) and that the broker "
+        "runs, then start it again"
+    )
 
 
 # ------------------------------------------------------------------- saga

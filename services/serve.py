@@ -14,12 +14,19 @@ import logging
 import os
 import sqlite3
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 from participants.catalogue import Catalogue
 from participants.runtime import JournalCorrupt, ParticipantRuntime
-from sagaline.kafka import KafkaException, TopicSetupError, configured_broker, ensure_topics
+from sagaline.kafka import (
+    DeliveryFailed,
+    KafkaException,
+    TopicSetupError,
+    configured_broker,
+    ensure_topics,
+)
 from sagaline.ops.metrics import MetricsServerError, ParticipantMetrics, start_metrics_server
 from schemas.settings import Settings
 from services._args import at_least, env_default, instance_id, port
@@ -148,10 +155,18 @@ def _cmd_participant_run(args: argparse.Namespace) -> int:
         return 2
     served.append(runtime)
     runtime.install_signal_handlers()
+    ready = threading.Event()  # set once the loop serves: a failure before is a start's
     try:
-        runtime.run()
+        runtime.run(ready=ready)
     except (TopicSetupError, JournalCorrupt) as exc:  # the topics, the journal: one line
         print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    except (KafkaException, DeliveryFailed) as exc:
+        if ready.is_set():
+            raise  # the loop's own failure (fenced): its traceback is the report
+        from services.coordinator_cli import start_failed
+
+        print(f"{prog}: {start_failed(bootstrap, exc)}", file=sys.stderr)
         return 2
     return 0
 
