@@ -420,10 +420,16 @@ def resolve_jars(
     _, mvn = ensure_tools()
     errors: list[str] = []
     for v in candidates:
-        try:
-            return v, _resolve_one(mvn, cache, v)
-        except MavenResolutionError as exc:
-            errors.append(str(exc))
+        # One resolution of a version at a time: launchers of other state dirs share
+        # this cache, and a second Maven run would delete the first's jars mid-copy.
+        with _locked(cache / "kafka" / v):
+            libs = _cached_libs(cache, v)  # resolved meanwhile by the one we waited for
+            if libs is not None:
+                return v, libs
+            try:
+                return v, _resolve_one(mvn, cache, v)
+            except MavenResolutionError as exc:
+                errors.append(str(exc))
     raise MavenResolutionError(
         "Maven could not resolve the Kafka broker jars for any of "
         f"{', '.join(candidates)} (is Maven Central reachable? try "

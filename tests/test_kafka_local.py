@@ -17,6 +17,7 @@ import socket
 import sys
 import time
 import types
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -558,3 +559,45 @@ def test_status_of_a_cluster_with_a_damaged_ports_file_is_a_clear_error(
     err = capsys.readouterr().err
     assert "sagaline kafka status:" in err
     assert "missing or damaged" in err
+
+
+# A Maven that copies one fake Kafka jar, and holds its output until a second run has
+# started (at most 5 s): two resolutions at once then overlap for certain.
+_FAKE_MVN = """#!/bin/sh
+dir="$(dirname "$0")"
+for arg in "$@"; do
+    case "$arg" in -DoutputDirectory=*) out="${arg#-DoutputDirectory=}" ;; esac
+done
+echo run >>"$dir/mvn.log"
+mkdir -p "$out" && : >"$out/kafka_2.13-9.9.9.jar"
+i=0
+while [ "$(wc -l <"$dir/mvn.log")" -lt 2 ] && [ "$i" -lt 50 ]; do sleep 0.1; i=$((i + 1)); done
+"""
+
+
+def test_two_launchers_resolving_the_same_jars_at_once_both_get_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two brokers started at once on a fresh machine (two state dirs, e.g. `kafka up`
+    and `kafka up --brokers 3`, or two test sessions) share the jar cache: the second
+    resolution deleted the first's half-copied jars, and one of them failed with
+    "Maven could not resolve ... is Maven Central reachable?" (or deleted the libs
+    folder the other had just made). Maven now runs once; the other waits for it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    mvn = bin_dir / "mvn"
+    mvn.write_text(_FAKE_MVN)
+    mvn.chmod(0o755)
+    monkeypatch.setattr(kafka_local, "ensure_tools", lambda: ("java", str(mvn)))
+    cache = tmp_path / "cache"
+
+    def resolve() -> tuple[str, Path]:
+        return kafka_local.resolve_jars("9.9.9", cache)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = [pool.submit(resolve) for _ in range(2)]
+        results = [future.result(timeout=60) for future in futures]
+    libs = cache / "kafka" / "9.9.9" / "libs"
+    assert results == [("9.9.9", libs), ("9.9.9", libs)]
+    assert (libs / "kafka_2.13-9.9.9.jar").exists()
+    assert (bin_dir / "mvn.log").read_text().splitlines() == ["run"]
