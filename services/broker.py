@@ -102,8 +102,8 @@ def choose_broker() -> BrokerChoice:
     except kafka_local.ToolMissingError as missing:
         if not _docker_answers():
             raise kafka_local.KafkaLauncherError(
-                f"no Kafka broker available: {missing} (and no Docker engine answers "
-                "for the testcontainers fallback)."
+                "no Kafka broker available (and no Docker engine answers for the "
+                f"testcontainers fallback): {missing}"
             ) from missing
         bootstrap = _testcontainers_bootstrap()
         return BrokerChoice(

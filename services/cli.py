@@ -93,12 +93,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if func is None:
         parser.print_help()
         return 2
-    if getattr(args, "dev_broker", False) and not os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
-        # Development only: the launcher is imported on this path and no other.
-        from services.broker import resolve_bootstrap
-
-        os.environ["KAFKA_BOOTSTRAP_SERVERS"] = resolve_bootstrap()
     try:
+        if getattr(args, "dev_broker", False) and not os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
+            # Development only: the broker choice is imported on this path and no other.
+            from services.broker import resolve_bootstrap
+
+            os.environ["KAFKA_BOOTSTRAP_SERVERS"] = resolve_bootstrap()
         result: int = func(args)
     except (BrokerNotConfigured, KafkaConfigError, SettingsError, TrustFileError) as exc:
         text = str(exc)
@@ -107,7 +107,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             text = text.removesuffix(".") + ", or pass --dev-broker."
         print(f"error: {text}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        if not _launcher_error(exc):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return result
+
+
+def _launcher_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is the local broker launcher's (``sagaline demo``, ``drill``,
+    ``--dev-broker`` could not start the broker; its message says what to do).
+    Checked without importing the launcher here: only a loaded launcher raises it."""
+    launcher = sys.modules.get("services.kafka_local")
+    return launcher is not None and isinstance(exc, launcher.KafkaLauncherError)
 
 
 if __name__ == "__main__":

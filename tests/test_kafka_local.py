@@ -14,6 +14,7 @@ import base64
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 import types
@@ -25,6 +26,8 @@ from confluent_kafka import Consumer, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from services import broker, kafka_cli, kafka_local
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def cli_main(argv: list[str]) -> int:
@@ -601,3 +604,37 @@ def test_two_launchers_resolving_the_same_jars_at_once_both_get_them(
     assert results == [("9.9.9", libs), ("9.9.9", libs)]
     assert (libs / "kafka_2.13-9.9.9.jar").exists()
     assert (bin_dir / "mvn.log").read_text().splitlines() == ["run"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["demo", "--sagas", "1", "--no-ui"], ["coordinator", "run", "--dev-broker"]],
+    ids=["demo", "dev-broker"],
+)
+def test_a_command_that_cannot_start_the_local_broker_says_why_without_a_traceback(
+    tmp_path: Path, argv: list[str]
+) -> None:
+    """`sagaline demo` (or a command with `--dev-broker`) on a machine without Java and
+    Maven, not root: the launcher's message (what to install, or which variable to
+    set) was the last line of a Python traceback. Now it is the whole output, exit 1."""
+    env = {k: v for k, v in os.environ.items() if k != "KAFKA_BOOTSTRAP_SERVERS"}
+    env.update(
+        PATH=str(tmp_path / "empty-bin"),  # no java, no mvn
+        SAGALINE_NO_APT="1",
+        SAGALINE_CACHE_DIR=str(tmp_path / "cache"),
+        PYTHONPATH=str(ROOT),
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", *argv],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith("error: no Kafka broker available"), done.stderr
+    assert "the local Kafka broker needs Java 17+ and Maven" in done.stderr
+    assert "KAFKA_BOOTSTRAP_SERVERS" in done.stderr
