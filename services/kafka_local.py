@@ -422,7 +422,7 @@ def resolve_jars(
     for v in candidates:
         # One resolution of a version at a time: launchers of other state dirs share
         # this cache, and a second Maven run would delete the first's jars mid-copy.
-        with _locked(cache / "kafka" / v):
+        with _locked(cache / "kafka" / v, "the Kafka jar cache"):
             libs = _cached_libs(cache, v)  # resolved meanwhile by the one we waited for
             if libs is not None:
                 return v, libs
@@ -718,10 +718,17 @@ def metadata_answers(bootstrap: str, timeout: float = 5.0) -> bool:
 
 
 @contextlib.contextmanager
-def _locked(state: Path) -> Iterator[None]:
+def _locked(state: Path, what: str = "the broker's state dir") -> Iterator[None]:
     """Serialize up/down across processes (parallel test runs, two shells)."""
-    state.mkdir(parents=True, exist_ok=True)
-    with open(state / LOCK_FILE, "a+") as fh:
+    try:
+        state.mkdir(parents=True, exist_ok=True)
+        fh = open(state / LOCK_FILE, "a+")  # noqa: SIM115 (closed below)
+    except OSError as exc:
+        raise KafkaLauncherError(
+            f"cannot use {state} as {what}: {exc.strerror or exc}. Point --state-dir, or "
+            "SAGALINE_CACHE_DIR (default ~/.cache/sagaline), at a directory you can write."
+        ) from exc
+    with fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield

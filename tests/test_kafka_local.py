@@ -638,3 +638,19 @@ def test_a_command_that_cannot_start_the_local_broker_says_why_without_a_traceba
     assert done.stderr.startswith("error: no Kafka broker available"), done.stderr
     assert "the local Kafka broker needs Java 17+ and Maven" in done.stderr
     assert "KAFKA_BOOTSTRAP_SERVERS" in done.stderr
+
+
+def test_up_on_a_state_dir_that_cannot_be_made_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A cache or state dir that cannot be created (HOME read-only or missing,
+    SAGALINE_CACHE_DIR naming a file, a mistyped --state-dir): `sagaline kafka up`
+    ended in a FileExistsError/PermissionError traceback. Now it says which dir and
+    what to set, exit 1."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory\n")
+    state = blocker / "broker"
+    assert cli_main(["kafka", "up", "--state-dir", str(state)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"sagaline kafka up: cannot use {state}"), err
+    assert "--state-dir" in err and "SAGALINE_CACHE_DIR" in err
