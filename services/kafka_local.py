@@ -119,6 +119,7 @@ CLUSTER_ID_FILE = "cluster.id"
 PORTS_FILE = "ports"
 VERSION_FILE = "kafka.version"
 LOG_FILE = "broker.log"
+START_MARKER = "===== sagaline: starting broker at"  # opens each start's lines in LOG_FILE
 LOCK_FILE = "launcher.lock"
 SERVER_PROPERTIES = "server.properties"
 SASL_FILE = "sasl.json"  # the SASL listener's port and the principals' passwords
@@ -689,12 +690,17 @@ def _read_pid(state: Path) -> int | None:
 
 
 def _log_tail(state: Path, lines: int = 40) -> str:
+    """The last ``lines`` lines the latest start wrote (the log keeps every start's:
+    an earlier start's error must not be taken for this one's)."""
     try:
         text = (state / LOG_FILE).read_text(errors="replace")
     except FileNotFoundError:
         return "(no broker log yet)"
+    _, marker, text = text.rpartition(START_MARKER)
+    if marker:
+        text = text.partition("\n")[2]  # the rest of the marker's line
     tail = text.strip().splitlines()[-lines:]
-    return "\n".join(tail) if tail else "(broker log is empty)"
+    return "\n".join(tail) if tail else "(nothing in the broker log from this start)"
 
 
 def metadata_answers(bootstrap: str, timeout: float = 5.0) -> bool:
@@ -831,7 +837,7 @@ def _spawn(java: str, libs: Path, state: Path, heap: tuple[str, ...] = JVM_HEAP)
     ]  # fmt: skip
     log = state / LOG_FILE
     with open(log, "a") as fh:
-        fh.write(f"\n===== sagaline: starting broker at {time.strftime('%F %T')} =====\n")
+        fh.write(f"\n{START_MARKER} {time.strftime('%F %T')} =====\n")
     proc = subprocess.run(
         ["sh", "-c", 'LOG="$1"; shift; "$@" </dev/null >>"$LOG" 2>&1 & echo $!', "sh",
          str(log), *cmd],

@@ -654,3 +654,32 @@ def test_up_on_a_state_dir_that_cannot_be_made_is_a_clear_error(
     err = capsys.readouterr().err
     assert err.startswith(f"sagaline kafka up: cannot use {state}"), err
     assert "--state-dir" in err and "SAGALINE_CACHE_DIR" in err
+
+
+def test_a_failed_start_quotes_its_own_log_lines_not_an_earlier_start(tmp_path: Path) -> None:
+    """broker.log keeps every start's output. A start that died at once (a few lines:
+    here java cannot find kafka.Kafka, e.g. a damaged jar cache) was reported from the
+    last 40 lines of the whole file, so an earlier start's "Address already in use"
+    made it a PortInUseError telling the user to run `up` again for free ports (and an
+    earlier "Failed to acquire lock" one blaming another Kafka process). Now only this
+    start's lines count."""
+    state = tmp_path / "broker"
+    state.mkdir()
+    (state / "broker.log").write_text(
+        "\n===== sagaline: starting broker at 2025-01-01 10:00:00 =====\n"
+        "[2025-01-01 10:00:01] ERROR [KafkaServer] Address already in use (kafka.Kafka$)\n"
+    )
+    java = tmp_path / "java"
+    java.write_text(
+        "#!/bin/sh\necho 'Error: Could not find or load main class kafka.Kafka'\nexit 1\n"
+    )
+    java.chmod(0o755)
+    pid = kafka_local._spawn(str(java), tmp_path / "libs", state)
+    port = kafka_local.free_port()
+    with pytest.raises(kafka_local.KafkaLauncherError) as raised:
+        kafka_local._wait_ready(state, pid, f"127.0.0.1:{port}", port, 60.0)
+    assert type(raised.value) is kafka_local.StartupError, raised.value
+    message = str(raised.value)
+    assert "exited during start-up" in message
+    assert "Could not find or load main class kafka.Kafka" in message
+    assert "Address already in use" not in message
