@@ -681,7 +681,15 @@ def _is_our_broker(pid: int, state: Path) -> bool:
         # No /proc (not Linux): trust the pid. With /proc, an empty command line is
         # a kernel thread (a pid reused after a reboot), never our JVM.
         return not Path("/proc/self/cmdline").exists()
-    return "kafka.Kafka" in cmd and str(state / SERVER_PROPERTIES) in cmd
+    if "kafka.Kafka" not in cmd:
+        return False
+    # The config path as the broker was started with it: the default state dir is not
+    # resolved, a --state-dir is, so the same dir may be spelled through a symlink.
+    config = state / SERVER_PROPERTIES
+    if str(config) in cmd:
+        return True
+    wanted = config.resolve()
+    return any(arg.endswith(SERVER_PROPERTIES) and Path(arg).resolve() == wanted for arg in cmd)
 
 
 def _read_pid(state: Path) -> int | None:

@@ -683,3 +683,29 @@ def test_a_failed_start_quotes_its_own_log_lines_not_an_earlier_start(tmp_path: 
     assert "exited during start-up" in message
     assert "Could not find or load main class kafka.Kafka" in message
     assert "Address already in use" not in message
+
+
+@pytest.mark.kafka
+def test_the_broker_is_known_by_its_state_dir_through_a_symlink(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default state dir is not resolved (the broker's command line names it as
+    given), a --state-dir is. With a symlink on the way (a symlinked HOME or cache),
+    `sagaline kafka status --state-dir <the same dir>` said "stale pid file", and
+    `down --state-dir` deleted the running broker's pid file without stopping it:
+    the next `up` then failed on the data dir's lock. Both now know it."""
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real, target_is_directory=True)
+    version, libs = kafka_local.resolve_jars()  # the jars already cached, not a copy
+    monkeypatch.setattr(kafka_local, "resolve_jars", lambda *_a: (version, libs))
+    monkeypatch.setenv("SAGALINE_CACHE_DIR", str(tmp_path / "link" / "cache"))
+    state = kafka_local.default_state_dir()
+    res = _local_or_skip()
+    try:
+        assert kafka_local.status(str(state)).running
+        assert kafka_local.down(str(state)) is True
+        assert not kafka_local._pid_alive(res.pid)
+    finally:
+        if kafka_local._pid_alive(res.pid):
+            os.kill(res.pid, signal.SIGKILL)
