@@ -389,15 +389,17 @@ def check_traces(runs: Sequence[SagaRun], variant: str, tool_dir: Path) -> list[
     """Every saga against the tools' own state; returns the problems found."""
     problems: list[str] = []
     effects: dict[str, dict[str, tuple[int, int, int, int | None]]] = {}
+    made: dict[str, collections.Counter[str]] = {}  # per tool, effects (keys) per saga
     rejections: dict[str, int] = collections.Counter()
     for name in TOOLS:
         db = sqlite3.connect(str(tool_dir / f"tool-{name}.sqlite"))
-        effects[name] = {
-            row[0]: (row[1], row[2], row[3], row[4])
-            for row in db.execute(
-                "SELECT saga_id, calls, compensations, done_ns, compensated_ns FROM effects"
-            )
-        }
+        effects[name] = {}
+        made[name] = collections.Counter()
+        for row in db.execute(
+            "SELECT saga_id, calls, compensations, done_ns, compensated_ns FROM effects"
+        ):
+            effects[name][row[0]] = (row[1], row[2], row[3], row[4])
+            made[name][row[0]] += 1
         if name == TOOLS[2]:
             for (saga_id,) in db.execute("SELECT saga_id FROM rejections"):
                 rejections[saga_id] += 1
@@ -409,6 +411,9 @@ def check_traces(runs: Sequence[SagaRun], variant: str, tool_dir: Path) -> list[
             problems.append(f"{sid}: ended {run.status} {run.error}, expected {want}")
             continue
         got = {t: effects[t].get(sid) for t in TOOLS}
+        for t in TOOLS:
+            if made[t][sid] > 1:  # one row per idempotency key: the step ran under two
+                problems.append(f"{sid}: {t} made {made[t][sid]} effects")
         for t in TOOLS[:2] + ((TOOLS[2],) if variant == "complete" else ()):
             e = got[t]
             if e is None:
