@@ -24,7 +24,8 @@ Measured per level:
   ``/proc/<pid>/task/*/status``): on a VM where a switch is dear they are much of
   the CPU above;
 * per-hop latency percentiles from record timestamps (each record against the record
-  that caused it; the agent's records against the record that woke it);
+  that caused it; the agent's records against the record that woke it); every
+  percentile here is nearest-rank (:func:`pct`);
 * every saga's trace checked against the tools' own state (one SQLite file per
   tool): the receipt's status, each effect made once, compensated exactly once and
   in reverse order (reject) or retained (complete);
@@ -50,6 +51,7 @@ import asyncio
 import collections
 import concurrent.futures
 import json
+import math
 import os
 import shutil
 import signal
@@ -514,10 +516,13 @@ def hop_latencies(traces: dict[str, list[Traced]]) -> dict[str, list[int]]:
 
 
 def pct(values: Sequence[float], q: float) -> float:
+    """Nearest-rank quantile: the ceil(q * n)-th smallest value (nan when empty)."""
     if not values:
         return float("nan")
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    # ceil, minus a hair so that q * n a float ulp above an integer keeps its rank
+    rank = math.ceil(q * len(ordered) - 1e-9)
+    return ordered[max(0, min(len(ordered), rank) - 1)]
 
 
 # ------------------------------------------------------------------- the raw floor
