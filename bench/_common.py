@@ -33,6 +33,26 @@ def machine_description() -> str:
     )
 
 
+def require_broker(bootstrap: str, timeout_s: float = 10.0) -> None:
+    """Exit with a message naming ``bootstrap`` when no broker answers a metadata
+    request there within ``timeout_s`` (instead of librdkafka's connection errors and
+    a traceback half a minute later, from whatever asks the broker first)."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0})
+    try:
+        admin.list_topics(timeout=timeout_s)
+    except KafkaException as exc:
+        reason = exc.args[0].str() if exc.args and hasattr(exc.args[0], "str") else str(exc)
+        raise SystemExit(
+            f"no Kafka broker answers at {bootstrap} within {timeout_s:.0f} s ({reason}). "
+            "Start one (`python -m services.kafka_cli up` prints its address) and set "
+            "KAFKA_BOOTSTRAP_SERVERS to it, or unset KAFKA_BOOTSTRAP_SERVERS to use the "
+            "local broker."
+        ) from None
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """A GitHub markdown table, columns padded so it also reads well in a terminal;
     the first column is left-aligned, the others right-aligned (numbers)."""
@@ -72,5 +92,6 @@ __all__ = [
     "cpu_model",
     "machine_description",
     "markdown_table",
+    "require_broker",
     "write_docs_section",
 ]

@@ -63,7 +63,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
-from bench._common import REPO_ROOT, machine_description, markdown_table, write_docs_section
+from bench._common import (
+    REPO_ROOT,
+    machine_description,
+    markdown_table,
+    require_broker,
+    write_docs_section,
+)
 from coordinator.core import decide
 from coordinator.shell import DECODED_STATES, Coordinator, _due_headers, _PackedStates
 from coordinator.state import SagaState, SagaStatus
@@ -767,6 +773,7 @@ def main(argv: list[str] | None = None) -> int:
 
     base = Settings.from_env()
     bootstrap = base.bootstrap or resolve_bootstrap()
+    require_broker(bootstrap)
     prefix = f"bench-{uuid.uuid4().hex[:8]}."
     settings = dataclasses.replace(base, bootstrap=bootstrap, topic_prefix=prefix)
     command = "python bench/coordinator.py" + (" --quick" if args.quick else "")

@@ -73,7 +73,7 @@ import contextlib
 
 from confluent_kafka import Consumer, KafkaError, Producer
 
-from bench._common import REPO_ROOT, machine_description, markdown_table
+from bench._common import REPO_ROOT, machine_description, markdown_table, require_broker
 from bench._requests import RequestLog, per_saga
 from participants import BusinessRejection, CompensationContext, compensable, tool, wrap
 from participants.catalogue import Catalogue
@@ -889,6 +889,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from services.broker import resolve_bootstrap
 
     bootstrap = resolve_bootstrap()
+    require_broker(bootstrap)
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True
     ).stdout.strip()
