@@ -1,8 +1,10 @@
 """End to end: sagas/s through real processes on the real broker, and the raw floor.
 
 Run: ``python bench/e2e.py`` (a few minutes on 2 cores), ``--quick`` for a short
-check. It runs the checkout it lives in, so to compare two commits copy this file
-into the other checkout and run it there (it uses only APIs both have).
+check. It runs the checkout it lives in, so to compare two commits copy this file,
+``bench/_common.py`` and ``bench/_requests.py`` into the other checkout and run it
+there (it uses only APIs both have; ``bench/pair.py`` refuses checkouts whose copies
+differ).
 
 The scenario (issue 9): three tools in three participant processes
 (``sagaline participant run``), the coordinator as its own process

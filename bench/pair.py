@@ -8,9 +8,10 @@ turn (before, after, before, after, ...) and prints every run and the means:
     python bench/pair.py --before ../base --after . --rounds 2 -- \\
         --levels 1:100,100:1000 --variants reject --broker-state-dir ...
 
-Each checkout runs its own ``bench/e2e.py`` (copy this one's into the other checkout
-first: it only uses APIs both have) with the interpreter running this script; the
-arguments after ``--`` go to every run. Every run's output is kept in the work
+Each checkout runs its own ``bench/e2e.py`` (copy this one's, with ``bench/_common.py``
+and ``bench/_requests.py``, into the other checkout first: it only uses APIs both have;
+a pair whose two checkouts' copies differ is refused) with the interpreter running
+this script; the arguments after ``--`` go to every run. Every run's output is kept in the work
 directory it prints; a run that fails or finds a wrong trace fails the pair.
 """
 
@@ -42,6 +43,28 @@ class Run:
     problems: int
 
 
+# What bench/e2e.py runs with: both sides must run the same, or their figures differ by
+# more than the code under test (another default level, another measure).
+BENCH_FILES = ("bench/e2e.py", "bench/_common.py", "bench/_requests.py")
+
+
+def require_same_bench(before: Path, after: Path) -> None:
+    """Refuse a pair whose two checkouts would measure with different bench files."""
+    differ = [
+        rel
+        for rel in BENCH_FILES
+        if not (before / rel).exists()
+        or not (after / rel).exists()
+        or (before / rel).read_bytes() != (after / rel).read_bytes()
+    ]
+    if differ:
+        raise SystemExit(
+            f"{before} and {after} do not run the same benchmark ({', '.join(differ)} "
+            f"differ or are missing): copy them into both, e.g. "
+            f"cp {' '.join(str(after / rel) for rel in BENCH_FILES)} {before / 'bench'}/"
+        )
+
+
 def commit_of(checkout: Path) -> str:
     out = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True
@@ -52,7 +75,9 @@ def commit_of(checkout: Path) -> str:
 def run_once(side: str, n: int, checkout: Path, e2e_args: Sequence[str], work: Path) -> Run:
     script = checkout / "bench" / "e2e.py"
     if not script.exists():
-        raise SystemExit(f"{script} does not exist: copy bench/e2e.py into that checkout")
+        raise SystemExit(
+            f"{script} does not exist: copy {', '.join(BENCH_FILES)} into that checkout"
+        )
     log = work / f"{side}-{n}.log"
     result = work / f"{side}-{n}.json"
     started = time.strftime("%H:%M:%S", time.gmtime())
@@ -129,6 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(args_in)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    require_same_bench(args.before.resolve(), args.after.resolve())
     work = Path(tempfile.mkdtemp(prefix="sagaline-pair-"))
     print(f"runs' output: {work}", flush=True)
     runs: list[Run] = []
