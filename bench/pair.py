@@ -106,7 +106,9 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def report(runs: Sequence[Run], before: Path, after: Path) -> str:
+def report(runs: Sequence[Run], before: Path, after: Path, raw: bool = True) -> str:
+    """The table of every run, the means and the ratio; ``raw``: the runs measured the
+    raw floor (no ``--no-raw``), so a run without one is named (its floor stalled)."""
     names = list(dict.fromkeys(name for run in runs for name in run.rates))
     rows: list[list[str]] = []
     for run in runs:
@@ -134,8 +136,16 @@ def report(runs: Sequence[Run], before: Path, after: Path) -> str:
     ]
     for name in names:
         floor = [r.raw_rates[name] for r in runs if not math.isnan(r.raw_rates.get(name, math.nan))]
-        if floor:
-            lines.append(f"raw floor {name}: {min(floor):.1f}-{max(floor):.1f} sagas/s")
+        line = f"raw floor {name}: {min(floor):.1f}-{max(floor):.1f} sagas/s" if floor else ""
+        missing = [
+            f"{r.side} {r.round}" for r in runs if math.isnan(r.raw_rates.get(name, math.nan))
+        ]
+        if raw and missing:
+            line = (line + "; " if line else f"raw floor {name}: ") + (
+                f"none in {', '.join(missing)} (it stalled: see that run's output)"
+            )
+        if line:
+            lines.append(line)
     wrong = sum(run.problems for run in runs)
     lines.append("traces: all correct" if not wrong else f"traces: {wrong} WRONG")
     return "\n".join(lines)
@@ -165,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{side} {n} ({run.started}): {shown} sagas/s", flush=True)
             runs.append(run)
     print()
-    print(report(runs, args.before.resolve(), args.after.resolve()))
+    print(report(runs, args.before.resolve(), args.after.resolve(), "--no-raw" not in e2e_args))
     return 1 if any(run.problems for run in runs) else 0
 
 

@@ -55,3 +55,17 @@ def test_a_pair_of_different_bench_scripts_is_refused(
 
     assert "bench/e2e.py" in str(refused.value.code)
     assert "x100" not in capsys.readouterr().out  # nothing was measured
+
+
+def test_a_stalled_raw_floor_is_reported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    e2e = FAKE_E2E + "# STALL_AFTER\n"
+    before = _checkout(tmp_path, "before", e2e)
+    after = _checkout(tmp_path, "after", e2e)
+
+    pair.main(["--before", str(before), "--after", str(after), "--rounds", "2"])
+
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("raw floor reject x1"))
+    assert "after 1" in line and "after 2" in line, line
