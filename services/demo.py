@@ -1005,11 +1005,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         # The dashboard child reads its SAGALINE_DASHBOARD_* switches from this
         # environment: one it cannot read stopped it at once, said only in its log,
         # while the demo announced it and ran on.
+        from services.dashboard import DashboardConfigError, ended_sagas_from_env
         from services.dashboard.auth import AuthConfigError, OperatorAuth
 
         try:
             OperatorAuth.from_env()
-        except AuthConfigError as exc:
+            ended_sagas_from_env()
+        except (AuthConfigError, DashboardConfigError) as exc:
             print(f"sagaline demo: the dashboard cannot start: {exc}", file=sys.stderr)
             return 2
     options = DemoOptions(

@@ -254,9 +254,9 @@ class SagaScript:
 # ---------------------------------------------------------------------- scenarios
 
 
-def completed(saga_id: str = "s-completed") -> SagaScript:
+def completed(saga_id: str = "s-completed", start: int = T0) -> SagaScript:
     """hold -> restock -> credit (pivot) -> email (approved), all kept."""
-    s = SagaScript(saga_id).start()
+    s = SagaScript(saga_id, now=start).start()
     s.run("1", "place_hold", amount_cents=4_000)
     s.run("2", "restock_inventory")
     s.run("3", "issue_credit", amount_cents=4_000)
@@ -296,9 +296,9 @@ def compensated(saga_id: str = "s-compensated") -> SagaScript:
     return s
 
 
-def escalated(saga_id: str = "s-escalated") -> SagaScript:
+def escalated(saga_id: str = "s-escalated", start: int = T0) -> SagaScript:
     """The credit fails; un-restocking fails twice and escalates; the hold is undone."""
-    s = SagaScript(saga_id).start()
+    s = SagaScript(saga_id, now=start).start()
     s.run("1", "place_hold", amount_cents=1_000)
     s.run("2", "restock_inventory", amount_cents=2_500)
     s.schedule("3", "issue_credit", amount_cents=2_500)

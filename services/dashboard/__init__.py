@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
+from collections.abc import Mapping
 
 from sagaline.kafka import require_bootstrap
 from sagaline.ops.actions import OperatorChannel
@@ -29,17 +31,51 @@ from services._args import port
 from services.dashboard.app import create_app
 from services.dashboard.auth import AuthConfigError, OperatorAuth
 from services.dashboard.consumer import LedgerFollower
-from services.dashboard.view import DashboardState, SagaFilter, SagaStatus, SagaView
+from services.dashboard.view import (
+    DEFAULT_ENDED_SAGAS,
+    DashboardState,
+    SagaFilter,
+    SagaStatus,
+    SagaView,
+)
 
 DEFAULT_PORT = 8088
+
+
+class DashboardConfigError(ValueError):
+    """A dashboard setting cannot be used; the message says why."""
+
+
+def ended_sagas_from_env(env: Mapping[str, str] | None = None) -> int:
+    """``SAGALINE_DASHBOARD_ENDED_SAGAS``: ended, settled sagas kept in memory (unset or
+    empty: :data:`DEFAULT_ENDED_SAGAS`)."""
+    env = os.environ if env is None else env
+    raw = env.get("SAGALINE_DASHBOARD_ENDED_SAGAS", "").strip()
+    if not raw:
+        return DEFAULT_ENDED_SAGAS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise DashboardConfigError(
+            f"SAGALINE_DASHBOARD_ENDED_SAGAS={raw!r}: expected a whole number of ended "
+            f"sagas to keep in memory, 0 or more (unset: {DEFAULT_ENDED_SAGAS})"
+        )
+    return value
 
 
 class Dashboard:
     """One dashboard process: state, Kafka follower, operator channel and the ASGI app."""
 
     def __init__(
-        self, bootstrap: str, settings: Settings, auth: OperatorAuth | None = None
+        self,
+        bootstrap: str,
+        settings: Settings,
+        auth: OperatorAuth | None = None,
+        ended_sagas: int | None = None,
     ) -> None:
+        """``ended_sagas`` None: from ``SAGALINE_DASHBOARD_ENDED_SAGAS``."""
         self.settings = settings
         from services.refund import economic_effect
 
@@ -48,6 +84,7 @@ class Dashboard:
             SagalineMetrics("dashboard", effect=economic_effect),
             # The coordinator binds writers with a trust file (identities): so does the view.
             bind_writers=isinstance(signer, IdentitySigner),
+            ended_sagas=ended_sagas_from_env() if ended_sagas is None else ended_sagas,
         )
         self.follower = LedgerFollower(bootstrap, settings.topics, signer, self.state)
         self.channel = OperatorChannel(bootstrap, settings.topics, signer, settings.limits)
@@ -131,7 +168,7 @@ def _run(args: argparse.Namespace) -> int:
     except BaseException as exc:
         for sock in sockets:
             sock.close()
-        if not isinstance(exc, AuthConfigError):
+        if not isinstance(exc, AuthConfigError | DashboardConfigError):
             raise
         print(f"error: {exc}", file=sys.stderr)  # what to fix, not a traceback
         return 2
@@ -153,7 +190,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "/metrics alone, without a login; without logins SAGALINE_DASHBOARD_HOSTS names "
         "the hosts it may be reached by besides localhost and IP addresses; "
         "SAGALINE_DASHBOARD_SECURE_COOKIE=1 makes the session cookie always Secure; see "
-        "docs/security.md).",
+        "docs/security.md; SAGALINE_DASHBOARD_ENDED_SAGAS bounds the ended sagas kept in "
+        f"memory, {DEFAULT_ENDED_SAGAS} by default).",
     )
     parser.add_argument("--port", type=port, default=DEFAULT_PORT, help="HTTP port (8088)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1)")
@@ -170,8 +208,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 __all__ = [
+    "DEFAULT_ENDED_SAGAS",
     "DEFAULT_PORT",
     "Dashboard",
+    "DashboardConfigError",
     "DashboardState",
     "LedgerFollower",
     "OperatorAuth",
@@ -179,5 +219,6 @@ __all__ = [
     "SagaStatus",
     "SagaView",
     "create_app",
+    "ended_sagas_from_env",
     "register",
 ]

@@ -1147,6 +1147,8 @@ def create_app(
                 "records_applied": state.records_applied,
                 "ledger_duplicates": state.ledger_duplicates,
                 "refused_records": state.refused_records,
+                "evicted_sagas": state.evicted_sagas,
+                "evicted_records": state.evicted_records,
                 "fold_errors": follower.fold_errors if follower else 0,
                 "rejected_records": follower.rejected if follower else 0,
                 "unreadable_records": follower.unreadable if follower else 0,

@@ -15,6 +15,7 @@ event id and tolerates any order between topics.
 from __future__ import annotations
 
 import enum
+import heapq
 import threading
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
@@ -183,6 +184,8 @@ class SagaView:
     started_by: str | None = None  # the SagaStarted's producer: the agent driving it
     refused: list[str] = field(default_factory=list)  # records the coordinator refuses
     record_count: int = 0
+    # Its event ids in the dedup memory, dropped with it (DashboardState._evict).
+    event_ids: list[str] = field(default_factory=list, repr=False)
 
     @property
     def status(self) -> SagaStatus:
@@ -235,16 +238,34 @@ class SagaFilter:
         )
 
 
+DEFAULT_ENDED_SAGAS = 10_000
+"""Ended, settled sagas a dashboard keeps (``SAGALINE_DASHBOARD_ENDED_SAGAS``)."""
+
+
 class DashboardState:
-    """Every saga the dashboard has seen, folded from the ledger; thread-safe.
+    """The sagas the dashboard has seen, folded from the ledger; thread-safe.
+
+    Every saga in flight or still needing a person (an open incident, a pending
+    approval) is kept; of the ended, settled ones the ``ended_sagas`` that ended last.
+    A saga is settled once its ledger's terminal record is read (every record before
+    it is then folded) and nothing is open; one known only from the terminal topic
+    (its ledger expired) once everything has been read (:meth:`mark_caught_up`). A
+    dropped saga's id is remembered, so its records read later (the other topic's
+    copy, a redelivery, a late decision the coordinator ignores) bring nothing back.
 
     ``lock`` guards the whole state: the Kafka thread holds it while applying a batch,
     page handlers while reading.
     """
 
     def __init__(
-        self, metrics: SagalineMetrics | None = None, *, bind_writers: bool = False
+        self,
+        metrics: SagalineMetrics | None = None,
+        *,
+        bind_writers: bool = False,
+        ended_sagas: int = DEFAULT_ENDED_SAGAS,
     ) -> None:
+        if ended_sagas < 0:
+            raise ValueError(f"ended_sagas must be 0 or more, not {ended_sagas}")
         self.lock = threading.RLock()
         # With a trust file the coordinator takes a record only from the writer bound to
         # it (the saga's agent, the step's participant); so does the view.
@@ -257,6 +278,13 @@ class DashboardState:
         self.ledger_duplicates = 0
         self.stale_records = 0
         self.records_applied = 0
+        self.ended_sagas = ended_sagas
+        self._settled: dict[str, int] = {}  # kept ended, settled sagas -> terminal_at
+        self._settled_order: list[tuple[int, str]] = []  # heap; stale entries skipped
+        self._evicted: set[str] = set()
+        self.evicted_sagas = 0
+        self.evicted_records = 0  # records of a dropped saga read after it was dropped
+        self._caught_up = False
 
     # ---------------------------------------------------------------- applying
 
@@ -270,6 +298,11 @@ class DashboardState:
         for a record already applied (a duplicate) or of a superseded generation."""
         with self.lock:
             event_id = record.event_id
+            if record.saga_id in self._evicted:
+                # Ended and settled before: nothing it still says counts (the
+                # coordinator too ignores an ended saga's history), nor is measured.
+                self.evicted_records += 1
+                return False
             if not from_ledger and isinstance(record, IncidentResolved):
                 # The incident feed's copy of a resolution is on the ledger too (which
                 # outlives the feed). What it settles depends on the step's state when
@@ -291,12 +324,15 @@ class DashboardState:
                     self.metrics.observe_record(record)
             if event_id in self._seen:
                 if from_ledger:
+                    self.sagas[record.saga_id].event_ids.append(event_id)
                     self._ended_in_ledger(record)
                     self._given_up_in_ledger(record)
+                    self._check_settled(self.sagas[record.saga_id])
                 return False
             saga = self._saga_for(record, from_ledger)
             if saga is None:
                 self._seen.add(event_id)
+                self.sagas[record.saga_id].event_ids.append(event_id)
                 self.stale_records += 1
                 return False
             refused = _refusal(saga, record, self.bind_writers)
@@ -308,6 +344,7 @@ class DashboardState:
                 saga.refused.append(f"{record.TYPE} {event_id}: {refused}")
                 return False
             self._seen.add(event_id)
+            saga.event_ids.append(event_id)
             _begin_generation(saga, record)
             self.records_applied += 1
             saga.record_count += 1
@@ -315,7 +352,48 @@ class DashboardState:
             _fold(saga, record)
             if from_ledger:
                 self._ended_in_ledger(record)
+            self._check_settled(saga)
             return True
+
+    def mark_caught_up(self) -> None:
+        """Everything that existed at start has been read: an ended saga known only
+        from the terminal topic has no ledger left to read (it expired)."""
+        with self.lock:
+            self._caught_up = True
+            for saga in list(self.sagas.values()):
+                self._check_settled(saga)
+
+    def _check_settled(self, saga: SagaView) -> None:
+        """Track whether ``saga`` is ended and settled; drop the oldest-ended such
+        sagas past ``ended_sagas``."""
+        if (
+            saga.terminal_at is None
+            or saga.open_incidents
+            or saga.pending_approvals
+            or not (saga.ended_in_ledger or self._caught_up)
+        ):
+            self._settled.pop(saga.saga_id, None)
+            return
+        if self._settled.get(saga.saga_id) == saga.terminal_at:
+            return
+        self._settled[saga.saga_id] = saga.terminal_at
+        heapq.heappush(self._settled_order, (saga.terminal_at, saga.saga_id))
+        while len(self._settled) > self.ended_sagas:
+            at, saga_id = heapq.heappop(self._settled_order)
+            if self._settled.get(saga_id) == at:
+                self._evict(saga_id)
+        if len(self._settled_order) > 2 * len(self._settled) + 64:  # stale entries
+            self._settled_order = [(at, i) for i, at in self._settled.items()]
+            heapq.heapify(self._settled_order)
+
+    def _evict(self, saga_id: str) -> None:
+        del self._settled[saga_id]
+        saga = self.sagas.pop(saga_id)
+        for event_id in saga.event_ids:
+            self._seen.discard(event_id)
+            self._seen_on_ledger.discard(event_id)
+        self._evicted.add(saga_id)
+        self.evicted_sagas += 1
 
     def _ended_in_ledger(self, record: Record) -> None:
         """Ledger order decides what the coordinator still counts: decisions before its

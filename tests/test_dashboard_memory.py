@@ -1,0 +1,171 @@
+"""The dashboard's memory bound: it keeps every saga in flight or still needing a person,
+and at most ``ended_sagas`` ended, settled ones (oldest-ended dropped first, with their
+event ids). Pure folds of records, in the orders the follower reads them: live (each
+saga's ledger record first, its terminal and incident copies after) and on a restart
+(the short terminal topic read far ahead of the ledger).
+"""
+
+from __future__ import annotations
+
+import pytest
+from dashboard_scenarios import T0, completed, copies_to, escalated, running
+from starlette.testclient import TestClient
+
+from sagaline.kafka import create_producer, ensure_topics
+from sagaline.ops.actions import incident_resolved
+from sagaline.ops.metrics import SagalineMetrics
+from schemas import IncidentRaised, Record
+from schemas.settings import Settings
+from schemas.wire import to_message
+from services.dashboard import (
+    DEFAULT_ENDED_SAGAS,
+    Dashboard,
+    DashboardConfigError,
+    ended_sagas_from_env,
+)
+from services.dashboard.view import DashboardState, SagaStatus
+
+MINUTE = 60_000
+
+
+def _ended(n: int) -> list[list[Record]]:
+    """``n`` completed sagas, ``s-done-0`` ended first."""
+    return [completed(f"s-done-{i}", start=T0 + i * MINUTE).records for i in range(n)]
+
+
+def _live(state: DashboardState, records: list[Record]) -> None:
+    for record in records:
+        state.apply(record)
+        for _copy in copies_to(record):
+            state.apply(record, from_ledger=False)
+
+
+def test_ended_settled_sagas_are_bounded_oldest_ended_first() -> None:
+    """Every saga read since offset 0 was kept for the ledger's 365 days: memory grew
+    without limit. Ended, settled sagas are now bounded; in flight and escalated ones
+    with an open incident are always kept."""
+    state = DashboardState(SagalineMetrics("dashboard"), ended_sagas=3)
+    _live(state, escalated("s-esc", start=T0 - MINUTE).records)  # ended first, still open
+    _live(state, running("s-run").records)
+    for records in _ended(6):
+        _live(state, records)
+    assert set(state.sagas) == {"s-esc", "s-run", "s-done-3", "s-done-4", "s-done-5"}
+    assert state.evicted_sagas == 3
+    # Their event ids left the dedup memory with them.
+    kept = sum(s.record_count for s in state.sagas.values())
+    assert len(state._seen) == kept
+    assert len(state._seen_on_ledger) == kept
+
+
+def test_a_reread_copy_or_duplicate_of_an_evicted_saga_does_not_bring_it_back() -> None:
+    """Live, a saga's terminal copy or a redelivered ledger record may be read after it
+    was dropped: it must not come back as a saga of one record, shown running."""
+    state = DashboardState(SagalineMetrics("dashboard"), ended_sagas=1)
+    sagas = _ended(3)
+    for records in sagas:
+        for record in records:
+            state.apply(record)  # the ledger only: the copies come late
+    assert set(state.sagas) == {"s-done-2"}
+    for records in sagas[:2]:
+        state.apply(records[-1], from_ledger=False)  # the terminal topic's copy
+        state.apply(records[3])  # a redelivered ledger record
+    assert set(state.sagas) == {"s-done-2"}
+    assert state.counts()[SagaStatus.RUNNING] == 0
+    assert state.evicted_records == 4
+
+
+def test_a_restart_reading_the_terminal_topic_first_keeps_whole_sagas() -> None:
+    """On a restart the compacted terminal topic is read far ahead of the ledger: a saga
+    is dropped only once its ledger's terminal record is read (all its records before
+    it are), so no kept saga lacks its ledger and no dropped one comes back."""
+    state = DashboardState(SagalineMetrics("dashboard"), ended_sagas=2)
+    sagas = _ended(4)
+    for records in sagas:
+        state.apply(records[-1], from_ledger=False)
+    assert len(state.sagas) == 4  # none is known to be settled yet
+    for records in sagas:
+        for record in records:
+            state.apply(record)
+    assert set(state.sagas) == {"s-done-2", "s-done-3"}
+    for saga in state.sagas.values():
+        assert saga.workflow == "refund" and saga.record_count == len(sagas[0])
+    assert state.counts()[SagaStatus.COMPLETED] == 2
+
+
+def test_an_escalated_saga_is_kept_until_its_incidents_are_resolved() -> None:
+    state = DashboardState(SagalineMetrics("dashboard"), ended_sagas=1)
+    esc = escalated("s-esc").records
+    _live(state, esc)
+    for records in _ended(2):
+        _live(state, records)
+    assert "s-esc" in state.sagas
+    incident = next(r for r in esc if isinstance(r, IncidentRaised))
+    state.apply(
+        incident_resolved(incident, operator="dan", resolution="restocked", now=T0 + 9 * MINUTE)
+    )
+    assert "s-esc" not in state.sagas  # settled now, and the oldest ended
+    state.apply(incident, from_ledger=False)  # the incident feed's copy, read late
+    assert state.open_incidents() == []
+
+
+def test_a_saga_known_only_from_the_terminal_topic_is_dropped_once_caught_up() -> None:
+    """Its ledger expired (365 days) while the compacted terminal topic keeps it: once
+    everything has been read, it is settled too."""
+    state = DashboardState(SagalineMetrics("dashboard"), ended_sagas=1)
+    for records in _ended(3):
+        state.apply(records[-1], from_ledger=False)
+    assert len(state.sagas) == 3
+    state.mark_caught_up()
+    assert set(state.sagas) == {"s-done-2"}
+
+
+def test_the_bound_is_read_from_the_environment_and_a_bad_value_refused() -> None:
+    assert ended_sagas_from_env({}) == DEFAULT_ENDED_SAGAS
+    assert ended_sagas_from_env({"SAGALINE_DASHBOARD_ENDED_SAGAS": " 25 "}) == 25
+    for bad in ("ten", "-1", "1.5"):
+        with pytest.raises(DashboardConfigError, match="SAGALINE_DASHBOARD_ENDED_SAGAS"):
+            ended_sagas_from_env({"SAGALINE_DASHBOARD_ENDED_SAGAS": bad})
+
+
+@pytest.mark.kafka
+def test_a_restarted_dashboard_keeps_the_bound_on_the_topics(
+    transport: str, unique_prefix: str
+) -> None:
+    """The follower reads every topic from offset 0; the three sagas' ledgers, terminal
+    and incident copies in any interleaving leave the newest ended one and the
+    escalated one, each whole, and nothing half."""
+    settings = Settings(bootstrap=transport, topic_prefix=unique_prefix,
+                        hmac_key=b"dashboard-test-key", partitions=3)  # fmt: skip
+    ensure_topics(transport, settings.topics, partitions=3)
+    producer = create_producer(transport)
+    signer, topics = settings.signer(), settings.topics
+    sagas = [*_ended(3), escalated("s-esc").records]
+    for record in [r for records in sagas for r in records]:
+        key, value, headers = to_message(record, signer)
+        for attr in ["events", *copies_to(record)]:
+            producer.produce(getattr(topics, attr), key=key, value=value, headers=headers)
+    assert producer.flush(30) == 0
+    dashboard = Dashboard(transport, settings, ended_sagas=1)
+    with TestClient(dashboard.app, base_url="http://localhost") as client:
+        assert dashboard.follower.caught_up.wait(30), "the dashboard did not catch up"
+        body = client.get("/api/state").json()
+    assert {s["saga_id"]: s["status"] for s in body["sagas"]} == {
+        "s-done-2": "completed",
+        "s-esc": "escalated",
+    }
+    assert {s["saga_id"]: s["records"] for s in body["sagas"]} == {
+        "s-done-2": len(sagas[2]),
+        "s-esc": len(sagas[3]),
+    }
+
+
+def test_the_dashboard_refuses_a_bound_it_cannot_read_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.cli import main
+
+    monkeypatch.setenv("SAGALINE_DASHBOARD_ENDED_SAGAS", "lots")
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9")
+    assert main(["dashboard", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "SAGALINE_DASHBOARD_ENDED_SAGAS='lots'" in err and len(err.strip().splitlines()) == 1
