@@ -8,13 +8,21 @@ saga's ledger record first, its terminal and incident copies after) and on a res
 from __future__ import annotations
 
 import pytest
-from dashboard_scenarios import T0, completed, copies_to, escalated, running
+from dashboard_scenarios import (
+    APPROVAL_TTL_MS,
+    T0,
+    awaiting_approval,
+    completed,
+    copies_to,
+    escalated,
+    running,
+)
 from starlette.testclient import TestClient
 
 from sagaline.kafka import create_producer, ensure_topics
 from sagaline.ops.actions import incident_resolved
 from sagaline.ops.metrics import SagalineMetrics
-from schemas import IncidentRaised, Record
+from schemas import IncidentRaised, Record, TerminalStatus
 from schemas.settings import Settings
 from schemas.wire import to_message
 from services.dashboard import (
@@ -23,6 +31,7 @@ from services.dashboard import (
     DashboardConfigError,
     ended_sagas_from_env,
 )
+from services.dashboard.app import create_app
 from services.dashboard.view import DashboardState, SagaStatus
 
 MINUTE = 60_000
@@ -169,3 +178,50 @@ def test_the_dashboard_refuses_a_bound_it_cannot_read_in_one_line(
     assert main(["dashboard", "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert "SAGALINE_DASHBOARD_ENDED_SAGAS='lots'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_api_state_returns_one_page_of_sagas_and_where_the_next_begins() -> None:
+    """/api/state listed every saga in one response, built under the view's lock while
+    the Kafka thread waited for it."""
+    state = DashboardState(SagalineMetrics("dashboard"))
+    for i in range(7):
+        _live(state, running(f"s-run-{i}").records)
+    client = TestClient(create_app(state, clock=lambda: T0))
+    every = [s.saga_id for s in state.select()]
+    first = client.get("/api/state?limit=3").json()
+    assert [s["saga_id"] for s in first["sagas"]] == every[:3]
+    assert (first["total"], first["next_offset"]) == (7, 3)
+    last = client.get("/api/state?limit=3&offset=6").json()
+    assert [s["saga_id"] for s in last["sagas"]] == every[6:]
+    assert last["next_offset"] is None
+    assert first["counts"]["running"] == 7  # counts stay whole
+    assert len(client.get("/api/state").json()["sagas"]) == 7  # default: 500
+    for bad in ("limit=0", "limit=5001", "limit=x", "offset=-1"):
+        answer = client.get(f"/api/state?{bad}")
+        assert answer.status_code == 400 and bad.split("=")[0] in answer.json()["error"]
+
+
+def test_only_sagas_awaiting_an_approval_are_scanned_for_its_expiry() -> None:
+    """Every page and live region ran the approval-expiry scan over every saga, under
+    the lock; an index of the sagas with a pending request bounds it."""
+    state = DashboardState(SagalineMetrics("dashboard"))
+    _live(state, awaiting_approval("s-wait").records)
+    for records in _ended(3):
+        _live(state, records)
+    assert state.awaiting_approval_ids() == {"s-wait"}
+    state.expire_approvals(T0 + APPROVAL_TTL_MS + MINUTE)
+    assert state.sagas["s-wait"].status is SagaStatus.RUNNING
+    assert state.awaiting_approval_ids() == set()
+
+
+def test_an_ended_saga_with_a_request_left_pending_is_still_dropped() -> None:
+    """A request of an ended saga waits for no one (a decision after the end does not
+    count, and pages show none): it must not keep the saga in memory for good."""
+    state = DashboardState(SagalineMetrics("dashboard"), ended_sagas=1)
+    left = awaiting_approval("s-left")
+    left.terminal(TerminalStatus.ESCALATED)
+    _live(state, left.records)
+    for records in _ended(1):
+        _live(state, records)
+    assert set(state.sagas) == {"s-done-0"}
+    assert state.awaiting_approval_ids() == set()

@@ -231,6 +231,25 @@ def _query(flt: SagaFilter, **override: str | None) -> str:
     return urlencode({k: v for k, v in params.items() if v})
 
 
+API_SAGAS_DEFAULT = 500
+API_SAGAS_MAX = 5000
+"""Sagas in one ``/api/state`` answer: ``limit`` (default, most) from ``offset``."""
+
+
+def _query_int(request: Request, name: str, default: int, low: int, high: int | None) -> int:
+    raw = request.query_params.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = low - 1
+    if value < low or (high is not None and value > high):
+        most = f" to {high}" if high is not None else " or more"
+        raise ValueError(f"{name}={raw!r}: expected a whole number, {low}{most}")
+    return value
+
+
 def _age(ms: int, now: int) -> str:
     return format_duration(max(now - ms, 0)) + " ago"
 
@@ -1141,6 +1160,13 @@ def create_app(
 
     async def api_state(request: Request, viewer: Viewer) -> Response:
         flt = _filter_from(request)
+        try:
+            limit = _query_int(request, "limit", API_SAGAS_DEFAULT, 1, API_SAGAS_MAX)
+            offset = _query_int(request, "offset", 0, 0, None)
+        except ValueError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        sagas = state.select(flt)  # sorted outside the lock
+        page = sagas[offset : offset + limit]
         with state.lock:
             payload: dict[str, Any] = {
                 "caught_up": follower.caught_up.is_set() if follower else True,
@@ -1153,6 +1179,10 @@ def create_app(
                 "rejected_records": follower.rejected if follower else 0,
                 "unreadable_records": follower.unreadable if follower else 0,
                 "counts": {s.slug: n for s, n in state.counts(flt).items()},
+                "total": len(sagas),
+                "offset": offset,
+                "limit": limit,
+                "next_offset": offset + limit if offset + limit < len(sagas) else None,
                 "sagas": [
                     {
                         "saga_id": s.saga_id,
@@ -1163,7 +1193,7 @@ def create_app(
                         "steps": len(s.steps),
                         "records": s.record_count,
                     }
-                    for s in state.select(flt)
+                    for s in page
                 ],
                 "pending_approvals": [
                     {"saga_id": s.saga_id, "approval_id": a.approval_id, "step_id": a.step_id}

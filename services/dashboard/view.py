@@ -245,8 +245,9 @@ DEFAULT_ENDED_SAGAS = 10_000
 class DashboardState:
     """The sagas the dashboard has seen, folded from the ledger; thread-safe.
 
-    Every saga in flight or still needing a person (an open incident, a pending
-    approval) is kept; of the ended, settled ones the ``ended_sagas`` that ended last.
+    Every saga in flight (approvals pending included) or ended with an open incident
+    is kept (an ended saga's requests wait for no one: a decision after its end does not
+    count); of the ended, settled ones the ``ended_sagas`` that ended last.
     A saga is settled once its ledger's terminal record is read (every record before
     it is then folded) and nothing is open; one known only from the terminal topic
     (its ledger expired) once everything has been read (:meth:`mark_caught_up`). A
@@ -285,6 +286,9 @@ class DashboardState:
         self.evicted_sagas = 0
         self.evicted_records = 0  # records of a dropped saga read after it was dropped
         self._caught_up = False
+        # Sagas with a pending approval request: what the expiry scan and the pending
+        # list look at, not every saga.
+        self._awaiting: set[str] = set()
 
     # ---------------------------------------------------------------- applying
 
@@ -352,8 +356,17 @@ class DashboardState:
             _fold(saga, record)
             if from_ledger:
                 self._ended_in_ledger(record)
+            if saga.pending_approvals:
+                self._awaiting.add(saga.saga_id)
+            else:
+                self._awaiting.discard(saga.saga_id)
             self._check_settled(saga)
             return True
+
+    def awaiting_approval_ids(self) -> set[str]:
+        """Sagas with a pending approval request (ended ones included)."""
+        with self.lock:
+            return set(self._awaiting)
 
     def mark_caught_up(self) -> None:
         """Everything that existed at start has been read: an ended saga known only
@@ -369,7 +382,6 @@ class DashboardState:
         if (
             saga.terminal_at is None
             or saga.open_incidents
-            or saga.pending_approvals
             or not (saga.ended_in_ledger or self._caught_up)
         ):
             self._settled.pop(saga.saga_id, None)
@@ -388,6 +400,7 @@ class DashboardState:
 
     def _evict(self, saga_id: str) -> None:
         del self._settled[saga_id]
+        self._awaiting.discard(saga_id)
         saga = self.sagas.pop(saga_id)
         for event_id in saga.event_ids:
             self._seen.discard(event_id)
@@ -480,7 +493,7 @@ class DashboardState:
             return sorted(
                 (
                     (s, a)
-                    for s in self.sagas.values()
+                    for s in (self.sagas[i] for i in self._awaiting)
                     if s.terminal_status is None
                     for a in s.pending_approvals.values()
                 ),
@@ -505,11 +518,14 @@ class DashboardState:
         longer waits for a decision, so neither is the saga shown awaiting one. Pages
         call this with their clock before reading."""
         with self.lock:
-            for saga in self.sagas.values():
+            for saga_id in list(self._awaiting):
+                saga = self.sagas[saga_id]
                 if saga.terminal_status is not None:
                     continue  # nothing is waited for any more
                 for request in [a for a in saga.pending_approvals.values() if a.expires_at < now]:
                     _expire(saga, request)
+                if not saga.pending_approvals:
+                    self._awaiting.discard(saga_id)
 
     def open_incidents(self) -> list[tuple[SagaView, IncidentRaised]]:
         with self.lock:
