@@ -225,3 +225,24 @@ def test_an_ended_saga_with_a_request_left_pending_is_still_dropped() -> None:
         _live(state, records)
     assert set(state.sagas) == {"s-done-0"}
     assert state.awaiting_approval_ids() == set()
+
+
+def test_a_record_reusing_another_sagas_event_id_changes_nothing_and_stops_nothing() -> None:
+    """Event ids are the writers' (a buggy or forged one may reuse one under another
+    saga id): the ledger's duplicate of a seen event id for a saga never seen must be
+    dropped as a duplicate, not stop the dashboard's reader with a KeyError."""
+    state = DashboardState(SagalineMetrics("dashboard"))
+    records = completed("s-one").records
+    terminal = records[-1]
+    state.apply(terminal, from_ledger=False)  # a restart: the terminal topic read first
+    forged = terminal.model_copy(
+        update={"envelope": terminal.envelope.model_copy(update={"saga_id": "s-other"})}
+    )
+    assert forged.event_id == terminal.event_id and forged.saga_id == "s-other"
+
+    assert state.apply(forged) is False
+
+    assert set(state.sagas) == {"s-one"}
+    for record in records:  # the ledger's own records still fold
+        state.apply(record)
+    assert state.sagas["s-one"].status is SagaStatus.COMPLETED

@@ -327,11 +327,13 @@ class DashboardState:
                 if self._measured(record):
                     self.metrics.observe_record(record)
             if event_id in self._seen:
-                if from_ledger:
-                    self.sagas[record.saga_id].event_ids.append(event_id)
+                # Its saga: None when a writer reused another saga's event id.
+                seen = self.sagas.get(record.saga_id)
+                if from_ledger and seen is not None:
+                    seen.event_ids.append(event_id)
                     self._ended_in_ledger(record)
                     self._given_up_in_ledger(record)
-                    self._check_settled(self.sagas[record.saga_id])
+                    self._check_settled(seen)
                 return False
             saga = self._saga_for(record, from_ledger)
             if saga is None:
