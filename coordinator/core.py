@@ -1280,9 +1280,12 @@ def _on_compensation_accepted(ctx: _Ctx, r: CompensationAccepted) -> None:
         step.compensation_provider_operation_id = r.provider_operation_id
         # The declared wait counts from the acceptance as the ledger records it, in
         # coordinator state: no participant restart resets it, and a participant that
-        # stays down still ends in an incident when it fires.
+        # stays down still ends in an incident when it fires. Never from later than
+        # now: the acceptance happened by the time it is decided, so a participant's
+        # clock running ahead cannot extend the wait.
         wait = step.contract.completion_within_ms or 0
-        step.timers[TimerPurpose.COMPLETION_DEADLINE] = r.envelope.occurred_at + wait
+        accepted_at = min(r.envelope.occurred_at, ctx.now)
+        step.timers[TimerPurpose.COMPLETION_DEADLINE] = accepted_at + wait
 
 
 def _on_compensation_committed(ctx: _Ctx, r: CompensationCommitted) -> None:
@@ -1527,7 +1530,10 @@ def _commit(
     for purpose in (TimerPurpose.FORWARD_RETRY, TimerPurpose.RECONCILE_RETRY):
         step.timers.pop(purpose, None)
     if step.contract.reversal_window_ms is not None:
-        step.reversal_deadline = at + step.contract.reversal_window_ms
+        # From the commit as the ledger records it, never from later than now: the
+        # effect exists by the time it is decided, so a participant's clock running
+        # ahead cannot extend the window past what the tool declared (R13).
+        step.reversal_deadline = min(at, ctx.now) + step.contract.reversal_window_ms
     _resolve_unknown_incidents(ctx, step, "COMMITTED (observed in the ledger)")
     if step.contract.pivot and s.pivot_committed is None and s.status is SagaStatus.RUNNING:
         s.pivot_committed = step.step_id  # R6: from here on the saga only goes forward
@@ -1901,9 +1907,15 @@ def _iso(epoch_ms: int) -> str:
 def _expire_window(ctx: _Ctx, step: StepState) -> None:
     """R13: past the reversal window, compensation becomes an incident."""
     step.timers.pop(TimerPurpose.REVERSAL_WINDOW, None)
+    window = step.contract.reversal_window_ms
+    counted_from = (
+        step.committed_at
+        if step.reversal_deadline is None or window is None
+        else step.reversal_deadline - window
+    )
     why = (
-        f"its reversal window ({step.contract.reversal_window_ms} ms after the commit at "
-        f"{step.committed_at}) expired before the compensation committed"
+        f"its reversal window ({window} ms after the commit at "
+        f"{counted_from}) expired before the compensation committed"
     )
     if step.status in (
         StepStatus.COMPENSATION_PENDING,

@@ -10,6 +10,7 @@ from coordinator_ledger import Harness, Ledger, compensates, fresh, incidents, r
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from coordinator import decide, tick
 from coordinator.state import TimerPurpose
 from schemas import FailureKind, StepScheduled, TerminalStatus
 from schemas.codec import Codec
@@ -92,6 +93,28 @@ def test_repeated_acceptance_of_the_same_attempt_does_not_restart_the_wait_R12()
     assert h.s.steps["refund"].timers[TimerPurpose.COMPLETION_DEADLINE] == accepted_at + WAIT_MS
     out = h.run_timers()
     assert len(incidents(out)) == 1
+
+
+def test_an_acceptance_dated_ahead_of_the_coordinator_cannot_extend_the_wait_R12() -> None:
+    """A participant whose clock runs ahead (a host eight hours off, a local time
+    written as UTC) dates its acceptance in the future. The wait counts from when the
+    coordinator decided the acceptance at the latest: it cannot have happened later,
+    and the deadline must not move by the participant's clock."""
+    ledger, h = fresh()
+    h.feed(
+        ledger.started(),
+        ledger.scheduled("refund", completion_within_ms=WAIT_MS),
+        ledger.committed("refund"),
+    )
+    h.feed(ledger.scheduled("boom"), ledger.failed("boom", kind=FailureKind.BUSINESS_REJECTION))
+    acceptance = ledger.comp_accepted("refund")
+    ahead = acceptance.envelope.occurred_at + 8 * 3600 * 1000
+    env = acceptance.envelope.model_copy(update={"occurred_at": ahead})
+    now = h.now + 1
+    decided = decide(h.s, acceptance.model_copy(update={"envelope": env}), now).state
+    assert decided is not None and decided.next_due_at() == now + WAIT_MS
+    [incident] = incidents(tick(decided, now + WAIT_MS).outputs)
+    assert incident.kind == "compensation-not-completed"
 
 
 def test_acceptance_from_a_tool_that_declared_no_wait_is_an_incident_at_once_R12() -> None:

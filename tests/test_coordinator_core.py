@@ -882,6 +882,27 @@ def test_expired_reversal_window_becomes_an_incident_R13() -> None:
     assert receipt_of(out).status is TerminalStatus.ESCALATED
 
 
+def test_a_commit_dated_ahead_of_the_coordinator_cannot_extend_the_reversal_window_R13() -> None:
+    """A participant whose clock runs ahead dates its commit in the future: the
+    reversal window counts from when the coordinator decided the commit at the latest,
+    so the compensation is not sent past the window the tool declared."""
+    ledger, h = fresh()
+    h.feed(ledger.started(), ledger.scheduled("booking", reversal_window_ms=1_000))
+    commit = ledger.committed("booking", occurred_at=h.now + 8 * 3600 * 1000)
+    now = h.now + 1
+    decided = decide(h.s, commit, now).state
+    assert decided is not None
+    assert decided.steps["booking"].reversal_deadline == now + 1_000
+    h.state = decided
+    h.now = now
+    h.feed(ledger.scheduled("boom"), ledger.failed("boom", kind=FailureKind.BUSINESS_REJECTION))
+    assert h.status("booking") == "COMPENSATING"
+    out = h.advance(now + 1_000 - h.now)
+    [raised] = incidents(out)
+    assert raised.kind == "reversal-window-expired"
+    assert f"after the commit at {now})" in raised.inconsistency
+
+
 def _window_passes_in_flight(*, accepted: bool = False) -> tuple[Ledger, Harness, str]:
     """booking's compensation (with a declared verification) is in flight when its
     reversal window passes: the incident is raised at once, the step stays in flight."""
