@@ -103,6 +103,7 @@ __all__ = [
     "RejectReason",
     "SagaState",
     "decide",
+    "dedup_key",
     "fold",
     "record_time",
     "retry_delay_ms",
@@ -191,7 +192,8 @@ class CorePolicy:
     approval_ttl_ms: int = 24 * 3600 * 1000  # how long an approval request stays open
     reconcile_rounds: int = 10  # PENDING lookups before a person is asked (R11)
     # With a trust file, envelope.producer is the verified signer (schemas.trust), and
-    # the core also checks who answers a command and who drives a saga.
+    # the core also checks who answers a command and who drives a saga, and remembers
+    # event ids per writer (``dedup_key``).
     bind_writers: bool = False
     # The most steps a saga may schedule (the shell sets ``Limits.max_steps``, i.e.
     # SAGALINE_MAX_STEPS); a step past it is rejected. None: no limit.
@@ -228,6 +230,23 @@ def retry_delay_ms(policy: RetryPolicy, failed_attempt: int, *salt: str | int) -
     half = base // 2
     digest = hashlib.sha256("/".join(str(p) for p in salt).encode()).digest()
     return half + int.from_bytes(digest[:8], "big") % (base - half + 1)
+
+
+def dedup_key(record: Record, policy: CorePolicy) -> str:
+    """What ``SagaState.seen`` remembers of ``record`` to know a repeat of it (R15).
+
+    Its event id; with bound writers, its event id within its writer's name (the
+    verified ``envelope.producer``). Event ids of some records are derived from what
+    every reader of the saga sees (an operator's decision, from the saga, the request
+    and the operator's name), so another writer allowed on the saga (its agent, one of
+    its participants) could otherwise write a record of its own under such an id first
+    and have the real one dropped as its duplicate. A writer's own repeats (retries,
+    redelivery, replay) still have one key. The name comes first, with its length, so
+    no event id can make one writer's key another's."""
+    if not policy.bind_writers:
+        return record.event_id
+    producer = record.envelope.producer
+    return f"{len(producer)}:{producer}:{record.event_id}"
 
 
 def _is_own(record: Record) -> bool:
@@ -327,15 +346,16 @@ class _Ctx:
 
     def emit(self, record: Record, kind: Destination = Destination.EVENT) -> None:
         # Our own events come back on sagaline.events: remember them as seen.
-        self.remember(record.event_id)
+        self.remember(dedup_key(record, self.policy))
         self.out.append(Output(kind, record))
 
     def command(self, record: Record, participant: str) -> None:
         self.out.append(Output(Destination.COMMAND, record, participant=participant))
 
-    def remember(self, event_id: str) -> None:
+    def remember(self, key: str) -> None:
+        """Remember a record's ``dedup_key`` (the oldest are forgotten)."""
         seen = self.s.seen
-        seen.append(event_id)
+        seen.append(key)
         excess = len(seen) - self.policy.dedup_memory
         if excess > 0:
             del seen[:excess]
@@ -402,7 +422,8 @@ def decide(
             f"record {record.event_id} belongs to saga {record.saga_id!r} but was decided "
             f"against the state of saga {state.saga_id!r}; route records by saga id"
         )
-    if record.event_id in state.seen:
+    key = dedup_key(record, policy)
+    if key in state.seen:
         return Decision(state)  # a duplicate changes nothing (R15)
     own = _is_own(record)
     stale = (
@@ -415,7 +436,7 @@ def decide(
     ctx = _Ctx(_private_copy(state, in_place), now, record.event_id, policy, position)
     if _refused_writer(ctx, record):
         return Decision(ctx.s, ctx.out, True)  # not remembered: the rightful record may follow
-    ctx.remember(record.event_id)
+    ctx.remember(key)
     if stale:
         ctx.reject(
             record,
@@ -677,7 +698,7 @@ def _decide_new(
             started_at=record.envelope.occurred_at,
         )
         ctx = _Ctx(state, now, record.event_id, policy, position)
-        ctx.remember(record.event_id)
+        ctx.remember(dedup_key(record, policy))
         _advance(ctx)
         return Decision(state, ctx.out, True)
     if _is_own(record):

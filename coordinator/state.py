@@ -203,7 +203,9 @@ class SagaState(_StateModel):
     steps: dict[str, StepState] = Field(default_factory=dict)  # in scheduling order
     approvals: list[ApprovalRecord] = Field(default_factory=list)
     incidents: list[IncidentRecord] = Field(default_factory=list)
-    seen: list[str] = Field(default_factory=list)  # recent event ids, oldest first
+    # Recent records, oldest first: each one's event id, with bound writers within its
+    # writer's name (``coordinator.core.dedup_key``).
+    seen: list[str] = Field(default_factory=list)
     rejected_count: int = 0
     recent_rejections: list[RejectionNote] = Field(default_factory=list)
 

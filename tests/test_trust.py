@@ -21,8 +21,10 @@ from coordinator.core import CorePolicy, decide
 from schemas import (
     ApprovalGranted,
     ApprovalPurpose,
+    ApprovalRequested,
     ExecuteStep,
     IncidentResolved,
+    Reversibility,
     SagaStarted,
     SagaTerminal,
     StepCommitted,
@@ -383,6 +385,57 @@ def test_core_refuses_a_record_of_another_tenant_and_raises_an_incident() -> Non
     again = decide(decision.state, _committed("payments", command.event_id, "gamma"), NOW)
     assert _reasons(again) == ["tenant-mismatch"]  # refused again, but one incident is open
     assert again.state is not None and len(again.state.incidents) == 1
+
+
+def _awaiting_approval() -> tuple[Any, StepScheduled, ApprovalRequested]:
+    state = _started()
+    scheduled = StepScheduled(
+        envelope=_env(StepScheduled, "agent"),
+        step_id="st-1",
+        args=b"{}",
+        args_fingerprint=args_fingerprint(b"{}"),
+        contract=StepContract(
+            tool="wire", participant="payments", reversibility=Reversibility.IRREVERSIBLE
+        ),
+    )
+    decision = decide(state, scheduled, NOW, BOUND)
+    [request] = [o.record for o in decision.outputs if isinstance(o.record, ApprovalRequested)]
+    assert isinstance(request, ApprovalRequested)
+    return decision.state, scheduled, request
+
+
+def test_a_writer_cannot_shadow_an_operators_decision_by_writing_its_event_id_first_R7_R15() -> (
+    None
+):
+    """An operator's decision has a deterministic event id (a retry counts once), derived
+    from what every reader of the saga sees: saga, approval id, operator name. The saga's
+    own agent may write records on the saga, so it can write one of its own (a harmless
+    repeat of its step) under that id before the operator decides. With identities the
+    core must not take the operator's real grant for a duplicate of the agent's record:
+    that dropped the grant unseen (and `--wait` said it counted)."""
+    from sagaline.ops.actions import approval_denied, approval_granted
+
+    state, scheduled, request = _awaiting_approval()
+    grant = approval_granted(request, operator="alice", now=NOW + 1, producer="alice")
+    squat = scheduled.model_copy(
+        update={"envelope": scheduled.envelope.model_copy(update={"event_id": grant.event_id})}
+    )
+    taken = decide(state, squat, NOW + 1, BOUND)
+    assert _reasons(taken) == []  # the same step again: idempotent, and the agent's to write
+    granted = decide(taken.state, grant, NOW + 2, BOUND)
+    executed = [o.record for o in granted.outputs if isinstance(o.record, ExecuteStep)]
+    assert [r.step_id for r in executed] == ["st-1"], "the operator's grant was dropped"
+    again = decide(granted.state, grant, NOW + 3, BOUND)  # a retry of the same decision
+    assert again.changed is False and again.outputs == []
+
+    state, scheduled, request = _awaiting_approval()
+    denial = approval_denied(request, operator="alice", reason="no", now=NOW + 1, producer="alice")
+    squat = scheduled.model_copy(
+        update={"envelope": scheduled.envelope.model_copy(update={"event_id": denial.event_id})}
+    )
+    denied = decide(decide(state, squat, NOW + 1, BOUND).state, denial, NOW + 2, BOUND)
+    assert denied.state is not None
+    assert denied.state.steps["st-1"].status.value == "FAILED", "the denial was dropped"
 
 
 # ------------------------------------------------------------------ sealing rotation
