@@ -843,8 +843,11 @@ class Coordinator:
             )
             return
         counted = (marker.resolved or {}).get(record.incident_id)
+        resolution = f"{record.resolution} (by {record.resolved_by})"[:200]
         if counted is not None:
-            if counted.event_id == record.event_id:
+            # A repeat is the same record: its id, and what it says (an operator's id is
+            # derived from what anyone sees, so another writer could use it first).
+            if counted.event_id == record.event_id and counted.resolution == resolution:
                 pending.duplicates += 1  # a repeat: already on the feed
                 return
             detail = (
@@ -867,7 +870,6 @@ class Coordinator:
             self._reject(msg, PARKED_REASON, why, pending.loose, pending.dlq.append)
         else:
             pending.observed.setdefault(saga_id, []).append(record)
-        resolution = f"{record.resolution} (by {record.resolved_by})"[:200]
         kept = EndedResolution(event_id=record.event_id, resolution=resolution)
         resolved = {**(marker.resolved or {}), record.incident_id: kept}
         pending.states[saga_id] = marker.model_copy(update={"resolved": resolved})

@@ -185,6 +185,39 @@ def test_an_ended_sagas_incident_counts_its_first_resolution_only(
     assert reasons == ["invalid-transition", "invalid-transition"]
 
 
+def test_an_ended_sagas_resolution_under_anothers_event_id_does_not_hide_the_real_one(
+    transport: str, unique_prefix: str
+) -> None:
+    """An operator's resolution has a deterministic event id derived from what every
+    reader sees (saga, incident, who resolved and how). Another operator who writes a
+    resolution of their own under that id first gets theirs counted (it came first),
+    but the real one is no repeat of it: it is refused naming the one that counted,
+    not dropped unseen as a duplicate (which `--wait` reports as counted)."""
+    settings, ledger, first, _participant = one_saga(transport, unique_prefix, "saga-squat")
+    raised = ledger.participant_incident("reserve", "inc-1").model_copy(
+        update={"kind": "manual-check"}
+    )
+    ended = [ledger.intent("reserve"), ledger.committed("reserve"), ledger.end()]
+    one = Coordinator(settings, transport, instance_id="res-7", carry_ms=0)
+    one._join()
+    append(settings, transport, ledger.started(), first, raised, *ended)
+    turn_until(one, lambda: one.marker_of("saga-squat") is not None)
+    real = _by(ledger.resolve("inc-1", "refunded by hand"), "carol")
+    squat = _by(ledger.resolve("inc-1", "nothing to do"), "dave")
+    squat = squat.model_copy(
+        update={"envelope": squat.envelope.model_copy(update={"event_id": real.event_id})}
+    )
+    append(settings, transport, squat, real)
+    end = LedgerReader(transport).end_offsets(settings.topics.events)[0]
+    turn_until(one, lambda: one.positions().get(0, -1) >= end)
+    details = _dlq_details(settings, transport)
+    assert [reason for reason, _d in details] == ["invalid-transition"], (
+        "carol's resolution was taken for a repeat of dave's"
+    )
+    assert "by carol (refunded by hand) does not count" in details[0][1]
+    one._consumer.close()
+
+
 def test_a_saga_ending_in_the_batch_of_its_resolutions_counts_the_first_only(
     transport: str, unique_prefix: str
 ) -> None:
