@@ -5,13 +5,15 @@ The decorators only *record* what a method declares, as an attribute on the func
 and return the function unchanged. Nothing is checked here: ``wrap()`` checks every
 declaration of a participant at once and reports every problem in one error, which
 is what a person fixing a deploy wants. Because each decorator writes its own
-attribute, their order does not matter.
+attribute, their order does not matter; one decorator given twice on a function with
+different declarations is such a problem (the outer would silently replace the inner).
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -318,7 +320,11 @@ def tool(
     )
 
     def mark(func: F) -> F:
-        _record(func, TOOL_ATTR, declaration)
+        _record(
+            func,
+            TOOL_ATTR,
+            _once("@tool", tool_declaration(_inner(func)), declaration, extra=_ANOTHER_TOOL),
+        )
         return func
 
     return mark
@@ -375,7 +381,8 @@ def compensable(
     )
 
     def mark(func: F) -> F:
-        _record(func, COMPENSABLE_ATTR, declaration)
+        existing = compensable_declaration(_inner(func))
+        _record(func, COMPENSABLE_ATTR, _once("@compensable", existing, declaration))
         return func
 
     return mark
@@ -390,6 +397,67 @@ def compensation(func: F) -> F:
 
     _record(func, COMPENSATION_ATTR, True)
     return func
+
+
+_ANOTHER_TOOL = " (declare another tool with a method of its own)"
+
+D = TypeVar("D", ToolDeclaration, CompensableDeclaration)
+
+
+def _inner(func: object) -> object:
+    """The function inside ``@staticmethod`` / ``@classmethod``, where declarations
+    are read from; ``func`` itself otherwise."""
+    return func.__func__ if isinstance(func, staticmethod | classmethod) else func
+
+
+def _once(decorator: str, existing: D | None, declaration: D, extra: str = "") -> D:
+    """``declaration``, with a problem for ``wrap()`` when the same decorator already
+    declared something else on the function: the outer one would silently replace
+    the inner one (a dropped ``by=``, a vanished tool name), and which one won would
+    depend on the order. The same declaration given twice changes nothing."""
+    if existing is None:
+        return declaration
+    before: tuple[str, ...] = existing.problems
+    pairs = [
+        (f.name, getattr(existing, f.name), getattr(declaration, f.name))
+        for f in fields(declaration)
+    ]
+    differ = [
+        f"{name}={inner!r} and {name}={outer!r}"
+        for name, inner, outer in pairs
+        if name != "problems" and not _same(inner, outer)
+    ]
+    if not differ:
+        return declaration
+    problem = (
+        f"{decorator} is given twice, with different declarations"
+        f" ({'; '.join(differ)}); keep one{extra}"
+    )
+    problems = (*before, *declaration.problems, problem)
+    return replace(declaration, problems=tuple(dict.fromkeys(problems)))
+
+
+def _same(a: object, b: object) -> bool:
+    """Equal values; two functions of the same code and closure count as one (a
+    session that runs ``compensable(by=..., args=lambda ctx: ...)(func)`` again, as a
+    notebook cell does, declares nothing new)."""
+    if a == b:
+        return True
+    if not (isinstance(a, types.FunctionType) and isinstance(b, types.FunctionType)):
+        return False
+    cells = [(x.__closure__ or ()) for x in (a, b)]
+    return (
+        a.__code__ == b.__code__
+        and len(cells[0]) == len(cells[1])
+        and all(_cell(x) is _cell(y) for x, y in zip(*cells, strict=True))
+    )
+
+
+def _cell(cell: types.CellType) -> object:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
 
 
 def _record(func: object, attr: str, value: object) -> None:

@@ -648,3 +648,68 @@ def test_a_reversibility_or_collection_that_is_no_such_thing_is_a_wrap_problem()
         ("ship", "non_retryable is None; give a list of exception classes"),
         ("ship", "transient is 3; give a list of exception classes"),
     ]
+
+
+def test_a_decorator_given_twice_with_different_declarations_is_a_wrap_problem() -> None:
+    """Two ``@compensable`` (or two ``@tool``) on one method: the outer one silently
+    replaced the inner one, so ``by="undo_hold"`` was dropped (and a tool named
+    ``"hold_b"`` vanished) with no word, and which one won depended on the order,
+    which the docs say does not matter."""
+
+    class Shop:
+        @tool(description="Hold")
+        @compensable(by="release_hold")
+        @compensable(by="undo_hold")
+        def hold(self, sku: str) -> str:
+            return sku
+
+        @tool(description="Hold A", name="hold_a")
+        @tool(description="Hold B", name="hold_b")
+        @compensable(reversibility=Reversibility.IRREVERSIBLE)
+        def hold_twice(self, sku: str) -> str:
+            return sku
+
+        @tool(description="Same twice")
+        @tool(description="Same twice")
+        @compensable(reversibility=Reversibility.IRREVERSIBLE)
+        def same(self, sku: str) -> str:
+            return sku
+
+        def release_hold(self, ctx: CompensationContext) -> None:
+            pass
+
+        def undo_hold(self, ctx: CompensationContext) -> None:
+            pass
+
+    with pytest.raises(CatalogueError) as err:
+        wrap(Shop(), name="shop")
+    assert [(p.tool, p.message) for p in err.value.problems] == [
+        (
+            "hold",
+            "@compensable is given twice, with different declarations (by='undo_hold'"
+            " and by='release_hold'); keep one",
+        ),
+        (
+            "hold_a",
+            "@tool is given twice, with different declarations (description='Hold B' and"
+            " description='Hold A'; name='hold_b' and name='hold_a'); keep one (declare"
+            " another tool with a method of its own)",
+        ),
+    ]
+
+
+def test_the_same_declaration_given_again_changes_nothing() -> None:
+    """Running ``compensable(by=..., args=lambda ...)(func)`` again (a notebook cell run
+    twice) makes a new lambda of the same code: not a second declaration."""
+
+    def hold(sku: str) -> str:
+        """Hold a seat."""
+        return sku
+
+    def declare() -> None:
+        compensable(by=release_seat, args=lambda ctx: {"reservation_id": ctx.result})(hold)
+
+    declare()
+    declare()
+    spec = wrap(hold, name="desk")["hold"]
+    assert spec.compensation == "release_seat"
