@@ -393,7 +393,8 @@ def wrap(*participants: object, name: str | None = None) -> Catalogue:
     Each participant is an object (usually an instance of a class) whose methods
     carry ``@tool``, or a plain function (a tool by being passed; it needs
     ``@compensable`` or ``@tool(read_only=True)``); compensations, lookups and
-    verifications named by a string are found on the same object. ``name`` is the
+    verifications named by a string are found on the same object (a method, bound or
+    taken from its class, is refused: pass its object). ``name`` is the
     participant name (its command topic is ``sagaline.commands.<name>``); by default
     it is derived from the first object's class name. Raises ``CatalogueError``
     listing every problem.
@@ -415,9 +416,14 @@ def wrap(*participants: object, name: str | None = None) -> Catalogue:
             )
         )
 
+    methods = [(p, _given_method(p)) for p in participants]
+    for given, message in methods:
+        if message:
+            problems.append(CatalogueProblem(_given_tool_name(given), message))
+
     specs: dict[str, ToolSpec] = {}
     owners: dict[str, list[str]] = {}
-    for obj in _group_functions(participants):
+    for obj in _group_functions(tuple(p for p, message in methods if not message)):
         inspector = _Inspector(obj, catalogue_name, problems)
         for spec in inspector.specs():
             specs.setdefault(spec.name, spec)
@@ -438,6 +444,46 @@ def wrap(*participants: object, name: str | None = None) -> Catalogue:
     if problems:
         raise CatalogueError(problems, catalogue=catalogue_name)
     return Catalogue(catalogue_name, specs, participants)
+
+
+def _given_method(given: object) -> str:
+    """Why ``given`` cannot be a participant of ``wrap()`` because it is a method, not
+    the object that has it; "" when it is no method. A function written in a class
+    body and taking ``self`` (``Shelf.peek``) would be a plain-function tool asking
+    the model for a ``self`` argument; a bound method (``shelf.peek``) holds no tool
+    methods of its own."""
+    if inspect.ismethod(given):
+        owner = given.__self__
+        label = f"{_label(owner)}.{given.__name__}"
+        return (
+            f"wrap() was given the bound method {label}; pass the object itself,"
+            " wrap(obj, ...): every @tool method of it is served"
+        )
+    if not inspect.isfunction(given):
+        return ""
+    owner_path = given.__qualname__.rpartition(".")[0]
+    if not owner_path or owner_path.endswith("<locals>"):
+        return ""  # a module-level or nested function, not one of a class body
+    try:
+        first = next(iter(inspect.signature(given).parameters), None)
+    except (TypeError, ValueError):
+        return ""
+    if first != "self":
+        return ""
+    klass = owner_path.rpartition(".")[2]
+    return (
+        f"wrap() was given {klass}.{given.__name__}, a method of the class {klass} (it"
+        f" takes self), as a plain function; pass an object of the class,"
+        f" wrap({klass}(), ...): every @tool method of it is served"
+    )
+
+
+def _given_tool_name(given: object) -> str:
+    func = getattr(given, "__func__", given)
+    declared = tool_declaration(func)
+    if declared is not None and isinstance(declared.name, str) and declared.name:
+        return declared.name
+    return _name(func)
 
 
 def _group_functions(participants: tuple[object, ...]) -> list[object]:

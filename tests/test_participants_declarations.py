@@ -713,3 +713,35 @@ def test_the_same_declaration_given_again_changes_nothing() -> None:
     declare()
     spec = wrap(hold, name="desk")["hold"]
     assert spec.compensation == "release_seat"
+
+
+def test_a_method_given_to_wrap_instead_of_its_object_is_refused_naming_it() -> None:
+    """``wrap(Shelf.peek)`` took the method for a plain-function tool: its schema asked
+    the model for a ``self`` argument and the call ran the method with whatever JSON
+    came as ``self``; ``wrap(Shelf().peek)`` said "method has no method decorated with
+    @tool", naming neither the tool nor the class."""
+
+    class Shelf:
+        @tool(description="Peek at a shelf", read_only=True)
+        def peek(self, sku: str) -> str:
+            return sku
+
+    with pytest.raises(CatalogueError) as unbound:
+        wrap(Shelf.peek, name="shelf")
+    with pytest.raises(CatalogueError) as bound:
+        wrap(Shelf().peek, name="shelf")
+    assert [(p.tool, p.message) for p in unbound.value.problems] == [
+        (
+            "peek",
+            "wrap() was given Shelf.peek, a method of the class Shelf (it takes self), as"
+            " a plain function; pass an object of the class, wrap(Shelf(), ...): every"
+            " @tool method of it is served",
+        )
+    ]
+    assert [(p.tool, p.message) for p in bound.value.problems] == [
+        (
+            "peek",
+            "wrap() was given the bound method Shelf.peek; pass the object itself,"
+            " wrap(obj, ...): every @tool method of it is served",
+        )
+    ]
