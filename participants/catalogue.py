@@ -1079,6 +1079,8 @@ class _Inspector:
         required = self._required_positional(tool_name, role, method, bound, wanted)
         if required is None:
             return None
+        if not required and self._optional_context(tool_name, role, method, target, bound):
+            return True  # ``ctx: CompensationContext | None = None``: it is given ctx
         if len(required) > 1 or (not allow_none and len(required) == 0):
             self.problem(
                 tool_name,
@@ -1097,6 +1099,24 @@ class _Inspector:
             )
             return None
         return True
+
+    def _optional_context(
+        self, tool_name: str, role: str, method: str, target: Any, bound: Callable[..., Any]
+    ) -> bool:
+        """Whether the first positional parameter, having a default, is typed for the
+        context (``ctx: CompensationContext | None = None``, callable by hand too):
+        called without it, the method would run with its default instead of ``ctx``."""
+        try:
+            params = inspect.signature(bound).parameters.values()
+        except (TypeError, ValueError):
+            return False
+        first = next(
+            (p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)), None
+        )
+        if first is None:
+            return False
+        hint = self._hints(tool_name, role, method, target).get(first.name)
+        return hint is not None and hint is not Any and _allows(hint, CompensationContext)
 
     def _required_positional(
         self, tool_name: str, role: str, method: str, bound: Callable[..., Any], wanted: str

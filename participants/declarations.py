@@ -352,7 +352,8 @@ def compensable(
       arguments from the :class:`CompensationContext` of the forward call, e.g.
       ``@compensable(by=release_seat, args=lambda ctx: {"reservation_id":
       ctx.result["id"]})`` (``ctx.input`` holds the forward arguments);
-    - without: ``by(ctx)`` when it takes one argument, ``by()`` when it takes none.
+    - without: ``by(ctx)`` when it takes one argument (or its first parameter, with a
+      default, is typed ``CompensationContext | None``), ``by()`` when it takes none.
 
     ``wrap()`` checks at start-up that ``by`` exists and that its signature fits.
 

@@ -745,3 +745,33 @@ def test_a_method_given_to_wrap_instead_of_its_object_is_refused_naming_it() -> 
             " wrap(obj, ...): every @tool method of it is served",
         )
     ]
+
+
+def test_a_context_parameter_with_a_default_is_given_the_context() -> None:
+    """``def release(self, ctx: CompensationContext | None = None)`` (so it can also be
+    called by hand) was taken for a compensation of no argument: in a saga it ran with
+    ``ctx=None``, failed on ``ctx.result`` at every retry and left the hold in place;
+    a verification written so was refused as taking "0 arguments (none)"."""
+
+    class Holds:
+        def __init__(self) -> None:
+            self.given: list[object] = []
+
+        @tool(description="Hold", verify="is_released")
+        @compensable(by="release")
+        def hold(self, sku: str) -> str:
+            return sku
+
+        def release(self, ctx: CompensationContext | None = None) -> None:
+            self.given.append(ctx)
+
+        def is_released(self, ctx: CompensationContext | None = None) -> bool:
+            self.given.append(ctx)
+            return ctx is not None
+
+    holds = Holds()
+    spec = wrap(holds, name="holds")["hold"]
+    ctx = _ctx("hold", {"sku": "a"}, "a")
+    spec.compensate(ctx)
+    assert spec.verify(ctx) is True
+    assert holds.given == [ctx, ctx]
