@@ -630,6 +630,13 @@ class _Inspector:
                     return name
             except AttributeError:
                 continue
+        # Overridden in a subclass: the class that wrote it holds it under its name,
+        # and the name, like ``by="name"`` and ``self.name()``, reaches the override.
+        name = declared.__name__
+        for klass in type(self.obj).__mro__:
+            held = vars(klass).get(name)
+            if getattr(held, "__func__", held) is declared and callable(self._function(name)):
+                return name
         return None
 
     def _missing(self, tool_name: str, what: str, method: str, declared_as: str) -> None:

@@ -775,3 +775,20 @@ def test_a_context_parameter_with_a_default_is_given_the_context() -> None:
     spec.compensate(ctx)
     assert spec.verify(ctx) is True
     assert holds.given == [ctx, ctx]
+
+
+def test_a_method_given_as_itself_and_overridden_in_a_subclass_runs_the_override() -> None:
+    """``by=cancel_all`` in ``Seats`` and a subclass overriding ``cancel_all``: wrap()
+    found the function under no name of the object, took it for a free function and
+    refused the subclass ("takes 1 arguments (self)"), although the same declaration
+    by name works and the docs say a method given as itself is bound like its name."""
+
+    class QuietSeats(Seats):
+        def cancel_all(self) -> None:
+            self.released.append("quietly")
+
+    seats = QuietSeats()
+    spec = wrap(seats, name="seats")["book_flight"]
+    assert spec.compensation == "cancel_all"
+    spec.compensate(_ctx("book_flight", {"flight": "LX1"}, "LX1"))
+    assert seats.released == ["quietly"]
