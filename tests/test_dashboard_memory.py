@@ -246,3 +246,25 @@ def test_a_record_reusing_another_sagas_event_id_changes_nothing_and_stops_nothi
     for record in records:  # the ledger's own records still fold
         state.apply(record)
     assert state.sagas["s-one"].status is SagaStatus.COMPLETED
+
+
+def test_catching_up_does_not_bring_back_a_saga_it_dropped_meanwhile() -> None:
+    """On a restart a saga known only from the terminal topic (its ledger expired) may
+    be settled at catch-up after a saga read whole from the ledger that ended before
+    it: settling the first drops the second, which the catch-up pass then took up
+    again from its list, as a kept saga no longer in the view. Dropping it once more
+    stopped the ledger follower (KeyError), and so did every restart after."""
+    state = DashboardState(SagalineMetrics("dashboard"), ended_sagas=1)
+    newer, older = _ended(2)[1], _ended(1)[0]
+    state.apply(newer[-1], from_ledger=False)  # its ledger expired: the copy alone
+    for record in older:
+        state.apply(record)  # read whole from the ledger, ended before it
+    assert set(state.sagas) == {"s-done-0", "s-done-1"}
+
+    state.mark_caught_up()
+
+    assert set(state.sagas) == {"s-done-1"}
+    for records in _ended(4)[2:]:  # later sagas drop it in turn, as they should
+        _live(state, records)
+    assert set(state.sagas) == {"s-done-3"}
+    assert state.evicted_sagas == 3

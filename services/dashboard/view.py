@@ -376,7 +376,8 @@ class DashboardState:
         with self.lock:
             self._caught_up = True
             for saga in list(self.sagas.values()):
-                self._check_settled(saga)
+                if self.sagas.get(saga.saga_id) is saga:  # not dropped by an earlier one
+                    self._check_settled(saga)
 
     def _check_settled(self, saga: SagaView) -> None:
         """Track whether ``saga`` is ended and settled; drop the oldest-ended such
