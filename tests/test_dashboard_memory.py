@@ -268,3 +268,23 @@ def test_catching_up_does_not_bring_back_a_saga_it_dropped_meanwhile() -> None:
         _live(state, records)
     assert set(state.sagas) == {"s-done-3"}
     assert state.evicted_sagas == 3
+
+
+def test_live_a_terminal_copy_read_before_its_ledger_does_not_drop_the_saga() -> None:
+    """Live, the terminal topic (one record a saga) is read ahead of the ledger (many):
+    once caught up, a saga known from its terminal copy alone was taken as settled, as
+    if its ledger had expired, and dropped when sagas ending after it were read; its
+    ledger records then counted as a dropped saga's, and an escalated saga vanished
+    with the incident still open."""
+    state = DashboardState(SagalineMetrics("dashboard"), ended_sagas=1)
+    state.mark_caught_up()  # a dashboard started on empty topics, then live
+    esc = escalated("s-esc").records
+    state.apply(esc[-1], from_ledger=False)  # its terminal copy, its ledger behind
+    for records in _ended(12)[10:]:  # sagas ending after it, read whole
+        _live(state, records)
+    for record in esc:
+        state.apply(record)  # its ledger, read now
+    assert "s-esc" in state.sagas
+    assert [s.saga_id for s, _ in state.open_incidents()] == ["s-esc"]
+    assert state.sagas["s-esc"].record_count == len(esc)
+    assert state.evicted_records == 0

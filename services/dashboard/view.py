@@ -169,6 +169,9 @@ class SagaView:
     # The SagaTerminal read in the ledger itself (not an early copy from the terminal
     # topic): a decision after it in the ledger the coordinator leaves alone.
     ended_in_ledger: bool = False
+    # Ended, known from the terminal topic alone when everything there was at start had
+    # been read: its ledger expired (DashboardState.mark_caught_up).
+    ledger_expired: bool = False
     receipt: Receipt | None = None
     receipt_error: str | None = None
     pending_approvals: dict[str, ApprovalRequested] = field(default_factory=dict)
@@ -250,9 +253,11 @@ class DashboardState:
     count); of the ended, settled ones the ``ended_sagas`` that ended last.
     A saga is settled once its ledger's terminal record is read (every record before
     it is then folded) and nothing is open; one known only from the terminal topic
-    (its ledger expired) once everything has been read (:meth:`mark_caught_up`). A
-    dropped saga's id is remembered, so its records read later (the other topic's
-    copy, a redelivery, a late decision the coordinator ignores) bring nothing back.
+    (its ledger expired) once everything there was at start has been read
+    (:meth:`mark_caught_up`); a terminal copy read after that, ahead of its ledger,
+    waits for the ledger's. A dropped saga's id is remembered, so its records read
+    later (the other topic's copy, a redelivery, a late decision the coordinator
+    ignores) bring nothing back.
 
     ``lock`` guards the whole state: the Kafka thread holds it while applying a batch,
     page handlers while reading.
@@ -285,7 +290,6 @@ class DashboardState:
         self._evicted: set[str] = set()
         self.evicted_sagas = 0
         self.evicted_records = 0  # records of a dropped saga read after it was dropped
-        self._caught_up = False
         # Sagas with a pending approval request: what the expiry scan and the pending
         # list look at, not every saga.
         self._awaiting: set[str] = set()
@@ -374,10 +378,12 @@ class DashboardState:
         """Everything that existed at start has been read: an ended saga known only
         from the terminal topic has no ledger left to read (it expired)."""
         with self.lock:
-            self._caught_up = True
             for saga in list(self.sagas.values()):
-                if self.sagas.get(saga.saga_id) is saga:  # not dropped by an earlier one
-                    self._check_settled(saga)
+                if self.sagas.get(saga.saga_id) is not saga:
+                    continue  # dropped by an earlier one
+                # Not a saga whose terminal copy is read later, ahead of its ledger.
+                saga.ledger_expired = saga.terminal_at is not None and not saga.ended_in_ledger
+                self._check_settled(saga)
 
     def _check_settled(self, saga: SagaView) -> None:
         """Track whether ``saga`` is ended and settled; drop the oldest-ended such
@@ -385,7 +391,7 @@ class DashboardState:
         if (
             saga.terminal_at is None
             or saga.open_incidents
-            or not (saga.ended_in_ledger or self._caught_up)
+            or not (saga.ended_in_ledger or saga.ledger_expired)
         ):
             self._settled.pop(saga.saga_id, None)
             return
