@@ -288,3 +288,16 @@ def test_live_a_terminal_copy_read_before_its_ledger_does_not_drop_the_saga() ->
     assert [s.saga_id for s, _ in state.open_incidents()] == ["s-esc"]
     assert state.sagas["s-esc"].record_count == len(esc)
     assert state.evicted_records == 0
+
+
+def test_the_page_of_a_dropped_saga_says_where_to_read_it() -> None:
+    """A link to a saga dropped from memory (an alert, a receipt, a bookmark) said "No
+    saga ... in the ledger (yet)": an operator took an ended saga for one never started."""
+    state = DashboardState(SagalineMetrics("dashboard"), ended_sagas=1)
+    for records in _ended(2):
+        _live(state, records)
+    client = TestClient(create_app(state, clock=lambda: T0))
+    page = client.get("/sagas/s-done-0").text
+    assert "in the ledger (yet)" not in page
+    assert "sagaline saga show s-done-0" in page and "SAGALINE_DASHBOARD_ENDED_SAGAS" in page
+    assert "in the ledger (yet)" in client.get("/sagas/s-never").text

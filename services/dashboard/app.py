@@ -887,6 +887,15 @@ def create_app(
         saga_id = request.path_params["saga_id"]
         with state.lock:
             saga = _saga_or_404(saga_id)
+            if saga is None and state.dropped(saga_id):
+                return _page(
+                    "Saga not kept",
+                    f"<p>Saga {_e(saga_id)} ended and is no longer kept in this dashboard's "
+                    "memory (it keeps the <code>SAGALINE_DASHBOARD_ENDED_SAGAS</code> that "
+                    f"ended last). <code>sagaline saga show {_e(saga_id)}</code> reads it "
+                    'from the ledger. <a href="/">All sagas</a></p>',
+                    viewer=viewer,
+                )
             if saga is None:
                 return _page(
                     "Unknown saga",

@@ -369,6 +369,11 @@ class DashboardState:
             self._check_settled(saga)
             return True
 
+    def dropped(self, saga_id: str) -> bool:
+        """Whether ``saga_id`` ended, settled, and was dropped from memory (``ended_sagas``)."""
+        with self.lock:
+            return saga_id in self._evicted
+
     def awaiting_approval_ids(self) -> set[str]:
         """Sagas with a pending approval request (ended ones included)."""
         with self.lock:
