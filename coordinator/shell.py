@@ -29,7 +29,8 @@ batch commits for everyone else; see docs/coordinator.md.
 
 State for a partition is restored from the changelog when the partition is assigned,
 before any of its records is processed; timers live in that state, so retries,
-approval expiries and reversal windows fire after a restart too.
+approval expiries and reversal windows fire after a restart too, once the consumer
+has read the partition's backlog (which may hold the record that beats a deadline).
 
 In memory an in-flight saga is its changelog bytes plus its next timer
 (``_PackedStates``), decoded only when a record or a timer of the saga needs it: a few
@@ -366,6 +367,13 @@ class Coordinator:
         # (due_at, saga_id) of every saga with a timer; an entry whose saga has since
         # moved (or ended) is skipped when it comes up, so updates only ever push.
         self._timers: list[tuple[int, str]] = []
+        # Events partitions assigned with a backlog, and the end (last stable offset) each
+        # had when assigned: their sagas' timers wait until the consumer has read that
+        # far (``_catch_up``), since the backlog may hold the record that beats a
+        # deadline (a completion recorded within its wait). Timers that came due
+        # meanwhile are held per partition and go back to the heap once it caught up.
+        self._catching_up: dict[int, int] = {}
+        self._held_timers: dict[int, list[tuple[int, str]]] = {}
         self.metrics: ShellMetrics = metrics or NoMetrics()
 
         self._producer_config: dict[str, Any] = {
@@ -655,11 +663,40 @@ class Coordinator:
         next batches' transactions (the loop does not wait while one is overdue)."""
         due: dict[str, None] = {}
         while self._timers and self._timers[0][0] <= now and len(due) < self._due_max:
-            _at, saga_id = heapq.heappop(self._timers)
+            entry = heapq.heappop(self._timers)
+            saga_id = entry[1]
+            if self._catching_up:
+                partition = self._partition_of.get(saga_id)
+                if partition in self._catching_up:
+                    self._held_timers.setdefault(partition, []).append(entry)
+                    continue
             due_at = self._states.due_at(saga_id)  # no decoding: the entry keeps it
             if due_at is not None and due_at <= now:
                 due[saga_id] = None
         return list(due)
+
+    def _catch_up(self) -> None:
+        """Mark the partitions the consumer has read to the end they had when
+        assigned (every record up to it is in this batch or an earlier one), and give
+        their held timers back to the heap: this batch fires those that are due, after
+        its records. A local call, made only while a partition is catching up."""
+        tps = [TopicPartition(self.topics.events, n) for n in self._catching_up]
+        for tp in self._consumer.position(tps):
+            if tp.offset >= self._catching_up[tp.partition]:
+                del self._catching_up[tp.partition]
+                for entry in self._held_timers.pop(tp.partition, []):
+                    heapq.heappush(self._timers, entry)
+
+    def _behind(self, partitions: list[TopicPartition], committed: list[TopicPartition]) -> None:
+        """Note which of ``partitions`` have records to read up to their current end
+        from ``committed`` (their committed offsets: where the consumer starts); those
+        fire no timer of their sagas until the consumer has read that far."""
+        start = {tp.partition: tp.offset for tp in committed}
+        for tp in partitions:
+            low, end = watermarks(self._consumer, TopicPartition(self.topics.events, tp.partition))
+            offset = start.get(tp.partition, -1)
+            if max(offset, low) < end:
+                self._catching_up[tp.partition] = end
 
     def _schedule(self, saga_id: str, due_at: int | None) -> None:
         if due_at is not None:
@@ -688,6 +725,8 @@ class Coordinator:
             self._rewind = False
             self._seek_committed()
             return
+        if self._catching_up:
+            self._catch_up()
         due = self._due_sagas(now)
         carried, self._carry = self._carry, None
         pending = carried or _Pending()
@@ -1454,6 +1493,7 @@ class Coordinator:
         of a batch that did not commit)."""
         assignment = self._consumer.assignment() if partitions is None else partitions
         committed = self._consumer.committed(assignment, 30)
+        self._behind(assignment, committed)  # what was read again is a backlog again
         for tp in committed:
             offset = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
             self._consumer.seek(TopicPartition(tp.topic, tp.partition, offset))
@@ -1526,6 +1566,8 @@ class Coordinator:
         finally:
             self._restoring = None
         self._assigned.update(numbers)
+        if partitions:
+            self._behind(partitions, consumer.committed(partitions, 30))
         self._joined = True  # an empty assignment too: a member with no partition serves
         if self._ready is not None:
             self._ready.set()
@@ -1565,6 +1607,9 @@ class Coordinator:
         # A saga whose records failed here is decided afresh by the partition's next
         # owner: if the partition comes back, nothing failed for it any more.
         self._suspects = {s: p for s, p in self._suspects.items() if p not in numbers}
+        for n in numbers:  # a restore schedules their timers again
+            self._catching_up.pop(n, None)
+            self._held_timers.pop(n, None)
         self._assigned -= numbers
 
     def _restore(self, numbers: list[int]) -> int:
