@@ -1339,6 +1339,7 @@ class Coordinator:
                 [participant],
                 self.settings.partitions,
                 replication=self.settings.replication,
+                shared=False,  # checked at start; a refusal of one is not this topic's
             )
             self._known_participants.add(participant)
 

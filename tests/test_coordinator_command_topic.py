@@ -63,3 +63,50 @@ def test_a_participant_whose_command_topic_cannot_be_set_up_parks_only_its_sagas
         if isinstance(r, IncidentRaised)
     ]
     assert [i.kind for i in incidents] == ["saga-parked"], incidents
+
+
+def test_a_shared_topic_changed_after_start_does_not_park_sagas_for_a_new_participant_R16(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    """The coordinator sets up a participant's command topic the first time a saga
+    addresses it. That set-up checked every topic of the deployment again, and took a
+    refusal of any of them for the command topic's: a shared topic whose settings
+    changed after the start (here the DLQ's ``min.insync.replicas`` raised above its one
+    replica; an operator lowering the ledger's during a broker outage is the same) parked
+    every saga that addressed a participant this process had not addressed yet, though
+    its command topic was fine. The shared topics are checked at start; here only the
+    command topic is set up, and the saga's command goes out."""
+    from confluent_kafka.admin import AlterConfigOpType, ConfigEntry, ConfigResource
+
+    from tests.system import wait_until
+
+    bootstrap = kafka_bootstrap
+    settings, ledger, first, participant = one_saga(bootstrap, unique_prefix, "saga-ok")
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    dlq = settings.topics.dlq
+    entry = ConfigEntry("min.insync.replicas", "2", incremental_operation=AlterConfigOpType.SET)
+    resource = ConfigResource(ConfigResource.Type.TOPIC, dlq, incremental_configs=[entry])
+    admin.incremental_alter_configs([resource])[resource].result(30)
+
+    def applied() -> bool:
+        described = ConfigResource(ConfigResource.Type.TOPIC, dlq)
+        entries = admin.describe_configs([described])[described].result(30)
+        return bool(entries["min.insync.replicas"].value == "2")
+
+    wait_until(applied, 30, "the DLQ's min.insync.replicas altered")
+    append(settings, bootstrap, ledger.started(), first)
+    group = f"{unique_prefix}sagaline-coordinator"
+    one = Coordinator(settings, bootstrap, instance_id="shared-1", carry_ms=0, linger_ms=0)
+    one._join()
+
+    def written() -> bool:
+        one._settle()
+        return not one._rewind and _committed(settings, bootstrap, group) == 2
+
+    try:
+        turn_until(one, written)
+        marker = one.marker_of("saga-ok")
+    finally:
+        one._consumer.close()
+    assert marker is None or marker.marker is not MarkerKind.PARKED, marker
+    assert executes(settings, bootstrap, participant) == ["reserve"]

@@ -44,6 +44,7 @@ def ensure_topics(
     *,
     replication: Replication | None = None,
     timeout_s: float = 30.0,
+    shared: bool = True,
 ) -> list[str]:
     """Create every missing topic; existing ones are left alone (idempotent).
 
@@ -64,10 +65,17 @@ def ensure_topics(
     read with one DescribeConfigs request, and a topic this client may not describe
     (no ``DESCRIBE_CONFIGS``) is left unchecked, said in an info line. Returns the
     names this call created.
+
+    ``shared=False``: only the participants' command topics are made and checked (the
+    coordinator setting up a participant's topic while it runs: the shared topics were
+    checked at its start, and a refusal of one of them is no fault of that topic).
     """
     config = client_config(bootstrap)
     replication = replication or Replication()
     specs = topic_specs(names, participants, partitions)
+    if not shared:
+        wanted = {names.commands(p) for p in participants}
+        specs = [s for s in specs if s.name in wanted]
     admin = create_admin(config)
     # Create only what is missing: a service whose topics an admin job created needs
     # DESCRIBE on them, not CREATE (least privilege, docs/deploying.md).
