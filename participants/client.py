@@ -2256,7 +2256,10 @@ def _non_finite_path(value: Any, path: str, depth: int = 0) -> str | None:
 
 
 def _is_dataclass_instance(value: Any) -> bool:
-    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+    """Whether orjson writes ``value`` as a dataclass: its own class is one (not a
+    subclass left undecorated, which ``dataclasses.is_dataclass`` counts but orjson
+    refuses; not a dataclass type passed as a value)."""
+    return not isinstance(value, type) and "__dataclass_fields__" in vars(type(value))
 
 
 def _dataclass_fields(value: Any) -> list[tuple[str, Any]]:

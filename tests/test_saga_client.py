@@ -2011,6 +2011,32 @@ def test_a_nan_inside_a_dataclass_argument_is_refused_not_written_as_null(
     ]
 
 
+class _PlainSlot(_Slot):
+    """A subclass not decorated itself: orjson writes only classes that are
+    dataclasses themselves, so this one cannot be written as JSON."""
+
+
+def test_a_subclass_of_a_dataclass_is_refused_naming_its_path_as_orjson_refuses_it(
+    local: tuple[System, Desk],
+) -> None:
+    """orjson writes an instance as an object only when its own class is a dataclass
+    (``__dataclass_fields__`` in the class itself); ``dataclasses.is_dataclass`` says
+    yes for an undecorated subclass too. The walkers took it for an object orjson
+    writes, so the refusal named ``args`` instead of ``args.day`` (and a NaN in it was
+    reported as the problem, though no value of it can be written)."""
+    system, desk = local
+    with system.client.saga("desk", "agent") as saga:
+        for value in (_PlainSlot("mon", 1.0), _PlainSlot("mon", float("nan"))):
+            with pytest.raises(
+                CallRefused,
+                match=r"argument args\.day of book_slot cannot be written as JSON \(.*_PlainSlot",
+            ) as refused:
+                saga.call("book_slot", day=value)
+            assert refused.value.limit == "json-args"
+        assert saga.call("book_slot", day="mon") == {"slot": "slot-mon"}
+    assert desk.log == ["book:mon"]
+
+
 def test_arguments_that_hold_themselves_or_nest_too_deep_are_refused_saying_so(
     local: tuple[System, Desk],
 ) -> None:
