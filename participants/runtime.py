@@ -3023,6 +3023,7 @@ class _CommandLoop:
         self._journal_down = False  # since the last failed write, none succeeded
         self._unwritable_since = 0.0
         self._nagged_at = 0.0
+        self._unread_nagged_at = float("-inf")  # a journal lookup failing: last logged
         self._retries: list[tuple[float, int, Message]] = []
         self._seq = 0
         self._queues: dict[bytes | None, collections.deque[Message]] = {}  # busy keys
@@ -3216,12 +3217,19 @@ class _CommandLoop:
                 command, maybe_taken_elsewhere=maybe, encoded=msg.value()
             )
         except sqlite3.OperationalError as exc:  # the journal's lookup, for now (as a write)
-            log.warning(
-                "reading the journal for %s %s failed (%s); trying the command again",
-                command.TYPE,
-                command.event_id,
-                exc,
-            )
+            now = time.monotonic()
+            if now - self._unread_nagged_at >= _JOURNAL_NAG_S:  # not at every retry
+                self._unread_nagged_at = now
+                log.warning(
+                    "reading the journal for %s %s failed (%s); trying the command again "
+                    "every %.1f s, its saga's later commands behind it (logged again in "
+                    "%.0f s at most while lookups fail)",
+                    command.TYPE,
+                    command.event_id,
+                    exc,
+                    _RETRY_AFTER_S,
+                    _JOURNAL_NAG_S,
+                )
             self._retry(job)
             return
         except Exception as exc:

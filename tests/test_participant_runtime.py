@@ -819,6 +819,41 @@ def test_a_journal_that_cannot_be_read_for_a_while_holds_the_command_not_the_DLQ
     assert harness.shop.count("reserve") == 1
 
 
+def test_a_journal_that_cannot_be_read_for_a_while_is_logged_once_not_at_every_retry(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The lookup is tried again every half second for each command it holds, for as
+    # long as SQLite fails (a lock another replica holds, a failing disk): a line at
+    # every retry is two lines a second per saga in flight. Like a journal write that
+    # fails, it is logged when it starts failing and then once a minute at most.
+    import sqlite3
+
+    import participants.runtime as runtime_module
+
+    assert harness.runtime is not None
+    journal = harness.runtime.journal
+    get = journal.get
+    failed: list[str] = []
+
+    def unreadable_five_times(command_id: str) -> tuple[str, bytes | None] | None:
+        if len(failed) < 5:
+            failed.append(command_id)
+            raise sqlite3.OperationalError("database is locked")
+        return get(command_id)
+
+    monkeypatch.setattr(journal, "get", unreadable_five_times)
+    monkeypatch.setattr(runtime_module, "_JOURNAL_NAG_S", 3600.0)
+    runtime = harness.runtime
+    wait_until(lambda: runtime._assigned_end, 60, "the command partition assigned")
+    with caplog.at_level("WARNING", logger="sagaline.participant"):
+        harness.send(harness.execute("s1", {"sku": "a", "quantity": 1}))
+        records = harness.wait_for(lambda rs: bool(_of(rs, StepCommitted)))
+    assert len(failed) == 5
+    assert [c.step_id for c in _of(records, StepCommitted)] == ["s1"]
+    lines = [r.getMessage() for r in caplog.records if "database is locked" in r.getMessage()]
+    assert len(lines) == 1, lines
+
+
 def test_an_outcome_too_large_for_the_producer_dead_letters_its_command_not_retried_forever(
     transport: str, unique_prefix: str, tmp_path: Path
 ) -> None:
