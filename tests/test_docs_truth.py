@@ -3,7 +3,9 @@ table names every variable a process reads, with the defaults the code uses."""
 
 from __future__ import annotations
 
+import ast
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -199,3 +201,57 @@ def test_the_settings_say_what_an_unset_bootstrap_does() -> None:
         assert "the local broker" not in doc and "the project's local broker" not in doc, doc
     for doc in (module.__doc__ or "", Settings.__doc__ or ""):
         assert "BrokerNotConfigured" in doc, doc
+
+
+NEWCOMER_DOCS = (
+    "README.md",
+    "docs/quickstart.md",
+    "docs/agents.md",
+    "docs/writing-a-participant.md",
+    "docs/concepts.md",
+)
+
+
+def _python_blocks(doc: str) -> list[tuple[int, str]]:
+    """(line, code) of each ```python block of ``doc``, indented ones (in a list) too."""
+    text = (ROOT / doc).read_text()
+    found = re.finditer(r"^([ \t]*)```python\n(.*?)^\1```", text, re.S | re.M)
+    return [(text[: m.start()].count("\n") + 1, textwrap.dedent(m.group(2))) for m in found]
+
+
+def _names_read_after_their_except(tree: ast.AST) -> list[str]:
+    """``except E as name:`` unbinds ``name`` when the handler ends, so a statement
+    after the ``try`` that reads it raises NameError (unless it was assigned again)."""
+    wrong = []
+    for node in ast.walk(tree):
+        for field in ("body", "orelse", "finalbody"):
+            block = getattr(node, field, None)
+            if not isinstance(block, list):
+                continue
+            for i, statement in enumerate(block):
+                if not isinstance(statement, ast.Try):
+                    continue
+                unbound = {h.name for h in statement.handlers if h.name}
+                for later in block[i + 1 :]:
+                    for name in ast.walk(later):
+                        if isinstance(name, ast.Name) and name.id in unbound:
+                            if isinstance(name.ctx, ast.Store):
+                                unbound.discard(name.id)
+                            else:
+                                wrong.append(f"line {name.lineno}: {name.id}")
+    return wrong
+
+
+@pytest.mark.parametrize("doc", NEWCOMER_DOCS)
+def test_the_python_samples_of_the_newcomer_docs_run_as_python(doc: str) -> None:
+    """Each sample parses, and reads no name Python has already unbound: a sample that
+    reads `stopped` after `except ... as stopped:` stops there with a NameError."""
+    wrong = []
+    for line, code in _python_blocks(doc):
+        try:
+            tree = ast.parse(code)
+        except SyntaxError as error:
+            wrong.append(f"{doc}:{line}: {error}")
+            continue
+        wrong += [f"{doc}:{line}: {w}" for w in _names_read_after_their_except(tree)]
+    assert not wrong, wrong
