@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +96,24 @@ def test_the_quickstart_shows_the_example_in_full() -> None:
     assert docstring is not None
     body = source.split('"""', 2)[2]
     assert _code_lines(block) == _code_lines(body)
+
+
+def test_every_client_error_the_saga_docs_name_is_on_the_facade() -> None:
+    """The quickstart and docs/agents.md import only ``sagaline``; an error they say a
+    call raises must be catchable from it. ``except sagaline.X:`` with a missing ``X``
+    fails only when an error arrives, as an AttributeError in place of the handler."""
+    import participants.client as client
+
+    errors = {
+        name
+        for name, value in vars(client).items()
+        if isinstance(value, type)
+        and issubclass(value, Exception)
+        and value.__module__ == client.__name__  # not DeliveryFailed: sagaline.kafka's
+    }
+    docs = EXAMPLE.parents[1] / "docs"
+    named = set()
+    for doc in ("quickstart.md", "agents.md"):
+        named |= set(re.findall(r"`(?:sagaline\.)?([A-Z]\w+)`", (docs / doc).read_text()))
+    missing = sorted(name for name in errors & named if not hasattr(sagaline, name))
+    assert not missing, missing
