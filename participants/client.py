@@ -2085,7 +2085,7 @@ class Saga:
             if state["approval"] is not None:
                 raise ApprovalPending(
                     f"{contract.tool} waits for approval {state['approval']} "
-                    "(sagaline approve SAGA STEP)",
+                    f"(sagaline approve {self.saga_id} {step})",
                     approval_id=state["approval"],
                     **where,
                 )

@@ -266,6 +266,21 @@ def test_a_saga_left_open_for_an_approval_keeps_its_records_for_resume_after_it_
     assert desk.log == ["book:fri", "free:slot-fri"]
 
 
+def test_approval_pending_names_the_command_that_approves_its_step_R7(
+    local: tuple[System, Desk],
+) -> None:
+    """The error an agent (or its log) shows says what to run: the approve command
+    with this saga's id and step id, not the usage line `sagaline approve SAGA STEP`
+    with the two left for the reader to dig out of the exception's attributes."""
+    system, _desk = local
+    with pytest.raises(ApprovalPending) as err, system.client.saga("desk", "agent") as saga:
+        saga.call("announce", text="hello", timeout_s=3)
+    pending = err.value
+    assert f"(sagaline approve {saga.saga_id} {pending.step_id})" in str(pending)
+    saga.end(SagaOutcome.ABORT, "test over")
+    assert saga.wait(60).status is TerminalStatus.COMPENSATED
+
+
 def test_held_sagas_that_ended_are_kept_for_the_most_recently_ended_only_R7(
     local: tuple[System, Desk],
 ) -> None:
