@@ -255,3 +255,15 @@ def test_the_python_samples_of_the_newcomer_docs_run_as_python(doc: str) -> None
             continue
         wrong += [f"{doc}:{line}: {w}" for w in _names_read_after_their_except(tree)]
     assert not wrong, wrong
+
+
+def test_the_quickstart_says_how_soon_a_saga_without_a_coordinator_fails() -> None:
+    """The wait the quickstart promises is the client's: the check gives a coordinator
+    that is just starting this long to join before `CoordinatorNotRunning`."""
+    import inspect
+
+    from participants.readiness import require_coordinator
+
+    patience = inspect.signature(require_coordinator).parameters["patience_s"].default
+    text = " ".join((ROOT / "docs" / "quickstart.md").read_text().split())
+    assert f"the first saga fails within {patience:g} s" in text
