@@ -2624,7 +2624,10 @@ class JournalPruning:
                 limit=_PRUNE_BATCH,
                 keep=in_flight,
             )
-        except sqlite3.Error as exc:  # a busy or full disk: the entries stay, try later
+        except sqlite3.Error as exc:
+            if journal_corrupt(exc):  # as a command's lookup would: the loop stops
+                raise JournalCorrupt(self._journal.path, exc) from exc
+            # a busy or full disk: the entries stay, try later
             log.warning("journal: pruning failed (%s); tried again later", exc)
             return _PRUNE_EVERY_S
         self.dropped += dropped

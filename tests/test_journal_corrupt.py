@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from participants.runtime import CommandJournal, JournalCorrupt, ParticipantRuntime
+from participants.runtime import CommandJournal, JournalCorrupt, JournalPruning, ParticipantRuntime
 from schemas import StepCommitted
 from tests.system import wait_until
 from tests.test_participant_runtime import PARTICIPANT, Harness, _dead_letters, _of
@@ -89,3 +89,47 @@ def test_a_damaged_journal_stops_the_participant_and_dead_letters_nothing_R16(
         assert harness.shop.count("reserve") == 1
     finally:
         harness.stop()
+
+
+# ------------------------------------------------- pruning a damaged journal
+
+
+def test_pruning_a_damaged_journal_raises_journal_corrupt_naming_the_file(tmp_path: Path) -> None:
+    # Before: pruning took the damage for a busy disk, logged "pruning failed ...;
+    # tried again later" every 10 s, and the participant served on.
+    path = tmp_path / "commands.sqlite"
+    _journal_with_a_damaged_index(path)
+    journal = CommandJournal(path)
+    pruning = JournalPruning(journal, 1)
+    with pytest.raises(JournalCorrupt) as raised:
+        pruning.turn(set())
+    assert str(path) in str(raised.value) and "malformed" in str(raised.value)
+    journal.close()
+
+
+def test_a_damaged_journal_found_by_pruning_stops_the_participant_as_a_command_would(
+    transport: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    # No command comes: only the loop's pruning turn meets the damaged page.
+    harness = Harness(transport, unique_prefix, tmp_path)
+    path = tmp_path / PARTICIPANT / "commands.sqlite"
+    path.parent.mkdir(parents=True)
+    _journal_with_a_damaged_index(path)
+    runtime = ParticipantRuntime(
+        harness.catalogue, harness.settings, transport, participant=PARTICIPANT, journal_keep_ms=1
+    )
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            runtime.run()
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    wait_until(lambda: not thread.is_alive(), 60, "the runtime stopped on the damaged journal")
+    [error] = raised
+    assert isinstance(error, JournalCorrupt), repr(error)
+    assert str(path) in str(error) and "malformed" in str(error), str(error)
+    assert _dead_letters(harness) == []
