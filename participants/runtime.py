@@ -165,20 +165,94 @@ JournalRow = tuple[str, str, bytes | None, bytes | None, int]  # id, state, comm
 SendThen = Callable[[Record, Callable[[DeliveryFailed | None], None], bytes | None], None]
 
 
-def journal_unwritable(exc: BaseException) -> bool:
-    """Whether ``exc`` is the journal's write failing for now (SQLite's
-    OperationalError: a full disk, an I/O error, a lock held too long), as
-    :meth:`CommandJournal.mark` raises it."""
-    return isinstance(exc, sqlite3.OperationalError) or isinstance(
-        exc.__cause__, sqlite3.OperationalError
-    )
-
-
+# SQLite's primary result codes of a journal failing for now, waited out: SQLITE_BUSY,
+# SQLITE_LOCKED (a lock held too long), SQLITE_IOERR (an I/O error), SQLITE_FULL,
+# SQLITE_PROTOCOL (a WAL lock race). Any other (SQLITE_READONLY: the file system
+# remounted read-only; SQLITE_CANTOPEN: the file or its directory gone; SQLITE_ERROR:
+# its table dropped) does not pass by waiting: the runtime stops (JournalUnusable).
+_TEMPORARY = (5, 6, 10, 13, 15)
+# What to do about each while it is waited out, for the log line
+_WAIT_HINTS = {
+    5: "another process holds a lock on it",
+    6: "another process holds a lock on it",
+    10: "check the disk and its file system",
+    13: "free disk space",
+}
 # SQLite's primary result codes for a damaged file: SQLITE_CORRUPT, SQLITE_NOTADB
 _DAMAGED = (11, 26)
+# What to do about an error that stops the runtime, by primary result code
+_STOP_HINTS = {
+    1: "the file was changed from outside (its table dropped or altered): move it aside",
+    3: "make the file, its -wal and -shm and its directory accessible to this user",
+    8: "make the file, its -wal and -shm and its directory writable again (a file system "
+    "remounted read-only, a changed owner)",
+    14: "check that the file and its directory still exist and can be opened (removed, "
+    "moved, unmounted)",
+}
 
 
-class JournalCorrupt(RuntimeError):
+def _sqlite_error(exc: BaseException) -> sqlite3.OperationalError | None:
+    """The SQLite OperationalError ``exc`` is, or was raised from (a failed mark)."""
+    for e in (exc, exc.__cause__):
+        if isinstance(e, sqlite3.OperationalError):
+            return e
+    return None
+
+
+def _primary_code(exc: BaseException) -> int | None:
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code & 0xFF if isinstance(code, int) else None
+
+
+def _what_sqlite_said(exc: BaseException, hints: dict[int, str]) -> str:
+    """``exc`` as SQLite named it, and what to do: ``SQLITE_FULL: database or disk is
+    full; free disk space``."""
+    name = getattr(exc, "sqlite_errorname", None)
+    said = f"{name}: {exc}" if name else str(exc)
+    code = _primary_code(exc)
+    hint = hints.get(code) if code is not None else None
+    return f"{said}; {hint}" if hint else said
+
+
+def journal_unwritable(exc: BaseException) -> bool:
+    """Whether ``exc`` is the journal failing for now (SQLite's OperationalError with
+    a code in :data:`_TEMPORARY`: a full disk, an I/O error, a lock held too long), as
+    :meth:`CommandJournal.mark` raises it: waited out. One without a code (not SQLite's
+    own) counts as such too."""
+    e = _sqlite_error(exc)
+    if e is None:
+        return False
+    code = _primary_code(e)
+    return code is None or code in _TEMPORARY
+
+
+def _wait_reason(exc: BaseException) -> str:
+    """What SQLite said of a journal failing for now, and what to do, for the log."""
+    return _what_sqlite_said(_sqlite_error(exc) or exc, _WAIT_HINTS)
+
+
+class JournalUnusable(RuntimeError):
+    """The command journal cannot be used any more, and waiting will not change it
+    (SQLite: ``attempt to write a readonly database``, ``unable to open database
+    file``, ``no such table``; or the file damaged, :class:`JournalCorrupt`). Every
+    command would fail the same way: the runtime stops with this instead of holding
+    or dead-lettering them all; what it took stays uncommitted for the next run."""
+
+    def __init__(self, path: Path, exc: BaseException, message: str | None = None) -> None:
+        super().__init__(
+            message
+            or (
+                f"the command journal {path} cannot be used "
+                f"({_what_sqlite_said(_sqlite_error(exc) or exc, _STOP_HINTS)}): the "
+                "participant stops instead of holding or dead-lettering every command; "
+                "the commands it took are left uncommitted for the next run. Start it "
+                'again once that is done (docs/operating.md, "The command journal")'
+            )
+        )
+        self.path = path
+
+
+class JournalCorrupt(JournalUnusable):
     """The command journal's file is damaged (SQLite: ``database disk image is
     malformed``). It can no longer tell a redelivered command from a new one, and
     every command would fail the same way: the runtime stops with this instead of
@@ -186,13 +260,14 @@ class JournalCorrupt(RuntimeError):
 
     def __init__(self, path: Path, exc: BaseException) -> None:
         super().__init__(
+            path,
+            exc,
             f"the command journal {path} is damaged ({exc}): the participant stops "
             "instead of dead-lettering every command; the commands it took are left "
             "uncommitted for the next run. Move the file aside and start again, after "
             f"recovering what it holds: sqlite3 OLD .recover | sqlite3 {path} "
-            '(docs/operating.md, "The command journal")'
+            '(docs/operating.md, "The command journal")',
         )
-        self.path = path
 
 
 def journal_corrupt(exc: BaseException) -> bool:
@@ -205,6 +280,22 @@ def journal_corrupt(exc: BaseException) -> bool:
         and getattr(e, "sqlite_errorcode", 0) & 0xFF in _DAMAGED
         for e in (exc, exc.__cause__)
     )
+
+
+def journal_unusable(exc: BaseException) -> bool:
+    """Whether ``exc`` stops the runtime: the journal's file damaged
+    (:func:`journal_corrupt`), or an SQLite OperationalError waiting does not cure
+    (not :func:`journal_unwritable`), or :class:`JournalUnusable` itself."""
+    if isinstance(exc, JournalUnusable) or journal_corrupt(exc):
+        return True
+    return _sqlite_error(exc) is not None and not journal_unwritable(exc)
+
+
+def journal_stop(path: Path, exc: BaseException) -> JournalUnusable:
+    """The error the runtime stops with for ``exc`` (:func:`journal_unusable`)."""
+    if isinstance(exc, JournalUnusable):
+        return exc
+    return JournalCorrupt(path, exc) if journal_corrupt(exc) else JournalUnusable(path, exc)
 
 
 def _now_ms() -> int:
@@ -1042,9 +1133,8 @@ class CommandHandler:
                 if not failing:
                     failing = True
                     log.error(
-                        "journal write failed (%s): command %s waits; trying again every "
-                        "%.0f s (free disk space)",
-                        exc.__cause__ or exc,
+                        "journal write failed (%s): command %s waits; trying again every %.0f s",
+                        _wait_reason(exc),
                         command_id,
                         _JOURNAL_AGAIN_S,
                     )
@@ -2410,8 +2500,8 @@ class ParticipantRuntime:
             # nothing else. What runs is given up, uncommitted, to the next run
             # (journal, ledger: R11).
             work.hurry()
-            if journal_corrupt(exc) and not isinstance(exc, JournalCorrupt):
-                raise JournalCorrupt(self.journal.path, exc) from exc  # at start: naming it
+            if journal_unusable(exc) and not isinstance(exc, JournalUnusable):
+                raise journal_stop(self.journal.path, exc) from exc  # at start: naming it
             raise
         finally:
             self._serving = False
@@ -2459,7 +2549,7 @@ class ParticipantRuntime:
         except (_GivenUp, _TakenOver):
             raise  # the loop's own: nothing of this command is done here any more
         except BaseException as exc:  # R16: never stop the service, never lose the record
-            if journal_corrupt(exc):  # not the command's fault: the loop stops (_fail)
+            if journal_unusable(exc):  # not the command's fault: the loop stops (_fail)
                 raise
             if journal_unwritable(exc):  # still unwritable at stop: left for redelivery
                 log.warning("journal unwritable: %s %s left undone", command.TYPE, command.event_id)
@@ -2625,10 +2715,10 @@ class JournalPruning:
                 keep=in_flight,
             )
         except sqlite3.Error as exc:
-            if journal_corrupt(exc):  # as a command's lookup would: the loop stops
-                raise JournalCorrupt(self._journal.path, exc) from exc
+            if journal_unusable(exc):  # as a command's lookup would: the loop stops
+                raise journal_stop(self._journal.path, exc) from exc
             # a busy or full disk: the entries stay, try later
-            log.warning("journal: pruning failed (%s); tried again later", exc)
+            log.warning("journal: pruning failed (%s); tried again later", _wait_reason(exc))
             return _PRUNE_EVERY_S
         self.dropped += dropped
         return _PRUNE_BEHIND_S if dropped >= _PRUNE_BATCH // 2 else _PRUNE_EVERY_S
@@ -3105,10 +3195,12 @@ class _CommandLoop:
             rows, self._rows = self._rows, []
             try:
                 self._handler.journal.write([row for row, _job, _then in rows])
-            except sqlite3.OperationalError as exc:  # the disk, not the commands
-                self._unwritable(rows, exc)
-                return
-            except Exception as exc:  # R16: each command's record is dead-lettered
+            except Exception as exc:
+                if journal_unwritable(exc):  # the disk for now, not the commands
+                    self._unwritable(rows, exc)
+                    return
+                # R16: each command's record is dead-lettered; a journal unusable for
+                # good (damaged, read-only) stops the loop instead (_fail)
                 for _row, job, _then in rows:
                     self._fail(job, exc)
                 continue
@@ -3148,8 +3240,8 @@ class _CommandLoop:
             self._nagged_at = now
             log.error(
                 "journal write failed (%s): %d commands wait, nothing of them is sent or "
-                "run until it is written; trying again every %.0f s (free disk space)",
-                exc,
+                "run until it is written; trying again every %.0f s",
+                _wait_reason(exc),
                 len(self._unwritten),
                 _JOURNAL_AGAIN_S,
             )
@@ -3220,6 +3312,9 @@ class _CommandLoop:
                 command, maybe_taken_elsewhere=maybe, encoded=msg.value()
             )
         except sqlite3.OperationalError as exc:  # the journal's lookup, for now (as a write)
+            if not journal_unwritable(exc):  # for good (no such table): the loop stops
+                self._fail(job, exc)
+                return
             now = time.monotonic()
             if now - self._unread_nagged_at >= _JOURNAL_NAG_S:  # not at every retry
                 self._unread_nagged_at = now
@@ -3229,7 +3324,7 @@ class _CommandLoop:
                     "%.0f s at most while lookups fail)",
                     command.TYPE,
                     command.event_id,
-                    exc,
+                    _wait_reason(exc),
                     _RETRY_AFTER_S,
                     _JOURNAL_NAG_S,
                 )
@@ -3405,7 +3500,7 @@ class _CommandLoop:
             def finish() -> None:
                 if job.ended:  # given up on a revoke: nothing of it counts here
                     return
-                if error is not None and journal_corrupt(error):
+                if error is not None and journal_unusable(error):
                     self._fail(job, error)  # stops the loop; the command stays uncommitted
                     return
                 if error is not None:  # _process dead-letters what fails: a last resort
@@ -3425,15 +3520,16 @@ class _CommandLoop:
 
         Not a command already ended: one a revoke gave up is its partition's next
         owner's to decide (a copy in the DLQ from here would be a second answer). Nor
-        one the journal failed for being damaged: every command would fail the same
-        way, so the loop stops (:class:`JournalCorrupt`) and leaves it uncommitted."""
-        if journal_corrupt(exc):
+        one the journal failed for being damaged or unusable for good: every command
+        would fail the same way, so the loop stops (:class:`JournalUnusable`) and
+        leaves it uncommitted."""
+        if journal_unusable(exc):
             self._leave(job)
             if self._closing:
                 return
-            if isinstance(exc, JournalCorrupt):
+            if isinstance(exc, JournalUnusable):
                 raise exc
-            raise JournalCorrupt(self._handler.journal.path, exc) from exc
+            raise journal_stop(self._handler.journal.path, exc) from exc
         if job.ended:
             log.warning(
                 "the command at offset %s failed after it was given up (%s): left to "
@@ -3454,7 +3550,7 @@ class _CommandLoop:
         so its saga's later commands and its partition's offsets move on. Not tried
         again: its tool may have run (its "started" mark, if any, stays, so a
         redelivery is an unknown outcome), and what failed may fail every time."""
-        if job.ended and not journal_corrupt(exc):
+        if job.ended and not journal_unusable(exc):
             log.error(
                 "a step of the command at offset %s failed after it ended",
                 job.msg.offset(),

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from participants.catalogue import Catalogue
-from participants.runtime import JournalCorrupt, ParticipantRuntime
+from participants.runtime import JournalUnusable, ParticipantRuntime
 from sagaline.kafka import (
     DeliveryFailed,
     KafkaException,
@@ -158,7 +158,7 @@ def _cmd_participant_run(args: argparse.Namespace) -> int:
     ready = threading.Event()  # set once the loop serves: a failure before is a start's
     try:
         runtime.run(ready=ready)
-    except (TopicSetupError, JournalCorrupt) as exc:  # the topics, the journal: one line
+    except (TopicSetupError, JournalUnusable) as exc:  # the topics, the journal: one line
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     except (KafkaException, DeliveryFailed) as exc:

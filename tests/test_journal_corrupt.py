@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from participants.runtime import CommandJournal, JournalCorrupt, JournalPruning, ParticipantRuntime
-from schemas import StepCommitted
+from schemas import StepCommitted, StepOutcomeUnknown
 from tests.system import wait_until
 from tests.test_participant_runtime import PARTICIPANT, Harness, _dead_letters, _of
 
@@ -133,3 +133,74 @@ def test_a_damaged_journal_found_by_pruning_stops_the_participant_as_a_command_w
     assert isinstance(error, JournalCorrupt), repr(error)
     assert str(path) in str(error) and "malformed" in str(error), str(error)
     assert _dead_letters(harness) == []
+
+
+# --------------------------------- SQLite errors that waiting does not cure
+
+
+@pytest.mark.parametrize("how", ["read-only", "table-dropped"])
+def test_a_journal_sqlite_refuses_for_good_stops_the_participant_naming_the_file(
+    transport: str, unique_prefix: str, tmp_path: Path, how: str
+) -> None:
+    # SQLITE_READONLY (the file system remounted read-only mid-run: the journal's own
+    # connection made query-only) or SQLITE_ERROR "no such table" (the file changed
+    # from outside) does not pass by waiting. Before, both were taken for a full disk:
+    # the command waited (or was looked up again) for ever, "free disk space" logged.
+    # Now the participant stops as on a damaged file: one error naming the file,
+    # nothing dead-lettered, the command left uncommitted for the next run.
+    import participants.runtime as runtime_module
+
+    harness = Harness(transport, unique_prefix, tmp_path)
+    path = tmp_path / PARTICIPANT / "commands.sqlite"
+    runtime = ParticipantRuntime(
+        harness.catalogue, harness.settings, transport, participant=PARTICIPANT
+    )
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            runtime.run()
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    wait_until(lambda: runtime._assigned_end or raised, 60, "the command partition assigned")
+    if how == "read-only":
+        with runtime.journal._lock:
+            runtime.journal._db.execute("PRAGMA query_only = 1")
+    else:
+        outside = sqlite3.connect(path)
+        outside.execute("DROP TABLE handled")
+        outside.close()
+    harness.send(harness.execute("s1", {"sku": "a", "quantity": 1}))
+    wait_until(
+        lambda: not thread.is_alive() or _dead_letters(harness),
+        60,
+        "the runtime stopped or dead-lettered the command",
+    )
+    assert _dead_letters(harness) == []
+    thread.join(30)
+    assert not thread.is_alive()
+    [error] = raised
+    assert isinstance(error, runtime_module.JournalUnusable), repr(error)
+    assert not isinstance(error, JournalCorrupt), repr(error)
+    code = "SQLITE_READONLY" if how == "read-only" else "SQLITE_ERROR"
+    assert str(path) in str(error) and code in str(error), str(error)
+    assert "\n" not in str(error)
+    assert harness.shop.count("reserve") == 0
+
+    # Left uncommitted: the next run (the journal usable again) answers it, and the
+    # tool runs once at most (an intent already on the ledger is an unknown outcome).
+    harness.start()
+    try:
+        records = harness.wait_for(
+            lambda rs: bool(_of(rs, StepCommitted) or _of(rs, StepOutcomeUnknown))
+        )
+        answered = _of(records, StepCommitted) + _of(records, StepOutcomeUnknown)
+        assert [r.step_id for r in answered] == ["s1"]
+        assert harness.shop.count("reserve") == len(_of(records, StepCommitted))
+        if how == "table-dropped":  # failed at its lookup, before its intent: it runs
+            assert harness.shop.count("reserve") == 1
+    finally:
+        harness.stop()

@@ -9,6 +9,7 @@ keeps its command in the journal, which confirms it after a restart (R12).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -420,6 +421,78 @@ def test_a_command_waiting_for_the_journal_gives_up_when_the_runtime_stops(
     assert journal_unwritable(raised.value)
     assert desk.events == []
     assert [type(r) for r in out] == [StepIntentRecorded]  # no outcome: none was had
+    handler.close()
+
+
+def _sqlite_error(how: str, tmp_path: Path) -> Exception:
+    """A real error from SQLite: ``read-only`` (SQLITE_READONLY, as a file system
+    remounted read-only), ``locked`` (SQLITE_BUSY: another connection's lock)."""
+    import sqlite3
+
+    path = tmp_path / f"{how}.sqlite"
+    db = sqlite3.connect(path, isolation_level=None, timeout=0)
+    db.execute("CREATE TABLE t (x)")
+    if how == "read-only":
+        db.execute("PRAGMA query_only = 1")
+    else:
+        holder = sqlite3.connect(path, isolation_level=None)
+        holder.execute("BEGIN EXCLUSIVE")
+    with pytest.raises(sqlite3.OperationalError) as raised:
+        db.execute("BEGIN IMMEDIATE")
+        db.execute("INSERT INTO t VALUES (1)")
+    return raised.value
+
+
+def test_a_journal_sqlite_refuses_for_good_is_not_waited_for_and_runs_no_tool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # SQLITE_READONLY (the file system remounted read-only) does not pass by waiting:
+    # the mark fails at once (the runtime stops, the command left uncommitted), the
+    # tool does not run. Before, it was waited out as a full disk, every second.
+    import participants.runtime as runtime_module
+
+    handler, out, desk = _handler(tmp_path)
+    error = _sqlite_error("read-only", tmp_path)
+    write = handler.journal._write
+    calls: list[int] = []
+
+    def read_only_once(rows: list[Any]) -> None:
+        calls.append(len(rows))
+        if len(calls) == 1:
+            raise error
+        write(rows)
+
+    monkeypatch.setattr(handler.journal, "_write", read_only_once)
+    with pytest.raises(RuntimeError, match="readonly") as raised:
+        handler.handle(_execute())
+    assert runtime_module.journal_unusable(raised.value)
+    assert not runtime_module.journal_unwritable(raised.value)
+    assert calls == [1]  # not tried again
+    assert desk.events == []
+    assert [type(r) for r in out] == [StepIntentRecorded]  # no outcome: none was had
+    handler.close()
+
+
+def test_a_journal_waited_for_says_what_sqlite_said_not_always_free_disk_space(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    handler, _out, desk = _handler(tmp_path)
+    error = _sqlite_error("locked", tmp_path)
+    write = handler.journal._write
+    calls: list[int] = []
+
+    def locked_once(rows: list[Any]) -> None:
+        calls.append(len(rows))
+        if len(calls) == 1:
+            raise error
+        write(rows)
+
+    monkeypatch.setattr(handler.journal, "_write", locked_once)
+    with caplog.at_level(logging.WARNING, logger="sagaline.participant"):
+        assert handler.handle(_execute()) == "done"
+    [said] = [r.getMessage() for r in caplog.records if "journal write failed" in r.getMessage()]
+    assert "SQLITE_BUSY" in said and "free disk space" not in said, said
+    assert desk.events == ["ran d7"]
     handler.close()
 
 
