@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import heapq
 import logging
+import os
 import queue
 import signal
 import sqlite3
@@ -348,6 +350,11 @@ class CommandJournal:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        # It holds every command's arguments and every tool's result: a new journal is
+        # its owner's alone (SQLite gives the -wal and -shm files the file's mode). One
+        # that cannot be made is left to SQLite to report, below.
+        with contextlib.suppress(OSError):
+            os.close(os.open(path, os.O_RDONLY | os.O_CREAT, 0o600))
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._lock = threading.Lock()
         # group commit of mark(): marks waiting for the next transaction, and whether

@@ -669,3 +669,25 @@ def test_a_receipt_arriving_while_the_acceptance_is_being_journalled_completes_i
     seen = get(compensate.event_id)
     assert seen is not None and seen[0] == "done"
     handler.close()
+
+
+def test_a_new_journal_and_its_wal_and_shm_are_readable_by_their_owner_only(
+    tmp_path: Path,
+) -> None:
+    # The journal holds every command's arguments and every outcome (a tool's
+    # result): a new one is made 0600 whatever the umask, and SQLite gives its -wal
+    # and -shm files the mode of the database file. Before: 0644 under umask 022.
+    import os
+    import stat
+
+    path = tmp_path / "state" / "commands.sqlite"
+    umask = os.umask(0o022)
+    try:
+        journal = CommandJournal(path)
+        journal.write([("c1", "done", b"cmd", b"out", 1)])
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in path.parent.iterdir()}
+        journal.close()
+    finally:
+        os.umask(umask)
+    assert set(modes) == {"commands.sqlite", "commands.sqlite-wal", "commands.sqlite-shm"}
+    assert modes == dict.fromkeys(modes, 0o600), {k: oct(v) for k, v in modes.items()}
