@@ -43,6 +43,17 @@ def test_min_insync_above_the_replication_factor_is_refused_whatever_is_configur
     assert "NOT_ENOUGH_REPLICAS" in refusal
 
 
+def test_min_insync_above_the_replicas_advises_more_replicas_not_only_a_lower_min_insync() -> None:
+    """A cluster whose brokers default to min.insync.replicas=2, and one-replica topics
+    (made by a start without SAGALINE_REPLICATION_FACTOR): lowering min.insync.replicas
+    to 1 would make them writable but keep every record on one broker. The advice
+    names the fix that keeps what acks=all promises: more replicas."""
+    refusal, _ = _replication_verdict("t", 1, 2, Replication())
+    assert refusal is not None
+    assert "SAGALINE_REPLICATION_FACTOR" in refusal
+    assert "at least 2 replicas" in refusal
+
+
 def test_min_insync_below_the_configured_one_is_refused() -> None:
     refusal, _ = _replication_verdict("t", 3, 1, Replication(factor=3, min_insync=2))
     assert refusal is not None

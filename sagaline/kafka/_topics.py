@@ -215,8 +215,13 @@ def _replication_verdict(
         return (
             f"topic {topic!r} has min.insync.replicas={min_insync}, above its replication "
             f"factor {replicas}: the broker refuses every acks=all write to it "
-            "(NOT_ENOUGH_REPLICAS); set its min.insync.replicas (kafka-configs.sh --alter "
-            f"--add-config min.insync.replicas=N) to at most {replicas}",
+            f"(NOT_ENOUGH_REPLICAS); give it at least {min_insync} replicas "
+            "(kafka-reassign-partitions.sh; a topic that holds no records yet, such as one "
+            "made by a start without SAGALINE_REPLICATION_FACTOR, can be deleted and made "
+            "again by a start with SAGALINE_REPLICATION_FACTOR set to the cluster's size, "
+            "at most 3), or lower its min.insync.replicas (kafka-configs.sh --alter "
+            f"--add-config min.insync.replicas=N) to at most {replicas}, which leaves an "
+            "acknowledged record on fewer brokers",
             None,
         )
     if wanted.min_insync is not None and min_insync < wanted.min_insync:
