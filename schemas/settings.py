@@ -31,8 +31,9 @@ With ``KAFKA_BOOTSTRAP_SERVERS`` unset, service commands stop with
 ``sagaline.kafka.BrokerNotConfigured`` (they never start a broker); only development
 paths (the demo, the tests, ``--dev-broker``, ``sagaline.connect()``) then use the
 local broker (``sagaline kafka up``).
-``SAGALINE_REPLICATION_FACTOR`` (default 1) and ``SAGALINE_MIN_INSYNC_REPLICAS``
-(default: the broker's) set ``replication``, used when topics are created.
+``SAGALINE_REPLICATION_FACTOR`` and ``SAGALINE_MIN_INSYNC_REPLICAS`` (default: the
+brokers' ``default.replication.factor`` and ``min.insync.replicas``) set
+``replication``, used when topics are created.
 Kafka client settings (SASL, SSL, tuning) are not here: they pass straight to
 librdkafka from ``SAGALINE_KAFKA_*`` variables (see :mod:`sagaline.kafka`).
 """
@@ -217,9 +218,8 @@ def _replication(env: Mapping[str, str]) -> Replication:
         except ValueError:
             raise SettingsError(f"{var}={raw!r} is not an integer") from None
     try:
-        factor = values["factor"]
-        # Unset is 1; an explicit 0 is refused, not taken as 1.
-        return Replication(factor=1 if factor is None else factor, min_insync=values["min_insync"])
+        # Unset is the brokers' default; an explicit 0 is refused, not taken as unset.
+        return Replication(factor=values["factor"], min_insync=values["min_insync"])
     except ValueError as exc:
         raise SettingsError(
             f"SAGALINE_REPLICATION_FACTOR / SAGALINE_MIN_INSYNC_REPLICAS: {exc}"

@@ -117,24 +117,28 @@ class TopicNames:
 class Replication:
     """How many copies of each topic a cluster keeps, and how many must acknowledge.
 
-    One replica suits the single-node development broker. A production cluster uses
-    ``factor=3, min_insync=2``: with producers on ``acks=all`` an acknowledged
-    record then survives the loss of any one broker (R10).
+    ``None`` is the brokers' own setting (``default.replication.factor``,
+    ``min.insync.replicas``), as for ``kafka-topics.sh`` without them: one replica on
+    the single-node development broker, what the operator chose on a cluster. A
+    production cluster uses ``factor=3, min_insync=2``: with producers on
+    ``acks=all`` an acknowledged record then survives the loss of any one broker (R10).
     """
 
-    factor: int = 1
+    factor: int | None = None
     min_insync: int | None = None
 
     def __post_init__(self) -> None:
-        if not 1 <= self.factor <= MAX_REPLICATION_FACTOR:
+        if self.factor is not None and not 1 <= self.factor <= MAX_REPLICATION_FACTOR:
             raise ValueError(
                 f"replication factor {self.factor} must be between 1 and "
                 f"{MAX_REPLICATION_FACTOR} (the most the Kafka client creates a topic with)"
             )
-        if self.min_insync is not None and not 1 <= self.min_insync <= self.factor:
+        # Unset factor: checked against the brokers' default when topics are made.
+        most = MAX_REPLICATION_FACTOR if self.factor is None else self.factor
+        if self.min_insync is not None and not 1 <= self.min_insync <= most:
             raise ValueError(
-                f"min.insync.replicas {self.min_insync} must be between 1 and the "
-                f"replication factor {self.factor}"
+                f"min.insync.replicas {self.min_insync} must be between 1 and "
+                + (f"{most}" if self.factor is None else f"the replication factor {most}")
             )
 
     def topic_config(self) -> dict[str, str]:

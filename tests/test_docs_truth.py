@@ -72,7 +72,9 @@ def test_readme_defaults_are_the_codes() -> None:
     expected = {
         "SAGALINE_TOPIC_PREFIX": '`""`',
         "SAGALINE_PARTITIONS": f"`{settings.partitions}`",
-        "SAGALINE_REPLICATION_FACTOR": f"`{settings.replication.factor}`",
+        "SAGALINE_REPLICATION_FACTOR": "unset: the brokers'"
+        if settings.replication.factor is None
+        else f"`{settings.replication.factor}`",
         "SAGALINE_HMAC_KEY_ID": f"`{settings.hmac_key_id}`",
         "SAGALINE_TENANT_ID": f"`{settings.tenant_id}`",
         "SAGALINE_STATE_DIR": f"`{settings.state_dir}`",

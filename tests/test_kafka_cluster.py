@@ -3,7 +3,9 @@
 The config test is pure. The cluster test starts three JVMs of its own (state dir
 under ``tmp_path``, ports chosen free), so it is marked ``soak``: it checks that the
 cluster forms, that topics created from settings get replication factor 3 and
-``min.insync.replicas`` 2, that a node killed with SIGKILL leaves the cluster
+``min.insync.replicas`` 2 (and so do topics created with no replication settings:
+the brokers' defaults, not one replica the brokers' ``min.insync.replicas=2``
+refuses every write to), that a node killed with SIGKILL leaves the cluster
 writable with ``acks=all``, and that the node comes back on its ports and data.
 """
 
@@ -17,7 +19,7 @@ from typing import Any
 
 import pytest
 from confluent_kafka import KafkaError, KafkaException, Producer
-from confluent_kafka.admin import AdminClient, ConfigResource
+from confluent_kafka.admin import AdminClient, ConfigResource  # type: ignore[attr-defined]
 
 from sagaline.kafka import ensure_topics
 from schemas.settings import Settings
@@ -84,6 +86,13 @@ def test_a_three_node_cluster_survives_a_killed_node(cluster: Path) -> None:
     bootstrap = again.bootstrap
     admin = AdminClient({"bootstrap.servers": bootstrap})
     assert set(admin.list_topics(timeout=30).brokers) == {1, 2, 3}
+
+    # No SAGALINE_REPLICATION_FACTOR: the brokers' default.replication.factor (3), not
+    # one replica under their min.insync.replicas=2 (refused at start, never writable).
+    plain = Settings(topic_prefix="d.")
+    ensure_topics(bootstrap, plain.topics, ["payments"], 3, replication=plain.replication)
+    md = admin.list_topics(plain.topics.events, timeout=30).topics[plain.topics.events]
+    assert all(len(p.replicas) == 3 for p in md.partitions.values())
 
     settings = Settings(topic_prefix="c.", replication=Replication(factor=3, min_insync=2))
     ensure_topics(

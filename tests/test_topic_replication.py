@@ -16,7 +16,8 @@ import pytest
 from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
 
 from sagaline.kafka import TopicSetupError, create_admin, ensure_topics
-from sagaline.kafka._topics import _replication_verdict
+from sagaline.kafka._topics import _broker_defaults, _default_factor_verdict, _replication_verdict
+from schemas.settings import Settings
 from schemas.topics import Replication, TopicNames
 from tests.system import wait_until
 
@@ -83,6 +84,53 @@ def test_topics_that_keep_what_acks_all_promises_pass(
     assert _replication_verdict("t", replicas, min_insync, wanted) == (None, None)
 
 
+def test_an_unset_replication_factor_is_the_brokers_default() -> None:
+    """Like SAGALINE_MIN_INSYNC_REPLICAS (and kafka-topics.sh without
+    --replication-factor): unset, the cluster's default.replication.factor applies,
+    not a fixed 1 that a cluster defaulting to min.insync.replicas=2 refuses."""
+    assert Settings.from_env({}).replication.factor is None
+    assert Settings.from_env({"SAGALINE_REPLICATION_FACTOR": "3"}).replication.factor == 3
+    assert Replication(min_insync=2).topic_config() == {"min.insync.replicas": "2"}
+
+
+def test_a_default_factor_below_the_brokers_min_insync_is_refused_with_the_factor_to_set() -> None:
+    """Three brokers defaulting to min.insync.replicas=2 but default.replication.factor=1:
+    topics made with the default could take no acks=all write. Refused before any is
+    made, naming the setting that fixes it (not a lower min.insync.replicas)."""
+    refusal = _default_factor_verdict(3, 1, 2, Replication())
+    assert refusal is not None
+    assert "SAGALINE_REPLICATION_FACTOR=3" in refusal
+    assert "default.replication.factor=1" in refusal and "min.insync.replicas=2" in refusal
+
+
+def test_a_default_factor_below_the_configured_min_insync_is_refused() -> None:
+    refusal = _default_factor_verdict(5, 2, 1, Replication(min_insync=3))
+    assert refusal is not None
+    assert "SAGALINE_REPLICATION_FACTOR=3" in refusal
+    assert "SAGALINE_MIN_INSYNC_REPLICAS=3" in refusal
+
+
+def test_a_cluster_smaller_than_its_min_insync_is_refused_without_a_factor_to_set() -> None:
+    refusal = _default_factor_verdict(1, 1, 2, Replication())
+    assert refusal is not None
+    assert "1 broker" in refusal and "SAGALINE_REPLICATION_FACTOR=" not in refusal
+
+
+@pytest.mark.parametrize(
+    ("brokers", "default_factor", "min_insync", "wanted"),
+    [
+        (1, 1, 1, Replication()),  # the development broker, no settings
+        (3, 3, 2, Replication()),  # `sagaline kafka up --brokers 3`, a managed cluster
+        (3, 1, 1, Replication()),  # Kafka's own defaults: made as before
+        (3, 3, 1, Replication(min_insync=2)),
+    ],
+)
+def test_a_default_factor_that_takes_acks_all_writes_passes(
+    brokers: int, default_factor: int, min_insync: int, wanted: Replication
+) -> None:
+    assert _default_factor_verdict(brokers, default_factor, min_insync, wanted) is None
+
+
 # ------------------------------------------------------------- on the broker
 
 
@@ -135,3 +183,42 @@ def test_topics_on_the_single_node_broker_pass_without_a_warning(
         assert ensure_topics(kafka_bootstrap, names, ["p"], 1) == []
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
     assert not [r for r in caplog.records if "not checked" in r.getMessage()]
+
+
+@pytest.mark.kafka
+def test_without_a_factor_topics_get_the_brokers_default(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    """No replication settings: the broker's defaults are read before creating, and
+    the topics made have its default.replication.factor (1 on the development broker,
+    which keeps working with no settings)."""
+    admin = create_admin(kafka_bootstrap)
+    defaults = _broker_defaults(admin, admin.list_topics(timeout=30).brokers, 30.0)
+    assert defaults is not None, "the broker's defaults are readable here"
+    _, default_factor, _ = defaults
+    names = TopicNames(unique_prefix)
+    created = ensure_topics(kafka_bootstrap, names, ["p"], 1)
+    assert names.events in created
+    listed = admin.list_topics(timeout=30).topics
+    assert {len(p.replicas) for p in listed[names.events].partitions.values()} == {default_factor}
+
+
+@pytest.mark.kafka
+def test_a_configured_min_insync_above_the_default_factor_is_refused_before_creating(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    """SAGALINE_MIN_INSYNC_REPLICAS=2 without SAGALINE_REPLICATION_FACTOR on a
+    broker whose default.replication.factor is 1: refused naming the factor to set,
+    and no topic is made (none would take an acks=all write)."""
+    admin = create_admin(kafka_bootstrap)
+    defaults = _broker_defaults(admin, admin.list_topics(timeout=30).brokers, 30.0)
+    assert defaults is not None
+    _, default_factor, _ = defaults
+    wanted = Replication(min_insync=default_factor + 1)
+    names = TopicNames(unique_prefix)
+    with pytest.raises(TopicSetupError) as caught:
+        ensure_topics(kafka_bootstrap, names, ["p"], 1, replication=wanted)
+    assert "SAGALINE_REPLICATION_FACTOR" in str(caught.value)
+    assert f"default.replication.factor={default_factor}" in str(caught.value)
+    listed = admin.list_topics(timeout=30).topics
+    assert names.events not in listed and names.commands("p") not in listed

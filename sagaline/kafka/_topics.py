@@ -49,8 +49,14 @@ def ensure_topics(
     """Create every missing topic; existing ones are left alone (idempotent).
 
     ``replication`` sets the replication factor and ``min.insync.replicas`` of new
-    topics (default: one replica, the broker's min.insync.replicas; a production
-    cluster passes ``settings.replication``). Raises :class:`TopicSetupError` naming
+    topics (default, and for either left None: the brokers' ``default.replication.factor``
+    and ``min.insync.replicas``; services pass ``settings.replication``). With no
+    factor set, the brokers' defaults are read before any topic is made, and a
+    default factor below the ``min.insync.replicas`` new topics would get is refused
+    (no topic made would take an ``acks=all`` write), naming the
+    ``SAGALINE_REPLICATION_FACTOR`` to set; brokers that do not describe their
+    config (no ``DESCRIBE_CONFIGS`` on the cluster) are not checked, said in an info
+    line. Raises :class:`TopicSetupError` naming
     the topic when creation fails for any reason other than "already exists", or
     when a co-partitioned topic already exists with a different partition count
     (co-partitioning would silently break), or when a topic it did not create has a
@@ -58,7 +64,7 @@ def ensure_topics(
     keeps one record per key; a catalogue, terminal or state changelog without
     ``compact`` loses entries to retention; a compacted command topic is tolerated),
     or when a topic's replication breaks what ``acks=all`` promises (R10): fewer
-    replicas than ``replication.factor`` (checked before any topic is made), or a
+    replicas than ``replication.factor`` when set (checked before any topic is made), or a
     ``min.insync.replicas`` above the topic's replicas (every write refused) or below
     ``replication.min_insync``; a replicated topic on ``min.insync.replicas=1`` with
     none configured is only warned about. Policies and ``min.insync.replicas`` are
@@ -79,7 +85,8 @@ def ensure_topics(
     admin = create_admin(config)
     # Create only what is missing: a service whose topics an admin job created needs
     # DESCRIBE on them, not CREATE (least privilege, docs/deploying.md).
-    existing = admin.list_topics(timeout=timeout_s).topics
+    listing = admin.list_topics(timeout=timeout_s)
+    existing = listing.topics
     # A co-partitioned topic that exists with another count is refused before any
     # missing one is made with this call's count: made first, they would be refused
     # in turn once the count is set to the existing topics'.
@@ -95,13 +102,18 @@ def ensure_topics(
             few += [refusal] if refusal is not None else []
     _refuse_replication(few)
     missing = [s for s in specs if s.name not in existing]
+    if missing and replication.factor is None and not _memory.is_memory(config.bootstrap):
+        defaults = _broker_defaults(admin, listing.brokers, timeout_s)
+        refusal = None if defaults is None else _default_factor_verdict(*defaults, replication)
+        _refuse_replication([refusal] if refusal is not None else [])
     futures = (
         admin.create_topics(
             [
                 NewTopic(
                     s.name,
                     num_partitions=s.partitions,
-                    replication_factor=replication.factor,
+                    # -1: the brokers' default.replication.factor (KIP-464)
+                    replication_factor=-1 if replication.factor is None else replication.factor,
                     config={**s.config, **replication.topic_config()},
                 )
                 for s in missing
@@ -200,7 +212,7 @@ def _replication_verdict(
     ``(why it is refused, why it is warned about)``, each None when it is not.
     ``min_insync`` is the topic's effective ``min.insync.replicas``, None when the
     broker did not say (then only the replication factor is judged)."""
-    if replicas < wanted.factor:
+    if wanted.factor is not None and replicas < wanted.factor:
         return (
             f"topic {topic!r} has replication factor {replicas}, below "
             f"SAGALINE_REPLICATION_FACTOR={wanted.factor}: an acknowledged record is on "
@@ -242,6 +254,64 @@ def _replication_verdict(
             "Replication)"
         )
     return None, None
+
+
+def _broker_defaults(
+    admin: Any, brokers: dict[int, Any], timeout_s: float
+) -> tuple[int, int, int] | None:
+    """``(brokers up, default.replication.factor, min.insync.replicas)`` of the
+    cluster (``brokers``: the ids listed in its metadata; the defaults are one
+    broker's), or None, said in an info line, when a broker does not say."""
+    if not brokers:
+        return None
+    resource = ConfigResource(ResourceType.BROKER, str(min(brokers)))
+    try:
+        futures = admin.describe_configs([resource], request_timeout=timeout_s)
+        entries = futures[resource].result(timeout=timeout_s)
+        named = {n: entries.get(n) for n in ("default.replication.factor", "min.insync.replicas")}
+        unsaid = [n for n, entry in named.items() if entry is None or not entry.value]
+        if unsaid:
+            raise ValueError(f"broker {resource.name} does not report {', '.join(unsaid)}")
+        factor, min_insync = (int(entry.value) for entry in named.values())
+    except (KafkaException, TimeoutError, ValueError) as exc:
+        log.info(
+            "the brokers' default.replication.factor and min.insync.replicas not checked "
+            "before creating topics (no DESCRIBE_CONFIGS on the cluster for this client?): %s",
+            str(exc) or "no answer",
+        )
+        return None
+    return len(brokers), factor, min_insync
+
+
+def _default_factor_verdict(
+    brokers: int, default_factor: int, broker_min_insync: int, wanted: Replication
+) -> str | None:
+    """Why topics made with the brokers' ``default_factor`` (no
+    ``SAGALINE_REPLICATION_FACTOR``) would take no ``acks=all`` write, or None: their
+    ``min.insync.replicas`` (``wanted``'s, else the brokers') is above it."""
+    min_insync = broker_min_insync if wanted.min_insync is None else wanted.min_insync
+    if default_factor >= min_insync:
+        return None
+    whose = (
+        f"the brokers' min.insync.replicas={min_insync}"
+        if wanted.min_insync is None
+        else f"SAGALINE_MIN_INSYNC_REPLICAS={min_insync}"
+    )
+    why = (
+        "SAGALINE_REPLICATION_FACTOR is unset, so new topics would get the brokers' "
+        f"default.replication.factor={default_factor}, below {whose}: the brokers would "
+        "refuse every acks=all write to them (NOT_ENOUGH_REPLICAS); no topic was made"
+    )
+    if brokers < min_insync:
+        return (
+            f"{why}, and the cluster has {brokers} broker(s) up, fewer than that: start "
+            "more brokers, or lower min.insync.replicas"
+        )
+    factor = max(min_insync, min(3, brokers))
+    return (
+        f"{why}; set SAGALINE_REPLICATION_FACTOR={factor} (the cluster has {brokers} "
+        "brokers up), or the brokers' default.replication.factor"
+    )
 
 
 def _refuse_replication(refusals: list[str]) -> None:
