@@ -66,6 +66,26 @@ def test_ended_settled_sagas_are_bounded_oldest_ended_first() -> None:
     assert len(state._seen_on_ledger) == kept
 
 
+def test_with_a_trust_file_the_dedup_memory_is_bounded_and_still_deduplicates() -> None:
+    """With bound writers the view remembers each event id within its writer's name (as
+    the coordinator does, ``coordinator.core.dedup_key``): those keys leave with their
+    saga, and a kept saga's record read again is still a duplicate."""
+    state = DashboardState(SagalineMetrics("dashboard"), ended_sagas=2, bind_writers=True)
+    sagas = _ended(4)
+    for records in sagas:
+        _live(state, records)
+    assert set(state.sagas) == {"s-done-2", "s-done-3"}
+    kept = sum(s.record_count for s in state.sagas.values())
+    assert kept and len(state._seen) == kept and len(state._seen_on_ledger) == kept
+    folded = state.sagas["s-done-3"].record_count
+    for record in sagas[3]:
+        assert state.apply(record) is False
+    # Its folded records (the scenario's participant outcomes, written by "test", are
+    # refused and so not remembered) are duplicates now, and nothing is folded twice.
+    assert state.ledger_duplicates == folded
+    assert state.sagas["s-done-3"].record_count == folded
+
+
 def test_a_reread_copy_or_duplicate_of_an_evicted_saga_does_not_bring_it_back() -> None:
     """Live, a saga's terminal copy or a redelivered ledger record may be read after it
     was dropped: it must not come back as a saga of one record, shown running."""

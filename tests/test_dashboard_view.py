@@ -1183,3 +1183,52 @@ def test_a_completion_after_the_coordinator_gave_up_is_not_shown_as_compensated_
     for record in h.log:
         restarted.apply(record)
     assert restarted.sagas[ledger.saga_id].steps["ship"].state == "compensation failed"
+
+
+@pytest.mark.parametrize("decision", ["grant", "denial"])
+def test_a_writer_cannot_hide_an_operators_decision_from_the_page_R7_R15(decision: str) -> None:
+    """An operator's decision has an event id derived from what every reader of the saga
+    sees (saga, approval id, operator), so the saga's own agent can write a record of its
+    own (a harmless repeat of its step) under that id first. With a trust file the
+    coordinator remembers event ids per verified writer (``coordinator.core.dedup_key``)
+    and acts on the operator's decision; the dashboard deduplicated by bare event id, so
+    it dropped the real decision as a duplicate, kept the request pending (with its
+    Approve button) and did not measure the intervention."""
+    ledger, _ = fresh()
+    policy = CorePolicy(bind_writers=True)
+    log: list[Any] = []
+    saga_state = None
+
+    def feed(record: Any) -> list[Any]:
+        nonlocal saga_state
+        log.append(record)
+        taken = decide(saga_state, record, record.envelope.occurred_at, policy)
+        saga_state = taken.state
+        log.extend(o.record for o in taken.outputs if o.appends_to_events)
+        return taken.outputs
+
+    feed(ledger.started())
+    wire = ledger.scheduled("wire", reversibility=Reversibility.IRREVERSIBLE)
+    [req] = approval_requests(feed(wire))
+    now = req.envelope.occurred_at + 1
+    real = (
+        approval_granted(req, operator="alice", now=now, producer="alice")
+        if decision == "grant"
+        else approval_denied(req, operator="alice", reason="no", now=now, producer="alice")
+    )
+    assert rejections(feed(_forged(wire, event_id=real.event_id))) == []
+    feed(real)
+    feed(real)  # a retry of the same decision: still one
+    assert saga_state is not None
+    acted = saga_state.steps["wire"].status.value
+    assert acted != "AWAITING_APPROVAL"
+
+    state = DashboardState(bind_writers=True)
+    for record in log:
+        state.apply(record)
+    saga = state.sagas[ledger.saga_id]
+    assert state.pending_approvals() == [], "the operator's decision was dropped"
+    assert saga.steps["wire"].state == ("approved" if decision == "grant" else "denied")
+    assert state.ledger_duplicates == 1  # the retry, and nothing else
+    measured = state.metrics.snapshot().manual_interventions
+    assert measured == {f"approval_{'granted' if decision == 'grant' else 'denied'}": 1}

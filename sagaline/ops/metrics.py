@@ -152,7 +152,10 @@ class SagalineMetrics:
         # Label children of the per-record and per-batch metrics: ``labels()`` checks
         # and locks on every call, and a coordinator calls it for every record.
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
-        self._seen: OrderedDict[str, None] = OrderedDict()
+        # Records folded, by writer and event id: another writer's record under the same
+        # id (an operator's decision id is predictable) is another fact, as the
+        # coordinator with bound writers takes it (``coordinator.core.dedup_key``).
+        self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._sagas: OrderedDict[str, _SagaTrack] = OrderedDict()
         self._receipts: OrderedDict[tuple[str, int], None] = OrderedDict()
         # incident id -> (tenant, cents) still changed in the world
@@ -381,9 +384,10 @@ class SagalineMetrics:
 
     def _fold(self, record: Record) -> None:
         with self._lock:
-            if record.event_id in self._seen:
+            key = (record.envelope.producer, record.event_id)
+            if key in self._seen:
                 return
-            self._seen[record.event_id] = None
+            self._seen[key] = None
             if len(self._seen) > _MEMORY:
                 self._seen.popitem(last=False)
             self._fold_new(record)

@@ -9,7 +9,8 @@ with the same view.
 Records of one saga reach us over three topics in no guaranteed interleaving, and the
 same record (same ``event_id``) appears on two of them (the coordinator writes every
 terminal record and incident to ``sagaline.events`` too), so the fold deduplicates by
-event id and tolerates any order between topics.
+the coordinator's key (:func:`coordinator.core.dedup_key`: the event id, within its
+verified writer's name when writers are bound) and tolerates any order between topics.
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ from dataclasses import dataclass, field
 from coordinator.core import (
     AGENT_DRIVEN,
     COORDINATOR_PRODUCER,
+    DEFAULT_POLICY,
     PARTICIPANT_OUTCOMES,
     SETTLES_UNKNOWN,
+    CorePolicy,
+    dedup_key,
     grant_mismatches,
     unknown_outcome_answer,
     unknown_outcome_refusal,
@@ -187,7 +191,8 @@ class SagaView:
     started_by: str | None = None  # the SagaStarted's producer: the agent driving it
     refused: list[str] = field(default_factory=list)  # records the coordinator refuses
     record_count: int = 0
-    # Its event ids in the dedup memory, dropped with it (DashboardState._evict).
+    # Its records' keys in the dedup memory (``coordinator.core.dedup_key``), dropped
+    # with it (DashboardState._evict).
     event_ids: list[str] = field(default_factory=list, repr=False)
 
     @property
@@ -240,6 +245,8 @@ class SagaFilter:
             and (self.status is None or saga.status is self.status)
         )
 
+
+_BOUND_WRITERS = CorePolicy(bind_writers=True)
 
 DEFAULT_ENDED_SAGAS = 10_000
 """Ended, settled sagas a dashboard keeps (``SAGALINE_DASHBOARD_ENDED_SAGAS``)."""
@@ -305,7 +312,11 @@ class DashboardState:
         """Fold one record; ``from_ledger`` is True for ``sagaline.events``. Returns False
         for a record already applied (a duplicate) or of a superseded generation."""
         with self.lock:
-            event_id = record.event_id
+            # As the coordinator remembers it: with bound writers an event id within its
+            # writer's name, so another writer allowed on the saga cannot write its own
+            # record under an operator's (predictable) decision id first and have the
+            # real decision dropped here as a duplicate.
+            key = dedup_key(record, _BOUND_WRITERS if self.bind_writers else DEFAULT_POLICY)
             if record.saga_id in self._evicted:
                 # Ended and settled before: nothing it still says counts (the
                 # coordinator too ignores an ended saga's history), nor is measured.
@@ -319,42 +330,42 @@ class DashboardState:
                 # the ledger's record, in the saga's order, is folded.
                 return False
             if from_ledger:
-                if event_id in self._seen_on_ledger:
+                if key in self._seen_on_ledger:
                     # The same fact twice in the ledger: consumers deduplicate it (R15).
                     self.ledger_duplicates += 1
                     self.metrics.duplicate_prevented()
                     return False
-                self._seen_on_ledger.add(event_id)
+                self._seen_on_ledger.add(key)
                 # Measures fold the ledger only: within a saga it is in order (one
                 # partition), while the terminal/incident copies may come first. A
                 # record the coordinator refuses is no fact: not folded there either.
                 if self._measured(record):
                     self.metrics.observe_record(record)
-            if event_id in self._seen:
+            if key in self._seen:
                 # Its saga: None when a writer reused another saga's event id.
                 seen = self.sagas.get(record.saga_id)
                 if from_ledger and seen is not None:
-                    seen.event_ids.append(event_id)
+                    seen.event_ids.append(key)
                     self._ended_in_ledger(record)
                     self._given_up_in_ledger(record)
                     self._check_settled(seen)
                 return False
             saga = self._saga_for(record, from_ledger)
             if saga is None:
-                self._seen.add(event_id)
-                self.sagas[record.saga_id].event_ids.append(event_id)
+                self._seen.add(key)
+                self.sagas[record.saga_id].event_ids.append(key)
                 self.stale_records += 1
                 return False
             refused = _refusal(saga, record, self.bind_writers)
             if refused is not None:
                 # Not remembered, as the coordinator does not: the rightful record with
                 # this event id may follow.
-                self._seen_on_ledger.discard(event_id)
+                self._seen_on_ledger.discard(key)
                 self.refused_records += 1
-                saga.refused.append(f"{record.TYPE} {event_id}: {refused}")
+                saga.refused.append(f"{record.TYPE} {record.event_id}: {refused}")
                 return False
-            self._seen.add(event_id)
-            saga.event_ids.append(event_id)
+            self._seen.add(key)
+            saga.event_ids.append(key)
             _begin_generation(saga, record)
             self.records_applied += 1
             saga.record_count += 1
@@ -416,9 +427,9 @@ class DashboardState:
         del self._settled[saga_id]
         self._awaiting.discard(saga_id)
         saga = self.sagas.pop(saga_id)
-        for event_id in saga.event_ids:
-            self._seen.discard(event_id)
-            self._seen_on_ledger.discard(event_id)
+        for key in saga.event_ids:
+            self._seen.discard(key)
+            self._seen_on_ledger.discard(key)
         self._evicted.add(saga_id)
         self.evicted_sagas += 1
 
