@@ -19,10 +19,12 @@ from dashboard_scenarios import (
 )
 from starlette.testclient import TestClient
 
+from coordinator.core import COORDINATOR_PRODUCER
 from sagaline.kafka import create_producer, ensure_topics
 from sagaline.ops.actions import incident_resolved
 from sagaline.ops.metrics import SagalineMetrics
-from schemas import IncidentRaised, Record, TerminalStatus
+from schemas import IncidentRaised, Record, TerminalStatus, derived_event_id, envelope_for
+from schemas.limits import PARKED_INCIDENT
 from schemas.settings import Settings
 from schemas.wire import to_message
 from services.dashboard import (
@@ -321,3 +323,57 @@ def test_the_page_of_a_dropped_saga_says_where_to_read_it() -> None:
     assert "in the ledger (yet)" not in page
     assert "sagaline saga show s-done-0" in page and "SAGALINE_DASHBOARD_ENDED_SAGAS" in page
     assert "in the ledger (yet)" in client.get("/sagas/s-never").text
+
+
+def _parked(saga_id: str, at: int) -> IncidentRaised:
+    """The incident the coordinator writes when it parks a saga (``Coordinator._park``):
+    e.g. an ended saga whose changelog marker it cannot read on a restore."""
+    incident_id = derived_event_id(saga_id, "incident", PARKED_INCIDENT)
+    return IncidentRaised(
+        envelope=envelope_for(
+            IncidentRaised,
+            saga_id=saga_id,
+            tenant_id="acme",
+            producer=COORDINATOR_PRODUCER,
+            now=at,
+            event_id=derived_event_id(saga_id, "SagaParked"),
+        ),
+        incident_id=incident_id,
+        kind=PARKED_INCIDENT,
+        inconsistency=f"the coordinator parked saga {saga_id}: its marker is unreadable",
+        effect="saga not decided any further; see `sagaline saga show`",
+        owner="operations",
+    )
+
+
+def test_an_incident_raised_after_a_dropped_saga_ended_brings_it_back_until_resolved() -> None:
+    """The coordinator can raise an incident for a saga after its SagaTerminal (it parks
+    an ended saga whose changelog marker it cannot read). When the dashboard had already
+    dropped that saga, the incident was counted in ``evicted_records`` and never shown:
+    an incident that needs a person was invisible. It now brings the saga back, with the
+    incident under "Needs a person" and a word that its history was dropped, until it is
+    resolved; a later copy of it does not bring the saga back again."""
+    state = DashboardState(SagalineMetrics("dashboard"), ended_sagas=1)
+    for records in _ended(3):
+        _live(state, records)
+    assert state.dropped("s-done-0")
+    parked = _parked("s-done-0", at=T0 + 9 * MINUTE)
+    _live(state, [parked])  # the ledger's record, then the incident feed's copy
+    assert [(s.saga_id, i.incident_id) for s, i in state.open_incidents()] == [
+        ("s-done-0", parked.incident_id)
+    ]
+    assert not state.dropped("s-done-0") and state.evicted_records == 0
+    assert state.sagas["s-done-0"].status is SagaStatus.COMPLETED  # as it ended
+    client = TestClient(create_app(state, clock=lambda: T0 + 10 * MINUTE))
+    overview = client.get("/").text
+    assert f'data-incident="{parked.incident_id}"' in overview
+    page = client.get("/sagas/s-done-0").text
+    assert f'id="resolve-{parked.incident_id}"' in page
+    assert "dropped from memory" in page and "sagaline saga show s-done-0" in page
+
+    state.apply(
+        incident_resolved(parked, operator="dan", resolution="restored", now=T0 + 11 * MINUTE)
+    )
+    assert state.open_incidents() == [] and state.dropped("s-done-0")
+    _live(state, [parked])  # read again (a redelivery): it was resolved
+    assert state.open_incidents() == [] and state.dropped("s-done-0")

@@ -536,6 +536,17 @@ def _saga_fragment(saga: SagaView, now: int, viewer: Viewer = DEV) -> str:
         ("ended", _e(format_ms(saga.terminal_at))),
         ("records", str(saga.record_count)),
     ]
+    if saga.history_dropped:
+        facts.append(
+            (
+                "history",
+                "ended, and was dropped from memory by this dashboard "
+                "(<code>SAGALINE_DASHBOARD_ENDED_SAGAS</code>), then brought back by an "
+                "incident raised after it ended; only what came since is shown. "
+                f"<code>sagaline saga show {_e(saga.saga_id)}</code> reads all of it "
+                "from the ledger.",
+            )
+        )
     if saga.refused:
         listed = "".join(f"<li>{_e(why)}</li>" for why in saga.refused)
         facts.append(("refused by the coordinator", f'<ul class="refused">{listed}</ul>'))
@@ -557,6 +568,11 @@ def _saga_fragment(saga: SagaView, now: int, viewer: Viewer = DEV) -> str:
         receipt = render_receipt_html(saga.receipt, later)
     elif saga.receipt_error:
         receipt = f'<p class="notice error">{_e(saga.receipt_error)}</p>'
+    elif saga.history_dropped:
+        receipt = (
+            '<p class="muted">Dropped from memory with the saga\'s history: '
+            f"<code>sagaline saga show {_e(saga.saga_id)}</code> shows it.</p>"
+        )
     else:
         receipt = '<p class="muted">No receipt yet: the saga has not ended.</p>'
     return (

@@ -176,6 +176,9 @@ class SagaView:
     # Ended, known from the terminal topic alone when everything there was at start had
     # been read: its ledger expired (DashboardState.mark_caught_up).
     ledger_expired: bool = False
+    # Dropped from memory once (ended, settled), brought back by an incident the
+    # coordinator raised after that (DashboardState._revive): only what came since.
+    history_dropped: bool = False
     receipt: Receipt | None = None
     receipt_error: str | None = None
     pending_approvals: dict[str, ApprovalRequested] = field(default_factory=dict)
@@ -294,7 +297,10 @@ class DashboardState:
         self.ended_sagas = ended_sagas
         self._settled: dict[str, int] = {}  # kept ended, settled sagas -> terminal_at
         self._settled_order: list[tuple[int, str]] = []  # heap; stale entries skipped
-        self._evicted: set[str] = set()
+        # Dropped sagas: how each ended, and the incidents they had (ids; a dropped saga
+        # is brought back only by a coordinator incident it did not have).
+        self._evicted: dict[str, TerminalStatus | None] = {}
+        self._dropped_incidents: set[str] = set()
         self.evicted_sagas = 0
         self.evicted_records = 0  # records of a dropped saga read after it was dropped
         # Sagas with a pending approval request: what the expiry scan and the pending
@@ -317,7 +323,7 @@ class DashboardState:
             # record under an operator's (predictable) decision id first and have the
             # real decision dropped here as a duplicate.
             key = dedup_key(record, _BOUND_WRITERS if self.bind_writers else DEFAULT_POLICY)
-            if record.saga_id in self._evicted:
+            if record.saga_id in self._evicted and not self._revive(record):
                 # Ended and settled before: nothing it still says counts (the
                 # coordinator too ignores an ended saga's history), nor is measured.
                 self.evicted_records += 1
@@ -404,6 +410,13 @@ class DashboardState:
     def _check_settled(self, saga: SagaView) -> None:
         """Track whether ``saga`` is ended and settled; drop the oldest-ended such
         sagas past ``ended_sagas``."""
+        if saga.history_dropped:
+            if not saga.open_incidents:
+                # Ended before every saga kept (it was dropped once): out again once
+                # nothing of it is open.
+                self._settled[saga.saga_id] = saga.last_at
+                self._evict(saga.saga_id)
+            return
         if (
             saga.terminal_at is None
             or saga.open_incidents
@@ -430,8 +443,33 @@ class DashboardState:
         for key in saga.event_ids:
             self._seen.discard(key)
             self._seen_on_ledger.discard(key)
-        self._evicted.add(saga_id)
+        self._evicted[saga_id] = saga.terminal_status
+        self._dropped_incidents.update(saga.resolved_incidents, saga.settled_incidents)
         self.evicted_sagas += 1
+
+    def _revive(self, record: Record) -> bool:
+        """Bring a dropped saga back for an incident the coordinator raised after it was
+        dropped (it parks an ended saga whose changelog marker it cannot read, after its
+        SagaTerminal): a person must see it. The view shows how the saga ended and
+        what came since; its earlier history stays dropped (``sagaline saga show``).
+        A copy of an incident it had when dropped brings nothing back."""
+        if (
+            not isinstance(record, IncidentRaised)
+            or record.envelope.producer != COORDINATOR_PRODUCER
+            or record.incident_id in self._dropped_incidents
+        ):
+            return False
+        env = record.envelope
+        status = self._evicted.pop(record.saga_id)
+        self.sagas[record.saga_id] = SagaView(
+            saga_id=record.saga_id,
+            tenant_id=env.tenant_id,
+            generation=env.generation,
+            terminal_status=status,
+            ended_in_ledger=True,
+            history_dropped=True,
+        )
+        return True
 
     def _ended_in_ledger(self, record: Record) -> None:
         """Ledger order decides what the coordinator still counts: decisions before its
