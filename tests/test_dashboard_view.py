@@ -1232,3 +1232,50 @@ def test_a_writer_cannot_hide_an_operators_decision_from_the_page_R7_R15(decisio
     assert state.ledger_duplicates == 1  # the retry, and nothing else
     measured = state.metrics.snapshot().manual_interventions
     assert measured == {f"approval_{'granted' if decision == 'grant' else 'denied'}": 1}
+
+
+def test_another_writers_resolution_under_the_operators_id_is_listed_as_refused_R11_R15() -> None:
+    """With a trust file a record is the same fact only when its writer is the same
+    (``coordinator.core.dedup_key``). A resolution written by the saga's agent under the
+    (predictable) id of the operator's resolution, after it, is another record, which
+    the coordinator refuses (the incident is already resolved). The view took it for the
+    incident feed's copy of the operator's resolution (same event id): not listed as
+    refused, and measured as a second manual intervention."""
+    ledger, _ = fresh()
+    policy = CorePolicy(bind_writers=True)
+    log: list[Any] = []
+    saga_state = None
+
+    def feed(record: Any) -> list[Any]:
+        nonlocal saga_state
+        log.append(record)
+        taken = decide(saga_state, record, record.envelope.occurred_at, policy)
+        saga_state = taken.state
+        log.extend(o.record for o in taken.outputs if o.appends_to_events)
+        return taken.outputs
+
+    def answering(record: Any, command: Any) -> Any:
+        envelope = record.envelope.model_copy(update={"causation_id": command.event_id})
+        return record.model_copy(update={"envelope": envelope})
+
+    feed(ledger.started())
+    [execute] = [o.record for o in feed(ledger.scheduled("hold")) if o.participant]
+    feed(answering(ledger.intent("hold"), execute))
+    [incident] = incidents(feed(answering(ledger.unknown("hold"), execute)))
+    real = incident_resolved(
+        incident, operator="alice", resolution="NOT_FOUND", now=ledger.clock + 1, producer="alice"
+    )
+    feed(real)
+    forged = _forged(ledger.resolve(incident.incident_id, "COMMITTED"), event_id=real.event_id)
+    forged = forged.model_copy(
+        update={"envelope": forged.envelope.model_copy(update={"producer": "agent"})}
+    )
+    assert [o.reason for o in rejections(feed(forged))] == ["invalid-transition"]
+
+    state = DashboardState(bind_writers=True)
+    for record in log:
+        state.apply(record)
+    saga = state.sagas[ledger.saga_id]
+    assert saga.steps["hold"].state == "failed"
+    assert len(saga.refused) == 1 and "already resolved" in saga.refused[0]
+    assert state.metrics.snapshot().manual_interventions == {"incident_resolved": 1}

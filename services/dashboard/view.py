@@ -944,9 +944,14 @@ def _resolution_refused(saga: SagaView, r: IncidentResolved) -> str | None:
         # Settled before, by a person or the ledger: the coordinator acts on the first
         # resolution only and refuses this one (``_on_incident_resolved``).
         first = saga.resolved_incidents.get(r.incident_id)
-        if first is not None and first.event_id == r.event_id:
+        if (
+            first is not None
+            and first.event_id == r.event_id
+            and first.envelope.producer == r.envelope.producer
+        ):
             # This very resolution, folded already from the incident feed's copy (read
             # before the ledger's record): the same fact, which the measures still count.
+            # (Another writer's record under its id is not: ``coordinator.core.dedup_key``.)
             return None
         how = (
             f"{first.resolution} (by {first.resolved_by})"
