@@ -102,10 +102,10 @@ from sagaline.kafka import (
     watermarks,
 )
 from sagaline.kafka._groups import PartitionMoves
-from sagaline.kafka._topics import topics_max_message_bytes
+from sagaline.kafka._topics import topic_retention, topics_max_message_bytes
 from schemas import IncidentRaised, IncidentResolved, Record, derived_event_id, envelope_for
 from schemas.errors import CodecError
-from schemas.limits import PARKED_INCIDENT, cut_operator_text
+from schemas.limits import PARKED_INCIDENT, RETENTION_MARGIN_MS, cut_operator_text
 from schemas.settings import Settings
 from schemas.signing import Headers, header_value
 from schemas.trust import IdentitySigner, SigningKeyError
@@ -473,6 +473,7 @@ class Coordinator:
         records of no saga to take them, fence an older instance's open transaction
         (same transactional id), then join the group."""
         self._check_topic_sizes()
+        self._check_terminal_memory()
         self._producer.init_transactions(30)
         self._consumer.subscribe(
             [self.topics.events],
@@ -540,6 +541,57 @@ class Coordinator:
                 f"max.message.bytes to at least {needed}, or lower SAGALINE_MAX_RECORD_BYTES "
                 f"to at most {limit - _BATCH_FRAMING} and SAGALINE_KAFKA_BATCH_SIZE to at "
                 f"most {limit}"
+            )
+
+    def _check_terminal_memory(self) -> None:
+        """Refuse to start (``TopicSetupError``) when ``limits.terminal_memory_ms`` is
+        shorter than the events topic can deliver a record again: its ``retention.ms``
+        plus its ``segment.ms`` (Kafka deletes whole segments) plus
+        ``RETENTION_MARGIN_MS``, as the broker says. A marker tombstoned before the
+        saga's ``SagaStarted`` is gone would let a replay (an offset reset, expired
+        group offsets) run the ended saga again. An events topic that keeps its
+        records for ever (``retention.ms=-1``) is only warned about: no memory covers
+        it. Not checked (a warning) when the broker does not say (no
+        DESCRIBE_CONFIGS on the topic)."""
+        topic = self.topics.events
+        memory = self._limits.terminal_memory_ms
+        try:
+            retention = topic_retention(self.bootstrap, topic, timeout_s=10)
+        except KafkaException as exc:
+            log.warning(
+                "could not read retention.ms and segment.ms of %s (%s): "
+                "SAGALINE_TERMINAL_MEMORY_MS=%d not checked against them; grant "
+                "DESCRIBE_CONFIGS on it to have it checked",
+                topic,
+                exc.args[0] if exc.args else exc,
+                memory,
+            )
+            return
+        if retention is None:  # the in-process transport deletes nothing
+            return
+        kept, segment = retention
+        if kept < 0:
+            log.warning(
+                "%s keeps its records for ever (retention.ms=-1, or no delete in its "
+                "cleanup.policy), but the coordinator forgets an ended saga "
+                "SAGALINE_TERMINAL_MEMORY_MS=%d ms after its end: its history read again "
+                "after that (an offset reset, expired group offsets) runs it again. Set "
+                "the topic's retention.ms, or a SAGALINE_TERMINAL_MEMORY_MS longer than "
+                "history is ever replayed from (docs/operating.md, Limits)",
+                topic,
+                memory,
+            )
+            return
+        needed = kept + segment + RETENTION_MARGIN_MS
+        if memory < needed:
+            raise TopicSetupError(
+                f"SAGALINE_TERMINAL_MEMORY_MS={memory} is shorter than {topic!r} keeps "
+                f"a record (retention.ms={kept} plus segment.ms={segment}: Kafka deletes "
+                f"whole segments): an ended saga forgotten while its history can still be "
+                "read again (an offset reset, expired group offsets) would run again. Set "
+                f"SAGALINE_TERMINAL_MEMORY_MS to at least {needed} (that plus a "
+                f"{RETENTION_MARGIN_MS} ms margin), or lower the topic's retention.ms or "
+                "segment.ms (docs/operating.md, Limits)"
             )
 
     def _batch_bytes(self) -> int:

@@ -102,7 +102,13 @@ from schemas import (
     fingerprint,
 )
 from schemas.errors import CodecError
-from schemas.limits import DEFAULT_LIMITS, RESULT_TOO_LARGE, Limits, omitted_result
+from schemas.limits import (
+    DEFAULT_LIMITS,
+    RESULT_TOO_LARGE,
+    RETENTION_MARGIN_MS,
+    Limits,
+    omitted_result,
+)
 from schemas.redaction import scrub
 from schemas.sealing import Sealer, SealError
 from schemas.settings import Settings
@@ -2611,7 +2617,7 @@ def _revoke_drain_bound_s(revoke_drain_s: float, poll_interval_s: float) -> floa
 # What a done journal entry outlives the command topic's retention by, besides its
 # segment.ms: the broker's retention check (log.retention.check.interval.ms, 5 min by
 # default) and a coordinator clock ahead of this one (its records' timestamps).
-JOURNAL_KEEP_MARGIN_MS = 24 * 60 * 60 * 1000
+JOURNAL_KEEP_MARGIN_MS = RETENTION_MARGIN_MS
 # Prune turns: one batch every _PRUNE_EVERY_S; again after _PRUNE_BEHIND_S while a
 # turn still finds a full batch to drop (catching up on a large journal).
 _PRUNE_EVERY_S = 10.0

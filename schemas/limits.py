@@ -20,13 +20,16 @@ environment variable                   field                      default
 ``SAGALINE_MAX_RESULT_BYTES``          ``max_result_bytes``       256 KiB
 ``SAGALINE_MAX_STEPS``                 ``max_steps``              256 steps per saga
 ``SAGALINE_MAX_RECORD_BYTES``          ``max_record_bytes``       900 KiB (state and outputs)
-``SAGALINE_TERMINAL_MEMORY_MS``        ``terminal_memory_ms``     365 days (events retention)
+``SAGALINE_TERMINAL_MEMORY_MS``        ``terminal_memory_ms``     373 days (events kept, a day)
 =====================================  =========================  =========================
 
 ``terminal_memory_ms`` is how long the coordinator remembers that a saga ended (a
 tiny marker in its changelog), so that re-delivered history of a finished saga
-changes nothing; it defaults to the retention of ``sagaline.events``, after which
-that history cannot be re-delivered anyway.
+changes nothing. It defaults to the longest ``sagaline.events`` keeps a record as
+created (``retention.ms`` 365 days, plus ``segment.ms`` 7 days: Kafka deletes whole
+segments) plus :data:`RETENTION_MARGIN_MS`, after which that history cannot be
+re-delivered anyway. The coordinator refuses to start with less than its events
+topic keeps a record, as the broker says (``coordinator.shell``).
 """
 
 from __future__ import annotations
@@ -34,8 +37,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from schemas.topics import EVENTS_RETENTION_MS, EVENTS_SEGMENT_MS
+
 KIB = 1024
 DAY_MS = 24 * 3600 * 1000
+RETENTION_MARGIN_MS = DAY_MS
+"""What a memory of a topic's records (the coordinator's terminal markers, a
+participant's journal) outlasts the topic's ``retention.ms + segment.ms`` by: the
+broker's retention check (``log.retention.check.interval.ms``, 5 min by default) and
+a writer's clock ahead of the reader's (records carry the writer's timestamps)."""
 
 RESULT_OMITTED = "sagaline_result_omitted"
 """Key of the marker that stands in for a tool result over the limit:
@@ -85,7 +95,7 @@ class Limits:
     max_result_bytes: int = 256 * KIB
     max_steps: int = 256
     max_record_bytes: int = 900 * KIB
-    terminal_memory_ms: int = 365 * DAY_MS
+    terminal_memory_ms: int = EVENTS_RETENTION_MS + EVENTS_SEGMENT_MS + RETENTION_MARGIN_MS
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Limits:
@@ -133,6 +143,7 @@ __all__ = [
     "PARKED_INCIDENT",
     "RESULT_OMITTED",
     "RESULT_TOO_LARGE",
+    "RETENTION_MARGIN_MS",
     "Limits",
     "LimitsError",
     "is_omitted_result",

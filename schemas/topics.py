@@ -24,10 +24,17 @@ _DAY_MS = 24 * 60 * 60 * 1000
 
 # The ledger is the authoritative record (R5): keep it a long time. Operators who
 # archive elsewhere may shorten it; the coordinator state survives in its own
-# compacted changelog.
+# compacted changelog. Kafka deletes whole segments, once a segment's newest record
+# is older than retention.ms, so a record stays readable for up to retention.ms +
+# segment.ms: segment.ms is set (the broker's usual 7 days) so that bound does not
+# depend on the broker's log.roll.ms. The coordinator remembers an ended saga at
+# least that long (schemas.limits, terminal_memory_ms).
+EVENTS_RETENTION_MS = 365 * _DAY_MS
+EVENTS_SEGMENT_MS = 7 * _DAY_MS
 EVENTS_CONFIG: Mapping[str, str] = {
     "cleanup.policy": "delete",
-    "retention.ms": str(365 * _DAY_MS),
+    "retention.ms": str(EVENTS_RETENTION_MS),
+    "segment.ms": str(EVENTS_SEGMENT_MS),
 }
 COMPACTED_CONFIG: Mapping[str, str] = {
     "cleanup.policy": "compact",
@@ -177,6 +184,8 @@ def topic_specs(
 
 __all__ = [
     "DEFAULT_PARTITIONS",
+    "EVENTS_RETENTION_MS",
+    "EVENTS_SEGMENT_MS",
     "MAX_PARTITIONS",
     "MAX_REPLICATION_FACTOR",
     "Replication",

@@ -159,7 +159,8 @@ def test_readme_defaults_of_the_service_commands_are_the_codes(
 ) -> None:
     """The rows whose default lives in a command's options or a module constant."""
     from coordinator.shell import DECODED_STATES
-    from schemas.limits import DAY_MS
+    from schemas.limits import DAY_MS, RETENTION_MARGIN_MS
+    from schemas.topics import EVENTS_CONFIG
     from services.cli import build_parser
 
     for var in ("SAGALINE_MAX_IN_FLIGHT", "SAGALINE_DECODED_STATES", "SAGALINE_JOURNAL_KEEP_MS"):
@@ -173,8 +174,10 @@ def test_readme_defaults_of_the_service_commands_are_the_codes(
     assert table["SAGALINE_JOURNAL_KEEP_MS"] == "`auto`"
     assert coordinator.decoded_states is None  # the shell's own default
     assert table["SAGALINE_DECODED_STATES"] == f"`{DECODED_STATES}`"
-    assert Limits().terminal_memory_ms == 365 * DAY_MS
-    assert table["SAGALINE_TERMINAL_MEMORY_MS"] == "365 days"
+    # what sagaline.events keeps a record as created (retention + segment), plus a day
+    events = int(EVENTS_CONFIG["retention.ms"]) + int(EVENTS_CONFIG["segment.ms"])
+    assert Limits().terminal_memory_ms == events + RETENTION_MARGIN_MS == 373 * DAY_MS
+    assert table["SAGALINE_TERMINAL_MEMORY_MS"] == "373 days"
 
 
 def test_the_sizes_the_docs_state_for_operator_input_are_the_codes() -> None:
