@@ -1619,6 +1619,7 @@ class Coordinator:
         finally:
             self._restoring = None
         self._assigned.update(numbers)
+        self.metrics.in_flight(len(self._states))  # restored: in flight here from now
         if partitions:
             self._behind(partitions, consumer.committed(partitions, 30))
         self._joined = True  # an empty assignment too: a member with no partition serves
@@ -1664,6 +1665,7 @@ class Coordinator:
             self._catching_up.pop(n, None)
             self._held_timers.pop(n, None)
         self._assigned -= numbers
+        self.metrics.in_flight(len(self._states))  # its sagas are the next owner's now
 
     def _restore(self, numbers: list[int]) -> int:
         """Read the compacted changelog partitions to their end (R5: state is a fold).

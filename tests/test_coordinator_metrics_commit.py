@@ -14,6 +14,7 @@ from typing import Any
 from coordinator.core import Destination, Output
 from coordinator.shell import Coordinator
 from sagaline.kafka import KafkaError, KafkaException, Producer, create_producer
+from sagaline.ops.metrics import CoordinatorMetrics
 from schemas import Record
 from tests.coordinator_turns import append, executes, one_saga, turn_until
 from tests.test_coordinator_carry import _committed
@@ -103,3 +104,50 @@ def test_a_batch_whose_transaction_failed_is_counted_once_when_it_commits(
     assert set(metrics.outputs.values()) == {1}
     assert sum(metrics.dlqs.values()) == 1, metrics.dlqs
     assert metrics.duplicates == 1
+
+
+def _in_flight(metrics: CoordinatorMetrics) -> float | None:
+    return metrics.registry.get_sample_value(
+        "sagaline_sagas_in_flight", {"component": "coordinator"}
+    )
+
+
+def test_sagas_in_flight_follows_the_partitions_a_rebalance_takes_and_gives(
+    transport: str, unique_prefix: str
+) -> None:
+    """``sagaline_sagas_in_flight`` is what this instance holds: a revoke that takes
+    its partitions takes their sagas off the gauge, and an assignment that restores
+    sagas puts them on it, before any batch commits (an instance whose partitions went
+    elsewhere commits no batch again, and summed over the group it counted them twice)."""
+    settings, ledger, first, _participant = one_saga(transport, unique_prefix, "saga-gauge")
+    append(settings, transport, ledger.started(), first)
+    group = f"{unique_prefix}sagaline-coordinator"
+
+    before = CoordinatorMetrics()
+    one = Coordinator(
+        settings, transport, instance_id="gauge-1", carry_ms=0, linger_ms=0, metrics=before
+    )
+    one._join()
+
+    def committed() -> bool:
+        if one._carry is not None or _committed(settings, transport, group) < 2:
+            return False
+        one._settle()
+        return not one._rewind
+
+    turn_until(one, committed)
+    assert _in_flight(before) == 1
+    one._consumer.close()  # serves the revoke: the partition (and its saga) goes
+    assert _in_flight(before) == 0
+
+    after = CoordinatorMetrics()
+    two = Coordinator(
+        settings, transport, instance_id="gauge-2", carry_ms=0, linger_ms=0, metrics=after
+    )
+    two._join()
+    try:
+        turn_until(two, lambda: two._assigned == {0})  # assigned and restored, nothing new read
+        assert two.in_flight == 1
+        assert _in_flight(after) == 1
+    finally:
+        two._consumer.close()
