@@ -994,18 +994,21 @@ class CommandHandler:
         maybe_taken_elsewhere: bool = True,
         encoded: bytes | None = None,
         inline: bool = False,
+        again: bool = False,
     ) -> _Plan:
         """What :meth:`handle` does for ``command``, split where it waits, so the
         runtime's loop can do the waiting for many commands at once (see
         :class:`_CommandLoop`). Paths that read the ledger before the tool runs (a
         probe after a rebalance, arguments by reference) block: the loop gets
         ``blocking`` for them and leaves them to ``handle`` on a tool thread, which
-        asks with ``inline=True`` and reads the ledger here."""
+        asks with ``inline=True`` and reads the ledger here. ``again``: the caller's
+        own retry of a command it already took (its outcome not acknowledged): a
+        stored outcome is then its own, not a duplicate prevented."""
         seen = self.journal.get(command.event_id)
         if seen is not None and seen[0] in ("done", "accepted") and seen[1] is not None:
             # A redelivery: the work is done; re-send its outcome (same event id, so
             # the coordinator deduplicates) in case the first send was lost.
-            if self._metrics is not None:
+            if self._metrics is not None and not again:
                 self._metrics.duplicate_prevented()
             from schemas.codec import decode
 
@@ -2967,9 +2970,20 @@ class _Job:
     broker's refusal of the intent. ``settled``: an outcome was taken (from the tool
     or, past the deadline, from ``late()``), so a second one is dropped. ``ended``:
     finished or left to a retry, so a step of it that comes late ends nothing again.
+    ``again``: this loop's own retry of the message (the metrics counted it already).
     """
 
-    __slots__ = ("command", "ended", "loop", "msg", "plan", "refused", "settled", "waiting")
+    __slots__ = (
+        "again",
+        "command",
+        "ended",
+        "loop",
+        "msg",
+        "plan",
+        "refused",
+        "settled",
+        "waiting",
+    )
 
     def __init__(self, loop: _CommandLoop, msg: Message, command: Record | None) -> None:
         self.loop = loop
@@ -2980,6 +2994,7 @@ class _Job:
         self.refused: BaseException | None = None
         self.settled = False
         self.ended = False
+        self.again = False
 
     def take_over(self, late: Callable[[], _Outcome]) -> None:
         """The tool overran its deadline (watchdog thread): the loop answers with
@@ -3191,7 +3206,7 @@ class _CommandLoop:
                 except Exception as exc:  # one command's step must not strand it
                     self._broken(job, exc)
             if self._retries and self._retries[0][0] <= time.monotonic():
-                self._start(heapq.heappop(self._retries)[2])
+                self._start(heapq.heappop(self._retries)[2], again=True)
                 continue
             if not self._rows and not self._unwritten:
                 return
@@ -3297,8 +3312,9 @@ class _CommandLoop:
         self._queues[key] = collections.deque()
         self._start(msg)
 
-    def _start(self, msg: Message) -> None:
+    def _start(self, msg: Message, *, again: bool = False) -> None:
         job = self._running[msg.key()] = _Job(self, msg, None)
+        job.again = again
         try:
             self._begin(job)
         except Exception as exc:  # not the caller's (another command's step, the run loop)
@@ -3315,14 +3331,15 @@ class _CommandLoop:
             reason = exc.reason if isinstance(exc, CodecError) else "not-a-command"
             self._dead_letter(job, reason, str(exc))
             return
-        rt.metrics.observe_record(command)
+        if not job.again:  # consumed once, however often it is tried
+            rt.metrics.observe_record(command)
         job.command = command
         # Only commands already on the partition when it was assigned here can have
         # been taken by another replica; the ledger probe is for those alone.
         maybe = (msg.offset() or 0) < rt._assigned_end.get(msg.partition() or 0, 0)
         try:
             plan = job.plan = self._handler.plan(
-                command, maybe_taken_elsewhere=maybe, encoded=msg.value()
+                command, maybe_taken_elsewhere=maybe, encoded=msg.value(), again=job.again
             )
         except sqlite3.OperationalError as exc:  # the journal's lookup, for now (as a write)
             if not journal_unwritable(exc):  # for good (no such table): the loop stops
@@ -3471,6 +3488,7 @@ class _CommandLoop:
                 log.warning("%s; sending the outcome again", failure)
                 self._retry(job)  # the journal has it: the same outcome goes again
                 return
+            self._rt.metrics.observe_output(record)  # acknowledged: emitted, once
             if state == "accepted":
                 self._rt._confirm_in_background(
                     record.event_id if job.command is None else job.command.event_id,
@@ -3489,7 +3507,6 @@ class _CommandLoop:
             log.warning("sending %s failed (%s); sending it again", record.TYPE, exc)
             self._retry(job)
             return
-        self._rt.metrics.observe_output(record)
 
     def _reported(
         self, job: _Job, then: Callable[[BaseException | None], None]

@@ -37,6 +37,7 @@ from sagaline.kafka import (
     ensure_topics,
     headers_of,
 )
+from sagaline.ops.metrics import ParticipantMetrics
 from schemas import (
     CompensateStep,
     CompensationCommitted,
@@ -127,10 +128,14 @@ class Harness:
             self.settings.topics.events, self.saga_id, self.settings.signer()
         )
 
-    def start(self, producer: Callable[[Producer], Any] | None = None) -> None:
+    def start(
+        self,
+        producer: Callable[[Producer], Any] | None = None,
+        metrics: ParticipantMetrics | None = None,
+    ) -> None:
         """``producer``: wraps the runtime's producer (a stand-in that refuses some)."""
         self.runtime = ParticipantRuntime(
-            self.catalogue, self.settings, self.bootstrap, participant=PARTICIPANT
+            self.catalogue, self.settings, self.bootstrap, participant=PARTICIPANT, metrics=metrics
         )
         if producer is not None:
             self.runtime._writer.producer = producer(self.runtime._writer.producer)
@@ -1313,3 +1318,65 @@ def test_a_result_of_decimals_and_sets_is_committed_not_dead_lettered_after_the_
         runtime.stop()
         thread.join(30)
     assert not thread.is_alive()
+
+
+class _Unacknowledged:
+    """The runtime's producer; the events records that ``refused(n)`` names are not
+    written and their delivery report says the broker never acknowledged them."""
+
+    def __init__(self, producer: Producer, topic: str, refused: Callable[[int], bool]) -> None:
+        self._producer = producer
+        self._topic = topic
+        self._refused = refused
+        self.seen = 0
+        self.refusals = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._producer, name)
+
+    def produce(self, topic: str, *args: Any, **kwargs: Any) -> None:
+        if topic == self._topic:
+            self.seen += 1
+            if self._refused(self.seen - 1):
+                self.refusals += 1
+                kwargs["on_delivery"](KafkaError(KafkaError._MSG_TIMED_OUT), None)
+                return
+        self._producer.produce(topic, *args, **kwargs)
+
+
+def test_an_outcome_sent_again_after_no_acknowledgement_is_counted_once(
+    transport: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    """R16's retry of an unacknowledged outcome is the runtime's own: the command was
+    consumed once, its outcome reached the ledger once, and no duplicate came in.
+    The metrics say so (they counted each retry as a command processed again, a
+    duplicate prevented and a record emitted again, every 0.5 s of a broker outage)."""
+    harness = Harness(transport, unique_prefix, tmp_path)
+    metrics = ParticipantMetrics(PARTICIPANT)
+    lost: list[_Unacknowledged] = []
+
+    def outcome_lost_once(producer: Producer) -> _Unacknowledged:
+        lost.append(_Unacknowledged(producer, harness.settings.topics.events, lambda n: n == 1))
+        return lost[0]
+
+    harness.start(outcome_lost_once, metrics)
+    try:
+        runtime = harness.runtime
+        assert runtime is not None
+        wait_until(lambda: runtime._assigned_end, 60, "the command partition assigned")
+        harness.send(harness.execute("s1", {"sku": "a", "quantity": 1}))
+        records = harness.wait_for(lambda rs: bool(_of(rs, StepCommitted)))
+    finally:
+        harness.stop()  # its commands finished: nothing more is counted
+    assert lost[0].refusals == 1, "no outcome went unacknowledged"
+    assert [type(r) for r in records] == [StepIntentRecorded, StepCommitted]
+    assert harness.shop.count("reserve") == 1
+    component = f"participant:{PARTICIPANT}"
+
+    def count(name: str, **labels: str) -> float:
+        value = metrics.registry.get_sample_value(name, {"component": component, **labels})
+        return value or 0.0
+
+    assert count("sagaline_records_processed_total", type="ExecuteStep") == 1
+    assert count("sagaline_records_emitted_total", type="StepCommitted") == 1
+    assert count("sagaline_duplicates_prevented_total") == 0
