@@ -92,6 +92,12 @@ _COMMIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 # very old redelivery could be counted twice, which a metric tolerates.
 _MEMORY = 200_000
 
+# Distinct tool names a process uses as label values; a tool first seen past this is
+# counted under ``other`` (logged once): a writer naming thousands of tools (forged,
+# or a bug) must not add a time series per name to every scrape.
+_MAX_TOOL_LABELS = 1_000
+OTHER_TOOL = "other"
+
 # Incident kinds that mean "the reversal window expired before the compensation" (R13).
 # Matched loosely ("window" in the kind) so the coordinator's exact spelling is free.
 _WINDOW_MARKER = "window"
@@ -146,6 +152,7 @@ class SagalineMetrics:
         self.component = component
         self._effect = effect
         self._effect_failed = False  # logged at WARNING once
+        self._tool_labels: set[str] = set()
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self._lock = threading.Lock()
@@ -437,7 +444,7 @@ class SagalineMetrics:
                 track.incident_steps[record.incident_id] = record.step_id
             if _WINDOW_MARKER in record.kind.lower():
                 tool = record.tool or track.tools.get(record.step_id or "", "unknown")
-                self.expired_windows.labels(tool).inc()
+                self.expired_windows.labels(self._tool(tool)).inc()
         elif isinstance(record, IncidentResolved):
             if record.envelope.tenant_id != track.tenant_id:
                 return  # another tenant's: refused by the coordinator, no intervention
@@ -449,6 +456,25 @@ class SagalineMetrics:
             except ValueError:
                 return  # an unreadable receipt is the codec's problem, not a metric's
             self._observe_receipt(receipt, failure_at=track.failure_at)
+
+    def _tool(self, tool: str) -> str:
+        """``tool`` as a label value: the first :data:`_MAX_TOOL_LABELS` names seen are
+        their own, later ones ``other`` (called under ``self._lock``)."""
+        if tool in self._tool_labels:
+            return tool
+        if len(self._tool_labels) < _MAX_TOOL_LABELS:
+            self._tool_labels.add(tool)
+            return tool
+        if OTHER_TOOL not in self._tool_labels:  # logged once
+            self._tool_labels.add(OTHER_TOOL)
+            log.warning(
+                "more than %d tool names seen (the last: %.100r); further ones are "
+                "counted under tool=%r (a writer naming tools no catalogue declares?)",
+                _MAX_TOOL_LABELS,
+                tool,
+                OTHER_TOOL,
+            )
+        return OTHER_TOOL
 
     def _measure_effect(self, record: StepScheduled) -> int | None:
         """The deployment's effect measure of ``record``; one that raises (arguments
@@ -476,7 +502,7 @@ class SagalineMetrics:
     def _settle_unknown(self, track: _SagaTrack, step_id: str, at: int) -> None:
         since = track.unknown_since.pop(step_id, None)
         if since is not None:
-            tool = track.tools.get(step_id, "unknown")
+            tool = self._tool(track.tools.get(step_id, "unknown"))
             self.time_in_unknown.labels(tool).observe(max(at - since, 0) / 1000)
 
     def _resolve_incident(self, track: _SagaTrack, incident_id: str, at: int) -> None:
@@ -510,10 +536,11 @@ class SagalineMetrics:
             if step.compensation is None:
                 continue
             if step.disposition is Disposition.COMPENSATED:
-                self.compensation_outcomes.labels(step.tool, COMPENSATION_SUCCEEDED).inc()
+                tool = self._tool(step.tool)
+                self.compensation_outcomes.labels(tool, COMPENSATION_SUCCEEDED).inc()
             elif step.disposition is Disposition.ESCALATED:
                 result = COMPENSATION_FAILED if step.compensation_attempts else COMPENSATION_SKIPPED
-                self.compensation_outcomes.labels(step.tool, result).inc()
+                self.compensation_outcomes.labels(self._tool(step.tool), result).inc()
 
         if receipt.status is TerminalStatus.ESCALATED:
             resolved = {i.incident_id for i in receipt.incidents if i.resolved}
