@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from participants.catalogue import Catalogue, wrap
 from participants.client import ENDED_SAGAS_KEPT, SagaClient
-from participants.readiness import require_coordinator
 from participants.runtime import ParticipantRuntime
 from sagaline.kafka import ensure_topics
 from schemas.settings import Settings
@@ -55,6 +54,9 @@ def connect(
       (``SAGALINE_*``, ``KAFKA_BOOTSTRAP_SERVERS``); with no broker configured the
       project's local development broker is used (started if needed).
     - ``call_timeout_s`` / ``ended_sagas_kept``: passed to the :class:`SagaClient`.
+
+    A coordinator or runtime that fails while starting raises :class:`StartError`
+    (from its cause) at once; everything started so far is stopped.
     """
     if settings is None:
         settings = Settings.from_env()
@@ -83,28 +85,23 @@ def connect(
             # A stable instance id: a restarted development process takes its
             # partitions back at once (static membership).
             core = Coordinator(settings, bootstrap, instance_id="dev-coordinator")
-            thread = threading.Thread(target=core.run, name="sagaline-coordinator", daemon=True)
-            thread.start()
             stoppers.append(core)
-            threads.append(thread)
-            require_coordinator(settings, bootstrap, patience_s=_START_TIMEOUT_S)
+            _start(
+                core.run,
+                "sagaline-coordinator",
+                f"the coordinator did not start consuming {settings.topics.events}",
+                threads,
+            )
         for catalogue in catalogues:
             runtime = ParticipantRuntime(catalogue, settings, bootstrap)
-            ready = threading.Event()
-            thread = threading.Thread(
-                target=runtime.run,
-                kwargs={"ready": ready},
-                name=f"sagaline-participant-{catalogue.name}",
-                daemon=True,
-            )
-            thread.start()
             stoppers.append(runtime)
-            threads.append(thread)
-            if not ready.wait(_START_TIMEOUT_S) or not thread.is_alive():
-                raise StartError(
-                    f"participant {catalogue.name!r} did not start serving"
-                    f" {settings.topics.commands(catalogue.name)} (see the log above)"
-                )
+            _start(
+                runtime.run,
+                f"sagaline-participant-{catalogue.name}",
+                f"participant {catalogue.name!r} did not start serving"
+                f" {settings.topics.commands(catalogue.name)}",
+                threads,
+            )
         client = SagaClient(
             settings,
             bootstrap,
@@ -121,6 +118,38 @@ def connect(
             stopper.stop()
         for thread in threads:
             thread.join(30)
+
+
+def _start(
+    run: Callable[..., None], name: str, failure: str, threads: list[threading.Thread]
+) -> None:
+    """Run ``run(ready=...)`` in a daemon thread (added to ``threads``, joined at the
+    session's end) and return once it serves. Raises
+    :class:`StartError` (``failure``, and why) as soon as it ends before serving,
+    not after the whole start timeout; once it served, its end is logged: nothing
+    else in the session would say that what it served is gone."""
+    ready = threading.Event()
+    failed: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            run(ready=ready)
+        except BaseException as exc:
+            if ready.is_set():
+                log.exception("%s stopped: what it served is no longer served here", name)
+            failed.append(exc)
+        finally:
+            ready.set()  # it serves, or never will: the start need not wait any more
+
+    thread = threading.Thread(target=serve, name=name, daemon=True)
+    thread.start()
+    threads.append(thread)
+    if not ready.wait(_START_TIMEOUT_S):
+        raise StartError(f"{failure} within {_START_TIMEOUT_S:.0f} s")
+    if failed:
+        raise StartError(f"{failure}: {type(failed[0]).__name__}: {failed[0]}") from failed[0]
+    if not thread.is_alive():
+        raise StartError(f"{failure}: it returned before serving")
 
 
 def _catalogues(tools: tuple[Any, ...], name: str | None) -> list[Catalogue]:

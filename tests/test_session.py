@@ -1,0 +1,82 @@
+"""``sagaline.connect()`` on its error paths, as a user meets them: what it started
+fails, the block raises, it is used twice in one process. Real broker; every test
+checks that no thread the session started is left running."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+import sagaline
+import sagaline._session as session
+from schemas.settings import Settings
+
+pytestmark = pytest.mark.kafka
+
+_SESSION_THREADS = ("sagaline-coordinator", "sagaline-participant-", "saga-client")
+
+
+def _release(reservation_id: str) -> None:
+    pass
+
+
+@sagaline.compensable(by=_release, args=lambda c: {"reservation_id": c.result})
+def reserve(flight: str) -> str:
+    """Reserve a seat."""
+    return f"r-{flight}"
+
+
+def _settings(bootstrap: str, prefix: str, tmp_path: Path) -> Settings:
+    return Settings(
+        bootstrap=bootstrap, topic_prefix=prefix, partitions=1, state_dir=tmp_path / "state"
+    )
+
+
+def _session_threads() -> list[str]:
+    return [
+        t.name
+        for t in threading.enumerate()
+        if t.is_alive() and t.name.startswith(_SESSION_THREADS)
+    ]
+
+
+class _Injected(RuntimeError):
+    pass
+
+
+def _fail(*args: object, **kwargs: object) -> None:
+    raise _Injected("injected start failure")
+
+
+@pytest.mark.parametrize("what", ["coordinator", "participant"])
+def test_a_start_failure_is_raised_at_once_with_its_cause(
+    what: str,
+    kafka_bootstrap: str,
+    unique_prefix: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A coordinator or runtime that raises while starting ends its thread: connect()
+    waited out its whole start timeout (120 s) for it, then said "no coordinator is
+    consuming ... use sagaline.connect(..., coordinator=True)" (which was used) or "see
+    the log above", never why. Now it raises StartError from the failure at once.
+    The start timeout is lowered so that the wait, if it came back, ends quickly in
+    the wrong error rather than the test's."""
+    import coordinator.shell
+    import participants.runtime
+
+    monkeypatch.setattr(session, "_START_TIMEOUT_S", 20.0)
+    if what == "coordinator":
+        monkeypatch.setattr(coordinator.shell.Coordinator, "_check_topic_sizes", _fail)
+    else:
+        monkeypatch.setattr(participants.runtime, "journal_keep_ms", _fail)
+    settings = _settings(kafka_bootstrap, unique_prefix, tmp_path)
+    with (
+        pytest.raises(session.StartError, match=f"{what}.*injected start failure") as raised,
+        sagaline.connect(reserve, name="seats", coordinator=True, settings=settings),
+    ):
+        pytest.fail("the session started")
+    assert isinstance(raised.value.__cause__, _Injected)
+    assert _session_threads() == []
