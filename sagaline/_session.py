@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from participants.catalogue import Catalogue, wrap
@@ -49,7 +49,9 @@ def connect(
       called ``name`` (checked by ``wrap()``: a bad declaration fails here).
     - ``coordinator``: also run a coordinator in this process. For development and
       tests; in production run ``sagaline coordinator run`` (the client then checks
-      that one is consuming, and says what to start if not).
+      that one is consuming, and says what to start if not). Sessions of one process
+      on the same broker and topics share one coordinator: started by the first,
+      stopped when the last one ends (two would fence each other).
     - ``settings`` / ``bootstrap``: default to the environment
       (``SAGALINE_*``, ``KAFKA_BOOTSTRAP_SERVERS``); with no broker configured the
       project's local development broker is used (started if needed).
@@ -78,20 +80,10 @@ def connect(
     stoppers: list[Any] = []
     threads: list[threading.Thread] = []
     client: SagaClient | None = None
+    shared = ExitStack()
     try:
         if coordinator:
-            from coordinator.shell import Coordinator
-
-            # A stable instance id: a restarted development process takes its
-            # partitions back at once (static membership).
-            core = Coordinator(settings, bootstrap, instance_id="dev-coordinator")
-            stoppers.append(core)
-            _start(
-                core.run,
-                "sagaline-coordinator",
-                f"the coordinator did not start consuming {settings.topics.events}",
-                threads,
-            )
+            shared.enter_context(_coordinator(settings, bootstrap))
         for catalogue in catalogues:
             runtime = ParticipantRuntime(catalogue, settings, bootstrap)
             stoppers.append(runtime)
@@ -118,6 +110,64 @@ def connect(
             stopper.stop()
         for thread in threads:
             thread.join(30)
+        shared.close()
+
+
+class _Running:
+    """A coordinator a session started, and how many sessions use it."""
+
+    def __init__(self, core: Any, thread: threading.Thread) -> None:
+        self.core = core
+        self.thread = thread
+        self.users = 0
+
+
+# The coordinators this process's sessions run, by broker and ledger topic: one each.
+# A second one would have the same static member and transactional id, and fence the
+# first (whose thread dies on _FENCED); the first session, once the second ended,
+# would be left with none. Held while one starts or stops (a session waits for it).
+_coordinators: dict[tuple[str, str], _Running] = {}
+_coordinators_lock = threading.Lock()
+
+
+@contextmanager
+def _coordinator(settings: Settings, bootstrap: str) -> Iterator[None]:
+    """The coordinator of ``settings``' topics, run in this process while a session
+    uses it: started by the first session, stopped when the last one ends."""
+    key = (bootstrap, settings.topics.events)
+    with _coordinators_lock:
+        running = _coordinators.get(key)
+        if running is None or not running.thread.is_alive():
+            from coordinator.shell import Coordinator
+
+            # A stable instance id: a restarted development process takes its
+            # partitions back at once (static membership).
+            core = Coordinator(settings, bootstrap, instance_id="dev-coordinator")
+            threads: list[threading.Thread] = []
+            try:
+                _start(
+                    core.run,
+                    "sagaline-coordinator",
+                    f"the coordinator did not start consuming {settings.topics.events}",
+                    threads,
+                )
+            except BaseException:
+                core.stop()
+                for thread in threads:
+                    thread.join(30)
+                raise
+            running = _coordinators[key] = _Running(core, threads[0])
+        running.users += 1
+    try:
+        yield
+    finally:
+        with _coordinators_lock:
+            running.users -= 1
+            if running.users == 0:
+                if _coordinators.get(key) is running:
+                    del _coordinators[key]
+                running.core.stop()
+                running.thread.join(30)
 
 
 def _start(

@@ -80,3 +80,27 @@ def test_a_start_failure_is_raised_at_once_with_its_cause(
         pytest.fail("the session started")
     assert isinstance(raised.value.__cause__, _Injected)
     assert _session_threads() == []
+
+
+def test_a_second_session_with_a_coordinator_does_not_fence_the_first(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    """Two ``connect(coordinator=True)`` in one process (a notebook cell run while
+    another session is open, a helper that opens its own): both coordinators had the
+    same static member and transactional id, so the second fenced the first (its
+    thread died on _FENCED), and once the second session ended the first had no
+    coordinator: its calls ended in OutcomeUnknown. Now the second session uses the
+    coordinator already running for those topics, which stops with its last user."""
+    settings = _settings(kafka_bootstrap, unique_prefix, tmp_path)
+    with sagaline.connect(
+        reserve, name="seats", coordinator=True, settings=settings, call_timeout_s=20
+    ) as outer:
+        with sagaline.connect(coordinator=True, settings=settings) as inner:
+            with inner.saga("trip", principal="me") as saga:
+                assert saga.call("reserve", flight="IN") == "r-IN"
+            assert saga.wait(60).status == "COMPLETED"
+        assert "sagaline-coordinator" in _session_threads()
+        with outer.saga("trip", principal="me") as saga:
+            assert saga.call(reserve, flight="OUT") == "r-OUT"
+        assert saga.wait(60).status == "COMPLETED"
+    assert _session_threads() == []
