@@ -60,6 +60,8 @@ def connect(
     A coordinator or runtime that fails while starting raises :class:`StartError`
     (from its cause) at once; everything started so far is stopped.
     """
+    # The declarations first: a bad one fails before a broker is chosen or started.
+    catalogues = _catalogues(tools, name)
     if settings is None:
         settings = Settings.from_env()
     if bootstrap is None:
@@ -68,7 +70,6 @@ def connect(
         from services.broker import resolve_bootstrap
 
         bootstrap = resolve_bootstrap()
-    catalogues = _catalogues(tools, name)
     ensure_topics(
         bootstrap,
         settings.topics,

@@ -104,3 +104,28 @@ def test_a_second_session_with_a_coordinator_does_not_fence_the_first(
             assert saga.call(reserve, flight="OUT") == "r-OUT"
         assert saga.wait(60).status == "COMPLETED"
     assert _session_threads() == []
+
+
+def test_a_bad_declaration_fails_before_a_broker_is_chosen_or_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With no broker configured, connect() chose (and, if need be, started: a JVM,
+    up to minutes) the local development broker before checking the tools, and only
+    then raised the CatalogueError. The declarations are checked first now."""
+    import services.broker
+
+    def book(flight: str) -> str:  # a write tool with no undo declared
+        """Book a flight."""
+        return flight
+
+    chosen: list[str] = []
+
+    def resolve() -> str:
+        chosen.append("broker")
+        return "127.0.0.1:1"
+
+    monkeypatch.delenv("KAFKA_BOOTSTRAP_SERVERS", raising=False)
+    monkeypatch.setattr(services.broker, "resolve_bootstrap", resolve)
+    with pytest.raises(sagaline.CatalogueError, match="book"), sagaline.connect(book, name="x"):
+        pytest.fail("the session started")
+    assert chosen == []
