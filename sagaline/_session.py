@@ -17,7 +17,7 @@ from typing import Any
 from participants.catalogue import Catalogue, wrap
 from participants.client import ENDED_SAGAS_KEPT, SagaClient
 from participants.runtime import ParticipantRuntime
-from sagaline.kafka import ensure_topics
+from sagaline.kafka import KafkaError, KafkaException, create_admin, ensure_topics
 from schemas.settings import Settings
 
 log = logging.getLogger("sagaline.connect")
@@ -25,6 +25,7 @@ log = logging.getLogger("sagaline.connect")
 __all__ = ["connect"]
 
 _START_TIMEOUT_S = 120.0
+_PROBE_TIMEOUT_S = 30.0  # as long as ensure_topics waits for the broker's metadata
 
 
 class StartError(RuntimeError):
@@ -70,6 +71,7 @@ def connect(
         from services.broker import resolve_bootstrap
 
         bootstrap = resolve_bootstrap()
+    _require_broker(bootstrap)
     ensure_topics(
         bootstrap,
         settings.topics,
@@ -112,6 +114,30 @@ def connect(
         for thread in threads:
             thread.join(30)
         shared.close()
+
+
+def _require_broker(bootstrap: str) -> None:
+    """Raise ``ConnectionError`` naming ``bootstrap`` and what to do when no broker
+    answers there. librdkafka's own log of each failed attempt (a line every 50 ms)
+    is kept off stderr: its last error is in the message instead."""
+    errors: list[str] = []
+    admin = create_admin(
+        bootstrap, **{"log_level": 0, "error_cb": lambda error: errors.append(error.str())}
+    )
+    try:
+        admin.list_topics(timeout=_PROBE_TIMEOUT_S)
+    except KafkaException as exc:
+        error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+        if error is None or error.code() not in (KafkaError._TRANSPORT, KafkaError._TIMED_OUT):
+            raise
+        admin.poll(0)  # serves the errors met meanwhile to error_cb
+        why = errors[-1] if errors else error.str()
+        raise ConnectionError(
+            f"sagaline.connect: no Kafka broker answered at {bootstrap} within"
+            f" {_PROBE_TIMEOUT_S:.0f} s ({why}): start one (`sagaline kafka up` prints its"
+            " address) or set KAFKA_BOOTSTRAP_SERVERS (and the SAGALINE_KAFKA_* client"
+            " settings, docs/deploying.md) to a broker that runs"
+        ) from None
 
 
 class _Running:

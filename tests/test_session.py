@@ -129,3 +129,22 @@ def test_a_bad_declaration_fails_before_a_broker_is_chosen_or_started(
     with pytest.raises(sagaline.CatalogueError, match="book"), sagaline.connect(book, name="x"):
         pytest.fail("the session started")
     assert chosen == []
+
+
+def test_a_broker_that_does_not_answer_is_one_clear_error_without_client_noise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A wrong KAFKA_BOOTSTRAP_SERVERS (nothing listening there): connect() printed a
+    librdkafka FAIL line every 50 ms for 30 s, then raised the bare KafkaException
+    "Failed to get metadata: Local: Broker transport failure", naming neither the
+    address nor what to do. Now: a ConnectionError saying both, and why the
+    connection failed; no client log lines. (The probe's wait is lowered here.)"""
+    monkeypatch.setattr(session, "_PROBE_TIMEOUT_S", 3.0)
+    settings = _settings("127.0.0.1:1", "unused.", tmp_path)
+    with pytest.raises(ConnectionError) as raised, sagaline.connect(settings=settings):
+        pytest.fail("the session started")
+    text = str(raised.value)
+    assert "127.0.0.1:1" in text and "KAFKA_BOOTSTRAP_SERVERS" in text, text
+    assert "Connection refused" in text, text
+    assert "rdkafka" not in capfd.readouterr().err
+    assert _session_threads() == []
