@@ -8,6 +8,7 @@ does exactly that, against the configured broker, and stops all of it on exit.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -106,14 +107,38 @@ def connect(
         )
         client.start()
         yield client
-    finally:
-        if client is not None:
-            client.close()
-        for stopper in reversed(stoppers):
-            stopper.stop()
-        for thread in threads:
-            thread.join(30)
-        shared.close()
+    except BaseException:
+        # What ends the session must not hide why it ended, nor leave anything running.
+        _stop(client, stoppers, threads, shared, raising=False)
+        raise
+    _stop(client, stoppers, threads, shared, raising=True)
+
+
+def _stop(
+    client: SagaClient | None,
+    stoppers: list[Any],
+    threads: list[threading.Thread],
+    shared: ExitStack,
+    *,
+    raising: bool,
+) -> None:
+    """Close the client, stop the runtimes, then the coordinator: each step also when
+    one before it failed. The first failure is raised when ``raising`` (the block
+    ended normally), else logged (an error of the block's is on its way)."""
+    steps: list[Callable[[], object]] = [client.close] if client is not None else []
+    steps += [stopper.stop for stopper in reversed(stoppers)]
+    steps += [functools.partial(thread.join, 30) for thread in threads]
+    steps.append(shared.close)
+    failures: list[Exception] = []
+    for step in steps:
+        try:
+            step()
+        except Exception as exc:
+            failures.append(exc)
+    for failure in failures[1:] if raising else failures:
+        log.error("sagaline.connect: while stopping the session: %s", failure, exc_info=failure)
+    if failures and raising:
+        raise failures[0]
 
 
 def _require_broker(bootstrap: str) -> None:

@@ -148,3 +148,27 @@ def test_a_broker_that_does_not_answer_is_one_clear_error_without_client_noise(
     assert "Connection refused" in text, text
     assert "rdkafka" not in capfd.readouterr().err
     assert _session_threads() == []
+
+
+def test_a_failing_client_close_neither_masks_the_blocks_error_nor_leaves_threads(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The session's end closed the client, then stopped the runtimes and the
+    coordinator, in one ``finally``: a close() that raised left them running and
+    replaced the error the block raised with its own."""
+    from participants.client import SagaClient
+
+    closing = SagaClient.close
+
+    def close(self: SagaClient) -> None:
+        closing(self)
+        raise RuntimeError("close failed")
+
+    monkeypatch.setattr(SagaClient, "close", close)
+    settings = _settings(kafka_bootstrap, unique_prefix, tmp_path)
+    with (
+        pytest.raises(ValueError, match="the block's own"),
+        sagaline.connect(reserve, name="seats", coordinator=True, settings=settings),
+    ):
+        raise ValueError("the block's own")
+    assert _session_threads() == []
