@@ -241,6 +241,11 @@ _LINGER_S = 0.02
 # a coordinator), once its periodic check for them (every 10 s by default) comes by.
 _STABLE_WAIT_S = 60.0
 _STABLE_POLL_S = 0.02
+# The longest a due timer waits (from when it was first held) for its partition's
+# records not yet read, without a rebalance (a broker outage, a backlog under load):
+# those may hold the record that beats its deadline, but an overloaded coordinator
+# that is never caught up must still fire its deadlines (``_hold``).
+LAG_HOLD_MS = 30_000
 
 
 @dataclass
@@ -374,6 +379,13 @@ class Coordinator:
         # meanwhile are held per partition and go back to the heap once it caught up.
         self._catching_up: dict[int, int] = {}
         self._held_timers: dict[int, list[tuple[int, str]]] = {}
+        # Without a rebalance, a due timer whose partition has records unread (librdkafka's
+        # cached high watermark past the consumer's position) is held the same way, but
+        # for at most LAG_HOLD_MS from when it was first held (``_hold``): the clock time
+        # each saga's timer was first held, and for each partition held so (rather than
+        # on assignment) the earliest time one of its held timers must fire regardless.
+        self._lag_since: dict[str, int] = {}
+        self._lag_release: dict[int, int] = {}
         self.metrics: ShellMetrics = metrics or NoMetrics()
 
         self._producer_config: dict[str, Any] = {
@@ -714,30 +726,117 @@ class Coordinator:
         most ``_due_max`` of them, earliest first: the rest stay in the heap for the
         next batches' transactions (the loop does not wait while one is overdue)."""
         due: dict[str, None] = {}
+        ends: dict[int, int | None] = {}  # each partition's unread end, asked once
         while self._timers and self._timers[0][0] <= now and len(due) < self._due_max:
             entry = heapq.heappop(self._timers)
             saga_id = entry[1]
-            if self._catching_up:
-                partition = self._partition_of.get(saga_id)
-                if partition in self._catching_up:
-                    self._held_timers.setdefault(partition, []).append(entry)
-                    continue
             due_at = self._states.due_at(saga_id)  # no decoding: the entry keeps it
-            if due_at is not None and due_at <= now:
-                due[saga_id] = None
+            if due_at is None or due_at > now:
+                self._lag_since.pop(saga_id, None)  # moved or ended: no longer held
+                continue
+            partition = self._partition_of.get(saga_id)
+            if partition is not None and self._hold(entry, partition, now, ends):
+                continue
+            due[saga_id] = None
         return list(due)
 
-    def _catch_up(self) -> None:
+    def _hold(
+        self, entry: tuple[int, str], partition: int, now: int, ends: dict[int, int | None]
+    ) -> bool:
+        """Hold the due timer ``entry`` (and say so) while its partition has records
+        the consumer has not read: they may hold the record that beats its deadline
+        (a completion recorded within its wait, a grant before its expiry).
+
+        On assignment (and after a rewind) ``_behind`` noted the partition's backlog:
+        held until it is read. Otherwise the consumer's lag is checked here, only when
+        a timer is due and once per partition per batch, from librdkafka's cached high
+        watermark (no request to the broker; it comes with each fetch response, so
+        after a broker outage the first fetch shows the backlog): held until the
+        consumer has read that far, but for at most LAG_HOLD_MS from when this saga's
+        timer was first held, so that a coordinator always behind still fires it."""
+        saga_id = entry[1]
+        if partition in self._catching_up and partition not in self._lag_release:
+            self._held_timers.setdefault(partition, []).append(entry)
+            return True
+        since = self._lag_since.get(saga_id)
+        if since is not None and now - since >= LAG_HOLD_MS:
+            del self._lag_since[saga_id]
+            return False
+        if partition not in self._catching_up:
+            if partition not in ends:
+                ends[partition] = self._unread_end(partition)
+            end = ends[partition]
+            if end is None:
+                self._lag_since.pop(saga_id, None)
+                return False
+            self._catching_up[partition] = end
+        if since is None:
+            since = self._lag_since[saga_id] = now
+        release = self._lag_release.get(partition)
+        if release is None or since + LAG_HOLD_MS < release:
+            self._lag_release[partition] = since + LAG_HOLD_MS
+        self._held_timers.setdefault(partition, []).append(entry)
+        return True
+
+    def _unread_end(self, partition: int) -> int | None:
+        """The events partition's high watermark as librdkafka last saw it, when the
+        consumer's position is behind it; None when it is not (or either is unknown:
+        before the first fetch, which an assignment's ``_behind`` covers). Local calls."""
+        tp = TopicPartition(self.topics.events, partition)
+        try:
+            _low, high = self._consumer.get_watermark_offsets(tp, cached=True)
+        except KafkaException:
+            return None
+        (position,) = self._consumer.position([tp])
+        if position.offset < 0 or position.offset >= high:
+            return None
+        return int(high)
+
+    def _catch_up(self, now: int) -> None:
         """Mark the partitions the consumer has read to the end they had when
         assigned (every record up to it is in this batch or an earlier one), and give
         their held timers back to the heap: this batch fires those that are due, after
-        its records. A local call, made only while a partition is catching up."""
+        its records. A local call, made only while a partition is catching up.
+
+        A partition held for its lag (``_hold``) that has read that far but is still
+        behind (more records came meanwhile) keeps its timers held, to its new end,
+        rather than cycling them all through the heap at each catch-up while the
+        coordinator is behind; those that have waited LAG_HOLD_MS go back (and fire)
+        whether it caught up or not."""
         tps = [TopicPartition(self.topics.events, n) for n in self._catching_up]
         for tp in self._consumer.position(tps):
-            if tp.offset >= self._catching_up[tp.partition]:
-                del self._catching_up[tp.partition]
-                for entry in self._held_timers.pop(tp.partition, []):
-                    heapq.heappush(self._timers, entry)
+            n = tp.partition
+            release = self._lag_release.get(n)
+            if tp.offset >= self._catching_up[n]:
+                end = None if release is None else self._unread_end(n)
+                if end is None:
+                    del self._catching_up[n]
+                    self._lag_release.pop(n, None)
+                    for entry in self._held_timers.pop(n, []):
+                        heapq.heappush(self._timers, entry)
+                    continue
+                self._catching_up[n] = end
+            if release is not None and release <= now:
+                self._release_overdue(n, now)
+
+    def _release_overdue(self, partition: int, now: int) -> None:
+        """Give the timers of ``partition`` held for its lag for LAG_HOLD_MS back to
+        the heap (they fire in this batch); the others stay held."""
+        kept: list[tuple[int, str]] = []
+        release: int | None = None
+        for entry in self._held_timers.pop(partition, []):
+            until = self._lag_since.get(entry[1], now) + LAG_HOLD_MS
+            if until <= now:
+                heapq.heappush(self._timers, entry)
+                continue
+            kept.append(entry)
+            release = until if release is None else min(release, until)
+        if release is None:
+            del self._catching_up[partition]
+            del self._lag_release[partition]
+            return
+        self._held_timers[partition] = kept
+        self._lag_release[partition] = release
 
     def _behind(self, partitions: list[TopicPartition], committed: list[TopicPartition]) -> None:
         """Note which of ``partitions`` have records to read up to their current end
@@ -749,6 +848,7 @@ class Coordinator:
             offset = start.get(tp.partition, -1)
             if max(offset, low) < end:
                 self._catching_up[tp.partition] = end
+                self._lag_release.pop(tp.partition, None)  # held until that end is read
 
     def _schedule(self, saga_id: str, due_at: int | None) -> None:
         if due_at is not None:
@@ -778,7 +878,7 @@ class Coordinator:
             self._seek_committed()
             return
         if self._catching_up:
-            self._catch_up()
+            self._catch_up(now)
         due = self._due_sagas(now)
         carried, self._carry = self._carry, None
         pending = carried or _Pending()
@@ -1653,6 +1753,7 @@ class Coordinator:
             self._markers.pop(saga_id, None)
             self._parked.pop(saga_id, None)
             self._partition_of.pop(saga_id, None)
+            self._lag_since.pop(saga_id, None)
         if dropped:
             # Their timers go too: a restore schedules them again, and entries left
             # here (a day away, for an approval's expiry) piled up one per rebalance.
@@ -1664,6 +1765,7 @@ class Coordinator:
         for n in numbers:  # a restore schedules their timers again
             self._catching_up.pop(n, None)
             self._held_timers.pop(n, None)
+            self._lag_release.pop(n, None)
         self._assigned -= numbers
         self.metrics.in_flight(len(self._states))  # its sagas are the next owner's now
 

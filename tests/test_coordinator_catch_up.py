@@ -6,7 +6,10 @@ record that settles it in time (a ``CompensationCommitted`` dated within the
 completion wait) was written. The new owner restored the saga's timer and fired it
 with its first batch, before that record was read: the step failed
 ``compensation-not-completed`` and the saga ended ESCALATED, although the ledger says
-COMPENSATED. Run on both transports."""
+COMPENSATED. The same without a rebalance: a coordinator that keeps its partition
+through a stall reads that record after the deadline came due; its due timer now waits
+while the partition has records unread, for at most ``LAG_HOLD_MS``. Run on both
+transports."""
 
 from __future__ import annotations
 
@@ -14,12 +17,13 @@ import time
 
 from coordinator_ledger import Ledger
 
-from coordinator.shell import Coordinator
+from coordinator.shell import LAG_HOLD_MS, Coordinator
 from coordinator.state import SagaStatus, StepStatus
-from sagaline.kafka import ensure_topics
+from sagaline.kafka import TopicPartition, create_consumer, ensure_topics, watermarks
 from schemas import FailureKind
 from schemas.settings import Settings
 from tests.coordinator_turns import append, turn_until
+from tests.system import wait_until
 
 WAIT_MS = 5_000
 
@@ -102,3 +106,144 @@ def test_once_the_backlog_is_read_the_overdue_deadline_fires_R12(
     before."""
     status, reason = _restarted_past_the_deadline(transport, unique_prefix, completed=False)
     assert status == SagaStatus.ESCALATED.value, reason
+
+
+# ------------------------------------------------------------ lag without a rebalance
+
+
+class _Clock:
+    """The coordinator's clock, moved by the test (real time until then)."""
+
+    def __init__(self) -> None:
+        self.ahead_ms = 0
+
+    def __call__(self) -> int:
+        return _clock_ahead(self.ahead_ms)
+
+
+def _accepted_and_waiting(
+    transport: str, unique_prefix: str, clock: _Clock
+) -> tuple[Settings, Ledger, Coordinator]:
+    """A coordinator that keeps its partition, having decided ``saga-lag`` up to its
+    refund's ``CompensationAccepted`` (a completion deadline WAIT_MS away), and
+    every record it wrote since then read: nothing left behind on the partition."""
+    settings = Settings(bootstrap=transport, topic_prefix=unique_prefix, partitions=1)
+    ledger = Ledger(saga_id="saga-lag", t0=int(time.time() * 1000))
+    refund = ledger.scheduled("refund", completion_within_ms=WAIT_MS)
+    ensure_topics(transport, settings.topics, [refund.contract.participant], 1)
+    one = Coordinator(
+        settings,
+        transport,
+        instance_id="lag",
+        clock=clock,
+        batch_size=1,
+        carry_ms=0,
+        linger_ms=0,
+    )
+    one._join()
+    append(
+        settings,
+        transport,
+        ledger.started(),
+        refund,
+        ledger.committed("refund"),
+        ledger.scheduled("boom"),
+        ledger.failed("boom", kind=FailureKind.BUSINESS_REJECTION),
+        ledger.comp_accepted("refund"),
+    )
+
+    def accepted() -> bool:
+        state = one.state_of("saga-lag")
+        return (
+            one._committing is None
+            and state is not None
+            and state.steps["refund"].status is StepStatus.COMPENSATION_ACCEPTED
+        )
+
+    turn_until(one, accepted)
+    return settings, ledger, one
+
+
+def _fetched(transport: str, settings: Settings, coordinator: Coordinator) -> int:
+    """Wait until the coordinator's consumer has fetched (not yet returned) what the
+    partition holds now, as its first fetch after a broker outage would have; the
+    partition's end then."""
+    tp = TopicPartition(settings.topics.events, 0)
+    probe = create_consumer(transport, f"{settings.topic_prefix}probe")
+    try:
+        end = watermarks(probe, tp)[1]
+    finally:
+        probe.close()
+    wait_until(
+        lambda: coordinator._consumer.get_watermark_offsets(tp, cached=True)[1] >= end,
+        what="the consumer's fetch of the backlog",
+    )
+    return end
+
+
+def test_a_completion_read_after_an_outage_beats_the_deadline_that_passed_R12(
+    transport: str, unique_prefix: str
+) -> None:
+    """No rebalance: the coordinator keeps its partition through a broker outage (it
+    reads nothing meanwhile), and the completion, recorded within the wait, is in the
+    backlog it reads when the broker is back, past the deadline. Its first batch fired
+    the overdue deadline before that record: ESCALATED, although the ledger says
+    COMPENSATED. Now the due timer waits while the partition has records unread."""
+    clock = _Clock()
+    settings, ledger, one = _accepted_and_waiting(transport, unique_prefix, clock)
+    try:
+        other = Ledger(saga_id="saga-other", t0=ledger.clock)
+        append(settings, transport, other.started(), ledger.comp_committed("refund"))
+        _fetched(transport, settings, one)
+        clock.ahead_ms = 10 * WAIT_MS
+        turn_until(one, lambda: one.marker_of("saga-lag") is not None)
+        marker = one.marker_of("saga-lag")
+    finally:
+        one._consumer.close()
+    assert marker is not None
+    assert marker.status == SagaStatus.COMPENSATED.value, marker.reason
+
+
+def test_a_due_deadline_fires_at_once_with_nothing_unread_R12(
+    transport: str, unique_prefix: str
+) -> None:
+    """Caught up (the coordinator's own records and transaction markers read), a due
+    timer is not held: the deadline fires before the hold's bound could pass."""
+    clock = _Clock()
+    _settings, _ledger, one = _accepted_and_waiting(transport, unique_prefix, clock)
+    try:
+        clock.ahead_ms = 2 * WAIT_MS  # past the deadline; far from LAG_HOLD_MS
+        assert 2 * WAIT_MS < LAG_HOLD_MS
+        turn_until(one, lambda: one.marker_of("saga-lag") is not None)
+        marker = one.marker_of("saga-lag")
+    finally:
+        one._consumer.close()
+    assert marker is not None
+    assert marker.status == SagaStatus.ESCALATED.value, marker.reason
+
+
+def test_a_backlog_holds_a_due_deadline_at_most_lag_hold_ms_R12(
+    transport: str, unique_prefix: str
+) -> None:
+    """An overloaded coordinator, always behind: the deadline is held while records
+    are unread, but fires LAG_HOLD_MS after it was first held, backlog or not."""
+    clock = _Clock()
+    settings, ledger, one = _accepted_and_waiting(transport, unique_prefix, clock)
+    tp = TopicPartition(settings.topics.events, 0)
+    try:
+        others = [Ledger(saga_id=f"saga-busy-{i}", t0=ledger.clock) for i in range(30)]
+        append(settings, transport, *(o.started() for o in others))
+        backlog_end = _fetched(transport, settings, one)
+        clock.ahead_ms = 2 * WAIT_MS
+        one._process_batch(one._next_batch())  # one record read, the deadline held
+        one._process_batch(one._next_batch())
+        assert one.marker_of("saga-lag") is None
+        clock.ahead_ms = 2 * WAIT_MS + LAG_HOLD_MS
+        turn_until(one, lambda: one.marker_of("saga-lag") is not None)
+        marker = one.marker_of("saga-lag")
+        (position,) = one._consumer.position([tp])
+    finally:
+        one._consumer.close()
+    assert marker is not None
+    assert marker.status == SagaStatus.ESCALATED.value, marker.reason
+    assert position.offset < backlog_end  # fired with the backlog not yet read
