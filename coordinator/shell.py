@@ -798,24 +798,27 @@ class Coordinator:
         their held timers back to the heap: this batch fires those that are due, after
         its records. A local call, made only while a partition is catching up.
 
-        A partition held for its lag (``_hold``) that has read that far but is still
-        behind (more records came meanwhile) keeps its timers held, to its new end,
-        rather than cycling them all through the heap at each catch-up while the
-        coordinator is behind; those that have waited LAG_HOLD_MS go back (and fire)
-        whether it caught up or not."""
+        A timer held for its partition's lag (``_hold``) waits for the records unread
+        when its hold began, not for those that came since: once the partition has
+        read that far its timers fire, though it is still behind (under steady load a
+        coordinator is never caught up, and a retry's backoff must not become
+        LAG_HOLD_MS); those that have waited LAG_HOLD_MS go back (and fire) whether it
+        read that far or not."""
         tps = [TopicPartition(self.topics.events, n) for n in self._catching_up]
         for tp in self._consumer.position(tps):
             n = tp.partition
             release = self._lag_release.get(n)
             if tp.offset >= self._catching_up[n]:
-                end = None if release is None else self._unread_end(n)
-                if end is None:
-                    del self._catching_up[n]
-                    self._lag_release.pop(n, None)
-                    for entry in self._held_timers.pop(n, []):
-                        heapq.heappush(self._timers, entry)
-                    continue
-                self._catching_up[n] = end
+                del self._catching_up[n]
+                self._lag_release.pop(n, None)
+                for entry in self._held_timers.pop(n, []):
+                    if entry[1] in self._lag_since:
+                        # Waited for what was unread when held: not held again for
+                        # what came since (a coordinator under steady load is never
+                        # caught up; a retry's backoff must not grow to LAG_HOLD_MS).
+                        self._lag_since[entry[1]] = now - LAG_HOLD_MS
+                    heapq.heappush(self._timers, entry)
+                continue
             if release is not None and release <= now:
                 self._release_overdue(n, now)
 

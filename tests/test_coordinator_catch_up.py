@@ -247,3 +247,34 @@ def test_a_backlog_holds_a_due_deadline_at_most_lag_hold_ms_R12(
     assert marker is not None
     assert marker.status == SagaStatus.ESCALATED.value, marker.reason
     assert position.offset < backlog_end  # fired with the backlog not yet read
+
+
+def test_a_held_deadline_waits_for_what_was_unread_not_for_what_came_since_R12(
+    transport: str, unique_prefix: str
+) -> None:
+    """Under steady load a coordinator is never caught up: a due timer held for its
+    partition's lag waits for the records unread when its hold began, then fires,
+    though newer records are still unread. Held until the partition was caught up,
+    every due timer (a retry's backoff too) waited LAG_HOLD_MS under load."""
+    clock = _Clock()
+    settings, ledger, one = _accepted_and_waiting(transport, unique_prefix, clock)
+    tp = TopicPartition(settings.topics.events, 0)
+    try:
+        first = [Ledger(saga_id=f"saga-first-{i}", t0=ledger.clock) for i in range(10)]
+        append(settings, transport, *(o.started() for o in first))
+        _fetched(transport, settings, one)
+        clock.ahead_ms = 2 * WAIT_MS  # due; far from LAG_HOLD_MS
+        assert 2 * WAIT_MS < LAG_HOLD_MS
+        one._process_batch(one._next_batch())  # one record read, the deadline held
+        assert one.marker_of("saga-lag") is None
+        then = [Ledger(saga_id=f"saga-then-{i}", t0=ledger.clock) for i in range(30)]
+        append(settings, transport, *(o.started() for o in then))
+        end = _fetched(transport, settings, one)
+        turn_until(one, lambda: one.marker_of("saga-lag") is not None)
+        marker = one.marker_of("saga-lag")
+        (position,) = one._consumer.position([tp])
+    finally:
+        one._consumer.close()
+    assert marker is not None
+    assert marker.status == SagaStatus.ESCALATED.value, marker.reason
+    assert position.offset < end  # fired with the later records not yet read
