@@ -2,25 +2,27 @@
 
 Defaults run the local demo; deployments override through environment variables:
 
-=============================  ====================  ==========================
-variable                       field                 default
-=============================  ====================  ==========================
-``KAFKA_BOOTSTRAP_SERVERS``    ``bootstrap``         ``None`` (unset, see below)
-``SAGALINE_TOPIC_PREFIX``      ``topic_prefix``      ``""``
-``SAGALINE_PARTITIONS``        ``partitions``        ``6``
-``SAGALINE_HMAC_KEY``          ``hmac_key``          unset (no signing)
-``SAGALINE_HMAC_KEY_ID``       ``hmac_key_id``       ``"k1"``
-``SAGALINE_TENANT_ID``         ``tenant_id``         ``"default"``
-``SAGALINE_STATE_DIR``         ``state_dir``         ``".sagaline"``
-``SAGALINE_SECRET_KEY``        ``secret_key``        unset (secrets redacted)
-``SAGALINE_SECRET_KEY_ID``     ``secret_key_id``     ``"s1"``
-``SAGALINE_OLD_SECRET_KEYS``   ``old_secret_keys``   unset (``id=secret,...``)
-``SAGALINE_TRUST_FILE``        ``trust_file``        unset (HMAC or no signing)
-``SAGALINE_SIGNING_KEY``       ``signing_key``       unset (PEM file path)
-``SAGALINE_SIGNING_KEY_ID``    ``signing_key_id``    from the trust file
-``SAGALINE_METRICS_HOST``      ``metrics_host``      ``"127.0.0.1"``
-``SAGALINE_MAX_*``             ``limits``            see :mod:`schemas.limits`
-=============================  ====================  ==========================
+================================  ===================  ===========================
+variable                          field                default
+================================  ===================  ===========================
+``KAFKA_BOOTSTRAP_SERVERS``       ``bootstrap``        ``None`` (unset, see below)
+``SAGALINE_TOPIC_PREFIX``         ``topic_prefix``     ``""``
+``SAGALINE_PARTITIONS``           ``partitions``       ``6``
+``SAGALINE_REPLICATION_FACTOR``   ``replication``      unset (the brokers')
+``SAGALINE_MIN_INSYNC_REPLICAS``  ``replication``      unset (the brokers')
+``SAGALINE_HMAC_KEY``             ``hmac_key``         unset (no signing)
+``SAGALINE_HMAC_KEY_ID``          ``hmac_key_id``      ``"k1"``
+``SAGALINE_TENANT_ID``            ``tenant_id``        ``"default"``
+``SAGALINE_STATE_DIR``            ``state_dir``        ``".sagaline"``
+``SAGALINE_SECRET_KEY``           ``secret_key``       unset (secrets redacted)
+``SAGALINE_SECRET_KEY_ID``        ``secret_key_id``    ``"s1"``
+``SAGALINE_OLD_SECRET_KEYS``      ``old_secret_keys``  unset (``id=secret,...``)
+``SAGALINE_TRUST_FILE``           ``trust_file``       unset (HMAC or no signing)
+``SAGALINE_SIGNING_KEY``          ``signing_key``      unset (PEM file path)
+``SAGALINE_SIGNING_KEY_ID``       ``signing_key_id``   from the trust file
+``SAGALINE_METRICS_HOST``         ``metrics_host``     ``"127.0.0.1"``
+``SAGALINE_MAX_*``                ``limits``           see :mod:`schemas.limits`
+================================  ===================  ===========================
 
 ``SAGALINE_SIGNING_KEY`` or ``SAGALINE_SIGNING_KEY_ID`` without
 ``SAGALINE_TRUST_FILE``, ``SAGALINE_SECRET_KEY_ID`` or ``SAGALINE_OLD_SECRET_KEYS``
