@@ -459,8 +459,8 @@ class Coordinator:
         restored): what it raises before that is a failure to start."""
         self._ready = ready
         self._join()
+        self._serving = True  # before the line saying so (health() also waits to join)
         log.info("coordinator %s consuming %s", self.instance_id, self.topics.events)
-        self._serving = True
         try:
             while self._running and not (until is not None and self._carry is None and until()):
                 self._process_batch(self._next_batch())

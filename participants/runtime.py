@@ -2466,13 +2466,13 @@ class ParticipantRuntime:
             )
             self.publish_catalogue()
             self.handler.resume_accepted()
+            self._serving = True  # before the line saying so: a probe may follow it at once
             log.info(
                 "participant %s serving %s (%d commands in flight at most)",
                 self.participant,
                 self.topics.commands(self.participant),
                 self.max_in_flight,
             )
-            self._serving = True
             if ready is not None:
                 ready.set()
             while self._running.is_set():

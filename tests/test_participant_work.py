@@ -861,3 +861,43 @@ def test_health_says_so_when_every_tool_thread_is_stuck(tmp_path: Path) -> None:
     finally:
         runtime.handler.close()
         runtime.journal.close()
+
+
+def test_health_is_ok_by_the_time_the_serving_line_is_logged(tmp_path: Path) -> None:
+    # Deployments and tests wait for "participant X serving" in the log, then probe
+    # /healthz: the line came before run() set its serving flag, so a probe right
+    # after it could still get 503 "starting" (seen on a busy CI machine).
+    import logging
+    import threading
+
+    from schemas.settings import Settings
+
+    runtime = ParticipantRuntime(
+        wrap(_Desk(), name="desks"),
+        Settings(bootstrap="memory://serving-line", partitions=1, state_dir=tmp_path),
+        "memory://serving-line",
+        participant="desks",
+    )
+    said: list[str | None] = []
+
+    class AtTheLine(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("participant desks serving"):
+                said.append(runtime.health())
+
+    handler = AtTheLine()
+    logger = logging.getLogger("sagaline.participant")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    ready = threading.Event()
+    thread = threading.Thread(target=runtime.run, kwargs={"ready": ready}, daemon=True)
+    thread.start()
+    try:
+        assert ready.wait(60), "the runtime never served"
+    finally:
+        runtime.stop()
+        thread.join(60)
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    assert said == [None]
