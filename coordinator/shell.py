@@ -102,7 +102,11 @@ from sagaline.kafka import (
     watermarks,
 )
 from sagaline.kafka._groups import PartitionMoves
-from sagaline.kafka._topics import topic_retention, topics_max_message_bytes
+from sagaline.kafka._topics import (
+    command_topic_participants,
+    topic_retention,
+    topics_max_message_bytes,
+)
 from schemas import IncidentRaised, IncidentResolved, Record, derived_event_id, envelope_for
 from schemas.errors import CodecError
 from schemas.limits import PARKED_INCIDENT, RETENTION_MARGIN_MS, cut_operator_text
@@ -369,6 +373,9 @@ class Coordinator:
         self._linger_s = linger_ms / 1000
         self._lingering = False  # the carry holds outputs (see _LINGER_S)
         self._known_participants: set[str] = set()
+        # Participants whose command topics exist (listed at start, made since): past
+        # SAGALINE_MAX_PARTICIPANTS of them no other is made (``_may_make_command_topic``).
+        self._command_topics: set[str] = set()
         # (due_at, saga_id) of every saga with a timer; an entry whose saga has since
         # moved (or ended) is skipped when it comes up, so updates only ever push.
         self._timers: list[tuple[int, str]] = []
@@ -486,6 +493,12 @@ class Coordinator:
         (same transactional id), then join the group."""
         self._check_topic_sizes()
         self._check_terminal_memory()
+        try:
+            self._command_topics = command_topic_participants(
+                self.bootstrap, self.topics, timeout_s=10
+            )
+        except KafkaException as exc:  # listed again when the limit is reached
+            log.warning("could not list the command topics: %s", exc)
         self._producer.init_transactions(30)
         self._consumer.subscribe(
             [self.topics.events],
@@ -1488,6 +1501,7 @@ class Coordinator:
         """A command to a participant whose topic does not exist yet would abort every
         transaction; create it (idempotent, outside the transaction's concern)."""
         if participant not in self._known_participants:
+            self._may_make_command_topic(participant)
             ensure_topics(
                 self.bootstrap,
                 self.topics,
@@ -1497,6 +1511,30 @@ class Coordinator:
                 shared=False,  # checked at start; a refusal of one is not this topic's
             )
             self._known_participants.add(participant)
+            self._command_topics.add(participant)
+
+    def _may_make_command_topic(self, participant: str) -> None:
+        """Raise ``TopicSetupError`` (the saga is parked) for a participant with no
+        command topic once ``limits.max_participants`` participants have one: a writer
+        naming made-up participants (a bug, a forgery) would otherwise have a topic,
+        and a metrics series, made for each. A participant's own topic (made by
+        ``participant run``) is always served: at the limit, the topics are listed
+        again (one metadata request, only for a name not seen yet)."""
+        limit = self._limits.max_participants
+        if participant in self._command_topics or len(self._command_topics) < limit:
+            return
+        self._command_topics |= command_topic_participants(
+            self.bootstrap, self.topics, timeout_s=10
+        )
+        if participant in self._command_topics:
+            return
+        raise TopicSetupError(
+            f"participant {participant!r} has no command topic, and the coordinator makes "
+            f"none past SAGALINE_MAX_PARTICIPANTS={limit} participants with one "
+            f"({len(self._command_topics)} now): no service runs that participant (a step "
+            "written by a buggy or forged writer?). `sagaline participant run` makes its "
+            "participant's topic; or raise SAGALINE_MAX_PARTICIPANTS"
+        )
 
     def _reject(
         self,

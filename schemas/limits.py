@@ -11,7 +11,10 @@ below are checked where data enters, well under that size:
 * a participant whose tool returns a result over ``max_result_bytes`` publishes the
   commit without the result (a marker with size and fingerprint) plus an incident;
 * the coordinator checks every state record and output against ``max_record_bytes``
-  before its transaction and parks the one saga that does not fit.
+  before its transaction and parks the one saga that does not fit;
+* the coordinator makes command topics for at most ``max_participants`` participants
+  (those whose topics exist included): a saga naming another one is parked, so a
+  writer naming made-up participants cannot have a topic made for each.
 
 =====================================  =========================  =========================
 environment variable                   field                      default
@@ -20,6 +23,7 @@ environment variable                   field                      default
 ``SAGALINE_MAX_RESULT_BYTES``          ``max_result_bytes``       256 KiB
 ``SAGALINE_MAX_STEPS``                 ``max_steps``              256 steps per saga
 ``SAGALINE_MAX_RECORD_BYTES``          ``max_record_bytes``       900 KiB (state and outputs)
+``SAGALINE_MAX_PARTICIPANTS``          ``max_participants``       1000 with a command topic
 ``SAGALINE_TERMINAL_MEMORY_MS``        ``terminal_memory_ms``     373 days (events kept, a day)
 =====================================  =========================  =========================
 
@@ -95,6 +99,7 @@ class Limits:
     max_result_bytes: int = 256 * KIB
     max_steps: int = 256
     max_record_bytes: int = 900 * KIB
+    max_participants: int = 1000
     terminal_memory_ms: int = EVENTS_RETENTION_MS + EVENTS_SEGMENT_MS + RETENTION_MARGIN_MS
 
     @classmethod
@@ -121,6 +126,7 @@ _ENV = {
     "SAGALINE_MAX_RESULT_BYTES": "max_result_bytes",
     "SAGALINE_MAX_STEPS": "max_steps",
     "SAGALINE_MAX_RECORD_BYTES": "max_record_bytes",
+    "SAGALINE_MAX_PARTICIPANTS": "max_participants",
     "SAGALINE_TERMINAL_MEMORY_MS": "terminal_memory_ms",
 }
 LIMIT_ENV_VARS: tuple[str, ...] = tuple(_ENV)

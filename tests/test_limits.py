@@ -54,6 +54,8 @@ def test_limits_have_documented_defaults_and_are_read_from_the_environment() -> 
     assert set(LIMIT_ENV_VARS) <= set(ENV_VARS)
     settings = Settings.from_env({"SAGALINE_MAX_ARGS_BYTES": "1000", "SAGALINE_MAX_STEPS": "3"})
     assert settings.limits == Limits(max_args_bytes=1000, max_steps=3)
+    assert Limits().max_participants == 1000
+    assert Limits.from_env({"SAGALINE_MAX_PARTICIPANTS": "5"}).max_participants == 5
     with pytest.raises(SettingsError, match="SAGALINE_MAX_RESULT_BYTES='big'"):
         Settings.from_env({"SAGALINE_MAX_RESULT_BYTES": "big"})
     with pytest.raises(SettingsError, match="at least 1"):

@@ -194,6 +194,17 @@ def ensure_topics(
     return sorted(created)
 
 
+def command_topic_participants(
+    bootstrap: str | ClientConfig, names: TopicNames, *, timeout_s: float = 30.0
+) -> set[str]:
+    """The participants whose command topics (``names.commands(p)``) exist, as this
+    client sees them (one metadata request; a topic it may not describe is not
+    listed). Raises ``KafkaException`` when the broker does not answer."""
+    prefix = f"{names.prefix}sagaline.commands."
+    listed = create_admin(client_config(bootstrap)).list_topics(timeout=timeout_s).topics
+    return {name[len(prefix) :] for name in listed if name.startswith(prefix) and name != prefix}
+
+
 def _replicas(topic: Any) -> int:
     """A listed topic's replication factor: its fewest replicas over its partitions
     (it has some: listed without any, it is not looked at)."""
