@@ -393,6 +393,10 @@ class Coordinator:
         # on assignment) the earliest time one of its held timers must fire regardless.
         self._lag_since: dict[str, int] = {}
         self._lag_release: dict[int, int] = {}
+        # The partition's unread end when each such saga's timer was first held: what it
+        # waits for (a timer that came due later, during the hold of another, waits for
+        # what was unread then, not for the end noted at the other's hold).
+        self._lag_until: dict[str, int] = {}
         self.metrics: ShellMetrics = metrics or NoMetrics()
 
         self._producer_config: dict[str, Any] = {
@@ -745,7 +749,7 @@ class Coordinator:
             saga_id = entry[1]
             due_at = self._states.due_at(saga_id)  # no decoding: the entry keeps it
             if due_at is None or due_at > now:
-                self._lag_since.pop(saga_id, None)  # moved or ended: no longer held
+                self._unhold(saga_id)  # moved or ended: no longer held
                 continue
             partition = self._partition_of.get(saga_id)
             if partition is not None and self._hold(entry, partition, now, ends):
@@ -766,25 +770,30 @@ class Coordinator:
         watermark (no request to the broker; it comes with each fetch response, so
         after a broker outage the first fetch shows the backlog): held until the
         consumer has read that far, but for at most LAG_HOLD_MS from when this saga's
-        timer was first held, so that a coordinator always behind still fires it."""
+        timer was first held, so that a coordinator always behind still fires it. A
+        timer that comes due while the partition is held for another's waits for what
+        is unread when it comes due (its own end, ``_lag_until``), not only for the
+        end noted for the other: the record that beats it may be past that."""
         saga_id = entry[1]
         if partition in self._catching_up and partition not in self._lag_release:
             self._held_timers.setdefault(partition, []).append(entry)
             return True
         since = self._lag_since.get(saga_id)
         if since is not None and now - since >= LAG_HOLD_MS:
-            del self._lag_since[saga_id]
+            self._unhold(saga_id)
             return False
-        if partition not in self._catching_up:
+        if since is None:
             if partition not in ends:
                 ends[partition] = self._unread_end(partition)
             end = ends[partition]
             if end is None:
-                self._lag_since.pop(saga_id, None)
                 return False
-            self._catching_up[partition] = end
-        if since is None:
             since = self._lag_since[saga_id] = now
+            self._lag_until[saga_id] = end
+        until = self._lag_until.get(saga_id, 0)
+        target = self._catching_up.get(partition)
+        if target is None or until < target:
+            self._catching_up[partition] = until  # the nearest end a held timer waits for
         release = self._lag_release.get(partition)
         if release is None or since + LAG_HOLD_MS < release:
             self._lag_release[partition] = since + LAG_HOLD_MS
@@ -820,18 +829,28 @@ class Coordinator:
         tps = [TopicPartition(self.topics.events, n) for n in self._catching_up]
         for tp in self._consumer.position(tps):
             n = tp.partition
-            release = self._lag_release.get(n)
             if tp.offset >= self._catching_up[n]:
-                del self._catching_up[n]
-                self._lag_release.pop(n, None)
+                kept: list[tuple[int, str]] = []
                 for entry in self._held_timers.pop(n, []):
+                    until = self._lag_until.get(entry[1])
+                    if until is not None and until > tp.offset:
+                        kept.append(entry)  # came due later: what was unread then
+                        continue
                     if entry[1] in self._lag_since:
                         # Waited for what was unread when held: not held again for
                         # what came since (a coordinator under steady load is never
                         # caught up; a retry's backoff must not grow to LAG_HOLD_MS).
+                        self._unhold(entry[1])
                         self._lag_since[entry[1]] = now - LAG_HOLD_MS
                     heapq.heappush(self._timers, entry)
-                continue
+                if not kept:
+                    del self._catching_up[n]
+                    self._lag_release.pop(n, None)
+                    continue
+                self._held_timers[n] = kept
+                self._catching_up[n] = min(self._lag_until[e[1]] for e in kept)
+                self._lag_release[n] = min(self._lag_since[e[1]] for e in kept) + LAG_HOLD_MS
+            release = self._lag_release.get(n)
             if release is not None and release <= now:
                 self._release_overdue(n, now)
 
@@ -853,6 +872,11 @@ class Coordinator:
             return
         self._held_timers[partition] = kept
         self._lag_release[partition] = release
+
+    def _unhold(self, saga_id: str) -> None:
+        """Forget that ``saga_id``'s timer is held for its partition's lag."""
+        self._lag_since.pop(saga_id, None)
+        self._lag_until.pop(saga_id, None)
 
     def _behind(self, partitions: list[TopicPartition], committed: list[TopicPartition]) -> None:
         """Note which of ``partitions`` have records to read up to their current end
@@ -1794,7 +1818,7 @@ class Coordinator:
             self._markers.pop(saga_id, None)
             self._parked.pop(saga_id, None)
             self._partition_of.pop(saga_id, None)
-            self._lag_since.pop(saga_id, None)
+            self._unhold(saga_id)
         if dropped:
             # Their timers go too: a restore schedules them again, and entries left
             # here (a day away, for an approval's expiry) piled up one per rebalance.

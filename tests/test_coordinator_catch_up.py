@@ -278,3 +278,74 @@ def test_a_held_deadline_waits_for_what_was_unread_not_for_what_came_since_R12(
     assert marker is not None
     assert marker.status == SagaStatus.ESCALATED.value, marker.reason
     assert position.offset < end  # fired with the later records not yet read
+
+
+def test_a_deadline_due_during_another_hold_waits_for_what_was_unread_when_it_came_due_R12(
+    transport: str, unique_prefix: str
+) -> None:
+    """A timer comes due while the partition is already held for an earlier one: it
+    waits for what is unread when it comes due, not only for the end noted at the
+    earlier hold. It waited only for that older end, so it fired before a completion
+    written after that end but within its own wait: ESCALATED, although the ledger
+    says COMPENSATED."""
+    clock = _Clock()
+    settings = Settings(bootstrap=transport, topic_prefix=unique_prefix, partitions=1)
+    early = Ledger(saga_id="saga-early", t0=int(time.time() * 1000))
+    late = Ledger(saga_id="saga-late", t0=early.clock)
+    early_refund = early.scheduled("refund", completion_within_ms=WAIT_MS)
+    late_refund = late.scheduled("refund", completion_within_ms=3 * WAIT_MS)
+    ensure_topics(transport, settings.topics, [early_refund.contract.participant], 1)
+    one = Coordinator(
+        settings,
+        transport,
+        instance_id="lag-two",
+        clock=clock,
+        batch_size=1,
+        carry_ms=0,
+        linger_ms=0,
+    )
+    one._join()
+    try:
+        for ledger, refund in ((early, early_refund), (late, late_refund)):
+            append(
+                settings,
+                transport,
+                ledger.started(),
+                refund,
+                ledger.committed("refund"),
+                ledger.scheduled("boom"),
+                ledger.failed("boom", kind=FailureKind.BUSINESS_REJECTION),
+                ledger.comp_accepted("refund"),
+            )
+
+        def accepted(saga_id: str) -> bool:
+            state = one.state_of(saga_id)
+            return (
+                state is not None
+                and state.steps["refund"].status is StepStatus.COMPENSATION_ACCEPTED
+            )
+
+        turn_until(
+            one,
+            lambda: one._committing is None and accepted("saga-early") and accepted("saga-late"),
+        )
+        # Behind: the early deadline comes due and is held for what is unread now.
+        first = [Ledger(saga_id=f"saga-first-{i}", t0=late.clock) for i in range(5)]
+        append(settings, transport, *(o.started() for o in first))
+        _fetched(transport, settings, one)
+        clock.ahead_ms = 2 * WAIT_MS  # the early deadline due, the late one not
+        one._process_batch(one._next_batch())
+        assert one.marker_of("saga-early") is None
+        # Still behind, more records come, the late saga's completion (within its
+        # wait) among them but not first; then its deadline comes due too.
+        then = [Ledger(saga_id=f"saga-then-{i}", t0=late.clock) for i in range(5)]
+        append(settings, transport, *(o.started() for o in then), late.comp_committed("refund"))
+        _fetched(transport, settings, one)
+        clock.ahead_ms = 4 * WAIT_MS  # the late deadline due; within LAG_HOLD_MS of both
+        assert 4 * WAIT_MS - 2 * WAIT_MS < LAG_HOLD_MS
+        turn_until(one, lambda: one.marker_of("saga-late") is not None)
+        marker = one.marker_of("saga-late")
+    finally:
+        one._consumer.close()
+    assert marker is not None
+    assert marker.status == SagaStatus.COMPENSATED.value, marker.reason
