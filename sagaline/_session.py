@@ -53,7 +53,8 @@ def connect(
       tests; in production run ``sagaline coordinator run`` (the client then checks
       that one is consuming, and says what to start if not). Sessions of one process
       on the same broker and topics share one coordinator: started by the first,
-      stopped when the last one ends (two would fence each other).
+      stopped when the last one ends (two would fence each other); one that died is
+      started again by the next session that asks for it, and serves them all.
     - ``settings`` / ``bootstrap``: default to the environment
       (``SAGALINE_*``, ``KAFKA_BOOTSTRAP_SERVERS``); with no broker configured the
       project's local development broker is used (started if needed).
@@ -208,7 +209,12 @@ def _coordinator(settings: Settings, bootstrap: str) -> Iterator[None]:
                 for thread in threads:
                     thread.join(30)
                 raise
-            running = _coordinators[key] = _Running(core, threads[0])
+            if running is None:
+                running = _coordinators[key] = _Running(core, threads[0])
+            else:
+                # A dead one is replaced in place: the sessions that used it use this
+                # one, and it stops with the last of them, not with this session.
+                running.core, running.thread = core, threads[0]
         running.users += 1
     try:
         yield
@@ -216,8 +222,7 @@ def _coordinator(settings: Settings, bootstrap: str) -> Iterator[None]:
         with _coordinators_lock:
             running.users -= 1
             if running.users == 0:
-                if _coordinators.get(key) is running:
-                    del _coordinators[key]
+                del _coordinators[key]
                 running.core.stop()
                 running.thread.join(30)
 

@@ -172,3 +172,28 @@ def test_a_failing_client_close_neither_masks_the_blocks_error_nor_leaves_thread
     ):
         raise ValueError("the block's own")
     assert _session_threads() == []
+
+
+def test_a_coordinator_replaced_after_it_died_serves_until_the_last_session_ends(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    """The shared coordinator died under an open session (fenced, crashed); the next
+    session replaces it. That one counted only its own session: when it ended it
+    stopped the replacement, and the first session, still open, was left with no
+    coordinator (its calls ended in OutcomeUnknown). Now the replacement serves
+    every session of the dead one too, and stops with the last."""
+    settings = _settings(kafka_bootstrap, unique_prefix, tmp_path)
+    with sagaline.connect(
+        reserve, name="seats", coordinator=True, settings=settings, call_timeout_s=20
+    ) as outer:
+        dead = session._coordinators[(kafka_bootstrap, settings.topics.events)]
+        dead.core.stop()
+        dead.thread.join(30)
+        assert "sagaline-coordinator" not in _session_threads()
+        with sagaline.connect(coordinator=True, settings=settings):
+            assert "sagaline-coordinator" in _session_threads()
+        assert "sagaline-coordinator" in _session_threads()
+        with outer.saga("trip", principal="me") as saga:
+            assert saga.call(reserve, flight="OUT") == "r-OUT"
+        assert saga.wait(60).status == "COMPLETED"
+    assert _session_threads() == []
