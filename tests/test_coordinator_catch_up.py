@@ -37,32 +37,9 @@ def _restarted_past_the_deadline(
 ) -> tuple[str, str]:
     """The saga's end (status, reason) as a coordinator restarted past its
     completion deadline decides it, the completion in its backlog or not."""
-    settings = Settings(bootstrap=transport, topic_prefix=unique_prefix, partitions=1)
-    ledger = Ledger(saga_id="saga-late", t0=int(time.time() * 1000))
-    refund = ledger.scheduled("refund", completion_within_ms=WAIT_MS)
-    ensure_topics(transport, settings.topics, [refund.contract.participant], 1)
-    one = Coordinator(settings, transport, instance_id="catch-up", carry_ms=0, linger_ms=0)
-    one._join()
-    append(
-        settings,
-        transport,
-        ledger.started(),
-        refund,
-        ledger.committed("refund"),
-        ledger.scheduled("boom"),
-        ledger.failed("boom", kind=FailureKind.BUSINESS_REJECTION),
-        ledger.comp_accepted("refund"),
+    settings, ledger, one = _accepted_and_waiting(
+        transport, unique_prefix, _Clock(), saga_id="saga-late", instance_id="catch-up"
     )
-
-    def accepted() -> bool:
-        state = one.state_of("saga-late")
-        return (
-            one._committing is None
-            and state is not None
-            and state.steps["refund"].status is StepStatus.COMPENSATION_ACCEPTED
-        )
-
-    turn_until(one, accepted)
     one._consumer.close()
 
     # While no coordinator runs, the completion is recorded within the wait (and some
@@ -122,19 +99,23 @@ class _Clock:
 
 
 def _accepted_and_waiting(
-    transport: str, unique_prefix: str, clock: _Clock
+    transport: str,
+    unique_prefix: str,
+    clock: _Clock,
+    saga_id: str = "saga-lag",
+    instance_id: str = "lag",
 ) -> tuple[Settings, Ledger, Coordinator]:
-    """A coordinator that keeps its partition, having decided ``saga-lag`` up to its
+    """A coordinator that keeps its partition, having decided ``saga_id`` up to its
     refund's ``CompensationAccepted`` (a completion deadline WAIT_MS away), and
     every record it wrote since then read: nothing left behind on the partition."""
     settings = Settings(bootstrap=transport, topic_prefix=unique_prefix, partitions=1)
-    ledger = Ledger(saga_id="saga-lag", t0=int(time.time() * 1000))
+    ledger = Ledger(saga_id=saga_id, t0=int(time.time() * 1000))
     refund = ledger.scheduled("refund", completion_within_ms=WAIT_MS)
     ensure_topics(transport, settings.topics, [refund.contract.participant], 1)
     one = Coordinator(
         settings,
         transport,
-        instance_id="lag",
+        instance_id=instance_id,
         clock=clock,
         batch_size=1,
         carry_ms=0,
@@ -153,7 +134,7 @@ def _accepted_and_waiting(
     )
 
     def accepted() -> bool:
-        state = one.state_of("saga-lag")
+        state = one.state_of(saga_id)
         return (
             one._committing is None
             and state is not None
