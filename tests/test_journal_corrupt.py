@@ -44,16 +44,9 @@ def _journal_with_a_damaged_index(path: Path) -> None:
         CommandJournal(path).get("old-1")
 
 
-def test_a_damaged_journal_stops_the_participant_and_dead_letters_nothing_R16(
-    transport: str, unique_prefix: str, tmp_path: Path
-) -> None:
-    harness = Harness(transport, unique_prefix, tmp_path)
-    path = tmp_path / PARTICIPANT / "commands.sqlite"
-    path.parent.mkdir(parents=True)
-    _journal_with_a_damaged_index(path)
-    runtime = ParticipantRuntime(
-        harness.catalogue, harness.settings, transport, participant=PARTICIPANT
-    )
+def _serving(runtime: ParticipantRuntime) -> tuple[threading.Thread, list[BaseException]]:
+    """``runtime``'s loop in a thread, once its command partition is assigned (or it
+    failed first), and what it raised."""
     raised: list[BaseException] = []
 
     def run() -> None:
@@ -65,6 +58,20 @@ def test_a_damaged_journal_stops_the_participant_and_dead_letters_nothing_R16(
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     wait_until(lambda: runtime._assigned_end or raised, 60, "the command partition assigned")
+    return thread, raised
+
+
+def test_a_damaged_journal_stops_the_participant_and_dead_letters_nothing_R16(
+    transport: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    harness = Harness(transport, unique_prefix, tmp_path)
+    path = tmp_path / PARTICIPANT / "commands.sqlite"
+    path.parent.mkdir(parents=True)
+    _journal_with_a_damaged_index(path)
+    runtime = ParticipantRuntime(
+        harness.catalogue, harness.settings, transport, participant=PARTICIPANT
+    )
+    thread, raised = _serving(runtime)
     harness.send(harness.execute("s1", {"sku": "a", "quantity": 1}))
     wait_until(
         lambda: not thread.is_alive() or _dead_letters(harness),
@@ -155,17 +162,7 @@ def test_a_journal_sqlite_refuses_for_good_stops_the_participant_naming_the_file
     runtime = ParticipantRuntime(
         harness.catalogue, harness.settings, transport, participant=PARTICIPANT
     )
-    raised: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            runtime.run()
-        except BaseException as exc:
-            raised.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    wait_until(lambda: runtime._assigned_end or raised, 60, "the command partition assigned")
+    thread, raised = _serving(runtime)
     if how == "read-only":
         with runtime.journal._lock:
             runtime.journal._db.execute("PRAGMA query_only = 1")
