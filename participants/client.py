@@ -1410,6 +1410,21 @@ class Saga:
             earlier = any(o < order and s != step for o, s in self._awaited.items())
         return earlier and self._awaiting_approval_before(step) is None
 
+    def _waits_again(self, step: str, order: int | None, was_queued: bool) -> bool:
+        """Whether the call ``order`` waits once more for ``step``: while a call
+        scheduled before it is awaited (:meth:`_queued`), and once more after that
+        call ended during the wait just over: ``step`` could run only then, so this
+        call's own timeout counts from there, not from its first wait (else a step
+        that ran right after the earlier one was reported ``OutcomeUnknown``)."""
+        if self._queued(step, order):
+            return True
+        return (
+            was_queued
+            and self.client._ledger.failure is None
+            and self.client._ledger.follows(self.saga_id)
+            and self._awaiting_approval_before(step) is None
+        )
+
     def _wait_s(self, timeout_s: float | None) -> float:
         """How long a call waits: its ``timeout_s``, else the client's call timeout."""
         return self.client.call_timeout_s if timeout_s is None else _positive(timeout_s)
@@ -1896,8 +1911,9 @@ class Saga:
     ) -> Any:
         check, seen = self._step_check(step, contract)
         while True:  # see _await_step
+            was_queued = self._queued(step, order)
             found = await self.client._ledger.wait_for_async(self.saga_id, check, wait_s)
-            if found is not None or not self._queued(step, order):
+            if found is not None or not self._waits_again(step, order, was_queued):
                 break
         if found is None:  # the outcome asks the broker about the coordinator: not on the loop
             return await asyncio.to_thread(self._step_outcome, found, seen, step, contract, wait_s)
@@ -1920,11 +1936,13 @@ class Saga:
     ) -> Any:
         check, seen = self._step_check(step, contract)
         while True:
+            was_queued = self._queued(step, order)
             found = self.client._ledger.wait_for(self.saga_id, check, timeout_s)
             # No outcome within timeout_s: another such wait while a call scheduled
-            # before this one (``order``) is still awaited here. Ends: the first such
-            # call waits for no other, and each wait is bounded.
-            if found is not None or not self._queued(step, order):
+            # before this one (``order``) is still awaited here, or was when this wait
+            # began. Ends: the first such call waits for no other, and each wait is
+            # bounded.
+            if found is not None or not self._waits_again(step, order, was_queued):
                 break
         return self._step_outcome(found, seen, step, contract, timeout_s)
 
