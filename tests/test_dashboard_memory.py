@@ -377,3 +377,51 @@ def test_an_incident_raised_after_a_dropped_saga_ended_brings_it_back_until_reso
     assert state.open_incidents() == [] and state.dropped("s-done-0")
     _live(state, [parked])  # read again (a redelivery): it was resolved
     assert state.open_incidents() == [] and state.dropped("s-done-0")
+
+
+def test_the_memory_of_dropped_sagas_is_bounded_oldest_dropped_forgotten_first() -> None:
+    """A dropped saga's id, how it ended and its incidents' ids were remembered for as
+    long as the dashboard ran (about 100 bytes a saga, over a year's ledger): memory
+    grew without bound after all. Only the ``dropped_sagas`` dropped last are
+    remembered now; an older one is forgotten, incidents and all."""
+    state = DashboardState(SagalineMetrics("dashboard"), ended_sagas=1, dropped_sagas=2)
+    escalated_first = escalated("s-esc", start=T0 - MINUTE).records
+    _live(state, escalated_first)
+    incident = next(r for r in escalated_first if isinstance(r, IncidentRaised))
+    state.apply(incident_resolved(incident, operator="dan", resolution="restocked", now=T0 - 1))
+    for records in _ended(5):
+        _live(state, records)
+    assert set(state.sagas) == {"s-done-4"}
+    assert state.evicted_sagas == 5
+    once = ["s-esc", "s-done-0", "s-done-1", "s-done-2", "s-done-3"]
+    assert [saga_id for saga_id in once if state.dropped(saga_id)] == ["s-done-2", "s-done-3"]
+    assert state.forgotten_sagas == 3
+    assert len(state._evicted) == 2  # every dropped saga's memory in one bounded place
+    client = TestClient(create_app(state, clock=lambda: T0))
+    page = client.get("/sagas/s-done-0").text  # forgotten: it may still be in the ledger
+    assert "sagaline saga show s-done-0" in page
+
+
+def test_a_revived_saga_dropped_again_remembers_the_incidents_it_had_before() -> None:
+    """The incidents a dropped saga had are remembered with it (one entry a saga); a
+    saga brought back by a later incident and dropped again still does not come back
+    for a copy of one of its first incidents."""
+    state = DashboardState(SagalineMetrics("dashboard"), ended_sagas=1, dropped_sagas=10)
+    esc = escalated("s-esc", start=T0 - MINUTE).records
+    _live(state, esc)
+    first = next(r for r in esc if isinstance(r, IncidentRaised))
+    state.apply(incident_resolved(first, operator="dan", resolution="restocked", now=T0))
+    _live(state, _ended(1)[0])
+    assert state.dropped("s-esc")
+    parked = _parked("s-esc", at=T0 + 9 * MINUTE)
+    _live(state, [parked])
+    assert not state.dropped("s-esc")
+    state.apply(
+        incident_resolved(parked, operator="dan", resolution="restored", now=T0 + 10 * MINUTE)
+    )
+    assert state.dropped("s-esc")
+    first_copy = first.model_copy(
+        update={"envelope": first.envelope.model_copy(update={"producer": COORDINATOR_PRODUCER})}
+    )
+    _live(state, [first_copy])  # a copy of its first incident, read again
+    assert state.dropped("s-esc") and state.open_incidents() == []

@@ -912,6 +912,18 @@ def create_app(
                     'from the ledger. <a href="/">All sagas</a></p>',
                     viewer=viewer,
                 )
+            if saga is None and state.forgotten_sagas:
+                # Dropped so long ago that the dashboard no longer remembers it, or never
+                # written: only the ledger can tell which.
+                return _page(
+                    "Unknown saga",
+                    f"<p>No saga {_e(saga_id)} in this dashboard's memory: it is not in the "
+                    "ledger (yet), or it ended long ago and is no longer remembered (the "
+                    f"dashboard remembers the last {state.dropped_sagas} sagas it dropped). "
+                    f"<code>sagaline saga show {_e(saga_id)}</code> reads it from the ledger. "
+                    '<a href="/">All sagas</a></p>',
+                    viewer=viewer,
+                )
             if saga is None:
                 return _page(
                     "Unknown saga",

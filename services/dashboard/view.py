@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import heapq
 import threading
+from collections import OrderedDict
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
@@ -179,6 +180,8 @@ class SagaView:
     # Dropped from memory once (ended, settled), brought back by an incident the
     # coordinator raised after that (DashboardState._revive): only what came since.
     history_dropped: bool = False
+    # The incidents it had when dropped before: a copy of one brings nothing back.
+    dropped_incidents: tuple[str, ...] = ()
     receipt: Receipt | None = None
     receipt_error: str | None = None
     pending_approvals: dict[str, ApprovalRequested] = field(default_factory=dict)
@@ -254,6 +257,11 @@ _BOUND_WRITERS = CorePolicy(bind_writers=True)
 DEFAULT_ENDED_SAGAS = 10_000
 """Ended, settled sagas a dashboard keeps (``SAGALINE_DASHBOARD_ENDED_SAGAS``)."""
 
+DEFAULT_DROPPED_SAGAS = 100_000
+"""Dropped sagas a dashboard remembers (their ids, how they ended, their incidents'
+ids: about 200 bytes each), so that their records read later change nothing; the
+oldest dropped is forgotten first."""
+
 
 class DashboardState:
     """The sagas the dashboard has seen, folded from the ledger; thread-safe.
@@ -265,9 +273,10 @@ class DashboardState:
     it is then folded) and nothing is open; one known only from the terminal topic
     (its ledger expired) once everything there was at start has been read
     (:meth:`mark_caught_up`); a terminal copy read after that, ahead of its ledger,
-    waits for the ledger's. A dropped saga's id is remembered, so its records read
-    later (the other topic's copy, a redelivery, a late decision the coordinator
-    ignores) bring nothing back.
+    waits for the ledger's. The ``dropped_sagas`` dropped last are remembered, so
+    their records read later (the other topic's copy, a redelivery, a late decision the
+    coordinator ignores) bring nothing back; a record of one forgotten since (dropped
+    before those) is folded as a saga's first.
 
     ``lock`` guards the whole state: the Kafka thread holds it while applying a batch,
     page handlers while reading.
@@ -279,9 +288,12 @@ class DashboardState:
         *,
         bind_writers: bool = False,
         ended_sagas: int = DEFAULT_ENDED_SAGAS,
+        dropped_sagas: int = DEFAULT_DROPPED_SAGAS,
     ) -> None:
         if ended_sagas < 0:
             raise ValueError(f"ended_sagas must be 0 or more, not {ended_sagas}")
+        if dropped_sagas < 0:
+            raise ValueError(f"dropped_sagas must be 0 or more, not {dropped_sagas}")
         self.lock = threading.RLock()
         # With a trust file the coordinator takes a record only from the writer bound to
         # it (the saga's agent, the step's participant); so does the view.
@@ -297,11 +309,15 @@ class DashboardState:
         self.ended_sagas = ended_sagas
         self._settled: dict[str, int] = {}  # kept ended, settled sagas -> terminal_at
         self._settled_order: list[tuple[int, str]] = []  # heap; stale entries skipped
-        # Dropped sagas: how each ended, and the incidents they had (ids; a dropped saga
-        # is brought back only by a coordinator incident it did not have).
-        self._evicted: dict[str, TerminalStatus | None] = {}
-        self._dropped_incidents: set[str] = set()
+        # Dropped sagas, the ``dropped_sagas`` dropped last (oldest first): how each
+        # ended, and the ids of the incidents it had (a dropped saga is brought back
+        # only by a coordinator incident it did not have).
+        self._evicted: OrderedDict[str, tuple[TerminalStatus | None, tuple[str, ...]]] = (
+            OrderedDict()
+        )
+        self.dropped_sagas = dropped_sagas
         self.evicted_sagas = 0
+        self.forgotten_sagas = 0  # dropped sagas no longer remembered
         self.evicted_records = 0  # records of a dropped saga read after it was dropped
         # Sagas with a pending approval request: what the expiry scan and the pending
         # list look at, not every saga.
@@ -443,9 +459,12 @@ class DashboardState:
         for key in saga.event_ids:
             self._seen.discard(key)
             self._seen_on_ledger.discard(key)
-        self._evicted[saga_id] = saga.terminal_status
-        self._dropped_incidents.update(saga.resolved_incidents, saga.settled_incidents)
+        incidents = (*saga.dropped_incidents, *saga.resolved_incidents, *saga.settled_incidents)
+        self._evicted[saga_id] = (saga.terminal_status, incidents)
         self.evicted_sagas += 1
+        while len(self._evicted) > self.dropped_sagas:
+            self._evicted.popitem(last=False)
+            self.forgotten_sagas += 1
 
     def _revive(self, record: Record) -> bool:
         """Bring a dropped saga back for an incident the coordinator raised after it was
@@ -453,14 +472,15 @@ class DashboardState:
         SagaTerminal): a person must see it. The view shows how the saga ended and
         what came since; its earlier history stays dropped (``sagaline saga show``).
         A copy of an incident it had when dropped brings nothing back."""
+        status, incidents = self._evicted[record.saga_id]
         if (
             not isinstance(record, IncidentRaised)
             or record.envelope.producer != COORDINATOR_PRODUCER
-            or record.incident_id in self._dropped_incidents
+            or record.incident_id in incidents
         ):
             return False
         env = record.envelope
-        status = self._evicted.pop(record.saga_id)
+        del self._evicted[record.saga_id]
         self.sagas[record.saga_id] = SagaView(
             saga_id=record.saga_id,
             tenant_id=env.tenant_id,
@@ -468,6 +488,7 @@ class DashboardState:
             terminal_status=status,
             ended_in_ledger=True,
             history_dropped=True,
+            dropped_incidents=incidents,
         )
         return True
 
