@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -340,6 +341,29 @@ def test_a_users_file_without_usable_logins_is_refused_not_development_mode(
     users = tmp_path / "users.json"
     users.write_text(content, encoding="utf-8")
     with pytest.raises(AuthConfigError, match=why):
+        OperatorAuth.from_env({"SAGALINE_DASHBOARD_USERS": str(users)})
+
+
+@pytest.mark.parametrize(
+    "cut",
+    [
+        lambda h: h[: h.rindex("$")],  # the digest lost
+        lambda h: h[:-8],  # the digest cut short
+        lambda h: "scrypt$x$y",
+        lambda h: h + "$more",
+    ],
+    ids=["no-digest", "short-digest", "not-base64", "extra-part"],
+)
+def test_a_users_file_entry_cut_short_is_refused_at_start_not_at_every_login(
+    tmp_path: Path, cut: Callable[[str], str]
+) -> None:
+    """An entry that begins like a hash but is not a whole one (cut when pasted) passed
+    the start-up check: the dashboard ran with logins on and that operator's every login
+    failed as a wrong password, with no word of why. Refused at start, naming it."""
+    users = tmp_path / "users.json"
+    entry = cut(hash_password("pw-of-alice-123"))
+    users.write_text(json.dumps({"alice": entry, "bob": hash_password("pw")}), encoding="utf-8")
+    with pytest.raises(AuthConfigError, match="alice"):
         OperatorAuth.from_env({"SAGALINE_DASHBOARD_USERS": str(users)})
 
 

@@ -61,14 +61,24 @@ def hash_password(password: str, salt: bytes | None = None) -> str:
     return f"scrypt${base64.b64encode(salt).decode()}${base64.b64encode(digest).decode()}"
 
 
-def check_password(password: str, stored: str) -> bool:
+def _parse_hash(stored: str) -> tuple[bytes, bytes] | None:
+    """``(salt, digest)`` of a whole :func:`hash_password` entry, else None."""
     try:
         scheme, salt_b64, digest_b64 = stored.split("$")
-        salt, digest = base64.b64decode(salt_b64), base64.b64decode(digest_b64)
+        salt = base64.b64decode(salt_b64, validate=True)
+        digest = base64.b64decode(digest_b64, validate=True)
     except ValueError:
+        return None
+    if scheme != "scrypt" or not salt or len(digest) != 32:
+        return None
+    return salt, digest
+
+
+def check_password(password: str, stored: str) -> bool:
+    parsed = _parse_hash(stored)
+    if parsed is None:
         return False
-    if scheme != "scrypt":
-        return False
+    salt, digest = parsed
     given = hashlib.scrypt(password.encode(), salt=salt, dklen=32, **_SCRYPT)
     return hmac.compare_digest(given, digest)
 
@@ -112,6 +122,13 @@ def _read_users(path: str) -> dict[str, str]:
             raise AuthConfigError(
                 f"SAGALINE_DASHBOARD_USERS={path}: the entry of {name!r} is not a password "
                 f"hash; {fix}"
+            )
+        if _parse_hash(stored) is None:
+            # Begins like one but is not whole (cut when pasted): every login of this
+            # operator would fail as a wrong password.
+            raise AuthConfigError(
+                f"SAGALINE_DASHBOARD_USERS={path}: the entry of {name!r} is not a whole "
+                f"password hash (scrypt$<salt>$<32-byte digest>, in base64); {fix}"
             )
         if name != name.strip():
             # The login form's name is stripped (as the proxy's header is): this entry
