@@ -425,3 +425,17 @@ def test_a_revived_saga_dropped_again_remembers_the_incidents_it_had_before() ->
     )
     _live(state, [first_copy])  # a copy of its first incident, read again
     assert state.dropped("s-esc") and state.open_incidents() == []
+
+
+def test_api_state_refuses_a_status_it_does_not_know_rather_than_listing_every_saga() -> None:
+    """``/api/state?status=escalted`` (a typo) answered 200 with every saga, as if each
+    were escalated: a script counting them got every saga. A 400 names the statuses."""
+    state = DashboardState(SagalineMetrics("dashboard"))
+    _live(state, running("s-run").records)
+    _live(state, escalated("s-esc").records)
+    client = TestClient(create_app(state, clock=lambda: T0))
+    known = client.get("/api/state?status=escalated").json()
+    assert [s["saga_id"] for s in known["sagas"]] == ["s-esc"]
+    answer = client.get("/api/state?status=escalted")
+    assert answer.status_code == 400
+    assert "status" in answer.json()["error"] and "escalated" in answer.json()["error"]

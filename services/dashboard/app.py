@@ -1202,6 +1202,13 @@ def create_app(
             offset = _query_int(request, "offset", 0, 0, None)
         except ValueError as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
+        asked = request.query_params.get("status")
+        if asked and flt.status is None:
+            # Not read as "any status": a typo would list every saga as if it matched.
+            known = ", ".join(s.slug for s in SagaStatus)
+            return JSONResponse(
+                {"error": f"status={asked!r}: expected one of {known}"}, status_code=400
+            )
         sagas = state.select(flt)  # sorted outside the lock
         page = sagas[offset : offset + limit]
         with state.lock:
