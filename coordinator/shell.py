@@ -46,6 +46,7 @@ from __future__ import annotations
 import heapq
 import logging
 import signal
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -250,6 +251,14 @@ _STABLE_POLL_S = 0.02
 # those may hold the record that beats its deadline, but an overloaded coordinator
 # that is never caught up must still fire its deadlines (``_hold``).
 LAG_HOLD_MS = 30_000
+# How long a due timer's check asks the broker for its partition's end when the cached
+# high watermark may be stale (``_unread_end``); unanswered, the timer is held and the
+# broker asked again with the next batch.
+_ASK_S = 1.0
+# The end of a partition the broker did not say (held, asked again), and an end already
+# read whatever the consumer's position (nothing was unread when it answered).
+_UNKNOWN_END = sys.maxsize
+_READ_END = -sys.maxsize
 
 
 @dataclass
@@ -397,6 +406,9 @@ class Coordinator:
         # waits for (a timer that came due later, during the hold of another, waits for
         # what was unread then, not for the end noted at the other's hold).
         self._lag_until: dict[str, int] = {}
+        # Events partitions whose cached high watermark may predate a broker outage: the
+        # consumer reported a dropped connection since the broker last told their end.
+        self._unconfirmed: set[int] = set()
         self.metrics: ShellMetrics = metrics or NoMetrics()
 
         self._producer_config: dict[str, Any] = {
@@ -766,9 +778,8 @@ class Coordinator:
 
         On assignment (and after a rewind) ``_behind`` noted the partition's backlog:
         held until it is read. Otherwise the consumer's lag is checked here, only when
-        a timer is due and once per partition per batch, from librdkafka's cached high
-        watermark (no request to the broker; it comes with each fetch response, so
-        after a broker outage the first fetch shows the backlog): held until the
+        a timer is due and once per partition per batch (``_unread_end``: librdkafka's
+        cached high watermark, or the broker when that may be stale): held until the
         consumer has read that far, but for at most LAG_HOLD_MS from when this saga's
         timer was first held, so that a coordinator always behind still fires it. A
         timer that comes due while the partition is held for another's waits for what
@@ -801,18 +812,43 @@ class Coordinator:
         return True
 
     def _unread_end(self, partition: int) -> int | None:
-        """The events partition's high watermark as librdkafka last saw it, when the
-        consumer's position is behind it; None when it is not (or either is unknown:
-        before the first fetch, which an assignment's ``_behind`` covers). Local calls."""
+        """The events partition's end when the consumer's position is behind it; None
+        when it is not. Usually librdkafka's cached high watermark (a local call), but
+        that is only as fresh as the last fetch response: unknown before the first one,
+        and after a broker outage the fetch that shows the backlog may not have returned
+        when a timer comes due. Then (and while nothing was read since assignment, the
+        position unknown) the broker is asked; ``_UNKNOWN_END`` if it does not answer."""
         tp = TopicPartition(self.topics.events, partition)
         try:
             _low, high = self._consumer.get_watermark_offsets(tp, cached=True)
         except KafkaException:
             return None
         (position,) = self._consumer.position([tp])
-        if position.offset < 0 or position.offset >= high:
+        offset = position.offset
+        if high < 0 or offset < 0 or partition in self._unconfirmed:
+            try:
+                low, high = self._consumer.get_watermark_offsets(tp, timeout=_ASK_S)
+                if offset < 0:  # nothing read since assigned: it starts where committed
+                    (committed,) = self._consumer.committed([tp], _ASK_S)
+                    offset = max(committed.offset, low)
+            except KafkaException:
+                return _UNKNOWN_END
+            self._unconfirmed.discard(partition)
+        if offset >= high:
             return None
         return int(high)
+
+    def _ask_end(self, partition: int) -> None:
+        """Ask again for the end of ``partition``, whose held timers wait for an end the
+        broker did not say (``_unread_end``); once it answers they wait for that."""
+        end = self._unread_end(partition)
+        if end == _UNKNOWN_END:
+            return
+        held = self._held_timers.get(partition, [])
+        for entry in held:
+            if self._lag_until.get(entry[1]) == _UNKNOWN_END:
+                self._lag_until[entry[1]] = _READ_END if end is None else end
+        self._catching_up[partition] = min(self._lag_until.get(e[1], _READ_END) for e in held)
 
     def _catch_up(self, now: int) -> None:
         """Mark the partitions the consumer has read to the end they had when
@@ -826,6 +862,9 @@ class Coordinator:
         coordinator is never caught up, and a retry's backoff must not become
         LAG_HOLD_MS); those that have waited LAG_HOLD_MS go back (and fire) whether it
         read that far or not."""
+        for n, target in list(self._catching_up.items()):
+            if target == _UNKNOWN_END:
+                self._ask_end(n)
         tps = [TopicPartition(self.topics.events, n) for n in self._catching_up]
         for tp in self._consumer.position(tps):
             n = tp.partition
@@ -909,6 +948,7 @@ class Coordinator:
             if err is not None and err.code() != KafkaError._PARTITION_EOF:
                 raise_if_fatal(err)  # a fenced consumer: exit, a restart takes over
                 log.warning("consumer error: %s", err)
+                self._unconfirmed |= self._assigned  # the next fetch may show a backlog
         loose: list[_Msg] = []  # rejected at decoding, resolutions
         dlq: list[str] = []  # their reasons, counted once the batch commits
         decoded = [(m, r) for m in records if (r := self._decode(m, loose, dlq)) is not None]
@@ -1832,6 +1872,7 @@ class Coordinator:
             self._held_timers.pop(n, None)
             self._lag_release.pop(n, None)
         self._assigned -= numbers
+        self._unconfirmed -= numbers
         self.metrics.in_flight(len(self._states))  # its sagas are the next owner's now
 
     def _restore(self, numbers: list[int]) -> int:

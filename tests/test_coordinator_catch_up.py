@@ -14,7 +14,10 @@ transports."""
 from __future__ import annotations
 
 import time
+from typing import Any, cast
 
+import pytest
+from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, Message
 from coordinator_ledger import Ledger
 
 from coordinator.shell import LAG_HOLD_MS, Coordinator
@@ -328,5 +331,75 @@ def test_a_deadline_due_during_another_hold_waits_for_what_was_unread_when_it_ca
         marker = one.marker_of("saga-late")
     finally:
         one._consumer.close()
+    assert marker is not None
+    assert marker.status == SagaStatus.COMPENSATED.value, marker.reason
+
+
+# ------------------------------------------------------- a cached watermark not fresh
+
+
+class _StaleWatermark:
+    """The coordinator's consumer as it is before its next fetch returns: librdkafka's
+    cached high watermark is ``high`` (unknown, -1001, before the first fetch; where the
+    consumer was before a broker outage), ``lost`` says it first reports a dropped
+    broker connection, as it does when the broker goes away, and the broker does not
+    answer the first ``unanswered`` asks for a partition's end (still away)."""
+
+    def __init__(self, consumer: Consumer, high: int, lost: bool, unanswered: int) -> None:
+        self._consumer = consumer
+        self._high = high
+        self._lost = lost
+        self._unanswered = unanswered
+
+    def get_watermark_offsets(
+        self, tp: TopicPartition, timeout: float = 10, cached: bool = False
+    ) -> tuple[int, int]:
+        if cached:
+            return self._high, self._high
+        if self._unanswered > 0:
+            self._unanswered -= 1
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT))
+        low, high = self._consumer.get_watermark_offsets(tp, timeout=timeout)
+        return int(low), int(high)
+
+    def poll(self, timeout: float = -1) -> Message | None:
+        if self._lost:
+            self._lost = False
+            return Message(error=KafkaError(KafkaError._TRANSPORT, "broker: Disconnected"))
+        return self._consumer.poll(timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._consumer, name)
+
+
+@pytest.mark.parametrize(
+    ("lost", "unanswered"),
+    [(True, 0), (False, 0), (True, 2)],
+    ids=["after-an-outage", "before-the-first-fetch", "broker-not-back-yet"],
+)
+def test_a_completion_not_yet_fetched_beats_a_deadline_due_meanwhile_R12(
+    transport: str, unique_prefix: str, lost: bool, unanswered: int
+) -> None:
+    """The deadline comes due before the consumer's next fetch returned: after a broker
+    outage (its cached high watermark is where it was before) or before its first fetch
+    (no cached watermark). The cached watermark showed nothing unread, so the deadline
+    fired before the completion (recorded within the wait) was read: ESCALATED,
+    although the ledger says COMPENSATED. Now such a watermark is not trusted: the
+    broker is asked for the partition's end, and until it answers the deadline is held."""
+    clock = _Clock()
+    settings, ledger, one = _accepted_and_waiting(transport, unique_prefix, clock)
+    real = one._consumer
+    try:
+        tp = TopicPartition(settings.topics.events, 0)
+        (position,) = real.position([tp])
+        high = position.offset if lost else OFFSET_INVALID
+        one._consumer = cast(Consumer, _StaleWatermark(real, high, lost, unanswered))
+        other = Ledger(saga_id="saga-other", t0=ledger.clock)
+        append(settings, transport, other.started(), ledger.comp_committed("refund"))
+        clock.ahead_ms = 10 * WAIT_MS
+        turn_until(one, lambda: one.marker_of("saga-lag") is not None)
+        marker = one.marker_of("saga-lag")
+    finally:
+        real.close()
     assert marker is not None
     assert marker.status == SagaStatus.COMPENSATED.value, marker.reason
