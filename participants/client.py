@@ -1410,12 +1410,18 @@ class Saga:
             earlier = any(o < order and s != step for o, s in self._awaited.items())
         return earlier and self._awaiting_approval_before(step) is None
 
-    def _waits_again(self, step: str, order: int | None, was_queued: bool) -> bool:
+    def _waits_again(
+        self, step: str, order: int | None, was_queued: bool, seen: dict[str, Any]
+    ) -> bool:
         """Whether the call ``order`` waits once more for ``step``: while a call
         scheduled before it is awaited (:meth:`_queued`), and once more after that
         call ended during the wait just over: ``step`` could run only then, so this
         call's own timeout counts from there, not from its first wait (else a step
-        that ran right after the earlier one was reported ``OutcomeUnknown``)."""
+        that ran right after the earlier one was reported ``OutcomeUnknown``). Not
+        once ``step`` itself waits for a person (``seen``, what the wait saw): that is
+        ``ApprovalPending`` now, not after another timeout (R7)."""
+        if seen["approval"] is not None:
+            return False
         if self._queued(step, order):
             return True
         return (
@@ -1913,7 +1919,7 @@ class Saga:
         while True:  # see _await_step
             was_queued = self._queued(step, order)
             found = await self.client._ledger.wait_for_async(self.saga_id, check, wait_s)
-            if found is not None or not self._waits_again(step, order, was_queued):
+            if found is not None or not self._waits_again(step, order, was_queued, seen):
                 break
         if found is None:  # the outcome asks the broker about the coordinator: not on the loop
             return await asyncio.to_thread(self._step_outcome, found, seen, step, contract, wait_s)
@@ -1942,7 +1948,7 @@ class Saga:
             # before this one (``order``) is still awaited here, or was when this wait
             # began. Ends: the first such call waits for no other, and each wait is
             # bounded.
-            if found is not None or not self._waits_again(step, order, was_queued):
+            if found is not None or not self._waits_again(step, order, was_queued, seen):
                 break
         return self._step_outcome(found, seen, step, contract, timeout_s)
 
