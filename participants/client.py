@@ -552,18 +552,19 @@ class _Ledger:
                     found = check(record)
                     if found is not None:
                         break
-                if found is None and self.failure is None:
+                left = deadline - loop.time()
+                if found is None and self.failure is None and left > 0:
                     future = loop.create_future()
                     feed.futures.append((loop, future))
             if found is not None or future is None:
                 return found
             try:
-                left = deadline - loop.time()
-                if left <= 0:
-                    return None
                 await asyncio.wait_for(future, left)
             except TimeoutError:
-                return None
+                # Read the feed once more, as a thread's wait does: the listener wakes a
+                # batch's waiters only after adding all its records, so the one waited
+                # for may be there with its wake-up still to come.
+                pass
             finally:
                 # A wait that gave up (timed out, cancelled) leaves no future behind for
                 # the listener to wake on a loop that may have closed since.

@@ -4,6 +4,7 @@ fed records as the client's listener feeds them (``_Ledger``), sync and asyncio.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -112,3 +113,37 @@ def test_a_parallel_call_whose_own_step_waits_for_approval_does_not_wait_once_mo
             asyncio.run(saga._await_step_async("02-announce", contract, 0.2, own))
     assert err.value.approval_id == "appr-02-announce"
     assert waits == [0.2]
+
+
+@pytest.mark.parametrize("mode", ["threads", "asyncio"])
+def test_a_record_the_listener_added_as_the_wait_ran_out_ends_the_wait(mode: str) -> None:
+    """The listener appends a batch's records to their sagas' feeds, then wakes the
+    asyncio waiters of the whole batch (up to 500 records later). A wait whose
+    timeout fell in between returned "no record" with its outcome in the feed (the
+    call raised ``OutcomeUnknown`` for a step that committed, and the agent aborted
+    the saga); a thread's wait reads the feed once more when its time is up, an
+    asyncio wait now does too."""
+    ledger = _Ledger()
+    ledger.follow(SAGA)
+    feed = ledger._feeds[SAGA]
+    record = _request("01-announce")
+
+    def appended_not_woken() -> None:
+        with feed.cond:  # as _Ledger.add, before it wakes anyone
+            feed.records.append(record)
+
+    def check(r: Record) -> Any:
+        return r if r is record else None
+
+    if mode == "threads":
+        # The wait reads the feed before or after the record comes: either way it ends.
+        threading.Thread(target=appended_not_woken, daemon=True).start()
+        assert ledger.wait_for(SAGA, check, 0.2) is record
+        return
+
+    async def wait() -> Any:
+        # Runs once the wait read the feed and awaits its wake-up, which never comes.
+        asyncio.get_running_loop().call_soon(appended_not_woken)
+        return await ledger.wait_for_async(SAGA, check, 0.2)
+
+    assert asyncio.run(wait()) is record
