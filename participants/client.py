@@ -1701,13 +1701,15 @@ class Saga:
     def approval_request(self, step_id: str, timeout_s: float) -> ApprovalRequested | None:
         """The approval request of ``step_id`` as soon as the coordinator records it
         (an IRREVERSIBLE step, R7); None when the step ends first or within
-        ``timeout_s`` nothing is requested."""
+        ``timeout_s`` nothing is requested (0: only if it has arrived)."""
+        _duration(timeout_s)
         check = _approval_check(step_id, self._reporter(step_id))
         found = self.client._ledger.wait_for(self.saga_id, check, timeout_s)
         return found if isinstance(found, ApprovalRequested) else None
 
     async def aapproval_request(self, step_id: str, timeout_s: float) -> ApprovalRequested | None:
         """:meth:`approval_request` for asyncio (the waiter is a future, not a thread)."""
+        _duration(timeout_s)
         found = await self.client._ledger.wait_for_async(
             self.saga_id, _approval_check(step_id, self._reporter(step_id)), timeout_s
         )

@@ -4,6 +4,7 @@ fed records as the client's listener feeds them (``_Ledger``), sync and asyncio.
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -147,3 +148,36 @@ def test_a_record_the_listener_added_as_the_wait_ran_out_ends_the_wait(mode: str
         return await ledger.wait_for_async(SAGA, check, 0.2)
 
     assert asyncio.run(wait()) is record
+
+
+@pytest.mark.parametrize("timeout_s", [math.nan, math.inf, -1.0])
+@pytest.mark.parametrize("mode", ["threads", "asyncio"])
+def test_a_wait_for_an_approval_request_with_a_timeout_that_is_no_duration_is_refused(
+    mode: str, timeout_s: float
+) -> None:
+    """``approval_request(step, timeout_s)`` took any number: NaN spun the wait for
+    ever (the time left was never <= 0; a thread's wait used a CPU doing it),
+    infinity failed deep in the wait with ``OverflowError``. It is refused as
+    ``wait()`` refuses it, saying what it takes."""
+    ledger = _Ledger()
+    ledger.follow(SAGA)
+    saga = _saga(ledger)
+    outcome: list[BaseException | None] = []
+
+    def ask() -> None:
+        try:
+            if mode == "threads":
+                saga.approval_request("01-announce", timeout_s)
+            else:
+                asyncio.run(saga.aapproval_request("01-announce", timeout_s))
+        except BaseException as exc:
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    asker = threading.Thread(target=ask, daemon=True)
+    asker.start()
+    asker.join(30)
+    assert outcome, "approval_request() is still waiting"
+    assert isinstance(outcome[0], ValueError)
+    assert "timeout_s must be 0 or more seconds" in str(outcome[0])
