@@ -2144,6 +2144,93 @@ def test_an_elicitation_nobody_answers_does_not_hold_the_session_for_good_R7(
     assert proxy.session.saga is client.sagas[0] and client.sagas[0].ended == []
 
 
+def test_reads_are_served_while_a_write_waits_for_its_approval_through_the_client_R7(
+    tmp_path: Path,
+) -> None:
+    """An IRREVERSIBLE write asks its person through elicitation and waits (up to 600
+    s) for the answer, holding the session's step lock. Read-only calls, the plan
+    check and the receipt resource queued behind that lock: the agent was frozen
+    while it waited for the person, although none of them is a step or changes the
+    session's saga. They are served while the write waits."""
+    from types import SimpleNamespace
+
+    from sagaline.agents.mcp_proxy import McpProxy, Upstreams, build_catalogue
+
+    decl = _decl(
+        {
+            "create_ticket": {
+                "compensation": {"tool": "delete_ticket", "args": {"ticket_id": "{result.id}"}}
+            },
+            "send_email": {"reversibility": "IRREVERSIBLE"},
+            "list_tickets": {"read_only": True},
+        },
+        participant="fake-desk",
+    )
+    upstreams = Upstreams(decl)
+    upstreams.tools = [*DESK, UpstreamTool("list_tickets", "desk", {"properties": {}})]
+
+    async def listed(upstream: str, name: str, args: dict[str, Any]) -> Any:
+        return {"tickets": ["t-1"]}
+
+    upstreams.call = listed  # type: ignore[method-assign]
+    settings = Settings(bootstrap="unused:1", state_dir=tmp_path / "state")
+    client = AwaitingClient()
+    proxy = McpProxy(decl, upstreams, build_catalogue(decl, upstreams), client, settings)  # type: ignore[arg-type]
+    order: list[str] = []
+
+    async def run() -> list[Any]:
+        reads_done = asyncio.Event()
+        asking = asyncio.Event()
+
+        async def elicit_form(message: str, schema: Any) -> Any:
+            asking.set()
+            # The person answers once the reads are served; the bound is only there so
+            # the unfixed proxy (reads behind the lock) fails instead of hanging.
+            with suppress(TimeoutError):
+                await asyncio.wait_for(reads_done.wait(), 20)
+            order.append("elicitation answered")
+            raise RuntimeError("the client went away")
+
+        ctx = SimpleNamespace(
+            session=SimpleNamespace(
+                client_capabilities=SimpleNamespace(elicitation=object()),
+                client_params=None,
+                elicit_form=elicit_form,
+            )
+        )
+
+        def params(name: str, args: dict[str, Any]) -> types.CallToolRequestParams:
+            return types.CallToolRequestParams(name=name, arguments=args)
+
+        async def read(what: str, request: Any) -> Any:
+            answer = await request
+            order.append(what)
+            return answer
+
+        try:
+            write = asyncio.ensure_future(
+                proxy._call_tool(ctx, params("send_email", {"to": "a", "body": "b"}))
+            )
+            await asyncio.wait_for(asking.wait(), 120)  # the write waits for its person
+            reads = await asyncio.gather(
+                read("list", proxy._call_tool(ctx, params("list_tickets", {}))),
+                read("plan", proxy._call_tool(ctx, params("saga_check_plan", {"calls": []}))),
+                read("receipt", proxy._read_resource(ctx, _resource(RECEIPT))),
+            )
+            reads_done.set()
+            return [await asyncio.wait_for(write, 120), *reads]
+        finally:
+            for saga in client.sagas:
+                saga.let_go()
+
+    write, listing, plan, receipt = asyncio.run(run())
+    assert order[-1] == "elicitation answered", f"reads waited behind the write: {order}"
+    assert listing.structured_content == {"tickets": ["t-1"]}, _text(listing)
+    assert not plan.is_error, _text(plan)
+    assert json.loads(receipt.contents[0].text)["status"] == "OPEN", receipt
+    assert (write.structured_content or {}).get("status") == "awaiting_approval", _text(write)
+
+
 # ------------------------------------------------------------- upstreams that go away
 
 

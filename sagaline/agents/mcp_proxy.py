@@ -780,16 +780,21 @@ class McpProxy:
         self.receipt_wait_s = receipt_wait_s
         state = settings.state_dir / declaration.participant / "mcp-session.json"
         self.session = _Session(state)
+        # Held by writes and ends (one saga, one step at a time), for as long as a step
+        # waits (its approval asked through the client, up to approval_wait_s). Reads
+        # (read-only tools, the plan check, the receipt) change no saga: never behind it.
         self._lock = asyncio.Lock()
+        self._resuming = asyncio.Lock()  # one resume, whoever asks first
         self._resumed = False
         self._remembered: str | None = None  # the id of the saga on disk, once read
 
     async def _ensure_resumed(self) -> None:
         """Continue the saga remembered on disk, once, before the first request: its
         ledger read is blocking, so it runs off the event loop the upstreams use."""
-        if not self._resumed:
-            await asyncio.to_thread(self._resume)
-            self._resumed = True
+        async with self._resuming:
+            if not self._resumed:
+                await asyncio.to_thread(self._resume)
+                self._resumed = True
 
     def _resume(self) -> None:
         if not self.session.path.exists():
@@ -906,26 +911,25 @@ class McpProxy:
                 message=f"unknown resource {params.uri!r}; this proxy serves {RECEIPT_URI}",
                 data={"uri": params.uri},
             )
-        async with self._lock:
-            try:
-                await self._ensure_resumed()
-            except (CoordinatorNotRunning, SagaHistoryUnreadable) as exc:
-                # Said in the resource (no coordinator; records of a newer version:
-                # upgrade), as the calls say it; retried at the next read.
-                text = json.dumps(
-                    {
-                        "saga_id": self._remembered,
-                        "status": "CANNOT_CONTINUE",
-                        "note": f"the saga this session had open cannot be continued yet: {exc}",
-                    }
-                )
-                return types.ReadResourceResult(
-                    contents=[
-                        types.TextResourceContents(
-                            uri=RECEIPT_URI, text=text, mime_type="application/json"
-                        )
-                    ]
-                )
+        try:  # not under the step lock: a read, served while a write waits
+            await self._ensure_resumed()
+        except (CoordinatorNotRunning, SagaHistoryUnreadable) as exc:
+            # Said in the resource (no coordinator; records of a newer version:
+            # upgrade), as the calls say it; retried at the next read.
+            text = json.dumps(
+                {
+                    "saga_id": self._remembered,
+                    "status": "CANNOT_CONTINUE",
+                    "note": f"the saga this session had open cannot be continued yet: {exc}",
+                }
+            )
+            return types.ReadResourceResult(
+                contents=[
+                    types.TextResourceContents(
+                        uri=RECEIPT_URI, text=text, mime_type="application/json"
+                    )
+                ]
+            )
         if self.session.last_receipt is not None and self.session.saga is None:
             text = self.session.last_receipt
         elif self.session.saga is not None:
@@ -950,6 +954,17 @@ class McpProxy:
         self, ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
     ) -> types.CallToolResult:
         args = dict(params.arguments or {})
+        if params.name == "saga_check_plan":
+            return self._check_plan(args)
+        mapping = self.declaration.tools.get(params.name)
+        if params.name not in ("saga_commit", "saga_abort") and (
+            mapping is None or params.name in self.declaration.internal_tools()
+        ):
+            return _text(f"unknown tool {params.name!r}", error=True)
+        if mapping is not None and mapping.read_only:
+            # Not a step, so not under the step lock: served while a write waits (for
+            # its approval, its outcome); the session's saga plays no part in it.
+            return await self._read_only(params.name, mapping, args)
         async with self._lock:  # one saga, one step at a time (steps are ordered)
             try:
                 await self._ensure_resumed()
@@ -965,22 +980,17 @@ class McpProxy:
                 return await self._end(SagaOutcome.COMPLETE, "committed by the agent")
             if params.name == "saga_abort":
                 return await self._end(SagaOutcome.ABORT, str(args.get("reason") or "aborted"))
-            if params.name == "saga_check_plan":
-                try:
-                    # Read-only calls are passed straight through, not saga steps:
-                    # one failing does not unwind the saga.
-                    report = check_plan(
-                        args.get("calls") or [], self.catalogue, reads_are_steps=False
-                    )
-                except ValueError as exc:  # calls it cannot read: said to the agent
-                    return _text(f"saga_check_plan: {exc}; nothing was checked", error=True)
-                return _text(report.render(), error=not report.ok)
-            mapping = self.declaration.tools.get(params.name)
-            if mapping is None or params.name in self.declaration.internal_tools():
-                return _text(f"unknown tool {params.name!r}", error=True)
-            if mapping.read_only:
-                return await self._read_only(params.name, mapping, args)
+            assert mapping is not None
             return await self._step(ctx, params.name, mapping, args)
+
+    def _check_plan(self, args: dict[str, Any]) -> types.CallToolResult:
+        try:
+            # Read-only calls are passed straight through, not saga steps: one failing
+            # does not unwind the saga.
+            report = check_plan(args.get("calls") or [], self.catalogue, reads_are_steps=False)
+        except ValueError as exc:  # calls it cannot read: said to the agent
+            return _text(f"saga_check_plan: {exc}; nothing was checked", error=True)
+        return _text(report.render(), error=not report.ok)
 
     async def _read_only(
         self, name: str, mapping: ToolMapping, args: dict[str, Any]
