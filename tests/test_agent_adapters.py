@@ -666,6 +666,33 @@ def test_a_tool_call_id_names_one_step_and_distinct_calls_stay_distinct(served: 
     assert [s.tool for s in receipt.steps] == ["reserve_seat"] * 3
 
 
+def test_any_tool_call_id_a_provider_sends_names_one_step(served: Any) -> None:
+    """A tool-call id is the provider's: it may hold ``/`` (refused in step ids, which
+    derived ids join with it), so every call carrying such an id was refused
+    (``CallRefused``, ``step_id``) and the model told to call again, which it did
+    with another id of the same shape. And an id holding ``#`` (``c#2``) was the very
+    step another id's reuse goes on to (``c``, then ``c#2``): that call, made again
+    with the same arguments, got the other call's outcome and its effect was never
+    made. Every id names a step of its own, the same one when the call is repeated."""
+    from sagaline.agents._core import saga_tools
+
+    client, catalogue, trip = served
+    with client.saga("trip", principal="agent:odd-ids") as saga:
+        tools = {t.name: t for t in saga_tools(saga, catalogue)}
+        reserve = tools["reserve_seat"]
+        slashed = reserve({"flight": "LX60"}, "projects/p/calls/1")
+        repeated = asyncio.run(reserve.acall({"flight": "LX60"}, "projects/p/calls/1"))
+        hashed = reserve({"flight": "LX61"}, "c#2")
+        reserve({"flight": "LX62"}, "c")
+        reused = reserve({"flight": "LX61"}, "c")  # "c" again, other arguments
+        escaped = reserve({"flight": "LX63"}, "c%2F")
+    receipt = saga.wait(120)
+    assert (slashed, repeated, hashed, reused) == ("r-LX60", "r-LX60", "r-LX61", "r-LX61")
+    assert escaped == "r-LX63"
+    assert [trip.log.count(f"reserve:LX{n}") for n in (60, 61, 62, 63)] == [1, 2, 1, 1]
+    assert receipt.status is TerminalStatus.COMPLETED and len(receipt.steps) == 5
+
+
 def test_langchain_sync_tool_call_in_an_async_saga_runs_the_step(served: Any) -> None:
     """``async with client.saga(...)`` gives an AsyncSaga, whose ``call`` is a
     coroutine: a LangChain tool invoked synchronously (``graph.invoke``, a sync

@@ -10,7 +10,8 @@ saga that is already unwinding.
 
 A framework may run one tool call again (a LangGraph ``RetryPolicy`` retries a node
 whose tool raised ``OutcomeUnknown``; a resumed interrupt re-runs the node): a call
-that carries the framework's tool-call id is the step ``TOOL@CALLID`` (``TOOL@CALLID#2``,
+that carries the framework's tool-call id is the step ``TOOL@CALLID`` (the id with
+``%``, ``/`` and ``#`` percent-escaped; ``TOOL@CALLID#2``,
 ``#3``, ... when the saga has that id for other calls: a provider that numbers its
 calls afresh in every run), so running it again with the same arguments, in this process
 or one that attached the saga after a restart, waits for that step's outcome again
@@ -116,11 +117,27 @@ class SagaTool:
         its calls afresh in every run) a new one; what the client knows is the
         saga's steps on the ledger (read by ``attach()`` in a process that
         restarted), so the same holds across restarts. Nothing of the arguments is
-        in the id (a digest of a short secret could be reversed)."""
-        step = f"{self.spec.name}@{call_id}"  # no tool name has "@": no step id is made twice
+        in the id (a digest of a short secret could be reversed). The id is the
+        provider's, any text: it goes in escaped (:func:`call_id_in_step`)."""
+        # No tool name has "@": no step id is made twice.
+        step = f"{self.spec.name}@{call_id_in_step(call_id)}"
         yield step
         for n in itertools.count(2):  # ends: each refused id is a step of the saga
             yield f"{step}#{n}"
+
+
+# What a tool-call id cannot hold as it is in a step id: "/" (derived ids use it as
+# their separator: refused in step ids), "#" (what follows it numbers a reused id's
+# steps), and "%", the escape itself.
+_CALL_ID_ESCAPES = str.maketrans({"%": "%25", "/": "%2F", "#": "%23"})
+
+
+def call_id_in_step(call_id: str) -> str:
+    """``call_id`` as it goes in a step id: the same text, with ``%``, ``/`` and ``#``
+    percent-escaped (``projects/p/calls/1`` -> ``projects%2Fp%2Fcalls%2F1``). Any id a
+    provider sends makes a valid step id, the same id always the same one, two ids
+    never the same one; an id without those characters is itself."""
+    return call_id.translate(_CALL_ID_ESCAPES)
 
 
 # CallRefused.limit of a step id the saga scheduled with another tool or other arguments.
