@@ -1799,6 +1799,51 @@ def test_a_saga_that_cannot_start_is_a_tool_result_saying_why(tmp_path: Path, ca
         assert [s.saga_id for s in client.sagas] == ["s-1", "s-2"]
 
 
+@pytest.mark.parametrize("when", ["first write", "later write"])
+def test_a_saga_client_that_cannot_go_on_is_a_tool_result_saying_why_not_a_bare_error(
+    tmp_path: Path, when: str
+) -> None:
+    """The proxy's saga client stopped following the ledger (its listener died: a
+    fatal Kafka error, lost authorisation): the client refuses every start and call
+    before writing anything (RuntimeError: "... listener stopped ...; nothing was
+    written"). That escaped the handler, and the agent got the MCP server's bare
+    "Internal server error" at every write, the reason only on the proxy's stderr.
+    The agent is told why, that nothing was called, and that the proxy needs a
+    restart."""
+    stopped = RuntimeError(
+        "the saga client's listener stopped (KafkaError: _FATAL), so no outcome would"
+        " reach saga s-1: nothing was written; use a new client"
+    )
+
+    class Stopped(FakeSaga):
+        def __enter__(self) -> FakeSaga:
+            if when == "first write":
+                raise stopped
+            return self
+
+        async def acall(self, name: str, *, step_id: str, **args: Any) -> Any:
+            if self.calls:  # the first write went through, then the listener died
+                raise stopped
+            return self.call(name, step_id=step_id, **args)
+
+    class Client(FakeClient):
+        def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
+            saga = Stopped(saga_id or f"s-{len(self.sagas) + 1}", None)
+            self.sagas.append(saga)
+            return saga
+
+    client = Client()
+    proxy = _fake_proxy(tmp_path, client)
+    if when == "later write":
+        assert _call(proxy, "create_ticket", {"title": "t"}).structured_content == {
+            "ok": "01-create_ticket"
+        }
+    refused = _call(proxy, "create_ticket", {"title": "u"})
+    text = _text(refused)
+    assert refused.is_error and "listener stopped" in text and "restart" in text, text
+    assert client.sagas[0].ended == [], "nothing failed that would abort the saga"
+
+
 def test_an_upstream_lost_during_a_forward_call_is_an_unknown_outcome_R11() -> None:
     """The upstream acted and then died (or its connection dropped) before answering:
     the SDK says "Connection closed". Taken as a transient failure, the step was

@@ -1064,6 +1064,8 @@ class McpProxy:
                 return _text(
                     f"could not start a saga for {name}: {exc}; nothing was called", error=True
                 )
+            except RuntimeError as exc:  # the client cannot go on (listener stopped)
+                return _client_stopped(name, exc)
         saga = self.session.saga
         assert saga is not None  # this start, or one that landed meanwhile
         step_id = f"{self.session.next_step:02d}-{name}"
@@ -1118,6 +1120,8 @@ class McpProxy:
             return _too_large(saga, name, step_id, exc)
         except SagaCallError as exc:
             return await self._failed(saga, name, exc)
+        except RuntimeError as exc:  # refused before writing: the client cannot go on
+            return _client_stopped(name, exc)
         return _value(value)
 
     async def _awaited(self, saga: Saga, name: str) -> types.CallToolResult | None:
@@ -1484,6 +1488,20 @@ def _too_large(saga: Saga, name: str, step_id: str, exc: ResultTooLarge) -> type
         f" {saga.saga_id}): do not call it again. Its result is not returned: {exc}. The"
         f" saga stays open: the effect stands, and is undone with the others if the saga is"
         f" aborted; the steps done are listed in {RECEIPT_URI}.",
+        error=True,
+    )
+
+
+def _client_stopped(name: str, exc: RuntimeError) -> types.CallToolResult:
+    """The saga client refused the start or the call before writing anything because
+    it cannot go on (its listener stopped following the ledger, or it was closed):
+    said to the agent, not left to the MCP server's bare "Internal server error"; no
+    write can run until the proxy is restarted."""
+    log.error("%s: the saga client cannot go on: %s", name, exc)
+    return _text(
+        f"{name} was not called: this proxy's saga client cannot go on ({exc}). No"
+        " write can run until the proxy is restarted (the open saga, if any, is"
+        " continued then); read-only calls still work.",
         error=True,
     )
 
