@@ -178,6 +178,12 @@ class InvalidSagaId(ValueError):
     refused, never replaced."""
 
 
+class ClientStopped(RuntimeError):
+    """The client was closed, or its listener stopped following the ledger (a fatal
+    error, Read refused): a start or call is refused before anything is written,
+    since no outcome could reach it. Nothing was done; use a new client."""
+
+
 class SagaHistoryUnreadable(RuntimeError):
     """attach() found records of the saga on the ledger that this client cannot read
     (written under a schema it does not know, by a newer version of Sagaline): it
@@ -1264,13 +1270,13 @@ class Saga:
     def _require_listener(self) -> None:
         """Refuse, before anything is written, what could never learn its outcome."""
         if self.client._closed:  # its listener is stopping, if not stopped yet
-            raise RuntimeError(
+            raise ClientStopped(
                 f"the saga client was closed, so no outcome would reach saga "
                 f"{self.saga_id}: nothing was written; use a new client"
             )
         failure = self.client._ledger.failure
         if failure is not None:
-            raise RuntimeError(
+            raise ClientStopped(
                 f"the saga client's listener stopped ({_why(failure)}), so no outcome "
                 f"would reach saga {self.saga_id}: nothing was written; use a new client"
             ) from failure

@@ -23,7 +23,7 @@ import mcp_types as types
 from mcp import ClientSession, StdioServerParameters, stdio_client
 
 from coordinator.shell import Coordinator
-from participants.client import SagaClient
+from participants.client import ClientStopped, SagaClient
 from participants.declarations import CompensationContext
 from sagaline.agents.declaration import (
     DeclarationError,
@@ -1805,12 +1805,12 @@ def test_a_saga_client_that_cannot_go_on_is_a_tool_result_saying_why_not_a_bare_
 ) -> None:
     """The proxy's saga client stopped following the ledger (its listener died: a
     fatal Kafka error, lost authorisation): the client refuses every start and call
-    before writing anything (RuntimeError: "... listener stopped ...; nothing was
+    before writing anything (ClientStopped: "... listener stopped ...; nothing was
     written"). That escaped the handler, and the agent got the MCP server's bare
     "Internal server error" at every write, the reason only on the proxy's stderr.
     The agent is told why, that nothing was called, and that the proxy needs a
     restart."""
-    stopped = RuntimeError(
+    stopped = ClientStopped(
         "the saga client's listener stopped (KafkaError: _FATAL), so no outcome would"
         " reach saga s-1: nothing was written; use a new client"
     )

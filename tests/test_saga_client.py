@@ -30,6 +30,7 @@ from participants.client import (
     AsyncSaga,
     BusinessRejected,
     CallRefused,
+    ClientStopped,
     InvalidSagaId,
     OutcomeUnknown,
     Saga,
@@ -833,7 +834,7 @@ def test_a_listener_that_died_fails_the_waits_saying_why_instead_of_timing_them_
         first.wait(timeout_s=120)
     # A saga that could never hear back is refused before anything is written.
     later = system.client.saga("desk", "agent")
-    with pytest.raises(RuntimeError, match=r"listener stopped.*nothing was written"), later:
+    with pytest.raises(ClientStopped, match=r"listener stopped.*nothing was written"), later:
         pass
 
 

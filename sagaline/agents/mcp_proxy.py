@@ -53,6 +53,7 @@ from participants.catalogue import Catalogue, wrap
 from participants.client import (
     ApprovalPending,
     CallRefused,
+    ClientStopped,
     InvalidSagaId,
     OutcomeUnknown,
     ResultTooLarge,
@@ -1064,7 +1065,7 @@ class McpProxy:
                 return _text(
                     f"could not start a saga for {name}: {exc}; nothing was called", error=True
                 )
-            except RuntimeError as exc:  # the client cannot go on (listener stopped)
+            except ClientStopped as exc:  # the client cannot go on (listener stopped)
                 return _client_stopped(name, exc)
         saga = self.session.saga
         assert saga is not None  # this start, or one that landed meanwhile
@@ -1120,7 +1121,7 @@ class McpProxy:
             return _too_large(saga, name, step_id, exc)
         except SagaCallError as exc:
             return await self._failed(saga, name, exc)
-        except RuntimeError as exc:  # refused before writing: the client cannot go on
+        except ClientStopped as exc:  # refused before writing: the client cannot go on
             return _client_stopped(name, exc)
         return _value(value)
 
@@ -1492,7 +1493,7 @@ def _too_large(saga: Saga, name: str, step_id: str, exc: ResultTooLarge) -> type
     )
 
 
-def _client_stopped(name: str, exc: RuntimeError) -> types.CallToolResult:
+def _client_stopped(name: str, exc: ClientStopped) -> types.CallToolResult:
     """The saga client refused the start or the call before writing anything because
     it cannot go on (its listener stopped following the ledger, or it was closed):
     said to the agent, not left to the MCP server's bare "Internal server error"; no
