@@ -1399,8 +1399,21 @@ def _on_compensation_failed(ctx: _Ctx, r: CompensationFailed) -> None:
 
 def _on_incident_raised(ctx: _Ctx, r: IncidentRaised) -> None:
     s = ctx.s
-    if s.incident(r.incident_id) is not None:
-        return
+    held = s.incident(r.incident_id)
+    if held is not None:
+        if (held.kind, held.step_id) != (r.kind, r.step_id):
+            # An id names one incident: a person resolves it by its id, and the first
+            # resolution counts. Another incident under a taken id is refused where
+            # people see it (DLQ, `saga show`), not dropped unseen (R8, R16).
+            ctx.reject(
+                r,
+                RejectReason.INVALID_TRANSITION,
+                f"incident id {r.incident_id} already names another incident of saga "
+                f"{s.saga_id} ({_incident_label(held.kind, held.step_id)}); this "
+                f"{_incident_label(r.kind, r.step_id)} from {r.envelope.producer!r} needs "
+                "an id of its own",
+            )
+        return  # else a copy of the incident the saga holds
     s.incidents.append(
         IncidentRecord(
             incident_id=r.incident_id,
@@ -1628,6 +1641,10 @@ def _resolve_unknown_incidents(ctx: _Ctx, step: StepState, resolution: str) -> N
             _mark_resolved(ctx, incident.incident_id, resolution)
 
 
+def _incident_label(kind: str, step_id: str | None) -> str:
+    return f"{kind} incident" + (f" of step {step_id}" if step_id is not None else "")
+
+
 def _mark_resolved(ctx: _Ctx, incident_id: str, resolution: str) -> None:
     incidents = ctx.s.incidents
     for i, incident in enumerate(incidents):
@@ -1641,6 +1658,14 @@ def _raise_incident(
     s = ctx.s
     step_id = step.step_id if step is not None else None
     incident_id = "inc-" + ctx.event_id("incident", kind, step_id or "-", len(s.incidents))
+    taken = 0
+    while s.incident(incident_id) is not None:
+        # A participant chose its incident's id (anyone can derive ours): never share
+        # it, or one resolution would settle two incidents (R8, R14).
+        taken += 1
+        incident_id = "inc-" + ctx.event_id(
+            "incident", kind, step_id or "-", len(s.incidents), "taken", taken
+        )
     resources = list(step.contract.resources) if step is not None else []
     owner = step.contract.owner if step is not None else "operations"
     s.incidents.append(

@@ -1079,6 +1079,11 @@ def _refusal(saga: SagaView, record: Record, bind_writers: bool) -> str | None:
         refused = _resolution_refused(saga, record)
         if refused is not None:
             return refused
+    if isinstance(record, IncidentRaised):
+        held = saga.open_incidents.get(record.incident_id)
+        if held is not None and (held.kind, held.step_id) != (record.kind, record.step_id):
+            # As coordinator.core._on_incident_raised: an id names one incident.
+            return f"incident id {record.incident_id} already names another incident"
     if not bind_writers:
         return None
     if isinstance(record, AGENT_DRIVEN) and env.producer != saga.started_by:

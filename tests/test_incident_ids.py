@@ -1,0 +1,108 @@
+"""Incident ids within a saga (R8, R14, R15): each names one incident. No broker.
+
+A person resolves an incident by its id, the receipt lists incidents by id, and the
+coordinator counts the first resolution of an id. Two different incidents under one
+id would share a resolution: one settled by an answer meant for the other, or an
+incident dropped unseen because its id was taken. A participant chooses the id of an
+incident it raises (the protocol lets it), so the coordinator must not take one a
+participant already used, and must refuse (visibly) a participant's incident that
+names an id the saga already holds for another incident.
+"""
+
+from __future__ import annotations
+
+from coordinator_ledger import fresh, incidents, rejections
+
+from sagaline.ops.metrics import SagalineMetrics
+from schemas import FailureKind, derived_event_id
+from services.dashboard.view import DashboardState
+
+
+def _no_compensation_id(saga_id: str, step_id: str, index: int) -> str:
+    """The id the coordinator derives for its ``no-compensation`` incident of
+    ``step_id`` when the saga holds ``index`` incidents (anyone can compute it)."""
+    return "inc-" + derived_event_id(saga_id, "incident", "no-compensation", step_id, index)
+
+
+def test_the_coordinator_never_raises_an_incident_under_an_id_a_participant_took_R8() -> None:
+    ledger, h = fresh()
+    h.feed(
+        ledger.started(),
+        ledger.scheduled("mail", compensation=None),
+        ledger.committed("mail"),
+        ledger.scheduled("hold"),
+        ledger.committed("hold"),
+    )
+    # the mail participant raises an incident of its own under the id the coordinator
+    # will give its next one (the saga will hold one incident when it is raised)
+    taken = _no_compensation_id(ledger.saga_id, "mail", 1)
+    own = ledger.participant_incident("mail", taken).model_copy(
+        update={"kind": "manual-check", "inconsistency": "bounced, resend by hand"}
+    )
+    assert rejections(h.feed(own)) == []
+    h.feed(ledger.scheduled("pay"))
+    [raised] = incidents(h.feed(ledger.failed("pay", kind=FailureKind.BUSINESS_REJECTION)))
+    assert raised.kind == "no-compensation"
+    ids = [i.incident_id for i in h.s.incidents]
+    assert len(ids) == len(set(ids)), f"two incidents share an id: {ids}"
+    assert raised.incident_id != taken
+    # (hold is still being undone) resolving the participant's incident leaves ours open
+    assert rejections(h.feed(ledger.resolve(taken, "resent"))) == []
+    assert [i.incident_id for i in h.s.open_incidents()] == [raised.incident_id]
+
+
+def test_a_participant_incident_under_an_id_the_saga_holds_is_refused_not_dropped_R8_R16() -> None:
+    ledger, h = fresh()
+    h.feed(
+        ledger.started(),
+        ledger.scheduled("mail", compensation=None),
+        ledger.committed("mail"),
+        ledger.scheduled("hold"),
+        ledger.committed("hold"),
+        ledger.scheduled("pay"),
+    )
+    [raised] = incidents(h.feed(ledger.failed("pay", kind=FailureKind.BUSINESS_REJECTION)))
+    other = ledger.participant_incident("mail", raised.incident_id).model_copy(
+        update={"kind": "manual-check", "inconsistency": "bounced, resend by hand"}
+    )
+    out = h.feed(other)
+    assert [(o.reason, o.record.event_id) for o in rejections(out)] == [
+        ("invalid-transition", other.event_id)
+    ], "a second incident under a taken id was dropped unseen"
+    [refusal] = rejections(out)
+    assert raised.incident_id in refusal.detail and "another incident" in refusal.detail
+    [kept] = [i for i in h.s.incidents if i.incident_id == raised.incident_id]
+    assert kept.kind == "no-compensation"
+    # the same incident written again (another event id, its text redone) is no conflict
+    again = ledger.participant_incident("mail", "inc-p").model_copy(update={"kind": "manual-check"})
+    h.feed(again)
+    copy = again.model_copy(
+        update={
+            "envelope": again.envelope.model_copy(update={"event_id": "copy"}),
+            "inconsistency": "said again",
+        }
+    )
+    assert rejections(h.feed(copy)) == []
+    assert [i.incident_id for i in h.s.incidents].count("inc-p") == 1
+
+
+def test_the_dashboard_keeps_the_incident_whose_id_a_participant_reused_R8() -> None:
+    ledger, h = fresh()
+    h.feed(
+        ledger.started(),
+        ledger.scheduled("mail", compensation=None),
+        ledger.committed("mail"),
+        ledger.scheduled("hold"),
+        ledger.committed("hold"),
+        ledger.scheduled("pay"),
+    )
+    [raised] = incidents(h.feed(ledger.failed("pay", kind=FailureKind.BUSINESS_REJECTION)))
+    other = ledger.participant_incident("mail", raised.incident_id).model_copy(
+        update={"kind": "manual-check", "inconsistency": "bounced, resend by hand"}
+    )
+    h.feed(other)
+    dashboard = DashboardState(SagalineMetrics("dashboard"))
+    for record in h.log:
+        dashboard.apply(record)
+    [(_saga, shown)] = dashboard.open_incidents()
+    assert shown.kind == "no-compensation", shown
