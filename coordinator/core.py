@@ -438,12 +438,15 @@ def decide(
         return Decision(ctx.s, ctx.out, True)  # not remembered: the rightful record may follow
     ctx.remember(key)
     if stale:
-        ctx.reject(
-            record,
-            RejectReason.STALE_GENERATION,
+        detail = (
             f"{record.envelope.type} has generation {record.envelope.generation} but saga "
-            f"{state.saga_id} is at generation {state.generation}",
+            f"{state.saga_id} is at generation {state.generation}"
         )
+        if isinstance(record, IncidentResolved):
+            raised = _older_than_its_incident(state, record)
+            if raised is not None:
+                detail = stale_resolution(record, state.saga_id, raised)
+        ctx.reject(record, RejectReason.STALE_GENERATION, detail)
     else:
         _apply(ctx, record)
         _advance(ctx)
@@ -551,6 +554,8 @@ def resolves_earlier_incident(state: SagaState, record: Record) -> bool:
     incident = state.incident(record.incident_id)
     if incident is None:
         return False
+    if _older_than_its_incident(state, record) is not None:
+        return False  # no copy of its incident's generation: a superseded run's record
     if incident.resolved:
         return True  # refused all the same, saying who resolved it first
     if incident.kind in _SETTLES_UNKNOWN and incident.step_id is not None:
@@ -558,6 +563,27 @@ def resolves_earlier_incident(state: SagaState, record: Record) -> bool:
         if step is not None and step.status in (StepStatus.UNKNOWN, StepStatus.RECONCILING):
             return False  # asked again under the current generation
     return True
+
+
+def _older_than_its_incident(state: SagaState, record: IncidentResolved) -> int | None:
+    """The generation ``record``'s incident was raised at when ``record`` carries an
+    older one, else None. A resolution copies its incident's generation, so an older
+    one answers no incident of that id this saga raised (R15)."""
+    raised = state.incident_generation(record.incident_id)
+    if raised is not None and record.envelope.generation < raised:
+        return raised
+    return None
+
+
+def stale_resolution(record: IncidentResolved, saga_id: str, raised: int) -> str:
+    """Why a resolution older than its incident (raised at generation ``raised``) is
+    refused ``stale-generation``."""
+    return (
+        f"IncidentResolved has generation {record.envelope.generation} but incident "
+        f"{record.incident_id} of saga {saga_id} was raised at generation {raised}: a "
+        "resolution carries its incident's generation, so this one answers no incident "
+        "of that id and does not count"
+    )
 
 
 def completes_awaited_compensation(state: SagaState, record: Record) -> bool:
@@ -1414,6 +1440,7 @@ def _on_incident_raised(ctx: _Ctx, r: IncidentRaised) -> None:
                 "an id of its own",
             )
         return  # else a copy of the incident the saga holds
+    s.keep_incident_generation(r.incident_id, r.envelope.generation)
     s.incidents.append(
         IncidentRecord(
             incident_id=r.incident_id,
@@ -1668,6 +1695,7 @@ def _raise_incident(
         )
     resources = list(step.contract.resources) if step is not None else []
     owner = step.contract.owner if step is not None else "operations"
+    s.keep_incident_generation(incident_id, s.generation)
     s.incidents.append(
         IncidentRecord(
             incident_id=incident_id,

@@ -66,6 +66,7 @@ from coordinator.core import (
     Output,
     RejectReason,
     decide,
+    stale_resolution,
     tenant_mismatch,
     tick,
 )
@@ -77,6 +78,7 @@ from coordinator.state import (
     SagaState,
     is_marker,
     load_changelog,
+    open_incident_generations,
     state_head,
     terminal_marker,
     unreadable,
@@ -1136,6 +1138,13 @@ class Coordinator:
                 msg, RejectReason.INVALID_TRANSITION, detail, pending.loose, pending.dlq.append
             )
             return
+        raised = (marker.generations or {}).get(record.incident_id)
+        if raised is not None and record.envelope.generation < raised:
+            detail = stale_resolution(record, saga_id, raised)
+            self._reject(
+                msg, RejectReason.STALE_GENERATION, detail, pending.loose, pending.dlq.append
+            )
+            return
         if marker.marker is MarkerKind.PARKED:
             why = f"saga {saga_id} is parked: {marker.reason}"
             self._reject(msg, PARKED_REASON, why, pending.loose, pending.dlq.append)
@@ -1410,6 +1419,7 @@ class Coordinator:
             reason=why[:2000],
             tenant_id=tenant,
             incidents=[*open_ids, incident_id] if known else None,
+            generations=open_incident_generations(state) if state else None,
         )
         incident = IncidentRaised(
             envelope=envelope_for(

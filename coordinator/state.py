@@ -203,6 +203,11 @@ class SagaState(_StateModel):
     steps: dict[str, StepState] = Field(default_factory=dict)  # in scheduling order
     approvals: list[ApprovalRecord] = Field(default_factory=list)
     incidents: list[IncidentRecord] = Field(default_factory=list)
+    # The generation each incident was raised at (incident id -> generation): a
+    # resolution copies it, so one older than its incident is stale (R15). None: no
+    # incident raised since it was kept; then it is left out of the bytes, which stay
+    # as an older coordinator writes and reads them.
+    incident_generations: dict[str, int] | None = None
     # Recent records, oldest first: each one's event id, with bound writers within its
     # writer's name (``coordinator.core.dedup_key``).
     seen: list[str] = Field(default_factory=list)
@@ -213,6 +218,8 @@ class SagaState(_StateModel):
 
     def to_bytes(self) -> bytes:
         """Compact JSON for the changelog; equal states give equal bytes."""
+        if self.incident_generations is None:
+            return self.model_dump_json(exclude=_NO_INCIDENT_GENERATIONS).encode()
         return self.model_dump_json().encode()
 
     @classmethod
@@ -246,6 +253,20 @@ class SagaState(_StateModel):
             if record.incident_id == incident_id:
                 return record
         return None
+
+    def incident_generation(self, incident_id: str) -> int | None:
+        """The generation ``incident_id`` was raised at, or None when not kept (an
+        incident raised before it was)."""
+        return (self.incident_generations or {}).get(incident_id)
+
+    def keep_incident_generation(self, incident_id: str, generation: int) -> None:
+        generations = self.incident_generations
+        if generations is None:
+            generations = self.incident_generations = {}
+        generations[incident_id] = generation
+
+
+_NO_INCIDENT_GENERATIONS = {"incident_generations"}
 
 
 class MarkerKind(enum.StrEnum):
@@ -286,11 +307,14 @@ class SagaMarker(_StateModel):
     # marker written before it was kept); then it is left out of the bytes, which
     # stay as an older coordinator writes and reads them.
     resolved: dict[str, EndedResolution] | None = None
+    # The generation each open incident was raised at, where the saga kept it: a
+    # resolution older than its incident is refused stale, as while the saga ran. None:
+    # none kept; then it is left out of the bytes, as ``resolved``.
+    generations: dict[str, int] | None = None
 
     def to_bytes(self) -> bytes:
-        if self.resolved is None:
-            return self.model_dump_json(exclude={"resolved"}).encode()
-        return self.model_dump_json().encode()
+        unset = {name for name in ("resolved", "generations") if getattr(self, name) is None}
+        return self.model_dump_json(exclude=unset or None).encode()
 
 
 _MARKER_PREFIX = b'{"marker":'
@@ -365,4 +389,15 @@ def terminal_marker(state: SagaState) -> SagaMarker:
         at=state.ended_at or 0,
         tenant_id=state.tenant_id,
         incidents=[i.incident_id for i in state.open_incidents()],
+        generations=open_incident_generations(state),
     )
+
+
+def open_incident_generations(state: SagaState) -> dict[str, int] | None:
+    """The generations ``state`` kept of its open incidents (None: none kept)."""
+    generations = {
+        i.incident_id: g
+        for i in state.open_incidents()
+        if (g := state.incident_generation(i.incident_id)) is not None
+    }
+    return generations or None

@@ -33,6 +33,7 @@ from schemas import (
     ExecuteStep,
     FailureKind,
     IncidentRaised,
+    IncidentResolved,
     Record,
     Reversibility,
     derived_event_id,
@@ -465,3 +466,58 @@ def test_dashboard_agrees_an_ended_sagas_earlier_incident_is_resolved_R14_R15() 
     assert rejections(h.feed(resolution)) == []  # the shell's marker decides it
     assert dashboard.apply(resolution)
     assert dashboard.open_incidents() == []
+
+
+def _incident_of_the_second_run() -> tuple[Ledger, Harness, IncidentRaised]:
+    """The saga restarted as generation 2, and that run's unwind raised an incident
+    that settles no step (mail has no compensation), while hold is still undone."""
+    ledger, h = fresh()
+    h.feed(ledger.started())
+    _new_generation(ledger, h)
+    h.feed(
+        ledger.scheduled("mail", compensation=None),
+        ledger.committed("mail"),
+        ledger.scheduled("hold"),
+        ledger.committed("hold"),
+        ledger.scheduled("pay"),
+    )
+    [incident] = incidents(h.feed(ledger.failed("pay", kind=FailureKind.BUSINESS_REJECTION)))
+    assert incident.kind == "no-compensation" and incident.envelope.generation == 2
+    return ledger, h, incident
+
+
+def _as_generation(record: IncidentResolved, generation: int) -> IncidentResolved:
+    env = record.envelope.model_copy(update={"generation": generation})
+    return record.model_copy(update={"envelope": env})
+
+
+def test_a_resolution_older_than_its_incident_is_refused_as_stale_R15() -> None:
+    """A resolution copies its incident's generation, so one of generation 1 for an
+    incident generation 2 raised is no answer to it (a superseded run's record, a
+    replay, a forgery): refused stale-generation, saying why, the incident open."""
+    _ledger, h, incident = _incident_of_the_second_run()
+    stale = _as_generation(
+        incident_resolved(incident, operator="carol", resolution="done", now=h.now), 1
+    )
+    out = h.feed(stale)
+    assert [o.reason for o in rejections(out)] == ["stale-generation"], _why(out)
+    [refusal] = rejections(out)
+    assert f"incident {incident.incident_id} of saga saga-1 was raised at generation 2" in (
+        refusal.detail
+    )
+    assert [i.incident_id for i in h.s.open_incidents()] == [incident.incident_id]
+    # a resolution carrying its incident's generation counts
+    out = h.feed(incident_resolved(incident, operator="dave", resolution="told", now=h.now))
+    assert rejections(out) == [] and h.s.open_incidents() == [], _why(out)
+
+
+def test_dashboard_agrees_a_resolution_older_than_its_incident_does_not_count_R15() -> None:
+    _ledger, h, incident = _incident_of_the_second_run()
+    dashboard = DashboardState(SagalineMetrics("dashboard"))
+    for record in h.log:
+        dashboard.apply(record)
+    stale = _as_generation(
+        incident_resolved(incident, operator="carol", resolution="done", now=h.now), 1
+    )
+    assert not dashboard.apply(stale)
+    assert [i.incident_id for _s, i in dashboard.open_incidents()] == [incident.incident_id]

@@ -301,3 +301,44 @@ def test_a_resolution_committed_saga_by_saga_reaches_the_feed_though_the_last_tr
     incident = state.incident("inc-1") if state is not None else None
     assert incident is not None and incident.resolved
     assert _feed(settings, transport) == [genuine.event_id]
+
+
+def _generation(record: IncidentResolved, generation: int) -> IncidentResolved:
+    env = record.envelope.model_copy(update={"generation": generation})
+    return record.model_copy(update={"envelope": env})
+
+
+def test_an_ended_sagas_resolution_older_than_its_incident_is_refused_as_stale(
+    transport: str, unique_prefix: str
+) -> None:
+    """The incident was raised by the saga's second run, which ended with it open. A
+    resolution copies its incident's generation, so one of generation 1 answers no
+    incident of that id: refused stale-generation saying why (also once a successor
+    restores the marker), kept off the feed; the genuine one counts."""
+    settings, ledger, _first, _participant = one_saga(transport, unique_prefix, "saga-gen")
+    started = ledger.started()
+    ledger.generation = 2
+    restarted, first = ledger.started(), ledger.scheduled("reserve")
+    raised = ledger.participant_incident("reserve", "inc-1").model_copy(
+        update={"kind": "manual-check"}
+    )
+    ended = [ledger.intent("reserve"), ledger.committed("reserve"), ledger.end()]
+    one = Coordinator(settings, transport, instance_id="res-8", carry_ms=0)
+    one._join()
+    append(settings, transport, started, restarted, first, raised, *ended)
+    turn_until(one, lambda: one.marker_of("saga-gen") is not None)
+    stale = _generation(_by(ledger.resolve("inc-1", "done"), "carol"), 1)
+    append(settings, transport, stale)
+    turn_until(one, lambda: one.positions().get(0, -1) >= 8)
+    one._consumer.close()
+
+    two = Coordinator(settings, transport, instance_id="res-8", carry_ms=0)
+    two._join()
+    again = _generation(_by(ledger.resolve("inc-1", "done again"), "carol"), 1)
+    genuine = _by(ledger.resolve("inc-1", "refunded by hand"), "dave")
+    append(settings, transport, again, genuine)
+    turn_until(two, lambda: two.positions().get(0, -1) >= 10)
+    details = _dlq_details(settings, transport)
+    assert [reason for reason, _d in details] == ["stale-generation", "stale-generation"], details
+    assert "incident inc-1 of saga saga-gen was raised at generation 2" in details[0][1]
+    assert _feed(settings, transport) == [genuine.event_id]

@@ -1059,6 +1059,8 @@ def _resolves_earlier_incident(saga: SagaView, record: Record) -> bool:
             return True
         how = saga.settled_incidents.get(incident_id)
         return how is not None and not how.startswith("superseded by")
+    if record.envelope.generation < incident.envelope.generation:
+        return False  # a resolution copies its incident's generation: not this one's
     if incident.kind in SETTLES_UNKNOWN and incident.step_id is not None:
         step = saga.steps.get(incident.step_id)
         return step is None or step.state != "unknown"
