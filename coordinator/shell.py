@@ -532,7 +532,8 @@ class Coordinator:
             self.topics.dlq: ("DLQ", "DLQ copies of bad records"),
             self.topics.incidents: (
                 "incident feed",
-                "copies of accepted IncidentResolved records and saga-parked incidents",
+                "copies of accepted IncidentResolved records and participants' "
+                "IncidentRaised records, and saga-parked incidents",
             ),
             self.topics.events: ("events", "saga-parked incidents"),
             self.topics.state: ("changelog", "parked markers and tombstones"),
@@ -1160,7 +1161,9 @@ class Coordinator:
         """The operators' incident feed shows each resolution the coordinator accepted
         next to its incident, also for sagas that have already ended ESCALATED (the
         usual case). A refused one (another tenant, no such incident) stays off it:
-        ``sagaline incidents list`` keeps the first resolution of an incident.
+        ``sagaline incidents list`` keeps the first resolution of an incident. It also
+        shows each incident a participant raised that the coordinator took (its own
+        go there as outputs), or ``sagaline incidents resolve`` would not find it.
 
         A copy the incident feed no longer takes (its ``max.message.bytes`` lowered
         while running, ``_read_topic_limits``) goes to the DLQ instead, with reason
@@ -1229,6 +1232,10 @@ class Coordinator:
                 self._resolve_ended(msg, record, terminal_marker(state), pending)
                 return
             resolves = _names_open_incident(state, record)
+        elif isinstance(record, IncidentRaised) and state is not None and not _is_own(record):
+            # A participant's incident (no lookup, a result too large) the saga does not
+            # hold yet: the feed is where `sagaline incidents` finds what to resolve.
+            resolves = state.incident(record.incident_id) is None
         pending.sources.setdefault(saga_id, []).append(msg)
         pending.last_record[saga_id] = record
         try:
@@ -1260,8 +1267,9 @@ class Coordinator:
         # A resolution of an open incident that the core did not refuse goes to the
         # incident feed (one of an earlier run's incident that no later run asked again
         # counts, whatever its generation: ``resolves_earlier_incident``). One refused
-        # as stale does not: the step still waits on the incident asked again.
-        if resolves and refused is None:
+        # as stale does not: the step still waits on the incident asked again. So does a
+        # participant's incident the core took (a saga that ended takes none).
+        if resolves and refused is None and decision.changed:
             self._to_incident_feed(msg, saga_id, pending)
         if not decision.changed and record.envelope.producer != COORDINATOR_PRODUCER:
             pending.duplicates += 1

@@ -342,3 +342,38 @@ def test_an_ended_sagas_resolution_older_than_its_incident_is_refused_as_stale(
     assert [reason for reason, _d in details] == ["stale-generation", "stale-generation"], details
     assert "incident inc-1 of saga saga-gen was raised at generation 2" in details[0][1]
     assert _feed(settings, transport) == [genuine.event_id]
+
+
+def _raised_on_feed(settings: Settings, bootstrap: str) -> list[str]:
+    """Event ids of the incidents on the incidents topic, in order."""
+    found = []
+    for _k, value, _h in LedgerReader(bootstrap).records(settings.topics.incidents):
+        record = decode(value or b"")
+        if isinstance(record, IncidentRaised):
+            found.append(record.event_id)
+    return found
+
+
+def test_a_participants_incident_reaches_the_feed_the_cli_resolves_from(
+    transport: str, unique_prefix: str
+) -> None:
+    """`sagaline incidents list` and `incidents resolve` read the incident feed: an
+    incident a participant raised (no lookup, a result too large) that the coordinator
+    accepts must be on it, or the operator is told there is no such incident. One the
+    coordinator refuses (under an id the saga holds for another incident) is not."""
+    from services.coordinator_cli import incident_feed
+
+    settings, ledger, first, _participant = one_saga(transport, unique_prefix, "saga-own")
+    raised = ledger.participant_incident("reserve", "inc-p").model_copy(
+        update={"kind": "unknown-outcome-no-lookup"}
+    )
+    clash = ledger.participant_incident("reserve", "inc-p").model_copy(
+        update={"kind": "manual-check", "inconsistency": "another one"}
+    )
+    coordinator = Coordinator(settings, transport, instance_id="res-9", carry_ms=0)
+    coordinator._join()
+    append(settings, transport, ledger.started(), first, raised, clash)
+    turn_until(coordinator, lambda: coordinator.positions().get(0, -1) >= 4)
+    assert _raised_on_feed(settings, transport) == [raised.event_id]
+    listed, _resolved = incident_feed(settings, transport)
+    assert listed["inc-p"].kind == "unknown-outcome-no-lookup"
