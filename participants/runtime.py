@@ -680,7 +680,8 @@ class _Confirmations:
     ``start(command_id, command)`` gives an entry's state at its first poll (None:
     nothing to poll), ``poll(state)`` runs one poll (True: ended). What raises ends
     the entry with one log line (its row stays accepted, resumed at the next
-    start)."""
+    start); a journal unusable for good (:func:`journal_unusable`) goes to
+    ``unusable`` instead, which stops the runtime."""
 
     def __init__(
         self,
@@ -688,11 +689,13 @@ class _Confirmations:
         poll_s: float,
         start: Callable[[str, bytes], _Confirming | None],
         poll: Callable[[_Confirming], bool],
+        unusable: Callable[[BaseException], None],
     ) -> None:
         self._name = name
         self._poll_s = poll_s
         self._start = start
         self._poll = poll
+        self._unusable = unusable
         self._cv = threading.Condition()
         self._entries: dict[str, bytes | _Confirming] = {}  # command bytes until started
         self._due: list[tuple[float, int, str]] = []  # (monotonic time, seq, command id)
@@ -800,7 +803,9 @@ class _Confirmations:
             if entry is not None:
                 ended = self._poll(entry)
         except _TOOL_ERRORS as exc:
-            if not self._closed:
+            if journal_unusable(exc):
+                self._unusable(exc)
+            elif not self._closed:
                 log.error(
                     "confirming accepted compensation %s failed (%s: %s); resumed at the "
                     "next start",
@@ -964,8 +969,15 @@ class CommandHandler:
         # Every accepted compensation being confirmed (R12): one entry per command
         # id, polled by one scheduler thread on a few threads (confirm_in_background).
         self._confirmations = _Confirmations(
-            participant, verify_poll_ms / 1000, self._confirming, self._poll_once
+            participant,
+            verify_poll_ms / 1000,
+            self._confirming,
+            self._poll_once,
+            self._confirmation_unusable,
         )
+        # What a confirmation that finds the journal unusable for good tells (the
+        # runtime: stop as a command's write would); None: it is logged alone.
+        self.on_journal_unusable: Callable[[JournalUnusable], None] | None = None
         self._metrics = metrics
         self._stopping = threading.Event()
         self._watchdog = _Watchdog(f"{participant}-deadlines")
@@ -1665,16 +1677,31 @@ class CommandHandler:
     def _recorded(self, c: _Confirming, write: Callable[[], None]) -> bool:
         """``write()`` (the end of ``c``'s confirmation); True once written. A failure
         is reported like a verification's (the first with its traceback, then a
-        summary a minute) and the entry polled again."""
+        summary a minute) and the entry polled again; a journal unusable for good
+        (:func:`journal_unusable`: read-only, damaged) raises :class:`JournalUnusable`,
+        its row left accepted for the next start."""
         try:
             write()
         except _TOOL_ERRORS as exc:
             if self._stopping.is_set():
                 return True  # resumed at the next start
+            if journal_unusable(exc):  # polled again, it would fail (and append) for ever
+                raise journal_stop(self.journal.path, exc) from exc
             c.recording.failed(exc, str)
             return False
         c.recording.answered()
         return True
+
+    def _confirmation_unusable(self, exc: BaseException) -> None:
+        """A background confirmation found the journal unusable for good: its entry
+        ends (the row stays accepted, resumed at the next start) and the runtime is
+        told (:attr:`on_journal_unusable`), which stops as a command's write would."""
+        if self._stopping.is_set():
+            return
+        stop = journal_stop(self.journal.path, exc)
+        log.error("confirming accepted compensations: %s", stop)
+        if self.on_journal_unusable is not None:
+            self.on_journal_unusable(stop)
 
     def complete_accepted(self, provider_operation_id: str, result: Any = None) -> bool:
         """Record the provider's completion receipt for an accepted compensation (R12).
@@ -2268,6 +2295,10 @@ class ParticipantRuntime:
         self._running.set()
         self._serving = False  # run() is in its loop (health())
         self._work = _CommandLoop(self, max_in_flight)
+        # Set by a background confirmation that found the journal unusable for good:
+        # the loop stops with it at its next turn, as on a command's journal write.
+        self._journal_unusable: JournalUnusable | None = None
+        self.handler.on_journal_unusable = self._stop_unusable
         # Per command partition assigned to this replica, its end offset when assigned.
         self._assigned_end: dict[int, int] = {}
         for spec in catalogue.values():
@@ -2476,6 +2507,8 @@ class ParticipantRuntime:
             if ready is not None:
                 ready.set()
             while self._running.is_set():
+                if self._journal_unusable is not None:
+                    raise self._journal_unusable
                 if backpressure.paused and work.pending >= self.max_in_flight:
                     backpressure.poll(work.wait_s(0.2))  # stays in the group, takes nothing
                 elif work.pending >= limit:
@@ -2532,6 +2565,11 @@ class ParticipantRuntime:
             consumer.close()
             self._writer.close()
             self.journal.close()
+
+    def _stop_unusable(self, exc: JournalUnusable) -> None:
+        """(A confirmation thread) The loop stops with ``exc`` at its next turn."""
+        self._journal_unusable = exc
+        self._work._woken.set()
 
     def _commit(self, consumer: Consumer, *, asynchronous: bool) -> None:
         """Commit, per partition, the offset below which every command is done."""

@@ -19,8 +19,16 @@ from pathlib import Path
 
 import pytest
 
-from participants.runtime import CommandJournal, JournalCorrupt, JournalPruning, ParticipantRuntime
-from schemas import StepCommitted, StepOutcomeUnknown
+from participants import Accepted, CompensationContext, compensable, tool, wrap
+from participants.runtime import (
+    CommandHandler,
+    CommandJournal,
+    JournalCorrupt,
+    JournalPruning,
+    ParticipantRuntime,
+)
+from schemas import CompensateStep, StepCommitted, StepOutcomeUnknown, envelope_for
+from schemas.settings import Settings
 from tests.system import wait_until
 from tests.test_participant_runtime import PARTICIPANT, Harness, _dead_letters, _of
 
@@ -201,3 +209,69 @@ def test_a_journal_sqlite_refuses_for_good_stops_the_participant_naming_the_file
             assert harness.shop.count("reserve") == 1
     finally:
         harness.stop()
+
+
+# ------------------------- a background confirmation meets a journal unusable
+
+
+class _ReleasedDesk:
+    """An asynchronous compensation whose verification passes at once."""
+
+    @tool(description="Book a desk", verify="released")
+    @compensable(by="release", completion_within=3600)
+    def book(self, desk: str) -> dict[str, str]:
+        return {"desk": desk}
+
+    def release(self, ctx: CompensationContext) -> Accepted:
+        return Accepted(operation_id=f"release-{ctx.idempotency_key}")
+
+    def released(self, ctx: CompensationContext) -> bool:
+        return True
+
+
+def test_a_confirmation_the_journal_refuses_for_good_stops_the_participant_R12(
+    transport: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    # An accepted compensation resumed at start is confirmed (its verification
+    # passes), but the journal refuses its "done" mark for good (SQLITE_READONLY).
+    # Before, the confirmation took that for a broker hiccup: polled again every
+    # 200 ms for ever, a CompensationCommitted appended at each poll, while the
+    # participant served on. Now the participant stops as a command's write would
+    # stop it, naming the file; the row stays accepted, resumed at the next start.
+    import participants.runtime as runtime_module
+
+    participant = "desks"
+    catalogue = wrap(_ReleasedDesk(), name=participant)
+    path = tmp_path / participant / "commands.sqlite"
+    journal = CommandJournal(path)
+    handler = CommandHandler(catalogue, participant, journal, lambda record: None)
+    env = envelope_for(
+        CompensateStep, saga_id="s-1", tenant_id="t", producer="sagaline-coordinator", now=1
+    )
+    command = CompensateStep(
+        envelope=env,
+        step_id="01-book",
+        tool="book",
+        compensation="release",
+        args=b'{"desk":"d7"}',
+        result=b'{"desk":"d7"}',
+        idempotency_key="k-1",
+        compensation_key="c-1",
+        attempt=1,
+    )
+    assert handler.handle(command) == "accepted"
+    handler.close()
+    journal.close()
+
+    settings = Settings(
+        bootstrap=transport, topic_prefix=unique_prefix, partitions=1, state_dir=tmp_path
+    )
+    runtime = ParticipantRuntime(catalogue, settings, transport, participant=participant)
+    with runtime.journal._lock:
+        runtime.journal._db.execute("PRAGMA query_only = 1")
+    thread, raised = _serving(runtime)
+    wait_until(lambda: not thread.is_alive(), 60, "the runtime stopped on the unusable journal")
+    [error] = raised
+    assert isinstance(error, runtime_module.JournalUnusable), repr(error)
+    assert str(path) in str(error) and "SQLITE_READONLY" in str(error), str(error)
+    assert [c for c, _ in CommandJournal(path).accepted()] == [command.event_id]
