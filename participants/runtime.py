@@ -178,6 +178,8 @@ SendThen = Callable[[Record, Callable[[DeliveryFailed | None], None], bytes | No
 # SQLITE_PROTOCOL (a WAL lock race). Any other (SQLITE_READONLY: the file system
 # remounted read-only; SQLITE_CANTOPEN: the file or its directory gone; SQLITE_ERROR:
 # its table dropped) does not pass by waiting: the runtime stops (JournalUnusable).
+# An SQLITE_IOERR on a file system mounted read-only counts as SQLITE_READONLY
+# (CommandJournal._refused).
 _TEMPORARY = (5, 6, 10, 13, 15)
 # What to do about each while it is waited out, for the log line
 _WAIT_HINTS = {
@@ -394,6 +396,25 @@ class CommandJournal:
                 "it (and its directory) writable by the participant's user"
             ) from exc
 
+    def _refused(self, exc: BaseException) -> BaseException:
+        """``exc``, a write's failure; or, for an I/O error (SQLITE_IOERR) on a file
+        system mounted read-only, the same as SQLITE_READONLY. A file system remounted
+        read-only under the open journal (ext4's errors=remount-ro after a disk error)
+        fails each write() with EROFS, which SQLite reports as ``disk I/O error``:
+        waited out as a disk hiccup, it would hold every command for ever."""
+        if not isinstance(exc, sqlite3.OperationalError) or _primary_code(exc) != 10:
+            return exc
+        try:
+            read_only = os.statvfs(self.path).f_flag & os.ST_RDONLY
+        except OSError:
+            return exc
+        if not read_only:
+            return exc
+        refused = sqlite3.OperationalError(f"{exc}, on a file system mounted read-only")
+        refused.sqlite_errorcode = 8  # SQLITE_READONLY: not waited out (JournalUnusable)
+        refused.sqlite_errorname = getattr(exc, "sqlite_errorname", "SQLITE_IOERR")
+        return refused
+
     def get(self, command_id: str) -> tuple[str, bytes | None] | None:
         with self._lock:
             row = self._db.execute(
@@ -456,8 +477,8 @@ class CommandJournal:
 
     def _write(self, rows: list[JournalRow]) -> None:
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
             try:
+                self._db.execute("BEGIN IMMEDIATE")
                 self._db.executemany(
                     "INSERT INTO handled (command_id, state, command, outcome, at) "
                     "VALUES (?, ?, ?, ?, ?) ON CONFLICT(command_id) DO UPDATE SET "
@@ -466,11 +487,15 @@ class CommandJournal:
                     rows,
                 )
                 self._db.execute("COMMIT")
-            except BaseException:
+            except BaseException as exc:
                 # A failed COMMIT (SQLITE_BUSY, a full disk) leaves the transaction
                 # open: every later BEGIN would fail. These rows fail; later ones not.
+                # (A failed BEGIN left none.)
                 if self._db.in_transaction:
                     self._db.execute("ROLLBACK")
+                refused = self._refused(exc)
+                if refused is not exc:
+                    raise refused from exc
                 raise
 
     def forget(self, command_id: str) -> None:
@@ -478,7 +503,13 @@ class CommandJournal:
         intent was not acknowledged), so a redelivery must run it, not report it as
         an unknown outcome."""
         with self._lock:
-            self._db.execute("DELETE FROM handled WHERE command_id = ?", (command_id,))
+            try:
+                self._db.execute("DELETE FROM handled WHERE command_id = ?", (command_id,))
+            except sqlite3.OperationalError as exc:
+                refused = self._refused(exc)
+                if refused is not exc:
+                    raise refused from exc
+                raise
 
     def prune(
         self, older_than: int, *, after: int = 0, limit: int = 1000, keep: Collection[str] = ()
@@ -509,10 +540,17 @@ class CommandJournal:
                 nxt = rowid
             if drop:
                 marks = ",".join("?" * len(drop))
-                self._db.execute(
-                    f"DELETE FROM handled WHERE rowid IN ({marks}) AND state = 'done' AND at < ?",
-                    (*drop, older_than),
-                )
+                try:
+                    self._db.execute(
+                        f"DELETE FROM handled WHERE rowid IN ({marks}) AND state = 'done' "
+                        "AND at < ?",
+                        (*drop, older_than),
+                    )
+                except sqlite3.OperationalError as exc:
+                    refused = self._refused(exc)
+                    if refused is not exc:
+                        raise refused from exc
+                    raise
         if not drop and nxt == after:
             nxt = 0
         return len(drop), nxt
@@ -1161,8 +1199,10 @@ class CommandHandler:
                 if not failing:
                     failing = True
                     log.error(
-                        "journal write failed (%s): command %s waits; trying again every %.0f s",
+                        "journal write failed (%s) on %s: command %s waits; trying again "
+                        "every %.0f s",
                         _wait_reason(exc),
+                        self.journal.path,
                         command_id,
                         _JOURNAL_AGAIN_S,
                     )
@@ -2772,7 +2812,11 @@ class JournalPruning:
             if journal_unusable(exc):  # as a command's lookup would: the loop stops
                 raise journal_stop(self._journal.path, exc) from exc
             # a busy or full disk: the entries stay, try later
-            log.warning("journal: pruning failed (%s); tried again later", _wait_reason(exc))
+            log.warning(
+                "journal: pruning %s failed (%s); tried again later",
+                self._journal.path,
+                _wait_reason(exc),
+            )
             return _PRUNE_EVERY_S
         self.dropped += dropped
         return _PRUNE_BEHIND_S if dropped >= _PRUNE_BATCH // 2 else _PRUNE_EVERY_S
@@ -3305,9 +3349,10 @@ class _CommandLoop:
         if first or now - self._nagged_at >= _JOURNAL_NAG_S:
             self._nagged_at = now
             log.error(
-                "journal write failed (%s): %d commands wait, nothing of them is sent or "
-                "run until it is written; trying again every %.0f s",
+                "journal write failed (%s) on %s: %d commands wait, nothing of them is sent "
+                "or run until it is written; trying again every %.0f s",
                 _wait_reason(exc),
+                self._handler.journal.path,
                 len(self._unwritten),
                 _JOURNAL_AGAIN_S,
             )
@@ -3387,9 +3432,10 @@ class _CommandLoop:
             if now - self._unread_nagged_at >= _JOURNAL_NAG_S:  # not at every retry
                 self._unread_nagged_at = now
                 log.warning(
-                    "reading the journal for %s %s failed (%s); trying the command again "
+                    "reading the journal %s for %s %s failed (%s); trying the command again "
                     "every %.1f s, its saga's later commands behind it (logged again in "
                     "%.0f s at most while lookups fail)",
+                    self._handler.journal.path,
                     command.TYPE,
                     command.event_id,
                     _wait_reason(exc),

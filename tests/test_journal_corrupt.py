@@ -12,10 +12,14 @@ error naming the file, leaving the command uncommitted for the next run.
 
 from __future__ import annotations
 
+import logging
+import os
 import shutil
 import sqlite3
 import threading
+import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -275,3 +279,97 @@ def test_a_confirmation_the_journal_refuses_for_good_stops_the_participant_R12(
     assert isinstance(error, runtime_module.JournalUnusable), repr(error)
     assert str(path) in str(error) and "SQLITE_READONLY" in str(error), str(error)
     assert [c for c, _ in CommandJournal(path).accepted()] == [command.event_id]
+
+
+# ------------------------ a file system remounted read-only under the journal
+
+
+def _ioerr_write() -> sqlite3.OperationalError:
+    """What SQLite raises when the write() of a page fails with EROFS (the file system
+    remounted read-only under the open file, as ext4's errors=remount-ro does):
+    SQLITE_IOERR_WRITE, not SQLITE_READONLY (the file was opened writable)."""
+    exc = sqlite3.OperationalError("disk I/O error")
+    exc.sqlite_errorcode = 778
+    exc.sqlite_errorname = "SQLITE_IOERR_WRITE"
+    return exc
+
+
+class _WritesFail:
+    """The journal's connection whose every transaction fails at COMMIT as above;
+    reads, and everything else, go to the real one."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.db, name)
+
+    def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
+        if sql == "COMMIT":
+            raise _ioerr_write()
+        return self.db.execute(sql, *args)
+
+
+@pytest.mark.parametrize("mounted", ["read-only", "read-write"])
+def test_a_journal_io_error_on_a_read_only_file_system_stops_the_participant(
+    transport: str,
+    unique_prefix: str,
+    tmp_path: Path,
+    mounted: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # SQLite reports a write to a file system remounted read-only under the open
+    # journal as "disk I/O error" (SQLITE_IOERR), which is waited out as a disk
+    # hiccup. Before, it was waited out for ever, logged as "journal write failed
+    # (SQLITE_IOERR_WRITE: disk I/O error; check the disk and its file system)",
+    # naming no file. Now an I/O error on a file system mounted read-only stops the
+    # participant as SQLITE_READONLY does (one error naming the file and the cause);
+    # one on a writable file system is still waited out, its log naming the file.
+    import participants.runtime as runtime_module
+
+    harness = Harness(transport, unique_prefix, tmp_path)
+    path = tmp_path / PARTICIPANT / "commands.sqlite"
+    runtime = ParticipantRuntime(
+        harness.catalogue, harness.settings, transport, participant=PARTICIPANT
+    )
+    real_statvfs = os.statvfs
+
+    def statvfs(p: Any) -> Any:
+        st = real_statvfs(p)
+        if mounted == "read-only" and Path(p).parent == path.parent:
+            return types.SimpleNamespace(f_flag=st.f_flag | os.ST_RDONLY)
+        return st
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    real_db = runtime.journal._db
+    runtime.journal._db = _WritesFail(real_db)  # type: ignore[assignment]
+    thread, raised = _serving(runtime)
+    with caplog.at_level(logging.WARNING, logger="sagaline.participant"):
+        harness.send(harness.execute("s1", {"sku": "a", "quantity": 1}))
+        if mounted == "read-only":
+            wait_until(lambda: not thread.is_alive(), 60, "the runtime stopped")
+            [error] = raised
+            assert isinstance(error, runtime_module.JournalUnusable), repr(error)
+            assert not isinstance(error, JournalCorrupt), repr(error)
+            said = str(error)
+            assert str(path) in said and "SQLITE_IOERR_WRITE" in said, said
+            assert "read-only" in said and "\n" not in said, said
+            assert _dead_letters(harness) == []
+            assert harness.shop.count("reserve") == 0
+            return
+        said = wait_until(
+            lambda: [r.getMessage() for r in caplog.records if "write failed" in r.getMessage()],
+            60,
+            "the journal's failing write logged",
+        )[0]
+    assert str(path) in said and "SQLITE_IOERR_WRITE" in said, said
+    assert thread.is_alive() and harness.shop.count("reserve") == 0
+    runtime.journal._db = real_db  # the disk answers again: the command goes on, once
+    try:
+        harness.wait_for(lambda rs: bool(_of(rs, StepCommitted)))
+        assert harness.shop.count("reserve") == 1
+    finally:
+        runtime.stop()
+        thread.join(30)
+    assert raised == []
