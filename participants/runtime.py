@@ -718,8 +718,9 @@ class _Confirmations:
     ``start(command_id, command)`` gives an entry's state at its first poll (None:
     nothing to poll), ``poll(state)`` runs one poll (True: ended). What raises ends
     the entry with one log line (its row stays accepted, resumed at the next
-    start); a journal unusable for good (:func:`journal_unusable`) goes to
-    ``unusable`` instead, which stops the runtime."""
+    start); a journal failing for now (:func:`journal_unwritable`) is tried again
+    at the entry's next poll, and one unusable for good (:func:`journal_unusable`)
+    goes to ``unusable`` instead, which stops the runtime."""
 
     def __init__(
         self,
@@ -745,6 +746,7 @@ class _Confirmations:
         )
         self._calls = _CallThreads(f"{name}-verify", _CONFIRM_THREADS)
         self._running: dict[str, float] = {}  # command id -> monotonic start of its call
+        self._journal_nagged_at = float("-inf")  # a journal failing for now: last logged
 
     def call(
         self, command_id: str, fn: Callable[[], Any], timeout_s: float, *, wait: bool = False
@@ -843,6 +845,22 @@ class _Confirmations:
         except _TOOL_ERRORS as exc:
             if journal_unusable(exc):
                 self._unusable(exc)
+            elif journal_unwritable(exc) and not self._closed:
+                ended = False  # the journal failing for now (a lock, a disk): polled again
+                with self._cv:
+                    now = time.monotonic()
+                    nag = now - self._journal_nagged_at >= _JOURNAL_NAG_S
+                    if nag:
+                        self._journal_nagged_at = now
+                if nag:
+                    log.warning(
+                        "confirming accepted compensation %s: the journal failed (%s); "
+                        "tried again at its next poll (logged again in %.0f s at most "
+                        "while it fails)",
+                        command_id,
+                        _wait_reason(exc),
+                        _JOURNAL_NAG_S,
+                    )
             elif not self._closed:
                 log.error(
                     "confirming accepted compensation %s failed (%s: %s); resumed at the "
@@ -1625,9 +1643,11 @@ class CommandHandler:
         redelivery of its command), so the provider is polled at that pace only. A
         completion (or settlement) that cannot be written (the broker, the journal
         failing for now) is reported like a failing verification and the entry
-        polled again; another failure (the ledger reference of its arguments gone,
-        say) is logged in one line and its row stays accepted, resumed at the next
-        start."""
+        polled again, as is one whose journal row cannot be read for now (a lock
+        held, an I/O error); a journal unusable for good stops the runtime
+        (:attr:`on_journal_unusable`); another failure (the ledger reference of its
+        arguments gone, say) is logged in one line and its row stays accepted,
+        resumed at the next start."""
         self._confirmations.add(command_id, command)
 
     def resume_accepted(self) -> None:

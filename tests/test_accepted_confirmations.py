@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -683,3 +684,56 @@ def test_a_hung_verification_does_not_hold_the_process_exit_after_close_R12(
         pytest.fail("the process did not exit: it waited for the hung verification")
     assert done.returncode == 0, done.stderr
     assert "closed" in done.stdout
+
+
+def _locked_error(tmp_path: Path) -> sqlite3.OperationalError:
+    """A real SQLITE_BUSY (``database is locked``): a read while another connection
+    holds the file's exclusive lock."""
+    path = tmp_path / "locked.sqlite"
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("CREATE TABLE t (x)")
+    holder.execute("BEGIN EXCLUSIVE")
+    reader = sqlite3.connect(path, isolation_level=None, timeout=0)
+    with pytest.raises(sqlite3.OperationalError) as raised:
+        reader.execute("SELECT * FROM t").fetchall()
+    holder.close()
+    reader.close()
+    assert raised.value.sqlite_errorcode & 0xFF == 5, raised.value.sqlite_errorname
+    return raised.value
+
+
+def test_a_confirmation_whose_journal_read_fails_for_now_is_tried_again_R12(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The first poll of an accepted compensation reads its journal row, and SQLite
+    # answers "database is locked" this once (another process's lock held past the
+    # timeout). The confirmation used to end there ("resumed at the next start"),
+    # the row left accepted while the participant ran on: the compensation completed
+    # but went unconfirmed, and the coordinator raised an incident when its wait
+    # ended. Like a failing write, it is tried again at the next poll instead.
+    desks = _Checked()
+    desks.done = True
+    out: list[Record] = []
+    journal = CommandJournal(tmp_path / "journal.sqlite")
+    handler = CommandHandler(
+        wrap(desks, name="desks"), "desks", journal, out.append, verify_poll_ms=0
+    )
+    error = _locked_error(tmp_path)
+    get = journal.get
+    failed: list[str] = []
+
+    def locked_once(command_id: str) -> tuple[str, bytes | None] | None:
+        if not failed:
+            failed.append(command_id)
+            raise error
+        return get(command_id)
+
+    try:
+        command_id = _accept(handler, journal, 1)
+        monkeypatch.setattr(journal, "get", locked_once)
+        handler.confirm_in_background(command_id, dict(journal.accepted())[command_id])
+        wait_until(lambda: journal.accepted() == [], 30, "the compensation confirmed")
+        assert failed == [command_id]
+        assert [r.compensation_key for r in out if isinstance(r, CompensationCommitted)] == ["c-1"]
+    finally:
+        handler.close()
