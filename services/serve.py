@@ -94,6 +94,16 @@ def _cmd_participant_run(args: argparse.Namespace) -> int:
         )
         return 2
     prog = f"sagaline participant run {args.name}"
+    if not args.catalogue:
+        from services.refund import PARTICIPANTS, UnknownParticipantError
+
+        if args.name not in PARTICIPANTS:  # checked before its directories are made
+            print(
+                f"{prog}: {UnknownParticipantError(args.name)}; to serve your own tools,"
+                " name their catalogue with --catalogue MODULE[:ATTR]",
+                file=sys.stderr,
+            )
+            return 2
     journal = args.journal_dir or settings.state_dir / args.name
     where = "--journal-dir" if args.journal_dir else "SAGALINE_STATE_DIR"
     # Every directory it will write, checked first: one line naming it and where it

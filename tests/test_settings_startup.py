@@ -494,3 +494,23 @@ def test_a_partition_count_kafka_cannot_take_exits_2_naming_it_not_a_traceback(
     assert main(["coordinator", "run"]) == 2
     err = capsys.readouterr().err
     assert "SAGALINE_PARTITIONS" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.kafka
+def test_a_name_the_refund_example_lacks_without_catalogue_exits_2_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    kafka_bootstrap: str,
+    unique_prefix: str,
+    tmp_path: Path,
+) -> None:
+    """`sagaline participant run trip` with `--catalogue` forgotten ended in a
+    traceback (UnknownParticipantError, exit 1) after making `<state dir>/trip`; one
+    line now names the example's participants and `--catalogue`, nothing made."""
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
+    monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
+    monkeypatch.setenv("SAGALINE_STATE_DIR", str(tmp_path))
+    assert main(["participant", "run", "trip"]) == 2
+    err = capsys.readouterr().err
+    assert "no participant 'trip'" in err and "--catalogue" in err, err
+    assert not (tmp_path / "trip").exists()
