@@ -7,6 +7,8 @@ import math
 import os
 from collections.abc import Callable
 
+from schemas.settings import Settings
+
 
 def at_least(minimum: int) -> Callable[[str], int]:
     """An argparse type: a whole number of at least ``minimum``; anything else is a
@@ -104,3 +106,15 @@ def _finite(text: str, what: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected seconds ({what}), got {text!r}")
     return value
+
+
+def unusable_participant(settings: Settings, participants: list[str]) -> str | None:
+    """Why one of ``--participants`` cannot name a command topic (characters a topic
+    name cannot hold, too long with the prefix), else None: checked before any topic
+    is made, one line rather than a traceback."""
+    for participant in participants:
+        try:
+            settings.topics.commands(participant)
+        except ValueError as exc:
+            return f"--participants: {exc}; use letters, digits, '.', '_' or '-'"
+    return None

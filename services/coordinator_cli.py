@@ -30,7 +30,14 @@ from schemas.partitioning import partition_for
 from schemas.receipt import Receipt
 from schemas.settings import Settings
 from schemas.signing import HeaderList, Signer
-from services._args import at_least, env_default, instance_id, port, seconds_or_zero
+from services._args import (
+    at_least,
+    env_default,
+    instance_id,
+    port,
+    seconds_or_zero,
+    unusable_participant,
+)
 
 if TYPE_CHECKING:
     from coordinator.state import SagaState
@@ -182,6 +189,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from services.refund import economic_effect
 
     participants = [p for p in args.participants.split(",") if p]
+    problem = unusable_participant(settings, participants)
+    if problem:
+        print(f"coordinator run: {problem}", file=sys.stderr)
+        return 2
     ready = threading.Event()  # set once the loop serves: a failure before is a start's
     try:
         ensure_topics(

@@ -29,7 +29,7 @@ from sagaline.kafka import (
 )
 from sagaline.ops.metrics import MetricsServerError, ParticipantMetrics, start_metrics_server
 from schemas.settings import Settings
-from services._args import at_least, env_default, instance_id, port
+from services._args import at_least, env_default, instance_id, port, unusable_participant
 
 log = logging.getLogger("sagaline.serve")
 
@@ -37,6 +37,10 @@ log = logging.getLogger("sagaline.serve")
 def _cmd_topics_create(args: argparse.Namespace) -> int:
     settings, bootstrap = configured_broker("sagaline topics create")
     participants = [p for p in args.participants.split(",") if p]
+    problem = unusable_participant(settings, participants)
+    if problem:
+        print(f"sagaline topics create: {problem}", file=sys.stderr)
+        return 2
     try:
         created = ensure_topics(
             bootstrap,

@@ -514,3 +514,24 @@ def test_a_name_the_refund_example_lacks_without_catalogue_exits_2_not_a_traceba
     err = capsys.readouterr().err
     assert "no participant 'trip'" in err and "--catalogue" in err, err
     assert not (tmp_path / "trip").exists()
+
+
+@pytest.mark.kafka
+@pytest.mark.parametrize("command", [["topics", "create"], ["coordinator", "run"]])
+@pytest.mark.parametrize("name", ["team/seats", "two words"])
+def test_a_participants_name_no_topic_can_hold_exits_2_not_a_traceback(
+    command: list[str],
+    name: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    kafka_bootstrap: str,
+    unique_prefix: str,
+) -> None:
+    """`--participants team/seats` raised ValueError out of main (a traceback, exit 1),
+    where `participant run team/seats` says so in one line, exit 2."""
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
+    monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
+    assert main([*command, "--participants", f"payments,{name}"]) == 2
+    err = capsys.readouterr().err
+    assert f"participant name {name!r} is not usable in a topic name" in err, err
+    assert "--participants" in err, err
