@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from services import kafka_local
+from services._args import at_least
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
@@ -106,7 +107,10 @@ def register(subparsers: Any) -> None:
         )
         if p is not p_up:
             p.add_argument(
-                "--brokers", type=int, default=1, help="N>1: the N-node cluster's default dir"
+                "--brokers",
+                type=at_least(1),
+                default=1,
+                help="N>1: the N-node cluster's default dir",
             )
 
     p_up = sub.add_parser("up", help="start the broker (or reuse it); print its bootstrap")
@@ -125,7 +129,7 @@ def register(subparsers: Any) -> None:
     )
     p_up.add_argument(
         "--brokers",
-        type=int,
+        type=at_least(1),
         default=1,
         help="1: the single broker (default); N>1: an N-node KRaft cluster on loopback "
         "(state dir default <cache>/cluster-N; prints every node's address)",

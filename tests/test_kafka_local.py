@@ -709,3 +709,18 @@ def test_the_broker_is_known_by_its_state_dir_through_a_symlink(
     finally:
         if kafka_local._pid_alive(res.pid):
             os.kill(res.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("command", ["up", "down", "status"])
+@pytest.mark.parametrize("brokers", ["0", "-3"])
+def test_a_broker_count_below_one_is_a_usage_error_not_the_single_broker(
+    command: str, brokers: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kafka up --brokers 0` started (and `down --brokers 0` stopped) the single
+    broker, as if `--brokers 1` had been given: a typo acted on the shared broker."""
+    from services.cli import build_parser
+
+    with pytest.raises(SystemExit) as stopped:
+        build_parser().parse_args(["kafka", command, "--brokers", brokers])
+    assert stopped.value.code == 2
+    assert "--brokers" in capsys.readouterr().err
