@@ -5,8 +5,9 @@ CI saw it: after a broker restart the coordinator's consumer was fenced ("Static
 consumer fenced by other consumer with same group.instance.id", a fatal error in
 librdkafka); the coordinator logged it as a warning and then polled a dead consumer
 for good, so no saga moved and no supervisor restarted it. The fatal error is
-injected here (a broker cannot be made to send it on cue); before the fix each run
-below would loop until pytest-timeout instead of raising.
+injected into the coordinator and the runtime (before the fix each run would loop
+until pytest-timeout instead of raising); the last test has a real twin fence a
+consumer on the broker, for the error exactly as poll hands it over.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ FENCED = "Static consumer fenced by other consumer with same group.instance.id"
 
 
 class FatalMessage:
-    """What librdkafka's poll hands over once a consumer has a fatal error."""
+    """What librdkafka's poll hands over once a consumer has a fatal error: code
+    ``_FATAL``, ``fatal()`` False (as a real fencing gives it, the last test below)."""
 
     def error(self) -> KafkaError:
-        return KafkaError(KafkaError._FATAL, FENCED, fatal=True)
+        return KafkaError(KafkaError._FATAL, FENCED)
 
     def topic(self) -> str:
         return ""
@@ -144,3 +146,59 @@ def test_a_fatal_consumer_error_ends_the_participant_without_waiting_for_a_hung_
     gate.set()
     assert not hung, "run() waited for the hung tool after its consumer was fenced"
     assert len(raised) == 1 and "fenced" in str(raised[0])
+
+
+@pytest.mark.kafka
+def test_a_consumer_fenced_by_the_broker_is_fatal_to_raise_if_fatal(
+    kafka_bootstrap: str, unique_prefix: str, admin: Any
+) -> None:
+    """The error above is injected with ``fatal=True``; the one librdkafka's poll hands
+    over when a real twin with the same ``group.instance.id`` joins has code
+    ``_FATAL`` but ``fatal()`` False. raise_if_fatal let it through: the coordinator and
+    participants logged "consumer error: ..._FATAL..." and polled a dead consumer for
+    good, though docs/operating.md says a fenced consumer ends them."""
+    from confluent_kafka import Consumer
+    from confluent_kafka.admin import NewTopic
+
+    from sagaline.kafka import raise_if_fatal
+
+    topic = f"{unique_prefix}fenced"
+    admin.create_topics([NewTopic(topic, 1, 1)])[topic].result()
+
+    def member() -> Consumer:
+        consumer = Consumer(
+            {
+                "bootstrap.servers": kafka_bootstrap,
+                "group.id": f"{unique_prefix}fenced-group",
+                "group.instance.id": "twin",
+                "auto.offset.reset": "earliest",
+            }
+        )
+        consumer.subscribe([topic])
+        return consumer
+
+    def assigned(consumer: Consumer) -> bool:
+        consumer.poll(0.2)
+        return bool(consumer.assignment())
+
+    first = member()
+    wait_until(lambda: assigned(first), what="the first member's assignment")
+    twin = member()
+    try:
+        wait_until(lambda: assigned(twin), what="the twin's assignment")
+        errors: list[KafkaError] = []
+
+        def fenced() -> bool:
+            message = first.poll(0.2)
+            error = message.error() if message is not None else None
+            if error is not None:
+                errors.append(error)
+            return any(e.code() == KafkaError._FATAL for e in errors)
+
+        wait_until(fenced, what="the first member to be fenced")
+        error = next(e for e in errors if e.code() == KafkaError._FATAL)
+        with pytest.raises(KafkaException, match="fenced"):
+            raise_if_fatal(error)
+    finally:
+        twin.close()
+        first.close()

@@ -144,8 +144,10 @@ def raise_if_fatal(error: KafkaError) -> None:
     """Raise a consumer's fatal error (e.g. fenced by a member with the same
     ``group.instance.id`` after a broker restart): such a consumer delivers nothing
     again, so a service that only logged it would sit idle for good (CI saw a
-    coordinator do so); raising ends the process for its supervisor to restart."""
-    if error.fatal():
+    coordinator do so); raising ends the process for its supervisor to restart.
+    The error poll hands over for it has code ``_FATAL`` but ``fatal()`` False (only
+    errors of the transactional API carry the flag), so the code counts too."""
+    if error.fatal() or error.code() == KafkaError._FATAL:
         raise KafkaException(error)
 
 
