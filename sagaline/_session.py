@@ -9,7 +9,10 @@ does exactly that, against the configured broker, and stops all of it on exit.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import os
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -55,6 +58,9 @@ def connect(
       on the same broker and topics share one coordinator: started by the first,
       stopped when the last one ends (two would fence each other); one that died is
       started again by the next session that asks for it, and serves them all.
+      Another process on this machine asking for one on the same broker address and
+      topics while this one runs gets :class:`StartError` (connect it with
+      ``coordinator=False``); a process that was killed holds nothing back.
     - ``settings`` / ``bootstrap``: default to the environment
       (``SAGALINE_*``, ``KAFKA_BOOTSTRAP_SERVERS``); with no broker configured the
       project's local development broker is used (started if needed).
@@ -169,9 +175,10 @@ def _require_broker(bootstrap: str) -> None:
 class _Running:
     """A coordinator a session started, and how many sessions use it."""
 
-    def __init__(self, core: Any, thread: threading.Thread) -> None:
+    def __init__(self, core: Any, thread: threading.Thread, lock: int) -> None:
         self.core = core
         self.thread = thread
+        self.lock = lock  # the machine-wide claim on its instance id (_claim)
         self.users = 0
 
 
@@ -179,6 +186,7 @@ class _Running:
 # A second one would have the same static member and transactional id, and fence the
 # first (whose thread dies on _FENCED); the first session, once the second ended,
 # would be left with none. Held while one starts or stops (a session waits for it).
+# Another process's is refused by _claim, for the same reason.
 _coordinators: dict[tuple[str, str], _Running] = {}
 _coordinators_lock = threading.Lock()
 
@@ -193,6 +201,9 @@ def _coordinator(settings: Settings, bootstrap: str) -> Iterator[None]:
         if running is None or not running.thread.is_alive():
             from coordinator.shell import Coordinator
 
+            # Held by this process while its coordinator runs (a dead one's is kept
+            # for its replacement); released when the last session ends.
+            lock = _claim(bootstrap, settings) if running is None else running.lock
             # A stable instance id: a restarted development process takes its
             # partitions back at once (static membership).
             core = Coordinator(settings, bootstrap, instance_id="dev-coordinator")
@@ -208,9 +219,11 @@ def _coordinator(settings: Settings, bootstrap: str) -> Iterator[None]:
                 core.stop()
                 for thread in threads:
                     thread.join(30)
+                if running is None:
+                    os.close(lock)
                 raise
             if running is None:
-                running = _coordinators[key] = _Running(core, threads[0])
+                running = _coordinators[key] = _Running(core, threads[0], lock)
             else:
                 # A dead one is replaced in place: the sessions that used it use this
                 # one, and it stops with the last of them, not with this session.
@@ -225,6 +238,40 @@ def _coordinator(settings: Settings, bootstrap: str) -> Iterator[None]:
                 del _coordinators[key]
                 running.core.stop()
                 running.thread.join(30)
+                os.close(running.lock)
+
+
+def _claim(bootstrap: str, settings: Settings) -> int:
+    """Lock this machine's claim on the development coordinator of ``bootstrap`` and
+    ``settings``' topics (its instance id, so its static member and transactional id)
+    and return the descriptor; closing it, or the process ending however it ends,
+    lets go, so a restarted process takes the id back and fences its dead
+    predecessor's transaction. :class:`StartError` naming the holder when another
+    live process holds it: a second coordinator with that id would fence the first."""
+    import fcntl
+
+    group = f"{settings.topic_prefix}sagaline-coordinator"
+    digest = hashlib.sha256(f"{bootstrap}\0{group}".encode()).hexdigest()[:16]
+    path = os.path.join(tempfile.gettempdir(), f"sagaline-{os.getuid()}-dev-coordinator-{digest}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise StartError(
+            f"sagaline.connect: another process (pid {holder}) runs the development"
+            f" coordinator of {settings.topics.events} on {bootstrap} (lock {path}); a"
+            " second one would fence it. Connect here with coordinator=False (its"
+            " coordinator serves this process's sagas too, while it runs), or run"
+            " `sagaline coordinator run` and connect every process with coordinator=False"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def _start(

@@ -4,6 +4,9 @@ checks that no thread the session started is left running."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -195,5 +198,98 @@ def test_a_coordinator_replaced_after_it_died_serves_until_the_last_session_ends
         assert "sagaline-coordinator" in _session_threads()
         with outer.saga("trip", principal="me") as saga:
             assert saga.call(reserve, flight="OUT") == "r-OUT"
+        assert saga.wait(60).status == "COMPLETED"
+    assert _session_threads() == []
+
+
+_OTHER_PROCESS = """
+import sys
+from pathlib import Path
+
+import sagaline
+from schemas.settings import Settings
+
+bootstrap, prefix, state = sys.argv[1:]
+settings = Settings(
+    bootstrap=bootstrap, topic_prefix=prefix, partitions=1, state_dir=Path(state)
+)
+with sagaline.connect(coordinator=True, settings=settings):
+    print("serving", flush=True)
+    sys.stdin.readline()
+"""
+
+
+def _other_process(kafka_bootstrap: str, prefix: str, state: Path) -> subprocess.Popen[str]:
+    """A process serving ``connect(coordinator=True)`` on ``prefix``'s topics, until
+    its stdin closes; returned once it serves."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    other = subprocess.Popen(
+        [sys.executable, "-c", _OTHER_PROCESS, kafka_bootstrap, prefix, str(state)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert other.stdout is not None
+    if other.stdout.readline().strip() != "serving":
+        other.kill()
+        _, err = other.communicate(timeout=30)
+        pytest.fail(f"the other process did not start serving: {err}")
+    return other
+
+
+def test_a_second_process_with_a_coordinator_is_refused_and_fences_nothing(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    """Two processes with ``connect(coordinator=True)`` on one broker and topics (two
+    scripts, a notebook and a script): both coordinators had the instance id
+    "dev-coordinator", so the same static member and transactional id, and the
+    second silently fenced the first (its thread died on _FENCED; its process was left
+    with no coordinator once the second ended). Now the second is refused with a clear
+    StartError saying what to do, and the first keeps serving: a session of the
+    second process without a coordinator runs its sagas through it."""
+    settings = _settings(kafka_bootstrap, unique_prefix, tmp_path)
+    other = _other_process(kafka_bootstrap, unique_prefix, tmp_path / "other")
+    try:
+        assert other.stdin is not None
+        with (
+            pytest.raises(session.StartError, match=r"another process \(pid \d+\)") as raised,
+            sagaline.connect(reserve, name="seats", coordinator=True, settings=settings),
+        ):
+            pytest.fail("a second coordinator started")
+        assert "coordinator=False" in str(raised.value), raised.value
+        assert _session_threads() == []
+        with sagaline.connect(reserve, name="seats", settings=settings, call_timeout_s=20) as c:
+            with c.saga("trip", principal="me") as saga:
+                assert saga.call(reserve, flight="IN") == "r-IN"
+            assert saga.wait(60).status == "COMPLETED"
+        other.stdin.close()
+        assert other.wait(60) == 0
+    finally:
+        if other.poll() is None:
+            other.kill()
+            other.wait(30)
+    assert other.stderr is not None
+    err = other.stderr.read()
+    assert "_FENCED" not in err and "no longer served" not in err, err
+    assert _session_threads() == []
+
+
+def test_a_process_with_a_coordinator_restarted_after_a_kill_takes_it_over(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    """The claim that refuses a second process's coordinator dies with its holder: a
+    process killed (SIGKILL) mid-session does not block the next one, which takes the
+    same instance id (fencing the dead one's transaction) and runs sagas."""
+    settings = _settings(kafka_bootstrap, unique_prefix, tmp_path)
+    other = _other_process(kafka_bootstrap, unique_prefix, tmp_path / "other")
+    other.kill()
+    other.communicate(timeout=30)
+    with sagaline.connect(
+        reserve, name="seats", coordinator=True, settings=settings, call_timeout_s=20
+    ) as client:
+        with client.saga("trip", principal="me") as saga:
+            assert saga.call(reserve, flight="IN") == "r-IN"
         assert saga.wait(60).status == "COMPLETED"
     assert _session_threads() == []
