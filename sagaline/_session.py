@@ -51,7 +51,10 @@ def connect(
     - ``tools``: none (a client of tools served elsewhere), ``Catalogue`` objects
       (each served under its own name), and/or participant objects and plain
       functions, wrapped together as one catalogue
-      called ``name`` (checked by ``wrap()``: a bad declaration fails here).
+      called ``name`` (checked by ``wrap()``: a bad declaration fails here). A
+      participant name another session on this machine serves on the same broker
+      address and topic prefix (of this process or another: the two runtimes would
+      fence each other) is refused with :class:`StartError`.
     - ``coordinator``: also run a coordinator in this process. For development and
       tests; in production run ``sagaline coordinator run`` (the client then checks
       that one is consuming, and says what to start if not). Sessions of one process
@@ -96,7 +99,15 @@ def connect(
         if coordinator:
             shared.enter_context(_coordinator(settings, bootstrap))
         for catalogue in catalogues:
-            runtime = ParticipantRuntime(catalogue, settings, bootstrap)
+            # Its static group member (the participant's name as instance id) is
+            # claimed first: a twin in another session would fence it, or be fenced.
+            lock = _claim(
+                bootstrap,
+                f"{settings.topic_prefix}sagaline-participant-{catalogue.name}-{catalogue.name}",
+                functools.partial(_served_elsewhere, catalogue.name, bootstrap),
+            )
+            shared.callback(os.close, lock)
+            runtime = ParticipantRuntime(catalogue, settings, bootstrap, instance_id=catalogue.name)
             stoppers.append(runtime)
             _start(
                 runtime.run,
@@ -203,7 +214,22 @@ def _coordinator(settings: Settings, bootstrap: str) -> Iterator[None]:
 
             # Held by this process while its coordinator runs (a dead one's is kept
             # for its replacement); released when the last session ends.
-            lock = _claim(bootstrap, settings) if running is None else running.lock
+            lock = (
+                _claim(
+                    bootstrap,
+                    f"{settings.topic_prefix}sagaline-coordinator-dev-coordinator",
+                    lambda holder, path: (
+                        f"sagaline.connect: {holder} runs the development coordinator"
+                        f" of {settings.topics.events} on {bootstrap} (lock {path}); a"
+                        " second one would fence it. Connect here with"
+                        " coordinator=False (its coordinator serves this process's sagas"
+                        " too, while it runs), or run `sagaline coordinator run` and"
+                        " connect every process with coordinator=False"
+                    ),
+                )
+                if running is None
+                else running.lock
+            )
             # A stable instance id: a restarted development process takes its
             # partitions back at once (static membership).
             core = Coordinator(settings, bootstrap, instance_id="dev-coordinator")
@@ -241,31 +267,35 @@ def _coordinator(settings: Settings, bootstrap: str) -> Iterator[None]:
                 os.close(running.lock)
 
 
-def _claim(bootstrap: str, settings: Settings) -> int:
-    """Lock this machine's claim on the development coordinator of ``bootstrap`` and
-    ``settings``' topics (its instance id, so its static member and transactional id)
-    and return the descriptor; closing it, or the process ending however it ends,
-    lets go, so a restarted process takes the id back and fences its dead
-    predecessor's transaction. :class:`StartError` naming the holder when another
-    live process holds it: a second coordinator with that id would fence the first."""
+def _served_elsewhere(name: str, bootstrap: str, holder: str, path: str) -> str:
+    return (
+        f"sagaline.connect: participant {name!r} is already served on {bootstrap} by"
+        f" {holder} (lock {path}); a second runtime with its instance id would fence"
+        " the first. Serve its tools in one session: connect here without them (a"
+        " client of the tools served there)"
+    )
+
+
+def _claim(bootstrap: str, member: str, refusal: Callable[[str, str], str]) -> int:
+    """Lock this machine's claim on the static group member ``member`` (a group and
+    instance id; the coordinator's transactional id is derived from it too) of
+    ``bootstrap`` and return the descriptor; closing it, or the process ending however
+    it ends, lets go, so a restarted process takes the id back at once (and fences
+    its dead predecessor's transaction). :class:`StartError` with ``refusal(holder,
+    lock path)`` when another session, of this process or another, holds it: a
+    second client with that member id would fence the first."""
     import fcntl
 
-    group = f"{settings.topic_prefix}sagaline-coordinator"
-    digest = hashlib.sha256(f"{bootstrap}\0{group}".encode()).hexdigest()[:16]
-    path = os.path.join(tempfile.gettempdir(), f"sagaline-{os.getuid()}-dev-coordinator-{digest}")
+    digest = hashlib.sha256(f"{bootstrap}\0{member}".encode()).hexdigest()[:16]
+    path = os.path.join(tempfile.gettempdir(), f"sagaline-{os.getuid()}-member-{digest}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
+        pid = os.read(fd, 64).decode(errors="replace").strip() or "?"
         os.close(fd)
-        raise StartError(
-            f"sagaline.connect: another process (pid {holder}) runs the development"
-            f" coordinator of {settings.topics.events} on {bootstrap} (lock {path}); a"
-            " second one would fence it. Connect here with coordinator=False (its"
-            " coordinator serves this process's sagas too, while it runs), or run"
-            " `sagaline coordinator run` and connect every process with coordinator=False"
-        ) from None
+        holder = "this process" if pid == str(os.getpid()) else f"another process (pid {pid})"
+        raise StartError(refusal(holder, path)) from None
     except BaseException:
         os.close(fd)
         raise

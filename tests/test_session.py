@@ -293,3 +293,35 @@ def test_a_process_with_a_coordinator_restarted_after_a_kill_takes_it_over(
             assert saga.call(reserve, flight="IN") == "r-IN"
         assert saga.wait(60).status == "COMPLETED"
     assert _session_threads() == []
+
+
+def test_a_second_session_serving_the_same_participant_is_refused(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    """Two sessions serving one participant name (a helper that opens its own session
+    with the tools while another serves them; two scripts): both runtimes had the
+    participant's name as instance id, so the same static group member, and fenced
+    each other back and forth, the fenced one serving nothing from then on. Now the
+    second is refused with a StartError saying what to do, and the first serves on."""
+    settings = _settings(kafka_bootstrap, unique_prefix, tmp_path)
+    with sagaline.connect(
+        reserve, name="seats", coordinator=True, settings=settings, call_timeout_s=20
+    ) as outer:
+        with (
+            pytest.raises(session.StartError, match="'seats' is already served") as raised,
+            sagaline.connect(reserve, name="seats", settings=settings),
+        ):
+            pytest.fail("a second runtime of 'seats' started")
+        assert "this process" in str(raised.value), raised.value
+        with sagaline.connect(settings=settings, call_timeout_s=20) as inner:
+            with inner.saga("trip", principal="me") as saga:
+                assert saga.call("reserve", flight="IN") == "r-IN"
+            assert saga.wait(60).status == "COMPLETED"
+        with outer.saga("trip", principal="me") as saga:
+            assert saga.call(reserve, flight="OUT") == "r-OUT"
+        assert saga.wait(60).status == "COMPLETED"
+    assert _session_threads() == []
+    # Released with the session: the next one serves the participant again.
+    with sagaline.connect(reserve, name="seats", settings=settings):
+        assert any(t.startswith("sagaline-participant-seats") for t in _session_threads())
+    assert _session_threads() == []
