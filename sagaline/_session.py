@@ -230,9 +230,14 @@ def _coordinator(settings: Settings, bootstrap: str) -> Iterator[None]:
                 if running is None
                 else running.lock
             )
-            # A stable instance id: a restarted development process takes its
-            # partitions back at once (static membership).
-            core = Coordinator(settings, bootstrap, instance_id="dev-coordinator")
+            try:
+                # A stable instance id: a restarted development process takes its
+                # partitions back at once (static membership).
+                core = Coordinator(settings, bootstrap, instance_id="dev-coordinator")
+            except BaseException:
+                if running is None:
+                    os.close(lock)
+                raise
             threads: list[threading.Thread] = []
             try:
                 _start(

@@ -325,3 +325,25 @@ def test_a_second_session_serving_the_same_participant_is_refused(
     with sagaline.connect(reserve, name="seats", settings=settings):
         assert any(t.startswith("sagaline-participant-seats") for t in _session_threads())
     assert _session_threads() == []
+
+
+def test_a_coordinator_that_cannot_be_built_leaves_no_claim_behind(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The claim on the coordinator's instance id is taken before it is built: a
+    construction that raised (a bad client setting) kept it, so every later
+    ``connect(coordinator=True)`` of the process was refused as "this process runs
+    the development coordinator", with none running."""
+    import coordinator.shell
+
+    settings = _settings(kafka_bootstrap, unique_prefix, tmp_path)
+    with monkeypatch.context() as patched:
+        patched.setattr(coordinator.shell.Coordinator, "__init__", _fail)
+        with (
+            pytest.raises(_Injected),
+            sagaline.connect(coordinator=True, settings=settings),
+        ):
+            pytest.fail("the session started")
+    with sagaline.connect(coordinator=True, settings=settings):
+        assert "sagaline-coordinator" in _session_threads()
+    assert _session_threads() == []
