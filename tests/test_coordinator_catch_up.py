@@ -14,6 +14,7 @@ transports."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
 import pytest
@@ -21,9 +22,9 @@ from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException
 from coordinator_ledger import Ledger
 
 from coordinator.shell import LAG_HOLD_MS, Coordinator
-from coordinator.state import SagaStatus, StepStatus
+from coordinator.state import SagaMarker, SagaStatus, StepStatus
 from sagaline.kafka import TopicPartition, create_consumer, ensure_topics, watermarks
-from schemas import FailureKind
+from schemas import FailureKind, StepScheduled
 from schemas.settings import Settings
 from tests.coordinator_turns import append, turn_until
 from tests.system import wait_until
@@ -33,6 +34,54 @@ WAIT_MS = 5_000
 
 def _clock_ahead(ms: int) -> int:
     return int(time.time() * 1000) + ms
+
+
+def _coordinator(
+    settings: Settings, transport: str, instance_id: str, clock: Callable[[], int]
+) -> Coordinator:
+    """A coordinator that reads one record a batch and carries nothing over, joined."""
+    coordinator = Coordinator(
+        settings,
+        transport,
+        instance_id=instance_id,
+        clock=clock,
+        batch_size=1,
+        carry_ms=0,
+        linger_ms=0,
+    )
+    coordinator._join()
+    return coordinator
+
+
+def _marker(coordinator: Coordinator, saga_id: str) -> SagaMarker:
+    """Turn the loop until the coordinator has ended (or parked) ``saga_id``."""
+    turn_until(coordinator, lambda: coordinator.marker_of(saga_id) is not None)
+    marker = coordinator.marker_of(saga_id)
+    assert marker is not None
+    return marker
+
+
+def _append_accepted(
+    settings: Settings, transport: str, ledger: Ledger, refund: StepScheduled
+) -> None:
+    """Append a saga whose ``refund`` committed, then, a later step rejected, whose
+    compensation was accepted: its completion deadline is running."""
+    append(
+        settings,
+        transport,
+        ledger.started(),
+        refund,
+        ledger.committed("refund"),
+        ledger.scheduled("boom"),
+        ledger.failed("boom", kind=FailureKind.BUSINESS_REJECTION),
+        ledger.comp_accepted("refund"),
+    )
+
+
+def _accepted(coordinator: Coordinator, saga_id: str) -> bool:
+    """The coordinator holds ``saga_id``'s refund as accepted, not completed yet."""
+    state = coordinator.state_of(saga_id)
+    return state is not None and state.steps["refund"].status is StepStatus.COMPENSATION_ACCEPTED
 
 
 def _restarted_past_the_deadline(
@@ -51,22 +100,11 @@ def _restarted_past_the_deadline(
     if completed:
         other = Ledger(saga_id="saga-other", t0=ledger.clock)
         append(settings, transport, other.started(), ledger.comp_committed("refund"))
-    two = Coordinator(
-        settings,
-        transport,
-        instance_id="catch-up",
-        clock=lambda: _clock_ahead(10 * WAIT_MS),
-        batch_size=1,
-        carry_ms=0,
-        linger_ms=0,
-    )
-    two._join()
+    two = _coordinator(settings, transport, "catch-up", lambda: _clock_ahead(10 * WAIT_MS))
     try:
-        turn_until(two, lambda: two.marker_of("saga-late") is not None)
-        marker = two.marker_of("saga-late")
+        marker = _marker(two, "saga-late")
     finally:
         two._consumer.close()
-    assert marker is not None
     return marker.status, marker.reason
 
 
@@ -115,36 +153,9 @@ def _accepted_and_waiting(
     ledger = Ledger(saga_id=saga_id, t0=int(time.time() * 1000))
     refund = ledger.scheduled("refund", completion_within_ms=WAIT_MS)
     ensure_topics(transport, settings.topics, [refund.contract.participant], 1)
-    one = Coordinator(
-        settings,
-        transport,
-        instance_id=instance_id,
-        clock=clock,
-        batch_size=1,
-        carry_ms=0,
-        linger_ms=0,
-    )
-    one._join()
-    append(
-        settings,
-        transport,
-        ledger.started(),
-        refund,
-        ledger.committed("refund"),
-        ledger.scheduled("boom"),
-        ledger.failed("boom", kind=FailureKind.BUSINESS_REJECTION),
-        ledger.comp_accepted("refund"),
-    )
-
-    def accepted() -> bool:
-        state = one.state_of(saga_id)
-        return (
-            one._committing is None
-            and state is not None
-            and state.steps["refund"].status is StepStatus.COMPENSATION_ACCEPTED
-        )
-
-    turn_until(one, accepted)
+    one = _coordinator(settings, transport, instance_id, clock)
+    _append_accepted(settings, transport, ledger, refund)
+    turn_until(one, lambda: one._committing is None and _accepted(one, saga_id))
     return settings, ledger, one
 
 
@@ -180,11 +191,9 @@ def test_a_completion_read_after_an_outage_beats_the_deadline_that_passed_R12(
         append(settings, transport, other.started(), ledger.comp_committed("refund"))
         _fetched(transport, settings, one)
         clock.ahead_ms = 10 * WAIT_MS
-        turn_until(one, lambda: one.marker_of("saga-lag") is not None)
-        marker = one.marker_of("saga-lag")
+        marker = _marker(one, "saga-lag")
     finally:
         one._consumer.close()
-    assert marker is not None
     assert marker.status == SagaStatus.COMPENSATED.value, marker.reason
 
 
@@ -198,11 +207,9 @@ def test_a_due_deadline_fires_at_once_with_nothing_unread_R12(
     try:
         clock.ahead_ms = 2 * WAIT_MS  # past the deadline; far from LAG_HOLD_MS
         assert 2 * WAIT_MS < LAG_HOLD_MS
-        turn_until(one, lambda: one.marker_of("saga-lag") is not None)
-        marker = one.marker_of("saga-lag")
+        marker = _marker(one, "saga-lag")
     finally:
         one._consumer.close()
-    assert marker is not None
     assert marker.status == SagaStatus.ESCALATED.value, marker.reason
 
 
@@ -223,12 +230,10 @@ def test_a_backlog_holds_a_due_deadline_at_most_lag_hold_ms_R12(
         one._process_batch(one._next_batch())
         assert one.marker_of("saga-lag") is None
         clock.ahead_ms = 2 * WAIT_MS + LAG_HOLD_MS
-        turn_until(one, lambda: one.marker_of("saga-lag") is not None)
-        marker = one.marker_of("saga-lag")
+        marker = _marker(one, "saga-lag")
         (position,) = one._consumer.position([tp])
     finally:
         one._consumer.close()
-    assert marker is not None
     assert marker.status == SagaStatus.ESCALATED.value, marker.reason
     assert position.offset < backlog_end  # fired with the backlog not yet read
 
@@ -254,12 +259,10 @@ def test_a_held_deadline_waits_for_what_was_unread_not_for_what_came_since_R12(
         then = [Ledger(saga_id=f"saga-then-{i}", t0=ledger.clock) for i in range(30)]
         append(settings, transport, *(o.started() for o in then))
         end = _fetched(transport, settings, one)
-        turn_until(one, lambda: one.marker_of("saga-lag") is not None)
-        marker = one.marker_of("saga-lag")
+        marker = _marker(one, "saga-lag")
         (position,) = one._consumer.position([tp])
     finally:
         one._consumer.close()
-    assert marker is not None
     assert marker.status == SagaStatus.ESCALATED.value, marker.reason
     assert position.offset < end  # fired with the later records not yet read
 
@@ -279,39 +282,17 @@ def test_a_deadline_due_during_another_hold_waits_for_what_was_unread_when_it_ca
     early_refund = early.scheduled("refund", completion_within_ms=WAIT_MS)
     late_refund = late.scheduled("refund", completion_within_ms=3 * WAIT_MS)
     ensure_topics(transport, settings.topics, [early_refund.contract.participant], 1)
-    one = Coordinator(
-        settings,
-        transport,
-        instance_id="lag-two",
-        clock=clock,
-        batch_size=1,
-        carry_ms=0,
-        linger_ms=0,
-    )
-    one._join()
+    one = _coordinator(settings, transport, "lag-two", clock)
     try:
-        for ledger, refund in ((early, early_refund), (late, late_refund)):
-            append(
-                settings,
-                transport,
-                ledger.started(),
-                refund,
-                ledger.committed("refund"),
-                ledger.scheduled("boom"),
-                ledger.failed("boom", kind=FailureKind.BUSINESS_REJECTION),
-                ledger.comp_accepted("refund"),
-            )
-
-        def accepted(saga_id: str) -> bool:
-            state = one.state_of(saga_id)
-            return (
-                state is not None
-                and state.steps["refund"].status is StepStatus.COMPENSATION_ACCEPTED
-            )
-
+        _append_accepted(settings, transport, early, early_refund)
+        _append_accepted(settings, transport, late, late_refund)
         turn_until(
             one,
-            lambda: one._committing is None and accepted("saga-early") and accepted("saga-late"),
+            lambda: (
+                one._committing is None
+                and _accepted(one, "saga-early")
+                and _accepted(one, "saga-late")
+            ),
         )
         # Behind: the early deadline comes due and is held for what is unread now.
         first = [Ledger(saga_id=f"saga-first-{i}", t0=late.clock) for i in range(5)]
@@ -327,11 +308,9 @@ def test_a_deadline_due_during_another_hold_waits_for_what_was_unread_when_it_ca
         _fetched(transport, settings, one)
         clock.ahead_ms = 4 * WAIT_MS  # the late deadline due; within LAG_HOLD_MS of both
         assert 4 * WAIT_MS - 2 * WAIT_MS < LAG_HOLD_MS
-        turn_until(one, lambda: one.marker_of("saga-late") is not None)
-        marker = one.marker_of("saga-late")
+        marker = _marker(one, "saga-late")
     finally:
         one._consumer.close()
-    assert marker is not None
     assert marker.status == SagaStatus.COMPENSATED.value, marker.reason
 
 
@@ -397,9 +376,7 @@ def test_a_completion_not_yet_fetched_beats_a_deadline_due_meanwhile_R12(
         other = Ledger(saga_id="saga-other", t0=ledger.clock)
         append(settings, transport, other.started(), ledger.comp_committed("refund"))
         clock.ahead_ms = 10 * WAIT_MS
-        turn_until(one, lambda: one.marker_of("saga-lag") is not None)
-        marker = one.marker_of("saga-lag")
+        marker = _marker(one, "saga-lag")
     finally:
         real.close()
-    assert marker is not None
     assert marker.status == SagaStatus.COMPENSATED.value, marker.reason
