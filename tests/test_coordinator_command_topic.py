@@ -12,14 +12,33 @@ import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from coordinator.shell import Coordinator
-from coordinator.state import MarkerKind
+from coordinator.state import MarkerKind, SagaMarker
 from sagaline.kafka import LedgerReader
 from schemas import IncidentRaised
+from schemas.settings import Settings
 from tests.coordinator_ledger import Ledger
 from tests.coordinator_turns import append, executes, one_saga, turn_until
 from tests.test_coordinator_carry import _committed
 
 pytestmark = pytest.mark.kafka
+
+
+def _marker_once_written(
+    one: Coordinator, settings: Settings, bootstrap: str, records: int, saga_id: str
+) -> SagaMarker | None:
+    """Turn the coordinator's loop until the first ``records`` ledger records are
+    committed (all they led to written), close it: ``saga_id``'s marker then."""
+    group = f"{settings.topic_prefix}sagaline-coordinator"
+
+    def written() -> bool:
+        one._settle()
+        return not one._rewind and _committed(settings, bootstrap, group) == records
+
+    try:
+        turn_until(one, written)
+        return one.marker_of(saga_id)
+    finally:
+        one._consumer.close()
 
 
 def test_a_participant_whose_command_topic_cannot_be_set_up_parks_only_its_sagas_R16(
@@ -39,19 +58,9 @@ def test_a_participant_whose_command_topic_cannot_be_set_up_parks_only_its_sagas
         ledger.started(),
         first,
     )
-    group = f"{unique_prefix}sagaline-coordinator"
     one = Coordinator(settings, bootstrap, instance_id="topic-1", carry_ms=0, linger_ms=0)
     one._join()
-
-    def written() -> bool:
-        one._settle()
-        return not one._rewind and _committed(settings, bootstrap, group) == 4
-
-    try:
-        turn_until(one, written)
-        marker = one.marker_of("saga-broken")
-    finally:
-        one._consumer.close()
+    marker = _marker_once_written(one, settings, bootstrap, 4, "saga-broken")
     assert executes(settings, bootstrap, participant) == ["reserve"]
     assert marker is not None and marker.marker is MarkerKind.PARKED, marker
     assert broken in marker.reason, marker.reason
@@ -95,18 +104,8 @@ def test_a_shared_topic_changed_after_start_does_not_park_sagas_for_a_new_partic
 
     wait_until(applied, 30, "the DLQ's min.insync.replicas altered")
     append(settings, bootstrap, ledger.started(), first)
-    group = f"{unique_prefix}sagaline-coordinator"
     one = Coordinator(settings, bootstrap, instance_id="shared-1", carry_ms=0, linger_ms=0)
     one._join()
-
-    def written() -> bool:
-        one._settle()
-        return not one._rewind and _committed(settings, bootstrap, group) == 2
-
-    try:
-        turn_until(one, written)
-        marker = one.marker_of("saga-ok")
-    finally:
-        one._consumer.close()
+    marker = _marker_once_written(one, settings, bootstrap, 2, "saga-ok")
     assert marker is None or marker.marker is not MarkerKind.PARKED, marker
     assert executes(settings, bootstrap, participant) == ["reserve"]

@@ -19,8 +19,8 @@ from sagaline.kafka import ensure_topics
 from sagaline.ops.metrics import SagalineMetrics
 from schemas.limits import Limits
 from tests.coordinator_ledger import Ledger
-from tests.coordinator_turns import append, executes, one_saga, turn_until
-from tests.test_coordinator_carry import _committed
+from tests.coordinator_turns import append, executes, one_saga
+from tests.test_coordinator_command_topic import _marker_once_written
 
 pytestmark = pytest.mark.kafka
 
@@ -55,17 +55,7 @@ def test_past_max_participants_a_made_up_participant_parks_its_saga_not_a_new_to
         late.started(),
         late.scheduled("post", participant="late"),
     )
-    group = f"{unique_prefix}sagaline-coordinator"
-
-    def written() -> bool:
-        one._settle()
-        return not one._rewind and _committed(settings, bootstrap, group) == 8
-
-    try:
-        turn_until(one, written)
-        marker = one.marker_of("saga-forged")
-    finally:
-        one._consumer.close()
+    marker = _marker_once_written(one, settings, bootstrap, 8, "saga-forged")
     made_up = settings.topics.commands("made-up-1")
     topics = set(AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=30).topics)
     assert made_up not in topics, f"{made_up} was created"
