@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 from coordinator.core import CorePolicy, decide
+from coordinator.state import SagaState
 from sagaline.ops.actions import (
     ApprovalExpired,
     MissingOperatorIdentity,
@@ -1185,6 +1186,30 @@ def test_a_completion_after_the_coordinator_gave_up_is_not_shown_as_compensated_
     assert restarted.sagas[ledger.saga_id].steps["ship"].state == "compensation failed"
 
 
+class _BoundCore:
+    """The coordinator's core with a trust file (records told apart by their writer),
+    fed one record at a time at its own time; ``log``: what the ledger then holds."""
+
+    def __init__(self) -> None:
+        self.policy = CorePolicy(bind_writers=True)
+        self.log: list[Any] = []
+        self.state: SagaState | None = None
+
+    def feed(self, record: Any) -> list[Any]:
+        self.log.append(record)
+        taken = decide(self.state, record, record.envelope.occurred_at, self.policy)
+        self.state = taken.state
+        self.log.extend(o.record for o in taken.outputs if o.appends_to_events)
+        return taken.outputs
+
+    def view(self) -> DashboardState:
+        """The dashboard's view (writers bound too) of the ledger so far."""
+        state = DashboardState(bind_writers=True)
+        for record in self.log:
+            state.apply(record)
+        return state
+
+
 @pytest.mark.parametrize("decision", ["grant", "denial"])
 def test_a_writer_cannot_hide_an_operators_decision_from_the_page_R7_R15(decision: str) -> None:
     """An operator's decision has an event id derived from what every reader of the saga
@@ -1195,37 +1220,24 @@ def test_a_writer_cannot_hide_an_operators_decision_from_the_page_R7_R15(decisio
     it dropped the real decision as a duplicate, kept the request pending (with its
     Approve button) and did not measure the intervention."""
     ledger, _ = fresh()
-    policy = CorePolicy(bind_writers=True)
-    log: list[Any] = []
-    saga_state = None
-
-    def feed(record: Any) -> list[Any]:
-        nonlocal saga_state
-        log.append(record)
-        taken = decide(saga_state, record, record.envelope.occurred_at, policy)
-        saga_state = taken.state
-        log.extend(o.record for o in taken.outputs if o.appends_to_events)
-        return taken.outputs
-
-    feed(ledger.started())
+    core = _BoundCore()
+    core.feed(ledger.started())
     wire = ledger.scheduled("wire", reversibility=Reversibility.IRREVERSIBLE)
-    [req] = approval_requests(feed(wire))
+    [req] = approval_requests(core.feed(wire))
     now = req.envelope.occurred_at + 1
     real = (
         approval_granted(req, operator="alice", now=now, producer="alice")
         if decision == "grant"
         else approval_denied(req, operator="alice", reason="no", now=now, producer="alice")
     )
-    assert rejections(feed(_forged(wire, event_id=real.event_id))) == []
-    feed(real)
-    feed(real)  # a retry of the same decision: still one
-    assert saga_state is not None
-    acted = saga_state.steps["wire"].status.value
+    assert rejections(core.feed(_forged(wire, event_id=real.event_id))) == []
+    core.feed(real)
+    core.feed(real)  # a retry of the same decision: still one
+    assert core.state is not None
+    acted = core.state.steps["wire"].status.value
     assert acted != "AWAITING_APPROVAL"
 
-    state = DashboardState(bind_writers=True)
-    for record in log:
-        state.apply(record)
+    state = core.view()
     saga = state.sagas[ledger.saga_id]
     assert state.pending_approvals() == [], "the operator's decision was dropped"
     assert saga.steps["wire"].state == ("approved" if decision == "grant" else "denied")
@@ -1242,39 +1254,27 @@ def test_another_writers_resolution_under_the_operators_id_is_listed_as_refused_
     incident feed's copy of the operator's resolution (same event id): not listed as
     refused, and measured as a second manual intervention."""
     ledger, _ = fresh()
-    policy = CorePolicy(bind_writers=True)
-    log: list[Any] = []
-    saga_state = None
-
-    def feed(record: Any) -> list[Any]:
-        nonlocal saga_state
-        log.append(record)
-        taken = decide(saga_state, record, record.envelope.occurred_at, policy)
-        saga_state = taken.state
-        log.extend(o.record for o in taken.outputs if o.appends_to_events)
-        return taken.outputs
+    core = _BoundCore()
 
     def answering(record: Any, command: Any) -> Any:
         envelope = record.envelope.model_copy(update={"causation_id": command.event_id})
         return record.model_copy(update={"envelope": envelope})
 
-    feed(ledger.started())
-    [execute] = [o.record for o in feed(ledger.scheduled("hold")) if o.participant]
-    feed(answering(ledger.intent("hold"), execute))
-    [incident] = incidents(feed(answering(ledger.unknown("hold"), execute)))
+    core.feed(ledger.started())
+    [execute] = [o.record for o in core.feed(ledger.scheduled("hold")) if o.participant]
+    core.feed(answering(ledger.intent("hold"), execute))
+    [incident] = incidents(core.feed(answering(ledger.unknown("hold"), execute)))
     real = incident_resolved(
         incident, operator="alice", resolution="NOT_FOUND", now=ledger.clock + 1, producer="alice"
     )
-    feed(real)
+    core.feed(real)
     forged = _forged(ledger.resolve(incident.incident_id, "COMMITTED"), event_id=real.event_id)
     forged = forged.model_copy(
         update={"envelope": forged.envelope.model_copy(update={"producer": "agent"})}
     )
-    assert [o.reason for o in rejections(feed(forged))] == ["invalid-transition"]
+    assert [o.reason for o in rejections(core.feed(forged))] == ["invalid-transition"]
 
-    state = DashboardState(bind_writers=True)
-    for record in log:
-        state.apply(record)
+    state = core.view()
     saga = state.sagas[ledger.saga_id]
     assert saga.steps["hold"].state == "failed"
     assert len(saga.refused) == 1 and "already resolved" in saga.refused[0]
