@@ -19,6 +19,15 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(var, raising=False)
 
 
+@pytest.fixture
+def broker_env(
+    _clean_env: None, monkeypatch: pytest.MonkeyPatch, kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    """The commands a test runs reach the test broker, under topics of its own prefix."""
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
+    monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
+
+
 @pytest.mark.parametrize(
     "env",
     [
@@ -108,12 +117,9 @@ def test_one_secret_key_id_for_two_secrets_is_refused_not_the_old_one_dropped(
 def test_a_command_with_a_signing_key_but_no_trust_file_exits_2_saying_so(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
-    kafka_bootstrap: str,
-    unique_prefix: str,
+    broker_env: None,
     tmp_path: Path,
 ) -> None:
-    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
-    monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
     monkeypatch.setenv("SAGALINE_SIGNING_KEY", str(tmp_path / "payments.pem"))
     assert main(["incidents", "list"]) == 2
     err = capsys.readouterr().err
@@ -136,12 +142,9 @@ def test_a_metrics_port_in_use_exits_2_naming_it_not_a_traceback(
     busy_port: int,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
-    kafka_bootstrap: str,
-    unique_prefix: str,
+    broker_env: None,
     tmp_path: Path,
 ) -> None:
-    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
-    monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
     monkeypatch.setenv("SAGALINE_STATE_DIR", str(tmp_path))
     assert main([*command, "--metrics-port", str(busy_port)]) == 2
     err = capsys.readouterr().err
@@ -163,14 +166,10 @@ def test_a_metrics_port_out_of_range_is_a_usage_error(
 @pytest.mark.parametrize("port", ["70000", "-1"])
 def test_a_dashboard_port_out_of_range_is_a_usage_error(
     port: str,
-    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
-    kafka_bootstrap: str,
-    unique_prefix: str,
+    broker_env: None,
 ) -> None:
     """It was an OverflowError traceback from uvicorn's bind (after reading the ledger)."""
-    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
-    monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
     with pytest.raises(SystemExit) as exit_:
         main(["dashboard", "--port", port])
     assert exit_.value.code == 2
@@ -203,12 +202,9 @@ def test_a_state_dir_it_cannot_use_exits_2_naming_it_not_a_traceback(
     option: str,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
-    kafka_bootstrap: str,
-    unique_prefix: str,
+    broker_env: None,
     tmp_path: Path,
 ) -> None:
-    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
-    monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
     bad = make(tmp_path)
     argv = ["participant", "run", "policy", "--catalogue", "tests.fixtures.participants_good"]
     if option == "--journal-dir":
@@ -226,8 +222,7 @@ def test_a_state_dir_it_cannot_use_exits_2_naming_it_not_a_traceback(
 def test_a_damaged_journal_exits_2_naming_it_not_a_traceback(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
-    kafka_bootstrap: str,
-    unique_prefix: str,
+    broker_env: None,
     tmp_path: Path,
 ) -> None:
     """A journal whose pages past the first are damaged opens (SQLite reads page 1
@@ -242,8 +237,6 @@ def test_a_damaged_journal_exits_2_naming_it_not_a_traceback(
     with path.open("r+b") as f:
         f.seek(4096)  # page 1 (the schema) is kept
         f.write(b"\xff" * (path.stat().st_size - 4096))
-    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
-    monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
     monkeypatch.setenv("SAGALINE_STATE_DIR", str(tmp_path))
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     argv = ["participant", "run", "policy", "--catalogue", "tests.fixtures.participants_good"]
@@ -256,12 +249,9 @@ def test_a_damaged_journal_exits_2_naming_it_not_a_traceback(
 def test_the_refund_services_state_dir_it_cannot_use_exits_2(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
-    kafka_bootstrap: str,
-    unique_prefix: str,
+    broker_env: None,
     tmp_path: Path,
 ) -> None:
-    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
-    monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
     bad = _not_a_directory(tmp_path)
     monkeypatch.setenv("SAGALINE_STATE_DIR", str(bad))
     assert main(["participant", "run", "policy"]) == 2
@@ -305,12 +295,9 @@ def test_a_refund_fault_plan_it_cannot_read_exits_2_naming_it_not_a_traceback(
     plan: str,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
-    kafka_bootstrap: str,
-    unique_prefix: str,
+    broker_env: None,
     tmp_path: Path,
 ) -> None:
-    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
-    monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
     monkeypatch.setenv("SAGALINE_STATE_DIR", str(tmp_path))
     monkeypatch.setenv("SAGALINE_FAULTS", plan)
     assert main(["participant", "run", "policy"]) == 2
@@ -352,15 +339,11 @@ def test_an_explicitly_empty_instance_id_is_a_usage_error(
 @pytest.mark.kafka
 def test_a_dashboard_port_in_use_exits_2_naming_it_not_uvicorns_exit_3(
     busy_port: int,
-    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
-    kafka_bootstrap: str,
-    unique_prefix: str,
+    broker_env: None,
 ) -> None:
     """It was uvicorn's log line and exit code 3 (SystemExit from deep in uvicorn.run),
     unlike every other bind error (--metrics-port: one line, exit 2)."""
-    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
-    monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
     assert main(["dashboard", "--port", str(busy_port)]) == 2
     err = capsys.readouterr().err
     assert f"--port {busy_port}" in err and "127.0.0.1" in err, err
@@ -441,16 +424,13 @@ def test_a_participant_name_no_topic_can_hold_exits_2_before_anything_is_made(
     name: str,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
-    kafka_bootstrap: str,
-    unique_prefix: str,
+    broker_env: None,
     tmp_path: Path,
 ) -> None:
     """``participant run team/seats --catalogue M`` (M holding a Catalogue, which is
     not wrapped with NAME, so nothing checked it) made <state dir>/team/seats (or,
     for ``../seats``, a directory beside the state dir), imported the catalogue, and
     ended in a ValueError traceback from the command topic's name."""
-    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
-    monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
     state = tmp_path / "state"
     monkeypatch.setenv("SAGALINE_STATE_DIR", str(state))
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
@@ -485,11 +465,8 @@ def test_a_partition_or_replica_count_kafka_cannot_take_is_a_settings_error(
 def test_a_partition_count_kafka_cannot_take_exits_2_naming_it_not_a_traceback(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
-    kafka_bootstrap: str,
-    unique_prefix: str,
+    broker_env: None,
 ) -> None:
-    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
-    monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
     monkeypatch.setenv("SAGALINE_PARTITIONS", "3000000000")
     assert main(["coordinator", "run"]) == 2
     err = capsys.readouterr().err
