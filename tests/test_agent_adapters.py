@@ -101,6 +101,22 @@ def _assert_reservation_compensated(saga: Any, trip: Trip, flight: str) -> None:
     assert [e for e in trip.log if flight in e] == [f"reserve:{flight}", f"release:r-{flight}"]
 
 
+def _agent_graph(answer: Callable[[list[Any]], Any], tools: Any) -> Any:
+    """A LangGraph agent loop, not compiled: the ``agent`` node (its message is
+    ``answer`` of the messages so far), then the ``tools`` node (a ``ToolNode``) while
+    that message calls a tool."""
+    from langgraph.graph import END, START, MessagesState, StateGraph
+    from langgraph.prebuilt import tools_condition
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("agent", lambda state: {"messages": [answer(state["messages"])]})
+    graph.add_node("tools", tools)
+    graph.add_edge(START, "agent")
+    graph.add_conditional_edges("agent", tools_condition, {"tools": "tools", END: END})
+    graph.add_edge("tools", "agent")
+    return graph
+
+
 # ------------------------------------------------------------------ pydantic-ai
 
 
@@ -212,8 +228,7 @@ def _interrupting_graph(saga: Any, catalogue: Any, flight: str, amount: int) -> 
     from langchain_core.messages import AIMessage
     from langchain_core.tools import tool
     from langgraph.checkpoint.memory import InMemorySaver
-    from langgraph.graph import END, START, MessagesState, StateGraph
-    from langgraph.prebuilt import ToolNode, tools_condition
+    from langgraph.prebuilt import ToolNode
     from langgraph.types import interrupt
 
     from sagaline.agents import langchain as adapter
@@ -244,12 +259,7 @@ def _interrupting_graph(saga: Any, catalogue: Any, flight: str, amount: int) -> 
     checkpointer = InMemorySaver()
 
     def graph() -> Any:
-        built = StateGraph(MessagesState)
-        built.add_node("agent", lambda state: {"messages": [model.invoke(state["messages"])]})
-        built.add_node("tools", ToolNode([*adapter.tools(saga, catalogue), ask_person]))
-        built.add_edge(START, "agent")
-        built.add_conditional_edges("agent", tools_condition, {"tools": "tools", END: END})
-        built.add_edge("tools", "agent")
+        built = _agent_graph(model.invoke, ToolNode([*adapter.tools(saga, catalogue), ask_person]))
         return built.compile(checkpointer=checkpointer)
 
     return graph
@@ -261,8 +271,7 @@ def _interrupting_graph(saga: Any, catalogue: Any, flight: str, amount: int) -> 
 def _langgraph_run(served: tuple[SagaClient, Any, Trip], amount: int, sagas: list[Any]) -> None:
     from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
     from langchain_core.messages import AIMessage, HumanMessage
-    from langgraph.graph import END, START, MessagesState, StateGraph
-    from langgraph.prebuilt import ToolNode, tools_condition
+    from langgraph.prebuilt import ToolNode
 
     from sagaline.agents import langchain as adapter
 
@@ -281,12 +290,7 @@ def _langgraph_run(served: tuple[SagaClient, Any, Trip], amount: int, sagas: lis
         assert {t.name: t.args_schema for t in tools} == {
             n: catalogue[n].input_schema() for n in catalogue
         }
-        graph = StateGraph(MessagesState)
-        graph.add_node("agent", lambda state: {"messages": [model.invoke(state["messages"])]})
-        graph.add_node("tools", ToolNode(tools))
-        graph.add_edge(START, "agent")
-        graph.add_conditional_edges("agent", tools_condition, {"tools": "tools", END: END})
-        graph.add_edge("tools", "agent")
+        graph = _agent_graph(model.invoke, ToolNode(tools))
         graph.compile().invoke({"messages": [HumanMessage("book LX38")]})
 
 
@@ -989,8 +993,7 @@ def _breakpoint_graph(saga: Any, catalogue: Any, flight: str, amount: int, **com
     ``interrupt_after``)."""
     from langchain_core.messages import AIMessage
     from langgraph.checkpoint.memory import InMemorySaver
-    from langgraph.graph import END, START, MessagesState, StateGraph
-    from langgraph.prebuilt import ToolNode, tools_condition
+    from langgraph.prebuilt import ToolNode
 
     from sagaline.agents import langchain as adapter
 
@@ -1007,12 +1010,8 @@ def _breakpoint_graph(saga: Any, catalogue: Any, flight: str, amount: int, **com
             AIMessage(content="booked"),
         ]
     )
-    built = StateGraph(MessagesState)  # the replies as they are (a fake chat model's
-    built.add_node("agent", lambda state: {"messages": [next(replies)]})  # stream has none)
-    built.add_node("tools", ToolNode(adapter.tools(saga, catalogue)))
-    built.add_edge(START, "agent")
-    built.add_conditional_edges("agent", tools_condition, {"tools": "tools", END: END})
-    built.add_edge("tools", "agent")
+    # The replies as they are (a fake chat model's stream has none).
+    built = _agent_graph(lambda _messages: next(replies), ToolNode(adapter.tools(saga, catalogue)))
     return built.compile(checkpointer=InMemorySaver(), **compile)
 
 
@@ -1485,8 +1484,7 @@ def test_langgraph_arguments_the_saga_refuses_go_back_to_the_model_not_abort_the
     (``ainvoke`` of a tool call)."""
     from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
     from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
-    from langgraph.graph import END, START, MessagesState, StateGraph
-    from langgraph.prebuilt import ToolNode, tools_condition
+    from langgraph.prebuilt import ToolNode
 
     from sagaline.agents import langchain as adapter
 
@@ -1505,12 +1503,7 @@ def test_langgraph_arguments_the_saga_refuses_go_back_to_the_model_not_abort_the
 
     with client.saga("trip", principal="agent:langgraph") as saga:
         tools = adapter.tools(saga, catalogue)
-        graph = StateGraph(MessagesState)
-        graph.add_node("agent", lambda state: {"messages": [model.invoke(state["messages"])]})
-        graph.add_node("tools", ToolNode(tools))
-        graph.add_edge(START, "agent")
-        graph.add_conditional_edges("agent", tools_condition, {"tools": "tools", END: END})
-        graph.add_edge("tools", "agent")
+        graph = _agent_graph(model.invoke, ToolNode(tools))
         out = graph.compile().invoke({"messages": [HumanMessage("book LX86")]})
         direct = asyncio.run(
             {t.name: t for t in tools}["charge_card"].ainvoke(
@@ -1718,8 +1711,7 @@ def test_arguments_that_do_not_fit_the_tools_schema_go_back_to_the_model_not_abo
     from agents.models.interface import Model
     from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
     from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
-    from langgraph.graph import END, START, MessagesState, StateGraph
-    from langgraph.prebuilt import ToolNode, tools_condition
+    from langgraph.prebuilt import ToolNode
     from openai.types.responses import (
         ResponseFunctionToolCall,
         ResponseOutputMessage,
@@ -1788,12 +1780,7 @@ def test_arguments_that_do_not_fit_the_tools_schema_go_back_to_the_model_not_abo
     ] + [AIMessage(content="booked")]
     model = GenericFakeChatModel(messages=iter(replies))
     with client.saga("trip", principal="agent:langgraph") as saga:
-        graph = StateGraph(MessagesState)
-        graph.add_node("agent", lambda state: {"messages": [model.invoke(state["messages"])]})
-        graph.add_node("tools", ToolNode(lc_adapter.tools(saga, catalogue)))
-        graph.add_edge(START, "agent")
-        graph.add_conditional_edges("agent", tools_condition, {"tools": "tools", END: END})
-        graph.add_edge("tools", "agent")
+        graph = _agent_graph(model.invoke, ToolNode(lc_adapter.tools(saga, catalogue)))
         out = lc_adapter.invoke(saga, graph.compile(), {"messages": [HumanMessage("book")]})
     results = [m for m in out["messages"] if isinstance(m, ToolMessage)]
     assert [m.status for m in results] == ["success", "error", "error", "error", "success"]
@@ -1833,8 +1820,7 @@ def test_langgraph_tool_node_handle_tool_errors_must_let_saga_errors_raise(
     re-raises ``sagaline.SagaCallError`` keeps the adapters' guarantee."""
     from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
     from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
-    from langgraph.graph import END, START, MessagesState, StateGraph
-    from langgraph.prebuilt import ToolNode, tools_condition
+    from langgraph.prebuilt import ToolNode
 
     from sagaline.agents import langchain as adapter
 
@@ -1856,14 +1842,9 @@ def test_langgraph_tool_node_handle_tool_errors_must_let_saga_errors_raise(
         saga = client.saga("trip", principal="agent:langgraph")
         sagas.append(saga)
         with saga:
-            graph = StateGraph(MessagesState)
-            graph.add_node("agent", lambda state: {"messages": [model.invoke(state["messages"])]})
             tools = adapter.tools(saga, catalogue)
             node = ToolNode(tools) if handle is None else ToolNode(tools, handle_tool_errors=handle)
-            graph.add_node("tools", node)
-            graph.add_edge(START, "agent")
-            graph.add_conditional_edges("agent", tools_condition, {"tools": "tools", END: END})
-            graph.add_edge("tools", "agent")
+            graph = _agent_graph(model.invoke, node)
             out = adapter.invoke(saga, graph.compile(), {"messages": [HumanMessage("book")]})
         return out
 
