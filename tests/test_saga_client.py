@@ -1823,6 +1823,22 @@ def test_attach_refuses_a_saga_with_records_this_client_cannot_read(
     assert len(system.records(saga.saga_id)) == before  # nothing written
 
 
+def _refused_then_booked(
+    system: System, bad: list[tuple[object, str]]
+) -> tuple[Saga, list[CallRefused]]:
+    """In one saga, ``book_slot(day=...)`` with each bad day, each refused with a
+    ``CallRefused`` matching its pattern, then with a good day, which runs: the saga
+    (ended) and the refusals."""
+    refusals = []
+    with system.client.saga("desk", "agent") as saga:
+        for day, match in bad:
+            with pytest.raises(CallRefused, match=match) as refused:
+                saga.call("book_slot", day=day)
+            refusals.append(refused.value)
+        assert saga.call("book_slot", day="mon") == {"slot": "slot-mon"}
+    return saga, refusals
+
+
 def test_arguments_json_cannot_hold_are_refused_naming_them_and_use_no_step_number(
     local: tuple[System, Desk], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1836,20 +1852,18 @@ def test_arguments_json_cannot_hold_are_refused_naming_them_and_use_no_step_numb
 
     system, desk = local
     waits = _record_waits(system, monkeypatch)
-    bad: list[tuple[dict[str, object], str]] = [
-        ({"day": Decimal("1.5")}, "args.day"),
-        ({"day": {"mon", "tue"}}, "args.day"),
-        ({"day": {"when": [1, b"\x00"]}}, r"args.day.when\[1\]"),
-        ({"day": {"when": [2**70]}}, r"args.day.when\[0\]"),
-        ({"day": {1: "mon"}}, "args.day"),
-        ({"day": [1.0, float("nan")]}, r"args.day\[1\]"),
+    bad: list[tuple[object, str]] = [
+        (Decimal("1.5"), "args.day"),
+        ({"mon", "tue"}, "args.day"),
+        ({"when": [1, b"\x00"]}, r"args.day.when\[1\]"),
+        ({"when": [2**70]}, r"args.day.when\[0\]"),
+        ({1: "mon"}, "args.day"),
+        ([1.0, float("nan")], r"args.day\[1\]"),
     ]
-    with system.client.saga("desk", "agent") as saga:
-        for args, path in bad:
-            with pytest.raises(CallRefused, match=rf"{path}.*nothing was written") as refused:
-                saga.call("book_slot", **args)
-            assert refused.value.tool == "book_slot"
-        assert saga.call("book_slot", day="mon") == {"slot": "slot-mon"}
+    saga, refusals = _refused_then_booked(
+        system, [(day, rf"{path}.*nothing was written") for day, path in bad]
+    )
+    assert [r.tool for r in refusals] == ["book_slot"] * len(bad)
     assert list(saga.results) == ["01-book_slot"]
     assert [w[0] for w in waits] == ["SagaStarted", "StepScheduled", "SagaEndRequested"]
     assert desk.log == ["book:mon"]
@@ -2007,19 +2021,14 @@ def test_a_nan_inside_a_dataclass_argument_is_refused_not_written_as_null(
     refused like any other non-finite argument, naming the field's path, and
     nothing is written."""
     system, desk = local
-    bad: list[tuple[dict[str, Any], str]] = [
-        ({"day": _Slot("mon", float("nan"))}, "args.day.hours"),
-        (
-            {"day": _Window([_Slot("mon", 1.0), _Slot("tue", float("inf"))])},
-            r"args.day.slots\[1\].hours",
-        ),
+    bad: list[tuple[object, str]] = [
+        (_Slot("mon", float("nan")), "args.day.hours"),
+        (_Window([_Slot("mon", 1.0), _Slot("tue", float("inf"))]), r"args.day.slots\[1\].hours"),
     ]
-    with system.client.saga("desk", "agent") as saga:
-        for args, path in bad:
-            with pytest.raises(CallRefused, match=rf"{path} .*NaN or infinite") as refused:
-                saga.call("book_slot", **args)
-            assert refused.value.limit == "finite-numbers"
-        assert saga.call("book_slot", day="mon") == {"slot": "slot-mon"}
+    saga, refusals = _refused_then_booked(
+        system, [(day, rf"{path} .*NaN or infinite") for day, path in bad]
+    )
+    assert [r.limit for r in refusals] == ["finite-numbers"] * len(bad)
     assert list(saga.results) == ["01-book_slot"]
     assert desk.log == ["book:mon"]
     assert [r.step_id for r in system.records(saga.saga_id) if isinstance(r, StepScheduled)] == [
@@ -2041,15 +2050,11 @@ def test_a_subclass_of_a_dataclass_is_refused_naming_its_path_as_orjson_refuses_
     writes, so the refusal named ``args`` instead of ``args.day`` (and a NaN in it was
     reported as the problem, though no value of it can be written)."""
     system, desk = local
-    with system.client.saga("desk", "agent") as saga:
-        for value in (_PlainSlot("mon", 1.0), _PlainSlot("mon", float("nan"))):
-            with pytest.raises(
-                CallRefused,
-                match=r"argument args\.day of book_slot cannot be written as JSON \(.*_PlainSlot",
-            ) as refused:
-                saga.call("book_slot", day=value)
-            assert refused.value.limit == "json-args"
-        assert saga.call("book_slot", day="mon") == {"slot": "slot-mon"}
+    match = r"argument args\.day of book_slot cannot be written as JSON \(.*_PlainSlot"
+    _saga, refusals = _refused_then_booked(
+        system, [(day, match) for day in (_PlainSlot("mon", 1.0), _PlainSlot("mon", float("nan")))]
+    )
+    assert [r.limit for r in refusals] == ["json-args"] * 2
     assert desk.log == ["book:mon"]
 
 
@@ -2067,14 +2072,13 @@ def test_arguments_that_hold_themselves_or_nest_too_deep_are_refused_saying_so(
     deep: Any = "mon"
     for _ in range(5000):
         deep = [deep]
-    with system.client.saga("desk", "agent") as saga:
-        for value, path in [(loop, r"args.day\[1\]"), (deep, r"args.day(\[0\])+")]:
-            with pytest.raises(
-                CallRefused,
-                match=rf"argument {path}.* cannot be written as JSON \(.*deeper.*nothing was",
-            ) as refused:
-                saga.call("book_slot", day=value)
-            assert refused.value.limit == "json-args"
-        assert saga.call("book_slot", day="mon") == {"slot": "slot-mon"}
+    saga, refusals = _refused_then_booked(
+        system,
+        [
+            (day, rf"argument {path}.* cannot be written as JSON \(.*deeper.*nothing was")
+            for day, path in [(loop, r"args.day\[1\]"), (deep, r"args.day(\[0\])+")]
+        ],
+    )
+    assert [r.limit for r in refusals] == ["json-args"] * 2
     assert list(saga.results) == ["01-book_slot"]
     assert desk.log == ["book:mon"]
