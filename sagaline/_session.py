@@ -15,7 +15,7 @@ import os
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from typing import Any
 
 from participants.catalogue import Catalogue, wrap
@@ -106,7 +106,7 @@ def connect(
                 f"{settings.topic_prefix}sagaline-participant-{catalogue.name}-{catalogue.name}",
                 functools.partial(_served_elsewhere, catalogue.name, bootstrap),
             )
-            shared.callback(os.close, lock)
+            shared.callback(_release, lock)
             runtime = ParticipantRuntime(catalogue, settings, bootstrap, instance_id=catalogue.name)
             stoppers.append(runtime)
             _start(
@@ -236,7 +236,7 @@ def _coordinator(settings: Settings, bootstrap: str) -> Iterator[None]:
                 core = Coordinator(settings, bootstrap, instance_id="dev-coordinator")
             except BaseException:
                 if running is None:
-                    os.close(lock)
+                    _release(lock)
                 raise
             threads: list[threading.Thread] = []
             try:
@@ -251,7 +251,7 @@ def _coordinator(settings: Settings, bootstrap: str) -> Iterator[None]:
                 for thread in threads:
                     thread.join(30)
                 if running is None:
-                    os.close(lock)
+                    _release(lock)
                 raise
             if running is None:
                 running = _coordinators[key] = _Running(core, threads[0], lock)
@@ -269,7 +269,7 @@ def _coordinator(settings: Settings, bootstrap: str) -> Iterator[None]:
                 del _coordinators[key]
                 running.core.stop()
                 running.thread.join(30)
-                os.close(running.lock)
+                _release(running.lock)
 
 
 def _served_elsewhere(name: str, bootstrap: str, holder: str, path: str) -> str:
@@ -306,7 +306,32 @@ def _claim(bootstrap: str, member: str, refusal: Callable[[str, str], str]) -> i
         raise
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _claims.add(fd)
     return fd
+
+
+# The descriptors of this process's claims (_claim). A child forked while one is held
+# (a multiprocessing pool with the fork start method) would inherit it, and with it
+# the flock: the claim would outlive the session that ended, refusing the next one
+# ("already served by this process") while the child lived. The child closes its
+# copies at once; the parent's still hold the lock.
+_claims: set[int] = set()
+
+
+def _release(fd: int) -> None:
+    """Let go of a claim :func:`_claim` returned."""
+    _claims.discard(fd)
+    os.close(fd)
+
+
+def _forget_claims() -> None:
+    for fd in list(_claims):
+        with suppress(OSError):
+            os.close(fd)
+    _claims.clear()
+
+
+os.register_at_fork(after_in_child=_forget_claims)
 
 
 def _start(

@@ -347,3 +347,29 @@ def test_a_coordinator_that_cannot_be_built_leaves_no_claim_behind(
     with sagaline.connect(coordinator=True, settings=settings):
         assert "sagaline-coordinator" in _session_threads()
     assert _session_threads() == []
+
+
+def test_a_forked_child_does_not_keep_the_claim_of_a_session_that_ended(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    """A child forked while a session serves (a multiprocessing pool with the fork
+    start method) inherited the claim's descriptor, and with it the flock: once the
+    session ended, the next session of the process serving the same participant was
+    refused as "already served by this process" while the child lived, with none
+    served."""
+    settings = _settings(kafka_bootstrap, unique_prefix, tmp_path)
+    read_end, write_end = os.pipe()
+    with sagaline.connect(reserve, name="seats", settings=settings):
+        child = os.fork()
+        if child == 0:  # waits for the parent's word, touching nothing else
+            os.close(write_end)
+            os.read(read_end, 1)
+            os._exit(0)
+    os.close(read_end)
+    try:
+        with sagaline.connect(reserve, name="seats", settings=settings):
+            assert any(t.startswith("sagaline-participant-seats") for t in _session_threads())
+    finally:
+        os.close(write_end)
+        os.waitpid(child, 0)
+    assert _session_threads() == []
