@@ -106,3 +106,32 @@ def test_the_dashboard_keeps_the_incident_whose_id_a_participant_reused_R8() -> 
         dashboard.apply(record)
     [(_saga, shown)] = dashboard.open_incidents()
     assert shown.kind == "no-compensation", shown
+
+
+def test_the_dashboard_refuses_a_participant_incident_under_a_resolved_incidents_id_R8() -> None:
+    """As the coordinator: an id names one incident, resolved or not. A participant's
+    incident of another kind under the id of one already resolved is refused there,
+    and the dashboard shows it refused, not folded into the saga's view."""
+    ledger, h = fresh()
+    h.feed(
+        ledger.started(),
+        ledger.scheduled("mail", compensation=None),
+        ledger.committed("mail"),
+        ledger.scheduled("hold"),
+        ledger.committed("hold"),
+        ledger.scheduled("pay"),
+    )
+    [raised] = incidents(h.feed(ledger.failed("pay", kind=FailureKind.BUSINESS_REJECTION)))
+    assert rejections(h.feed(ledger.resolve(raised.incident_id, "sent a letter"))) == []
+    other = ledger.participant_incident("mail", raised.incident_id).model_copy(
+        update={"kind": "manual-check", "inconsistency": "bounced, resend by hand"}
+    )
+    assert [o.reason for o in rejections(h.feed(other))] == ["invalid-transition"]
+    dashboard = DashboardState(SagalineMetrics("dashboard"))
+    for record in h.log:
+        dashboard.apply(record)
+    saga = dashboard.sagas[ledger.saga_id]
+    assert [r for r in saga.refused if other.event_id in r], saga.refused
+    assert "manual-check" not in [kind for _at, kind in saga.step("mail").incidents], (
+        "the dashboard folded an incident the coordinator refused"
+    )

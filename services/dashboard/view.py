@@ -193,6 +193,9 @@ class SagaView:
     # Unknown-outcome incidents the coordinator marks resolved without a record of their
     # own, because their step was settled (incident id -> how).
     settled_incidents: dict[str, str] = field(default_factory=dict)
+    # The kind and step of every incident folded, open or not (incident id -> them): an
+    # id names one incident, as ``coordinator.core._on_incident_raised`` holds.
+    incident_labels: dict[str, tuple[str, str | None]] = field(default_factory=dict)
     uncounted_decisions: list[UncountedDecision] = field(default_factory=list)
     started_by: str | None = None  # the SagaStarted's producer: the agent driving it
     refused: list[str] = field(default_factory=list)  # records the coordinator refuses
@@ -804,6 +807,7 @@ def _fold(saga: SagaView, record: Record) -> None:
     elif isinstance(record, IncidentRaised):
         _first_failure(saga, at)
         _supersede_incidents(saga, record)
+        saga.incident_labels.setdefault(record.incident_id, (record.kind, record.step_id))
         if (
             record.incident_id not in saga.resolved_incidents
             and record.incident_id not in saga.settled_incidents
@@ -1082,9 +1086,10 @@ def _refusal(saga: SagaView, record: Record, bind_writers: bool) -> str | None:
         if refused is not None:
             return refused
     if isinstance(record, IncidentRaised):
-        held = saga.open_incidents.get(record.incident_id)
-        if held is not None and (held.kind, held.step_id) != (record.kind, record.step_id):
-            # As coordinator.core._on_incident_raised: an id names one incident.
+        held = saga.incident_labels.get(record.incident_id)
+        if held is not None and held != (record.kind, record.step_id):
+            # As coordinator.core._on_incident_raised: an id names one incident, also
+            # once it is resolved.
             return f"incident id {record.incident_id} already names another incident"
     if not bind_writers:
         return None
