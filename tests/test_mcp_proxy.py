@@ -1069,6 +1069,54 @@ def test_a_restarted_proxy_remembers_the_step_awaiting_approval_R7(tmp_path: Pat
     assert "nothing was called" in _text(refused) and client.sagas[0].calls == []
 
 
+def test_a_request_cancelled_while_the_saga_is_resumed_does_not_start_a_second_resume(
+    tmp_path: Path,
+) -> None:
+    """The one-time resume of the saga on disk (a ledger read, in a thread) belonged to
+    the request that began it: cancelled meanwhile (an MCP client's request timeout, on
+    a receipt read now served outside the step lock), it let go of the resume lock with
+    the thread still reading, and never marked the saga resumed. The next request began
+    a second resume of its own, beside the first: the saga attached (read from the
+    ledger) twice, two threads writing the session at once. The resume under way is
+    awaited instead, and done once."""
+    state = tmp_path / "state" / "fake-desk" / "mcp-session.json"
+    state.parent.mkdir(parents=True)
+    state.write_text(json.dumps({"saga_id": "s-1", "next_step": 3}))
+    reading = threading.Event()
+    read_on = threading.Event()
+
+    class SlowAttach(FakeSaga):
+        def attach(self) -> FakeSaga:
+            reading.set()
+            read_on.wait(60)  # the ledger read, still going when the request is cancelled
+            return super().attach()
+
+    class Client(FakeClient):
+        def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
+            saga = SlowAttach(saga_id or f"s-{len(self.sagas) + 1}", None)
+            self.sagas.append(saga)
+            return saga
+
+    client = Client()
+    proxy = _fake_proxy(tmp_path, client)
+
+    async def run() -> types.CallToolResult:
+        first = asyncio.ensure_future(proxy._read_resource(None, _resource(RECEIPT)))
+        assert await asyncio.to_thread(reading.wait, 60)
+        first.cancel()
+        with suppress(asyncio.CancelledError):
+            await first
+        params = types.CallToolRequestParams(name="create_ticket", arguments={"title": "t"})
+        write = asyncio.ensure_future(proxy._call_tool(_no_elicitation(), params))
+        read_on.set()
+        return await asyncio.wait_for(write, 60)
+
+    result = asyncio.run(run())
+    assert [s.saga_id for s in client.sagas] == ["s-1"], "attached more than once"
+    assert result.structured_content == {"ok": "03-create_ticket"}, _text(result)
+    assert client.sagas[0].calls == ["03-create_ticket"]
+
+
 def test_a_result_over_the_limit_is_a_tool_error_that_keeps_the_committed_effect(
     tmp_path: Path,
 ) -> None:

@@ -785,17 +785,29 @@ class McpProxy:
         # waits (its approval asked through the client, up to approval_wait_s). Reads
         # (read-only tools, the plan check, the receipt) change no saga: never behind it.
         self._lock = asyncio.Lock()
-        self._resuming = asyncio.Lock()  # one resume, whoever asks first
+        # The one resume, begun by whoever asks first and awaited by every request
+        # until it is done: not the asking request's, so that one cancelled meanwhile
+        # (its thread still reading the ledger) does not let the next begin another.
+        self._resuming: asyncio.Future[None] | None = None
         self._resumed = False
         self._remembered: str | None = None  # the id of the saga on disk, once read
 
     async def _ensure_resumed(self) -> None:
         """Continue the saga remembered on disk, once, before the first request: its
-        ledger read is blocking, so it runs off the event loop the upstreams use."""
-        async with self._resuming:
-            if not self._resumed:
-                await asyncio.to_thread(self._resume)
-                self._resumed = True
+        ledger read is blocking, so it runs off the event loop the upstreams use. One
+        that failed is begun again by the next request."""
+        if self._resumed:
+            return
+        if self._resuming is None or self._resuming.cancelled():  # (its loop closed)
+            self._resuming = asyncio.ensure_future(asyncio.to_thread(self._resume))
+        resuming = self._resuming
+        try:
+            await asyncio.shield(resuming)
+        except BaseException:
+            if resuming.done() and self._resuming is resuming:  # failed: tried again
+                self._resuming = None
+            raise
+        self._resumed = True
 
     def _resume(self) -> None:
         if not self.session.path.exists():
