@@ -367,6 +367,23 @@ def test_a_users_file_entry_cut_short_is_refused_at_start_not_at_every_login(
         OperatorAuth.from_env({"SAGALINE_DASHBOARD_USERS": str(users)})
 
 
+@pytest.mark.parametrize("pad", [(" ", ""), ("", " "), ("", "\n"), ("\t", "\r\n")])
+def test_a_users_file_hash_with_whitespace_around_it_still_logs_its_operator_in(
+    tmp_path: Path, pad: tuple[str, str]
+) -> None:
+    """Whitespace around a whole hash (pasted with the line's end, or a space): the
+    base64 reading ignored it, so the operator logged in, until the strict start-up
+    check read such an entry as "not a whole password hash" and stopped the dashboard
+    on upgrade. A hash holds no whitespace: what surrounds it is not part of it."""
+    users = tmp_path / "users.json"
+    before, after = pad
+    entry = before + hash_password("pw-of-alice-123") + after
+    users.write_text(json.dumps({"alice": entry}), encoding="utf-8")
+    auth = OperatorAuth.from_env({"SAGALINE_DASHBOARD_USERS": str(users)})
+    assert auth.login("alice", "pw-of-alice-123") is not None
+    assert auth.login("alice", "pw-of-alice-124") is None
+
+
 @pytest.mark.parametrize("name", ["alice ", " alice", "alice\n"])
 def test_a_users_file_name_with_surrounding_whitespace_is_refused_at_start(
     tmp_path: Path, name: str

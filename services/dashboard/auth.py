@@ -118,6 +118,10 @@ def _read_users(path: str) -> dict[str, str]:
             f"and logins would be off; {fix}, or unset the variable for development mode"
         )
     for name, stored in users.items():
+        if isinstance(stored, str):
+            # A hash holds no whitespace: around it (pasted with a line's end) it is not
+            # part of it, as the base64 reading always ignored it.
+            stored = users[name] = stored.strip()
         if not name.strip() or not isinstance(stored, str) or not stored.startswith("scrypt$"):
             raise AuthConfigError(
                 f"SAGALINE_DASHBOARD_USERS={path}: the entry of {name!r} is not a password "
