@@ -11,17 +11,26 @@ names an id the saga already holds for another incident.
 
 from __future__ import annotations
 
-from coordinator_ledger import fresh, incidents, rejections
+from coordinator_ledger import Ledger, fresh, incidents, rejections
 
 from sagaline.ops.metrics import SagalineMetrics
-from schemas import FailureKind, derived_event_id
+from schemas import FailureKind, IncidentRaised, derived_event_id
 from services.dashboard.view import DashboardState
+from tests.test_approval_generations import _open_no_compensation_incident
 
 
 def _no_compensation_id(saga_id: str, step_id: str, index: int) -> str:
     """The id the coordinator derives for its ``no-compensation`` incident of
     ``step_id`` when the saga holds ``index`` incidents (anyone can compute it)."""
     return "inc-" + derived_event_id(saga_id, "incident", "no-compensation", step_id, index)
+
+
+def _mail_incident(ledger: Ledger, incident_id: str) -> IncidentRaised:
+    """The mail participant's own incident (another kind than the coordinator's)
+    under ``incident_id``."""
+    return ledger.participant_incident("mail", incident_id).model_copy(
+        update={"kind": "manual-check", "inconsistency": "bounced, resend by hand"}
+    )
 
 
 def test_the_coordinator_never_raises_an_incident_under_an_id_a_participant_took_R8() -> None:
@@ -36,9 +45,7 @@ def test_the_coordinator_never_raises_an_incident_under_an_id_a_participant_took
     # the mail participant raises an incident of its own under the id the coordinator
     # will give its next one (the saga will hold one incident when it is raised)
     taken = _no_compensation_id(ledger.saga_id, "mail", 1)
-    own = ledger.participant_incident("mail", taken).model_copy(
-        update={"kind": "manual-check", "inconsistency": "bounced, resend by hand"}
-    )
+    own = _mail_incident(ledger, taken)
     assert rejections(h.feed(own)) == []
     h.feed(ledger.scheduled("pay"))
     [raised] = incidents(h.feed(ledger.failed("pay", kind=FailureKind.BUSINESS_REJECTION)))
@@ -52,19 +59,8 @@ def test_the_coordinator_never_raises_an_incident_under_an_id_a_participant_took
 
 
 def test_a_participant_incident_under_an_id_the_saga_holds_is_refused_not_dropped_R8_R16() -> None:
-    ledger, h = fresh()
-    h.feed(
-        ledger.started(),
-        ledger.scheduled("mail", compensation=None),
-        ledger.committed("mail"),
-        ledger.scheduled("hold"),
-        ledger.committed("hold"),
-        ledger.scheduled("pay"),
-    )
-    [raised] = incidents(h.feed(ledger.failed("pay", kind=FailureKind.BUSINESS_REJECTION)))
-    other = ledger.participant_incident("mail", raised.incident_id).model_copy(
-        update={"kind": "manual-check", "inconsistency": "bounced, resend by hand"}
-    )
+    ledger, h, raised = _open_no_compensation_incident()
+    other = _mail_incident(ledger, raised.incident_id)
     out = h.feed(other)
     assert [(o.reason, o.record.event_id) for o in rejections(out)] == [
         ("invalid-transition", other.event_id)
@@ -87,19 +83,8 @@ def test_a_participant_incident_under_an_id_the_saga_holds_is_refused_not_droppe
 
 
 def test_the_dashboard_keeps_the_incident_whose_id_a_participant_reused_R8() -> None:
-    ledger, h = fresh()
-    h.feed(
-        ledger.started(),
-        ledger.scheduled("mail", compensation=None),
-        ledger.committed("mail"),
-        ledger.scheduled("hold"),
-        ledger.committed("hold"),
-        ledger.scheduled("pay"),
-    )
-    [raised] = incidents(h.feed(ledger.failed("pay", kind=FailureKind.BUSINESS_REJECTION)))
-    other = ledger.participant_incident("mail", raised.incident_id).model_copy(
-        update={"kind": "manual-check", "inconsistency": "bounced, resend by hand"}
-    )
+    ledger, h, raised = _open_no_compensation_incident()
+    other = _mail_incident(ledger, raised.incident_id)
     h.feed(other)
     dashboard = DashboardState(SagalineMetrics("dashboard"))
     for record in h.log:
@@ -112,20 +97,9 @@ def test_the_dashboard_refuses_a_participant_incident_under_a_resolved_incidents
     """As the coordinator: an id names one incident, resolved or not. A participant's
     incident of another kind under the id of one already resolved is refused there,
     and the dashboard shows it refused, not folded into the saga's view."""
-    ledger, h = fresh()
-    h.feed(
-        ledger.started(),
-        ledger.scheduled("mail", compensation=None),
-        ledger.committed("mail"),
-        ledger.scheduled("hold"),
-        ledger.committed("hold"),
-        ledger.scheduled("pay"),
-    )
-    [raised] = incidents(h.feed(ledger.failed("pay", kind=FailureKind.BUSINESS_REJECTION)))
+    ledger, h, raised = _open_no_compensation_incident()
     assert rejections(h.feed(ledger.resolve(raised.incident_id, "sent a letter"))) == []
-    other = ledger.participant_incident("mail", raised.incident_id).model_copy(
-        update={"kind": "manual-check", "inconsistency": "bounced, resend by hand"}
-    )
+    other = _mail_incident(ledger, raised.incident_id)
     assert [o.reason for o in rejections(h.feed(other))] == ["invalid-transition"]
     dashboard = DashboardState(SagalineMetrics("dashboard"))
     for record in h.log:
