@@ -131,6 +131,9 @@ class Destination(enum.StrEnum):
     COMMAND = "COMMAND"  # sagaline.commands.<participant>
     TERMINAL = "TERMINAL"  # sagaline.terminal, and appended to sagaline.events
     INCIDENT = "INCIDENT"  # sagaline.incidents, and appended to sagaline.events
+    # sagaline.incidents only: an incident the coordinator settled itself (its step's
+    # outcome read, a late completion), for the operators' feed (``_mark_resolved``).
+    INCIDENT_FEED = "INCIDENT_FEED"
     REJECTED = "REJECTED"  # sagaline.dlq, with reason and detail
 
 
@@ -1490,13 +1493,14 @@ def _on_incident_resolved(ctx: _Ctx, r: IncidentResolved) -> None:
     step = s.steps.get(incident.step_id) if incident.step_id is not None else None
     unsettled = step is not None and step.status in (StepStatus.UNKNOWN, StepStatus.RECONCILING)
     if incident.kind not in _SETTLES_UNKNOWN or step is None or not unsettled:
-        _mark_resolved(ctx, incident.incident_id, f"{text} (by {by})")
+        # The shell copies this resolution to the incident feed itself.
+        _mark_resolved(ctx, incident.incident_id, f"{text} (by {by})", announce=False)
         return
     answer = unknown_outcome_answer(r.resolution)
     if answer is ReconcileResult.COMMITTED:
         # Every incident asking about this step is settled by this person (an earlier
         # run's too), before the commit would mark them "observed in the ledger".
-        _resolve_unknown_incidents(ctx, step, f"COMMITTED (by {by})")
+        _resolve_unknown_incidents(ctx, step, f"COMMITTED (by {by})", answered=r.incident_id)
         # The operator may know what the provider did: the compensation then gets it.
         _commit(
             ctx,
@@ -1511,7 +1515,7 @@ def _on_incident_resolved(ctx: _Ctx, r: IncidentResolved) -> None:
     elif answer is ReconcileResult.NOT_FOUND:
         step.timers.pop(TimerPurpose.RECONCILE_RETRY, None)
         step.observation = "RESOLVED_NOT_FOUND"
-        _resolve_unknown_incidents(ctx, step, f"NOT_FOUND (by {by})")
+        _resolve_unknown_incidents(ctx, step, f"NOT_FOUND (by {by})", answered=r.incident_id)
         _after_attempt_failed(ctx, step, FailureKind.TRANSIENT, f"not found (settled by {by})")
     else:
         ctx.reject(
@@ -1662,21 +1666,41 @@ def _ask_person_to_settle(ctx: _Ctx, step: StepState, why: str) -> None:
     )
 
 
-def _resolve_unknown_incidents(ctx: _Ctx, step: StepState, resolution: str) -> None:
+def _resolve_unknown_incidents(
+    ctx: _Ctx, step: StepState, resolution: str, *, answered: str | None = None
+) -> None:
+    """Settle every open unknown-outcome incident of ``step``; ``answered`` is the one a
+    person's resolution named (the shell copies that resolution to the feed)."""
     for incident in ctx.s.open_incidents():
         if incident.kind in _SETTLES_UNKNOWN and incident.step_id == step.step_id:
-            _mark_resolved(ctx, incident.incident_id, resolution)
+            announce = incident.incident_id != answered
+            _mark_resolved(ctx, incident.incident_id, resolution, announce=announce)
 
 
 def _incident_label(kind: str, step_id: str | None) -> str:
     return f"{kind} incident" + (f" of step {step_id}" if step_id is not None else "")
 
 
-def _mark_resolved(ctx: _Ctx, incident_id: str, resolution: str) -> None:
+def _mark_resolved(ctx: _Ctx, incident_id: str, resolution: str, *, announce: bool = True) -> None:
+    """Mark the incident resolved. Unless a person's resolution of it is what the shell
+    copies to the incident feed (``announce=False``), say so there too: an
+    ``IncidentResolved`` by the coordinator, on ``sagaline.incidents`` only (the ledger
+    already holds what settled it), or `sagaline incidents list` and the dashboard
+    would go on showing an incident that needs no one."""
     incidents = ctx.s.incidents
     for i, incident in enumerate(incidents):
         if incident.incident_id == incident_id:
             incidents[i] = incident.model_copy(update={"resolved": True, "resolution": resolution})
+            if announce:
+                settled = IncidentResolved(
+                    envelope=ctx.envelope(
+                        IncidentResolved, ctx.event_id("IncidentResolved", incident_id, "settled")
+                    ),
+                    incident_id=incident_id,
+                    resolved_by=COORDINATOR_PRODUCER,
+                    resolution=resolution,
+                )
+                ctx.out.append(Output(Destination.INCIDENT_FEED, settled))
 
 
 def _raise_incident(

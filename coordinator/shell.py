@@ -1577,6 +1577,8 @@ class Coordinator:
             return [self.topics.events, self.topics.terminal]
         if output.destination is Destination.INCIDENT:
             return [self.topics.events, self.topics.incidents]
+        if output.destination is Destination.INCIDENT_FEED:
+            return [self.topics.incidents]
         return [self.topics.events]
 
     def _ensure_command_topic(self, participant: str) -> None:

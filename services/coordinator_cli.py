@@ -585,6 +585,16 @@ def superseded_incidents(raised: dict[str, IncidentRaised]) -> dict[str, Inciden
     return superseded
 
 
+def _resolved_as(done: IncidentResolved) -> str:
+    """How an incident was resolved: by a person, or settled by the coordinator itself
+    (what the ledger said of its step: ``coordinator.core._mark_resolved``)."""
+    from coordinator.core import COORDINATOR_PRODUCER
+
+    if done.envelope.producer == COORDINATOR_PRODUCER:
+        return f"settled by the coordinator: {done.resolution}"
+    return f"resolved by {done.resolved_by}: {done.resolution}"
+
+
 @_one_line_errors
 def _cmd_incidents_list(args: argparse.Namespace) -> int:
     settings, bootstrap = configured_broker("sagaline")
@@ -597,7 +607,7 @@ def _cmd_incidents_list(args: argparse.Namespace) -> int:
         newer = superseded.get(incident_id)
         if (done is not None or newer is not None) and not args.all:
             continue
-        state = f"resolved by {done.resolved_by}: {done.resolution}" if done else "OPEN"
+        state = _resolved_as(done) if done else "OPEN"
         if newer is not None and done is None:
             state = f"superseded by {newer.incident_id} (generation {newer.envelope.generation})"
         print(
@@ -635,9 +645,8 @@ def _cmd_incidents_resolve(args: argparse.Namespace) -> int:
     done = resolved.get(args.incident_id)
     if done is not None:
         print(
-            f"{args.command}: incident {args.incident_id} is already resolved by "
-            f"{done.resolved_by}: {done.resolution}; the coordinator acts on the first "
-            "resolution only, so nothing was recorded",
+            f"{args.command}: incident {args.incident_id} is already {_resolved_as(done)}; "
+            "the coordinator acts on the first resolution only, so nothing was recorded",
             file=sys.stderr,
         )
         return 1

@@ -377,3 +377,49 @@ def test_a_participants_incident_reaches_the_feed_the_cli_resolves_from(
     assert _raised_on_feed(settings, transport) == [raised.event_id]
     listed, _resolved = incident_feed(settings, transport)
     assert listed["inc-p"].kind == "unknown-outcome-no-lookup"
+
+
+def test_an_incident_the_ledger_settles_shows_settled_in_incidents_list(
+    transport: str,
+    unique_prefix: str,
+    monkeypatch: Any,
+    capsys: Any,
+) -> None:
+    """A step timed out (no lookup: a person is asked, R11), then its commit arrived
+    after all: the coordinator marks the incident resolved in its state, but wrote
+    nothing to the incident feed, so `sagaline incidents list` went on showing it OPEN
+    and operators chased an incident that needed nothing. The feed now says it was
+    settled, and why."""
+    from services.cli import main
+    from services.coordinator_cli import incident_feed
+
+    settings, ledger, first, _participant = one_saga(transport, unique_prefix, "saga-late")
+    coordinator = Coordinator(settings, transport, instance_id="res-10", carry_ms=0)
+    coordinator._join()
+    append(settings, transport, ledger.started(), first, ledger.intent("reserve"))
+    append(settings, transport, ledger.unknown("reserve"))
+    turn_until(coordinator, lambda: len(_raised_on_feed(settings, transport)) == 1)
+    raised, resolved = incident_feed(settings, transport)
+    [incident_id] = raised
+    assert resolved == {}
+
+    append(settings, transport, ledger.committed("reserve"))
+
+    def settled() -> bool:
+        state = coordinator.state_of("saga-late")
+        return state is not None and state.open_incidents() == []
+
+    turn_until(coordinator, settled)
+    raised, resolved = incident_feed(settings, transport)
+    assert incident_id in resolved, "the settled incident is not on the incident feed"
+    assert resolved[incident_id].resolution == "COMMITTED (observed in the ledger)"
+
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", transport)
+    monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
+    monkeypatch.setenv("SAGALINE_PARTITIONS", "1")
+    capsys.readouterr()
+    assert main(["incidents", "list"]) == 0
+    assert incident_id not in capsys.readouterr().out
+    assert main(["incidents", "list", "--all"]) == 0
+    listing = capsys.readouterr().out
+    assert "[settled by the coordinator: COMMITTED (observed in the ledger)]" in listing
