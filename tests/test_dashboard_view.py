@@ -1279,3 +1279,57 @@ def test_another_writers_resolution_under_the_operators_id_is_listed_as_refused_
     assert saga.steps["hold"].state == "failed"
     assert len(saga.refused) == 1 and "already resolved" in saga.refused[0]
     assert state.metrics.snapshot().manual_interventions == {"incident_resolved": 1}
+
+
+def _window_settled_after_it_passed() -> tuple[Any, Any, str]:
+    """booking's compensation is in flight when its reversal window passes (an
+    incident), then completes, verified: the coordinator settles the incident (R13,
+    ``coordinator.core._undone_after_window``) and the saga ends COMPENSATED."""
+    from coordinator_ledger import receipt_of
+
+    ledger, h = fresh()
+    h.feed(
+        ledger.started(),
+        ledger.scheduled("booking", reversal_window_ms=1_000, has_verify=True),
+        ledger.committed("booking"),
+        ledger.scheduled("boom"),
+        ledger.failed("boom", kind=FailureKind.BUSINESS_REJECTION),
+    )
+    window = h.s.steps["booking"].reversal_deadline
+    assert window is not None
+    [raised] = incidents(h.advance(window - h.now))
+    assert raised.kind == "reversal-window-expired"
+    receipt = receipt_of(h.feed(ledger.comp_committed("booking", verified=True)))
+    assert receipt.status is TerminalStatus.COMPENSATED
+    return ledger, h, raised.incident_id
+
+
+def test_an_incident_the_coordinator_settled_is_not_left_needing_a_person_R13_R14() -> None:
+    """The coordinator settled the reversal window's incident itself (the compensation
+    completed after all) and the saga ended COMPENSATED, its receipt saying so. The
+    view settled it only for the cases it mirrors (an unknown outcome's commit), so the
+    incident stayed under "Needs a person" with its Resolve button, the saga was never
+    dropped from memory, and operators chased an incident that needed nothing."""
+    ledger, h, incident_id = _window_settled_after_it_passed()
+    how = "COMPENSATED and verified (observed in the ledger)"
+
+    # From the ledger alone (the incident feed expired, or not read yet).
+    state = DashboardState(SagalineMetrics("dashboard"))
+    for record in h.log:
+        state.apply(record)
+    assert state.open_incidents() == []
+    assert state.sagas[ledger.saga_id].settled_incidents == {incident_id: how}
+
+    # Live: the incident feed (the coordinator's note that it settled the incident) is
+    # read before the ledger's last records.
+    feed = [o.record for o in h.outputs if o.destination.value.startswith("INCIDENT")]
+    state = DashboardState(SagalineMetrics("dashboard"))
+    for record in h.log[:-1]:  # all but the SagaTerminal
+        state.apply(record)
+    for record in feed:
+        state.apply(record, from_ledger=False)
+    saga = state.sagas[ledger.saga_id]
+    assert state.open_incidents() == [] and saga.settled_incidents == {incident_id: how}
+    page = TestClient(create_app(state)).get(f"/sagas/{ledger.saga_id}").text
+    assert f"{incident_id}" in page and "settled by the coordinator" in page
+    assert html.escape(how) in page

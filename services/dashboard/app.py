@@ -547,6 +547,15 @@ def _saga_fragment(saga: SagaView, now: int, viewer: Viewer = DEV) -> str:
                 "from the ledger.",
             )
         )
+    if saga.settled_incidents:
+        # Settled without a person (the ledger answered them): nothing to do, but an
+        # operator who saw one open learns where it went and why.
+        kinds = {i: kind for i, (kind, _step) in saga.incident_labels.items()}
+        listed = "".join(
+            f"<li>{_e(incident_id)} ({_e(kinds.get(incident_id, '?'))}): {_e(how)}</li>"
+            for incident_id, how in saga.settled_incidents.items()
+        )
+        facts.append(("incidents settled by the coordinator", f"<ul>{listed}</ul>"))
     if saga.refused:
         listed = "".join(f"<li>{_e(why)}</li>" for why in saga.refused)
         facts.append(("refused by the coordinator", f'<ul class="refused">{listed}</ul>'))
@@ -1111,6 +1120,12 @@ def create_app(
                     f"incident {incident_id} of saga {saga.saga_id} is already resolved by "
                     f"{first.resolved_by}: {first.resolution}; the coordinator acts on the "
                     "first resolution only, so nothing was recorded"
+                )
+            settled = saga.settled_incidents.get(incident_id) if incident is None else None
+            if settled is not None:
+                raise operator_actions.UnknownRequest(
+                    f"incident {incident_id} of saga {saga.saga_id} is already settled by "
+                    f"the coordinator: {settled}; nothing was recorded"
                 )
             if incident is None:
                 raise operator_actions.UnknownRequest(

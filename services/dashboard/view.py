@@ -352,7 +352,14 @@ class DashboardState:
                 # outlives the feed). What it settles depends on the step's state when
                 # the coordinator read it; read early (a restart reads the short feed
                 # before the ledger's earlier records) it would settle nothing, so only
-                # the ledger's record, in the saga's order, is folded.
+                # the ledger's record, in the saga's order, is folded. The coordinator's
+                # own (an incident it settled itself: ``coordinator.core._mark_resolved``)
+                # is on the feed only, and settles the incident whenever it is read.
+                if record.envelope.producer == COORDINATOR_PRODUCER:
+                    saga = self.sagas.get(record.saga_id)
+                    if saga is not None and record.incident_id in saga.open_incidents:
+                        _settle(saga, record.incident_id, record.resolution)
+                        self._check_settled(saga)
                 return False
             if from_ledger:
                 if key in self._seen_on_ledger:
@@ -424,6 +431,8 @@ class DashboardState:
                     continue  # dropped by an earlier one
                 # Not a saga whose terminal copy is read later, ahead of its ledger.
                 saga.ledger_expired = saga.terminal_at is not None and not saga.ended_in_ledger
+                if saga.ledger_expired:
+                    _settle_from_receipt(saga)
                 self._check_settled(saga)
 
     def _check_settled(self, saga: SagaView) -> None:
@@ -502,6 +511,7 @@ class DashboardState:
             saga = self.sagas.get(record.saga_id)
             if saga is not None and record.envelope.generation >= saga.generation:
                 saga.ended_in_ledger = True
+                _settle_from_receipt(saga)
 
     def _given_up_in_ledger(self, record: Record) -> None:
         """The ledger's copy of an incident the incident feed gave first (a restart):
@@ -1005,6 +1015,23 @@ def _settle_unknown_incidents(saga: SagaView, step_id: str, how: str) -> None:
     resolved (``_resolve_unknown_incidents``) and writes no record for it, so nothing is
     left asking a person."""
     _settle_incidents(saga, step_id, SETTLES_UNKNOWN, how)
+
+
+def _settle(saga: SagaView, incident_id: str, how: str) -> None:
+    del saga.open_incidents[incident_id]
+    saga.settled_incidents[incident_id] = how
+
+
+def _settle_from_receipt(saga: SagaView) -> None:
+    """The saga ended in the ledger (everything before it folded): an incident its
+    receipt lists resolved, that no person's resolution read here settled, the
+    coordinator settled itself (a compensation completed after its reversal window
+    passed, and whatever else the ledger answered), so no one is asked for it."""
+    if saga.receipt is None:
+        return
+    for incident in saga.receipt.incidents:
+        if incident.resolved and incident.incident_id in saga.open_incidents:
+            _settle(saga, incident.incident_id, incident.resolution or "resolved")
 
 
 def _settle_incidents(saga: SagaView, step_id: str, kinds: Collection[str], how: str) -> None:
