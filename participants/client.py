@@ -179,9 +179,10 @@ class InvalidSagaId(ValueError):
 
 
 class ClientStopped(RuntimeError):
-    """The client was closed, or its listener stopped following the ledger (a fatal
-    error, Read refused): a start or call is refused before anything is written,
-    since no outcome could reach it. Nothing was done; use a new client."""
+    """The client was never started (no ``start()``), was closed, or its listener
+    stopped following the ledger (a fatal error, Read refused): a start or call is
+    refused before anything is written, since no outcome could reach it. Nothing was
+    done; start the client, or use a new one."""
 
 
 class SagaHistoryUnreadable(RuntimeError):
@@ -1269,6 +1270,12 @@ class Saga:
 
     def _require_listener(self) -> None:
         """Refuse, before anything is written, what could never learn its outcome."""
+        if self.client._listener is None:  # start() never ran: nothing reads the ledger
+            raise ClientStopped(
+                f"the saga client was not started, so no outcome would reach saga "
+                f"{self.saga_id}: nothing was written; call start() first (or use "
+                "`with client:`, or sagaline.connect(), which starts it)"
+            )
         if self.client._closed:  # its listener is stopping, if not stopped yet
             raise ClientStopped(
                 f"the saga client was closed, so no outcome would reach saga "

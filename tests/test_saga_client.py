@@ -975,6 +975,37 @@ def test_a_call_made_while_its_client_closes_is_refused_before_anything_is_writt
     )
 
 
+def test_a_client_that_was_never_started_refuses_a_saga_before_anything_is_written(
+    local: tuple[System, Desk],
+) -> None:
+    """A client built by hand without ``start()`` (or ``with client``) has no listener,
+    so no outcome can reach it; yet its saga's start and step were written, the tool
+    ran, and the call waited out its whole timeout to say ``OutcomeUnknown: no outcome
+    for book_slot within ... s`` (leaving the block by it then aborted the saga). The
+    start and the call are refused at once, sync and async, nothing written."""
+    system, desk = local
+    client = SagaClient(
+        system.settings, system.bootstrap, catalogues=[wrap(desk, name="desk")], call_timeout_s=5
+    )
+    saga = client.saga("desk", "agent")
+    with pytest.raises(ClientStopped, match=r"not started.*start\(\)"), saga:
+        saga.call("book_slot", day="mon")
+
+    async def agent() -> None:
+        async with client.saga("desk", "agent") as asaga:
+            await asaga.call("book_slot", day="tue")
+
+    with pytest.raises(ClientStopped, match="not started"):
+        asyncio.run(agent())
+    # The same call through the fixture's started client runs: the desk is served.
+    with system.client.saga("desk", "agent") as served:
+        assert served.call("book_slot", day="wed") == {"slot": "slot-wed"}
+    assert served.wait(60).status is TerminalStatus.COMPLETED
+    assert system.records(saga.saga_id) == []
+    assert desk.log == ["book:wed"]
+    client.close()
+
+
 def test_a_call_cancelled_while_its_step_was_being_acknowledged_can_be_resumed(
     local: tuple[System, Desk], monkeypatch: pytest.MonkeyPatch
 ) -> None:
