@@ -1230,6 +1230,9 @@ class Saga:
         self._secret_args: list[tuple[Mapping[str, Any], tuple[str, ...]]] = []
         # The end this object asked for (end(), or leaving the block): no step after it.
         self._end_requested: SagaOutcome | None = None
+        # Whether the broker acknowledged that end: leaving the block writes no other
+        # (the coordinator keeps the first end asked for and dead-letters a second).
+        self._end_written = False
         self._receipt: Receipt | None = None
 
     def _envelope(self, cls: type[Record]) -> Any:
@@ -1324,7 +1327,9 @@ class Saga:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if exc is None:
+        if self._end_written:
+            self._ended_before_leaving(exc)
+        elif exc is None:
             self.end(SagaOutcome.COMPLETE)
         elif _waits_for_a_person(exc):
             # Waiting for a person is not a failure (R7): the saga stays open, the step
@@ -1334,6 +1339,18 @@ class Saga:
             self.client._left(self.saga_id)
         else:
             self.end(SagaOutcome.ABORT, reason=f"{type(exc).__name__}: {exc}")
+
+    def _ended_before_leaving(self, exc: BaseException | None) -> None:
+        """The block is left after :meth:`end` was acknowledged (end() let the saga go
+        already): another end would be refused, and dead-lettered, by the coordinator,
+        which keeps the first one; say so when an exception would have aborted it."""
+        if exc is not None and self._end_requested is SagaOutcome.COMPLETE:
+            log.warning(
+                "saga %s: its block was left by %s after its completion was requested: "
+                "not aborted (the first end asked for counts)",
+                self.saga_id,
+                type(exc).__name__,
+            )
 
     def _scrubbed(self, reason: str) -> str:
         """``reason`` (bound for the ledger) with every clear secret value of this
@@ -1357,6 +1374,7 @@ class Saga:
                 ),
                 timeout_s=self.client.call_timeout_s,
             )
+            self._end_written = True
         finally:  # also when interrupted while waiting: the end is still queued
             self.client._ledger.release(self.saga_id)  # ended: nothing left to resume
             self.client._left(self.saga_id)
@@ -1867,7 +1885,9 @@ class Saga:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if exc is None:
+        if self._end_written:
+            self._ended_before_leaving(exc)
+        elif exc is None:
             await self.end_async(SagaOutcome.COMPLETE)
         elif _waits_for_a_person(exc):
             log.info("saga %s left open: %s", self.saga_id, exc)  # as in __exit__ (R7)
@@ -1888,6 +1908,7 @@ class Saga:
                 ),
                 timeout_s=self.client.call_timeout_s,
             )
+            self._end_written = True
         finally:  # cancelled while awaited, the end is still queued: let the saga go
             self.client._ledger.release(self.saga_id)
             if self.client._block_left(self.saga_id):

@@ -1006,6 +1006,35 @@ def test_a_client_that_was_never_started_refuses_a_saga_before_anything_is_writt
     client.close()
 
 
+def test_a_block_left_after_its_saga_was_ended_writes_no_second_end_R16(
+    local: tuple[System, Desk],
+) -> None:
+    """``saga.end(ABORT)`` inside the block, then leaving it normally, wrote a second
+    end (COMPLETE) that the coordinator refuses (the first end asked for counts): a
+    dead-lettered ``invalid-transition`` record, counted as bad input (R16), for every
+    such saga. Leaving the block after an acknowledged end writes nothing more, sync
+    and async; the saga ends as the first end asked."""
+    system, desk = local
+    with system.client.saga("desk", "agent") as saga:
+        saga.call("book_slot", day="mon")
+        saga.end(SagaOutcome.ABORT, "the customer changed their mind")
+
+    async def agent() -> str:
+        async with system.client.saga("desk", "agent") as asaga:
+            await asaga.call("book_slot", day="tue")
+            await asaga.end(SagaOutcome.ABORT, "the customer changed their mind")
+        assert (await asaga.wait(60)).status is TerminalStatus.COMPENSATED
+        return asaga.saga_id
+
+    assert saga.wait(60).status is TerminalStatus.COMPENSATED
+    async_id = asyncio.run(agent())
+    for saga_id in (saga.saga_id, async_id):
+        assert [h for k, h in system.dlq() if k == saga_id.encode()] == []
+        ends = [r for r in system.records(saga_id) if isinstance(r, SagaEndRequested)]
+        assert [r.outcome for r in ends] == [SagaOutcome.ABORT]
+    assert desk.log == ["book:mon", "free:slot-mon", "book:tue", "free:slot-tue"]
+
+
 def test_a_call_cancelled_while_its_step_was_being_acknowledged_can_be_resumed(
     local: tuple[System, Desk], monkeypatch: pytest.MonkeyPatch
 ) -> None:
