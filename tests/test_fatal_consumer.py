@@ -24,7 +24,7 @@ from participants import runtime as runtime_module
 from participants.runtime import ParticipantRuntime
 from tests.coordinator_turns import one_saga
 from tests.system import wait_until
-from tests.test_participant_runtime import PARTICIPANT, Harness
+from tests.test_participant_runtime import PARTICIPANT, Harness, serving
 
 FENCED = "Static consumer fenced by other consumer with same group.instance.id"
 
@@ -128,16 +128,7 @@ def test_a_fatal_consumer_error_ends_the_participant_without_waiting_for_a_hung_
     runtime = ParticipantRuntime(
         harness.catalogue, harness.settings, transport, participant=PARTICIPANT
     )
-    raised: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            runtime.run()
-        except BaseException as exc:
-            raised.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
+    thread, raised = serving(runtime)
     harness.send(harness.execute("s1", {"sku": "a", "quantity": 1}))
     wait_until(lambda: harness.shop.count("reserve") == 1, what="the tool running")
     running.set()

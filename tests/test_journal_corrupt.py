@@ -16,7 +16,6 @@ import logging
 import os
 import shutil
 import sqlite3
-import threading
 import types
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ from participants.runtime import (
 from schemas import CompensateStep, StepCommitted, StepOutcomeUnknown, envelope_for
 from schemas.settings import Settings
 from tests.system import wait_until
-from tests.test_participant_runtime import PARTICIPANT, Harness, _dead_letters, _of
+from tests.test_participant_runtime import PARTICIPANT, Harness, _dead_letters, _of, serving
 
 
 def _journal_with_a_damaged_index(path: Path) -> None:
@@ -56,23 +55,6 @@ def _journal_with_a_damaged_index(path: Path) -> None:
         CommandJournal(path).get("old-1")
 
 
-def _serving(runtime: ParticipantRuntime) -> tuple[threading.Thread, list[BaseException]]:
-    """``runtime``'s loop in a thread, once its command partition is assigned (or it
-    failed first), and what it raised."""
-    raised: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            runtime.run()
-        except BaseException as exc:
-            raised.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    wait_until(lambda: runtime._assigned_end or raised, 60, "the command partition assigned")
-    return thread, raised
-
-
 def test_a_damaged_journal_stops_the_participant_and_dead_letters_nothing_R16(
     transport: str, unique_prefix: str, tmp_path: Path
 ) -> None:
@@ -83,7 +65,7 @@ def test_a_damaged_journal_stops_the_participant_and_dead_letters_nothing_R16(
     runtime = ParticipantRuntime(
         harness.catalogue, harness.settings, transport, participant=PARTICIPANT
     )
-    thread, raised = _serving(runtime)
+    thread, raised = serving(runtime)
     harness.send(harness.execute("s1", {"sku": "a", "quantity": 1}))
     wait_until(
         lambda: not thread.is_alive() or _dead_letters(harness),
@@ -137,16 +119,7 @@ def test_a_damaged_journal_found_by_pruning_stops_the_participant_as_a_command_w
     runtime = ParticipantRuntime(
         harness.catalogue, harness.settings, transport, participant=PARTICIPANT, journal_keep_ms=1
     )
-    raised: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            runtime.run()
-        except BaseException as exc:
-            raised.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
+    thread, raised = serving(runtime)
     wait_until(lambda: not thread.is_alive(), 60, "the runtime stopped on the damaged journal")
     [error] = raised
     assert isinstance(error, JournalCorrupt), repr(error)
@@ -174,7 +147,7 @@ def test_a_journal_sqlite_refuses_for_good_stops_the_participant_naming_the_file
     runtime = ParticipantRuntime(
         harness.catalogue, harness.settings, transport, participant=PARTICIPANT
     )
-    thread, raised = _serving(runtime)
+    thread, raised = serving(runtime)
     if how == "read-only":
         with runtime.journal._lock:
             runtime.journal._db.execute("PRAGMA query_only = 1")
@@ -273,7 +246,7 @@ def test_a_confirmation_the_journal_refuses_for_good_stops_the_participant_R12(
     runtime = ParticipantRuntime(catalogue, settings, transport, participant=participant)
     with runtime.journal._lock:
         runtime.journal._db.execute("PRAGMA query_only = 1")
-    thread, raised = _serving(runtime)
+    thread, raised = serving(runtime)
     wait_until(lambda: not thread.is_alive(), 60, "the runtime stopped on the unusable journal")
     [error] = raised
     assert isinstance(error, runtime_module.JournalUnusable), repr(error)
@@ -344,7 +317,7 @@ def test_a_journal_io_error_on_a_read_only_file_system_stops_the_participant(
     monkeypatch.setattr(os, "statvfs", statvfs)
     real_db = runtime.journal._db
     runtime.journal._db = _WritesFail(real_db)  # type: ignore[assignment]
-    thread, raised = _serving(runtime)
+    thread, raised = serving(runtime)
     with caplog.at_level(logging.WARNING, logger="sagaline.participant"):
         harness.send(harness.execute("s1", {"sku": "a", "quantity": 1}))
         if mounted == "read-only":

@@ -209,6 +209,23 @@ def _of(records: list[Record], cls: type[Any]) -> list[Any]:
     return [r for r in records if isinstance(r, cls)]
 
 
+def serving(runtime: ParticipantRuntime) -> tuple[threading.Thread, list[BaseException]]:
+    """``runtime``'s loop in a thread, once its command partition is assigned (or it
+    failed first), and what it raised."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            runtime.run()
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    wait_until(lambda: runtime._assigned_end or raised, 60, "the command partition assigned")
+    return thread, raised
+
+
 def test_intent_is_acknowledged_before_the_side_effect_R10(harness: Harness) -> None:
     harness.send(harness.execute("s1", {"sku": "a", "quantity": 1}))
     records = harness.wait_for(lambda rs: bool(_of(rs, StepCommitted)))
