@@ -23,22 +23,16 @@ from schemas import (
     CompensationFailed,
     FailureKind,
     Record,
-    envelope_for,
 )
 from schemas.codec import decode
 from tests.system import System, wait_until
+from tests.test_accepted_confirmations import _AcceptingDesk, _compensate
 
 DAY_MS = 86_400_000
 
 
-class _Desk:
-    @tool(description="Book a desk", verify="released")
-    @compensable(by="release", completion_within=30)
-    def book(self, desk: str) -> dict[str, str]:
-        return {"desk": desk}
-
-    def release(self, ctx: CompensationContext) -> Accepted:
-        return Accepted(operation_id=f"release-{ctx.idempotency_key}")
+class _Desk(_AcceptingDesk):
+    """The first deploy: its verification never passes."""
 
     def released(self, ctx: CompensationContext) -> bool:
         return False
@@ -54,23 +48,6 @@ class _DeskRenamed:
 
     def free(self, ctx: CompensationContext) -> None:
         pass
-
-
-def _compensate(n: int = 1) -> CompensateStep:
-    env = envelope_for(
-        CompensateStep, saga_id=f"s-{n}", tenant_id="t", producer="sagaline-coordinator", now=1
-    )
-    return CompensateStep(
-        envelope=env,
-        step_id="01-book",
-        tool="book",
-        compensation="release",
-        args=b'{"desk":"d7"}',
-        result=b'{"desk":"d7"}',
-        idempotency_key=f"k-{n}",
-        compensation_key=f"c-{n}",
-        attempt=1,
-    )
 
 
 def _accept(tmp_path: Path, n: int = 1, *, at: int | None = None) -> tuple[str, bytes]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from participants import Accepted, CompensationContext, compensable, tool, wrap
+from participants import CompensationContext, wrap
 from participants.runtime import (
     CommandHandler,
     CommandJournal,
@@ -30,9 +30,10 @@ from participants.runtime import (
     JournalPruning,
     ParticipantRuntime,
 )
-from schemas import CompensateStep, StepCommitted, StepOutcomeUnknown, envelope_for
+from schemas import StepCommitted, StepOutcomeUnknown
 from schemas.settings import Settings
 from tests.system import wait_until
+from tests.test_accepted_confirmations import _AcceptingDesk, _compensate
 from tests.test_participant_runtime import PARTICIPANT, Harness, _dead_letters, _of, serving
 
 
@@ -191,16 +192,8 @@ def test_a_journal_sqlite_refuses_for_good_stops_the_participant_naming_the_file
 # ------------------------- a background confirmation meets a journal unusable
 
 
-class _ReleasedDesk:
+class _ReleasedDesk(_AcceptingDesk):
     """An asynchronous compensation whose verification passes at once."""
-
-    @tool(description="Book a desk", verify="released")
-    @compensable(by="release", completion_within=3600)
-    def book(self, desk: str) -> dict[str, str]:
-        return {"desk": desk}
-
-    def release(self, ctx: CompensationContext) -> Accepted:
-        return Accepted(operation_id=f"release-{ctx.idempotency_key}")
 
     def released(self, ctx: CompensationContext) -> bool:
         return True
@@ -222,20 +215,7 @@ def test_a_confirmation_the_journal_refuses_for_good_stops_the_participant_R12(
     path = tmp_path / participant / "commands.sqlite"
     journal = CommandJournal(path)
     handler = CommandHandler(catalogue, participant, journal, lambda record: None)
-    env = envelope_for(
-        CompensateStep, saga_id="s-1", tenant_id="t", producer="sagaline-coordinator", now=1
-    )
-    command = CompensateStep(
-        envelope=env,
-        step_id="01-book",
-        tool="book",
-        compensation="release",
-        args=b'{"desk":"d7"}',
-        result=b'{"desk":"d7"}',
-        idempotency_key="k-1",
-        compensation_key="c-1",
-        attempt=1,
-    )
+    command = _compensate()
     assert handler.handle(command) == "accepted"
     handler.close()
     journal.close()

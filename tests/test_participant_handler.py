@@ -36,6 +36,7 @@ from schemas import (
 from schemas.codec import decode
 from schemas.redaction import Secret, redaction_marker
 from schemas.sealing import Sealer
+from tests.test_accepted_confirmations import _compensate
 
 R = TypeVar("R", bound=Record)
 
@@ -179,17 +180,7 @@ def test_an_accepted_compensation_keeps_its_command_without_a_started_mark(
     tmp_path: Path,
 ) -> None:
     handler, out, desk = _handler(tmp_path)
-    compensate = _cmd(
-        CompensateStep,
-        step_id="01-book",
-        tool="book",
-        compensation="release",
-        args=b'{"desk":"d7"}',
-        result=b'{"desk":"d7"}',
-        idempotency_key="k-1",
-        compensation_key="c-1",
-        attempt=1,
-    )
+    compensate = _compensate()
     assert handler.handle(compensate) == "accepted"
     assert desk.events == ["released"]
     assert [type(r) for r in out] == [CompensationAccepted]
@@ -382,17 +373,7 @@ def test_a_journal_that_cannot_write_for_a_while_delays_the_command_not_fails_it
     assert seen is not None and seen[0] == "done"
 
     failures["left"] = 2  # now the compensation's outcome
-    compensate = _cmd(
-        CompensateStep,
-        step_id="01-book",
-        tool="book",
-        compensation="release",
-        args=b'{"desk":"d7"}',
-        result=b'{"desk":"d7"}',
-        idempotency_key="k-1",
-        compensation_key="c-1",
-        attempt=1,
-    )
+    compensate = _compensate()
     assert handler.handle(compensate) == "accepted"
     assert desk.events == ["ran d7", "released"]
     assert [type(r) for r in out] == [StepIntentRecorded, StepCommitted, CompensationAccepted]
@@ -622,17 +603,7 @@ def test_a_receipt_arriving_while_the_acceptance_is_being_journalled_completes_i
 
     handler, out, _desk = _handler(tmp_path)
     journal = handler.journal
-    compensate = _cmd(
-        CompensateStep,
-        step_id="01-book",
-        tool="book",
-        compensation="release",
-        args=b'{"desk":"d7"}',
-        result=b'{"desk":"d7"}',
-        idempotency_key="k-1",
-        compensation_key="c-1",
-        attempt=1,
-    )
+    compensate = _compensate()
     marking, gate, looked = threading.Event(), threading.Event(), threading.Event()
     mark, get = journal.mark, journal.get
 
