@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import sqlite3
+import threading
 import types
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,24 @@ def _journal_with_a_damaged_index(path: Path) -> None:
         CommandJournal(path).get("old-1")
 
 
+def _stopped_by_a_command(
+    harness: Harness, thread: threading.Thread, raised: list[BaseException]
+) -> BaseException:
+    """Send ``harness`` a command: the runtime serving on ``thread`` must stop,
+    dead-lettering nothing; the one error it raised."""
+    harness.send(harness.execute("s1", {"sku": "a", "quantity": 1}))
+    wait_until(
+        lambda: not thread.is_alive() or _dead_letters(harness),
+        60,
+        "the runtime stopped or dead-lettered the command",
+    )
+    assert _dead_letters(harness) == []
+    thread.join(30)
+    assert not thread.is_alive()
+    [error] = raised
+    return error
+
+
 def test_a_damaged_journal_stops_the_participant_and_dead_letters_nothing_R16(
     transport: str, unique_prefix: str, tmp_path: Path
 ) -> None:
@@ -67,16 +86,7 @@ def test_a_damaged_journal_stops_the_participant_and_dead_letters_nothing_R16(
         harness.catalogue, harness.settings, transport, participant=PARTICIPANT
     )
     thread, raised = serving(runtime)
-    harness.send(harness.execute("s1", {"sku": "a", "quantity": 1}))
-    wait_until(
-        lambda: not thread.is_alive() or _dead_letters(harness),
-        60,
-        "the runtime stopped or dead-lettered the command",
-    )
-    assert _dead_letters(harness) == []
-    thread.join(30)
-    assert not thread.is_alive()
-    [error] = raised
+    error = _stopped_by_a_command(harness, thread, raised)
     assert isinstance(error, JournalCorrupt), repr(error)
     assert str(path) in str(error) and "malformed" in str(error), str(error)
     assert harness.shop.count("reserve") == 0
@@ -156,16 +166,7 @@ def test_a_journal_sqlite_refuses_for_good_stops_the_participant_naming_the_file
         outside = sqlite3.connect(path)
         outside.execute("DROP TABLE handled")
         outside.close()
-    harness.send(harness.execute("s1", {"sku": "a", "quantity": 1}))
-    wait_until(
-        lambda: not thread.is_alive() or _dead_letters(harness),
-        60,
-        "the runtime stopped or dead-lettered the command",
-    )
-    assert _dead_letters(harness) == []
-    thread.join(30)
-    assert not thread.is_alive()
-    [error] = raised
+    error = _stopped_by_a_command(harness, thread, raised)
     assert isinstance(error, runtime_module.JournalUnusable), repr(error)
     assert not isinstance(error, JournalCorrupt), repr(error)
     code = "SQLITE_READONLY" if how == "read-only" else "SQLITE_ERROR"
