@@ -424,6 +424,24 @@ def _sqlite_error(how: str, tmp_path: Path) -> Exception:
     return raised.value
 
 
+def _first_write_fails(
+    handler: CommandHandler, error: Exception, monkeypatch: pytest.MonkeyPatch
+) -> list[int]:
+    """``handler``'s journal raises ``error`` at its first write, then writes; the
+    number of rows of each write tried."""
+    write = handler.journal._write
+    calls: list[int] = []
+
+    def once(rows: list[Any]) -> None:
+        calls.append(len(rows))
+        if len(calls) == 1:
+            raise error
+        write(rows)
+
+    monkeypatch.setattr(handler.journal, "_write", once)
+    return calls
+
+
 def test_a_journal_sqlite_refuses_for_good_is_not_waited_for_and_runs_no_tool(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -433,17 +451,7 @@ def test_a_journal_sqlite_refuses_for_good_is_not_waited_for_and_runs_no_tool(
     import participants.runtime as runtime_module
 
     handler, out, desk = _handler(tmp_path)
-    error = _sqlite_error("read-only", tmp_path)
-    write = handler.journal._write
-    calls: list[int] = []
-
-    def read_only_once(rows: list[Any]) -> None:
-        calls.append(len(rows))
-        if len(calls) == 1:
-            raise error
-        write(rows)
-
-    monkeypatch.setattr(handler.journal, "_write", read_only_once)
+    calls = _first_write_fails(handler, _sqlite_error("read-only", tmp_path), monkeypatch)
     with pytest.raises(RuntimeError, match="readonly") as raised:
         handler.handle(_execute())
     assert runtime_module.journal_unusable(raised.value)
@@ -458,17 +466,7 @@ def test_a_journal_waited_for_says_what_sqlite_said_not_always_free_disk_space(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     handler, _out, desk = _handler(tmp_path)
-    error = _sqlite_error("locked", tmp_path)
-    write = handler.journal._write
-    calls: list[int] = []
-
-    def locked_once(rows: list[Any]) -> None:
-        calls.append(len(rows))
-        if len(calls) == 1:
-            raise error
-        write(rows)
-
-    monkeypatch.setattr(handler.journal, "_write", locked_once)
+    _first_write_fails(handler, _sqlite_error("locked", tmp_path), monkeypatch)
     with caplog.at_level(logging.WARNING, logger="sagaline.participant"):
         assert handler.handle(_execute()) == "done"
     [said] = [r.getMessage() for r in caplog.records if "journal write failed" in r.getMessage()]
