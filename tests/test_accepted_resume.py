@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from participants import Accepted, CompensationContext, compensable, tool, wrap
+from participants import CompensationContext, compensable, tool, wrap
 from participants.catalogue import Catalogue
 from participants.runtime import _CONFIRM_THREADS, CommandHandler, CommandJournal, _now_ms
 from schemas import (
@@ -151,8 +151,8 @@ def test_an_accepted_compensation_past_its_wait_is_checked_once_then_settled_R12
     assert decode(command, CompensateStep).event_id == command_id
 
 
-class _Gated:
-    """Bookings whose verification waits for the test."""
+class _Gated(_AcceptingDesk):
+    """Bookings whose verification waits for the test, then does not pass."""
 
     def __init__(self) -> None:
         self.gate = threading.Event()
@@ -160,15 +160,7 @@ class _Gated:
         self.inside = 0
         self.checks = 0
 
-    @tool(description="Book", verify="cancelled", deadline=300)
-    @compensable(by="cancel", completion_within=30)
-    def book(self, desk: str) -> dict[str, str]:
-        return {"desk": desk}
-
-    def cancel(self, ctx: CompensationContext) -> Accepted:
-        return Accepted(operation_id=f"cancel-{ctx.idempotency_key}")
-
-    def cancelled(self, ctx: CompensationContext) -> bool:
+    def released(self, ctx: CompensationContext) -> bool:
         with self.lock:
             self.inside += 1
             self.checks += 1
