@@ -326,4 +326,5 @@ def test_a_journal_io_error_on_a_read_only_file_system_stops_the_participant(
     finally:
         runtime.stop()
         thread.join(30)
+    assert not thread.is_alive(), "the runtime did not stop once the write went through"
     assert raised == []
