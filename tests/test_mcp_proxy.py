@@ -2324,6 +2324,94 @@ def test_reads_are_served_while_a_write_waits_for_its_approval_through_the_clien
     assert (write.structured_content or {}).get("status") == "awaiting_approval", _text(write)
 
 
+def test_saga_abort_while_a_write_waits_for_its_approval_through_the_client_goes_ahead_R7(
+    world: World,
+) -> None:
+    """An IRREVERSIBLE write asks its person through elicitation and waits (up to 600
+    s) holding the session's step lock. saga_abort queued behind it: an agent that no
+    longer wanted the call could not abort the saga until the person answered or the
+    wait ran out. The abort goes ahead: the coordinator cancels the step awaiting its
+    approval (and withdraws the request) and compensates the earlier effects, and the
+    waiting write is answered with a tool error saying the saga was aborted."""
+    asked = asyncio.Event()
+    answered = asyncio.Event()
+
+    async def never_answers(context: Any, params: Any) -> types.ElicitResult:
+        asked.set()
+        await answered.wait()  # the person is away; cancelled by the proxy
+        return types.ElicitResult(action="accept", content={"approve": True})
+
+    async def run() -> tuple[types.CallToolResult, types.CallToolResult, dict[str, Any]]:
+        async with world.proxy(elicit=never_answers) as session:
+            made = await session.call_tool("create_ticket", {"title": "keep me"})
+            assert made.structured_content == {"id": "T-1", "title": "keep me"}, made
+            write = asyncio.ensure_future(
+                session.call_tool("send_email", {"to": "bob@example.com", "body": "x"})
+            )
+            await asyncio.wait_for(asked.wait(), 120)
+            try:
+                # The bound is only there so the unfixed proxy (the abort behind the
+                # write, 600 s) fails instead of hanging.
+                aborted = await asyncio.wait_for(
+                    session.call_tool("saga_abort", {"reason": "not needed any more"}), 120
+                )
+                sent = await asyncio.wait_for(write, 120)
+            finally:
+                answered.set()
+            return aborted, sent, await _receipt(session)
+
+    aborted, sent, receipt = asyncio.run(run())
+    assert not aborted.is_error, _text(aborted)
+    assert receipt["status"] == "COMPENSATED", receipt
+    steps = {s["tool"]: s["disposition"] for s in receipt["steps"]}
+    assert steps["create_ticket"] == "COMPENSATED", receipt
+    assert steps["send_email"] != "COMMITTED", receipt
+    assert [a["decision"] for a in receipt["approvals"]] == ["WITHDRAWN"], receipt
+    assert sent.is_error and "aborted" in _text(sent), _text(sent)
+    assert "send_email" in _text(sent) and "did not run" in _text(sent), _text(sent)
+    assert world.state()["emails"] == []
+    assert world.log() == ["create_ticket", "delete_ticket"]
+
+
+def test_saga_commit_while_a_write_waits_for_its_approval_through_the_client_is_refused_R7(
+    world: World,
+) -> None:
+    """saga_commit while an IRREVERSIBLE write waits for its person's answer through
+    the client silently waited behind it (up to 600 s). It is refused at once, nothing
+    ended, saying which step waits; the person's answer then still counts, and a
+    commit after it completes the saga."""
+    asked = asyncio.Event()
+    answer = asyncio.Event()
+
+    async def approves_later(context: Any, params: Any) -> types.ElicitResult:
+        asked.set()
+        await answer.wait()
+        return types.ElicitResult(action="accept", content={"approve": True})
+
+    async def run() -> tuple[types.CallToolResult, types.CallToolResult, dict[str, Any]]:
+        async with world.proxy(elicit=approves_later) as session:
+            await session.call_tool("create_ticket", {"title": "keep me"})
+            write = asyncio.ensure_future(
+                session.call_tool("send_email", {"to": "bob@example.com", "body": "x"})
+            )
+            await asyncio.wait_for(asked.wait(), 120)
+            try:
+                # Bounded only so the unfixed proxy (the commit behind the write) fails.
+                early = await asyncio.wait_for(session.call_tool("saga_commit", {}), 120)
+            finally:
+                answer.set()
+            sent = await asyncio.wait_for(write, 120)
+            assert sent.structured_content == {"result": "sent to bob@example.com"}, _text(sent)
+            await session.call_tool("saga_commit", {})
+            return early, sent, await _receipt(session)
+
+    early, _sent, receipt = asyncio.run(run())
+    assert early.is_error and "02-send_email" in _text(early), _text(early)
+    assert "nothing was ended" in _text(early), _text(early)
+    assert receipt["status"] == "COMPLETED", receipt
+    assert world.state()["emails"] == [{"to": "bob@example.com", "body": "x"}]
+
+
 # ------------------------------------------------------------- upstreams that go away
 
 

@@ -62,6 +62,7 @@ from participants.client import (
     SagaClient,
     SagaHistoryUnreadable,
     SagaParked,
+    SagaUnwinding,
 )
 from participants.context import current_call
 from participants.declarations import (
@@ -698,6 +699,25 @@ class _Session:
             os.close(directory)
 
 
+@dataclass
+class _Asking:
+    """A write asking its person through the client for the approval of its
+    IRREVERSIBLE step (holding the step lock, up to ``approval_wait_s``)."""
+
+    saga: Saga
+    step_id: str
+    # Set by saga_abort, which goes ahead without waiting for the answer: the question
+    # is withdrawn and any answer that comes is not recorded.
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class _AbortedWhileAsking:
+    """What :meth:`McpProxy._approval` gives when saga_abort came while it asked."""
+
+
+_ABORTED_WHILE_ASKING = _AbortedWhileAsking()
+
+
 SESSION_LOCK = "mcp-session.lock"
 
 
@@ -791,6 +811,9 @@ class McpProxy:
         self._resuming: asyncio.Future[None] | None = None
         self._resumed = False
         self._remembered: str | None = None  # the id of the saga on disk, once read
+        # The write asking its person through the client, if one is: saga_commit and
+        # saga_abort do not wait behind it (see _call_tool).
+        self._asking: _Asking | None = None
 
     async def _ensure_resumed(self) -> None:
         """Continue the saga remembered on disk, once, before the first request: its
@@ -978,6 +1001,16 @@ class McpProxy:
             # Not a step, so not under the step lock: served while a write waits (for
             # its approval, its outcome); the session's saga plays no part in it.
             return await self._read_only(params.name, mapping, args)
+        asking = self._asking
+        if (
+            params.name in ("saga_commit", "saga_abort")
+            and asking is not None
+            and not asking.aborted.is_set()
+            and asking.saga is self.session.saga
+        ):
+            # Not behind the step lock: the write holding it waits for a person, for
+            # up to approval_wait_s.
+            return await self._end_while_asking(asking, params.name, args)
         async with self._lock:  # one saga, one step at a time (steps are ordered)
             try:
                 await self._ensure_resumed()
@@ -995,6 +1028,63 @@ class McpProxy:
                 return await self._end(SagaOutcome.ABORT, str(args.get("reason") or "aborted"))
             assert mapping is not None
             return await self._step(ctx, params.name, mapping, args)
+
+    async def _end_while_asking(
+        self, asking: _Asking, name: str, args: dict[str, Any]
+    ) -> types.CallToolResult:
+        """saga_commit or saga_abort while a write asks its person for the approval of
+        step ``asking.step_id``. A commit is refused, nothing ended: the saga could not
+        complete before that step is decided, and it would wait unseen. An abort goes
+        ahead: the asking write stops asking (an answer that still comes is not
+        recorded) and answers that the saga was aborted; the coordinator cancels the
+        step and withdraws its approval request, and compensates the earlier steps."""
+        saga = asking.saga
+        if name == "saga_commit":
+            return _text(
+                f"step {asking.step_id} of saga {saga.saga_id} is IRREVERSIBLE and waits for"
+                " a person's approval, asked through this client: the saga cannot complete"
+                f" before that step is decided. Commit once the call of {asking.step_id}"
+                " has returned, or saga_abort to undo the saga; nothing was ended",
+                error=True,
+            )
+        asking.aborted.set()
+        return await self._end(SagaOutcome.ABORT, str(args.get("reason") or "aborted"))
+
+    async def _aborted_while_asking(
+        self, saga: Saga, name: str, step_id: str, call: asyncio.Future[Any]
+    ) -> types.CallToolResult:
+        """The answer to the write whose step ``step_id`` waited for its approval when
+        saga_abort came (that abort goes on beside it): the step's outcome as the
+        ledger gives it; normally the coordinator withdrew the request, so the step
+        did not run."""
+        try:
+            value = await _outcome(saga, step_id, call, True)
+        except SagaUnwinding as exc:  # the request withdrawn: the step never ran
+            return _text(
+                f"saga_abort was called while {name} (step {step_id}) waited for a"
+                f" person's approval: the saga {saga.saga_id} was aborted, so {name} did"
+                f" not run and will not ({exc}); the earlier effects are undone; read"
+                f" {RECEIPT_URI}.",
+                error=True,
+            )
+        except ApprovalPending as exc:  # the abort has not reached the coordinator
+            if self.session.saga is saga:
+                self.session.awaiting.append(step_id)
+                self.session.save()
+            return _awaiting(saga, step_id, f"saga_abort was called meanwhile: {exc}")
+        except SagaCallError as exc:  # decided before the abort (denied, failed)
+            return _text(
+                f"{name} (step {step_id}) did not run: {exc}. saga_abort was called"
+                f" meanwhile: the saga {saga.saga_id} was aborted; read {RECEIPT_URI}.",
+                error=True,
+            )
+        # Approved (by `sagaline approve`) before the abort reached the coordinator.
+        return _text(
+            f"{name} (step {step_id}) ran: it was approved before saga_abort reached the"
+            f" coordinator. It is IRREVERSIBLE, so the abort of saga {saga.saga_id} does"
+            f" not undo it; read {RECEIPT_URI}. Its result: {json.dumps(value)}",
+            error=True,
+        )
 
     def _check_plan(self, args: dict[str, Any]) -> types.CallToolResult:
         try:
@@ -1095,6 +1185,8 @@ class McpProxy:
                 self.session.awaiting.append(step_id)
                 self.session.save()
                 return outcome
+            if isinstance(outcome, _AbortedWhileAsking):
+                return await self._aborted_while_asking(saga, name, step_id, call)
             granted = outcome
         try:
             value = await _outcome(saga, step_id, call, granted)
@@ -1226,12 +1318,12 @@ class McpProxy:
         saga: Saga,
         step_id: str,
         call: asyncio.Future[Any],
-    ) -> types.CallToolResult | bool:
+    ) -> types.CallToolResult | bool | _AbortedWhileAsking:
         """An IRREVERSIBLE step: ask the person through elicitation if the client can,
         else answer "awaiting approval" (the saga stays open). A call that ends first
         (refused or never written, so no approval will be asked) is answered at once.
         Otherwise whether the person granted the approval through the client (the
-        call's outcome is awaited next)."""
+        call's outcome is awaited next), or that saga_abort came while asking."""
         asking = asyncio.ensure_future(saga.aapproval_request(step_id, self.approval_wait_s))
         await asyncio.wait({call, asking}, return_when=asyncio.FIRST_COMPLETED)
         if not asking.done():
@@ -1265,8 +1357,9 @@ class McpProxy:
         request: Any,
         channel: Any,
         who: str,
-    ) -> types.CallToolResult | bool:
-        """Ask the person through the client and record the answer as ``who``."""
+    ) -> types.CallToolResult | bool | _AbortedWhileAsking:
+        """Ask the person through the client and record the answer as ``who``; not
+        when saga_abort came meanwhile (the question is withdrawn)."""
         from sagaline.ops.actions import OperatorActionError, deny_approval, grant_approval
 
         try:
@@ -1281,10 +1374,13 @@ class McpProxy:
                 f"approval {request.approval_id} requested; it cannot be decided through"
                 f" the client: {exc}",
             )
+        asking = _Asking(saga, step_id)
+        self._asking = asking
         try:
             # Bounded: an answer that never comes (and a client that never cancels the
-            # call) would hold the session's lock, and every later call, for good.
-            answer = await asyncio.wait_for(
+            # call) would hold the session's lock, and every later write, for good.
+            answer = await _unless(
+                asking.aborted,
                 ctx.session.elicit_form(
                     f"Approve the IRREVERSIBLE call {request.step_id} of saga {saga.saga_id}?"
                     " It cannot be undone.",
@@ -1296,6 +1392,8 @@ class McpProxy:
                 ),
                 self.approval_wait_s,
             )
+        except _Stopped:  # saga_abort: not asked any more, whatever the person answers
+            return _ABORTED_WHILE_ASKING
         except TimeoutError:
             log.warning("saga %s: no answer to the approval asked through the client", saga.saga_id)
             _forget(call)
@@ -1314,6 +1412,9 @@ class McpProxy:
                 f"approval {request.approval_id} requested; asking through the client"
                 f" failed: {exc}",
             )
+        finally:
+            if self._asking is asking:
+                self._asking = None
         granted = answer.action == "accept" and (answer.content or {}).get("approve") is True
         try:
             if granted:
@@ -1546,6 +1647,30 @@ async def _outcome(saga: Saga, step_id: str, call: asyncio.Future[Any], granted:
         if not granted:
             raise
         return await saga.aresume(step_id)
+
+
+class _Stopped(Exception):
+    """:func:`_unless`'s wait was stopped by its event."""
+
+
+async def _unless(stop: asyncio.Event, awaitable: Any, timeout_s: float) -> Any:
+    """``awaitable``'s result, within ``timeout_s`` (else TimeoutError); :class:`_Stopped`
+    as soon as ``stop`` is set (checked first: a result that came at the same time is
+    not taken). The awaitable is cancelled when it is not the answer."""
+    work = asyncio.ensure_future(awaitable)
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({work, stopping}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this wait is cancelled
+        stopping.cancel()
+        if stop.is_set() or not work.done():
+            work.cancel()
+    if stop.is_set():
+        _forget(work)
+        raise _Stopped
+    if not work.done():
+        raise TimeoutError
+    return work.result()
 
 
 def _forget(call: asyncio.Future[Any]) -> None:
