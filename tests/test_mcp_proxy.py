@@ -2412,6 +2412,59 @@ def test_saga_commit_while_a_write_waits_for_its_approval_through_the_client_is_
     assert world.state()["emails"] == [{"to": "bob@example.com", "body": "x"}]
 
 
+def test_a_write_cancelled_while_its_step_awaits_approval_is_remembered_as_awaiting_R7(
+    tmp_path: Path,
+) -> None:
+    """The MCP client cancels an IRREVERSIBLE write while its person is asked (a
+    client's own request timeout, often 60 s, is shorter than a person's answer). The
+    step stays on the ledger waiting for its approval, but the session did not
+    remember it as awaiting: the next write was not refused, it was scheduled behind
+    that step and waited out the client's call timeout, then was answered "awaiting
+    approval" as if it were the IRREVERSIBLE one. The step is remembered (on disk too)
+    and the next write is refused at once, nothing called, naming it."""
+    from types import SimpleNamespace
+
+    asked = asyncio.Event()
+
+    async def elicit_form(message: str, schema: Any) -> Any:
+        asked.set()
+        await asyncio.Event().wait()  # the person has not answered yet
+
+    ctx = SimpleNamespace(
+        session=SimpleNamespace(
+            client_capabilities=SimpleNamespace(elicitation=object()),
+            client_params=None,
+            elicit_form=elicit_form,
+        )
+    )
+    client = AwaitingClient()
+    proxy = _fake_proxy(tmp_path, client)
+
+    def params(name: str, args: dict[str, Any]) -> types.CallToolRequestParams:
+        return types.CallToolRequestParams(name=name, arguments=args)
+
+    async def cancel_the_write() -> None:
+        write = asyncio.ensure_future(
+            proxy._call_tool(ctx, params("send_email", {"to": "a", "body": "b"}))
+        )
+        await asyncio.wait_for(asked.wait(), 120)
+        write.cancel()  # what the MCP server does on notifications/cancelled
+        with suppress(asyncio.CancelledError):
+            await write
+
+    asyncio.run(cancel_the_write())
+    assert proxy.session.awaiting == ["01-send_email"], proxy.session.awaiting
+    saved = json.loads(proxy.session.path.read_text())
+    assert saved["awaiting"] == ["01-send_email"], saved
+    try:
+        refused = _call(proxy, "create_ticket", {"title": "t"})
+    finally:
+        client.sagas[0].let_go()
+    assert refused.is_error and "01-send_email" in _text(refused), _text(refused)
+    assert "nothing was called" in _text(refused), _text(refused)
+    assert client.sagas[0].calls == ["01-send_email"]
+
+
 # ------------------------------------------------------------- upstreams that go away
 
 

@@ -1345,6 +1345,15 @@ class McpProxy:
         channel = OperatorChannel.from_settings(self.settings, self.client.bootstrap)
         try:
             return await self._ask(ctx, saga, step_id, call, request, channel, who)
+        except asyncio.CancelledError:
+            # The request was cancelled (an MCP client's own request timeout is often
+            # shorter than a person's answer) while the person was asked: the step
+            # still waits for its approval on the ledger. Remembered as such, so the
+            # next write is refused at once instead of waiting behind it unawares.
+            if self.session.saga is saga and step_id not in self.session.awaiting:
+                self.session.awaiting.append(step_id)
+                self.session.save()
+            raise
         finally:
             channel.close()
 
