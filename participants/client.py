@@ -44,6 +44,7 @@ from participants.readiness import (
     coordinator_group,
     group_status,
     no_coordinator_message,
+    participant_group,
     require_coordinator,
 )
 from sagaline.kafka import (
@@ -652,6 +653,10 @@ class SagaClient:
         self._coordinator_check_lock = threading.Lock()
         self._coordinator_checking: concurrent.futures.Future[None] | None = None
         self._coordinator_checked: tuple[float, GroupStatus | None] | None = None
+        # Each participant's consumer group as last asked (after a call without an
+        # outcome): participant -> (when, status); one check under way at a time.
+        self._participant_lock = threading.Lock()
+        self._participants_checked: dict[str, tuple[float, GroupStatus | None]] = {}
         self.sealer = settings.sealer()
         self._local = local
         self._stop = threading.Event()
@@ -940,6 +945,27 @@ class SagaClient:
             except ConnectionError:  # a broker is away: the caller says what is known
                 status = None
             self._coordinator_checked = (time.monotonic(), status)
+            return status
+
+    def participant_status(self, participant: str) -> GroupStatus | None:
+        """The consumer group of ``participant``'s runtime (the one serving
+        ``sagaline.commands.<participant>``) as the broker reports it, or None when
+        the broker cannot say. Asked, as :meth:`coordinator_status`, only after a call
+        ended without an outcome, and shared the same way: one check per participant,
+        whose answer serves for ``coordinator_check_max_age_s``."""
+        with self._participant_lock:
+            checked = self._participants_checked.get(participant)
+            if checked is not None and time.monotonic() - checked[0] < (
+                self.coordinator_check_max_age_s
+            ):
+                return checked[1]
+            try:
+                status: GroupStatus | None = group_status(
+                    self.bootstrap, participant_group(self.settings, participant)
+                )
+            except ConnectionError:  # a broker is away: the caller says what is known
+                status = None
+            self._participants_checked[participant] = (time.monotonic(), status)
             return status
 
     def contract(self, tool: str) -> StepContract:
@@ -2166,6 +2192,7 @@ class Saga:
             if status is not None and not status.consuming:
                 raise CoordinatorNotRunning(no_coordinator_message(self.client.settings, status))
             note = self.client._ledger.unreadable_note(self.saga_id)
+            note += self._participant_note(contract)
             if state["unknown"]:
                 raise OutcomeUnknown(
                     f"{contract.tool} timed out and is not reconciled yet{note}", **where
@@ -2177,6 +2204,32 @@ class Saga:
         if kind == "err":
             raise value
         return value
+
+    def _participant_note(self, contract: StepContract) -> str:
+        """For an outcome that did not come: whether a process of the step's
+        participant runs (its consumer group has a member), as the broker says; ""
+        when it cannot say. The outcome stays unknown either way: a step not run yet
+        runs once its participant starts."""
+        status = self.client.participant_status(contract.participant)
+        if status is None:
+            return ""
+        who = f"participant {contract.participant!r}"
+        if status.consuming:
+            return (
+                f"; {who} is running ({status.members} member(s) in consumer group "
+                f"`{status.group}`), so the step may be slow or waiting its turn"
+            )
+        hidden = (
+            " (or the broker hides the group from this agent: it lacks Describe on it)"
+            if status.state == "DEAD"
+            else ""
+        )
+        return (
+            f"; no member of {who}'s consumer group `{status.group}` is running "
+            f"({status.state}){hidden}: start the service that serves "
+            f"`{self.client.topics.commands(contract.participant)}`; the step may still "
+            f"run when it starts (resume() waits for it)"
+        )
 
 
 def _is_text(value: object) -> bool:

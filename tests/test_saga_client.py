@@ -1255,7 +1255,61 @@ def test_many_calls_without_an_outcome_share_one_check_of_the_coordinator(
         await asyncio.gather(*(agent(n) for n in range(20)))
 
     asyncio.run(agents())
-    assert len(asked) == 1
+    # One check of the coordinator's group and one of the step's participant's.
+    assert sorted(asked) == sorted(
+        {
+            readiness.coordinator_group(system.settings),
+            readiness.participant_group(system.settings, "desk"),
+        }
+    )
+
+
+def test_a_call_to_a_participant_nobody_runs_says_so_and_its_step_still_runs_later_R11(
+    local: tuple[System, Desk],
+) -> None:
+    """A call to a tool whose participant no service runs waited out its whole timeout
+    and raised ``OutcomeUnknown: no outcome for book_slot within 2 s``, no hint of
+    why. On that timeout the client asks the broker about the participant's consumer
+    group (as it does about the coordinator's) and names it; the outcome stays
+    unknown: once the participant starts, the step runs and resume() gets it."""
+    system, _desk = local
+    desk2 = wrap(Desk(), name="desk2")
+    ensure_topics(system.bootstrap, system.topics, ["desk2"], 2)
+    client = SagaClient(system.settings, system.bootstrap, catalogues=[desk2]).start()
+    try:
+        with client.saga("desk2", "agent") as saga:
+            with pytest.raises(OutcomeUnknown) as raised:
+                saga.call("book_slot", day="mon", timeout_s=2)
+            message = str(raised.value)
+            assert "no outcome for book_slot within 2 s" in message
+            assert "no member of participant 'desk2'" in message
+            assert readiness.participant_group(system.settings, "desk2") in message
+            assert "may still run" in message
+            system.start_participant(desk2)
+            assert saga.resume("01-book_slot") == {"slot": "slot-mon"}
+        assert saga.wait(60).status is TerminalStatus.COMPLETED
+    finally:
+        client.close()
+
+
+def test_a_call_without_an_outcome_says_its_participant_is_running(
+    local: tuple[System, Desk], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The participant's group has a member (the client's own local tools here): the
+    unknown outcome says the participant is running, so the wait is not its absence."""
+    system, _desk = local
+
+    async def no_outcome(*_: object) -> None:
+        return None  # as a wait that timed out
+
+    monkeypatch.setattr(system.client._ledger, "wait_for_async", no_outcome)
+
+    async def agent() -> None:
+        async with system.client.saga("desk", "agent") as saga:
+            await saga.call("book_slot", day="fri")
+
+    with pytest.raises(OutcomeUnknown, match=r"participant 'desk' is running \(1 member"):
+        asyncio.run(agent())
 
 
 def test_a_new_saga_under_the_id_of_one_that_ended_is_refused_not_answered_by_the_old_one(
