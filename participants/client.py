@@ -1256,7 +1256,8 @@ class Saga:
         self._secret_args: list[tuple[Mapping[str, Any], tuple[str, ...]]] = []
         # The end this object asked for (end(), or leaving the block): no step after it.
         self._end_requested: SagaOutcome | None = None
-        # Whether the broker acknowledged that end: leaving the block writes no other
+        # Whether the broker acknowledged that end, or it is queued and its wait was
+        # interrupted (Ctrl-C, a cancelled task): leaving the block writes no other
         # (the coordinator keeps the first end asked for and dead-letters a second).
         self._end_written = False
         self._receipt: Receipt | None = None
@@ -1401,6 +1402,9 @@ class Saga:
                 timeout_s=self.client.call_timeout_s,
             )
             self._end_written = True
+        except BaseException as exc:
+            self._end_written = _interrupted(exc)  # queued: it lands, no second end
+            raise
         finally:  # also when interrupted while waiting: the end is still queued
             self.client._ledger.release(self.saga_id)  # ended: nothing left to resume
             self.client._left(self.saga_id)
@@ -1935,6 +1939,9 @@ class Saga:
                 timeout_s=self.client.call_timeout_s,
             )
             self._end_written = True
+        except BaseException as exc:
+            self._end_written = _interrupted(exc)  # queued: it lands, no second end
+            raise
         finally:  # cancelled while awaited, the end is still queued: let the saga go
             self.client._ledger.release(self.saga_id)
             if self.client._block_left(self.saga_id):
@@ -2241,6 +2248,14 @@ def _is_text(value: object) -> bool:
     except UnicodeEncodeError:  # a lone surrogate (a bad decode upstream)
         return False
     return True
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """Whether ``exc``, raised out of the wait for a record's acknowledgement, is an
+    interruption of the wait (KeyboardInterrupt, a cancelled task, SystemExit), not a
+    verdict on the record: it is queued and reaches the ledger as ever. An error
+    (DeliveryFailed: not acknowledged, it may or may not be in the log) is not."""
+    return not isinstance(exc, Exception)
 
 
 def _waits_for_a_person(exc: BaseException) -> bool:

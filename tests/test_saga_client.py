@@ -1035,6 +1035,51 @@ def test_a_block_left_after_its_saga_was_ended_writes_no_second_end_R16(
     assert desk.log == ["book:mon", "free:slot-mon", "book:tue", "free:slot-tue"]
 
 
+def test_an_end_interrupted_while_awaited_is_followed_by_no_second_end_R16(
+    local: tuple[System, Desk], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``saga.end(COMPLETE)`` interrupted (Ctrl-C; a cancelled task) while it waited for
+    the broker: the end is queued and lands, yet leaving the block by the interrupt
+    wrote an ABORT after it (and waited for it), which the coordinator refuses to the
+    DLQ (``invalid-transition``: the first end asked for counts). Now the block writes
+    nothing more, sync and async; the saga completes as asked."""
+    system, desk = local
+    writer = system.client._writer
+    sync_append, async_append = writer.append, writer.append_async
+
+    def interrupted(record: Record, *, timeout_s: float = 30.0) -> None:
+        sync_append(record, timeout_s=timeout_s)  # it lands; the wait is interrupted
+        if isinstance(record, SagaEndRequested):
+            raise KeyboardInterrupt
+
+    async def cancelled(record: Record, *, timeout_s: float = 30.0) -> None:
+        await async_append(record, timeout_s=timeout_s)
+        if isinstance(record, SagaEndRequested):
+            raise asyncio.CancelledError
+
+    monkeypatch.setattr(writer, "append", interrupted)
+    monkeypatch.setattr(writer, "append_async", cancelled)
+    saga = system.client.saga("desk", "agent")
+    with pytest.raises(KeyboardInterrupt), saga:
+        saga.call("book_slot", day="mon")
+        saga.end(SagaOutcome.COMPLETE)
+    asaga = system.client.saga("desk", "agent")
+
+    async def agent() -> None:
+        async with asaga as running:
+            await running.call("book_slot", day="tue")
+            await running.end(SagaOutcome.COMPLETE)
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(agent())
+    for ended in (saga, asaga):
+        ends = [r for r in system.records(ended.saga_id) if isinstance(r, SagaEndRequested)]
+        assert [r.outcome for r in ends] == [SagaOutcome.COMPLETE]
+        assert ended.wait(60).status is TerminalStatus.COMPLETED
+        assert [h for k, h in system.dlq() if k == ended.saga_id.encode()] == []
+    assert desk.log == ["book:mon", "book:tue"]
+
+
 def test_a_call_cancelled_while_its_step_was_being_acknowledged_can_be_resumed(
     local: tuple[System, Desk], monkeypatch: pytest.MonkeyPatch
 ) -> None:
