@@ -43,6 +43,7 @@ again; a batch takes them out and only its commit puts them back.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 import signal
@@ -104,6 +105,7 @@ from sagaline.kafka import (
     readable_headers,
     watermarks,
 )
+from sagaline.kafka._claims import InstanceClaimed, claim_member, release_member
 from sagaline.kafka._groups import PartitionMoves
 from sagaline.kafka._topics import (
     command_topic_participants,
@@ -481,7 +483,36 @@ class Coordinator:
     ) -> None:
         """The loop. ``until`` lets tests and benchmarks stop it on a condition;
         ``ready`` is set once it serves (joined to its group, its first assignment
-        restored): what it raises before that is a failure to start."""
+        restored): what it raises before that is a failure to start.
+
+        First this machine's claim on the coordinator's static group member (its
+        ``group.instance.id``, also its ``transactional.id``) is taken, and held until
+        ``run`` returns (or the process ends): a second coordinator with the same
+        instance id on the same broker, of this process or another, would fence this
+        one, so it is refused at once with :class:`InstanceClaimed` naming the holder's
+        pid."""
+        member = f"{self.group_id}-{self.instance_id}"
+        try:
+            claim = claim_member(self.bootstrap, member, functools.partial(self._refusal, member))
+        except InstanceClaimed:
+            self._sender.shutdown()  # what the constructor opened: nothing will use it
+            self._consumer.close()
+            raise
+        try:
+            self._run(until, ready)
+        finally:
+            release_member(claim)
+
+    def _refusal(self, member: str, holder: str, path: str) -> str:
+        return (
+            f"coordinator {self.instance_id!r} is already running on {self.bootstrap} in"
+            f" {holder} (lock {path}): a second coordinator with the same static group"
+            f" member and transactional id {member!r} would fence the first. Stop that one"
+            " first, or give each coordinator its own instance id (`sagaline coordinator"
+            " run --instance-id ID`, Coordinator(instance_id=...))"
+        )
+
+    def _run(self, until: Callable[[], bool] | None, ready: threading.Event | None) -> None:
         self._ready = ready
         self._join()
         self._serving = True  # before the line saying so (health() also waits to join)

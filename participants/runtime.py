@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import heapq
 import logging
 import os
@@ -75,6 +76,7 @@ from sagaline.kafka import (
     raise_if_fatal,
     watermarks,
 )
+from sagaline.kafka._claims import InstanceClaimed, claim_member, release_member
 from sagaline.kafka._groups import PartitionMoves
 from sagaline.kafka._topics import topic_retention
 from schemas import (
@@ -2478,6 +2480,39 @@ class ParticipantRuntime:
         self._work.hurry()
 
     def run(self, *, ready: threading.Event | None = None) -> None:
+        """Serve the command topic until :meth:`stop`; ``ready`` is set once it serves.
+
+        First this machine's claim on the runtime's static group member (its
+        ``group.instance.id``) is taken, and held until ``run`` returns (or the
+        process ends): a second runtime of the participant with the same instance id
+        on the same broker, of this process or another, would fence this one (and be
+        fenced back), so it is refused at once with :class:`InstanceClaimed` naming
+        the holder's pid."""
+        group = f"{self.topics.prefix}sagaline-participant-{self.participant}"
+        member = f"{group}-{self.instance_id}"
+        try:
+            claim = claim_member(self.bootstrap, member, functools.partial(self._refusal, member))
+        except InstanceClaimed:
+            # What the constructor opened, as the loop's end closes it: nothing will use it.
+            self.handler.close()
+            self._writer.close()
+            self.journal.close()
+            raise
+        try:
+            self._run(group, member, ready)
+        finally:
+            release_member(claim)
+
+    def _refusal(self, member: str, holder: str, path: str) -> str:
+        return (
+            f"participant {self.participant!r} (instance id {self.instance_id!r}) is already"
+            f" served on {self.bootstrap} by {holder} (lock {path}): a second runtime with"
+            f" the same static group member {member!r} would fence the first. Stop that one"
+            " first, or give each replica its own instance id (`sagaline participant run"
+            " NAME --instance-id ID`, ParticipantRuntime(instance_id=...))"
+        )
+
+    def _run(self, group: str, member: str, ready: threading.Event | None) -> None:
         ensure_topics(
             self.bootstrap,
             self.topics,
@@ -2487,13 +2522,10 @@ class ParticipantRuntime:
         )
         keep_ms = journal_keep_ms(self.bootstrap, self._command_topic, self.journal_keep_setting)
         self.pruning = None if keep_ms is None else JournalPruning(self.journal, keep_ms)
-        group = f"{self.topics.prefix}sagaline-participant-{self.participant}"
         poll_interval_s = _max_poll_interval_s(self.bootstrap, group)
         pause_after_s = poll_interval_s / 2
         self.revoke_drain_bound_s = _revoke_drain_bound_s(self.revoke_drain_s, poll_interval_s)
-        consumer = create_consumer(
-            self.bootstrap, group, **{"group.instance.id": f"{group}-{self.instance_id}"}
-        )
+        consumer = create_consumer(self.bootstrap, group, **{"group.instance.id": member})
 
         # A command poll() returned before a rebalance that moved its partition is left
         # to the partition's owner, which reads it from the committed offset.

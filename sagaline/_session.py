@@ -9,19 +9,22 @@ does exactly that, against the configured broker, and stops all of it on exit.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-import os
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, suppress
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from participants.catalogue import Catalogue, wrap
 from participants.client import ENDED_SAGAS_KEPT, SagaClient
 from participants.runtime import ParticipantRuntime
-from sagaline.kafka import KafkaError, KafkaException, create_admin, ensure_topics
+from sagaline.kafka import (
+    InstanceClaimed,
+    KafkaError,
+    KafkaException,
+    create_admin,
+    ensure_topics,
+)
 from schemas.settings import Settings
 
 log = logging.getLogger("sagaline.connect")
@@ -52,9 +55,10 @@ def connect(
       (each served under its own name), and/or participant objects and plain
       functions, wrapped together as one catalogue
       called ``name`` (checked by ``wrap()``: a bad declaration fails here). A
-      participant name another session on this machine serves on the same broker
-      address and topic prefix (of this process or another: the two runtimes would
-      fence each other) is refused with :class:`StartError`.
+      participant name another session or runtime on this machine serves on the same
+      broker address and topic prefix with the participant's name as instance id (of
+      this process or another, e.g. `sagaline participant run`: the two runtimes
+      would fence each other) is refused with :class:`StartError`.
     - ``coordinator``: also run a coordinator in this process. For development and
       tests; in production run ``sagaline coordinator run`` (the client then checks
       that one is consuming, and says what to start if not). Sessions of one process
@@ -99,14 +103,9 @@ def connect(
         if coordinator:
             shared.enter_context(_coordinator(settings, bootstrap))
         for catalogue in catalogues:
-            # Its static group member (the participant's name as instance id) is
-            # claimed first: a twin in another session would fence it, or be fenced.
-            lock = _claim(
-                bootstrap,
-                f"{settings.topic_prefix}sagaline-participant-{catalogue.name}-{catalogue.name}",
-                functools.partial(_served_elsewhere, catalogue.name, bootstrap),
-            )
-            shared.callback(_release, lock)
+            # The runtime claims its static group member (the participant's name as
+            # instance id) as it starts: a twin in another session, or a `participant
+            # run` of it on this machine, would fence it, or be fenced.
             runtime = ParticipantRuntime(catalogue, settings, bootstrap, instance_id=catalogue.name)
             stoppers.append(runtime)
             _start(
@@ -115,6 +114,7 @@ def connect(
                 f"participant {catalogue.name!r} did not start serving"
                 f" {settings.topics.commands(catalogue.name)}",
                 threads,
+                functools.partial(_served_elsewhere, catalogue.name, bootstrap),
             )
         client = SagaClient(
             settings,
@@ -186,10 +186,9 @@ def _require_broker(bootstrap: str) -> None:
 class _Running:
     """A coordinator a session started, and how many sessions use it."""
 
-    def __init__(self, core: Any, thread: threading.Thread, lock: int) -> None:
+    def __init__(self, core: Any, thread: threading.Thread) -> None:
         self.core = core
         self.thread = thread
-        self.lock = lock  # the machine-wide claim on its instance id (_claim)
         self.users = 0
 
 
@@ -197,7 +196,8 @@ class _Running:
 # A second one would have the same static member and transactional id, and fence the
 # first (whose thread dies on _FENCED); the first session, once the second ended,
 # would be left with none. Held while one starts or stops (a session waits for it).
-# Another process's is refused by _claim, for the same reason.
+# Another process's is refused by the coordinator's own claim on its instance id
+# (``sagaline.kafka.InstanceClaimed``), for the same reason.
 _coordinators: dict[tuple[str, str], _Running] = {}
 _coordinators_lock = threading.Lock()
 
@@ -212,12 +212,17 @@ def _coordinator(settings: Settings, bootstrap: str) -> Iterator[None]:
         if running is None or not running.thread.is_alive():
             from coordinator.shell import Coordinator
 
-            # Held by this process while its coordinator runs (a dead one's is kept
-            # for its replacement); released when the last session ends.
-            lock = (
-                _claim(
-                    bootstrap,
-                    f"{settings.topic_prefix}sagaline-coordinator-dev-coordinator",
+            # A stable instance id: a restarted development process takes its
+            # partitions back at once (static membership). The coordinator claims it
+            # on this machine while it runs: another process's is refused.
+            core = Coordinator(settings, bootstrap, instance_id="dev-coordinator")
+            threads: list[threading.Thread] = []
+            try:
+                _start(
+                    core.run,
+                    "sagaline-coordinator",
+                    f"the coordinator did not start consuming {settings.topics.events}",
+                    threads,
                     lambda holder, path: (
                         f"sagaline.connect: {holder} runs the development coordinator"
                         f" of {settings.topics.events} on {bootstrap} (lock {path}); a"
@@ -227,34 +232,13 @@ def _coordinator(settings: Settings, bootstrap: str) -> Iterator[None]:
                         " connect every process with coordinator=False"
                     ),
                 )
-                if running is None
-                else running.lock
-            )
-            try:
-                # A stable instance id: a restarted development process takes its
-                # partitions back at once (static membership).
-                core = Coordinator(settings, bootstrap, instance_id="dev-coordinator")
-            except BaseException:
-                if running is None:
-                    _release(lock)
-                raise
-            threads: list[threading.Thread] = []
-            try:
-                _start(
-                    core.run,
-                    "sagaline-coordinator",
-                    f"the coordinator did not start consuming {settings.topics.events}",
-                    threads,
-                )
             except BaseException:
                 core.stop()
                 for thread in threads:
                     thread.join(30)
-                if running is None:
-                    _release(lock)
                 raise
             if running is None:
-                running = _coordinators[key] = _Running(core, threads[0], lock)
+                running = _coordinators[key] = _Running(core, threads[0])
             else:
                 # A dead one is replaced in place: the sessions that used it use this
                 # one, and it stops with the last of them, not with this session.
@@ -269,7 +253,6 @@ def _coordinator(settings: Settings, bootstrap: str) -> Iterator[None]:
                 del _coordinators[key]
                 running.core.stop()
                 running.thread.join(30)
-                _release(running.lock)
 
 
 def _served_elsewhere(name: str, bootstrap: str, holder: str, path: str) -> str:
@@ -281,67 +264,20 @@ def _served_elsewhere(name: str, bootstrap: str, holder: str, path: str) -> str:
     )
 
 
-def _claim(bootstrap: str, member: str, refusal: Callable[[str, str], str]) -> int:
-    """Lock this machine's claim on the static group member ``member`` (a group and
-    instance id; the coordinator's transactional id is derived from it too) of
-    ``bootstrap`` and return the descriptor; closing it, or the process ending however
-    it ends, lets go, so a restarted process takes the id back at once (and fences
-    its dead predecessor's transaction). :class:`StartError` with ``refusal(holder,
-    lock path)`` when another session, of this process or another, holds it: a
-    second client with that member id would fence the first."""
-    import fcntl
-
-    digest = hashlib.sha256(f"{bootstrap}\0{member}".encode()).hexdigest()[:16]
-    path = os.path.join(tempfile.gettempdir(), f"sagaline-{os.getuid()}-member-{digest}")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        pid = os.read(fd, 64).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        holder = "this process" if pid == str(os.getpid()) else f"another process (pid {pid})"
-        raise StartError(refusal(holder, path)) from None
-    except BaseException:
-        os.close(fd)
-        raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    _claims.add(fd)
-    return fd
-
-
-# The descriptors of this process's claims (_claim). A child forked while one is held
-# (a multiprocessing pool with the fork start method) would inherit it, and with it
-# the flock: the claim would outlive the session that ended, refusing the next one
-# ("already served by this process") while the child lived. The child closes its
-# copies at once; the parent's still hold the lock.
-_claims: set[int] = set()
-
-
-def _release(fd: int) -> None:
-    """Let go of a claim :func:`_claim` returned."""
-    _claims.discard(fd)
-    os.close(fd)
-
-
-def _forget_claims() -> None:
-    for fd in list(_claims):
-        with suppress(OSError):
-            os.close(fd)
-    _claims.clear()
-
-
-os.register_at_fork(after_in_child=_forget_claims)
-
-
 def _start(
-    run: Callable[..., None], name: str, failure: str, threads: list[threading.Thread]
+    run: Callable[..., None],
+    name: str,
+    failure: str,
+    threads: list[threading.Thread],
+    refusal: Callable[[str, str], str],
 ) -> None:
     """Run ``run(ready=...)`` in a daemon thread (added to ``threads``, joined at the
     session's end) and return once it serves. Raises
     :class:`StartError` (``failure``, and why) as soon as it ends before serving,
     not after the whole start timeout; once it served, its end is logged: nothing
-    else in the session would say that what it served is gone."""
+    else in the session would say that what it served is gone. Refused because
+    another client on this machine holds its instance id (:class:`InstanceClaimed`),
+    the :class:`StartError` says ``refusal(holder, lock path)``."""
     ready = threading.Event()
     failed: list[BaseException] = []
 
@@ -360,6 +296,8 @@ def _start(
     threads.append(thread)
     if not ready.wait(_START_TIMEOUT_S):
         raise StartError(f"{failure} within {_START_TIMEOUT_S:.0f} s")
+    if failed and isinstance(failed[0], InstanceClaimed):
+        raise StartError(refusal(failed[0].holder, failed[0].path)) from None
     if failed:
         raise StartError(f"{failure}: {type(failed[0]).__name__}: {failed[0]}") from failed[0]
     if not thread.is_alive():

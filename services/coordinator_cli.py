@@ -183,7 +183,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     import threading
 
     from coordinator.shell import Coordinator
-    from sagaline.kafka import KafkaException, TopicSetupError, ensure_topics
+    from sagaline.kafka import InstanceClaimed, KafkaException, TopicSetupError, ensure_topics
     from sagaline.ops.metrics import CoordinatorMetrics, MetricsServerError, start_metrics_server
     from schemas.trust import TrustFileError
     from services.refund import economic_effect
@@ -213,7 +213,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             )
         coordinator.install_signal_handlers()
         coordinator.run(ready=ready)
-    except (TopicSetupError, TrustFileError, MetricsServerError) as exc:  # one line, no traceback
+    # one line, no traceback (a twin with this instance id: its pid, what to do)
+    except (TopicSetupError, TrustFileError, MetricsServerError, InstanceClaimed) as exc:
         print(f"coordinator run: {exc}", file=sys.stderr)
         return 2
     except KafkaException as exc:

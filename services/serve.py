@@ -22,6 +22,7 @@ from participants.catalogue import Catalogue
 from participants.runtime import JournalUnusable, ParticipantRuntime
 from sagaline.kafka import (
     DeliveryFailed,
+    InstanceClaimed,
     KafkaException,
     TopicSetupError,
     configured_broker,
@@ -172,7 +173,8 @@ def _cmd_participant_run(args: argparse.Namespace) -> int:
     ready = threading.Event()  # set once the loop serves: a failure before is a start's
     try:
         runtime.run(ready=ready)
-    except (TopicSetupError, JournalUnusable) as exc:  # the topics, the journal: one line
+    # the topics, the journal, a twin serving this instance id: one line
+    except (TopicSetupError, JournalUnusable, InstanceClaimed) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     except (KafkaException, DeliveryFailed) as exc:

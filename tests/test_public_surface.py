@@ -64,6 +64,7 @@ PUBLIC: dict[str, list[str]] = {
         "DeliveryFailed",
         "GroupInfo",
         "GroupNotAuthorized",
+        "InstanceClaimed",
         "KafkaConfigError",
         "KafkaError",
         "KafkaException",

@@ -33,6 +33,7 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient
 
+from sagaline.kafka._claims import InstanceClaimed
 from sagaline.kafka._clients import (
     BrokerNotConfigured,
     configured_broker,
@@ -73,6 +74,7 @@ __all__ = [
     "DeliveryFailed",
     "GroupInfo",
     "GroupNotAuthorized",
+    "InstanceClaimed",
     "KafkaConfigError",
     "KafkaError",
     "KafkaException",

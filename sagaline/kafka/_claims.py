@@ -1,0 +1,83 @@
+"""This machine's claims on static group members: one live client per member id.
+
+A participant runtime and the coordinator join their groups as static members
+(``group.instance.id``; the coordinator's ``transactional.id`` is the same string). A
+second client with the same member id on the same broker fences the first, which dies
+or flaps with a librdkafka error that says nothing of the twin. Each takes its claim
+here when it starts (:func:`claim_member`); a second one on this machine, of this
+process or another, is refused with :class:`InstanceClaimed` naming the holder's pid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Callable
+from contextlib import suppress
+
+__all__ = ["InstanceClaimed", "claim_member", "release_member"]
+
+
+class InstanceClaimed(RuntimeError):
+    """Another client on this machine holds the static group member: ``holder`` is
+    "this process" or "another process (pid N)", ``path`` the lock file."""
+
+    def __init__(self, message: str, holder: str, path: str) -> None:
+        super().__init__(message)
+        self.holder = holder
+        self.path = path
+
+
+def claim_member(bootstrap: str, member: str, refusal: Callable[[str, str], str]) -> int:
+    """Lock this machine's claim on the static group member ``member`` of ``bootstrap``
+    and return the descriptor; :func:`release_member`, or the process ending however it
+    ends, lets go, so a restarted process takes the id back at once (and fences its
+    dead predecessor's transaction). :class:`InstanceClaimed` with ``refusal(holder,
+    lock path)`` when another client, of this process or another, holds it."""
+    import fcntl
+
+    key = f"{bootstrap}\0{member}"
+    if bootstrap.startswith("memory://"):
+        key += f"\0{os.getpid()}"  # an in-process broker: another process's is another one
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    path = os.path.join(tempfile.gettempdir(), f"sagaline-{os.getuid()}-member-{digest}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid = os.read(fd, 64).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        holder = "this process" if pid == str(os.getpid()) else f"another process (pid {pid})"
+        raise InstanceClaimed(refusal(holder, path), holder, path) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _claims.add(fd)
+    return fd
+
+
+# The descriptors of this process's claims. A child forked while one is held (a
+# multiprocessing pool with the fork start method) would inherit it, and with it the
+# flock: the claim would outlive the runtime that stopped, refusing the next one
+# ("already running in this process") while the child lived. The child closes its
+# copies at once; the parent's still hold the lock.
+_claims: set[int] = set()
+
+
+def release_member(fd: int) -> None:
+    """Let go of a claim :func:`claim_member` returned."""
+    _claims.discard(fd)
+    os.close(fd)
+
+
+def _forget_claims() -> None:
+    for fd in list(_claims):
+        with suppress(OSError):
+            os.close(fd)
+    _claims.clear()
+
+
+os.register_at_fork(after_in_child=_forget_claims)

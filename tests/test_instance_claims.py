@@ -1,0 +1,190 @@
+"""One live client per static group member on this machine, whoever starts it.
+
+A participant runtime (its ``group.instance.id``) and the coordinator (the same string
+is its ``transactional.id``) claim their member as they start: a second one with the
+same id on the same broker, of this process or another (`sagaline participant run`
+twice, `sagaline coordinator run` twice, a runtime beside a ``connect()`` session),
+would fence the first, which dies or flaps with no word of its twin. Only
+``sagaline.connect()`` took that claim; every other way of starting one is refused now
+too, at once, naming the holder's pid and what to do. Real broker."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+import sagaline
+from coordinator.shell import Coordinator
+from participants import ParticipantRuntime, wrap
+from sagaline.kafka import ensure_topics
+from schemas.settings import Settings
+
+pytestmark = pytest.mark.kafka
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _release(reservation_id: str) -> None:
+    pass
+
+
+@sagaline.compensable(by=_release, args=lambda c: {"reservation_id": c.result})
+def reserve(flight: str) -> str:
+    """Reserve a seat."""
+    return f"r-{flight}"
+
+
+SEATS = wrap(reserve, name="seats")  # `participant run seats --catalogue` loads it
+
+
+def _settings(bootstrap: str, prefix: str, state: Path) -> Settings:
+    return Settings(bootstrap=bootstrap, topic_prefix=prefix, partitions=1, state_dir=state)
+
+
+class _Serving:
+    """``run(ready=...)`` in a thread; what it raised, if it ended."""
+
+    def __init__(self, run: object) -> None:
+        self.ready = threading.Event()
+        self.failed: list[BaseException] = []
+
+        def serve() -> None:
+            try:
+                run(ready=self.ready)  # type: ignore[operator]
+            except BaseException as exc:
+                self.failed.append(exc)
+            finally:
+                self.ready.set()
+
+        self.thread = threading.Thread(target=serve, name="claims-test", daemon=True)
+        self.thread.start()
+
+    def started(self) -> bool:
+        """Whether it serves (False: it ended before, ``failed`` says why)."""
+        assert self.ready.wait(120), "neither served nor failed"
+        return not self.failed
+
+
+def _cli(bootstrap: str, prefix: str, state: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "KAFKA_BOOTSTRAP_SERVERS": bootstrap,
+        "SAGALINE_TOPIC_PREFIX": prefix,
+        "SAGALINE_STATE_DIR": str(state),
+        "SAGALINE_PARTITIONS": "1",
+        "PYTHONPATH": str(ROOT),
+    }
+    # The timeout only ends a process that was not refused (it serves for ever).
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_a_second_runtime_of_a_participant_is_refused_until_the_first_stops(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    """Two ``ParticipantRuntime`` of one participant with the same instance id (two
+    threads of a service, a SagaClient's local tools beside a runtime): the second
+    joined as the same static member and they fenced each other. Now the second is
+    refused at once, naming this process and the instance id to change; the first
+    serves on, and once it stopped the next one starts."""
+    settings = _settings(kafka_bootstrap, unique_prefix, tmp_path / "state")
+    first = ParticipantRuntime(SEATS, settings, kafka_bootstrap)
+    one = _Serving(first.run)
+    assert one.started(), one.failed
+    try:
+        second = _Serving(ParticipantRuntime(SEATS, settings, kafka_bootstrap).run)
+        try:
+            assert not second.started(), "a second runtime of 'seats' started beside the first"
+        finally:
+            second.thread.join(30)
+        refused = second.failed[0]
+        assert isinstance(refused, sagaline.kafka.InstanceClaimed), repr(refused)
+        assert "'seats'" in str(refused) and "by this process" in str(refused), refused
+        assert "--instance-id" in str(refused), refused
+        assert first.health() is None and one.thread.is_alive()
+    finally:
+        first.stop()
+        one.thread.join(60)
+    assert not one.thread.is_alive()
+    third = ParticipantRuntime(SEATS, settings, kafka_bootstrap)
+    again = _Serving(third.run)
+    try:
+        assert again.started(), again.failed
+    finally:
+        third.stop()
+        again.thread.join(60)
+
+
+def test_participant_run_beside_a_runtime_of_the_participant_exits_naming_its_pid(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    """`sagaline participant run seats` on a machine where a runtime of ``seats``
+    already serves (a second terminal, a restart script that did not stop the old
+    one) fenced it: the two flapped, each serving nothing for long. Now it exits 2
+    with one line naming the holder's pid; the first serves on."""
+    settings = _settings(kafka_bootstrap, unique_prefix, tmp_path / "state")
+    runtime = ParticipantRuntime(SEATS, settings, kafka_bootstrap)
+    serving = _Serving(runtime.run)
+    assert serving.started(), serving.failed
+    try:
+        done = _cli(
+            kafka_bootstrap,
+            unique_prefix,
+            tmp_path / "other",
+            *("participant", "run", "seats", "--catalogue", "tests.test_instance_claims:SEATS"),
+        )
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr, done.stderr
+        assert f"another process (pid {os.getpid()})" in done.stderr, done.stderr
+        assert "--instance-id" in done.stderr, done.stderr
+        assert runtime.health() is None and serving.thread.is_alive()
+    finally:
+        runtime.stop()
+        serving.thread.join(60)
+
+
+def test_coordinator_run_beside_a_coordinator_with_its_instance_id_exits_naming_its_pid(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    """Two coordinators with one instance id on a machine (`sagaline coordinator run`
+    twice: the default id is $HOSTNAME) have the same static member and
+    transactional id: the second fenced the first, whose loop died on _FENCED. Now the
+    second exits 2 with one line naming the holder's pid; once the first stopped, a
+    coordinator with that id starts again."""
+    settings = _settings(kafka_bootstrap, unique_prefix, tmp_path / "state")
+    ensure_topics(kafka_bootstrap, settings.topics, [], 1)
+    first = Coordinator(settings, kafka_bootstrap, instance_id="claims-1")
+    serving = _Serving(first.run)
+    assert serving.started(), serving.failed
+    try:
+        done = _cli(
+            kafka_bootstrap,
+            unique_prefix,
+            tmp_path / "other",
+            *("coordinator", "run", "--instance-id", "claims-1"),
+        )
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr, done.stderr
+        assert f"another process (pid {os.getpid()})" in done.stderr, done.stderr
+        assert "--instance-id" in done.stderr, done.stderr
+        assert first.health() is None and serving.thread.is_alive()
+    finally:
+        first.stop()
+        serving.thread.join(60)
+    again = Coordinator(settings, kafka_bootstrap, instance_id="claims-1")
+    restarted = _Serving(again.run)
+    try:
+        assert restarted.started(), restarted.failed
+    finally:
+        again.stop()
+        restarted.thread.join(60)
