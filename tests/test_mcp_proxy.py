@@ -370,6 +370,43 @@ def test_a_second_proxy_for_the_same_participant_and_state_is_refused_not_sharin
     assert asyncio.run(restarted())["status"] == "NO_SAGA"
 
 
+def test_a_second_proxy_for_the_same_participant_with_its_own_state_is_refused_at_once(
+    world: World, tmp_path: Path
+) -> None:
+    """A second proxy for one participant with another state directory passed the
+    state lock, and its runtime joined as the first's static group member: the two
+    fenced each other's consumer (the first one's tools stopped being served, with no
+    word of why). It exits 2 at once now, naming the first proxy's pid; the first
+    serves on."""
+
+    def second() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "services.cli", "mcp", "proxy", str(world.declaration)],
+            env={**world.env, "SAGALINE_STATE_DIR": str(tmp_path / "other-state")},
+            cwd=str(ROOT),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    async def run() -> tuple[subprocess.CompletedProcess[str], int, types.CallToolResult]:
+        async with world.proxy() as session:
+            opened = await session.call_tool("create_ticket", {"title": "mine"})
+            assert not opened.is_error, _text(opened)
+            (pid,) = _proxy_pids()
+            refused = await asyncio.to_thread(second)
+            still = await session.call_tool("saga_commit", {})
+            return refused, pid, still
+
+    refused, pid, committed = asyncio.run(run())
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    assert f"another process (pid {pid})" in refused.stderr, refused.stderr[-2000:]
+    assert "already served" in refused.stderr, refused.stderr[-2000:]
+    assert json.loads(_text(committed))["status"] == "COMPLETED", _text(committed)
+
+
 def _free_port() -> int:
     import socket
 

@@ -88,7 +88,7 @@ from sagaline.agents.declaration import (
     check,
     load_declaration,
 )
-from sagaline.kafka import DeliveryFailed
+from sagaline.kafka import DeliveryFailed, InstanceClaimed
 from schemas.models import Reversibility, SagaOutcome
 from schemas.settings import Settings
 
@@ -740,7 +740,8 @@ def _claim_state(directory: Path, participant: str) -> int:
             f"a proxy for participant {participant!r} is already running (pid {holder})"
             f" with the state directory {directory}: the two would overwrite each other's"
             f" open saga in {directory / 'mcp-session.json'}. Stop it, or give this one"
-            " its own participant: (or its own SAGALINE_STATE_DIR)"
+            " its own participant: (another SAGALINE_STATE_DIR is no way out: its"
+            " participant runtime would fence this one's, as the same static group member)"
         ) from None
     except BaseException:
         os.close(fd)
@@ -1708,7 +1709,7 @@ def main(path: Path, *, check_only: bool = False) -> int:
     except (DeclarationError, CatalogueError) as exc:
         print(f"sagaline mcp proxy: refusing to start: {exc}", file=sys.stderr)
         return 1
-    except (UpstreamUnavailable, ProxyAlreadyRunning) as exc:
+    except (UpstreamUnavailable, ProxyAlreadyRunning, InstanceClaimed) as exc:
         print(f"sagaline mcp proxy: cannot start: {exc}", file=sys.stderr)
         return 2
 
@@ -1764,12 +1765,31 @@ async def _run(
     stack.callback(os.close, claim)
     runtime = ParticipantRuntime(catalogue, settings, bootstrap)
     ready = threading.Event()
-    thread = threading.Thread(target=runtime.run, kwargs={"ready": ready}, daemon=True)
+    failed: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            runtime.run(ready=ready)
+        except BaseException as exc:
+            if ready.is_set():
+                raise  # the loop's own end, after it served: its traceback is the report
+            failed.append(exc)  # a start that failed: said at once, not after the wait
+        finally:
+            ready.set()
+
+    thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     stack.callback(thread.join, 30)
     stack.callback(runtime.stop)
     if not await asyncio.to_thread(ready.wait, 120):
         raise RuntimeError(f"the participant runtime of {declaration.participant} did not start")
+    if failed:
+        if isinstance(failed[0], InstanceClaimed):
+            raise failed[0]  # a twin serves this participant: its pid, what to do
+        raise RuntimeError(
+            f"the participant runtime of {declaration.participant} did not start:"
+            f" {type(failed[0]).__name__}: {failed[0]}"
+        ) from failed[0]
     client = SagaClient(settings, bootstrap, catalogues=[catalogue])
     await asyncio.to_thread(client.start)
     stack.callback(client.close)
