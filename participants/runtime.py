@@ -1038,6 +1038,10 @@ class CommandHandler:
         self.on_journal_unusable: Callable[[JournalUnusable], None] | None = None
         self._metrics = metrics
         self._stopping = threading.Event()
+        # Commands waiting for a journal SQLite cannot write for now (_when_writable),
+        # with what SQLite said: /healthz says not ready while there are any.
+        self._journal_waits: dict[str, str] = {}
+        self._journal_waits_lock = threading.Lock()
         self._watchdog = _Watchdog(f"{participant}-deadlines")
         # Which accepted compensation a provider operation id is (complete_accepted):
         # read from the journal's accepted rows once, when first needed, and kept up
@@ -1210,27 +1214,47 @@ class CommandHandler:
 
     def _when_writable(self, command_id: str, write: Callable[[], None]) -> None:
         failing = False
-        while True:
-            try:
-                write()
-            except (RuntimeError, sqlite3.OperationalError) as exc:
-                if not journal_unwritable(exc) or self._stopping.is_set():
-                    raise
-                if not failing:
-                    failing = True
-                    log.error(
-                        "journal write failed (%s) on %s: command %s waits; trying again "
-                        "every %.0f s",
-                        _wait_reason(exc),
-                        self.journal.path,
-                        command_id,
-                        _JOURNAL_AGAIN_S,
-                    )
-                self._stopping.wait(_JOURNAL_AGAIN_S)
-                continue
+        try:
+            while True:
+                try:
+                    write()
+                except (RuntimeError, sqlite3.OperationalError) as exc:
+                    if not journal_unwritable(exc) or self._stopping.is_set():
+                        raise
+                    if not failing:
+                        failing = True
+                        with self._journal_waits_lock:
+                            self._journal_waits[command_id] = _wait_reason(exc)
+                        log.error(
+                            "journal write failed (%s) on %s: command %s waits; trying "
+                            "again every %.0f s",
+                            _wait_reason(exc),
+                            self.journal.path,
+                            command_id,
+                            _JOURNAL_AGAIN_S,
+                        )
+                    self._stopping.wait(_JOURNAL_AGAIN_S)
+                    continue
+                if failing:
+                    log.warning("journal writable again: command %s goes on", command_id)
+                return
+        finally:
             if failing:
-                log.warning("journal writable again: command %s goes on", command_id)
-            return
+                with self._journal_waits_lock:
+                    self._journal_waits.pop(command_id, None)
+
+    def journal_waiting(self) -> str | None:
+        """Why commands wait for the journal on tool threads (:meth:`_when_writable`),
+        or None: what ``/healthz`` says while SQLite cannot write it."""
+        with self._journal_waits_lock:
+            if not self._journal_waits:
+                return None
+            waiting = len(self._journal_waits)
+            reason = next(iter(self._journal_waits.values()))
+        return (
+            f"waiting for its command journal {self.journal.path} ({reason}): {waiting} "
+            "commands wait, none runs or is answered until it is written"
+        )
 
     def stop_waiting(self) -> None:
         """The runtime is stopping: background confirmations end, and a command
@@ -2458,7 +2482,8 @@ class ParticipantRuntime:
 
     def health(self) -> str | None:
         """None while the loop serves its command topic (subscribed, catalogue
-        published); else why not (``/healthz``)."""
+        published) and its commands are not waiting for a journal SQLite cannot write
+        for now (a full disk, an I/O error, a lock held); else why not (``/healthz``)."""
         if not self._running.is_set():
             return "stopping"
         if not self._serving:
@@ -2468,7 +2493,7 @@ class ParticipantRuntime:
                 "every tool thread is stuck in a call past its deadline: no command "
                 "starts until one returns (a restart drops them)"
             )
-        return None
+        return self._work.journal_waiting() or self.handler.journal_waiting()
 
     def stop_now(self) -> None:
         """Stop without waiting for running tools: their commands are given up as on a
@@ -3277,6 +3302,7 @@ class _CommandLoop:
         self._unwritten_at = 0.0
         self._journal_down = False  # since the last failed write, none succeeded
         self._unwritable_since = 0.0
+        self._unwritable_reason = ""  # what SQLite said at the last failed write
         self._nagged_at = 0.0
         self._unread_nagged_at = float("-inf")  # a journal lookup failing: last logged
         self._retries: list[tuple[float, int, Message]] = []
@@ -3363,6 +3389,7 @@ class _CommandLoop:
                     return
                 # R16: each command's record is dead-lettered; a journal unusable for
                 # good (damaged, read-only) stops the loop instead (_fail)
+                self._journal_down = False  # no command waits for it any more
                 for _row, job, _then in rows:
                     self._fail(job, exc)
                 continue
@@ -3393,6 +3420,7 @@ class _CommandLoop:
             self._abandon(rows, exc)
             return
         first = not self._journal_down
+        self._unwritable_reason = _wait_reason(exc)
         if first:
             self._journal_down = True
             self._unwritable_since = now
@@ -3408,6 +3436,18 @@ class _CommandLoop:
                 len(self._unwritten),
                 _JOURNAL_AGAIN_S,
             )
+
+    def journal_waiting(self) -> str | None:
+        """Why the loop's commands wait for the journal (:meth:`_unwritable`), or None:
+        what ``/healthz`` says while SQLite cannot write it (read off the loop thread;
+        a flag and a string, each read whole)."""
+        if not self._journal_down:
+            return None
+        return (
+            f"waiting for its command journal {self._handler.journal.path} "
+            f"({self._unwritable_reason}) for {time.monotonic() - self._unwritable_since:.0f}"
+            " s: no command runs or is answered until it is written"
+        )
 
     def _abandon(
         self, rows: list[tuple[JournalRow, _Job, Callable[[], None]]], exc: Exception

@@ -1397,3 +1397,61 @@ def test_an_outcome_sent_again_after_no_acknowledgement_is_counted_once(
     assert count("sagaline_records_processed_total", type="ExecuteStep") == 1
     assert count("sagaline_records_emitted_total", type="StepCommitted") == 1
     assert count("sagaline_duplicates_prevented_total") == 0
+
+
+@pytest.mark.parametrize("path", ["loop", "tool-thread"])
+def test_health_says_not_ready_while_the_journal_is_waited_on_and_ready_after(
+    transport: str, unique_prefix: str, tmp_path: Path, path: str
+) -> None:
+    # /healthz (ParticipantRuntime.health) answered ok while every command waited on
+    # a journal SQLite could not write (a full disk): an orchestrator kept routing to
+    # a replica doing nothing. It says why while the journal is waited on, on the
+    # loop's way (a command sent once the partition is assigned) and on a tool
+    # thread's (one sent before the start: a ledger probe first), and ok once the
+    # journal takes the writes again.
+    import sqlite3
+
+    harness = Harness(transport, unique_prefix, tmp_path)
+    command = harness.execute("s1", {"sku": "a", "quantity": 1})
+    if path == "tool-thread":
+        harness.send(command)
+    full = threading.Event()
+    full.set()
+    tried: list[int] = []
+    harness.start()
+    runtime = harness.runtime
+    assert runtime is not None
+    journal = runtime.journal
+    write, mark = journal.write, journal.mark
+
+    def full_disk_write(rows: list[Any]) -> None:
+        if full.is_set():
+            tried.append(len(rows))
+            raise sqlite3.OperationalError("database or disk is full")
+        write(rows)
+
+    def full_disk_mark(*args: Any, **kwargs: Any) -> None:
+        if full.is_set():
+            tried.append(1)
+            raise RuntimeError("journal write failed") from sqlite3.OperationalError(
+                "database or disk is full"
+            )
+        mark(*args, **kwargs)
+
+    setattr(journal, "write", full_disk_write)  # noqa: B010
+    setattr(journal, "mark", full_disk_mark)  # noqa: B010
+    try:
+        assert runtime.health() is None
+        if path == "loop":
+            wait_until(lambda: runtime._assigned_end, 60, "the command partition assigned")
+            harness.send(command)
+        wait_until(lambda: len(tried) >= 2, 60, "the journal failing again")
+        why = runtime.health()
+        assert why is not None and "journal" in why and "disk is full" in why, why
+        full.clear()
+        harness.wait_for(lambda rs: bool(_of(rs, StepCommitted)))
+        wait_until(lambda: runtime.health() is None, 60, "ready again")
+        assert harness.shop.count("reserve") == 1
+    finally:
+        full.clear()
+        harness.stop()
