@@ -22,7 +22,7 @@ environment variable                   field                      default
 ``SAGALINE_MAX_ARGS_BYTES``            ``max_args_bytes``         256 KiB
 ``SAGALINE_MAX_RESULT_BYTES``          ``max_result_bytes``       256 KiB
 ``SAGALINE_MAX_STEPS``                 ``max_steps``              256 steps per saga
-``SAGALINE_MAX_RECORD_BYTES``          ``max_record_bytes``       900 KiB (state and outputs)
+``SAGALINE_MAX_RECORD_BYTES``          ``max_record_bytes``       900 KiB (at least 64 KiB)
 ``SAGALINE_MAX_PARTICIPANTS``          ``max_participants``       1000 with a command topic
 ``SAGALINE_TERMINAL_MEMORY_MS``        ``terminal_memory_ms``     373 days (events kept, a day)
 =====================================  =========================  =========================
@@ -87,6 +87,15 @@ def cut_operator_text(text: str) -> str:
     return f"{kept}… [cut: {len(raw)} bytes in all]"
 
 
+MIN_RECORD_BYTES = 64 * KIB
+"""The least ``SAGALINE_MAX_RECORD_BYTES`` may be. The coordinator copies an operator's
+decision (up to three texts of :data:`MAX_OPERATOR_TEXT_BYTES`: a resolution, a note,
+the operator's name) into the saga's state and receipt, and a saga's state holds its
+steps; below this every saga's state, or the decisions the operator channel takes,
+would be over the limit: every saga parked (an incident each), every decision
+refused. A smaller value is a typo (KiB meant), refused at start."""
+
+
 class LimitsError(ValueError):
     """An environment variable holds a limit Sagaline cannot use."""
 
@@ -115,8 +124,10 @@ class Limits:
                 value = int(raw)
             except ValueError:
                 raise LimitsError(f"{var}={raw!r} is not an integer") from None
-            if value < 1:
-                raise LimitsError(f"{var}={value} must be at least 1")
+            least = _LEAST.get(var, 1)
+            if value < least:
+                why = _LEAST_WHY.get(var, "")
+                raise LimitsError(f"{var}={value} must be at least {least}{why}")
             values[name] = value
         return cls(**values)
 
@@ -130,6 +141,15 @@ _ENV = {
     "SAGALINE_TERMINAL_MEMORY_MS": "terminal_memory_ms",
 }
 LIMIT_ENV_VARS: tuple[str, ...] = tuple(_ENV)
+# The least value of a variable, where it is more than 1, and why (MIN_RECORD_BYTES)
+_LEAST = {"SAGALINE_MAX_RECORD_BYTES": MIN_RECORD_BYTES}
+_LEAST_WHY = {
+    "SAGALINE_MAX_RECORD_BYTES": (
+        f" ({MIN_RECORD_BYTES // KIB} KiB: below it every saga's state, or an operator's "
+        "decision, would be over it and every saga parked; the value is in bytes, the "
+        f"default {900 * KIB})"
+    )
+}
 
 DEFAULT_LIMITS = Limits()
 
@@ -146,6 +166,7 @@ def is_omitted_result(value: object) -> bool:
 __all__ = [
     "DEFAULT_LIMITS",
     "LIMIT_ENV_VARS",
+    "MIN_RECORD_BYTES",
     "PARKED_INCIDENT",
     "RESULT_OMITTED",
     "RESULT_TOO_LARGE",

@@ -40,7 +40,13 @@ from schemas import (
     fingerprint,
 )
 from schemas.codec import MAGIC, Codec
-from schemas.limits import LIMIT_ENV_VARS, Limits, is_omitted_result, omitted_result
+from schemas.limits import (
+    LIMIT_ENV_VARS,
+    MAX_OPERATOR_TEXT_BYTES,
+    Limits,
+    is_omitted_result,
+    omitted_result,
+)
 from schemas.registry import AVSC_DIR
 from schemas.settings import ENV_VARS, Settings, SettingsError
 
@@ -59,7 +65,26 @@ def test_limits_have_documented_defaults_and_are_read_from_the_environment() -> 
     with pytest.raises(SettingsError, match="SAGALINE_MAX_RESULT_BYTES='big'"):
         Settings.from_env({"SAGALINE_MAX_RESULT_BYTES": "big"})
     with pytest.raises(SettingsError, match="at least 1"):
-        Settings.from_env({"SAGALINE_MAX_RECORD_BYTES": "0"})
+        Settings.from_env({"SAGALINE_MAX_STEPS": "0"})
+
+
+@pytest.mark.parametrize("raw", ["10", "0", "-5", "65535"])
+def test_a_record_limit_below_its_minimum_is_refused_at_start_naming_it(raw: str) -> None:
+    """SAGALINE_MAX_RECORD_BYTES=10 (a typo, KiB meant) was taken: every saga's state
+    was over it, so the coordinator parked every saga (an incident each) and the
+    operator channel refused every decision. It is refused at start now, naming the
+    variable and the minimum: room for the largest operator decision (three texts of
+    MAX_OPERATOR_TEXT_BYTES) copied into a saga's state."""
+    with pytest.raises(SettingsError) as refused:
+        Settings.from_env({"SAGALINE_MAX_RECORD_BYTES": raw})
+    said = str(refused.value)
+    from schemas.limits import MIN_RECORD_BYTES
+
+    assert MIN_RECORD_BYTES > 3 * MAX_OPERATOR_TEXT_BYTES
+    assert f"SAGALINE_MAX_RECORD_BYTES={int(raw)}" in said, said
+    assert f"at least {MIN_RECORD_BYTES}" in said, said
+    limits = Settings.from_env({"SAGALINE_MAX_RECORD_BYTES": str(MIN_RECORD_BYTES)}).limits
+    assert limits.max_record_bytes == MIN_RECORD_BYTES
 
 
 def test_a_blank_limit_variable_counts_as_unset_like_every_other_variable() -> None:

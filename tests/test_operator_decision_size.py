@@ -22,7 +22,7 @@ from sagaline.ops.actions import OperatorChannel
 from sagaline.ops.metrics import SagalineMetrics
 from schemas import IncidentRaised, IncidentResolved
 from schemas.codec import decode
-from schemas.limits import MAX_OPERATOR_TEXT_BYTES
+from schemas.limits import MAX_OPERATOR_TEXT_BYTES, MIN_RECORD_BYTES
 from schemas.settings import Settings
 from schemas.wire import to_message
 from services.cli import main
@@ -86,12 +86,17 @@ def test_a_decision_over_the_record_limit_is_refused_before_it_is_written(
 ) -> None:
     """SAGALINE_MAX_RECORD_BYTES is what the coordinator takes: a larger decision
     would be written and then copied into the saga's state and the incident feed."""
-    settings, _ledger, _raised = _incident(kafka_bootstrap, unique_prefix, monkeypatch)
-    monkeypatch.setenv("SAGALINE_MAX_RECORD_BYTES", "4000")
-    rc = main(["incidents", "resolve", "inc-1", "--operator", "bob", "--note", "y" * 5000])
+    settings, _ledger, _raised = _incident(
+        kafka_bootstrap, unique_prefix, monkeypatch, kind="unknown-outcome"
+    )
+    limit = MIN_RECORD_BYTES  # the least it may be; a result under its own limit
+    monkeypatch.setenv("SAGALINE_MAX_RECORD_BYTES", str(limit))
+    result = '{"blob":"' + "y" * limit + '"}'  # canonical JSON, as written
+    args = ["--operator", "bob", "--resolution", "COMMITTED", "--result", result]
+    rc = main(["incidents", "resolve", "inc-1", *args])
     err = capsys.readouterr().err
-    assert rc == 2 and "over the limit of 4000 bytes (SAGALINE_MAX_RECORD_BYTES)" in err
-    assert "note alone is 5000 bytes" in err
+    assert rc == 2 and f"over the limit of {limit} bytes (SAGALINE_MAX_RECORD_BYTES)" in err
+    assert f"result alone is {len(result)} bytes" in err
     assert _resolutions(settings, kafka_bootstrap) == []
 
 
