@@ -3305,6 +3305,7 @@ class _CommandLoop:
         self._unwritable_reason = ""  # what SQLite said at the last failed write
         self._nagged_at = 0.0
         self._unread_nagged_at = float("-inf")  # a journal lookup failing: last logged
+        self._unread_reason: str | None = None  # the last lookup failed so (None: it did not)
         self._retries: list[tuple[float, int, Message]] = []
         self._seq = 0
         self._queues: dict[bytes | None, collections.deque[Message]] = {}  # busy keys
@@ -3438,11 +3439,18 @@ class _CommandLoop:
             )
 
     def journal_waiting(self) -> str | None:
-        """Why the loop's commands wait for the journal (:meth:`_unwritable`), or None:
+        """Why the loop's commands wait for the journal (:meth:`_unwritable`, or a
+        lookup failing for now in :meth:`_begin`), or None:
         what ``/healthz`` says while SQLite cannot write it (read off the loop thread;
         a flag and a string, each read whole)."""
         if not self._journal_down:
-            return None
+            unread = self._unread_reason
+            if unread is None or not self._retries:  # a command tried again: one waits
+                return None
+            return (
+                f"waiting for its command journal {self._handler.journal.path}: lookups "
+                f"fail ({unread}); no command starts until one succeeds"
+            )
         return (
             f"waiting for its command journal {self._handler.journal.path} "
             f"({self._unwritable_reason}) for {time.monotonic() - self._unwritable_since:.0f}"
@@ -3520,6 +3528,7 @@ class _CommandLoop:
             if not journal_unwritable(exc):  # for good (no such table): the loop stops
                 self._fail(job, exc)
                 return
+            self._unread_reason = _wait_reason(exc)
             now = time.monotonic()
             if now - self._unread_nagged_at >= _JOURNAL_NAG_S:  # not at every retry
                 self._unread_nagged_at = now
@@ -3539,6 +3548,8 @@ class _CommandLoop:
         except Exception as exc:
             self._fail(job, exc)
             return
+        if self._unread_reason is not None:
+            self._unread_reason = None  # the journal reads again
         if plan.resend is not None:
             self._send(job, plan.resend, plan.state, plan.resend_bytes)
         elif plan.outcome is not None:

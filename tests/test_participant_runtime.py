@@ -1399,7 +1399,7 @@ def test_an_outcome_sent_again_after_no_acknowledgement_is_counted_once(
     assert count("sagaline_duplicates_prevented_total") == 0
 
 
-@pytest.mark.parametrize("path", ["loop", "tool-thread"])
+@pytest.mark.parametrize("path", ["loop", "tool-thread", "lookup"])
 def test_health_says_not_ready_while_the_journal_is_waited_on_and_ready_after(
     transport: str, unique_prefix: str, tmp_path: Path, path: str
 ) -> None:
@@ -1407,8 +1407,9 @@ def test_health_says_not_ready_while_the_journal_is_waited_on_and_ready_after(
     # a journal SQLite could not write (a full disk): an orchestrator kept routing to
     # a replica doing nothing. It says why while the journal is waited on, on the
     # loop's way (a command sent once the partition is assigned) and on a tool
-    # thread's (one sent before the start: a ledger probe first), and ok once the
-    # journal takes the writes again.
+    # thread's (one sent before the start: a ledger probe first), or while its
+    # lookup fails (every command's first read), and ok once the journal takes the
+    # writes (or reads) again.
     import sqlite3
 
     harness = Harness(transport, unique_prefix, tmp_path)
@@ -1422,7 +1423,7 @@ def test_health_says_not_ready_while_the_journal_is_waited_on_and_ready_after(
     runtime = harness.runtime
     assert runtime is not None
     journal = runtime.journal
-    write, mark = journal.write, journal.mark
+    write, mark, get = journal.write, journal.mark, journal.get
 
     def full_disk_write(rows: list[Any]) -> None:
         if full.is_set():
@@ -1438,16 +1439,26 @@ def test_health_says_not_ready_while_the_journal_is_waited_on_and_ready_after(
             )
         mark(*args, **kwargs)
 
-    setattr(journal, "write", full_disk_write)  # noqa: B010
-    setattr(journal, "mark", full_disk_mark)  # noqa: B010
+    def unreadable_get(command_id: str) -> tuple[str, bytes | None] | None:
+        if full.is_set():
+            tried.append(1)
+            raise sqlite3.OperationalError("disk I/O error")
+        return get(command_id)
+
+    if path == "lookup":
+        setattr(journal, "get", unreadable_get)  # noqa: B010
+    else:
+        setattr(journal, "write", full_disk_write)  # noqa: B010
+        setattr(journal, "mark", full_disk_mark)  # noqa: B010
+    said = "disk I/O error" if path == "lookup" else "disk is full"
     try:
         assert runtime.health() is None
-        if path == "loop":
+        if path in ("loop", "lookup"):
             wait_until(lambda: runtime._assigned_end, 60, "the command partition assigned")
             harness.send(command)
         wait_until(lambda: len(tried) >= 2, 60, "the journal failing again")
-        why = runtime.health()
-        assert why is not None and "journal" in why and "disk is full" in why, why
+        why = wait_until(runtime.health, 60, "/healthz saying not ready")
+        assert why is not None and "journal" in why and said in why, why
         full.clear()
         harness.wait_for(lambda rs: bool(_of(rs, StepCommitted)))
         wait_until(lambda: runtime.health() is None, 60, "ready again")
