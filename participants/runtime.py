@@ -2337,8 +2337,11 @@ class ParticipantRuntime:
         self._command_topic = self.topics.commands(self.participant)
         self.signer = settings.signer()
         self.metrics: RuntimeMetrics = metrics or NoMetrics()
-        if max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be at least 1 (got {max_in_flight})")
+        if not 1 <= max_in_flight <= MAX_IN_FLIGHT:
+            raise ValueError(
+                f"max_in_flight must be at least 1 and at most {MAX_IN_FLIGHT} (the most "
+                f"records the Kafka client fetches at once; got {max_in_flight})"
+            )
         self.max_in_flight = max_in_flight
         # How long a revoke waits for the commands of its partitions; past it they
         # are given up to the partitions' next owner (_CommandLoop.drain).
@@ -2770,6 +2773,12 @@ def _revoke_drain_bound_s(revoke_drain_s: float, poll_interval_s: float) -> floa
         bound,
     )
     return bound
+
+
+MAX_IN_FLIGHT = 1_000_000
+"""The most ``max_in_flight`` may be (``--max-in-flight``, ``SAGALINE_MAX_IN_FLIGHT``):
+the loop fetches up to that many records at once, and the Kafka client's
+``consume()`` takes at most a million (past it, a ValueError at the first command)."""
 
 
 # What a done journal entry outlives the command topic's retention by, besides its

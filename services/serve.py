@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from participants.catalogue import Catalogue
-from participants.runtime import JournalUnusable, ParticipantRuntime
+from participants.runtime import MAX_IN_FLIGHT, JournalUnusable, ParticipantRuntime
 from sagaline.kafka import (
     DeliveryFailed,
     InstanceClaimed,
@@ -30,7 +30,13 @@ from sagaline.kafka import (
 )
 from sagaline.ops.metrics import MetricsServerError, ParticipantMetrics, start_metrics_server
 from schemas.settings import Settings
-from services._args import at_least, env_default, instance_id, port, unusable_participant
+from services._args import (
+    between,
+    env_default,
+    instance_id,
+    port,
+    unusable_participant,
+)
 
 log = logging.getLogger("sagaline.serve")
 
@@ -221,12 +227,12 @@ def register(subparsers: Any) -> None:
     run.add_argument("--metrics-port", type=port, default=0, help="Prometheus port (0: off)")
     run.add_argument(
         "--max-in-flight",
-        type=at_least(1),
+        type=between(1, MAX_IN_FLIGHT),
         # A string: argparse converts it only when this command runs, so a bad value in
         # the environment is this command's usage error, not every command's traceback.
         default=env_default("SAGALINE_MAX_IN_FLIGHT") or "16",
         help="commands of different sagas run at once (one saga's stay in order; default "
-        "$SAGALINE_MAX_IN_FLIGHT, else 16)",
+        f"$SAGALINE_MAX_IN_FLIGHT, else 16; 1 to {MAX_IN_FLIGHT})",
     )
     run.add_argument(
         "--instance-id",

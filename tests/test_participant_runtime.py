@@ -1466,3 +1466,31 @@ def test_health_says_not_ready_while_the_journal_is_waited_on_and_ready_after(
     finally:
         full.clear()
         harness.stop()
+
+
+def test_more_commands_in_flight_than_the_kafka_client_fetches_at_once_is_refused_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --max-in-flight / SAGALINE_MAX_IN_FLIGHT of 1000001 was taken: the runtime
+    # started and served, and the first command it read stopped it with a traceback
+    # (confluent-kafka's consume(): "ValueError: num_messages must be between 0 and
+    # 1000000 (1M)"). Refused at start now: a usage error naming the option and the
+    # range, and ParticipantRuntime's own ValueError naming the most.
+    from services.cli import build_parser
+
+    most = 1_000_000
+    settings = Settings(bootstrap="memory://in-flight", partitions=1, state_dir=tmp_path)
+    catalogue = wrap(Shop(lambda key: False), name=PARTICIPANT)
+    with pytest.raises(ValueError, match=f"at most {most}"):
+        ParticipantRuntime(
+            catalogue, settings, "memory://in-flight", participant=PARTICIPANT,
+            max_in_flight=most + 1,
+        )  # fmt: skip
+    monkeypatch.setenv("SAGALINE_MAX_IN_FLIGHT", str(most + 1))
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["participant", "run", "seats"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --max-in-flight" in err and f"between 1 and {most}" in err, err
+    monkeypatch.setenv("SAGALINE_MAX_IN_FLIGHT", str(most))
+    assert build_parser().parse_args(["participant", "run", "seats"]).max_in_flight == most

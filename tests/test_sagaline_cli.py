@@ -191,7 +191,8 @@ def test_a_bad_max_in_flight_is_a_usage_error_of_participant_run_only(
     with pytest.raises(SystemExit) as exited:
         parser.parse_args(["participant", "run", "seats"])
     assert exited.value.code == 2
-    assert "--max-in-flight: expected a whole number >= 1, got 'abc'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--max-in-flight: expected a whole number between 1 and 1000000, got 'abc'" in err
     monkeypatch.delenv("SAGALINE_MAX_IN_FLIGHT")
     with pytest.raises(SystemExit) as exited:
         build_parser().parse_args(["participant", "run", "seats", "--max-in-flight", "0"])
