@@ -13,7 +13,7 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -2500,6 +2500,95 @@ def test_a_write_cancelled_while_its_step_awaits_approval_is_remembered_as_await
     assert refused.is_error and "01-send_email" in _text(refused), _text(refused)
     assert "nothing was called" in _text(refused), _text(refused)
     assert client.sagas[0].calls == ["01-send_email"]
+
+
+def _asking_ctx(asked: asyncio.Event) -> Any:
+    """A client with elicitation whose person never answers (asked is set)."""
+    from types import SimpleNamespace
+
+    async def elicit_form(message: str, schema: Any) -> Any:
+        asked.set()
+        await asyncio.Event().wait()  # the person has not answered
+
+    return SimpleNamespace(
+        session=SimpleNamespace(
+            client_capabilities=SimpleNamespace(elicitation=object()),
+            client_params=None,
+            elicit_form=elicit_form,
+        )
+    )
+
+
+class _SeenQueued(asyncio.Lock):
+    """The proxy's step lock, saying when a request queues behind its holder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queued = asyncio.Event()
+
+    async def acquire(self) -> Literal[True]:
+        if self.locked():
+            self.queued.set()
+        return await super().acquire()
+
+
+class _FirstAwaitsClient(FakeClient):
+    """The session's first saga awaits its IRREVERSIBLE step's approval; a later one
+    (a new saga) answers every call at once."""
+
+    def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
+        if self.sagas:
+            return super().saga(workflow, principal, saga_id=saga_id)
+        saga = AwaitsApproval(saga_id or "s-1", None)
+        self.sagas.append(saga)
+        return saga
+
+
+def test_a_write_queued_behind_the_asking_write_does_not_run_after_the_abort_that_went_ahead_R7(
+    tmp_path: Path,
+) -> None:
+    """A write sent while an IRREVERSIBLE write asked its person queues behind it (the
+    step lock); saga_abort, sent after it, goes ahead. The queued write then ran after
+    the abort, in a new saga the agent never asked for: its effect not undone by the
+    abort sent after it, the new saga left open. It is refused, nothing called."""
+
+    def params(name: str, args: dict[str, Any]) -> types.CallToolRequestParams:
+        return types.CallToolRequestParams(name=name, arguments=args)
+
+    asked = asyncio.Event()
+    ctx = _asking_ctx(asked)
+    client = _FirstAwaitsClient()
+    proxy = _fake_proxy(tmp_path, client)
+
+    async def run() -> tuple[types.CallToolResult, types.CallToolResult, types.CallToolResult]:
+        lock = _SeenQueued()
+        proxy._lock = lock
+        write = asyncio.ensure_future(
+            proxy._call_tool(ctx, params("send_email", {"to": "a", "body": "b"}))
+        )
+        await asyncio.wait_for(asked.wait(), 120)
+        queued = asyncio.ensure_future(
+            proxy._call_tool(ctx, params("create_ticket", {"title": "t"}))
+        )
+        await asyncio.wait_for(lock.queued.wait(), 120)
+        aborted = await asyncio.wait_for(
+            proxy._call_tool(ctx, params("saga_abort", {"reason": "no"})), 120
+        )
+        await asyncio.wait_for(write, 120)
+        return (
+            aborted,
+            await asyncio.wait_for(queued, 120),
+            await asyncio.wait_for(proxy._call_tool(ctx, params("saga_commit", {})), 120),
+        )
+
+    aborted, queued, commit = asyncio.run(run())
+    assert not aborted.is_error, _text(aborted)
+    assert [s.saga_id for s in client.sagas] == ["s-1"], [s.calls for s in client.sagas]
+    assert queued.is_error and "saga_abort" in _text(queued), _text(queued)
+    assert "nothing was called" in _text(queued), _text(queued)
+    assert client.sagas[0].calls == ["01-send_email"]
+    assert client.sagas[0].ended == [SagaOutcome.ABORT]
+    assert "no saga is open" in _text(commit), _text(commit)
 
 
 # ------------------------------------------------------------- upstreams that go away

@@ -815,6 +815,9 @@ class McpProxy:
         # The write asking its person through the client, if one is: saga_commit and
         # saga_abort do not wait behind it (see _call_tool).
         self._asking: _Asking | None = None
+        # The saga a saga_abort ended beside such a write: the calls queued behind that
+        # write for it were sent before the abort, so they do not run after it.
+        self._aborted_ahead: Saga | None = None
 
     async def _ensure_resumed(self) -> None:
         """Continue the saga remembered on disk, once, before the first request: its
@@ -1012,7 +1015,14 @@ class McpProxy:
             # Not behind the step lock: the write holding it waits for a person, for
             # up to approval_wait_s.
             return await self._end_while_asking(asking, params.name, args)
+        queued_in = self.session.saga
         async with self._lock:  # one saga, one step at a time (steps are ordered)
+            if (
+                queued_in is not None
+                and queued_in is self._aborted_ahead
+                and self.session.saga is not queued_in
+            ):
+                return _aborted_ahead(queued_in, params.name)
             try:
                 await self._ensure_resumed()
             except (CoordinatorNotRunning, SagaHistoryUnreadable) as exc:
@@ -1049,6 +1059,7 @@ class McpProxy:
                 error=True,
             )
         asking.aborted.set()
+        self._aborted_ahead = saga
         return await self._end(SagaOutcome.ABORT, str(args.get("reason") or "aborted"))
 
     async def _aborted_while_asking(
@@ -1626,6 +1637,26 @@ def _client_stopped(name: str, exc: ClientStopped) -> types.CallToolResult:
         f"{name} was not called: this proxy's saga client cannot go on ({exc}). No"
         " write can run until the proxy is restarted (the open saga, if any, is"
         " continued then); read-only calls still work.",
+        error=True,
+    )
+
+
+def _aborted_ahead(saga: Saga, name: str) -> types.CallToolResult:
+    """The answer to ``name``, sent for ``saga`` while a write asked its person and
+    queued behind that write, when a saga_abort sent after it went ahead and ended the
+    saga: not run in a new saga after the abort (its effect would not be undone by it,
+    and that saga left open)."""
+    if name == "saga_abort":
+        return _text(f"the saga {saga.saga_id} was aborted already; read {RECEIPT_URI}.")
+    what = (
+        "nothing was ended"
+        if name == "saga_commit"
+        else "nothing was called (call it again to start a new saga)"
+    )
+    return _text(
+        f"saga_abort was called while {name} waited behind the write before it: the saga"
+        f" {saga.saga_id} was aborted, so {name} did not run in it; read {RECEIPT_URI};"
+        f" {what}",
         error=True,
     )
 
