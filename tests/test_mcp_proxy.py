@@ -2591,6 +2591,70 @@ def test_a_write_queued_behind_the_asking_write_does_not_run_after_the_abort_tha
     assert "no saga is open" in _text(commit), _text(commit)
 
 
+class _WaitRunsOut(AwaitsApproval):
+    """As the real call whose wait (the client's call timeout) runs out before the
+    person answers: ApprovalPending once released."""
+
+    async def acall(self, name: str, *, step_id: str, **args: Any) -> Any:
+        from participants.client import ApprovalPending
+
+        self.calls.append(step_id)
+        await self.released(120)
+        where = {"saga_id": self.saga_id, "step_id": step_id, "tool": name}
+        raise ApprovalPending("waits for approval ap-1", approval_id="ap-1", **where)
+
+
+class _WaitRunsOutClient(FakeClient):
+    def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
+        saga = _WaitRunsOut(saga_id or f"s-{len(self.sagas) + 1}", None)
+        self.sagas.append(saga)
+        return saga
+
+
+def test_a_write_cancelled_while_its_person_is_asked_leaves_no_unretrieved_error_R7(
+    tmp_path: Path,
+) -> None:
+    """The MCP client cancels an IRREVERSIBLE write while its person is asked: the
+    step's call goes on waiting (the client's call timeout), then ends with
+    ApprovalPending, which nobody read: asyncio logged "Task exception was never
+    retrieved" with its traceback in the proxy's log. It is the session's to forget,
+    as on every other path that answers "awaiting approval"."""
+    import gc
+
+    asked = asyncio.Event()
+    ctx = _asking_ctx(asked)
+    client = _WaitRunsOutClient()
+    proxy = _fake_proxy(tmp_path, client)
+    unhandled: list[str] = []
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(
+            lambda _loop, context: unhandled.append(
+                f"{context['message']}: {context.get('exception')!r}"
+            )
+        )
+        write = asyncio.ensure_future(
+            proxy._call_tool(
+                ctx, types.CallToolRequestParams(name="send_email", arguments={"to": "a"})
+            )
+        )
+        await asyncio.wait_for(asked.wait(), 120)
+        write.cancel()  # what the MCP server does on notifications/cancelled
+        with suppress(asyncio.CancelledError):
+            await write
+        going_on = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        assert going_on, "the step's call goes on after the request was cancelled"
+        client.sagas[0].let_go()  # its wait runs out: ApprovalPending
+        await asyncio.wait_for(asyncio.wait(going_on), 120)
+        del going_on
+        gc.collect()  # an unread task's exception is logged when it is collected
+
+    asyncio.run(run())
+    assert proxy.session.awaiting == ["01-send_email"], proxy.session.awaiting
+    assert unhandled == [], unhandled
+
+
 # ------------------------------------------------------------- upstreams that go away
 
 

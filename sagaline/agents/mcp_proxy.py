@@ -1361,7 +1361,9 @@ class McpProxy:
             # The request was cancelled (an MCP client's own request timeout is often
             # shorter than a person's answer) while the person was asked: the step
             # still waits for its approval on the ledger. Remembered as such, so the
-            # next write is refused at once instead of waiting behind it unawares.
+            # next write is refused at once instead of waiting behind it unawares. Its
+            # call goes on waiting; its ApprovalPending is nobody's, as when answered.
+            _forget(call)
             if self.session.saga is saga and step_id not in self.session.awaiting:
                 self.session.awaiting.append(step_id)
                 self.session.save()
