@@ -2655,6 +2655,74 @@ def test_a_write_cancelled_while_its_person_is_asked_leaves_no_unretrieved_error
     assert unhandled == [], unhandled
 
 
+class _AbortNotActedOn(AwaitsApproval):
+    """A coordinator that has not acted on the abort yet: the step's wait, and a wait
+    again, end with ApprovalPending (once ``slow`` is set)."""
+
+    def __init__(self, saga_id: str, answer: BaseException | None) -> None:
+        super().__init__(saga_id, answer)
+        self.slow = asyncio.Event()
+
+    def _pending(self, step_id: str) -> BaseException:
+        from participants.client import ApprovalPending
+
+        where = {"saga_id": self.saga_id, "step_id": step_id, "tool": "send_email"}
+        return ApprovalPending("waits for approval ap-1", approval_id="ap-1", **where)
+
+    async def acall(self, name: str, *, step_id: str, **args: Any) -> Any:
+        self.calls.append(step_id)
+        await self.slow.wait()
+        raise self._pending(step_id)
+
+    async def aresume(self, step_id: str, timeout_s: float | None = None) -> Any:
+        raise self._pending(step_id)
+
+
+class _AbortNotActedOnClient(FakeClient):
+    def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
+        saga = _AbortNotActedOn(saga_id or f"s-{len(self.sagas) + 1}", None)
+        self.sagas.append(saga)
+        return saga
+
+
+def test_a_write_whose_abort_is_acknowledged_is_not_told_its_saga_stays_open_R7(
+    tmp_path: Path,
+) -> None:
+    """saga_abort goes ahead while an IRREVERSIBLE write asks its person; the broker
+    acknowledges the abort, so the session lets go of the saga, but the coordinator
+    has not acted on it when the write's wait runs out. The write answered "awaiting
+    approval ... The saga stays open; it runs once approved": neither is so, the saga
+    was aborted and the coordinator withdraws the request when it reads the abort."""
+    asked = asyncio.Event()
+    ctx = _asking_ctx(asked)
+    client = _AbortNotActedOnClient()
+    proxy = _fake_proxy(tmp_path, client)
+
+    def params(name: str, args: dict[str, Any]) -> types.CallToolRequestParams:
+        return types.CallToolRequestParams(name=name, arguments=args)
+
+    async def run() -> tuple[types.CallToolResult, types.CallToolResult]:
+        write = asyncio.ensure_future(
+            proxy._call_tool(ctx, params("send_email", {"to": "a", "body": "b"}))
+        )
+        await asyncio.wait_for(asked.wait(), 120)
+        aborted = await asyncio.wait_for(
+            proxy._call_tool(ctx, params("saga_abort", {"reason": "no"})), 120
+        )
+        saga = client.sagas[0]
+        assert isinstance(saga, _AbortNotActedOn)
+        saga.slow.set()  # the write's wait runs out: still pending
+        return aborted, await asyncio.wait_for(write, 120)
+
+    aborted, sent = asyncio.run(run())
+    assert not aborted.is_error, _text(aborted)
+    assert client.sagas[0].ended == [SagaOutcome.ABORT]
+    assert proxy.session.saga is None and proxy.session.awaiting == []
+    assert sent.is_error and "aborted" in _text(sent), _text(sent)
+    assert "stays open" not in _text(sent), _text(sent)
+    assert (sent.structured_content or {}).get("status") != "awaiting_approval", _text(sent)
+
+
 # ------------------------------------------------------------- upstreams that go away
 
 

@@ -1079,10 +1079,18 @@ class McpProxy:
                 f" {RECEIPT_URI}.",
                 error=True,
             )
-        except ApprovalPending as exc:  # the abort has not reached the coordinator
-            if self.session.saga is saga:
-                self.session.awaiting.append(step_id)
-                self.session.save()
+        except ApprovalPending as exc:  # the coordinator has not acted on the abort
+            if self.session.saga is not saga:  # the abort is acknowledged: it stands
+                return _text(
+                    f"saga_abort was called while {name} (step {step_id}) waited for a"
+                    f" person's approval: the saga {saga.saga_id} was aborted, but the"
+                    f" coordinator has not acted on the abort yet ({exc}); when it does it"
+                    f" withdraws the request, so {name} does not run (unless a person"
+                    f" approved it before the abort); read {RECEIPT_URI}.",
+                    error=True,
+                )
+            self.session.awaiting.append(step_id)
+            self.session.save()
             return _awaiting(saga, step_id, f"saga_abort was called meanwhile: {exc}")
         except SagaCallError as exc:  # decided before the abort (denied, failed)
             return _text(
