@@ -200,9 +200,13 @@ def test_a_dlq_omitted_header_that_is_not_utf8_is_read_like_the_other_texts() ->
 
 def test_env_vars_lists_exactly_what_from_env_reads() -> None:
     """ENV_VARS is the documented list; a variable outside it changes nothing."""
+    from schemas.limits import MIN_RECORD_BYTES
     from schemas.settings import ENV_VARS
 
-    shaped = {"SAGALINE_OLD_SECRET_KEYS": "s0=7"}  # id=secret pairs
+    shaped = {
+        "SAGALINE_OLD_SECRET_KEYS": "s0=7",  # id=secret pairs
+        "SAGALINE_MAX_RECORD_BYTES": str(MIN_RECORD_BYTES + 7),  # has a floor
+    }
     every = {name: "1" for name in ENV_VARS} | {"SAGALINE_TOPIC_PREFIX": "p."} | shaped
     assert Settings.from_env(every) != Settings.from_env({})
     for name in ENV_VARS:
