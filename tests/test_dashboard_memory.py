@@ -439,3 +439,63 @@ def test_api_state_refuses_a_status_it_does_not_know_rather_than_listing_every_s
     answer = client.get("/api/state?status=escalted")
     assert answer.status_code == 400
     assert "status" in answer.json()["error"] and "escalated" in answer.json()["error"]
+
+
+def _forgotten_after_catch_up() -> tuple[DashboardState, list[Record]]:
+    """A dashboard caught up (then live) that dropped ``s-done-0`` and then so many other
+    sagas that it no longer remembers it (``dropped_sagas``)."""
+    state = DashboardState(SagalineMetrics("dashboard"), ended_sagas=1, dropped_sagas=1)
+    state.mark_caught_up()  # started on empty topics, then live
+    sagas = _ended(4)
+    for records in sagas:
+        _live(state, records)
+    assert not state.dropped("s-done-0") and state.forgotten_sagas == 2
+    return state, sagas[0]
+
+
+def test_a_late_record_of_a_forgotten_saga_is_counted_not_shown_running_for_good() -> None:
+    """Once caught up, every saga read live begins with its SagaStarted in the ledger; a
+    record of a saga the view no longer knows (dropped, then forgotten after 100 000
+    others were dropped) is a late one (a redelivery, a late decision). It was folded as
+    the saga's first: an ended saga showed as RUNNING and was kept in memory for good,
+    as it never ends in the ledger again. It is now counted and dropped."""
+    state, forgotten = _forgotten_after_catch_up()
+    late_commit = next(r for r in forgotten if r.TYPE == "StepCommitted")
+    late_grant = next(r for r in forgotten if r.TYPE == "ApprovalGranted")
+
+    assert state.apply(late_commit) is False  # a redelivered ledger record
+    assert state.apply(late_grant) is False  # a late decision
+
+    assert "s-done-0" not in state.sagas
+    assert state.counts()[SagaStatus.RUNNING] == 0
+    assert state.late_records_of_forgotten_sagas == 2
+    body = TestClient(create_app(state, clock=lambda: T0)).get("/api/state").json()
+    assert body["late_records_of_forgotten_sagas"] == 2
+
+
+def test_after_catch_up_a_new_saga_and_an_incident_raised_for_a_forgotten_one_still_show() -> None:
+    """What is not a late record still shows once caught up: a saga that starts, a
+    terminal copy read ahead of its saga's ledger, and an incident the coordinator
+    raises for a saga it ended long ago (a person must see it)."""
+    state, _forgotten = _forgotten_after_catch_up()
+    new = running("s-new").records
+    state.apply(new[0])
+    parked = _parked("s-done-0", at=T0 + 90 * MINUTE)
+    _live(state, [parked])
+    assert state.sagas["s-new"].status is SagaStatus.RUNNING
+    assert [(s.saga_id, i.incident_id) for s, i in state.open_incidents()] == [
+        ("s-done-0", parked.incident_id)
+    ]
+    assert state.late_records_of_forgotten_sagas == 0
+
+
+def test_before_catch_up_a_saga_whose_first_records_expired_is_still_shown() -> None:
+    """Before the view has caught up, a saga's first record read may follow records the
+    ledger's retention deleted: it is folded as the saga's first, as before."""
+    state = DashboardState(SagalineMetrics("dashboard"))
+    records = running("s-old").records
+    for record in records[2:]:  # its SagaStarted and first record expired
+        state.apply(record)
+    state.mark_caught_up()
+    assert state.sagas["s-old"].status is SagaStatus.RUNNING
+    assert state.late_records_of_forgotten_sagas == 0

@@ -1234,6 +1234,7 @@ def create_app(
                 "refused_records": state.refused_records,
                 "evicted_sagas": state.evicted_sagas,
                 "evicted_records": state.evicted_records,
+                "late_records_of_forgotten_sagas": state.late_records_of_forgotten_sagas,
                 "fold_errors": follower.fold_errors if follower else 0,
                 "rejected_records": follower.rejected if follower else 0,
                 "unreadable_records": follower.unreadable if follower else 0,

@@ -322,6 +322,11 @@ class DashboardState:
         self.evicted_sagas = 0
         self.forgotten_sagas = 0  # dropped sagas no longer remembered
         self.evicted_records = 0  # records of a dropped saga read after it was dropped
+        # Once caught up (:meth:`mark_caught_up`), ledger records of a saga not known
+        # that a saga does not begin with: a forgotten saga's late ones, dropped
+        # (:meth:`_late_record`).
+        self.caught_up = False
+        self.late_records_of_forgotten_sagas = 0
         # Sagas with a pending approval request: what the expiry scan and the pending
         # list look at, not every saga.
         self._awaiting: set[str] = set()
@@ -360,6 +365,9 @@ class DashboardState:
                     if saga is not None and record.incident_id in saga.open_incidents:
                         _settle(saga, record.incident_id, record.resolution)
                         self._check_settled(saga)
+                return False
+            if self._late_record(record, from_ledger):
+                self.late_records_of_forgotten_sagas += 1
                 return False
             if from_ledger:
                 if key in self._seen_on_ledger:
@@ -426,6 +434,7 @@ class DashboardState:
         """Everything that existed at start has been read: an ended saga known only
         from the terminal topic has no ledger left to read (it expired)."""
         with self.lock:
+            self.caught_up = True
             for saga in list(self.sagas.values()):
                 if self.sagas.get(saga.saga_id) is not saga:
                     continue  # dropped by an earlier one
@@ -434,6 +443,24 @@ class DashboardState:
                 if saga.ledger_expired:
                     _settle_from_receipt(saga)
                 self._check_settled(saga)
+
+    def _late_record(self, record: Record, from_ledger: bool) -> bool:
+        """A ledger record of a saga the view does not know, read once caught up, that a
+        saga does not begin with: live, a saga's records come after its SagaStarted in
+        the ledger, so this is a late one of a saga dropped and forgotten since (100 000
+        others dropped after it: a redelivery, a late decision), which would show as a
+        saga *running* and be kept for good. Not an incident the coordinator raises (one
+        for an ended saga it parked needs a person), nor a copy on the terminal or
+        incident topic (read ahead of its saga's ledger, which follows). Before catch-up
+        such a record may follow records the ledger's retention deleted, and is folded
+        as the saga's first."""
+        if not (from_ledger and self.caught_up) or record.saga_id in self.sagas:
+            return False
+        if isinstance(record, SagaStarted | SagaTerminal):
+            return False
+        return not (
+            isinstance(record, IncidentRaised) and record.envelope.producer == COORDINATOR_PRODUCER
+        )
 
     def _check_settled(self, saga: SagaView) -> None:
         """Track whether ``saga`` is ended and settled; drop the oldest-ended such
