@@ -347,6 +347,9 @@ class Coordinator:
         self._clock = clock or (lambda: int(time.time() * 1000))
         self._batch_size = batch_size
         self._running = True  # until stop(), which may come before run() reaches its loop
+        # Taken by the first run() for good: its end closes the consumer and producer, and
+        # a second run() (while it serves, or after) must neither use nor close them.
+        self._run_once = threading.Lock()
         # health(): run() is in its loop, it has joined its group (its first
         # assignment is restored), and no restore is under way.
         self._serving = False
@@ -490,7 +493,15 @@ class Coordinator:
         ``run`` returns (or the process ends): a second coordinator with the same
         instance id on the same broker, of this process or another, would fence this
         one, so it is refused at once with :class:`InstanceClaimed` naming the holder's
-        pid."""
+        pid. A coordinator runs once: ``run`` called again on it (while it serves, or
+        after it returned) raises RuntimeError and touches nothing of it; make a new
+        :class:`Coordinator` to run again."""
+        if not self._run_once.acquire(blocking=False):
+            raise RuntimeError(
+                f"Coordinator.run() called again on coordinator {self.instance_id!r}: a"
+                " coordinator runs once (its loop's end closes its consumer and producer);"
+                " make a new Coordinator (same instance_id) to run it again"
+            )
         member = f"{self.group_id}-{self.instance_id}"
         try:
             claim = claim_member(self.bootstrap, member, functools.partial(self._refusal, member))

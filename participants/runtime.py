@@ -2382,6 +2382,10 @@ class ParticipantRuntime:
         # during start-up must not be lost).
         self._running = threading.Event()
         self._running.set()
+        # Taken by the first run() for good: its end closes the journal, the ledger
+        # writer and the tool pool, and a second run() (while it serves, or after) must
+        # neither use nor close them.
+        self._run_once = threading.Lock()
         self._serving = False  # run() is in its loop (health())
         self._work = _CommandLoop(self, max_in_flight)
         # Set by a background confirmation that found the journal unusable for good:
@@ -2515,7 +2519,16 @@ class ParticipantRuntime:
         process ends): a second runtime of the participant with the same instance id
         on the same broker, of this process or another, would fence this one (and be
         fenced back), so it is refused at once with :class:`InstanceClaimed` naming
-        the holder's pid."""
+        the holder's pid. A runtime runs once: ``run`` called again on it (while it
+        serves, or after it returned) raises RuntimeError and touches nothing of it;
+        make a new :class:`ParticipantRuntime` to serve again."""
+        if not self._run_once.acquire(blocking=False):
+            raise RuntimeError(
+                f"ParticipantRuntime.run() called again on the runtime of"
+                f" {self.participant!r}: a runtime runs once (its loop's end closes its"
+                " journal and its Kafka clients); make a new ParticipantRuntime (same"
+                " instance_id, same state directory) to serve again"
+            )
         group = f"{self.topics.prefix}sagaline-participant-{self.participant}"
         member = f"{group}-{self.instance_id}"
         try:

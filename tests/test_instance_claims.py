@@ -23,6 +23,7 @@ from coordinator.shell import Coordinator
 from participants import ParticipantRuntime, wrap
 from sagaline.kafka import ensure_topics
 from schemas.settings import Settings
+from tests.system import wait_until
 
 pytestmark = pytest.mark.kafka
 
@@ -68,6 +69,15 @@ class _Serving:
         """Whether it serves (False: it ended before, ``failed`` says why)."""
         assert self.ready.wait(120), "neither served nor failed"
         return not self.failed
+
+
+def _raised(run: object) -> RuntimeError:
+    """What ``run()`` raised (it must raise a RuntimeError at once)."""
+    try:
+        run()  # type: ignore[operator]
+    except RuntimeError as exc:
+        return exc
+    raise AssertionError(f"{run} returned")
 
 
 def _cli(bootstrap: str, prefix: str, state: Path, *argv: str) -> subprocess.CompletedProcess[str]:
@@ -188,3 +198,65 @@ def test_coordinator_run_beside_a_coordinator_with_its_instance_id_exits_naming_
     finally:
         again.stop()
         restarted.thread.join(60)
+
+
+def test_run_called_again_on_a_runtime_that_serves_is_refused_and_it_serves_on(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    """``run()`` called a second time on a runtime whose loop serves (a supervisor
+    thread retrying it, a service starting it twice) was refused by the claim, which
+    then closed what the constructor opened: the serving loop's own tool pool, ledger
+    writer and journal. Its next command ran no tool and was answered by nobody. The
+    second call is refused now, saying that a runtime runs once, and closes nothing."""
+    from schemas import StepCommitted
+    from tests.test_participant_runtime import Harness, _of
+
+    harness = Harness(kafka_bootstrap, unique_prefix, tmp_path)
+    harness.start()
+    runtime = harness.runtime
+    assert runtime is not None
+    try:
+        refused = _raised(runtime.run)
+        harness.send(harness.execute("s1", {"sku": "a", "quantity": 1}))
+        harness.wait_for(lambda rs: bool(_of(rs, StepCommitted)))
+        assert runtime.health() is None
+        assert "runs once" in str(refused), refused
+        assert not isinstance(refused, sagaline.kafka.InstanceClaimed), refused
+    finally:
+        harness.stop()
+    with pytest.raises(RuntimeError, match="runs once"):  # nor after it ran: not a traceback
+        runtime.run()  # from its closed journal
+
+
+def test_run_called_again_on_a_coordinator_that_serves_is_refused_and_it_serves_on(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    """The coordinator's kind of it: a second ``run()`` on a coordinator that serves
+    closed its consumer and its sender under its loop, which died at its next poll.
+    Worse, closing the consumer under its poll hung both: the second ``run()`` and the
+    loop, which no stop() ended. Refused now, closing nothing; the loop goes on deciding
+    sagas. (tests.coordinator_turns is imported here: `participant run` imports this
+    module for SEATS, without the tests directory on its path.)"""
+    from tests.coordinator_turns import append, executes, one_saga
+
+    settings, ledger, first, participant = one_saga(kafka_bootstrap, unique_prefix, "saga-twice")
+    coordinator = Coordinator(settings, kafka_bootstrap, instance_id="twice-1")
+    serving = _Serving(coordinator.run)
+    assert serving.started(), serving.failed
+    try:
+        refused = _raised(coordinator.run)
+        append(settings, kafka_bootstrap, ledger.started(), first)
+        wait_until(
+            lambda: executes(settings, kafka_bootstrap, participant) or serving.failed,
+            60,
+            "the step dispatched",
+        )
+        assert serving.failed == [] and coordinator.health() is None
+        assert "runs once" in str(refused), refused
+        assert not isinstance(refused, sagaline.kafka.InstanceClaimed), refused
+    finally:
+        coordinator.stop()
+        serving.thread.join(60)
+    assert serving.failed == []
+    with pytest.raises(RuntimeError, match="runs once"):
+        coordinator.run()
