@@ -260,3 +260,35 @@ def test_run_called_again_on_a_coordinator_that_serves_is_refused_and_it_serves_
     assert serving.failed == []
     with pytest.raises(RuntimeError, match="runs once"):
         coordinator.run()
+
+
+def test_a_runtime_whose_temporary_directory_cannot_hold_the_lock_serves_unchecked(
+    kafka_bootstrap: str,
+    unique_prefix: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A container with a read-only root file system (its state directory on a
+    volume, /tmp not writable) served before instance claims; the claim's lock file
+    then stopped every runtime and coordinator at start with an OSError traceback (a
+    lock file another user planted under the name: PermissionError alike). The
+    claim only guards against a twin on this machine: it is skipped with a warning
+    naming the lock file and what to do, and the runtime serves."""
+    import tempfile
+
+    not_a_directory = tmp_path / "tmp"
+    not_a_directory.write_text("")  # as a read-only /tmp: no lock file can be made in it
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(not_a_directory))
+    settings = _settings(kafka_bootstrap, unique_prefix, tmp_path / "state")
+    runtime = ParticipantRuntime(SEATS, settings, kafka_bootstrap)
+    serving = _Serving(runtime.run)
+    try:
+        assert serving.started(), serving.failed
+        assert runtime.health() is None
+    finally:
+        runtime.stop()
+        serving.thread.join(60)
+    assert serving.failed == []
+    [warning] = [r for r in caplog.records if "not claimed" in r.getMessage()]
+    assert str(not_a_directory) in warning.getMessage() and "TMPDIR" in warning.getMessage()

@@ -11,12 +11,15 @@ process or another, is refused with :class:`InstanceClaimed` naming the holder's
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import tempfile
 from collections.abc import Callable
 from contextlib import suppress
 
 __all__ = ["InstanceClaimed", "claim_member", "release_member"]
+
+log = logging.getLogger("sagaline.kafka")
 
 
 class InstanceClaimed(RuntimeError):
@@ -29,20 +32,37 @@ class InstanceClaimed(RuntimeError):
         self.path = path
 
 
-def claim_member(bootstrap: str, member: str, refusal: Callable[[str, str], str]) -> int:
+def claim_member(bootstrap: str, member: str, refusal: Callable[[str, str], str]) -> int | None:
     """Lock this machine's claim on the static group member ``member`` of ``bootstrap``
     and return the descriptor; :func:`release_member`, or the process ending however it
     ends, lets go, so a restarted process takes the id back at once (and fences its
     dead predecessor's transaction). :class:`InstanceClaimed` with ``refusal(holder,
-    lock path)`` when another client, of this process or another, holds it."""
+    lock path)`` when another client, of this process or another, holds it.
+
+    None, with a warning, when no lock file can be opened (a read-only root file
+    system in a container, a file of that name another user made): the claim only
+    guards against a twin on this machine, and an instance served without it before
+    claims existed, so it is not refused for that."""
     import fcntl
 
     key = f"{bootstrap}\0{member}"
     if bootstrap.startswith("memory://"):
         key += f"\0{os.getpid()}"  # an in-process broker: another process's is another one
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    path = os.path.join(tempfile.gettempdir(), f"sagaline-{os.getuid()}-member-{digest}")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    name = f"sagaline-{os.getuid()}-member-{digest}"
+    try:
+        path = os.path.join(tempfile.gettempdir(), name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:  # gettempdir() too: no usable temporary directory
+        log.warning(
+            "instance %s not claimed on this machine: its lock file %s cannot be opened"
+            " (%s); a second instance with that id here is not refused, and would fence"
+            " this one. Set TMPDIR to a directory this user can write",
+            member,
+            getattr(exc, "filename", None) or name,
+            exc.strerror or exc,
+        )
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -67,8 +87,10 @@ def claim_member(bootstrap: str, member: str, refusal: Callable[[str, str], str]
 _claims: set[int] = set()
 
 
-def release_member(fd: int) -> None:
-    """Let go of a claim :func:`claim_member` returned."""
+def release_member(fd: int | None) -> None:
+    """Let go of a claim :func:`claim_member` returned (None: none was taken)."""
+    if fd is None:
+        return
     _claims.discard(fd)
     os.close(fd)
 
