@@ -292,3 +292,25 @@ def test_a_runtime_whose_temporary_directory_cannot_hold_the_lock_serves_uncheck
     assert serving.failed == []
     [warning] = [r for r in caplog.records if "not claimed" in r.getMessage()]
     assert str(not_a_directory) in warning.getMessage() and "TMPDIR" in warning.getMessage()
+
+
+def test_one_broker_list_spelled_otherwise_is_the_same_claim() -> None:
+    """The claim was keyed by the bootstrap string as given: `participant run` with
+    KAFKA_BOOTSTRAP_SERVERS="k1:9092,k2:9092" and a twin with "k2:9092, k1:9092" (or
+    "K1:9092,...") took different lock files, joined as one static member and fenced
+    each other, unrefused. The broker list is compared as a set of addresses now
+    (order, spaces and case do not count)."""
+    from uuid import uuid4
+
+    from sagaline.kafka._claims import claim_member, release_member
+
+    member = f"claims-spelling-{uuid4().hex[:8]}"
+    claim = claim_member("k1:9092,k2:9092", member, lambda holder, path: f"{holder} {path}")
+    try:
+        for spelled in (" k2:9092, k1:9092 ", "K1:9092,k2:9092", "k1:9092,k2:9092,"):
+            with pytest.raises(sagaline.kafka.InstanceClaimed, match="this process"):
+                claim_member(spelled, member, lambda holder, path: f"{holder} {path}")
+        other = claim_member("k3:9092", member, lambda holder, path: f"{holder} {path}")
+        release_member(other)  # another broker: another claim
+    finally:
+        release_member(claim)

@@ -45,7 +45,7 @@ def claim_member(bootstrap: str, member: str, refusal: Callable[[str, str], str]
     claims existed, so it is not refused for that."""
     import fcntl
 
-    key = f"{bootstrap}\0{member}"
+    key = f"{_brokers(bootstrap)}\0{member}"
     if bootstrap.startswith("memory://"):
         key += f"\0{os.getpid()}"  # an in-process broker: another process's is another one
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -77,6 +77,15 @@ def claim_member(bootstrap: str, member: str, refusal: Callable[[str, str], str]
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     _claims.add(fd)
     return fd
+
+
+def _brokers(bootstrap: str) -> str:
+    """``bootstrap`` as one spelling of its broker list: "k2:9092, K1:9092" and
+    "k1:9092,k2:9092" are one cluster's, so one claim (a different list of one
+    cluster's brokers is not recognised: that would take its cluster id)."""
+    if bootstrap.startswith("memory://"):
+        return bootstrap
+    return ",".join(sorted({b.strip().lower() for b in bootstrap.split(",") if b.strip()}))
 
 
 # The descriptors of this process's claims. A child forked while one is held (a
