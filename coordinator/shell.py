@@ -116,7 +116,7 @@ from schemas import IncidentRaised, IncidentResolved, Record, derived_event_id, 
 from schemas.errors import CodecError
 from schemas.limits import PARKED_INCIDENT, RETENTION_MARGIN_MS, cut_operator_text
 from schemas.settings import Settings
-from schemas.signing import Headers, header_value
+from schemas.signing import HeaderList, Headers, header_value
 from schemas.trust import IdentitySigner, SigningKeyError
 from schemas.wire import (
     DLQ_OMITTED,
@@ -214,6 +214,10 @@ _BATCH_FRAMING = 1024
 _SIZE_REFUSALS = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
 _NO_LIMIT = 1 << 62
 _LOGGED_DETAIL = 2000  # as much of a DLQ detail as its copy carries (schemas.wire)
+
+UNREADABLE_STATE_REASON = "unreadable-state"
+"""DLQ reason of a saga's changelog value the coordinator cannot read (torn, or written
+by a newer version), copied before the saga's parked marker replaces it."""
 
 FEED_TOO_LARGE_REASON = "incident-feed-too-large"
 """DLQ reason of an accepted ``IncidentResolved`` whose copy the incident feed no longer
@@ -1439,6 +1443,7 @@ class Coordinator:
         every later one) go to the DLQ with reason ``saga-parked``, its changelog
         record becomes a small parked marker, and one ``IncidentRaised`` says why."""
         log.error("parking saga %s: %s", saga_id, why)
+        first = saga_id not in pending.parked
         pending.parked[saga_id] = why
         pending.outputs[saga_id] = []
         pending.feed.pop(saga_id, None)
@@ -1455,6 +1460,20 @@ class Coordinator:
             )
         pending.values.pop(saga_id, None)
         state = self._live(saga_id)
+        packed = self._states.packed(saga_id)
+        if first and state is None and packed is not None:
+            # Its changelog value is unreadable, and the parked marker replaces it on
+            # the compacted changelog: the DLQ keeps it (R16), to be re-produced onto
+            # the changelog by hand once a coordinator that reads it runs.
+            self._dead_letter(
+                (saga_id.encode(), packed, []),
+                (self.topics.state, self._partition_of.get(saga_id), None),
+                UNREADABLE_STATE_REASON,
+                f"the changelog value of saga {saga_id} is unreadable, so the saga is "
+                f"parked and its parked marker replaces this value: {why}",
+                pending.loose,
+                pending.dlq.append,
+            )
         record = pending.last_record.get(saga_id)
         tenant, generation = self._tenant_of(saga_id, state, record, pending)
         incident_id = derived_event_id(saga_id, "incident", PARKED_INCIDENT)
@@ -1673,16 +1692,27 @@ class Coordinator:
         """R16: bad input goes to the DLQ with its reason; the loop goes on. The
         reason goes to ``count``, for the metrics once the batch's transaction
         commits."""
+        where = (msg.key(), msg.value(), readable_headers(msg))
+        position = (msg.topic(), msg.partition(), msg.offset())
+        self._dead_letter(where, position, reason, detail, into, count)
+
+    def _dead_letter(
+        self,
+        where: tuple[bytes | None, bytes | None, HeaderList | None],
+        position: tuple[str | None, int | None, int | None],
+        reason: str,
+        detail: str,
+        into: list[_Msg],
+        count: Callable[[str], None],
+    ) -> None:
+        """The DLQ copy of a record (key, value, headers) read at ``position`` (topic,
+        partition, offset; None where unknown), into ``into``; see ``_reject``."""
         log.warning(  # the detail as the DLQ copy has it: a record cannot flood the log
             "dlq: %s at %s[%s]@%s: %s",
             reason,
-            msg.topic(),
-            msg.partition(),
-            msg.offset(),
+            *position,
             detail[:_LOGGED_DETAIL],
         )
-        where = (msg.key(), msg.value(), readable_headers(msg))
-        position = (msg.topic(), msg.partition(), msg.offset())
         copy: tuple[bytes | None, bytes | None, Headers] = dlq_message(
             *where, reason, detail, *position
         )

@@ -91,7 +91,13 @@ def test_restore_keeps_bytes_schedules_timers_and_parks_unreadable_states_on_use
     current = coordinator._current("saga-garbled", pending, due + 1)
     assert isinstance(current, SagaMarker) and current.marker is MarkerKind.PARKED
     assert pending.states["saga-garbled"] is current and "unreadable" in current.reason
-    assert [m[0] for m in pending.loose] == [settings.topics.events, settings.topics.incidents]
+    # The unreadable value itself to the DLQ first: the parked marker replaces it.
+    assert [m[0] for m in pending.loose] == [
+        settings.topics.dlq,
+        settings.topics.events,
+        settings.topics.incidents,
+    ]
+    assert pending.loose[0][1:3] == (b"saga-garbled", b'{"saga_id": 3')
 
 
 def test_a_decision_that_raises_half_way_parks_its_saga_and_writes_none_of_its_changes(
@@ -499,7 +505,11 @@ def test_an_unreadable_state_is_reported_without_the_values_it_holds(
     assert isinstance(reason, SagaMarker)
     assert "steps.refund.args" in reason.reason  # where, and what kind of error
     written = [marker.to_bytes() for marker in pending.states.values()]
-    written += [m[2] or b"" for m in pending.loose]
+    # Each unreadable value goes to the DLQ byte for byte (as the state topic holds it,
+    # like any DLQ copy of a record): nothing the coordinator writes of its own quotes it.
+    copies = [m[2] for m in pending.loose if m[0] == settings.topics.dlq]
+    assert copies == [wrong, torn]
+    written += [m[2] or b"" for m in pending.loose if m[0] != settings.topics.dlq]
     assert len(written) == 6  # two markers, two incidents each
     for data in written:
         assert SECRET.encode() not in data, data
@@ -563,3 +573,56 @@ def test_a_timer_header_naming_no_timer_of_the_state_is_dropped_not_fired_every_
     assert metrics.commits == ticks, f"{metrics.commits - ticks} more empty transactions"
     assert timers == [(due, "saga-wrong-header")]  # its real timer
     assert state == waiting
+
+
+def test_an_unreadable_changelog_value_is_dead_lettered_before_its_parked_marker_replaces_it(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    """A changelog value the coordinator cannot read (torn, or written by a newer
+    version: ``docs/operating.md`` warns that a rolled-back coordinator parks such
+    sagas) was replaced on the compacted changelog by the saga's parked marker and
+    copied nowhere: once compacted, the state was gone for good, though R16 says bad
+    input is never lost. It goes to the DLQ byte for byte, under its key, with its
+    source topic and partition, before the marker is written; re-produced onto the
+    changelog (after upgrading again), it is the saga's state again."""
+    settings = Settings(bootstrap=kafka_bootstrap, topic_prefix=unique_prefix, partitions=1)
+    ensure_topics(kafka_bootstrap, settings.topics, [], settings.partitions)
+    newer, old = _waiting("saga-newer"), _waiting("saga-torn-old")
+    due = newer.next_due_at()
+    assert due is not None
+    # A newer version's state (a field this one does not know) with the timer header,
+    # parked when its timer comes; a torn one without it, parked at once.
+    newer_value = newer.to_bytes()[:-1] + b',"added_later":1}'
+    torn_value = old.to_bytes()[:160]
+    producer = Producer(producer_config(kafka_bootstrap))
+    producer.produce(
+        settings.topics.state, key=b"saga-newer", value=newer_value, headers=_due_headers(due)
+    )
+    producer.produce(settings.topics.state, key=b"saga-torn-old", value=torn_value)
+    assert producer.flush(30) == 0
+
+    one = Coordinator(settings, kafka_bootstrap, instance_id="dead-state", clock=lambda: due + 1)
+    one._join()
+
+    def parked() -> bool:
+        one._settle()
+        return all(one.marker_of(s) is not None for s in ("saga-newer", "saga-torn-old"))
+
+    try:
+        turn_until(one, parked)
+    finally:
+        one._consumer.close()
+    dead = {
+        k: (v, read_dead_letter(h))
+        for k, v, h in LedgerReader(kafka_bootstrap).records(settings.topics.dlq)
+    }
+    for key, value in ((b"saga-newer", newer_value), (b"saga-torn-old", torn_value)):
+        assert key in dead, f"{key!r}'s unreadable changelog value is in no DLQ record"
+        copied, letter = dead[key]
+        assert copied == value
+        assert (letter.reason, letter.source_topic, letter.partition) == (
+            shell.UNREADABLE_STATE_REASON,
+            settings.topics.state,
+            0,
+        )
+        assert "unreadable" in letter.detail
