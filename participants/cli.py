@@ -151,7 +151,7 @@ def _catalogue_withdraw(args: argparse.Namespace) -> int:
 
     prog = "sagaline catalogue withdraw"
     name: str = args.participant
-    settings, bootstrap = configured_broker(prog)
+    settings, bootstrap = configured_broker(prog, answering=True)
     topic = settings.topics.catalogue
     try:
         try:

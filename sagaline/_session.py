@@ -18,13 +18,7 @@ from typing import Any
 from participants.catalogue import Catalogue, wrap
 from participants.client import ENDED_SAGAS_KEPT, SagaClient
 from participants.runtime import ParticipantRuntime
-from sagaline.kafka import (
-    InstanceClaimed,
-    KafkaError,
-    KafkaException,
-    create_admin,
-    ensure_topics,
-)
+from sagaline.kafka import InstanceClaimed, ensure_topics, require_broker_answers
 from schemas.settings import Settings
 
 log = logging.getLogger("sagaline.connect")
@@ -160,27 +154,9 @@ def _stop(
 
 
 def _require_broker(bootstrap: str) -> None:
-    """Raise ``ConnectionError`` naming ``bootstrap`` and what to do when no broker
-    answers there. librdkafka's own log of each failed attempt (a line every 50 ms)
-    is kept off stderr: its last error is in the message instead."""
-    errors: list[str] = []
-    admin = create_admin(
-        bootstrap, **{"log_level": 0, "error_cb": lambda error: errors.append(error.str())}
-    )
-    try:
-        admin.list_topics(timeout=_PROBE_TIMEOUT_S)
-    except KafkaException as exc:
-        error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
-        if error is None or error.code() not in (KafkaError._TRANSPORT, KafkaError._TIMED_OUT):
-            raise
-        admin.poll(0)  # serves the errors met meanwhile to error_cb
-        why = errors[-1] if errors else error.str()
-        raise ConnectionError(
-            f"sagaline.connect: no Kafka broker answered at {bootstrap} within"
-            f" {_PROBE_TIMEOUT_S:.0f} s ({why}): start one (`sagaline kafka up` prints its"
-            " address) or set KAFKA_BOOTSTRAP_SERVERS (and the SAGALINE_KAFKA_* client"
-            " settings, docs/deploying.md) to a broker that runs"
-        ) from None
+    """Raise ``ConnectionError`` (``BrokerUnreachable``) naming ``bootstrap`` and what
+    to do when no broker answers there, without librdkafka's log of each attempt."""
+    require_broker_answers(bootstrap, "sagaline.connect", _PROBE_TIMEOUT_S)
 
 
 class _Running:

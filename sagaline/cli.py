@@ -56,7 +56,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from participants.readiness import coordinator_group, participant_group
     from sagaline.kafka import KafkaException, TopicNotAuthorized, configured_broker
 
-    settings, bootstrap = configured_broker("sagaline status")
+    settings, bootstrap = configured_broker("sagaline status", answering=True)
     try:
         names = sorted({*_published_participants(bootstrap, settings.topics.catalogue)})
         names = sorted({*names, *args.participant})

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from sagaline.kafka import BrokerNotConfigured, KafkaConfigError
+from sagaline.kafka import BrokerNotConfigured, BrokerUnreachable, KafkaConfigError
 from schemas.settings import SettingsError
 from schemas.trust import TrustFileError
 
@@ -100,7 +100,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             os.environ["KAFKA_BOOTSTRAP_SERVERS"] = resolve_bootstrap()
         result: int = func(args)
-    except (BrokerNotConfigured, KafkaConfigError, SettingsError, TrustFileError) as exc:
+    except (
+        BrokerNotConfigured,
+        BrokerUnreachable,
+        KafkaConfigError,
+        SettingsError,
+        TrustFileError,
+    ) as exc:
         text = str(exc)
         if isinstance(exc, BrokerNotConfigured) and hasattr(args, "dev_broker"):
             # Only the commands that take the flag are told about it.

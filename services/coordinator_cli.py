@@ -246,7 +246,7 @@ def start_failed(bootstrap: str, exc: Exception) -> str:
 def _cmd_show(args: argparse.Namespace) -> int:
     from sagaline.ops.receipts import later_resolutions, render_receipt_text
 
-    settings, bootstrap = configured_broker("sagaline")
+    settings, bootstrap = configured_broker("sagaline", answering=True)
     unreadable: list[str] = []
     try:
         records = _saga_records(bootstrap, settings, args.saga_id, unreadable)
@@ -315,7 +315,7 @@ def _cmd_wait(args: argparse.Namespace) -> int:
     scripts need no Kafka calls of their own. Exit 0 when terminal, 124 on timeout."""
     import time
 
-    settings, bootstrap = configured_broker("sagaline")
+    settings, bootstrap = configured_broker("sagaline", answering=True)
     deadline = time.monotonic() + args.timeout
     while True:
         unreadable: list[str] = []
@@ -454,7 +454,7 @@ def _decide(args: argparse.Namespace, *, grant: bool) -> int:
         operator_identity,
     )
 
-    settings, bootstrap = configured_broker("sagaline")
+    settings, bootstrap = configured_broker("sagaline", answering=True)
     signer = settings.signer()
     operator = _operator(args, _key_operator(signer))
     if operator is None:
@@ -598,7 +598,7 @@ def _resolved_as(done: IncidentResolved) -> str:
 
 @_one_line_errors
 def _cmd_incidents_list(args: argparse.Namespace) -> int:
-    settings, bootstrap = configured_broker("sagaline")
+    settings, bootstrap = configured_broker("sagaline", answering=True)
     unreadable: list[str] = []
     raised, resolved = incident_feed(settings, bootstrap, unreadable=unreadable)
     superseded = superseded_incidents(raised)
@@ -627,7 +627,7 @@ def _cmd_incidents_list(args: argparse.Namespace) -> int:
 def _cmd_incidents_resolve(args: argparse.Namespace) -> int:
     from sagaline.ops.actions import OperatorChannel, operator_identity, resolve_incident
 
-    settings, bootstrap = configured_broker("sagaline")
+    settings, bootstrap = configured_broker("sagaline", answering=True)
     signer = settings.signer()
     operator = _operator(args, _key_operator(signer))
     if operator is None:

@@ -42,7 +42,7 @@ log = logging.getLogger("sagaline.serve")
 
 
 def _cmd_topics_create(args: argparse.Namespace) -> int:
-    settings, bootstrap = configured_broker("sagaline topics create")
+    settings, bootstrap = configured_broker("sagaline topics create", answering=True)
     participants = [p for p in args.participants.split(",") if p]
     problem = unusable_participant(settings, participants)
     if problem:

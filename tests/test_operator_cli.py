@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 import pytest
 
+import sagaline.kafka._clients
 from participants import (
     BusinessRejection,
     CompensationContext,
@@ -333,6 +334,8 @@ def test_reading_commands_say_in_one_line_when_the_broker_does_not_answer(
         raise KafkaException(KafkaError(KafkaError._TRANSPORT, "Broker transport failure"))
 
     monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:1")
+    # The broker answered at start, then went away: the read fails, not the probe.
+    monkeypatch.setattr(sagaline.kafka._clients, "require_broker_answers", lambda *a: None)
     monkeypatch.setattr(LedgerReader, "records", unreachable)
     monkeypatch.setattr(LedgerReader, "partition_count", unreachable)
     for argv in (
@@ -431,3 +434,33 @@ def test_saga_wait_and_show_say_when_a_record_of_the_saga_cannot_be_read(
     assert main(["saga", "show", "s-newer"]) == 0
     out = capsys.readouterr().out
     assert "could not be read" in out and newer[2:10].hex() in out, out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["status"],
+        ["saga", "show", "saga-1"],
+        ["saga", "wait", "saga-1", "--timeout", "0"],
+        ["incidents", "list"],
+        ["approve", "saga-1", "01-send_letter", "--operator", "dave"],
+        ["catalogue", "withdraw", "post-room"],
+        ["topics", "create"],
+    ],
+    ids=lambda argv: "-".join(argv[:2]),
+)
+def test_with_no_broker_at_the_address_an_operator_command_says_so_in_one_line(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Nothing listening at KAFKA_BOOTSTRAP_SERVERS (the broker not started, a wrong
+    port): `sagaline status`, `saga show`, `topics create` printed a librdkafka FAIL line every
+    50 ms (hundreds of lines over 30 to 60 s) before their own line, which for `status`
+    was the bare KafkaError. Now: one line naming the address and what to do, exit 2, no
+    client log lines. (The probe's wait is lowered here.)"""
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:1")
+    monkeypatch.setattr(sagaline.kafka._clients, "BROKER_PROBE_TIMEOUT_S", 3.0, raising=False)
+    assert main(argv) == 2, argv
+    err = capfd.readouterr().err
+    assert "rdkafka" not in err, err[:2000]
+    assert err.count("\n") == 1, err
+    assert "no Kafka broker answered at 127.0.0.1:1" in err and "sagaline kafka up" in err, err

@@ -58,6 +58,7 @@ PUBLIC: dict[str, list[str]] = {
     "sagaline.kafka": [
         "AdminClient",
         "BrokerNotConfigured",
+        "BrokerUnreachable",
         "ClientConfig",
         "Consumer",
         "DeadLetterWriter",
@@ -94,6 +95,7 @@ PUBLIC: dict[str, list[str]] = {
         "readable_headers",
         "redacted",
         "require_bootstrap",
+        "require_broker_answers",
         "watermarks",
     ],
     "sagaline.ops": [

@@ -36,6 +36,7 @@ from confluent_kafka.admin import AdminClient
 from sagaline.kafka._claims import InstanceClaimed
 from sagaline.kafka._clients import (
     BrokerNotConfigured,
+    BrokerUnreachable,
     configured_broker,
     create_admin,
     create_consumer,
@@ -43,6 +44,7 @@ from sagaline.kafka._clients import (
     create_uncommitted_reader,
     raise_if_fatal,
     require_bootstrap,
+    require_broker_answers,
     watermarks,
 )
 from sagaline.kafka._config import (
@@ -68,6 +70,7 @@ __all__ = [
     "OFFSET_BEGINNING",
     "AdminClient",
     "BrokerNotConfigured",
+    "BrokerUnreachable",
     "ClientConfig",
     "Consumer",
     "DeadLetterWriter",
@@ -103,5 +106,6 @@ __all__ = [
     "readable_headers",
     "redacted",
     "require_bootstrap",
+    "require_broker_answers",
     "watermarks",
 ]

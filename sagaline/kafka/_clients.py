@@ -44,9 +44,47 @@ def require_bootstrap(settings: Settings, command: str = "this command") -> str:
     )
 
 
-def configured_broker(command: str) -> tuple[Settings, str]:
+class BrokerUnreachable(ConnectionError):
+    """No Kafka broker answered at the configured address."""
+
+
+BROKER_PROBE_TIMEOUT_S = 30.0  # as long as ensure_topics waits for the broker's metadata
+
+
+def require_broker_answers(bootstrap: str, who: str, timeout_s: float | None = None) -> None:
+    """Raise :class:`BrokerUnreachable` naming ``bootstrap`` and what to do when no
+    broker answers there within ``timeout_s`` (default :data:`BROKER_PROBE_TIMEOUT_S`).
+    librdkafka's own log of each failed attempt (a line every 50 ms) is kept off
+    stderr: its last error is in the message instead."""
+    if _memory.is_memory(bootstrap):
+        return
+    wait_s = BROKER_PROBE_TIMEOUT_S if timeout_s is None else timeout_s
+    errors: list[str] = []
+    admin = create_admin(
+        bootstrap, **{"log_level": 0, "error_cb": lambda error: errors.append(error.str())}
+    )
+    try:
+        admin.list_topics(timeout=wait_s)
+    except KafkaException as exc:
+        error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+        if error is None or error.code() not in (KafkaError._TRANSPORT, KafkaError._TIMED_OUT):
+            raise
+        admin.poll(0)  # serves the errors met meanwhile to error_cb
+        why = errors[-1] if errors else error.str()
+        raise BrokerUnreachable(
+            f"{who}: no Kafka broker answered at {bootstrap} within {wait_s:.0f} s ({why}):"
+            " start one (`sagaline kafka up` prints its address) or set"
+            f" {BOOTSTRAP_VAR} (and the {ENV_PREFIX}* client settings, docs/deploying.md)"
+            " to a broker that runs"
+        ) from None
+
+
+def configured_broker(command: str, *, answering: bool = False) -> tuple[Settings, str]:
     """The process settings (from the environment) and the broker they name: what a
-    production command starts with. Raises :class:`BrokerNotConfigured` when none is."""
+    production command starts with. Raises :class:`BrokerNotConfigured` when none is.
+    ``answering``: also :class:`BrokerUnreachable` when none answers there (a one-shot
+    command, which would otherwise fail after librdkafka's log of every attempt; a
+    service rides out a broker that is not up yet instead)."""
     settings = Settings.from_env()
     bootstrap = require_bootstrap(settings, command)
     # Reading the client settings now refuses a bad one at start-up, not at first use;
@@ -56,8 +94,13 @@ def configured_broker(command: str) -> tuple[Settings, str]:
     # before the line could show its value.
     config = ClientConfig.from_env(bootstrap)
     if not _memory.is_memory(bootstrap):
-        _built(AdminClient, config.admin())
+        # Quiet: it connects as soon as it is built, and with no broker there its
+        # failed attempt would be logged before the command could say so in one line
+        # (its settings' warnings are logged by the clients the command then makes).
+        _built(AdminClient, {**config.admin(), "log_level": 0})
     log.info("kafka: %s", config.describe())
+    if answering:
+        require_broker_answers(bootstrap, command)
     return settings, bootstrap
 
 
