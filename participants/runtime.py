@@ -1437,7 +1437,9 @@ class CommandHandler:
 
         args: dict[str, Any] = {}  # opened: the clear secrets to keep out of a failure
         try:
-            args = self._sealer.open(orjson.loads(raw_args), spec.secret_paths, cmd.saga_id)
+            args = self._sealer.open(
+                orjson.loads(raw_args), spec.secret_paths, cmd.saga_id, refuse_redacted=True
+            )
             result = self._run(
                 ctx, lambda: spec.invoke(args), cmd.deadline_ms, command=cmd, late=late
             )

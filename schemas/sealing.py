@@ -39,7 +39,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from schemas.keys import SEALED, sealed_as_markers
-from schemas.redaction import map_secrets, redaction_marker, reveal
+from schemas.redaction import is_redacted, map_secrets, redaction_marker, reveal
 
 _NONCE = 12  # bytes of AES-GCM nonce before the ciphertext
 _TAG = 16  # bytes of AES-GCM tag at the ciphertext's end
@@ -140,17 +140,31 @@ class Sealer:
         return dict(out)
 
     def open(
-        self, args: Mapping[str, Any], secret_paths: Iterable[str], saga_id: str
+        self,
+        args: Mapping[str, Any],
+        secret_paths: Iterable[str],
+        saga_id: str,
+        *,
+        refuse_redacted: bool = False,
     ) -> dict[str, Any]:
         """``args`` with every sealed secret opened, for the tool itself.
 
         In the reverse order of :meth:`seal`: a path sealed later may hold one sealed
-        earlier (``t.*`` around ``t.*.pin``), which opens only once the outer one has."""
+        earlier (``t.*`` around ``t.*.pin``), which opens only once the outer one has.
+        ``refuse_redacted`` (a forward call): a secret that arrives as a redaction
+        marker while this process holds a key is a :class:`SealError` too: the agent
+        had no key, and the tool would get the marker for the secret."""
         out: Mapping[str, Any] = args
         for path in reversed(tuple(secret_paths)):
 
             def open_one(value: Any, path: str = path) -> Any:
                 if not is_sealed(value):
+                    if refuse_redacted and self.enabled and is_redacted(value):
+                        raise SealError(
+                            f"argument {path!r} arrived redacted, not sealed: the agent "
+                            "that called the tool holds no SAGALINE_SECRET_KEY; set it "
+                            "there as this participant has it"
+                        )
                     return value
                 kid = str(value.get("kid") or "")
                 aead = self._openers.get(kid)

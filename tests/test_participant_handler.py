@@ -234,6 +234,43 @@ def test_a_malformed_sealed_argument_rejects_the_step_and_the_tool_never_runs(
     handler.close()
 
 
+@pytest.mark.parametrize("marker", ["[redacted]", "[redacted hmac:0123456789ab]"])
+def test_a_secret_the_agent_redacted_is_refused_by_a_participant_holding_the_key(
+    tmp_path: Path, marker: str
+) -> None:
+    """An agent without SAGALINE_SECRET_KEY redacts a secret argument; a participant
+    that holds the key ran the tool with the marker as the secret (a charge of card
+    "[redacted]", the saga COMPLETED), where a key mismatch the other way round is a
+    SealError. Now a business rejection too, saying what to set; the tool never runs.
+    (A participant without a key still gets the marker, as documented.)"""
+    vault = _Vault()
+    out: list[Record] = []
+    handler = CommandHandler(
+        wrap(vault, name="vault"),
+        "vault",
+        CommandJournal(tmp_path / "journal.sqlite"),
+        out.append,
+        ledger=None,
+        sealer=Sealer(b"shared secret"),
+    )
+    command = _cmd(
+        ExecuteStep,
+        step_id="01-store",
+        tool="store",
+        args=orjson.dumps({"token": marker}),
+        idempotency_key="k-3",
+        attempt=1,
+        deadline_ms=5000,
+        principal="p",
+    )
+    assert handler.handle(command) == "done"
+    [failed] = [r for r in out if isinstance(r, StepFailed)]
+    assert (failed.kind, failed.error_type) == (FailureKind.BUSINESS_REJECTION, "SealError")
+    assert "'token'" in failed.message and "SAGALINE_SECRET_KEY" in failed.message, failed
+    assert vault.ran == 0
+    handler.close()
+
+
 class _Provider:
     @tool(description="Charge a saved card token")
     @compensable(by="refund")
