@@ -83,6 +83,10 @@ PRODUCER_DEFAULTS: Mapping[str, Any] = {
     "compression.type": "lz4",
 }
 CONSUMER_DEFAULTS: Mapping[str, Any] = {}
+# An admin client is short-lived: librdkafka logs, at info level (6), each one's
+# "Purging 1 unserved events from background queue" on destroy, a stderr line in
+# every command and example. Notices, warnings and errors (5 and below) still show.
+ADMIN_DEFAULTS: Mapping[str, Any] = {"log_level": 5}
 # Identities Sagaline gives each client itself (a consumer's group and static member
 # id, the coordinator producer's transactional id): one for the whole process would be
 # dropped for the clients that set theirs and applied to every other one (each ledger
@@ -217,7 +221,7 @@ class ClientConfig:
     def admin(self, **overrides: Any) -> dict[str, Any]:
         """Settings of an admin client."""
         self._warn_overridden(overrides)
-        return {**self.base(), **overrides}
+        return {**ADMIN_DEFAULTS, **self.base(), **overrides}
 
     def describe(self) -> str:
         """One line for logs: the bootstrap and every setting, secrets masked."""
