@@ -1704,6 +1704,65 @@ def test_an_abort_after_a_failed_step_that_is_not_acknowledged_is_retried_as_an_
     ]
 
 
+def _ends_as(saga: FakeSaga, status: str) -> None:
+    """The saga's receipt, once it is ended, says ``status``."""
+    from types import SimpleNamespace
+
+    def wait(timeout_s: float) -> Any:
+        if status == "RECEIPT_PENDING":  # not in within the proxy's wait
+            raise TimeoutError(f"saga {saga.saga_id} is not terminal after {timeout_s} s")
+        text = json.dumps({"saga_id": saga.saga_id, "status": status})
+        return SimpleNamespace(model_dump_json=lambda indent: text)
+
+    saga.wait = wait  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize(
+    ("first", "status", "then", "error", "said"),
+    [
+        ("saga_abort", "COMPENSATED", "saga_commit", True, "nothing was committed"),
+        ("saga_commit", "COMPLETED", "saga_abort", True, "cannot be undone"),
+        ("saga_commit", "ESCALATED", "saga_commit", True, "handed to a person"),
+        ("saga_abort", "COMPENSATED", "saga_abort", False, "aborted already"),
+        ("saga_commit", "COMPLETED", "saga_commit", False, "committed already"),
+        ("failed write", "COMPENSATED", "saga_commit", True, "nothing was committed"),
+        ("saga_abort", "RECEIPT_PENDING", "saga_commit", True, "nothing was committed"),
+        ("saga_commit", "RECEIPT_PENDING", "saga_commit", False, "committed already"),
+    ],
+)
+def test_an_end_after_the_sessions_saga_ended_says_how_it_ended(
+    tmp_path: Path, first: str, status: str, then: str, error: bool, said: str
+) -> None:
+    """saga_commit or saga_abort after the session's saga had already ended (ended by
+    the agent, or aborted by the proxy after a failed write) answered "no saga is
+    open: nothing was written in this session", never an error: an agent that
+    committed after the saga was aborted (its effects undone) was told nothing of it.
+    The answer names the last saga and how it ended, points to its receipt, asks for
+    no end again, and is an error where the agent's intent was not met."""
+    from participants.client import BusinessRejected
+
+    client = FakeClient()
+    proxy = _fake_proxy(tmp_path, client)
+    _call(proxy, "create_ticket", {"title": "t"})
+    (saga,) = client.sagas
+    _ends_as(saga, status)
+    if first == "failed write":
+        saga.answer = BusinessRejected(
+            "no", saga_id="s-1", step_id="02-create_ticket", tool="create_ticket"
+        )
+        _call(proxy, "create_ticket", {"title": "u"})
+    else:
+        _call(proxy, first, {})
+    ended = list(saga.ended)
+    result = _call(proxy, then, {})
+    text = _text(result)
+    assert saga.ended == ended, "an end was asked again of the ended saga"
+    assert [s.saga_id for s in client.sagas] == ["s-1"], "a saga was started to end it"
+    assert result.is_error is error, text
+    assert "s-1" in text and status in text and RECEIPT in text, text
+    assert said in text and "nothing was written" not in text, text
+
+
 def test_a_restart_reads_the_saga_from_the_ledger_once(
     world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1472,7 +1472,7 @@ class McpProxy:
 
     async def _end(self, outcome: SagaOutcome, reason: str) -> types.CallToolResult:
         if self.session.saga is None:
-            return _text("no saga is open: nothing was written in this session", error=False)
+            return _no_saga_open(outcome, self.session.last_receipt)
         receipt = await self._finish(outcome, reason)
         if receipt.get("status") in (RECEIPT_PENDING, END_NOT_ACKNOWLEDGED):
             return types.CallToolResult(
@@ -1559,6 +1559,49 @@ class McpProxy:
             self.session.ending = None
             self.session.last_receipt = json.dumps(pending, indent=2)
         self.session.save()
+
+
+def _no_saga_open(outcome: SagaOutcome, last_receipt: str | None) -> types.CallToolResult:
+    """The answer to saga_commit (``outcome`` COMPLETE) or saga_abort (ABORT) when the
+    session has no saga open: none was started, or the last one has already ended (the
+    agent ended it, the proxy aborted it after a failed write, it was parked, it ended
+    while the proxy was down). Nothing is asked of the ledger; the answer says how the
+    last saga ended, an error where that is not what the agent asks for now."""
+    if last_receipt is None:
+        return _text("no saga is open: nothing was written in this session")
+    last: dict[str, Any] = json.loads(last_receipt)
+    saga_id, status = last.get("saga_id"), str(last.get("status"))
+    if status == RECEIPT_PENDING:  # ended as asked; how it settles is not in yet
+        requested = str(last.get("requested"))
+        ended_as = "COMPLETED" if requested == SagaOutcome.COMPLETE.value else "COMPENSATED"
+        how = (
+            "committed already (its receipt is not in yet)"
+            if ended_as == "COMPLETED"
+            else "aborted already (its effects are being undone; its receipt is not in yet)"
+        )
+    else:
+        ended_as = status
+        how = {
+            "COMPLETED": "committed already (its effects are kept)",
+            "COMPENSATED": "aborted already (its effects undone)",
+            "ESCALATED": "ended ESCALATED: an effect could not be settled automatically and"
+            " is handed to a person (`sagaline incidents list`)",
+            "PARKED": "parked by the coordinator: nothing more runs for it and nothing is"
+            " undone automatically; a person settles its effects",
+        }.get(status, "ended")
+    met = ended_as == ("COMPLETED" if outcome is SagaOutcome.COMPLETE else "COMPENSATED")
+    if met:
+        what = "nothing more to do"
+    elif outcome is SagaOutcome.COMPLETE:
+        what = "nothing was committed now"
+    else:
+        what = "nothing was aborted now: an ended saga's effects cannot be undone by saga_abort"
+    return _text(
+        f"no saga is open: the last saga of this session, {saga_id}, was {how} (status"
+        f" {status}); {what}. Read {RECEIPT_URI} (or `sagaline saga show {saga_id}`). The"
+        " next write starts a new saga.",
+        error=not met,
+    )
 
 
 def _recovery_note(catalogue: Catalogue, name: str) -> str:
