@@ -2782,6 +2782,74 @@ def test_a_write_whose_abort_is_acknowledged_is_not_told_its_saga_stays_open_R7(
     assert (sent.structured_content or {}).get("status") != "awaiting_approval", _text(sent)
 
 
+class _EndsInAfterAbort(AwaitsApproval):
+    """The step's wait, once the saga is ended (saga_abort went ahead), ends in
+    ``after`` instead of the coordinator's withdrawal."""
+
+    after: BaseException
+
+    async def acall(self, name: str, *, step_id: str, **args: Any) -> Any:
+        self.calls.append(step_id)
+        await self.released(120)
+        raise self.after
+
+
+@pytest.mark.parametrize(
+    "kind", ["OutcomeUnknown", "ResultTooLarge", "SagaParked", "StepEscalated"]
+)
+def test_a_write_whose_step_ends_unsettled_after_the_abort_is_not_told_it_did_not_run_R7_R11(
+    tmp_path: Path, kind: str
+) -> None:
+    """saga_abort goes ahead while an IRREVERSIBLE write asks its person; the step's
+    wait then ends in an unknown outcome (OutcomeUnknown), a committed step whose
+    result is over the limit (ResultTooLarge), a parked saga (SagaParked) or a step
+    handed to a person (StepEscalated). Each fell into the answer for a step decided
+    before the abort: "send_email (step 01-send_email) did not run", where it may
+    have run (or did): the agent would call it again. Each is said as what it is."""
+    import participants.client as saga_client
+
+    def params(name: str, args: dict[str, Any]) -> types.CallToolRequestParams:
+        return types.CallToolRequestParams(name=name, arguments=args)
+
+    where = {"saga_id": "s-1", "step_id": "01-send_email", "tool": "send_email"}
+    after: BaseException = getattr(saga_client, kind)(f"{kind} of send_email", **where)
+
+    class Client(FakeClient):
+        def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
+            saga = _EndsInAfterAbort(saga_id or "s-1", None)
+            saga.after = after
+            self.sagas.append(saga)
+            return saga
+
+    asked = asyncio.Event()
+    ctx = _asking_ctx(asked)
+    client = Client()
+    proxy = _fake_proxy(tmp_path, client)
+
+    async def run() -> tuple[types.CallToolResult, types.CallToolResult]:
+        write = asyncio.ensure_future(
+            proxy._call_tool(ctx, params("send_email", {"to": "a", "body": "b"}))
+        )
+        await asyncio.wait_for(asked.wait(), 120)
+        aborted = await asyncio.wait_for(
+            proxy._call_tool(ctx, params("saga_abort", {"reason": "no"})), 120
+        )
+        return aborted, await asyncio.wait_for(write, 120)
+
+    aborted, sent = asyncio.run(run())
+    text = _text(sent)
+    assert not aborted.is_error, _text(aborted)
+    assert sent.is_error and "did not run" not in text, text
+    assert f"{kind} of send_email" in text and "01-send_email" in text, text
+    expected = {
+        "OutcomeUnknown": "may have run",
+        "ResultTooLarge": "do not call it again",
+        "SagaParked": "parked",
+        "StepEscalated": "may have run",
+    }[kind]
+    assert expected in text, text
+
+
 # ------------------------------------------------------------- upstreams that go away
 
 

@@ -63,6 +63,7 @@ from participants.client import (
     SagaHistoryUnreadable,
     SagaParked,
     SagaUnwinding,
+    StepEscalated,
 )
 from participants.context import current_call
 from participants.declarations import (
@@ -1075,8 +1076,8 @@ class McpProxy:
             return _text(
                 f"saga_abort was called while {name} (step {step_id}) waited for a"
                 f" person's approval: the saga {saga.saga_id} was aborted, so {name} did"
-                f" not run and will not ({exc}); the earlier effects are undone; read"
-                f" {RECEIPT_URI}.",
+                f" not run and will not ({exc}); the abort undoes the earlier effects (what"
+                f" became of each: {RECEIPT_URI}).",
                 error=True,
             )
         except ApprovalPending as exc:  # the coordinator has not acted on the abort
@@ -1092,7 +1093,39 @@ class McpProxy:
             self.session.awaiting.append(step_id)
             self.session.save()
             return _awaiting(saga, step_id, f"saga_abort was called meanwhile: {exc}")
-        except SagaCallError as exc:  # decided before the abort (denied, failed)
+        except ResultTooLarge as exc:  # approved before the abort: it ran and committed
+            return _text(
+                f"{name} (step {step_id}) ran and its effect committed: it was approved before"
+                f" saga_abort reached the coordinator; do not call it again. Its result is not"
+                f" returned: {exc}. It is IRREVERSIBLE, so the abort of saga {saga.saga_id}"
+                f" does not undo it; read {RECEIPT_URI}.",
+                error=True,
+            )
+        except SagaParked as exc:  # nothing more runs for the saga, the abort included
+            return self._parked(
+                saga,
+                f"{name} (step {step_id})",
+                exc,
+                "saga_abort was called meanwhile, but the coordinator had parked the saga: ",
+            )
+        except OutcomeUnknown as exc:  # R11: approved before the abort, it may have run
+            return _text(
+                f"saga_abort was called while {name} (step {step_id}) waited for a person's"
+                f" approval: the saga {saga.saga_id} was aborted, but the outcome of {name} is"
+                f" unknown ({exc}): it may have run (if approved before the abort reached the"
+                " coordinator). Do not call it again: the coordinator settles it (its lookup,"
+                " else a person), and it is IRREVERSIBLE, so not undone if it ran; read"
+                f" {RECEIPT_URI}.",
+                error=True,
+            )
+        except StepEscalated as exc:  # handed to a person: it may have run
+            return _text(
+                f"{name} (step {step_id}) was handed to a person ({exc}): it may have run, and"
+                " a person settles it; do not call it again. saga_abort was called meanwhile:"
+                f" the saga {saga.saga_id} was aborted; read {RECEIPT_URI}.",
+                error=True,
+            )
+        except SagaCallError as exc:  # decided before the abort (denied, rejected, failed)
             return _text(
                 f"{name} (step {step_id}) did not run: {exc}. saga_abort was called"
                 f" meanwhile: the saga {saga.saga_id} was aborted; read {RECEIPT_URI}.",
@@ -1294,10 +1327,12 @@ class McpProxy:
             error=True,
         )
 
-    def _parked(self, saga: Saga, name: str, exc: SagaParked) -> types.CallToolResult:
+    def _parked(
+        self, saga: Saga, name: str, exc: SagaParked, before: str = ""
+    ) -> types.CallToolResult:
         """The coordinator parked the saga: nothing more runs for it and nothing is
         undone automatically. The session lets go of it (the next write starts a new
-        saga); the receipt resource says it is parked."""
+        saga); the receipt resource says it is parked. ``before``: said first."""
         log.warning("saga %s is parked: %s", saga.saga_id, exc)
         note = (
             f"the saga {saga.saga_id} is parked by the coordinator ({exc}): nothing more"
@@ -1313,7 +1348,7 @@ class McpProxy:
             {"saga_id": saga.saga_id, "status": "PARKED", "note": note}, indent=2
         )
         self.session.save()
-        return _text(f"{name}: {note}", error=True)
+        return _text(f"{before}{name}: {note}", error=True)
 
     def _started(self, saga: Saga, start: asyncio.Future[Any]) -> None:
         """The session's part of starting ``saga`` (on the loop, once it started): it
