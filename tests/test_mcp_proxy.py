@@ -1763,6 +1763,52 @@ def test_an_end_after_the_sessions_saga_ended_says_how_it_ended(
     assert said in text and "nothing was written" not in text, text
 
 
+@pytest.mark.parametrize(
+    ("tool", "kind", "status"),
+    [
+        ("create_ticket", "BusinessRejected", "ESCALATED"),
+        ("create_ticket", "BusinessRejected", "RECEIPT_PENDING"),
+        ("create_ticket", "StepEscalated", "COMPENSATED"),
+        ("create_ticket", "OutcomeUnknown", "ESCALATED"),
+        ("send_email", "OutcomeUnknown", "COMPENSATED"),
+    ],
+)
+def test_a_write_that_aborts_the_saga_says_only_what_the_abort_did_R3_R11_R14(
+    tmp_path: Path, tool: str, kind: str, status: str
+) -> None:
+    """A write that did not commit aborts the saga. Its answer said "The saga s-1 was
+    aborted and its earlier effects compensated (status ESCALATED)" when a
+    compensation had failed and was handed to a person, or "(status
+    RECEIPT_PENDING)" before anything was known; a step handed to a person
+    (StepEscalated: its outcome unknown, no lookup) was said to have "failed"; and an
+    IRREVERSIBLE write of unknown outcome "is undone if it did", which it cannot be.
+    Each says what is known."""
+    import participants.client as saga_client
+
+    client = FakeClient()
+    proxy = _fake_proxy(tmp_path, client)
+    _call(proxy, "create_ticket", {"title": "t"})
+    (saga,) = client.sagas
+    _ends_as(saga, status)
+    where = {"saga_id": "s-1", "step_id": f"02-{tool}", "tool": tool}
+    saga.answer = getattr(saga_client, kind)(f"{kind} of {tool}", **where)
+    args = {"title": "u"} if tool == "create_ticket" else {"to": "a", "body": "b"}
+    result = _call(proxy, tool, args)
+    text = _text(result)
+    assert saga.ended == [SagaOutcome.ABORT], saga.ended
+    assert result.is_error and f"{kind} of {tool}" in text and status in text, text
+    if status != "COMPENSATED":
+        assert "effects compensated" not in text, text
+    if status == "ESCALATED":
+        assert "handed to a person" in text, text
+    if status == "RECEIPT_PENDING":
+        assert "not in yet" in text, text
+    if kind != "BusinessRejected":
+        assert "failed" not in text and "may have" in text, text
+    if tool == "send_email":
+        assert "undone if" not in text and "IRREVERSIBLE" in text, text
+
+
 def test_a_restart_reads_the_saga_from_the_ledger_once(
     world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1256,10 +1256,17 @@ class McpProxy:
                     f" {receipt['note']}",
                     error=True,
                 )
+            if mapping.reversibility is Reversibility.IRREVERSIBLE or mapping.pivot:
+                why = "IRREVERSIBLE" if not mapping.pivot else "a pivot"
+                fate = f"if it did, it is not undone ({why}): it is handed to a person"
+            else:
+                fate = (
+                    "the coordinator settles it (its lookup, else a person) and, if it did,"
+                    " has it compensated with the earlier effects"
+                )
             return _text(
-                f"the outcome of {name} is unknown ({exc}): it may have happened. The saga"
-                f" {saga.saga_id} was aborted, so it is undone if it did, with the earlier"
-                f" effects (status {receipt.get('status')}); read {RECEIPT_URI}.",
+                f"the outcome of {name} is unknown ({exc}): it may have happened; {fate}."
+                f" {_abort_said(saga, receipt)}",
                 error=True,
             )
         except CallRefused as exc:
@@ -1318,14 +1325,16 @@ class McpProxy:
         would go to the DLQ, its receipt never come); it is left to a person."""
         if isinstance(exc, SagaParked):
             return self._parked(saga, name, exc)
-        receipt = await self._finish(SagaOutcome.ABORT, f"{name} failed: {exc}")
+        if isinstance(exc, OutcomeUnknown):  # R11: not a failure
+            what = f"the outcome of {name} is unknown ({exc}): it may have happened"
+        elif isinstance(exc, StepEscalated):  # e.g. an unknown outcome with no lookup
+            what = f"{name} was handed to a person ({exc}): it may have happened"
+        else:
+            what = f"{name} failed: {exc}"
+        receipt = await self._finish(SagaOutcome.ABORT, what)
         if receipt.get("status") == END_NOT_ACKNOWLEDGED:
-            return _text(f"{name} failed: {exc}. {receipt['note']}", error=True)
-        return _text(
-            f"{name} failed: {exc}. The saga {saga.saga_id} was aborted and its earlier"
-            f" effects compensated (status {receipt.get('status')}); read {RECEIPT_URI}.",
-            error=True,
-        )
+            return _text(f"{what}. {receipt['note']}", error=True)
+        return _text(f"{what}. {_abort_said(saga, receipt)}", error=True)
 
     def _parked(
         self, saga: Saga, name: str, exc: SagaParked, before: str = ""
@@ -1713,6 +1722,27 @@ def _too_large(saga: Saga, name: str, step_id: str, exc: ResultTooLarge) -> type
         f" aborted; the steps done are listed in {RECEIPT_URI}.",
         error=True,
     )
+
+
+def _abort_said(saga: Saga, receipt: Mapping[str, Any]) -> str:
+    """What the proxy's abort of ``saga`` did, as its receipt (or its note that the
+    receipt is not in yet) says: effects are said compensated only when they were."""
+    status = receipt.get("status")
+    if status == "COMPENSATED":
+        did = "was aborted and its earlier effects compensated"
+    elif status == "ESCALATED":
+        did = (
+            "was aborted, but not every effect could be undone: what is left is handed to a"
+            " person (`sagaline incidents list`)"
+        )
+    elif status == RECEIPT_PENDING:
+        did = (
+            "was aborted; its earlier effects are being undone, its receipt not in yet"
+            f" (read it later with `sagaline saga show {saga.saga_id}`)"
+        )
+    else:
+        did = "was aborted"
+    return f"The saga {saga.saga_id} {did} (status {status}); read {RECEIPT_URI}."
 
 
 def _client_stopped(name: str, exc: ClientStopped) -> types.CallToolResult:
