@@ -314,3 +314,35 @@ def test_one_broker_list_spelled_otherwise_is_the_same_claim() -> None:
         release_member(other)  # another broker: another claim
     finally:
         release_member(claim)
+
+
+def test_a_lock_file_whose_file_system_cannot_lock_it_starts_unclaimed(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A temporary directory that holds the lock file but cannot lock it (an NFS
+    mount without a lock daemon: flock fails with ENOLCK) stopped the instance at
+    start with an OSError traceback, where one that cannot hold the file starts it
+    unclaimed with a warning. Alike now; a held claim (EWOULDBLOCK) is still refused."""
+    import errno
+    import fcntl
+    from uuid import uuid4
+
+    from sagaline.kafka._claims import claim_member, release_member
+
+    member = f"claims-nolock-{uuid4().hex[:8]}"
+    held = claim_member("k1:9092", member, lambda holder, path: f"{holder} {path}")
+    try:
+        with pytest.raises(sagaline.kafka.InstanceClaimed, match="this process"):
+            claim_member("k1:9092", member, lambda holder, path: f"{holder} {path}")
+    finally:
+        release_member(held)
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    opened = len(os.listdir(f"/proc/{os.getpid()}/fd"))
+    assert claim_member("k1:9092", member, lambda holder, path: f"{holder} {path}") is None
+    assert len(os.listdir(f"/proc/{os.getpid()}/fd")) == opened  # its descriptor closed
+    [warning] = [r for r in caplog.records if "not claimed" in r.getMessage()]
+    assert os.strerror(errno.ENOLCK) in warning.getMessage() and "TMPDIR" in warning.getMessage()

@@ -39,8 +39,9 @@ def claim_member(bootstrap: str, member: str, refusal: Callable[[str, str], str]
     dead predecessor's transaction). :class:`InstanceClaimed` with ``refusal(holder,
     lock path)`` when another client, of this process or another, holds it.
 
-    None, with a warning, when no lock file can be opened (a read-only root file
-    system in a container, a file of that name another user made): the claim only
+    None, with a warning, when no lock file can be opened or locked (a read-only root
+    file system in a container, a file of that name another user made, an NFS mount
+    without a lock daemon): the claim only
     guards against a twin on this machine, and an instance served without it before
     claims existed, so it is not refused for that."""
     import fcntl
@@ -54,14 +55,7 @@ def claim_member(bootstrap: str, member: str, refusal: Callable[[str, str], str]
         path = os.path.join(tempfile.gettempdir(), name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as exc:  # gettempdir() too: no usable temporary directory
-        log.warning(
-            "instance %s not claimed on this machine: its lock file %s cannot be opened"
-            " (%s); a second instance with that id here is not refused, and would fence"
-            " this one. Set TMPDIR to a directory this user can write",
-            member,
-            getattr(exc, "filename", None) or name,
-            exc.strerror or exc,
-        )
+        _unclaimed(member, getattr(exc, "filename", None) or name, "opened", exc)
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -70,6 +64,10 @@ def claim_member(bootstrap: str, member: str, refusal: Callable[[str, str], str]
         os.close(fd)
         holder = "this process" if pid == str(os.getpid()) else f"another process (pid {pid})"
         raise InstanceClaimed(refusal(holder, path), holder, path) from None
+    except OSError as exc:  # held is BlockingIOError: this file system locks nothing (ENOLCK)
+        os.close(fd)
+        _unclaimed(member, path, "locked", exc)
+        return None
     except BaseException:
         os.close(fd)
         raise
@@ -77,6 +75,18 @@ def claim_member(bootstrap: str, member: str, refusal: Callable[[str, str], str]
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     _claims.add(fd)
     return fd
+
+
+def _unclaimed(member: str, path: str, verb: str, exc: OSError) -> None:
+    log.warning(
+        "instance %s not claimed on this machine: its lock file %s cannot be %s"
+        " (%s); a second instance with that id here is not refused, and would fence"
+        " this one. Set TMPDIR to a directory this user can write",
+        member,
+        path,
+        verb,
+        exc.strerror or exc,
+    )
 
 
 def _brokers(bootstrap: str) -> str:
