@@ -19,6 +19,7 @@ from participants.catalogue import Catalogue, wrap
 from participants.client import ENDED_SAGAS_KEPT, SagaClient
 from participants.runtime import ParticipantRuntime
 from sagaline.kafka import InstanceClaimed, ensure_topics, require_broker_answers
+from sagaline.kafka._claims import broker_list_key
 from schemas.settings import Settings
 
 log = logging.getLogger("sagaline.connect")
@@ -56,7 +57,8 @@ def connect(
     - ``coordinator``: also run a coordinator in this process. For development and
       tests; in production run ``sagaline coordinator run`` (the client then checks
       that one is consuming, and says what to start if not). Sessions of one process
-      on the same broker and topics share one coordinator: started by the first,
+      on the same broker (its list of brokers in any order or case) and topics share
+      one coordinator: started by the first,
       stopped when the last one ends (two would fence each other); one that died is
       started again by the next session that asks for it, and serves them all.
       Another process on this machine asking for one on the same broker address and
@@ -182,7 +184,9 @@ _coordinators_lock = threading.Lock()
 def _coordinator(settings: Settings, bootstrap: str) -> Iterator[None]:
     """The coordinator of ``settings``' topics, run in this process while a session
     uses it: started by the first session, stopped when the last one ends."""
-    key = (bootstrap, settings.topics.events)
+    # By its broker list as the coordinator's claim keys it: the same brokers spelled
+    # otherwise are this coordinator's, whose claim would refuse a second one.
+    key = (broker_list_key(bootstrap), settings.topics.events)
     with _coordinators_lock:
         running = _coordinators.get(key)
         if running is None or not running.thread.is_alive():

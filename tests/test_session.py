@@ -177,6 +177,28 @@ def test_a_failing_client_close_neither_masks_the_blocks_error_nor_leaves_thread
     assert _session_threads() == []
 
 
+def test_sessions_on_one_broker_list_spelled_otherwise_share_one_coordinator(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    """The instance claim keys a broker list as a set of addresses (6ee6916), but
+    the sessions' shared coordinators were kept by the bootstrap string as given: a
+    second ``connect(coordinator=True)`` of the process with the same brokers spelled
+    otherwise (" host:port, ") found none running, started its own, and that one
+    was refused by the first one's claim ("this process runs the development
+    coordinator"): StartError, where the docs say the sessions share one."""
+    settings = _settings(kafka_bootstrap, unique_prefix, tmp_path)
+    with sagaline.connect(
+        reserve, name="seats", coordinator=True, settings=settings, call_timeout_s=20
+    ):
+        spelled = f" {kafka_bootstrap}, "
+        with sagaline.connect(coordinator=True, settings=settings, bootstrap=spelled) as inner:
+            with inner.saga("trip", principal="me") as saga:
+                assert saga.call("reserve", flight="IN") == "r-IN"
+            assert saga.wait(60).status == "COMPLETED"
+        assert "sagaline-coordinator" in _session_threads()
+    assert _session_threads() == []
+
+
 def test_a_coordinator_replaced_after_it_died_serves_until_the_last_session_ends(
     kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
 ) -> None:

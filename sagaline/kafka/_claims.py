@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Callable
 from contextlib import suppress
 
-__all__ = ["InstanceClaimed", "claim_member", "release_member"]
+__all__ = ["InstanceClaimed", "broker_list_key", "claim_member", "release_member"]
 
 log = logging.getLogger("sagaline.kafka")
 
@@ -46,7 +46,7 @@ def claim_member(bootstrap: str, member: str, refusal: Callable[[str, str], str]
     claims existed, so it is not refused for that."""
     import fcntl
 
-    key = f"{_brokers(bootstrap)}\0{member}"
+    key = f"{broker_list_key(bootstrap)}\0{member}"
     if bootstrap.startswith("memory://"):
         key += f"\0{os.getpid()}"  # an in-process broker: another process's is another one
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -89,7 +89,7 @@ def _unclaimed(member: str, path: str, verb: str, exc: OSError) -> None:
     )
 
 
-def _brokers(bootstrap: str) -> str:
+def broker_list_key(bootstrap: str) -> str:
     """``bootstrap`` as one spelling of its broker list: "k2:9092, K1:9092" and
     "k1:9092,k2:9092" are one cluster's, so one claim (a different list of one
     cluster's brokers is not recognised: that would take its cluster id)."""
