@@ -2536,15 +2536,21 @@ class ParticipantRuntime:
         try:
             claim = claim_member(self.bootstrap, member, functools.partial(self._refusal, member))
         except InstanceClaimed:
-            # What the constructor opened, as the loop's end closes it: nothing will use it.
-            self.handler.close()
-            self._writer.close()
-            self.journal.close()
+            self._close_unused()
             raise
         try:
             self._run(group, member, ready)
         finally:
             release_member(claim)
+
+    def _close_unused(self) -> None:
+        """What the constructor opened, as the loop's end closes it, when ``run`` ends
+        before its loop (refused, or its start failed): nothing will use it, and a
+        process that retries the start must not leak its threads, sockets and SQLite
+        handle at each try."""
+        self.handler.close()
+        self._writer.close()
+        self.journal.close()
 
     def _refusal(self, member: str, holder: str, path: str) -> str:
         return (
@@ -2556,19 +2562,25 @@ class ParticipantRuntime:
         )
 
     def _run(self, group: str, member: str, ready: threading.Event | None) -> None:
-        ensure_topics(
-            self.bootstrap,
-            self.topics,
-            [self.participant],
-            self.settings.partitions,
-            replication=self.settings.replication,
-        )
-        keep_ms = journal_keep_ms(self.bootstrap, self._command_topic, self.journal_keep_setting)
-        self.pruning = None if keep_ms is None else JournalPruning(self.journal, keep_ms)
-        poll_interval_s = _max_poll_interval_s(self.bootstrap, group)
-        pause_after_s = poll_interval_s / 2
-        self.revoke_drain_bound_s = _revoke_drain_bound_s(self.revoke_drain_s, poll_interval_s)
-        consumer = create_consumer(self.bootstrap, group, **{"group.instance.id": member})
+        try:  # a start that fails here (a topic missing, the broker down) closes them too
+            ensure_topics(
+                self.bootstrap,
+                self.topics,
+                [self.participant],
+                self.settings.partitions,
+                replication=self.settings.replication,
+            )
+            keep_ms = journal_keep_ms(
+                self.bootstrap, self._command_topic, self.journal_keep_setting
+            )
+            self.pruning = None if keep_ms is None else JournalPruning(self.journal, keep_ms)
+            poll_interval_s = _max_poll_interval_s(self.bootstrap, group)
+            pause_after_s = poll_interval_s / 2
+            self.revoke_drain_bound_s = _revoke_drain_bound_s(self.revoke_drain_s, poll_interval_s)
+            consumer = create_consumer(self.bootstrap, group, **{"group.instance.id": member})
+        except BaseException:
+            self._close_unused()
+            raise
 
         # A command poll() returned before a rebalance that moved its partition is left
         # to the partition's owner, which reads it from the committed offset.

@@ -1,0 +1,88 @@
+"""A start that fails before the loop closes what was opened for it, once.
+
+A participant runtime whose ``ensure_topics``, journal retention lookup, poll
+interval lookup or consumer creation raised left its tool pool, its ledger writer
+(its producer) and its journal (a SQLite handle) open; a coordinator whose checks
+before joining (topic sizes, terminal memory, fencing, subscribe) raised left its
+consumer and its commit thread pool open. A long-lived process that retries the
+start (``sagaline.connect()`` in a loop, the MCP proxy, ``SagaClient(local)``)
+leaked threads, sockets and file handles at every failed try. Real broker."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from pathlib import Path
+
+import pytest
+from confluent_kafka import KafkaException
+
+import participants.runtime as runtime_module
+import sagaline
+from participants import ParticipantRuntime, wrap
+from schemas.settings import Settings
+
+pytestmark = pytest.mark.kafka
+
+
+def _release(reservation_id: str) -> None:
+    pass
+
+
+@sagaline.compensable(by=_release, args=lambda c: {"reservation_id": c.result})
+def reserve(flight: str) -> str:
+    """Reserve a seat."""
+    return f"r-{flight}"
+
+
+SEATS = wrap(reserve, name="seats")
+
+
+def _settings(bootstrap: str, prefix: str, state: Path) -> Settings:
+    return Settings(bootstrap=bootstrap, topic_prefix=prefix, partitions=1, state_dir=state)
+
+
+def _refused(*args: object, **kwargs: object) -> object:
+    raise KafkaException("start refused: TOPIC_AUTHORIZATION_FAILED")
+
+
+def _threads() -> set[str]:
+    return {t.name for t in threading.enumerate() if t.is_alive()}
+
+
+@pytest.mark.parametrize(
+    "step", ["ensure_topics", "journal_keep_ms", "_max_poll_interval_s", "create_consumer"]
+)
+def test_a_runtime_whose_start_fails_before_its_loop_closes_what_it_opened(
+    kafka_bootstrap: str,
+    unique_prefix: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    step: str,
+) -> None:
+    before = _threads()
+    runtime = ParticipantRuntime(
+        SEATS, _settings(kafka_bootstrap, unique_prefix, tmp_path), kafka_bootstrap
+    )
+    closes: list[str] = []
+    writer_close = runtime._writer.close
+    handler_close = runtime.handler.close
+
+    def close_writer(timeout_s: float = 10.0) -> int:
+        closes.append("writer")
+        return writer_close(timeout_s)
+
+    def close_handler() -> None:
+        closes.append("handler")
+        handler_close()
+
+    monkeypatch.setattr(runtime._writer, "close", close_writer)
+    monkeypatch.setattr(runtime.handler, "close", close_handler)
+    monkeypatch.setattr(runtime_module, step, _refused)
+    with pytest.raises(KafkaException, match="start refused"):
+        runtime.run()
+    with pytest.raises(sqlite3.ProgrammingError):  # the journal is closed
+        runtime.journal.get("c")
+    assert sorted(closes) == ["handler", "writer"]  # each once
+    assert runtime._writer._closed.is_set()
+    assert _threads() - before == set()
