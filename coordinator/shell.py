@@ -529,10 +529,13 @@ class Coordinator:
 
     def _run(self, until: Callable[[], bool] | None, ready: threading.Event | None) -> None:
         self._ready = ready
-        self._join()
-        self._serving = True  # before the line saying so (health() also waits to join)
-        log.info("coordinator %s consuming %s", self.instance_id, self.topics.events)
+        # Inside the try: a start that fails before the loop (a topic too small, the
+        # broker unreachable, fenced) closes the consumer and the sender like any other
+        # way out; a process retrying the start must not leak them at each try.
         try:
+            self._join()
+            self._serving = True  # before the line saying so (health() also waits to join)
+            log.info("coordinator %s consuming %s", self.instance_id, self.topics.events)
             while self._running and not (until is not None and self._carry is None and until()):
                 self._process_batch(self._next_batch())
             if self._carry is not None:  # a clean stop leaves nothing to re-read

@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 from confluent_kafka import KafkaException
 
+import coordinator.shell as shell_module
 import participants.runtime as runtime_module
 import sagaline
+from coordinator.shell import Coordinator
 from participants import ParticipantRuntime, wrap
 from schemas.settings import Settings
 
@@ -85,4 +87,40 @@ def test_a_runtime_whose_start_fails_before_its_loop_closes_what_it_opened(
         runtime.journal.get("c")
     assert sorted(closes) == ["handler", "writer"]  # each once
     assert runtime._writer._closed.is_set()
+    assert _threads() - before == set()
+
+
+@pytest.mark.parametrize("step", ["topic sizes", "terminal memory"])
+def test_a_coordinator_whose_start_fails_before_its_loop_closes_what_it_opened(
+    kafka_bootstrap: str,
+    unique_prefix: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    step: str,
+) -> None:
+    before = _threads()
+    coordinator = Coordinator(
+        _settings(kafka_bootstrap, unique_prefix, tmp_path), kafka_bootstrap, instance_id="sf-1"
+    )
+    if step == "topic sizes":
+        monkeypatch.setattr(shell_module, "topics_max_message_bytes", _refused)
+    else:
+        monkeypatch.setattr(coordinator, "_check_terminal_memory", _refused)
+    closes: list[str] = []
+    consumer = coordinator._consumer
+
+    class Recorded:
+        def __getattr__(self, name: str) -> object:
+            return getattr(consumer, name)
+
+        def close(self) -> None:
+            closes.append("consumer")
+            consumer.close()
+
+    coordinator._consumer = Recorded()  # type: ignore[assignment]
+    with pytest.raises(KafkaException, match="start refused"):
+        coordinator.run()
+    assert closes == ["consumer"]
+    with pytest.raises(RuntimeError):  # the commit thread pool is shut down
+        coordinator._sender.submit(lambda: None)
     assert _threads() - before == set()
