@@ -1728,6 +1728,9 @@ def _ends_as(saga: FakeSaga, status: str) -> None:
         ("failed write", "COMPENSATED", "saga_commit", True, "nothing was committed"),
         ("saga_abort", "RECEIPT_PENDING", "saga_commit", True, "nothing was committed"),
         ("saga_commit", "RECEIPT_PENDING", "saga_commit", False, "committed already"),
+        ("saga_abort", "ESCALATED", "saga_abort", False, "aborted already"),
+        ("failed write", "ESCALATED", "saga_abort", False, "aborted already"),
+        ("saga_abort", "ESCALATED", "saga_commit", True, "nothing was committed"),
     ],
 )
 def test_an_end_after_the_sessions_saga_ended_says_how_it_ended(
@@ -1761,6 +1764,10 @@ def test_an_end_after_the_sessions_saga_ended_says_how_it_ended(
     assert result.is_error is error, text
     assert "s-1" in text and status in text and RECEIPT in text, text
     assert said in text and "nothing was written" not in text, text
+    if first != "saga_commit":  # the saga was aborted: not said as one that was not
+        assert "cannot be undone by saga_abort" not in text, text
+    if status == "ESCALATED":
+        assert "handed to a person" in text, text
 
 
 @pytest.mark.parametrize(

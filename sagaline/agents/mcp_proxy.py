@@ -667,6 +667,9 @@ class _Session:
     saga: Saga | None = None
     next_step: int = 1
     last_receipt: str | None = None
+    # The end asked for the saga of last_receipt, when known: an ESCALATED receipt is
+    # that of an abort (some effect not undone) or of a commit.
+    last_requested: SagaOutcome | None = None
     # The end asked for but not acknowledged by the broker: it may be on the ledger, so
     # the saga is kept until an end is acknowledged, and a retry asks for this outcome.
     ending: SagaOutcome | None = None
@@ -858,6 +861,8 @@ class McpProxy:
             receipt = None
         if receipt is not None:  # it ended while the proxy was down: nothing to continue
             self.session.last_receipt = receipt.model_dump_json(indent=2)
+            if saved.get("ending"):
+                self.session.last_requested = SagaOutcome(saved["ending"])
             self.session.path.unlink(missing_ok=True)
             log.info("saga %s ended while the proxy was down", saved["saga_id"])
             return
@@ -1356,6 +1361,7 @@ class McpProxy:
         self.session.last_receipt = json.dumps(
             {"saga_id": saga.saga_id, "status": "PARKED", "note": note}, indent=2
         )
+        self.session.last_requested = None
         self.session.save()
         return _text(f"{before}{name}: {note}", error=True)
 
@@ -1516,7 +1522,7 @@ class McpProxy:
 
     async def _end(self, outcome: SagaOutcome, reason: str) -> types.CallToolResult:
         if self.session.saga is None:
-            return _no_saga_open(outcome, self.session.last_receipt)
+            return _no_saga_open(outcome, self.session.last_receipt, self.session.last_requested)
         receipt = await self._finish(outcome, reason)
         if receipt.get("status") in (RECEIPT_PENDING, END_NOT_ACKNOWLEDGED):
             return types.CallToolResult(
@@ -1602,15 +1608,20 @@ class McpProxy:
             self.session.awaiting = []
             self.session.ending = None
             self.session.last_receipt = json.dumps(pending, indent=2)
+            self.session.last_requested = outcome
         self.session.save()
 
 
-def _no_saga_open(outcome: SagaOutcome, last_receipt: str | None) -> types.CallToolResult:
+def _no_saga_open(
+    outcome: SagaOutcome, last_receipt: str | None, asked: SagaOutcome | None
+) -> types.CallToolResult:
     """The answer to saga_commit (``outcome`` COMPLETE) or saga_abort (ABORT) when the
     session has no saga open: none was started, or the last one has already ended (the
     agent ended it, the proxy aborted it after a failed write, it was parked, it ended
     while the proxy was down). Nothing is asked of the ledger; the answer says how the
-    last saga ended, an error where that is not what the agent asks for now."""
+    last saga ended, an error where that is not what the agent asks for now.
+    ``asked``: the end asked for that saga, when known (an ESCALATED abort is an
+    abort all the same: a saga_abort after it asks for what was done)."""
     if last_receipt is None:
         return _text("no saga is open: nothing was written in this session")
     last: dict[str, Any] = json.loads(last_receipt)
@@ -1622,6 +1633,12 @@ def _no_saga_open(outcome: SagaOutcome, last_receipt: str | None) -> types.CallT
             "committed already (its receipt is not in yet)"
             if ended_as == "COMPLETED"
             else "aborted already (its effects are being undone; its receipt is not in yet)"
+        )
+    elif status == "ESCALATED" and asked is SagaOutcome.ABORT:
+        ended_as = "COMPENSATED"
+        how = (
+            "aborted already, but not every effect could be undone: what is left is handed"
+            " to a person (`sagaline incidents list`)"
         )
     else:
         ended_as = status
