@@ -1778,6 +1778,7 @@ def test_an_end_after_the_sessions_saga_ended_says_how_it_ended(
         ("create_ticket", "StepEscalated", "COMPENSATED"),
         ("create_ticket", "OutcomeUnknown", "ESCALATED"),
         ("send_email", "OutcomeUnknown", "COMPENSATED"),
+        ("create_ticket", "OutcomeUnknown", "COMPLETED"),
     ],
 )
 def test_a_write_that_aborts_the_saga_says_only_what_the_abort_did_R3_R11_R14(
@@ -1814,6 +1815,9 @@ def test_a_write_that_aborts_the_saga_says_only_what_the_abort_did_R3_R11_R14(
         assert "failed" not in text and "may have" in text, text
     if tool == "send_email":
         assert "undone if" not in text and "IRREVERSIBLE" in text, text
+    if status == "COMPLETED":  # a pivot had committed: the abort went forward (R6)
+        assert "compensated" not in text and "was aborted" not in text, text
+        assert "effects stand" in text, text
 
 
 def test_a_restart_reads_the_saga_from_the_ledger_once(

@@ -1261,7 +1261,9 @@ class McpProxy:
                     f" {receipt['note']}",
                     error=True,
                 )
-            if mapping.reversibility is Reversibility.IRREVERSIBLE or mapping.pivot:
+            if receipt.get("status") == "COMPLETED":  # past a pivot: went forward (R6)
+                fate = "the coordinator has settled it (the receipt says how)"
+            elif mapping.reversibility is Reversibility.IRREVERSIBLE or mapping.pivot:
                 why = "IRREVERSIBLE" if not mapping.pivot else "a pivot"
                 fate = f"if it did, it is not undone ({why}): it is handed to a person"
             else:
@@ -1751,6 +1753,13 @@ def _abort_said(saga: Saga, receipt: Mapping[str, Any]) -> str:
         did = (
             "was aborted, but not every effect could be undone: what is left is handed to a"
             " person (`sagaline incidents list`)"
+        )
+    elif status == "COMPLETED":  # R6: a pivot had committed, so the abort went forward
+        pivot = receipt.get("pivot_step")
+        did = (
+            "was not undone: a pivot"
+            + (f" ({pivot})" if pivot else "")
+            + " had committed, so the saga went forward and completed; its effects stand"
         )
     elif status == RECEIPT_PENDING:
         did = (
