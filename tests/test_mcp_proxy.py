@@ -2907,6 +2907,64 @@ def test_a_write_whose_step_ends_unsettled_after_the_abort_is_not_told_it_did_no
     assert expected in text, text
 
 
+def test_the_receipt_of_an_abort_that_went_ahead_does_not_replace_a_later_sagas_R7_R14(
+    tmp_path: Path,
+) -> None:
+    """saga_abort goes ahead while an IRREVERSIBLE write asks its person, outside the
+    step lock, and waits for its receipt. Meanwhile the agent ran and committed a new
+    saga. When the aborted saga's receipt came in, it replaced the later saga's as the
+    session's last: the receipt resource showed s-1, and a saga_commit after answered
+    "the last saga of this session, s-1, was aborted already ... nothing was committed
+    now", an error, of a session whose last saga had committed."""
+    terminal = asyncio.Event()
+
+    class Aborted(AwaitsApproval):
+        async def await_terminal(self, timeout_s: float) -> Any:
+            await asyncio.wait_for(terminal.wait(), 120)  # its compensation takes time
+            return self.wait(timeout_s)
+
+    class Client(FakeClient):
+        def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
+            if self.sagas:
+                return super().saga(workflow, principal, saga_id=saga_id)
+            saga = Aborted(saga_id or "s-1", None)
+            self.sagas.append(saga)
+            return saga
+
+    def params(name: str, args: dict[str, Any]) -> types.CallToolRequestParams:
+        return types.CallToolRequestParams(name=name, arguments=args)
+
+    asked = asyncio.Event()
+    ctx = _asking_ctx(asked)
+    client = Client()
+    proxy = _fake_proxy(tmp_path, client)
+
+    async def run() -> tuple[types.CallToolResult, types.CallToolResult, str]:
+        write = asyncio.ensure_future(
+            proxy._call_tool(ctx, params("send_email", {"to": "a", "body": "b"}))
+        )
+        await asyncio.wait_for(asked.wait(), 120)
+        abort = asyncio.ensure_future(proxy._call_tool(ctx, params("saga_abort", {})))
+        await asyncio.wait_for(write, 120)
+        await proxy._call_tool(ctx, params("create_ticket", {"title": "t"}))
+        _ends_as(client.sagas[1], "COMPLETED")
+        committed = await proxy._call_tool(ctx, params("saga_commit", {}))
+        terminal.set()  # the aborted saga's receipt comes in after the new one's
+        await asyncio.wait_for(abort, 120)
+        again = await proxy._call_tool(ctx, params("saga_commit", {}))
+        read = await proxy._read_resource(None, _resource(RECEIPT))
+        content = read.contents[0]
+        assert isinstance(content, types.TextResourceContents)
+        return committed, again, content.text
+
+    committed, again, resource = asyncio.run(run())
+    assert [s.saga_id for s in client.sagas] == ["s-1", "s-2"]
+    assert not committed.is_error and "COMPLETED" in _text(committed), _text(committed)
+    assert json.loads(resource)["saga_id"] == "s-2", resource
+    text = _text(again)
+    assert not again.is_error and "s-2" in text and "committed already" in text, text
+
+
 # ------------------------------------------------------------- upstreams that go away
 
 

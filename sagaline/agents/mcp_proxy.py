@@ -1585,8 +1585,13 @@ class McpProxy:
         except TimeoutError as exc:
             log.warning("saga %s ended without its receipt in time: %s", saga.saga_id, exc)
             return pending
-        self.session.last_receipt = receipt.model_dump_json(indent=2)
-        result: dict[str, Any] = json.loads(self.session.last_receipt)
+        text = receipt.model_dump_json(indent=2)
+        # An abort that went ahead of an asking write waits outside the step lock: a
+        # later saga of the session may have ended meanwhile, and stays the last one.
+        last = self.session.last_receipt
+        if last is None or json.loads(last).get("saga_id") == saga.saga_id:
+            self.session.last_receipt = text
+        result: dict[str, Any] = json.loads(text)
         return result
 
     def _ended(
