@@ -116,7 +116,9 @@ def test_a_partition_whose_records_all_expired_does_not_hold_back_caught_up() ->
 class Message:
     """What ``consume`` hands over: one record of the events topic."""
 
-    def __init__(self, key: bytes, value: bytes, headers: list[tuple[str, bytes]]) -> None:
+    def __init__(
+        self, key: bytes, value: bytes, headers: list[tuple[str, str | bytes | None]]
+    ) -> None:
         self._key, self._value, self._headers = key, value, headers
 
     def error(self) -> None:
@@ -131,7 +133,7 @@ class Message:
     def value(self) -> bytes:
         return self._value
 
-    def headers(self) -> list[tuple[str, bytes]]:
+    def headers(self) -> list[tuple[str, str | bytes | None]]:
         return self._headers
 
 
@@ -311,3 +313,35 @@ def test_records_that_fail_verification_are_counted_and_reported_not_skipped_in_
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any("signature" in w for w in warnings), warnings
     assert len(warnings) == 2, warnings  # once per kind, not once per record
+
+
+@pytest.mark.parametrize("why", ["forged", "newer"])
+def test_a_live_saga_whose_start_was_skipped_unread_is_still_shown(
+    monkeypatch: pytest.MonkeyPatch, why: str
+) -> None:
+    """Once caught up, the view drops a ledger record of a saga it does not know (a
+    late record of a forgotten one). A saga whose SagaStarted the follower skipped
+    unread (it fails verification, or a newer agent wrote it under a schema this
+    dashboard cannot read) is no forgotten saga: its later records must still show it,
+    as the skip warning says ("sagas are shown without them")."""
+    from schemas import SagaStarted
+    from tests.newer_version import framed_by_a_newer_version
+
+    signer = Signer(b"k" * 32)
+    script = running("s-live")
+    start, *rest = script.records
+    assert isinstance(start, SagaStarted)
+    if why == "forged":
+        first = Message(*to_message(start, Signer(b"x" * 32)))
+    else:
+        key = start.saga_id.encode()
+        value = framed_by_a_newer_version(start)
+        first = Message(key, value, signer.headers(key, value))
+    later = [Message(*to_message(r, signer)) for r in rest]
+    # Nothing at start (caught up at once), then the saga, live.
+    consumer = Scripted([[], [first, *later]])
+    follower, state = _follow(monkeypatch, consumer, signer)
+    with TestClient(create_app(state, follower=follower)):
+        consumer.settle(follower)
+    assert (follower.rejected, "s-live" in state.sagas) == (1, True)
+    assert state.late_records_of_forgotten_sagas == 0

@@ -143,6 +143,7 @@ class LedgerFollower:
         try:
             record = from_message(key, value, headers, self.signer)
         except (UnknownFingerprint, SchemaMismatch) as exc:
+            self._skipped_unread(topic, key)
             self.rejected += 1
             self.unreadable += 1
             schema = bytes(value[2:10])
@@ -160,9 +161,11 @@ class LedgerFollower:
                 )
             return
         except CodecError as exc:
+            self._skipped_unread(topic, key)
             self._reject(topic, exc)
             return
         except Exception as exc:  # R16: not a codec refusal, but still one record
+            self._skipped_unread(topic, key)
             self.rejected += 1
             log.error(
                 "skipping a record on %s (key %r) that could not be read (%s: %s)",
@@ -189,6 +192,13 @@ class LedgerFollower:
                 self.fold_errors,
                 exc_info=True,
             )
+
+    def _skipped_unread(self, topic: str, key: bytes | None) -> None:
+        """A ledger record skipped unread may be its saga's SagaStarted: the view is told
+        (by the record's key, its saga id), so the saga's later records still show it
+        rather than being dropped as a forgotten saga's late ones."""
+        if key and topic == self.topics.events:
+            self.state.skipped_unread(key.decode("utf-8", "replace"))
 
     def _reject(self, topic: str, exc: CodecError) -> None:
         """A record that fails verification or decoding: skipped and counted; the first

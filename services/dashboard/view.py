@@ -327,6 +327,11 @@ class DashboardState:
         # (:meth:`_late_record`).
         self.caught_up = False
         self.late_records_of_forgotten_sagas = 0
+        # Sagas a ledger record of which the follower skipped unread (it failed
+        # verification, or a newer version wrote it) before the view knew them: their
+        # SagaStarted may be that record, and their later ones are no late ones
+        # (:meth:`skipped_unread`). The ``dropped_sagas`` last, oldest first.
+        self._skipped_unread: OrderedDict[str, None] = OrderedDict()
         # Sagas with a pending approval request: what the expiry scan and the pending
         # list look at, not every saga.
         self._awaiting: set[str] = set()
@@ -444,6 +449,18 @@ class DashboardState:
                     _settle_from_receipt(saga)
                 self._check_settled(saga)
 
+    def skipped_unread(self, saga_id: str) -> None:
+        """The follower skipped a ledger record of ``saga_id`` unread: if the view does
+        not know the saga, its later records still show it (shown without that one),
+        not dropped as a forgotten saga's late ones."""
+        with self.lock:
+            if saga_id in self.sagas:
+                return
+            self._skipped_unread[saga_id] = None
+            self._skipped_unread.move_to_end(saga_id)
+            while len(self._skipped_unread) > self.dropped_sagas:
+                self._skipped_unread.popitem(last=False)
+
     def _late_record(self, record: Record, from_ledger: bool) -> bool:
         """A ledger record of a saga the view does not know, read once caught up, that a
         saga does not begin with: live, a saga's records come after its SagaStarted in
@@ -458,6 +475,8 @@ class DashboardState:
             return False
         if isinstance(record, SagaStarted | SagaTerminal):
             return False
+        if self._skipped_unread.pop(record.saga_id, False) is None:
+            return False  # its first record was skipped unread: it now shows
         return not (
             isinstance(record, IncidentRaised) and record.envelope.producer == COORDINATOR_PRODUCER
         )
