@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
-from confluent_kafka.admin import NewTopic
+from confluent_kafka.admin import AdminClient, NewTopic
 
 from sagaline.kafka import (
     BrokerNotConfigured,
@@ -78,6 +78,21 @@ def test_every_librdkafka_setting_comes_from_a_prefixed_variable() -> None:
     assert producer["partitioner"] == "murmur2_random"
     assert config.consumer("g")["sasl.username"] == "coordinator"
     assert config.admin()["security.protocol"] == "SASL_PLAINTEXT"
+
+
+def test_the_log_level_variable_sets_librdkafkas_log_level_and_wins_over_the_admin_default() -> (
+    None
+):
+    """librdkafka spells its log level ``log_level`` (an underscore, no dot), so the
+    rule "replace the dots with underscores" mapped SAGALINE_KAFKA_LOG_LEVEL to
+    ``log.level``, which librdkafka refuses: every command stopped with "No such
+    configuration property". It is the one way to quieten or raise every client's
+    log, and the admin clients' default (5) must yield to it."""
+    config = ClientConfig.from_env("b:1", {"SAGALINE_KAFKA_LOG_LEVEL": "7"})
+    assert config.settings == {"log_level": "7"}
+    assert config.admin()["log_level"] == "7"
+    assert config.producer()["log_level"] == "7"
+    AdminClient(config.admin())  # librdkafka takes it
 
 
 def test_a_properties_file_is_read_and_variables_override_it(tmp_path: Path) -> None:

@@ -94,6 +94,9 @@ ADMIN_DEFAULTS: Mapping[str, Any] = {"log_level": 5}
 PER_CLIENT = ("group.id", "group.instance.id", "transactional.id")
 # librdkafka's other names of pinned properties.
 _ALIASES: Mapping[str, str] = {"request.required.acks": "acks"}
+# The librdkafka properties spelt with an underscore, not a dot: a variable's name
+# (``SAGALINE_KAFKA_LOG_LEVEL``) gives them with a dot, which librdkafka refuses.
+_UNDERSCORED: Mapping[str, str] = {"log.level": "log_level"}
 # librdkafka's other spellings of the pinned values: accepted (the pin is applied).
 _SYNONYMS: Mapping[str, str] = {"-1": "all", "smallest": "earliest", "beginning": "earliest"}
 
@@ -141,6 +144,7 @@ class ClientConfig:
             if not var.startswith(ENV_PREFIX) or var in LAUNCHER_VARS | {PROPERTIES_FILE_VAR}:
                 continue
             name = var[len(ENV_PREFIX) :].lower().replace("_", ".")
+            name = _UNDERSCORED.get(name, name)
             if not name or not value:
                 # Empty counts as unset, as for every variable (``${VAR:-}`` in
                 # compose): not "" for librdkafka, nor over the properties file's value.
