@@ -464,3 +464,25 @@ def test_with_no_broker_at_the_address_an_operator_command_says_so_in_one_line(
     assert "rdkafka" not in err, err[:2000]
     assert err.count("\n") == 1, err
     assert "no Kafka broker answered at 127.0.0.1:1" in err and "sagaline kafka up" in err, err
+
+
+def test_a_broker_that_refuses_the_clients_security_settings_is_named_not_called_absent(
+    kafka_bootstrap: str, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The broker answers but the client's SASL settings do not match its listener (a
+    wrong protocol, mechanism or password): the probe said "no Kafka broker answered at
+    ADDRESS ...: start one (`sagaline kafka up` ...)", sending the operator to start a
+    broker that runs. It now says the broker refused the client and which settings to
+    check; the Kafka client's log stays off stderr."""
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
+    monkeypatch.setenv("SAGALINE_KAFKA_SECURITY_PROTOCOL", "SASL_PLAINTEXT")
+    monkeypatch.setenv("SAGALINE_KAFKA_SASL_MECHANISM", "PLAIN")
+    monkeypatch.setenv("SAGALINE_KAFKA_SASL_USERNAME", "operator")
+    monkeypatch.setenv("SAGALINE_KAFKA_SASL_PASSWORD", "not-the-password")
+    monkeypatch.setattr(sagaline.kafka._clients, "BROKER_PROBE_TIMEOUT_S", 3.0, raising=False)
+    assert main(["status"]) == 2
+    err = capfd.readouterr().err
+    assert "rdkafka" not in err and err.count("\n") == 1, err
+    assert f"the Kafka broker at {kafka_bootstrap} refused this client" in err, err
+    assert "SASL" in err and "SAGALINE_KAFKA_" in err and "start one" not in err, err
+    assert "not-the-password" not in err, err

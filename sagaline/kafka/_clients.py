@@ -48,6 +48,9 @@ class BrokerUnreachable(ConnectionError):
     """No Kafka broker answered at the configured address."""
 
 
+# What a broker that answers says to a client whose security settings it refuses.
+_REFUSALS = (KafkaError._AUTHENTICATION, KafkaError._SSL)
+
 BROKER_PROBE_TIMEOUT_S = 30.0  # as long as ensure_topics waits for the broker's metadata
 
 
@@ -59,10 +62,8 @@ def require_broker_answers(bootstrap: str, who: str, timeout_s: float | None = N
     if _memory.is_memory(bootstrap):
         return
     wait_s = BROKER_PROBE_TIMEOUT_S if timeout_s is None else timeout_s
-    errors: list[str] = []
-    admin = create_admin(
-        bootstrap, **{"log_level": 0, "error_cb": lambda error: errors.append(error.str())}
-    )
+    errors: list[KafkaError] = []
+    admin = create_admin(bootstrap, **{"log_level": 0, "error_cb": errors.append})
     try:
         admin.list_topics(timeout=wait_s)
     except KafkaException as exc:
@@ -70,7 +71,16 @@ def require_broker_answers(bootstrap: str, who: str, timeout_s: float | None = N
         if error is None or error.code() not in (KafkaError._TRANSPORT, KafkaError._TIMED_OUT):
             raise
         admin.poll(0)  # serves the errors met meanwhile to error_cb
-        why = errors[-1] if errors else error.str()
+        # Each failed attempt is followed by "N/N brokers are down", which says nothing.
+        causes = [e for e in errors if e.code() != KafkaError._ALL_BROKERS_DOWN] or errors
+        why = causes[-1].str() if causes else error.str()
+        refusal = next((e for e in reversed(errors) if e.code() in _REFUSALS), None)
+        if refusal is not None:  # it answered, and refused this client's credentials
+            raise BrokerUnreachable(
+                f"{who}: the Kafka broker at {bootstrap} refused this client"
+                f" ({refusal.str()}): check the security settings {ENV_PREFIX}*"
+                " (security.protocol, sasl.*, ssl.*; docs/deploying.md) against its listener"
+            ) from None
         raise BrokerUnreachable(
             f"{who}: no Kafka broker answered at {bootstrap} within {wait_s:.0f} s ({why}):"
             " start one (`sagaline kafka up` prints its address) or set"
