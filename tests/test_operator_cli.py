@@ -486,3 +486,20 @@ def test_a_broker_that_refuses_the_clients_security_settings_is_named_not_called
     assert f"the Kafka broker at {kafka_bootstrap} refused this client" in err, err
     assert "SASL" in err and "SAGALINE_KAFKA_" in err and "start one" not in err, err
     assert "not-the-password" not in err, err
+
+
+def test_a_log_level_the_deployment_sets_is_used_by_the_broker_probe_not_overridden(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The probe keeps librdkafka's log of each attempt off stderr by its own
+    log_level 0. A deployment that sets SAGALINE_KAFKA_LOG_LEVEL (to see why the
+    client cannot connect) got that log hidden and, on every command, a warning that
+    its setting "is not used ...: Sagaline sets log_level=0". Its level now wins."""
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:1")
+    monkeypatch.setenv("SAGALINE_KAFKA_LOG_LEVEL", "7")
+    monkeypatch.setattr(sagaline.kafka._clients, "BROKER_PROBE_TIMEOUT_S", 3.0, raising=False)
+    assert main(["status"]) == 2
+    err = capfd.readouterr().err
+    assert "log_level=0" not in err, err[:2000]
+    assert "rdkafka" in err and "Connection refused" in err, err[:2000]
+    assert "no Kafka broker answered at 127.0.0.1:1" in err.splitlines()[-1], err[-2000:]

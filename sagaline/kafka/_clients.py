@@ -63,7 +63,8 @@ def require_broker_answers(bootstrap: str, who: str, timeout_s: float | None = N
         return
     wait_s = BROKER_PROBE_TIMEOUT_S if timeout_s is None else timeout_s
     errors: list[KafkaError] = []
-    admin = create_admin(bootstrap, **{"log_level": 0, "error_cb": errors.append})
+    config = client_config(bootstrap)
+    admin = create_admin(config, **_quiet(config), error_cb=errors.append)
     try:
         admin.list_topics(timeout=wait_s)
     except KafkaException as exc:
@@ -89,6 +90,12 @@ def require_broker_answers(bootstrap: str, who: str, timeout_s: float | None = N
         ) from None
 
 
+def _quiet(config: ClientConfig) -> dict[str, Any]:
+    """librdkafka's log off, for a client whose failure the caller reports in one line;
+    unless the deployment sets a log level itself (to see that log): its level wins."""
+    return {} if "log_level" in config.settings else {"log_level": 0}
+
+
 def configured_broker(command: str, *, answering: bool = False) -> tuple[Settings, str]:
     """The process settings (from the environment) and the broker they name: what a
     production command starts with. Raises :class:`BrokerNotConfigured` when none is.
@@ -107,7 +114,7 @@ def configured_broker(command: str, *, answering: bool = False) -> tuple[Setting
         # Quiet: it connects as soon as it is built, and with no broker there its
         # failed attempt would be logged before the command could say so in one line
         # (its settings' warnings are logged by the clients the command then makes).
-        _built(AdminClient, {**config.admin(), "log_level": 0})
+        _built(AdminClient, config.admin(**_quiet(config)))
     log.info("kafka: %s", config.describe())
     if answering:
         require_broker_answers(bootstrap, command)
