@@ -313,7 +313,9 @@ def test_cli_lists_the_superseded_incident_as_such_and_refuses_to_resolve_it_R15
     again = _incident_the_operator_sees(h, "pay")
     feed = {first.incident_id: first, again.incident_id: again}
     assert superseded_incidents(feed) == {first.incident_id: again}
-    monkeypatch.setattr(coordinator_cli, "configured_broker", lambda _c: (Settings(), "unused:1"))
+    monkeypatch.setattr(
+        coordinator_cli, "configured_broker", lambda _c, **_kw: (Settings(), "unused:1")
+    )
     monkeypatch.setattr(coordinator_cli, "incident_feed", lambda _s, _b, **_kw: (feed, {}))
     assert main(["incidents", "list"]) == 0
     listing = capsys.readouterr().out

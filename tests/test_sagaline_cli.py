@@ -159,6 +159,14 @@ def test_coordinator_run_takes_the_decoded_state_cache_size_from_a_flag_or_the_e
     assert "expected a whole number >= 0, got -1" in capsys.readouterr().err
 
 
+def _broker_answers_the_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The broker answers the one-shot commands' first check (no broker at all is
+    test_operator_cli's case) and fails after it: the command's own failure path."""
+    from sagaline.kafka import _clients
+
+    monkeypatch.setattr(_clients, "require_broker_answers", lambda *_a, **_kw: None)
+
+
 def test_status_says_in_one_line_when_the_broker_does_not_answer(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -171,6 +179,7 @@ def test_status_says_in_one_line_when_the_broker_does_not_answer(
         )
 
     monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:1")
+    _broker_answers_the_check(monkeypatch)
     monkeypatch.setattr(LedgerReader, "records", unreachable)
     assert main(["status"]) == 2
     err = capsys.readouterr().err
@@ -212,6 +221,7 @@ def test_topics_create_says_in_one_line_when_the_broker_does_not_answer(
         raise KafkaException(KafkaError(KafkaError._TRANSPORT, "Broker transport failure"))
 
     monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:1")
+    _broker_answers_the_check(monkeypatch)
     monkeypatch.setattr(services.serve, "ensure_topics", unreachable)
     assert main(["topics", "create", "--participants", "a,b"]) == 2
     err = capsys.readouterr().err
