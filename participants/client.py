@@ -697,7 +697,25 @@ class SagaClient:
         catalogue, the embedded participant runtime. Raises
         :class:`~sagaline.kafka.TopicMissing` when the ledger topic does not exist yet
         (``sagaline.connect()`` creates the topics; by hand, start the coordinator
-        first or run ``ensure_topics``)."""
+        first or run ``ensure_topics``).
+
+        A start that fails closes what the client opened (its producer, the listener,
+        the local runtime), as :meth:`close` would: that client is done, and a second
+        start() raises :class:`ClientStopped`; build a new one to try again."""
+        if self._closed:
+            raise ClientStopped(
+                "the saga client was closed (or its start() failed, which closes it): "
+                "it cannot be started again; use a new client"
+            )
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _start(self) -> None:
+        """:meth:`start`'s work, which closes the client when this raises."""
         positions = self._end_positions()
         ready = threading.Event()
         self._listener = threading.Thread(
@@ -730,12 +748,10 @@ class SagaClient:
             self._local_thread.start()
             up.wait(60)
             if failed:
-                self.close()
                 raise RuntimeError(
                     f"the local tools of {self._local.name!r} did not start: "
                     f"{_why(failed[0])}; no call of them could run"
                 ) from failed[0]
-        return self
 
     def close(self) -> None:
         self._closed = True

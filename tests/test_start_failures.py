@@ -18,10 +18,13 @@ import pytest
 from confluent_kafka import KafkaException
 
 import coordinator.shell as shell_module
+import participants.client as client_module
 import participants.runtime as runtime_module
 import sagaline
 from coordinator.shell import Coordinator
 from participants import ParticipantRuntime, wrap
+from participants.client import ClientStopped, SagaClient
+from sagaline.kafka import ensure_topics
 from schemas.settings import Settings
 
 pytestmark = pytest.mark.kafka
@@ -124,3 +127,47 @@ def test_a_coordinator_whose_start_fails_before_its_loop_closes_what_it_opened(
     with pytest.raises(RuntimeError):  # the commit thread pool is shut down
         coordinator._sender.submit(lambda: None)
     assert _threads() - before == set()
+
+
+@pytest.mark.parametrize("failure", ["ledger missing", "listener refused", "local tools"])
+def test_a_saga_client_whose_start_fails_closes_what_it_opened_once(
+    kafka_bootstrap: str,
+    unique_prefix: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    failure: str,
+) -> None:
+    """A ``SagaClient`` whose start() raised (the ledger topic missing, its listener's
+    consumer refused, its local tools' runtime refused) left its ledger writer (a
+    producer and its poll thread) open: ``with SagaClient(...)`` never reaches
+    ``__exit__`` when ``__enter__`` raises, so a process retrying leaked one per try.
+    Now the failed start closes it, once, and a second start() on that client is
+    refused (``ClientStopped``, naming a new client) instead of running half-closed."""
+    settings = _settings(kafka_bootstrap, unique_prefix, tmp_path)
+    if failure != "ledger missing":
+        ensure_topics(kafka_bootstrap, settings.topics, ["seats"], 1)
+    if failure == "listener refused":
+        monkeypatch.setattr(client_module, "create_consumer", _refused)
+    if failure == "local tools":
+        monkeypatch.setattr(runtime_module, "ensure_topics", _refused)
+    before = _threads()
+    local = SEATS if failure == "local tools" else None
+    client = SagaClient(settings, kafka_bootstrap, local=local)
+    closes: list[str] = []
+    writer_close = client._writer.close
+
+    def close_writer(timeout_s: float = 10.0) -> int:
+        closes.append("writer")
+        return writer_close(timeout_s)
+
+    monkeypatch.setattr(client._writer, "close", close_writer)
+    with pytest.raises(Exception) as raised, client:  # each failure its own type
+        pytest.fail("the start should have failed")
+    assert not isinstance(raised.value, ClientStopped)
+    assert closes == ["writer"]
+    assert client._writer._closed.is_set()
+    assert _threads() - before == set()
+    with pytest.raises(ClientStopped, match="use a new client"):
+        client.start()
+    client.close()  # as a caller's own clean-up: nothing closed twice
+    assert closes == ["writer"]
