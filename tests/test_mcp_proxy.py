@@ -2852,7 +2852,8 @@ class _EndsInAfterAbort(AwaitsApproval):
 
 
 @pytest.mark.parametrize(
-    "kind", ["OutcomeUnknown", "ResultTooLarge", "SagaParked", "StepEscalated"]
+    "kind",
+    ["OutcomeUnknown", "ResultTooLarge", "SagaParked", "StepEscalated", "CoordinatorNotRunning"],
 )
 def test_a_write_whose_step_ends_unsettled_after_the_abort_is_not_told_it_did_not_run_R7_R11(
     tmp_path: Path, kind: str
@@ -2862,14 +2863,21 @@ def test_a_write_whose_step_ends_unsettled_after_the_abort_is_not_told_it_did_no
     result is over the limit (ResultTooLarge), a parked saga (SagaParked) or a step
     handed to a person (StepEscalated). Each fell into the answer for a step decided
     before the abort: "send_email (step 01-send_email) did not run", where it may
-    have run (or did): the agent would call it again. Each is said as what it is."""
+    have run (or did): the agent would call it again. Each is said as what it is.
+    The client finding no coordinator consuming (CoordinatorNotRunning) escaped the
+    handler: a bare MCP internal error."""
     import participants.client as saga_client
+    from participants.readiness import CoordinatorNotRunning
 
     def params(name: str, args: dict[str, Any]) -> types.CallToolRequestParams:
         return types.CallToolRequestParams(name=name, arguments=args)
 
     where = {"saga_id": "s-1", "step_id": "01-send_email", "tool": "send_email"}
-    after: BaseException = getattr(saga_client, kind)(f"{kind} of send_email", **where)
+    after: BaseException = (
+        CoordinatorNotRunning(f"{kind} of send_email")  # no saga, step nor tool in it
+        if kind == "CoordinatorNotRunning"
+        else getattr(saga_client, kind)(f"{kind} of send_email", **where)
+    )
 
     class Client(FakeClient):
         def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
@@ -2903,6 +2911,7 @@ def test_a_write_whose_step_ends_unsettled_after_the_abort_is_not_told_it_did_no
         "ResultTooLarge": "do not call it again",
         "SagaParked": "parked",
         "StepEscalated": "may have run",
+        "CoordinatorNotRunning": "do not call it again",
     }[kind]
     assert expected in text, text
 
@@ -3530,3 +3539,68 @@ def test_an_explicit_null_the_upstream_schema_allows_is_forwarded_not_dropped() 
         with pytest.raises(InvalidArgumentsError, match="priority"):
             spec.invoke({"title": "t", "priority": None})
     assert sent == [{"title": "t", "note": None}, {"title": "t"}]
+
+
+def test_a_write_whose_outcome_no_coordinator_gives_is_remembered_as_awaiting_not_a_bare_error(
+    tmp_path: Path,
+) -> None:
+    """The step was written, but the client found no coordinator consuming the ledger
+    while it waited for the outcome (CoordinatorNotRunning). That escaped the handler:
+    the agent got the MCP server's bare "Internal server error" and, not told the step
+    was on the ledger (it runs once a coordinator consumes), could call it again. It
+    is a tool error saying so; the session remembers the step, so the next write
+    checks the ledger first and is refused while the step has no outcome (nothing
+    called twice), then goes on once it has one."""
+    from participants.client import OutcomeUnknown
+    from participants.readiness import CoordinatorNotRunning
+
+    no_coordinator = "no coordinator is consuming `sagaline.events`: start one"
+    up = threading.Event()
+    ran = threading.Event()
+
+    class NoCoordinator(FakeSaga):
+        async def acall(self, name: str, *, step_id: str, **args: Any) -> Any:
+            self.calls.append(step_id)
+            if not self.calls[:-1]:  # the first step: written, its outcome never came
+                raise CoordinatorNotRunning(no_coordinator)
+            return {"ok": step_id}
+
+        async def aresume(self, step_id: str, timeout_s: float | None = None) -> Any:
+            if not up.is_set():
+                raise CoordinatorNotRunning(no_coordinator)
+            if not ran.is_set():  # a coordinator consumes, the step runs: no outcome yet
+                where = {"saga_id": self.saga_id, "step_id": step_id, "tool": "create_ticket"}
+                raise OutcomeUnknown(f"no outcome for create_ticket within {timeout_s} s", **where)
+            return {"ok": step_id}
+
+    class Client(FakeClient):
+        def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
+            saga = NoCoordinator(saga_id or f"s-{len(self.sagas) + 1}", None)
+            self.sagas.append(saga)
+            return saga
+
+    client = Client()
+    proxy = _fake_proxy(tmp_path, client)
+    first = _call(proxy, "create_ticket", {"title": "t"})
+    text = _text(first)
+    assert first.is_error and no_coordinator in text, text
+    assert "01-create_ticket" in text and "do not call it again" in text, text
+    assert proxy.session.awaiting == ["01-create_ticket"], proxy.session.awaiting
+    saved = json.loads((tmp_path / "state" / "fake-desk" / "mcp-session.json").read_text())
+    assert saved["awaiting"] == ["01-create_ticket"], saved
+    (saga,) = client.sagas
+    assert saga.ended == [], "nothing failed that would abort the saga"
+    behind = _call(proxy, "create_ticket", {"title": "u"})
+    assert behind.is_error and "nothing was called" in _text(behind), _text(behind)
+    assert no_coordinator in _text(behind), _text(behind)
+    assert saga.calls == ["01-create_ticket"]
+    up.set()  # a coordinator consumes: the first step runs, its outcome not in yet
+    running = _call(proxy, "create_ticket", {"title": "u"})
+    assert running.is_error and "nothing was called" in _text(running), _text(running)
+    assert saga.ended == [], "a step still running is no failure to abort the saga for"
+    assert saga.calls == ["01-create_ticket"]
+    ran.set()  # its outcome is on the ledger
+    after = _call(proxy, "create_ticket", {"title": "u"})
+    assert after.structured_content == {"ok": "02-create_ticket"}, _text(after)
+    assert saga.calls == ["01-create_ticket", "02-create_ticket"]
+    assert proxy.session.awaiting == []

@@ -1098,6 +1098,19 @@ class McpProxy:
             self.session.awaiting.append(step_id)
             self.session.save()
             return _awaiting(saga, step_id, f"saga_abort was called meanwhile: {exc}")
+        except CoordinatorNotRunning as exc:  # nothing acts on the abort, nor on the step
+            if self.session.saga is not saga:  # the abort is acknowledged: it stands
+                return _text(
+                    f"saga_abort was called while {name} (step {step_id}) waited for a"
+                    f" person's approval: the saga {saga.saga_id} was aborted, but {exc}."
+                    f" Once a coordinator consumes it acts on the abort and withdraws the"
+                    f" request, so {name} does not run (unless a person approved it before"
+                    f" the abort); do not call it again; read {RECEIPT_URI}.",
+                    error=True,
+                )
+            self.session.awaiting.append(step_id)
+            self.session.save()
+            return _no_coordinator(saga, name, step_id, exc)
         except ResultTooLarge as exc:  # approved before the abort: it ran and committed
             return _text(
                 f"{name} (step {step_id}) ran and its effect committed: it was approved before"
@@ -1252,6 +1265,10 @@ class McpProxy:
             self.session.awaiting.append(step_id)
             self.session.save()
             return _awaiting(saga, step_id, str(exc))
+        except CoordinatorNotRunning as exc:  # written: it runs once a coordinator consumes
+            self.session.awaiting.append(step_id)
+            self.session.save()
+            return _no_coordinator(saga, name, step_id, exc)
         except (OutcomeUnknown, DeliveryFailed) as exc:  # R11: not a failure: it may have
             # happened (DeliveryFailed: the step's record may still reach the ledger)
             receipt = await self._finish(SagaOutcome.ABORT, f"{name}: outcome unknown: {exc}")
@@ -1299,9 +1316,10 @@ class McpProxy:
     async def _awaited(self, saga: Saga, name: str) -> types.CallToolResult | None:
         """None when no step this session left awaiting approval is still unfinished;
         else the answer to ``name``'s write, which would wait behind it (each step
-        follows the one before): refused, nothing called. A step that ended meanwhile
-        is forgotten; one that failed (a denied approval) aborts the saga, as a
-        failed write does."""
+        follows the one before): refused, nothing called. A step awaits its approval,
+        or a coordinator (none consumed when its write waited), or its outcome (it
+        runs now, or is reconciled). A step that ended meanwhile is forgotten; one that
+        failed (a denied approval) aborts the saga, as a failed write does."""
         for step_id in list(self.session.awaiting):
             try:
                 # Its outcome, if the ledger has it; else ApprovalPending at once.
@@ -1315,6 +1333,26 @@ class McpProxy:
                     f" is done (do not repeat {step_id}'s own call: it runs once approved;"
                     f" the steps done are listed in {RECEIPT_URI}), or saga_abort to undo"
                     " the saga; nothing was called",
+                    error=True,
+                )
+            except CoordinatorNotRunning as exc:  # no outcome yet, nor any on its way
+                return _text(
+                    f"step {step_id} of saga {saga.saga_id} is written but has no outcome:"
+                    f" {exc}. It runs once a coordinator consumes, and each write follows the"
+                    f" one before, so {name} would wait behind it: call it again once"
+                    f" {step_id} is done (do not repeat {step_id}'s own call; the steps done"
+                    f" are listed in {RECEIPT_URI}), or saga_abort to undo the saga; nothing"
+                    " was called",
+                    error=True,
+                )
+            except OutcomeUnknown as exc:  # running, or being reconciled (R11): no outcome
+                # in the records the client has yet, which is no failure: it gets one.
+                return _text(
+                    f"step {step_id} of saga {saga.saga_id} has no outcome yet ({exc}): it"
+                    f" runs, or its outcome is being settled. Each write follows the one"
+                    f" before, so {name} would wait behind it: call it again once {step_id}"
+                    f" is done (do not repeat {step_id}'s own call; the steps done are listed"
+                    f" in {RECEIPT_URI}), or saga_abort to undo the saga; nothing was called",
                     error=True,
                 )
             except ResultTooLarge:
@@ -1806,6 +1844,22 @@ def _aborted_ahead(saga: Saga, name: str) -> types.CallToolResult:
         f"saga_abort was called while {name} waited behind the write before it: the saga"
         f" {saga.saga_id} was aborted, so {name} did not run in it; read {RECEIPT_URI};"
         f" {what}",
+        error=True,
+    )
+
+
+def _no_coordinator(
+    saga: Saga, name: str, step_id: str, exc: CoordinatorNotRunning
+) -> types.CallToolResult:
+    """The step was written, but the client found no coordinator consuming the ledger
+    while it waited for the outcome: the step runs once one does. The session keeps
+    it as awaiting (the next write checks the ledger first), so it is not called
+    twice."""
+    return _text(
+        f"{name} (step {step_id}) was written to saga {saga.saga_id}, but {exc}. It runs"
+        f" once a coordinator consumes the ledger: do not call it again (the next write"
+        f" checks its outcome first; the steps done are listed in {RECEIPT_URI}). The"
+        " saga stays open.",
         error=True,
     )
 
