@@ -80,6 +80,15 @@ def _raised(run: object) -> RuntimeError:
     raise AssertionError(f"{run} returned")
 
 
+def _refused_naming_this_process(done: subprocess.CompletedProcess[str]) -> None:
+    """A CLI start refused as documented: exit 2, one line, no traceback, naming the
+    holder (this test process) and what to do (``--instance-id``)."""
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert f"another process (pid {os.getpid()})" in done.stderr, done.stderr
+    assert "--instance-id" in done.stderr, done.stderr
+
+
 def _cli(bootstrap: str, prefix: str, state: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
@@ -153,10 +162,7 @@ def test_participant_run_beside_a_runtime_of_the_participant_exits_naming_its_pi
             tmp_path / "other",
             *("participant", "run", "seats", "--catalogue", "tests.test_instance_claims:SEATS"),
         )
-        assert done.returncode == 2, done.stderr
-        assert "Traceback" not in done.stderr, done.stderr
-        assert f"another process (pid {os.getpid()})" in done.stderr, done.stderr
-        assert "--instance-id" in done.stderr, done.stderr
+        _refused_naming_this_process(done)
         assert runtime.health() is None and serving.thread.is_alive()
     finally:
         runtime.stop()
@@ -183,10 +189,7 @@ def test_coordinator_run_beside_a_coordinator_with_its_instance_id_exits_naming_
             tmp_path / "other",
             *("coordinator", "run", "--instance-id", "claims-1"),
         )
-        assert done.returncode == 2, done.stderr
-        assert "Traceback" not in done.stderr, done.stderr
-        assert f"another process (pid {os.getpid()})" in done.stderr, done.stderr
-        assert "--instance-id" in done.stderr, done.stderr
+        _refused_naming_this_process(done)
         assert first.health() is None and serving.thread.is_alive()
     finally:
         first.stop()
