@@ -122,3 +122,31 @@ def test_a_deadline_that_is_no_finite_positive_number_is_a_problem_not_a_traceba
             ("page", True),
         )
     ]
+
+
+def test_an_upstream_command_url_cwd_or_env_of_another_shape_is_a_problem_not_a_traceback() -> None:
+    """``command: [python, desk_server.py]`` (a compose file's shape) was accepted and
+    then refused at connect time as an upstream that "cannot be reached", with a
+    pydantic validation dump; ``url: {host: ...}`` crashed `sagaline mcp proxy` with
+    ``TypeError: unhashable type: 'dict'``; ``cwd: 5`` and ``env: {DEBUG: [1]}`` were
+    likewise passed on as they were. Each is named with the file's other problems."""
+    with pytest.raises(DeclarationError) as err:
+        parse_declaration(
+            {
+                "upstreams": {
+                    "desk": {"command": ["python", "desk_server.py"]},
+                    "billing": {"url": {"host": "billing"}},
+                    "mail": {"command": "mail", "cwd": 5, "env": {"DEBUG": [1]}},
+                },
+                "tools": {"send_email": {"upstream": "mail", "reversibility": "IRREVERSIBLE"}},
+            },
+            "desk.yaml",
+        )
+    assert err.value.problems == [
+        "upstream 'desk': command must be the program to start (a string), with its"
+        " arguments under args:, e.g. command: python, args: [desk_server.py]",
+        "upstream 'billing': url must be the server's URL (a string),"
+        ' e.g. url: "http://127.0.0.1:8000/mcp"',
+        "upstream 'mail': cwd must be a directory (a string), not 5",
+        "upstream 'mail': env DEBUG must be a string, number or true/false, not [1]",
+    ]

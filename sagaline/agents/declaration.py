@@ -230,10 +230,28 @@ def parse_declaration(data: Any, source: str = "declaration") -> Declaration:
         _unknown_keys(problems, where, raw, _UPSTREAM_KEYS)
         if bool(raw.get("command")) == bool(raw.get("url")):
             problems.append(f"{where}: give exactly one of command: (stdio) or url: (HTTP)")
+        # Passed on as they are, another shape failed only when connecting (a pydantic
+        # dump as an upstream that "cannot be reached", or a traceback).
+        if raw.get("command") and not isinstance(raw["command"], str):
+            problems.append(
+                f"{where}: command must be the program to start (a string), with its"
+                " arguments under args:, e.g. command: python, args: [desk_server.py]"
+            )
+        if raw.get("url") and not isinstance(raw["url"], str):
+            problems.append(
+                f'{where}: url must be the server\'s URL (a string), e.g. url: "http://127.0.0.1:8000/mcp"'
+            )
+        if raw.get("cwd") is not None and not isinstance(raw["cwd"], str):
+            problems.append(f"{where}: cwd must be a directory (a string), not {raw['cwd']!r}")
         args = _list(problems, where, "args", raw.get("args"))
         env = raw.get("env")
         if env is not None and not isinstance(env, Mapping):
             problems.append(f"{where}: env must be a mapping of variable name to value")
+        for variable, value in env.items() if isinstance(env, Mapping) else ():
+            if not isinstance(value, (str, int, float)):  # bool is an int
+                problems.append(
+                    f"{where}: env {variable} must be a string, number or true/false, not {value!r}"
+                )
         upstreams[str(name)] = UpstreamSpec(
             name=str(name),
             command=raw.get("command"),
