@@ -262,6 +262,31 @@ def test_the_python_samples_of_the_newcomer_docs_run_as_python(doc: str) -> None
     assert not wrong, wrong
 
 
+ADAPTER_MODULES = ("langchain", "openai_agents", "pydantic_ai")
+
+
+def _docstring_samples(module: str) -> list[tuple[int, str]]:
+    """(line, code) of each ``::`` sample of ``sagaline/agents/MODULE.py``'s docstring
+    (what ``help()`` shows a user of that adapter): the indented lines after ``::``."""
+    text = (ROOT / "sagaline" / "agents" / f"{module}.py").read_text()
+    docstring = ast.get_docstring(ast.parse(text), clean=False) or ""
+    found = re.finditer(r"::\n\n((?:(?:    .*)?\n)+)", docstring)
+    return [(docstring[: m.start()].count("\n") + 3, textwrap.dedent(m.group(1))) for m in found]
+
+
+@pytest.mark.parametrize("module", ADAPTER_MODULES)
+def test_the_samples_of_the_adapter_docstrings_run_as_python(module: str) -> None:
+    """As the newcomer docs' samples: each parses and reads no name Python has unbound
+    (the pydantic-ai adapter's read ``stopped`` after ``except ... as stopped:``)."""
+    samples = _docstring_samples(module)
+    assert samples, f"no sample found in sagaline/agents/{module}.py"
+    wrong = []
+    for line, code in samples:
+        tree = ast.parse(code)
+        wrong += [f"{module}.py:{line}: {w}" for w in _names_read_after_their_except(tree)]
+    assert not wrong, wrong
+
+
 def test_the_quickstart_says_how_soon_a_saga_without_a_coordinator_fails() -> None:
     """The wait the quickstart promises is the client's: the check gives a coordinator
     that is just starting this long to join before `CoordinatorNotRunning`."""

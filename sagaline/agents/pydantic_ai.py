@@ -32,10 +32,10 @@ left open at the next pause)::
             sagaline_pydantic_ai.run_sync(saga, agent, "refund order o-1")
     except sagaline_pydantic_ai.Interrupted as stopped:
         answers = ask_the_person(stopped.requests)  # a DeferredToolResults
+        history = stopped.result.all_messages()     # `stopped` is unbound after `except`
     with sagaline_pydantic_ai.resumed(saga):  # or an attached saga, after a restart
         sagaline_pydantic_ai.run_sync(
-            saga, agent, message_history=stopped.result.all_messages(),
-            deferred_tool_results=answers,
+            saga, agent, message_history=history, deferred_tool_results=answers,
         )
 
 A streamed run (``agent.run_stream``, ``agent.run_stream_sync``, ``agent.iter``,
