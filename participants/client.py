@@ -1377,7 +1377,9 @@ class Saga:
         elif _waits_for_a_person(exc):
             # Waiting for a person is not a failure (R7): the saga stays open, the step
             # runs once approved. Finish with resume() then end(), or abort() it.
-            log.info("saga %s left open: %s", self.saga_id, exc)
+            # Scrubbed as an abort reason is: the message may quote a secret (an
+            # adapter's Interrupted quotes the graph's question to its person).
+            log.info("saga %s left open: %s", self.saga_id, self._scrubbed(str(exc)))
             self.client._ledger.hold(self.saga_id)  # resume() reads its records
             self.client._left(self.saga_id)
         else:
@@ -1936,7 +1938,8 @@ class Saga:
         elif exc is None:
             await self.end_async(SagaOutcome.COMPLETE)
         elif _waits_for_a_person(exc):
-            log.info("saga %s left open: %s", self.saga_id, exc)  # as in __exit__ (R7)
+            # as in __exit__ (R7), scrubbed as there
+            log.info("saga %s left open: %s", self.saga_id, self._scrubbed(str(exc)))
             self.client._ledger.hold(self.saga_id)
             if self.client._block_left(self.saga_id):
                 self.client._close_writer_soon()

@@ -1864,3 +1864,56 @@ def test_langgraph_tool_node_handle_tool_errors_must_let_saga_errors_raise(
     assert [s.wait(120).status for s in sagas] == [TerminalStatus.COMPENSATED] * 3
     for flight in ("LX64", "LX65", "LX66"):
         assert f"release:r-{flight}" in trip.log and f"reserve:{flight}-2" not in trip.log
+
+
+class Vault:
+    """A card check whose card number is a secret argument."""
+
+    @sagaline.tool(description="Check a card", secret_fields=("card",))
+    @sagaline.compensable(by="forget")
+    def check_card(self, card: str) -> str:
+        return "ok"
+
+    def forget(self, ctx: sagaline.CompensationContext) -> None:
+        pass
+
+
+def test_a_paused_run_left_open_logs_no_secret_the_saga_passed_to_a_tool(
+    served: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A graph asks its person about a card the saga passed to a tool as a secret
+    (``interrupt(f"charge card {card}?")``): the adapter's ``Interrupted`` quotes the
+    interrupt, and the saga's block, leaving the saga open for the person, logged
+    that message with the card in clear, where the abort reason the same block would
+    write is scrubbed of it (docs/security.md)."""
+    import logging
+
+    from langchain_core.messages import AIMessage
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.graph import END, START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode
+    from langgraph.types import interrupt
+
+    from sagaline.agents import langchain as adapter
+
+    client, _catalogue, _trip = served
+    catalogue = sagaline.wrap(Vault(), name="vault")
+    card = "4111111111111111"
+    config: Any = {"configurable": {"thread_id": "vault-1"}}
+    caplog.set_level(logging.INFO, logger="sagaline.client")
+    with sagaline.connect(catalogue, settings=client.settings) as vault_client:
+        saga = vault_client.saga("vault", principal="agent:langgraph")
+        with pytest.raises(adapter.Interrupted), saga:
+            graph = StateGraph(MessagesState)
+            graph.add_node("tools", ToolNode(adapter.tools(saga, catalogue)))
+            graph.add_node("ask", lambda state: {"messages": [interrupt(f"charge card {card}?")]})
+            graph.add_edge(START, "tools")
+            graph.add_edge("tools", "ask")
+            graph.add_edge("ask", END)
+            call = {"name": "check_card", "args": {"card": card}, "id": "call-card"}
+            start = {"messages": [AIMessage(content="", tool_calls=[call])]}
+            adapter.invoke(saga, graph.compile(checkpointer=InMemorySaver()), start, config)
+        saga.end(sagaline.SagaOutcome.ABORT, "test over")  # it was left open: this ends it
+    left_open = [r.getMessage() for r in caplog.records if "left open" in r.getMessage()]
+    assert len(left_open) == 1 and "charge card" in left_open[0], left_open
+    assert card not in left_open[0], left_open
