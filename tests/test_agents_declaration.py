@@ -148,5 +148,5 @@ def test_an_upstream_command_url_cwd_or_env_of_another_shape_is_a_problem_not_a_
         "upstream 'billing': url must be the server's URL (a string),"
         ' e.g. url: "http://127.0.0.1:8000/mcp"',
         "upstream 'mail': cwd must be a directory (a string), not 5",
-        "upstream 'mail': env DEBUG must be a string, number or true/false, not [1]",
+        "upstream 'mail': env DEBUG must be a string, number or true/false, not a list",
     ]

@@ -249,8 +249,10 @@ def parse_declaration(data: Any, source: str = "declaration") -> Declaration:
             problems.append(f"{where}: env must be a mapping of variable name to value")
         for variable, value in env.items() if isinstance(env, Mapping) else ():
             if not isinstance(value, (str, int, float)):  # bool is an int
+                # the type, not the value: an env entry is where credentials live
+                kind = "null" if value is None else type(value).__name__
                 problems.append(
-                    f"{where}: env {variable} must be a string, number or true/false, not {value!r}"
+                    f"{where}: env {variable} must be a string, number or true/false, not a {kind}"
                 )
         upstreams[str(name)] = UpstreamSpec(
             name=str(name),
