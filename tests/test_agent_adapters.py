@@ -1917,3 +1917,22 @@ def test_a_paused_run_left_open_logs_no_secret_the_saga_passed_to_a_tool(
     left_open = [r.getMessage() for r in caplog.records if "left open" in r.getMessage()]
     assert len(left_open) == 1 and "charge card" in left_open[0], left_open
     assert card not in left_open[0], left_open
+
+
+def test_a_call_past_the_step_limit_tells_the_model_to_stop_not_to_retry() -> None:
+    """Past SAGALINE_MAX_STEPS no arguments get a call through: a model told to "call
+    it again with other arguments" retried until its framework's own turn limit
+    (OpenAI Agents' MaxTurnsExceeded), which aborted the saga and undid every step.
+    An argument refusal still invites the corrected call."""
+    from participants.client import CallRefused
+    from sagaline.agents._core import refusal_for_model
+
+    def refused(limit: str) -> CallRefused:
+        return CallRefused(
+            "refused", limit=limit, size=1, saga_id="s-1", step_id="65-charge", tool="charge"
+        )
+
+    past = refusal_for_model("charge", refused("max_steps"))
+    assert past is not None and "no further tool call" in past and "again" not in past, past
+    bad_args = refusal_for_model("charge", refused("max_args_bytes"))
+    assert bad_args is not None and "Call charge again with other arguments" in bad_args

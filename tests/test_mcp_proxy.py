@@ -3604,3 +3604,28 @@ def test_a_write_whose_outcome_no_coordinator_gives_is_remembered_as_awaiting_no
     assert after.structured_content == {"ok": "02-create_ticket"}, _text(after)
     assert saga.calls == ["01-create_ticket", "02-create_ticket"]
     assert proxy.session.awaiting == []
+
+
+def test_a_call_past_the_step_limit_tells_the_agent_to_end_the_saga_not_to_retry(
+    tmp_path: Path,
+) -> None:
+    """Past SAGALINE_MAX_STEPS no arguments get a call through: "call it again with
+    other arguments" sent the agent into retries that could never succeed."""
+    from participants.client import CallRefused
+
+    client = FakeClient(
+        CallRefused(
+            "saga s-1 would get step 65 (create_ticket) but at most 64 steps per saga"
+            " are allowed (SAGALINE_MAX_STEPS)",
+            limit="max_steps",
+            size=65,
+            saga_id="s-1",
+            step_id="65-create_ticket",
+            tool="create_ticket",
+        )
+    )
+    result = _call(_fake_proxy(tmp_path, client), "create_ticket", {"title": "t"})
+    text = _text(result)
+    assert result.is_error and "nothing was called" in text, text
+    assert "no further tool call" in text and "again with other arguments" not in text, text
+    assert "saga_commit" in text and client.sagas[0].ended == [], text

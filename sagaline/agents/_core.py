@@ -146,6 +146,8 @@ DUPLICATE_STEP = "duplicate-step"
 INVALID_ARGS = "invalid-args"
 # CallRefused.limit of a saga never started (or long ended): no call of it can run.
 SAGA_NOT_STARTED = "saga-not-started"
+# CallRefused.limit of a call past the saga's step limit (SAGALINE_MAX_STEPS).
+STEP_LIMIT = "max_steps"
 
 
 def refusal_for_model(tool: str, refused: CallRefused) -> str | None:
@@ -157,6 +159,11 @@ def refusal_for_model(tool: str, refused: CallRefused) -> str | None:
     was never started): then it raises out of the run."""
     if refused.limit == SAGA_NOT_STARTED:
         return None
+    if refused.limit == STEP_LIMIT:  # no other arguments get past it: retrying loops
+        return (
+            f"error: {tool} was refused: {refused}; nothing was called. This saga can"
+            " run no further tool call: stop"
+        )
     return (
         f"error: {tool} was refused: {refused}; nothing was called. Call {tool} again"
         " with other arguments, or stop"

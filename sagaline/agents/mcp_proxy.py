@@ -78,7 +78,7 @@ from participants.errors import CatalogueError, InvalidArgumentsError
 from participants.plan import check_plan
 from participants.readiness import CoordinatorNotRunning
 from participants.runtime import ParticipantRuntime
-from sagaline.agents._core import SAGA_CALL_OPTIONS
+from sagaline.agents._core import SAGA_CALL_OPTIONS, STEP_LIMIT
 from sagaline.agents.declaration import (
     Declaration,
     DeclarationError,
@@ -1298,7 +1298,14 @@ class McpProxy:
                 return await self._failed(saga, name, exc)
             # Refused before anything was written (its arguments, the step limit):
             # nothing ran, nothing to undo, so the saga goes on and the agent may
-            # correct the call.
+            # correct the call; past the step limit no call can, only the end.
+            if exc.limit == STEP_LIMIT:
+                return _text(
+                    f"{name} was refused: {exc}; nothing was called. The saga"
+                    f" {saga.saga_id} can run no further tool call: end it (saga_commit"
+                    " / saga_abort) with its earlier effects.",
+                    error=True,
+                )
             return _text(
                 f"{name} was refused: {exc}; nothing was called. The saga {saga.saga_id}"
                 f" stays open with its earlier effects: call {name} again with other"
