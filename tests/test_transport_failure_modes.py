@@ -56,6 +56,40 @@ def test_an_existing_topic_with_another_cleanup_policy_is_a_setup_error_naming_b
 
 
 @pytest.mark.kafka
+@pytest.mark.parametrize("topic", ["state", "terminal", "catalogue"])
+def test_a_compacted_topic_that_also_deletes_by_age_is_a_setup_error(
+    kafka_bootstrap: str, unique_prefix: str, topic: str
+) -> None:
+    """``cleanup.policy=compact,delete`` has ``compact`` but still deletes whole
+    segments once older than ``retention.ms`` (the broker's 7 days here): the state
+    changelog of a saga in flight longer than that (awaiting an approval) is gone, and
+    the coordinator, restoring from the changelog only, never knows the saga again.
+    Such a topic was accepted; it is refused naming the topic, its policy and its
+    ``retention.ms``."""
+    names = TopicNames(unique_prefix)
+    name = getattr(names, topic)
+    _create(kafka_bootstrap, name, 1, {"cleanup.policy": "compact,delete"})
+    with pytest.raises(TopicSetupError) as caught:
+        ensure_topics(kafka_bootstrap, names, [], 1)
+    text = str(caught.value)
+    assert repr(name) in text and "cleanup.policy=compact,delete" in text
+    assert "retention.ms=" in text
+
+
+@pytest.mark.kafka
+def test_a_compacted_topic_that_deletes_nothing_by_age_or_size_passes(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    """``compact,delete`` with ``retention.ms=-1`` (and no ``retention.bytes``) deletes
+    nothing: it keeps what compaction keeps, and is accepted."""
+    names = TopicNames(unique_prefix)
+    _create(
+        kafka_bootstrap, names.state, 1, {"cleanup.policy": "compact,delete", "retention.ms": "-1"}
+    )
+    assert names.state not in ensure_topics(kafka_bootstrap, names, [], 1)
+
+
+@pytest.mark.kafka
 def test_existing_topics_with_the_expected_cleanup_policies_pass(
     kafka_bootstrap: str, unique_prefix: str
 ) -> None:

@@ -62,7 +62,8 @@ def ensure_topics(
     (co-partitioning would silently break), or when a topic it did not create has a
     ``cleanup.policy`` that loses records (a compacted ledger, incident feed or DLQ
     keeps one record per key; a catalogue, terminal or state changelog without
-    ``compact`` loses entries to retention; a compacted command topic is tolerated),
+    ``compact``, or with ``delete`` too and a ``retention.ms`` or ``retention.bytes``
+    other than -1, loses entries to retention; a compacted command topic is tolerated),
     or when a topic's replication breaks what ``acks=all`` promises (R10): fewer
     replicas than ``replication.factor`` when set (checked before any topic is made), or a
     ``min.insync.replicas`` above the topic's replicas (every write refused) or below
@@ -361,14 +362,26 @@ def _check_co_partitioning(specs: list[TopicSpec], listed: dict[str, Any]) -> No
             )
 
 
-def _loses_records(actual: str, expected: str) -> bool:
+def _loses_records(actual: str, expected: str, deletes_by_age_or_size: bool = True) -> bool:
     """Whether a topic on ``actual`` drops what the design keeps on ``expected``: a
     topic meant to keep every record compacted (one per key left), or one meant
-    compacted without compaction (every entry deleted with age, at retention)."""
+    compacted without compaction, or compacted and ``delete`` too while its
+    ``retention.ms`` or ``retention.bytes`` is set (``deletes_by_age_or_size``): every
+    entry deleted with age, at retention, the latest of a key too."""
     has = {p.strip().lower() for p in actual.split(",")}
     if "compact" in {p.strip().lower() for p in expected.split(",")}:
-        return "compact" not in has
+        return "compact" not in has or ("delete" in has and deletes_by_age_or_size)
     return "compact" in has
+
+
+def _deletes_by_age_or_size(entries: dict[str, Any]) -> bool:
+    """Whether a topic's ``retention.ms`` or ``retention.bytes`` (as described) deletes
+    segments: either not -1, or not said (then assumed to)."""
+    for name in ("retention.ms", "retention.bytes"):
+        entry = entries.get(name)
+        if entry is None or entry.value is None or str(entry.value).strip() != "-1":
+            return True
+    return False
 
 
 def _check_configs(
@@ -412,9 +425,17 @@ def _check_configs(
         expected = spec.config.get("cleanup.policy")
         if spec.name not in policed or entry is None or entry.value is None or expected is None:
             continue
-        if _loses_records(str(entry.value), expected):
+        if _loses_records(str(entry.value), expected, _deletes_by_age_or_size(entries)):
+            kept = ""
+            if "delete" in str(entry.value) and "compact" in str(entry.value):
+                ms, size = (entries.get(n) for n in ("retention.ms", "retention.bytes"))
+                kept = (
+                    f" (with retention.ms={None if ms is None else ms.value}, "
+                    f"retention.bytes={None if size is None else size.value}: the latest "
+                    "record of a key is deleted too)"
+                )
             wrong.append(
-                f"topic {spec.name!r} has cleanup.policy={entry.value}, expected "
+                f"topic {spec.name!r} has cleanup.policy={entry.value}{kept}, expected "
                 f"cleanup.policy={expected}"
             )
     if unchecked:
@@ -427,8 +448,9 @@ def _check_configs(
     if wrong:
         raise TopicSetupError(
             "; ".join(wrong) + ": a compacted events, incidents or DLQ topic keeps one "
-            "record per key, and a state, terminal or catalogue topic without compact loses "
-            "entries to retention; set it (kafka-configs.sh --alter --add-config "
+            "record per key, and a state, terminal or catalogue topic without compact, or "
+            "with delete and a retention.ms or retention.bytes other than -1, loses entries "
+            "to retention; set it (kafka-configs.sh --alter --add-config "
             "cleanup.policy=...) or recreate the topic (docs/operating.md, Topics)"
         )
 
