@@ -737,6 +737,46 @@ def test_every_rebalance_restarts_each_assigned_partition_at_its_committed_offse
 
 
 @pytest.mark.kafka
+def test_a_position_past_the_end_of_a_partition_starts_again_at_its_beginning(
+    transport: str, unique_prefix: str
+) -> None:
+    """An offset past a partition's end (a committed offset from a topic deleted and
+    made again, a seek to a stale position) is out of range to a broker: the consumer
+    resets by ``auto.offset.reset`` (pinned ``earliest``) and reads the partition from
+    its start. The in-process transport set an assigned offset to the end instead,
+    and kept a committed one: it read nothing of what was there, then, for the
+    committed one, nothing written after either until the log passed that offset."""
+    names = TopicNames(unique_prefix)
+    ensure_topics(transport, names, [], 1)
+    producer = create_producer(transport)
+    for n in range(3):
+        producer.produce(names.events, key=b"k", value=b"%d" % n)
+    producer.flush(30)
+
+    def offsets_read(consumer: Consumer, wanted: int) -> list[int]:
+        read: list[int] = []
+        deadline = time.monotonic() + 60
+        while len(read) < wanted and time.monotonic() < deadline:
+            msg = consumer.poll(0.2)
+            if msg is not None and msg.error() is None:
+                read.append(msg.offset() or 0)
+        consumer.close()
+        return read
+
+    assigned = create_consumer(transport, f"{unique_prefix}assigned")
+    assigned.assign([TopicPartition(names.events, 0, 100)])
+    assert offsets_read(assigned, 3) == [0, 1, 2]
+
+    group = f"{unique_prefix}committed"
+    committer = create_consumer(transport, group)
+    committer.commit(offsets=[TopicPartition(names.events, 0, 100)], asynchronous=False)
+    committer.close()
+    member = create_consumer(transport, group)
+    member.subscribe([names.events])
+    assert offsets_read(member, 3) == [0, 1, 2]
+
+
+@pytest.mark.kafka
 def test_a_dead_letter_too_large_to_copy_whole_still_says_what_was_lost_R16(
     kafka_bootstrap: str, unique_prefix: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -11,7 +11,8 @@ the size limits (``message.max.bytes`` in ``produce``, a topic's ``max.message.b
 in the delivery report), offsets committed with a
 transaction, consumer groups that split partitions among members and call
 ``on_assign``/``on_revoke``, a closed consumer refusing every
-further call, committed offsets, watermarks, ``PARTITION_EOF``, seek by
+further call, committed offsets, an offset past a partition's end reset by
+``auto.offset.reset``, watermarks, ``PARTITION_EOF``, seek by
 time. Everything lives in this process, so one behaviour suite can run against it
 in seconds and against the real broker as well; the real-broker tier stays the
 authority (replication, networking, anything across processes are not modelled).
@@ -452,17 +453,16 @@ class MemoryConsumer:
         key = (tp.topic, tp.partition)
         with self.broker.changed:
             end = len(self.broker.topics[tp.topic][tp.partition])
+        reset = 0 if self.earliest else end  # auto.offset.reset
         if tp.offset == OFFSET_BEGINNING:
             self._positions[key] = 0
         elif tp.offset == OFFSET_END:
             self._positions[key] = end
-        elif tp.offset >= 0:
-            self._positions[key] = min(tp.offset, end)
         else:
-            committed = self.broker.committed(self.group, key)
-            self._positions[key] = (
-                committed if committed is not None else (0 if self.earliest else end)
-            )
+            offset = tp.offset if tp.offset >= 0 else self.broker.committed(self.group, key)
+            # As a broker: an offset past the high watermark is out of range, and the
+            # consumer starts again where auto.offset.reset says.
+            self._positions[key] = reset if offset is None or offset > end else offset
         self._eof_sent.discard(key)
 
     def _apply_rebalance(self) -> None:
