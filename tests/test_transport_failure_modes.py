@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import uuid
 from typing import Any
 
 import pytest
@@ -307,3 +308,62 @@ def test_co_partitioned_topics_that_disagree_with_each_other_are_named_together(
         text = str(caught.value)
         assert f"{names.events!r} has 2" in text and f"{names.state!r} has 3" in text
         assert "SAGALINE_PARTITIONS=" not in text
+
+
+class _HungThenFailed:
+    """A producer whose first record went out to a broker that never answers, and
+    which then failed for good (librdkafka's fatal error: every later produce()
+    refused). librdkafka purges only what was still queued on a fatal error; a record
+    in flight waits for its broker's answer, here for ever, until it is purged."""
+
+    def __init__(self) -> None:
+        self.in_flight: list[Any] = []
+        self.given_up: list[Any] = []
+
+    def produce(self, topic: str, key: Any = None, value: Any = None, **kw: Any) -> None:
+        if self.in_flight or self.given_up:
+            raise KafkaException(KafkaError(KafkaError._FATAL, "failed for good", fatal=True))
+        self.in_flight.append(kw["on_delivery"])
+
+    def __len__(self) -> int:
+        return len(self.in_flight) + len(self.given_up)
+
+    def poll(self, timeout: float = 0) -> int:
+        served, self.given_up = self.given_up, []
+        for callback in served:
+            callback(KafkaError(KafkaError._PURGE_INFLIGHT), None)
+        return len(served)
+
+    def purge(self, in_queue: bool = True, in_flight: bool = True, blocking: bool = True) -> None:
+        if in_flight:
+            self.given_up += self.in_flight
+            self.in_flight = []
+
+
+def test_a_record_in_flight_on_a_producer_that_failed_for_good_is_reported_not_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The writer waits a while for the failed producer's records still in flight,
+    then went on with the new one: a record whose broker had not answered by then got
+    no report at all, and its caller (a participant's send_then) waited for ever. It
+    is given up and reported as not delivered (it may or may not be in the log)."""
+    import sagaline.kafka._writers as writers
+
+    monkeypatch.setattr(writers, "_RENEW_DRAIN_S", 0.2)
+    names = TopicNames("t.")
+    transport = f"memory://{uuid.uuid4().hex[:12]}"
+    ensure_topics(transport, names, [], 1)
+    writer = LedgerWriter(transport, names, Signer(None))
+    failed = _HungThenFailed()
+    writer.producer = failed  # type: ignore[assignment]
+    first, second = example_records(saga_id="saga-h")[:2]
+    reports: list[DeliveryFailed | None] = []
+    writer.send_then(first, reports.append)
+    writer.send_then(second, reports.append)  # the failure met: a new producer takes it
+    writer.producer.poll(0)
+    writer.close()
+    replaced: Any = writer.producer
+    assert replaced is not failed and len(failed) == 0
+    assert len(reports) == 2 and None in reports
+    [lost] = [r for r in reports if r is not None]
+    assert "may or may not be in the log" in str(lost)

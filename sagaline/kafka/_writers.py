@@ -245,6 +245,9 @@ def _refused(
 # Replaces a producer that failed for good (LedgerWriter._renew): the failed one and
 # its error in, the one now in place out.
 Renew = Callable[[Producer, KafkaError], Producer]
+# How long LedgerWriter._renew waits for the reports of what the failed producer had
+# in flight, before it gives those records up.
+_RENEW_DRAIN_S = 10.0
 
 
 def _fatal(exc: BaseException) -> KafkaError | None:
@@ -460,7 +463,9 @@ class LedgerWriter:
         Once per failed producer, whichever thread sees it first. The records it held
         are given up by librdkafka (_PURGE_QUEUE): their reports are served here, each
         a :class:`DeliveryFailed` (it may or may not be in the log), and the callers
-        write them again, through the new producer."""
+        write them again, through the new producer. A record still in flight gets its
+        broker's answer for up to :data:`_RENEW_DRAIN_S`; then it is given up too
+        (_PURGE_INFLIGHT), not left without a report its caller would wait for."""
         with self._renewing:
             if self.producer is not failed:
                 return self.producer
@@ -472,12 +477,10 @@ class LedgerWriter:
             )
             self.producer = create_producer(self._bootstrap)
             fresh = self.producer
-        deadline = time.monotonic() + 10.0
-        while len(failed) and time.monotonic() < deadline:
-            try:  # poll, not flush: librdkafka's flush runs callbacks after an error
-                failed.poll(0.1)
-            except Exception:  # the fatal error again, raised once: served
-                continue
+        _drain(failed, _RENEW_DRAIN_S)
+        if len(failed):  # in flight to a broker that does not answer: given up
+            failed.purge(in_queue=True, in_flight=True, blocking=True)
+            _drain(failed, 1.0)
         return fresh
 
     def _signed(self, record: Record, encoded: bytes | None = None) -> tuple[bytes, bytes, Headers]:
@@ -673,6 +676,17 @@ class LedgerWriter:
         if self._poller is not None:
             self._poller.join(timeout_s)
         return left
+
+
+def _drain(failed: Producer, timeout_s: float) -> None:
+    """Serve the delivery reports of a producer that failed for good, for up to
+    ``timeout_s`` or until it holds no record."""
+    deadline = time.monotonic() + timeout_s
+    while len(failed) and time.monotonic() < deadline:
+        try:  # poll, not flush: librdkafka's flush runs callbacks after an error
+            failed.poll(0.1)
+        except Exception:  # the fatal error again, raised once: served
+            continue
 
 
 class _Inbox:
