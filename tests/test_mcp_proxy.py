@@ -328,6 +328,33 @@ def test_a_proxy_killed_mid_saga_continues_it_after_a_restart(world: World) -> N
     assert [s["tool"] for s in receipt["steps"]] == ["create_ticket", "charge", "charge"]
 
 
+async def _a_second_proxy_while_the_first_serves(
+    world: World, env: dict[str, str]
+) -> tuple[subprocess.CompletedProcess[str], int, types.CallToolResult]:
+    """A second proxy (in ``env``) started while the first serves with its saga open:
+    the second's run, the first's pid, and the first's saga_commit after it."""
+
+    def second() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "services.cli", "mcp", "proxy", str(world.declaration)],
+            env=env,
+            cwd=str(ROOT),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    async with world.proxy() as session:
+        # The first proxy serves (its saga open) before the second starts.
+        opened = await session.call_tool("create_ticket", {"title": "mine"})
+        assert not opened.is_error, _text(opened)
+        (pid,) = _proxy_pids()
+        refused = await asyncio.to_thread(second)
+        still = await session.call_tool("saga_commit", {})
+        return refused, pid, still
+
+
 def test_a_second_proxy_for_the_same_participant_and_state_is_refused_not_sharing_its_saga(
     world: World,
 ) -> None:
@@ -336,29 +363,7 @@ def test_a_second_proxy_for_the_same_participant_and_state_is_refused_not_sharin
     either continued the other's saga (its writes, its commit). The second is refused
     at start (exit 2, naming the running one's pid); a restart after the first is
     gone (even killed: the test above) is not held up."""
-
-    def second() -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "services.cli", "mcp", "proxy", str(world.declaration)],
-            env=world.env,
-            cwd=str(ROOT),
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-
-    async def run() -> tuple[subprocess.CompletedProcess[str], int, types.CallToolResult]:
-        async with world.proxy() as session:
-            # The first proxy serves (its saga open) before the second starts.
-            opened = await session.call_tool("create_ticket", {"title": "mine"})
-            assert not opened.is_error, _text(opened)
-            (pid,) = _proxy_pids()
-            refused = await asyncio.to_thread(second)
-            still = await session.call_tool("saga_commit", {})
-            return refused, pid, still
-
-    refused, pid, committed = asyncio.run(run())
+    refused, pid, committed = asyncio.run(_a_second_proxy_while_the_first_serves(world, world.env))
     assert refused.returncode == 2, refused.stderr[-2000:]
     assert f"pid {pid}" in refused.stderr and "already" in refused.stderr, refused.stderr[-2000:]
     assert json.loads(_text(committed))["status"] == "COMPLETED", _text(committed)
@@ -378,28 +383,8 @@ def test_a_second_proxy_for_the_same_participant_with_its_own_state_is_refused_a
     fenced each other's consumer (the first one's tools stopped being served, with no
     word of why). It exits 2 at once now, naming the first proxy's pid; the first
     serves on."""
-
-    def second() -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "services.cli", "mcp", "proxy", str(world.declaration)],
-            env={**world.env, "SAGALINE_STATE_DIR": str(tmp_path / "other-state")},
-            cwd=str(ROOT),
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-
-    async def run() -> tuple[subprocess.CompletedProcess[str], int, types.CallToolResult]:
-        async with world.proxy() as session:
-            opened = await session.call_tool("create_ticket", {"title": "mine"})
-            assert not opened.is_error, _text(opened)
-            (pid,) = _proxy_pids()
-            refused = await asyncio.to_thread(second)
-            still = await session.call_tool("saga_commit", {})
-            return refused, pid, still
-
-    refused, pid, committed = asyncio.run(run())
+    env = {**world.env, "SAGALINE_STATE_DIR": str(tmp_path / "other-state")}
+    refused, pid, committed = asyncio.run(_a_second_proxy_while_the_first_serves(world, env))
     assert refused.returncode == 2, refused.stderr[-2000:]
     assert "Traceback" not in refused.stderr, refused.stderr[-2000:]
     assert f"another process (pid {pid})" in refused.stderr, refused.stderr[-2000:]
@@ -829,12 +814,15 @@ class FakeClient:
     bootstrap = "unused:1"
     missing = frozenset({"s-gone"})  # saga ids with no start on the ledger
 
-    def __init__(self, answer: BaseException | None = None) -> None:
+    def __init__(
+        self, answer: BaseException | None = None, saga_type: type[FakeSaga] = FakeSaga
+    ) -> None:
         self.answer = answer
+        self.saga_type = saga_type  # what each of its sagas is
         self.sagas: list[FakeSaga] = []
 
     def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
-        saga = FakeSaga(saga_id or f"s-{len(self.sagas) + 1}", self.answer)
+        saga = self.saga_type(saga_id or f"s-{len(self.sagas) + 1}", self.answer)
         self.sagas.append(saga)
         return saga
 
@@ -874,13 +862,6 @@ class AwaitsApproval(FakeSaga):
         return {"ok": step_id}
 
 
-class AwaitingClient(FakeClient):
-    def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
-        saga = AwaitsApproval(saga_id or f"s-{len(self.sagas) + 1}", None)
-        self.sagas.append(saga)
-        return saga
-
-
 def _fake_proxy(
     tmp_path: Path,
     client: FakeClient,
@@ -918,8 +899,12 @@ def _no_elicitation() -> Any:
     return SimpleNamespace(session=SimpleNamespace(client_capabilities=None))
 
 
+def _params(name: str, args: dict[str, Any]) -> types.CallToolRequestParams:
+    return types.CallToolRequestParams(name=name, arguments=args)
+
+
 def _call(proxy: Any, name: str, args: dict[str, Any]) -> types.CallToolResult:
-    params = types.CallToolRequestParams(name=name, arguments=args)
+    params = _params(name, args)
     result: types.CallToolResult = asyncio.run(proxy._call_tool(_no_elicitation(), params))
     return result
 
@@ -970,7 +955,7 @@ def test_steps_awaiting_approval_hold_no_thread_each_so_the_proxy_keeps_serving_
     the event loop's default executor (min(32, CPUs + 4) of them), which every saga
     start, end and restart also needs: a few approvals nobody had answered yet took
     them all, and the proxy stopped answering. The waits are futures, not threads."""
-    client = AwaitingClient()
+    client = FakeClient(saga_type=AwaitsApproval)
     proxy = _fake_proxy(tmp_path, client)
 
     async def run() -> list[types.CallToolResult]:
@@ -1037,12 +1022,6 @@ def test_an_approval_given_after_the_steps_wait_ran_out_returns_the_steps_outcom
         async def aresume(self, step_id: str, timeout_s: float | None = None) -> Any:
             return {"ok": step_id} if step_id in granted else None
 
-    class Client(FakeClient):
-        def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
-            saga = WaitRunsOut(saga_id or f"s-{len(self.sagas) + 1}", None)
-            self.sagas.append(saga)
-            return saga
-
     async def elicit_form(message: str, schema: Any) -> Any:
         asked.set()
         await asyncio.wait_for(ran_out.wait(), 120)  # answered after the step's wait
@@ -1055,7 +1034,7 @@ def test_an_approval_given_after_the_steps_wait_ran_out_returns_the_steps_outcom
             elicit_form=elicit_form,
         )
     )
-    client = Client()
+    client = FakeClient(saga_type=WaitRunsOut)
     proxy = _fake_proxy(tmp_path, client)
     params = types.CallToolRequestParams(name="send_email", arguments={"to": "a", "body": "b"})
     result = asyncio.run(proxy._call_tool(ctx, params))
@@ -1100,7 +1079,7 @@ def test_a_restarted_proxy_remembers_the_step_awaiting_approval_R7(tmp_path: Pat
     state = tmp_path / "state" / "fake-desk" / "mcp-session.json"
     state.parent.mkdir(parents=True)
     state.write_text(json.dumps({"saga_id": "s-1", "next_step": 3, "awaiting": ["02-send_email"]}))
-    client = AwaitingClient()
+    client = FakeClient(saga_type=AwaitsApproval)
     refused = _call(_fake_proxy(tmp_path, client), "create_ticket", {"title": "t"})
     assert refused.is_error and "02-send_email" in _text(refused), _text(refused)
     assert "nothing was called" in _text(refused) and client.sagas[0].calls == []
@@ -1128,13 +1107,7 @@ def test_a_request_cancelled_while_the_saga_is_resumed_does_not_start_a_second_r
             read_on.wait(60)  # the ledger read, still going when the request is cancelled
             return super().attach()
 
-    class Client(FakeClient):
-        def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
-            saga = SlowAttach(saga_id or f"s-{len(self.sagas) + 1}", None)
-            self.sagas.append(saga)
-            return saga
-
-    client = Client()
+    client = FakeClient(saga_type=SlowAttach)
     proxy = _fake_proxy(tmp_path, client)
 
     async def run() -> types.CallToolResult:
@@ -1975,13 +1948,7 @@ def test_a_saga_that_cannot_start_is_a_tool_result_saying_why(tmp_path: Path, ca
         def attach(self) -> FakeSaga:  # a restarted proxy continues the saga
             return self.__enter__()
 
-    class Client(FakeClient):
-        def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
-            saga = StartFails(saga_id or f"s-{len(self.sagas) + 1}", None)
-            self.sagas.append(saga)
-            return saga
-
-    client = Client()
+    client = FakeClient(saga_type=StartFails)
     if cause == "restarted":  # with a saga open: continuing it finds no coordinator
         state = tmp_path / "state" / "fake-desk" / "mcp-session.json"
         state.parent.mkdir(parents=True)
@@ -2027,13 +1994,7 @@ def test_a_saga_client_that_cannot_go_on_is_a_tool_result_saying_why_not_a_bare_
                 raise stopped
             return self.call(name, step_id=step_id, **args)
 
-    class Client(FakeClient):
-        def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
-            saga = Stopped(saga_id or f"s-{len(self.sagas) + 1}", None)
-            self.sagas.append(saga)
-            return saga
-
-    client = Client()
+    client = FakeClient(saga_type=Stopped)
     proxy = _fake_proxy(tmp_path, client)
     if when == "later write":
         assert _call(proxy, "create_ticket", {"title": "t"}).structured_content == {
@@ -2197,7 +2158,7 @@ def test_an_approval_the_client_fails_to_ask_is_awaited_like_one_without_elicita
             elicit_form=elicit_form,
         )
     )
-    client = AwaitingClient()
+    client = FakeClient(saga_type=AwaitsApproval)
     proxy = _fake_proxy(tmp_path, client)
     params = types.CallToolRequestParams(name="send_email", arguments={"to": "a", "body": "b"})
 
@@ -2245,7 +2206,7 @@ def test_an_approval_the_proxys_key_cannot_record_is_not_asked_for_in_vain_R7(
             elicit_form=elicit_form,
         )
     )
-    client = AwaitingClient()
+    client = FakeClient(saga_type=AwaitsApproval)
     proxy = _fake_proxy(tmp_path, client, settings=settings)
     params = types.CallToolRequestParams(name="send_email", arguments={"to": "a", "body": "b"})
 
@@ -2367,7 +2328,7 @@ def test_an_elicitation_nobody_answers_does_not_hold_the_session_for_good_R7(
             elicit_form=elicit_form,
         )
     )
-    client = AwaitingClient()
+    client = FakeClient(saga_type=AwaitsApproval)
     proxy = _fake_proxy(tmp_path, client, approval_wait_s=0.5)
     params = types.CallToolRequestParams(name="send_email", arguments={"to": "a", "body": "b"})
 
@@ -2420,7 +2381,7 @@ def test_reads_are_served_while_a_write_waits_for_its_approval_through_the_clien
 
     upstreams.call = listed  # type: ignore[method-assign]
     settings = Settings(bootstrap="unused:1", state_dir=tmp_path / "state")
-    client = AwaitingClient()
+    client = FakeClient(saga_type=AwaitsApproval)
     proxy = McpProxy(decl, upstreams, build_catalogue(decl, upstreams), client, settings)  # type: ignore[arg-type]
     order: list[str] = []
 
@@ -2445,9 +2406,6 @@ def test_reads_are_served_while_a_write_waits_for_its_approval_through_the_clien
             )
         )
 
-        def params(name: str, args: dict[str, Any]) -> types.CallToolRequestParams:
-            return types.CallToolRequestParams(name=name, arguments=args)
-
         async def read(what: str, request: Any) -> Any:
             answer = await request
             order.append(what)
@@ -2455,12 +2413,12 @@ def test_reads_are_served_while_a_write_waits_for_its_approval_through_the_clien
 
         try:
             write = asyncio.ensure_future(
-                proxy._call_tool(ctx, params("send_email", {"to": "a", "body": "b"}))
+                proxy._call_tool(ctx, _params("send_email", {"to": "a", "body": "b"}))
             )
             await asyncio.wait_for(asking.wait(), 120)  # the write waits for its person
             reads = await asyncio.gather(
-                read("list", proxy._call_tool(ctx, params("list_tickets", {}))),
-                read("plan", proxy._call_tool(ctx, params("saga_check_plan", {"calls": []}))),
+                read("list", proxy._call_tool(ctx, _params("list_tickets", {}))),
+                read("plan", proxy._call_tool(ctx, _params("saga_check_plan", {"calls": []}))),
                 read("receipt", proxy._read_resource(ctx, _resource(RECEIPT))),
             )
             reads_done.set()
@@ -2565,6 +2523,23 @@ def test_saga_commit_while_a_write_waits_for_its_approval_through_the_client_is_
     assert world.state()["emails"] == [{"to": "bob@example.com", "body": "x"}]
 
 
+def _asking_ctx(asked: asyncio.Event) -> Any:
+    """A client with elicitation whose person never answers (asked is set)."""
+    from types import SimpleNamespace
+
+    async def elicit_form(message: str, schema: Any) -> Any:
+        asked.set()
+        await asyncio.Event().wait()  # the person has not answered
+
+    return SimpleNamespace(
+        session=SimpleNamespace(
+            client_capabilities=SimpleNamespace(elicitation=object()),
+            client_params=None,
+            elicit_form=elicit_form,
+        )
+    )
+
+
 def test_a_write_cancelled_while_its_step_awaits_approval_is_remembered_as_awaiting_R7(
     tmp_path: Path,
 ) -> None:
@@ -2575,30 +2550,14 @@ def test_a_write_cancelled_while_its_step_awaits_approval_is_remembered_as_await
     that step and waited out the client's call timeout, then was answered "awaiting
     approval" as if it were the IRREVERSIBLE one. The step is remembered (on disk too)
     and the next write is refused at once, nothing called, naming it."""
-    from types import SimpleNamespace
-
     asked = asyncio.Event()
-
-    async def elicit_form(message: str, schema: Any) -> Any:
-        asked.set()
-        await asyncio.Event().wait()  # the person has not answered yet
-
-    ctx = SimpleNamespace(
-        session=SimpleNamespace(
-            client_capabilities=SimpleNamespace(elicitation=object()),
-            client_params=None,
-            elicit_form=elicit_form,
-        )
-    )
-    client = AwaitingClient()
+    ctx = _asking_ctx(asked)
+    client = FakeClient(saga_type=AwaitsApproval)
     proxy = _fake_proxy(tmp_path, client)
-
-    def params(name: str, args: dict[str, Any]) -> types.CallToolRequestParams:
-        return types.CallToolRequestParams(name=name, arguments=args)
 
     async def cancel_the_write() -> None:
         write = asyncio.ensure_future(
-            proxy._call_tool(ctx, params("send_email", {"to": "a", "body": "b"}))
+            proxy._call_tool(ctx, _params("send_email", {"to": "a", "body": "b"}))
         )
         await asyncio.wait_for(asked.wait(), 120)
         write.cancel()  # what the MCP server does on notifications/cancelled
@@ -2616,23 +2575,6 @@ def test_a_write_cancelled_while_its_step_awaits_approval_is_remembered_as_await
     assert refused.is_error and "01-send_email" in _text(refused), _text(refused)
     assert "nothing was called" in _text(refused), _text(refused)
     assert client.sagas[0].calls == ["01-send_email"]
-
-
-def _asking_ctx(asked: asyncio.Event) -> Any:
-    """A client with elicitation whose person never answers (asked is set)."""
-    from types import SimpleNamespace
-
-    async def elicit_form(message: str, schema: Any) -> Any:
-        asked.set()
-        await asyncio.Event().wait()  # the person has not answered
-
-    return SimpleNamespace(
-        session=SimpleNamespace(
-            client_capabilities=SimpleNamespace(elicitation=object()),
-            client_params=None,
-            elicit_form=elicit_form,
-        )
-    )
 
 
 class _SeenQueued(asyncio.Lock):
@@ -2668,9 +2610,6 @@ def test_a_write_queued_behind_the_asking_write_does_not_run_after_the_abort_tha
     the abort, in a new saga the agent never asked for: its effect not undone by the
     abort sent after it, the new saga left open. It is refused, nothing called."""
 
-    def params(name: str, args: dict[str, Any]) -> types.CallToolRequestParams:
-        return types.CallToolRequestParams(name=name, arguments=args)
-
     asked = asyncio.Event()
     ctx = _asking_ctx(asked)
     client = _FirstAwaitsClient()
@@ -2680,21 +2619,21 @@ def test_a_write_queued_behind_the_asking_write_does_not_run_after_the_abort_tha
         lock = _SeenQueued()
         proxy._lock = lock
         write = asyncio.ensure_future(
-            proxy._call_tool(ctx, params("send_email", {"to": "a", "body": "b"}))
+            proxy._call_tool(ctx, _params("send_email", {"to": "a", "body": "b"}))
         )
         await asyncio.wait_for(asked.wait(), 120)
         queued = asyncio.ensure_future(
-            proxy._call_tool(ctx, params("create_ticket", {"title": "t"}))
+            proxy._call_tool(ctx, _params("create_ticket", {"title": "t"}))
         )
         await asyncio.wait_for(lock.queued.wait(), 120)
         aborted = await asyncio.wait_for(
-            proxy._call_tool(ctx, params("saga_abort", {"reason": "no"})), 120
+            proxy._call_tool(ctx, _params("saga_abort", {"reason": "no"})), 120
         )
         await asyncio.wait_for(write, 120)
         return (
             aborted,
             await asyncio.wait_for(queued, 120),
-            await asyncio.wait_for(proxy._call_tool(ctx, params("saga_commit", {})), 120),
+            await asyncio.wait_for(proxy._call_tool(ctx, _params("saga_commit", {})), 120),
         )
 
     aborted, queued, commit = asyncio.run(run())
@@ -2720,13 +2659,6 @@ class _WaitRunsOut(AwaitsApproval):
         raise ApprovalPending("waits for approval ap-1", approval_id="ap-1", **where)
 
 
-class _WaitRunsOutClient(FakeClient):
-    def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
-        saga = _WaitRunsOut(saga_id or f"s-{len(self.sagas) + 1}", None)
-        self.sagas.append(saga)
-        return saga
-
-
 def test_a_write_cancelled_while_its_person_is_asked_leaves_no_unretrieved_error_R7(
     tmp_path: Path,
 ) -> None:
@@ -2739,7 +2671,7 @@ def test_a_write_cancelled_while_its_person_is_asked_leaves_no_unretrieved_error
 
     asked = asyncio.Event()
     ctx = _asking_ctx(asked)
-    client = _WaitRunsOutClient()
+    client = FakeClient(saga_type=_WaitRunsOut)
     proxy = _fake_proxy(tmp_path, client)
     unhandled: list[str] = []
 
@@ -2794,13 +2726,6 @@ class _AbortNotActedOn(AwaitsApproval):
         raise self._pending(step_id)
 
 
-class _AbortNotActedOnClient(FakeClient):
-    def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
-        saga = _AbortNotActedOn(saga_id or f"s-{len(self.sagas) + 1}", None)
-        self.sagas.append(saga)
-        return saga
-
-
 def test_a_write_whose_abort_is_acknowledged_is_not_told_its_saga_stays_open_R7(
     tmp_path: Path,
 ) -> None:
@@ -2811,19 +2736,16 @@ def test_a_write_whose_abort_is_acknowledged_is_not_told_its_saga_stays_open_R7(
     was aborted and the coordinator withdraws the request when it reads the abort."""
     asked = asyncio.Event()
     ctx = _asking_ctx(asked)
-    client = _AbortNotActedOnClient()
+    client = FakeClient(saga_type=_AbortNotActedOn)
     proxy = _fake_proxy(tmp_path, client)
-
-    def params(name: str, args: dict[str, Any]) -> types.CallToolRequestParams:
-        return types.CallToolRequestParams(name=name, arguments=args)
 
     async def run() -> tuple[types.CallToolResult, types.CallToolResult]:
         write = asyncio.ensure_future(
-            proxy._call_tool(ctx, params("send_email", {"to": "a", "body": "b"}))
+            proxy._call_tool(ctx, _params("send_email", {"to": "a", "body": "b"}))
         )
         await asyncio.wait_for(asked.wait(), 120)
         aborted = await asyncio.wait_for(
-            proxy._call_tool(ctx, params("saga_abort", {"reason": "no"})), 120
+            proxy._call_tool(ctx, _params("saga_abort", {"reason": "no"})), 120
         )
         saga = client.sagas[0]
         assert isinstance(saga, _AbortNotActedOn)
@@ -2840,15 +2762,14 @@ def test_a_write_whose_abort_is_acknowledged_is_not_told_its_saga_stays_open_R7(
 
 
 class _EndsInAfterAbort(AwaitsApproval):
-    """The step's wait, once the saga is ended (saga_abort went ahead), ends in
-    ``after`` instead of the coordinator's withdrawal."""
-
-    after: BaseException
+    """The step's wait, once the saga is ended (saga_abort went ahead), ends in its
+    answer instead of the coordinator's withdrawal."""
 
     async def acall(self, name: str, *, step_id: str, **args: Any) -> Any:
         self.calls.append(step_id)
         await self.released(120)
-        raise self.after
+        assert self.answer is not None
+        raise self.answer
 
 
 @pytest.mark.parametrize(
@@ -2869,9 +2790,6 @@ def test_a_write_whose_step_ends_unsettled_after_the_abort_is_not_told_it_did_no
     import participants.client as saga_client
     from participants.readiness import CoordinatorNotRunning
 
-    def params(name: str, args: dict[str, Any]) -> types.CallToolRequestParams:
-        return types.CallToolRequestParams(name=name, arguments=args)
-
     where = {"saga_id": "s-1", "step_id": "01-send_email", "tool": "send_email"}
     after: BaseException = (
         CoordinatorNotRunning(f"{kind} of send_email")  # no saga, step nor tool in it
@@ -2879,25 +2797,18 @@ def test_a_write_whose_step_ends_unsettled_after_the_abort_is_not_told_it_did_no
         else getattr(saga_client, kind)(f"{kind} of send_email", **where)
     )
 
-    class Client(FakeClient):
-        def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
-            saga = _EndsInAfterAbort(saga_id or "s-1", None)
-            saga.after = after
-            self.sagas.append(saga)
-            return saga
-
     asked = asyncio.Event()
     ctx = _asking_ctx(asked)
-    client = Client()
+    client = FakeClient(after, saga_type=_EndsInAfterAbort)
     proxy = _fake_proxy(tmp_path, client)
 
     async def run() -> tuple[types.CallToolResult, types.CallToolResult]:
         write = asyncio.ensure_future(
-            proxy._call_tool(ctx, params("send_email", {"to": "a", "body": "b"}))
+            proxy._call_tool(ctx, _params("send_email", {"to": "a", "body": "b"}))
         )
         await asyncio.wait_for(asked.wait(), 120)
         aborted = await asyncio.wait_for(
-            proxy._call_tool(ctx, params("saga_abort", {"reason": "no"})), 120
+            proxy._call_tool(ctx, _params("saga_abort", {"reason": "no"})), 120
         )
         return aborted, await asyncio.wait_for(write, 120)
 
@@ -2940,9 +2851,6 @@ def test_the_receipt_of_an_abort_that_went_ahead_does_not_replace_a_later_sagas_
             self.sagas.append(saga)
             return saga
 
-    def params(name: str, args: dict[str, Any]) -> types.CallToolRequestParams:
-        return types.CallToolRequestParams(name=name, arguments=args)
-
     asked = asyncio.Event()
     ctx = _asking_ctx(asked)
     client = Client()
@@ -2950,17 +2858,17 @@ def test_the_receipt_of_an_abort_that_went_ahead_does_not_replace_a_later_sagas_
 
     async def run() -> tuple[types.CallToolResult, types.CallToolResult, str]:
         write = asyncio.ensure_future(
-            proxy._call_tool(ctx, params("send_email", {"to": "a", "body": "b"}))
+            proxy._call_tool(ctx, _params("send_email", {"to": "a", "body": "b"}))
         )
         await asyncio.wait_for(asked.wait(), 120)
-        abort = asyncio.ensure_future(proxy._call_tool(ctx, params("saga_abort", {})))
+        abort = asyncio.ensure_future(proxy._call_tool(ctx, _params("saga_abort", {})))
         await asyncio.wait_for(write, 120)
-        await proxy._call_tool(ctx, params("create_ticket", {"title": "t"}))
+        await proxy._call_tool(ctx, _params("create_ticket", {"title": "t"}))
         _ends_as(client.sagas[1], "COMPLETED")
-        committed = await proxy._call_tool(ctx, params("saga_commit", {}))
+        committed = await proxy._call_tool(ctx, _params("saga_commit", {}))
         terminal.set()  # the aborted saga's receipt comes in after the new one's
         await asyncio.wait_for(abort, 120)
-        again = await proxy._call_tool(ctx, params("saga_commit", {}))
+        again = await proxy._call_tool(ctx, _params("saga_commit", {}))
         read = await proxy._read_resource(None, _resource(RECEIPT))
         content = read.contents[0]
         assert isinstance(content, types.TextResourceContents)
@@ -3428,16 +3336,10 @@ def test_a_remembered_saga_written_by_a_newer_version_is_said_not_a_protocol_err
                 unreadable=["events[0]@7"],
             )
 
-    class Client(FakeClient):
-        def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
-            saga = Unreadable(saga_id or f"s-{len(self.sagas) + 1}", None)
-            self.sagas.append(saga)
-            return saga
-
     state = tmp_path / "state" / "fake-desk" / "mcp-session.json"
     state.parent.mkdir(parents=True)
     state.write_text(json.dumps({"saga_id": "s-1", "next_step": 2}))
-    client = Client()
+    client = FakeClient(saga_type=Unreadable)
     proxy = _fake_proxy(tmp_path, client)
     for name, args in [("create_ticket", {"title": "t"}), ("saga_abort", {})]:
         refused = _call(proxy, name, args)
@@ -3469,16 +3371,10 @@ def test_the_receipt_of_a_saga_that_cannot_be_continued_says_why_not_a_protocol_
                 unreadable=["events[0]@7"],
             )
 
-    class Client(FakeClient):
-        def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
-            saga = Stuck(saga_id or f"s-{len(self.sagas) + 1}", None)
-            self.sagas.append(saga)
-            return saga
-
     state = tmp_path / "state" / "fake-desk" / "mcp-session.json"
     state.parent.mkdir(parents=True)
     state.write_text(json.dumps({"saga_id": "s-1", "next_step": 2}))
-    proxy = _fake_proxy(tmp_path, Client())
+    proxy = _fake_proxy(tmp_path, FakeClient(saga_type=Stuck))
     params = types.ReadResourceRequestParams(uri=RECEIPT)
     read = asyncio.run(proxy._read_resource(_no_elicitation(), params))
     content = read.contents[0]
@@ -3573,13 +3469,7 @@ def test_a_write_whose_outcome_no_coordinator_gives_is_remembered_as_awaiting_no
                 raise OutcomeUnknown(f"no outcome for create_ticket within {timeout_s} s", **where)
             return {"ok": step_id}
 
-    class Client(FakeClient):
-        def saga(self, workflow: str, principal: str, *, saga_id: str | None = None) -> FakeSaga:
-            saga = NoCoordinator(saga_id or f"s-{len(self.sagas) + 1}", None)
-            self.sagas.append(saga)
-            return saga
-
-    client = Client()
+    client = FakeClient(saga_type=NoCoordinator)
     proxy = _fake_proxy(tmp_path, client)
     first = _call(proxy, "create_ticket", {"title": "t"})
     text = _text(first)
