@@ -105,7 +105,7 @@ from sagaline.kafka import (
     readable_headers,
     watermarks,
 )
-from sagaline.kafka._claims import InstanceClaimed, claim_member, release_member
+from sagaline.kafka._claims import member_held
 from sagaline.kafka._groups import PartitionMoves
 from sagaline.kafka._topics import (
     command_topic_participants,
@@ -507,16 +507,14 @@ class Coordinator:
                 " make a new Coordinator (same instance_id) to run it again"
             )
         member = f"{self.group_id}-{self.instance_id}"
-        try:
-            claim = claim_member(self.bootstrap, member, functools.partial(self._refusal, member))
-        except InstanceClaimed:
-            self._sender.shutdown()  # what the constructor opened: nothing will use it
-            self._consumer.close()
-            raise
-        try:
+        refusal = functools.partial(self._refusal, member)
+        with member_held(self.bootstrap, member, refusal, self._close_unused):
             self._run(until, ready)
-        finally:
-            release_member(claim)
+
+    def _close_unused(self) -> None:
+        """What the constructor opened, when ``run`` is refused: nothing will use it."""
+        self._sender.shutdown()
+        self._consumer.close()
 
     def _refusal(self, member: str, holder: str, path: str) -> str:
         return (

@@ -76,7 +76,7 @@ from sagaline.kafka import (
     raise_if_fatal,
     watermarks,
 )
-from sagaline.kafka._claims import InstanceClaimed, claim_member, release_member
+from sagaline.kafka._claims import member_held
 from sagaline.kafka._groups import PartitionMoves
 from sagaline.kafka._topics import topic_retention
 from schemas import (
@@ -2533,15 +2533,9 @@ class ParticipantRuntime:
             )
         group = f"{self.topics.prefix}sagaline-participant-{self.participant}"
         member = f"{group}-{self.instance_id}"
-        try:
-            claim = claim_member(self.bootstrap, member, functools.partial(self._refusal, member))
-        except InstanceClaimed:
-            self._close_unused()
-            raise
-        try:
+        refusal = functools.partial(self._refusal, member)
+        with member_held(self.bootstrap, member, refusal, self._close_unused):
             self._run(group, member, ready)
-        finally:
-            release_member(claim)
 
     def _close_unused(self) -> None:
         """What the constructor opened, as the loop's end closes it, when ``run`` ends

@@ -14,10 +14,10 @@ import hashlib
 import logging
 import os
 import tempfile
-from collections.abc import Callable
-from contextlib import suppress
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 
-__all__ = ["InstanceClaimed", "broker_list_key", "claim_member", "release_member"]
+__all__ = ["InstanceClaimed", "broker_list_key", "claim_member", "member_held", "release_member"]
 
 log = logging.getLogger("sagaline.kafka")
 
@@ -75,6 +75,27 @@ def claim_member(bootstrap: str, member: str, refusal: Callable[[str, str], str]
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     _claims.add(fd)
     return fd
+
+
+@contextmanager
+def member_held(
+    bootstrap: str,
+    member: str,
+    refusal: Callable[[str, str], str],
+    refused: Callable[[], None],
+) -> Iterator[None]:
+    """The claim on ``member`` (:func:`claim_member`) held for the ``with`` block and
+    let go when it ends, however it ends. Refused: ``refused()`` (a client closing
+    what it opened for a run that will not happen), then :class:`InstanceClaimed`."""
+    try:
+        claim = claim_member(bootstrap, member, refusal)
+    except InstanceClaimed:
+        refused()
+        raise
+    try:
+        yield
+    finally:
+        release_member(claim)
 
 
 def _unclaimed(member: str, path: str, verb: str, exc: OSError) -> None:
