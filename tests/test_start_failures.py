@@ -13,6 +13,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from confluent_kafka import KafkaException
@@ -51,6 +52,19 @@ def _refused(*args: object, **kwargs: object) -> object:
     raise KafkaException("start refused: TOPIC_AUTHORIZATION_FAILED")
 
 
+def _record_close(
+    monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, closes: list[str]
+) -> None:
+    """``owner.close()`` appends ``name`` to ``closes``, then closes as before."""
+    close = owner.close
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        closes.append(name)
+        return close(*args, **kwargs)
+
+    monkeypatch.setattr(owner, "close", recorded)
+
+
 def _threads() -> set[str]:
     return {t.name for t in threading.enumerate() if t.is_alive()}
 
@@ -70,19 +84,8 @@ def test_a_runtime_whose_start_fails_before_its_loop_closes_what_it_opened(
         SEATS, _settings(kafka_bootstrap, unique_prefix, tmp_path), kafka_bootstrap
     )
     closes: list[str] = []
-    writer_close = runtime._writer.close
-    handler_close = runtime.handler.close
-
-    def close_writer(timeout_s: float = 10.0) -> int:
-        closes.append("writer")
-        return writer_close(timeout_s)
-
-    def close_handler() -> None:
-        closes.append("handler")
-        handler_close()
-
-    monkeypatch.setattr(runtime._writer, "close", close_writer)
-    monkeypatch.setattr(runtime.handler, "close", close_handler)
+    _record_close(monkeypatch, runtime._writer, "writer", closes)
+    _record_close(monkeypatch, runtime.handler, "handler", closes)
     monkeypatch.setattr(runtime_module, step, _refused)
     with pytest.raises(KafkaException, match="start refused"):
         runtime.run()
@@ -154,13 +157,7 @@ def test_a_saga_client_whose_start_fails_closes_what_it_opened_once(
     local = SEATS if failure == "local tools" else None
     client = SagaClient(settings, kafka_bootstrap, local=local)
     closes: list[str] = []
-    writer_close = client._writer.close
-
-    def close_writer(timeout_s: float = 10.0) -> int:
-        closes.append("writer")
-        return writer_close(timeout_s)
-
-    monkeypatch.setattr(client._writer, "close", close_writer)
+    _record_close(monkeypatch, client._writer, "writer", closes)
     with pytest.raises(Exception) as raised, client:  # each failure its own type
         pytest.fail("the start should have failed")
     assert not isinstance(raised.value, ClientStopped)
