@@ -678,6 +678,12 @@ class _Session:
     # step follows the one before, so a write now would wait behind them.
     awaiting: list[str] = field(default_factory=list)
 
+    def remember_awaiting(self, step_id: str) -> None:
+        """Remember ``step_id`` as waiting (for its approval, or for a coordinator), on
+        disk too: the next write would wait behind it, so it is checked first."""
+        self.awaiting.append(step_id)
+        self.save()
+
     def save(self) -> None:
         if self.saga is None:
             self.path.unlink(missing_ok=True)
@@ -1095,8 +1101,7 @@ class McpProxy:
                     f" approved it before the abort); read {RECEIPT_URI}.",
                     error=True,
                 )
-            self.session.awaiting.append(step_id)
-            self.session.save()
+            self.session.remember_awaiting(step_id)
             return _awaiting(saga, step_id, f"saga_abort was called meanwhile: {exc}")
         except CoordinatorNotRunning as exc:  # nothing acts on the abort, nor on the step
             if self.session.saga is not saga:  # the abort is acknowledged: it stands
@@ -1108,8 +1113,7 @@ class McpProxy:
                     f" the abort); do not call it again; read {RECEIPT_URI}.",
                     error=True,
                 )
-            self.session.awaiting.append(step_id)
-            self.session.save()
+            self.session.remember_awaiting(step_id)
             return _no_coordinator(saga, name, step_id, exc)
         except ResultTooLarge as exc:  # approved before the abort: it ran and committed
             return _text(
@@ -1253,8 +1257,7 @@ class McpProxy:
         if mapping.reversibility is Reversibility.IRREVERSIBLE:
             outcome = await self._approval(ctx, saga, step_id, call)
             if isinstance(outcome, types.CallToolResult):  # "awaiting approval"
-                self.session.awaiting.append(step_id)
-                self.session.save()
+                self.session.remember_awaiting(step_id)
                 return outcome
             if isinstance(outcome, _AbortedWhileAsking):
                 return await self._aborted_while_asking(saga, name, step_id, call)
@@ -1262,12 +1265,10 @@ class McpProxy:
         try:
             value = await _outcome(saga, step_id, call, granted)
         except ApprovalPending as exc:
-            self.session.awaiting.append(step_id)
-            self.session.save()
+            self.session.remember_awaiting(step_id)
             return _awaiting(saga, step_id, str(exc))
         except CoordinatorNotRunning as exc:  # written: it runs once a coordinator consumes
-            self.session.awaiting.append(step_id)
-            self.session.save()
+            self.session.remember_awaiting(step_id)
             return _no_coordinator(saga, name, step_id, exc)
         except (OutcomeUnknown, DeliveryFailed) as exc:  # R11: not a failure: it may have
             # happened (DeliveryFailed: the step's record may still reach the ledger)
@@ -1470,8 +1471,7 @@ class McpProxy:
             # call goes on waiting; its ApprovalPending is nobody's, as when answered.
             _forget(call)
             if self.session.saga is saga and step_id not in self.session.awaiting:
-                self.session.awaiting.append(step_id)
-                self.session.save()
+                self.session.remember_awaiting(step_id)
             raise
         finally:
             channel.close()
