@@ -200,11 +200,9 @@ class _Vault:
         return {"stored": "yes"}
 
 
-def test_a_malformed_sealed_argument_rejects_the_step_and_the_tool_never_runs(
-    tmp_path: Path,
-) -> None:
-    # A SealError is a business rejection (sending it again cannot open it), whatever
-    # is wrong with the sealed value: here its base64 does not even decode.
+def _store_with_the_key(tmp_path: Path, args: dict[str, Any]) -> tuple[StepFailed, _Vault]:
+    """The vault's ``store`` called with ``args`` at a participant holding the key:
+    the one StepFailed it answered (the command done), and the vault."""
     vault = _Vault()
     out: list[Record] = []
     handler = CommandHandler(
@@ -215,7 +213,6 @@ def test_a_malformed_sealed_argument_rejects_the_step_and_the_tool_never_runs(
         ledger=None,
         sealer=Sealer(b"shared secret"),
     )
-    args = {"token": {"$sealed": "not base64!", "fp": "x", "kid": "s1"}}
     command = _cmd(
         ExecuteStep,
         step_id="01-store",
@@ -228,10 +225,20 @@ def test_a_malformed_sealed_argument_rejects_the_step_and_the_tool_never_runs(
     )
     assert handler.handle(command) == "done"
     [failed] = [r for r in out if isinstance(r, StepFailed)]
+    handler.close()
+    return failed, vault
+
+
+def test_a_malformed_sealed_argument_rejects_the_step_and_the_tool_never_runs(
+    tmp_path: Path,
+) -> None:
+    # A SealError is a business rejection (sending it again cannot open it), whatever
+    # is wrong with the sealed value: here its base64 does not even decode.
+    args = {"token": {"$sealed": "not base64!", "fp": "x", "kid": "s1"}}
+    failed, vault = _store_with_the_key(tmp_path, args)
     assert (failed.kind, failed.error_type) == (FailureKind.BUSINESS_REJECTION, "SealError")
     assert "malformed" in failed.message
     assert vault.ran == 0
-    handler.close()
 
 
 @pytest.mark.parametrize("marker", ["[redacted]", "[redacted hmac:0123456789ab]"])
@@ -243,32 +250,10 @@ def test_a_secret_the_agent_redacted_is_refused_by_a_participant_holding_the_key
     "[redacted]", the saga COMPLETED), where a key mismatch the other way round is a
     SealError. Now a business rejection too, saying what to set; the tool never runs.
     (A participant without a key still gets the marker, as documented.)"""
-    vault = _Vault()
-    out: list[Record] = []
-    handler = CommandHandler(
-        wrap(vault, name="vault"),
-        "vault",
-        CommandJournal(tmp_path / "journal.sqlite"),
-        out.append,
-        ledger=None,
-        sealer=Sealer(b"shared secret"),
-    )
-    command = _cmd(
-        ExecuteStep,
-        step_id="01-store",
-        tool="store",
-        args=orjson.dumps({"token": marker}),
-        idempotency_key="k-3",
-        attempt=1,
-        deadline_ms=5000,
-        principal="p",
-    )
-    assert handler.handle(command) == "done"
-    [failed] = [r for r in out if isinstance(r, StepFailed)]
+    failed, vault = _store_with_the_key(tmp_path, {"token": marker})
     assert (failed.kind, failed.error_type) == (FailureKind.BUSINESS_REJECTION, "SealError")
     assert "'token'" in failed.message and "SAGALINE_SECRET_KEY" in failed.message, failed
     assert vault.ran == 0
-    handler.close()
 
 
 class _Provider:
