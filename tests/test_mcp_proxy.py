@@ -2577,6 +2577,21 @@ def test_a_write_cancelled_while_its_step_awaits_approval_is_remembered_as_await
     assert client.sagas[0].calls == ["01-send_email"]
 
 
+async def _abort_while_the_write_asks(
+    proxy: Any, ctx: Any, asked: asyncio.Event
+) -> tuple[asyncio.Future[types.CallToolResult], types.CallToolResult]:
+    """send_email, IRREVERSIBLE, asks its person (``asked``); saga_abort is sent then:
+    the write (going on) and the abort's answer."""
+    write = asyncio.ensure_future(
+        proxy._call_tool(ctx, _params("send_email", {"to": "a", "body": "b"}))
+    )
+    await asyncio.wait_for(asked.wait(), 120)
+    aborted = await asyncio.wait_for(
+        proxy._call_tool(ctx, _params("saga_abort", {"reason": "no"})), 120
+    )
+    return write, aborted
+
+
 class _SeenQueued(asyncio.Lock):
     """The proxy's step lock, saying when a request queues behind its holder."""
 
@@ -2740,13 +2755,7 @@ def test_a_write_whose_abort_is_acknowledged_is_not_told_its_saga_stays_open_R7(
     proxy = _fake_proxy(tmp_path, client)
 
     async def run() -> tuple[types.CallToolResult, types.CallToolResult]:
-        write = asyncio.ensure_future(
-            proxy._call_tool(ctx, _params("send_email", {"to": "a", "body": "b"}))
-        )
-        await asyncio.wait_for(asked.wait(), 120)
-        aborted = await asyncio.wait_for(
-            proxy._call_tool(ctx, _params("saga_abort", {"reason": "no"})), 120
-        )
+        write, aborted = await _abort_while_the_write_asks(proxy, ctx, asked)
         saga = client.sagas[0]
         assert isinstance(saga, _AbortNotActedOn)
         saga.slow.set()  # the write's wait runs out: still pending
@@ -2803,13 +2812,7 @@ def test_a_write_whose_step_ends_unsettled_after_the_abort_is_not_told_it_did_no
     proxy = _fake_proxy(tmp_path, client)
 
     async def run() -> tuple[types.CallToolResult, types.CallToolResult]:
-        write = asyncio.ensure_future(
-            proxy._call_tool(ctx, _params("send_email", {"to": "a", "body": "b"}))
-        )
-        await asyncio.wait_for(asked.wait(), 120)
-        aborted = await asyncio.wait_for(
-            proxy._call_tool(ctx, _params("saga_abort", {"reason": "no"})), 120
-        )
+        write, aborted = await _abort_while_the_write_asks(proxy, ctx, asked)
         return aborted, await asyncio.wait_for(write, 120)
 
     aborted, sent = asyncio.run(run())
