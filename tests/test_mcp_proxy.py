@@ -392,6 +392,71 @@ def test_a_second_proxy_for_the_same_participant_with_its_own_state_is_refused_a
     assert json.loads(_text(committed))["status"] == "COMPLETED", _text(committed)
 
 
+def _proxy_start(
+    kafka_bootstrap: str, prefix: str, tmp_path: Path, *, code: str = "", partitions: int = 1
+) -> subprocess.CompletedProcess[str]:
+    """``sagaline mcp proxy`` run to its end with no agent (stdin closed), after
+    ``code`` (run first in the same process: a fault put in its way)."""
+    run = "import sys; from services.cli import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.run(
+        [sys.executable, "-c", f"{code}\n{run}", "mcp", "proxy", str(_declaration(tmp_path))],
+        env={
+            **os.environ,
+            "KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap,
+            "SAGALINE_TOPIC_PREFIX": prefix,
+            "SAGALINE_PARTITIONS": str(partitions),
+            "SAGALINE_STATE_DIR": str(tmp_path / "state"),
+            "DESK_STATE": str(tmp_path / "desk.json"),
+            "PYTHONPATH": str(ROOT),
+        },
+        cwd=str(ROOT),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_a_proxy_whose_participant_runtime_cannot_start_says_why_in_one_line(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    """The participant runtime refused at start (here: the topics have 1 partition and
+    SAGALINE_PARTITIONS says 2) was a RuntimeError's traceback, exit 1, where
+    `participant run` says the same refusal in one line with exit 2. The proxy says it
+    in one line now, naming the setting to fix, exit 2."""
+    settings = Settings(bootstrap=kafka_bootstrap, topic_prefix=unique_prefix, partitions=1)
+    ensure_topics(kafka_bootstrap, settings.topics, ["desk-proxy"], 1)
+    done = _proxy_start(kafka_bootstrap, unique_prefix, tmp_path, partitions=2)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("sagaline mcp proxy: cannot start: "), done.stderr[-3000:]
+    assert "SAGALINE_PARTITIONS=1" in last, done.stderr[-3000:]
+
+
+def test_a_proxy_whose_saga_client_cannot_start_says_why_in_one_line(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    """The saga client's start refused by the broker (here: no Describe on the ledger
+    for this principal, as a credential without that ACL gets) was a traceback, exit
+    1. One line now, naming the topic and the ACLs to grant, exit 2; the runtime
+    started before it is stopped (the process ends)."""
+    code = (
+        "from participants.client import SagaClient\n"
+        "from sagaline.kafka import TopicNotAuthorized\n"
+        "def refused(self):\n"
+        "    raise TopicNotAuthorized(f'topic {self.topics.events!r}: Topic authorization"
+        " failed')\n"
+        "SagaClient._end_positions = refused"
+    )
+    done = _proxy_start(kafka_bootstrap, unique_prefix, tmp_path, code=code)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("sagaline mcp proxy: cannot start: the saga client"), last
+    assert f"{unique_prefix}sagaline.events" in last and "authorization" in last, last
+
+
 def _free_port() -> int:
     import socket
 

@@ -77,7 +77,7 @@ from participants.declarations import (
 from participants.errors import CatalogueError, InvalidArgumentsError
 from participants.plan import check_plan
 from participants.readiness import CoordinatorNotRunning
-from participants.runtime import ParticipantRuntime
+from participants.runtime import JournalUnusable, ParticipantRuntime
 from sagaline.agents._core import SAGA_CALL_OPTIONS, STEP_LIMIT
 from sagaline.agents.declaration import (
     Declaration,
@@ -89,7 +89,14 @@ from sagaline.agents.declaration import (
     check,
     load_declaration,
 )
-from sagaline.kafka import DeliveryFailed, InstanceClaimed
+from sagaline.kafka import (
+    DeliveryFailed,
+    InstanceClaimed,
+    KafkaError,
+    KafkaException,
+    TopicMissing,
+    TopicSetupError,
+)
 from schemas.models import Reversibility, SagaOutcome
 from schemas.settings import Settings
 
@@ -131,6 +138,11 @@ class UpstreamCompensationFailed(TransientError):
 class ProxyAlreadyRunning(RuntimeError):
     """Another proxy serves the same participant with the same state directory: the
     two would overwrite each other's open saga in ``mcp-session.json``."""
+
+
+class ProxyStartFailed(RuntimeError):
+    """The participant runtime or the saga client could not start on the broker (it
+    did not answer, refused this client, or its topics are not as configured)."""
 
 
 class UpstreamDown(ConnectionError):
@@ -1932,6 +1944,23 @@ def _forget(call: asyncio.Future[Any]) -> None:
 # ------------------------------------------------------------------------ main
 
 
+# A start refused by the broker or by the topics' settings: said in one line (no
+# traceback), as `participant run` says it; anything else is a bug, its traceback kept.
+_START_REFUSALS = (KafkaException, DeliveryFailed, TopicSetupError, TopicMissing, JournalUnusable)
+
+
+def _start_why(exc: BaseException, bootstrap: str) -> str:
+    """One line on why a start failed, with what to check when the broker said no."""
+    error = exc.args[0] if exc.args else None
+    if isinstance(exc, KafkaException) and isinstance(error, KafkaError):
+        return (
+            f"Kafka at {bootstrap} did not answer or refused ({error.str()}); check"
+            " KAFKA_BOOTSTRAP_SERVERS, the client settings (SAGALINE_KAFKA_*) and that the"
+            " broker runs, then start it again"
+        )
+    return str(exc)
+
+
 def main(path: Path, *, check_only: bool = False) -> int:
     """Run the proxy on stdio until the agent disconnects. 1: the declaration cannot
     work (every problem printed), 2: it cannot be read or a service is missing."""
@@ -1950,7 +1979,7 @@ def main(path: Path, *, check_only: bool = False) -> int:
     except (DeclarationError, CatalogueError) as exc:
         print(f"sagaline mcp proxy: refusing to start: {exc}", file=sys.stderr)
         return 1
-    except (UpstreamUnavailable, ProxyAlreadyRunning, InstanceClaimed) as exc:
+    except (UpstreamUnavailable, ProxyAlreadyRunning, InstanceClaimed, ProxyStartFailed) as exc:
         print(f"sagaline mcp proxy: cannot start: {exc}", file=sys.stderr)
         return 2
 
@@ -2027,12 +2056,22 @@ async def _run(
     if failed:
         if isinstance(failed[0], InstanceClaimed):
             raise failed[0]  # a twin serves this participant: its pid, what to do
+        if isinstance(failed[0], _START_REFUSALS):  # what `participant run` says in one line
+            raise ProxyStartFailed(
+                f"the participant runtime of {declaration.participant} did not start:"
+                f" {_start_why(failed[0], bootstrap)}"
+            ) from failed[0]
         raise RuntimeError(
             f"the participant runtime of {declaration.participant} did not start:"
             f" {type(failed[0]).__name__}: {failed[0]}"
         ) from failed[0]
     client = SagaClient(settings, bootstrap, catalogues=[catalogue])
-    await asyncio.to_thread(client.start)
+    try:
+        await asyncio.to_thread(client.start)  # a start that fails closes the client
+    except (*_START_REFUSALS, RuntimeError) as exc:  # RuntimeError: its listener's failure
+        raise ProxyStartFailed(
+            f"the saga client did not start: {_start_why(exc, bootstrap)}"
+        ) from exc
     stack.callback(client.close)
     proxy = McpProxy(declaration, upstreams, catalogue, client, settings)
     server = proxy.server()
