@@ -393,7 +393,13 @@ def test_a_second_proxy_for_the_same_participant_with_its_own_state_is_refused_a
 
 
 def _proxy_start(
-    kafka_bootstrap: str, prefix: str, tmp_path: Path, *, code: str = "", partitions: int = 1
+    kafka_bootstrap: str,
+    prefix: str,
+    tmp_path: Path,
+    *,
+    code: str = "",
+    partitions: int = 1,
+    state_dir: Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``sagaline mcp proxy`` run to its end with no agent (stdin closed), after
     ``code`` (run first in the same process: a fault put in its way)."""
@@ -405,7 +411,7 @@ def _proxy_start(
             "KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap,
             "SAGALINE_TOPIC_PREFIX": prefix,
             "SAGALINE_PARTITIONS": str(partitions),
-            "SAGALINE_STATE_DIR": str(tmp_path / "state"),
+            "SAGALINE_STATE_DIR": str(state_dir or tmp_path / "state"),
             "DESK_STATE": str(tmp_path / "desk.json"),
             "PYTHONPATH": str(ROOT),
         },
@@ -455,6 +461,38 @@ def test_a_proxy_whose_saga_client_cannot_start_says_why_in_one_line(
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("sagaline mcp proxy: cannot start: the saga client"), last
     assert f"{unique_prefix}sagaline.events" in last and "authorization" in last, last
+
+
+def test_a_proxy_whose_state_directory_cannot_be_used_says_so_in_one_line(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    """SAGALINE_STATE_DIR naming a file (a typo, a volume mounted wrong): the proxy
+    ended with NotADirectoryError's traceback, exit 1, where `participant run` says
+    "cannot use DIR (SAGALINE_STATE_DIR): Not a directory", exit 2. So does the proxy."""
+    not_a_dir = tmp_path / "state-file"
+    not_a_dir.write_text("")
+    done = _proxy_start(kafka_bootstrap, unique_prefix, tmp_path, state_dir=not_a_dir)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("sagaline mcp proxy: cannot start: cannot use "), last
+    assert f"{not_a_dir / 'desk-proxy'} (SAGALINE_STATE_DIR)" in last, last
+
+
+def test_a_proxy_whose_command_journal_cannot_be_opened_says_so_in_one_line(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    """The command journal SQLite cannot open (here a directory in its place): a
+    sqlite3 traceback, exit 1, where `participant run` names the file, exit 2."""
+    journal = tmp_path / "state" / "desk-proxy" / "commands.sqlite"
+    journal.mkdir(parents=True)
+    done = _proxy_start(kafka_bootstrap, unique_prefix, tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        f"sagaline mcp proxy: cannot start: cannot open the command journal {journal}"
+    ), last
 
 
 def _free_port() -> int:

@@ -33,6 +33,7 @@ import keyword
 import logging
 import os
 import re
+import sqlite3
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -747,12 +748,18 @@ def _claim_state(directory: Path, participant: str) -> int:
     """Hold the lock of ``directory``'s session file for this process's lifetime (the
     descriptor returned; closing it, or the process ending however it ends, lets go,
     so a restarted proxy is never held up by its dead predecessor).
-    :class:`ProxyAlreadyRunning` when another live proxy holds it."""
+    :class:`ProxyAlreadyRunning` when another live proxy holds it;
+    :class:`ProxyStartFailed` when the directory cannot be made or written."""
     import fcntl
 
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / SESSION_LOCK
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # not inherited by upstreams
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / SESSION_LOCK
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # not inherited by upstreams
+    except OSError as exc:  # a file there, a read-only volume: one line, as `participant run`
+        raise ProxyStartFailed(
+            f"cannot use {directory} (SAGALINE_STATE_DIR): {exc.strerror or exc}"
+        ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -2033,7 +2040,13 @@ async def _run(
     settings, bootstrap = configured_broker("sagaline mcp proxy")
     claim = _claim_state(settings.state_dir / declaration.participant, declaration.participant)
     stack.callback(os.close, claim)
-    runtime = ParticipantRuntime(catalogue, settings, bootstrap)
+    try:
+        runtime = ParticipantRuntime(catalogue, settings, bootstrap)
+    except sqlite3.Error as exc:  # only the command journal is opened here
+        journal = settings.state_dir / declaration.participant / "commands.sqlite"
+        raise ProxyStartFailed(
+            f"cannot open the command journal {journal} (SAGALINE_STATE_DIR): {exc}"
+        ) from None
     ready = threading.Event()
     failed: list[BaseException] = []
 
