@@ -7,6 +7,7 @@ showed a record. A stand-in consumer (no broker) raises that once for one partit
 
 from __future__ import annotations
 
+import logging
 import threading
 from types import SimpleNamespace
 from typing import Any
@@ -110,6 +111,52 @@ def test_a_partition_whose_records_all_expired_does_not_hold_back_caught_up() ->
     assert follower.caught_up.is_set()
 
 
+class TopicsOf:
+    """A broker holding only ``names`` (of two partitions each, empty)."""
+
+    def __init__(self, *names: str) -> None:
+        self.names = list(names)
+
+    def list_topics(self, timeout: float) -> Any:
+        topic = SimpleNamespace(error=None, partitions={0: None, 1: None})
+        return SimpleNamespace(topics=dict.fromkeys(self.names, topic))
+
+    def get_watermark_offsets(self, tp: TopicPartition, timeout: float) -> tuple[int, int]:
+        return 0, 0
+
+    def incremental_assign(self, tps: list[TopicPartition]) -> None:
+        pass
+
+    def position(self, tps: list[TopicPartition]) -> list[TopicPartition]:
+        return [TopicPartition(tp.topic, tp.partition, 0) for tp in tps]
+
+
+def test_topics_missing_at_start_are_named_in_the_log_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A dashboard pointed at topics that do not exist (a wrong SAGALINE_TOPIC_PREFIX,
+    or started before the coordinator made them) followed nothing, its /healthz 503
+    for good, and said nothing of why in its log. It names the missing topics and
+    what to check now, once (not at every refresh), and says when they appear."""
+    follower = LedgerFollower("broker:9092", TOPICS, Signer(b"k" * 32), DashboardState())
+    consumer = TopicsOf("other.sagaline.events")
+    with caplog.at_level(logging.INFO, logger="sagaline.dashboard"):
+        follower._refresh(consumer)  # type: ignore[arg-type]
+        follower._refresh(consumer)  # type: ignore[arg-type]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    for name in (TOPICS.events, TOPICS.terminal, TOPICS.incidents):
+        assert name in warnings[0], warnings[0]
+    assert "broker:9092" in warnings[0] and "SAGALINE_TOPIC_PREFIX" in warnings[0], warnings[0]
+
+    caplog.clear()
+    consumer.names += [TOPICS.events, TOPICS.terminal, TOPICS.incidents]
+    with caplog.at_level(logging.INFO, logger="sagaline.dashboard"):
+        follower._refresh(consumer)  # type: ignore[arg-type]
+    assert any("following" in r.getMessage() for r in caplog.records), caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
 # ------------------------------------------- one bad record, and a follower that died
 
 
@@ -138,7 +185,8 @@ class Message:
 
 
 class Scripted:
-    """The events topic, one partition, delivered one batch per ``consume``: the first
+    """The events topic, one partition (the other two topics exist, empty and with no
+    partition to follow), delivered one batch per ``consume``: the first
     batch is all that existed at start (so the follower is caught up after it), the
     others arrive later. ``done`` is set once the follower asks for more after the last
     batch, or when it closes the consumer (its thread is ending): no sleeps, no polls."""
@@ -154,7 +202,10 @@ class Scripted:
 
     def list_topics(self, timeout: float) -> Any:
         events = SimpleNamespace(error=None, partitions={0: None})
-        return SimpleNamespace(topics={TOPICS.events: events})
+        others = SimpleNamespace(error=None, partitions={})
+        return SimpleNamespace(
+            topics={TOPICS.events: events, TOPICS.terminal: others, TOPICS.incidents: others}
+        )
 
     def get_watermark_offsets(self, tp: TopicPartition, timeout: float) -> tuple[int, int]:
         return 0, self.produced

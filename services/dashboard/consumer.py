@@ -58,6 +58,7 @@ class LedgerFollower:
         # fold): logged with their saga and skipped, never a reason to stop (R16).
         self.fold_errors = 0
         self.stopped_by: str | None = None  # why the thread ended, when it did by itself
+        self._missing: list[str] = []  # the topics last found missing (logged on a change)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._assigned: set[tuple[str, int]] = set()
@@ -227,13 +228,16 @@ class LedgerFollower:
             log.warning("cannot read topic metadata from %s: %s", self.bootstrap, exc)
             return
         new: list[TopicPartition] = []
+        missing: list[str] = []
         for name in self.topic_names:
             topic = metadata.topics.get(name)
             if topic is None or topic.error is not None:
+                missing.append(name if topic is None else f"{name} ({topic.error})")
                 continue
             for number in topic.partitions:
                 if (name, number) not in self._assigned:
                     new.append(TopicPartition(name, number, OFFSET_BEGINNING))
+        self._say_missing(missing)
         ready: list[TopicPartition] = []
         for tp in new:
             try:
@@ -257,6 +261,24 @@ class LedgerFollower:
         if len(ready) == len(new):  # "caught up" waits for every partition of the start
             self._targets_fixed = True
         self._report_lag(consumer)
+
+    def _say_missing(self, missing: list[str]) -> None:
+        """Name the topics not there (else nothing says why the view stays empty and
+        /healthz 503), once per change, and when they have all appeared."""
+        if missing == self._missing:
+            return
+        if missing:
+            log.warning(
+                "topics %s do not exist on %s (or are not readable to this client): the "
+                "dashboard shows nothing of them until they do; check SAGALINE_TOPIC_PREFIX "
+                "(%r) and KAFKA_BOOTSTRAP_SERVERS, or start the coordinator, which creates them",
+                ", ".join(missing),
+                self.bootstrap,
+                self.topics.prefix,
+            )
+        else:
+            log.info("topics %s exist now: following them", ", ".join(self.topic_names))
+        self._missing = missing
 
     def _report_lag(self, consumer: Consumer) -> None:
         if not self._assigned:
