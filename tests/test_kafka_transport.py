@@ -198,11 +198,30 @@ def test_a_per_client_identity_is_refused_not_silently_overridden(var: str) -> N
         ("SAGALINE_KAFKA_ACKS", "-1"),
         ("SAGALINE_KAFKA_AUTO_OFFSET_RESET", "smallest"),
         ("SAGALINE_KAFKA_ENABLE_IDEMPOTENCE", "TRUE"),
+        # librdkafka's boolean spellings, any case: the same value as the pin.
+        ("SAGALINE_KAFKA_ENABLE_IDEMPOTENCE", "1"),
+        ("SAGALINE_KAFKA_ENABLE_AUTO_COMMIT", "0"),
+        ("SAGALINE_KAFKA_ENABLE_AUTO_COMMIT", "False"),
     ],
 )
 def test_another_name_of_a_pinned_value_is_accepted(var: str, value: str) -> None:
     """librdkafka's synonyms of the pinned values (``acks=-1`` is ``all``)."""
     ClientConfig.from_env("b:1", {var: value})
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [
+        ("SAGALINE_KAFKA_ENABLE_IDEMPOTENCE", "0"),
+        ("SAGALINE_KAFKA_ENABLE_AUTO_COMMIT", "1"),
+        ("SAGALINE_KAFKA_ENABLE_AUTO_COMMIT", "TRUE"),
+    ],
+)
+def test_a_boolean_spelling_of_another_value_than_the_pin_is_still_refused(
+    var: str, value: str
+) -> None:
+    with pytest.raises(KafkaConfigError, match="is not allowed"):
+        ClientConfig.from_env("b:1", {var: value})
 
 
 def test_the_bootstrap_address_has_one_source() -> None:

@@ -98,7 +98,14 @@ _ALIASES: Mapping[str, str] = {"request.required.acks": "acks"}
 # (``SAGALINE_KAFKA_LOG_LEVEL``) gives them with a dot, which librdkafka refuses.
 _UNDERSCORED: Mapping[str, str] = {"log.level": "log_level"}
 # librdkafka's other spellings of the pinned values: accepted (the pin is applied).
-_SYNONYMS: Mapping[str, str] = {"-1": "all", "smallest": "earliest", "beginning": "earliest"}
+# librdkafka's spellings of a boolean (any case) count as the pinned boolean they mean.
+_SYNONYMS: Mapping[str, str] = {
+    "-1": "all",
+    "smallest": "earliest",
+    "beginning": "earliest",
+    "1": "true",
+    "0": "false",
+}
 
 
 # (name, deployment's value, client's value) already warned about: once per process.
