@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import threading
 import uuid
 from typing import Any
 
@@ -367,3 +368,52 @@ def test_a_record_in_flight_on_a_producer_that_failed_for_good_is_reported_not_d
     assert len(reports) == 2 and None in reports
     [lost] = [r for r in reports if r is not None]
     assert "may or may not be in the log" in str(lost)
+
+
+def test_a_record_sent_again_alone_as_its_writer_closes_gets_its_report() -> None:
+    """A record whose batch was refused for its size is sent again alone on the
+    writer's own thread (_Alone.deliver_then). A close() that came between its check
+    of "closed" and its queueing of the record stopped that thread first: the record
+    was queued behind the stop, never sent, and its callback never called (a
+    participant's send_then waiting for ever). Here close() runs as soon as it can
+    once deliver_then decided to queue: the callback still gets an answer."""
+    from sagaline.kafka._writers import _Alone, _AloneJob
+
+    names = TopicNames("t.")
+    transport = f"memory://{uuid.uuid4().hex[:12]}"
+    ensure_topics(transport, names, [], 1)
+    alone = _Alone(transport)
+    closing: list[threading.Thread] = []
+    jobs = alone._jobs
+
+    class _CloseOnQueue:
+        """The writer's queue, calling close() the moment a record is queued."""
+
+        def put(self, item: _AloneJob | None) -> None:
+            if item is not None and not closing:
+                closer = threading.Thread(target=alone.close, args=(30.0,))
+                closing.append(closer)
+                if alone._lock.acquire(blocking=False):  # close() can run now: it does
+                    alone._lock.release()
+                    closer.run()
+                else:  # it waits for deliver_then to be done queueing
+                    closer.start()
+            jobs.put(item)
+
+        def get(self) -> _AloneJob | None:
+            return jobs.get()
+
+    alone._jobs = _CloseOnQueue()  # type: ignore[assignment]
+    reports: list[DeliveryFailed | None] = []
+    reported = threading.Event()
+
+    def then(failure: DeliveryFailed | None) -> None:
+        reports.append(failure)
+        reported.set()
+
+    alone.deliver_then(names.events, b"saga-c", b"value", None, "a record", then)
+    for closer in closing:
+        if closer.ident is not None:
+            closer.join(60)
+    assert reported.wait(10), "the record's callback was never called"
+    assert len(reports) == 1

@@ -156,23 +156,25 @@ class _Alone:
     ) -> None:
         """:meth:`deliver` on this writer's own thread (the caller is a delivery
         callback, which must not wait); ``then`` gets its outcome there."""
+        # Checked and queued under the lock: a close() in between would stop the
+        # thread first, leaving this record queued behind the stop, never answered.
         with self._lock:
-            closed = self._closed
-            if not closed and self._worker is None:
-                self._worker = threading.Thread(
-                    target=self._work, name="ledger-writer-alone", daemon=True
-                )
-                self._worker.start()
-        if closed:  # nobody would send it: it may or may not be in the log
-            then(
-                DeliveryFailed(
-                    f"{what} was not sent again to {topic} before its writer was closed",
-                    topic=topic,
-                    error=None,
-                )
+            if not self._closed:
+                if self._worker is None:
+                    self._worker = threading.Thread(
+                        target=self._work, name="ledger-writer-alone", daemon=True
+                    )
+                    self._worker.start()
+                self._jobs.put((topic, key, value, headers, what, then))
+                return
+        # Closed: nobody would send it; it may or may not be in the log.
+        then(
+            DeliveryFailed(
+                f"{what} was not sent again to {topic} before its writer was closed",
+                topic=topic,
+                error=None,
             )
-            return
-        self._jobs.put((topic, key, value, headers, what, then))
+        )
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
