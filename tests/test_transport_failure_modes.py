@@ -417,3 +417,26 @@ def test_a_record_sent_again_alone_as_its_writer_closes_gets_its_report() -> Non
             closer.join(60)
     assert reported.wait(10), "the record's callback was never called"
     assert len(reports) == 1
+
+
+@pytest.mark.kafka
+def test_the_one_by_one_producer_that_failed_for_good_is_replaced_too(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    """The producer a ledger writer sends records of a batch refused for its size
+    with, one by one (_Alone), failed for good like any other: it was kept, so every
+    later resend raised librdkafka's raw KafkaException(_FATAL) out of append(), not
+    a DeliveryFailed, for the rest of the process. It is replaced as the writer's own
+    producer is, and the record is written through the new one."""
+    names = TopicNames(unique_prefix)
+    ensure_topics(kafka_bootstrap, names, [], 1)
+    writer = LedgerWriter(kafka_bootstrap, names, Signer(None))
+    alone = writer._alone
+    try:
+        failed = alone._made()
+        _fail_for_good(failed)
+        alone.deliver(names.events, b"saga-a", b"alone", None, "a record", 30.0)
+        assert alone._producer is not failed
+    finally:
+        writer.close()
+    assert [v for _k, v, _h in LedgerReader(kafka_bootstrap).records(names.events)] == [b"alone"]

@@ -143,7 +143,33 @@ class _Alone:
         timeout_s: float,
     ) -> None:
         """:func:`deliver` of the record alone (a refusal for size is then final)."""
-        deliver(self._made(), topic, key, value, headers, timeout_s=timeout_s, what=what)
+        deliver(
+            self._made(),
+            topic,
+            key,
+            value,
+            headers,
+            timeout_s=timeout_s,
+            what=what,
+            renew=self._renew,
+        )
+
+    def _renew(self, failed: Producer, error: KafkaError) -> Producer:
+        """:meth:`LedgerWriter._renew` for this writer's own producer: one that failed
+        for good is replaced, not kept for every later record to fail on."""
+        with self._lock:
+            if self._producer is not failed and self._producer is not None:
+                return self._producer
+            log.error(
+                "the Kafka producer that sends records one by one failed for good (%s): a "
+                "new one takes its place; the records it had not delivered are reported "
+                "as not delivered",
+                error,
+            )
+            self._producer = create_producer(self._bootstrap, **{"batch.num.messages": 1})
+            fresh = self._producer
+        _give_up(failed)
+        return fresh
 
     def deliver_then(
         self,
@@ -479,10 +505,7 @@ class LedgerWriter:
             )
             self.producer = create_producer(self._bootstrap)
             fresh = self.producer
-        _drain(failed, _RENEW_DRAIN_S)
-        if len(failed):  # in flight to a broker that does not answer: given up
-            failed.purge(in_queue=True, in_flight=True, blocking=True)
-            _drain(failed, 1.0)
+        _give_up(failed)
         return fresh
 
     def _signed(self, record: Record, encoded: bytes | None = None) -> tuple[bytes, bytes, Headers]:
@@ -678,6 +701,15 @@ class LedgerWriter:
         if self._poller is not None:
             self._poller.join(timeout_s)
         return left
+
+
+def _give_up(failed: Producer) -> None:
+    """Serve the reports of what a producer that failed for good held: its answers for
+    up to :data:`_RENEW_DRAIN_S`, then what is still in flight is given up."""
+    _drain(failed, _RENEW_DRAIN_S)
+    if len(failed):  # in flight to a broker that does not answer: given up
+        failed.purge(in_queue=True, in_flight=True, blocking=True)
+        _drain(failed, 1.0)
 
 
 def _drain(failed: Producer, timeout_s: float) -> None:
