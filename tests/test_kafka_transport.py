@@ -175,6 +175,18 @@ def test_settings_the_design_depends_on_cannot_be_changed(var: str, value: str) 
         ClientConfig.from_env("b:1", {var: value})
 
 
+def test_the_consumer_group_protocol_is_refused_naming_the_key_and_why() -> None:
+    """``group.protocol=consumer`` (KIP-848) groups are invisible to the classic group
+    listing Sagaline reads (sagaline.kafka.describe_group): a coordinator or
+    participant with members reads as DEAD with none, so a client refuses to start
+    for want of a coordinator and ``sagaline status`` says nothing consumes."""
+    with pytest.raises(KafkaConfigError, match=r"group\.protocol='consumer' is not allowed") as e:
+        ClientConfig.from_env("b:1", {"SAGALINE_KAFKA_GROUP_PROTOCOL": "consumer"})
+    assert "no members" in str(e.value)
+    config = ClientConfig.from_env("b:1", {"SAGALINE_KAFKA_GROUP_PROTOCOL": "CLASSIC"})
+    assert config.consumer("g")["group.protocol"] == "classic"
+
+
 @pytest.mark.parametrize(
     "var",
     [

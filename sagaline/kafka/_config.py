@@ -9,8 +9,9 @@ The bootstrap address has exactly one source, ``KAFKA_BOOTSTRAP_SERVERS``.
 
 Settings the design depends on (the partitioner that co-partitions topics, producer
 idempotence and ``acks=all`` behind R10, read_committed reads behind exactly-once,
-``auto.offset.reset=earliest`` behind redelivery)
-are pinned: a source that tries to change them is refused at start-up, not ignored.
+``auto.offset.reset=earliest`` behind redelivery, the classic group protocol behind
+the group checks) are pinned: a source that tries to change them is refused at
+start-up, not ignored.
 Secret values (passwords, JAAS configs, private keys) never appear in a repr or log.
 """
 
@@ -65,6 +66,24 @@ PINNED_CONSUMER: Mapping[str, Any] = {
     # it was down) reads from the start: with "latest" it would skip every command and
     # ledger record already written, never to be redelivered (R15).
     "auto.offset.reset": "earliest",
+    # The classic group protocol (librdkafka's default): a group of the consumer
+    # protocol (KIP-848) is not in the classic group listing that describe_group
+    # reads, so one with members would read as DEAD with none.
+    "group.protocol": "classic",
+}
+# Why each pinned setting is pinned: the refusal at start-up says so.
+_WHY_PINNED: Mapping[str, str] = {
+    "partitioner": "a saga id must map to the same partition of every co-partitioned topic",
+    "enable.idempotence": "an acknowledged intent must be durable (R10)",
+    "acks": "an acknowledged intent must be durable (R10)",
+    "enable.auto.commit": "offsets are committed only after processing (exactly-once)",
+    "isolation.level": "aborted coordinator transactions must never be read (exactly-once)",
+    "auto.offset.reset": "a group with no committed offset must not skip what is written (R15)",
+    "group.protocol": (
+        "a consumer-protocol group is not in the group listing Sagaline reads, so a running "
+        "coordinator or participant would read as a group with no members (clients refuse to "
+        "start, `sagaline status` and `catalogue withdraw` see nothing consuming)"
+    ),
 }
 # Defaults a deployment may tune (SAGALINE_KAFKA_LINGER_MS=...). linger.ms=0: every
 # Sagaline writer waits for its own record's acknowledgement on a saga's critical path
@@ -179,8 +198,8 @@ class ClientConfig:
             if base in pinned and _SYNONYMS.get(given, given) != str(pinned[base]).lower():
                 raise KafkaConfigError(
                     f"{name}={value!r} is not allowed: Sagaline needs {base}="
-                    f"{pinned[base]!r} (co-partitioning, durable intents, exactly-once, "
-                    f"redelivery); remove it from {ENV_PREFIX}* / {PROPERTIES_FILE_VAR}"
+                    f"{pinned[base]!r} ({_WHY_PINNED[base]}); remove it from "
+                    f"{ENV_PREFIX}* / {PROPERTIES_FILE_VAR}"
                 )
         return cls(bootstrap, merged)
 
