@@ -171,6 +171,12 @@ R = TypeVar("R", bound=Record)
 
 
 JournalRow = tuple[str, str, bytes | None, bytes | None, int]  # id, state, command, outcome, at
+# The journal state of an execution given up (a rebalance) after its intent was sent
+# and before its tool ran, with that intent in the outcome column: when the command
+# comes back here it runs, unless the ledger holds an intent of it this replica did
+# not send or an outcome. (Its "started" mark would make it an unknown outcome, which
+# for a tool with no lookup waits for a person: a saga stuck by a broker outage.)
+UNSTARTED = "unstarted"
 # How the loop sends a record: (record, on_delivered, its bytes or None).
 SendThen = Callable[[Record, Callable[[DeliveryFailed | None], None], bytes | None], None]
 
@@ -513,12 +519,29 @@ class CommandJournal:
                     raise refused from exc
                 raise
 
+    def mark_unstarted(self, command_id: str, intent: bytes) -> None:
+        """A command marked "started" was given up before its tool ran (on a tool
+        thread): :data:`UNSTARTED`, with the intent it sent. Only over "started": an
+        answer written meanwhile (the command came back here) stays."""
+        with self._lock:
+            try:
+                self._db.execute(
+                    "UPDATE handled SET state = ?, outcome = ?, at = ? "
+                    "WHERE command_id = ? AND state = 'started'",
+                    (UNSTARTED, intent, _now_ms(), command_id),
+                )
+            except sqlite3.OperationalError as exc:
+                refused = self._refused(exc)
+                if refused is not exc:
+                    raise refused from exc
+                raise
+
     def prune(
         self, older_than: int, *, after: int = 0, limit: int = 1000, keep: Collection[str] = ()
     ) -> tuple[int, int]:
-        """Drop ``done`` rows last written before ``older_than`` (epoch ms), except the
-        commands in ``keep``; returns how many were dropped and where the next call
-        starts (``after``).
+        """Drop ``done`` (and :data:`UNSTARTED`) rows last written before ``older_than``
+        (epoch ms), except the commands in ``keep``; returns how many were dropped and
+        where the next call starts (``after``).
 
         Looks at ``limit`` rows at most, in insertion (rowid) order after ``after``, in
         one short transaction, so a journal write waits for one small batch at most.
@@ -534,7 +557,11 @@ class CommandJournal:
                 "ORDER BY rowid LIMIT ?",
                 (after, limit),
             ).fetchall()
-            drop = [r[0] for r in rows if r[3] < older_than and r[2] == "done" and r[1] not in keep]
+            drop = [
+                r[0]
+                for r in rows
+                if r[3] < older_than and r[2] in ("done", UNSTARTED) and r[1] not in keep
+            ]
             nxt = after
             for rowid, _id, _state, at in rows:
                 if at >= older_than:
@@ -544,9 +571,9 @@ class CommandJournal:
                 marks = ",".join("?" * len(drop))
                 try:
                     self._db.execute(
-                        f"DELETE FROM handled WHERE rowid IN ({marks}) AND state = 'done' "
-                        "AND at < ?",
-                        (*drop, older_than),
+                        f"DELETE FROM handled WHERE rowid IN ({marks}) "
+                        "AND state IN ('done', ?) AND at < ?",
+                        (*drop, UNSTARTED, older_than),
                     )
                 except sqlite3.OperationalError as exc:
                     refused = self._refused(exc)
@@ -1087,10 +1114,20 @@ class CommandHandler:
             from schemas.codec import decode
 
             return _Plan(resend=decode(seen[1]), resend_bytes=seen[1], state=seen[0])
+        ours: StepIntentRecorded | None = None
+        if seen is not None and seen[0] == UNSTARTED:
+            # Given up here before its tool ran (a rebalance): not run here, so decided
+            # as a journal miss, where its own intent on the ledger is no sign that
+            # anyone acted; sent again as it was (one intent of this replica's there).
+            from schemas.codec import decode
+
+            sent = None if seen[1] is None else decode(seen[1])
+            ours = sent if isinstance(sent, StepIntentRecorded) else None
+            seen = None
         if seen is None and maybe_taken_elsewhere and self._probe_for(command) is not None:
             if not inline:
                 return _Plan(blocking=True)
-            earlier = self._on_ledger(command)
+            earlier = self._on_ledger(command, ours)
             if earlier is not None:
                 # Another replica (no shared journal) already took this command.
                 if self._metrics is not None:
@@ -1111,7 +1148,7 @@ class CommandHandler:
                 return _Plan(outcome=refused)
             if command.args_ref is not None and not inline:
                 return _Plan(blocking=True)
-            prepared = self._prepare_execute(command)
+            prepared = self._prepare_execute(command, ours)
             if isinstance(prepared, _Outcome):
                 return _Plan(outcome=prepared)
             intent, run = prepared
@@ -1266,7 +1303,7 @@ class CommandHandler:
         and compensations leave records a replica could have written."""
         return self._ledger if isinstance(cmd, (ExecuteStep, CompensateStep)) else None
 
-    def _on_ledger(self, cmd: Record) -> _Outcome | None:
+    def _on_ledger(self, cmd: Record, ours: Record | None = None) -> _Outcome | None:
         """What a journal miss must not ignore: this command's records on the ledger.
 
         Its outcome there is re-sent as is. An intent with no outcome means a replica
@@ -1274,17 +1311,24 @@ class CommandHandler:
         through the tool's lookup by idempotency key. Compensations append no intent,
         so only their outcome can be found; one that ran without reporting is run
         again under the same compensation key, which the compensation must honour.
+        ``ours``: the intent this replica sent for a command it gave up before the tool
+        ran (journalled as such, :data:`UNSTARTED`); found as it is, it is no sign of a
+        run, but any other intent of the command is.
         """
         ledger = self._probe_for(cmd)
         if ledger is None:
             return None
-        by_id = {r.event_id: r for r in ledger.caused_by(cmd)}
+        found = ledger.caused_by(cmd)
+        by_id = {r.event_id: r for r in found}
         outcome = by_id.get(derived_event_id(cmd.event_id, "outcome"))
         if outcome is not None:
             return _Outcome(
                 outcome, "accepted" if isinstance(outcome, CompensationAccepted) else "done"
             )
-        if isinstance(cmd, ExecuteStep) and derived_event_id(cmd.event_id, "intent") in by_id:
+        intent_id = derived_event_id(cmd.event_id, "intent")
+        if isinstance(cmd, ExecuteStep) and any(
+            r.event_id == intent_id and r != ours for r in found
+        ):
             return self._unknown_outcome(
                 cmd,
                 "another replica recorded the intent for this idempotency key and "
@@ -1387,9 +1431,10 @@ class CommandHandler:
     # --------------------------------------------------------------- execute step
 
     def _prepare_execute(
-        self, cmd: ExecuteStep
+        self, cmd: ExecuteStep, ours: StepIntentRecorded | None = None
     ) -> _Outcome | tuple[StepIntentRecorded, Callable[[], _Outcome]]:
-        """The step's intent, and the call that runs its tool once the intent and the
+        """The step's intent (``ours``: the one sent before, for a command given up
+        before its tool ran), and the call that runs its tool once the intent and the
         journal's "started" mark are durable; or its outcome when it cannot run."""
         spec = self.catalogue[cmd.tool]
         common: dict[str, Any] = {
@@ -1404,7 +1449,7 @@ class CommandHandler:
             return _Outcome(self._failed(cmd, common, FailureKind.BUSINESS_REJECTION, exc))
         except Exception as exc:  # the ledger could not be read now: try again
             return _Outcome(self._failed(cmd, common, FailureKind.TRANSIENT, exc))
-        intent = self._record(
+        intent = ours or self._record(
             StepIntentRecorded,
             cmd,
             "intent",
@@ -1415,7 +1460,29 @@ class CommandHandler:
             attempt=cmd.attempt,
             principal=cmd.principal,
         )
-        return intent, lambda: self._call_tool(cmd, spec, raw_args, common)
+
+        def run() -> _Outcome:
+            try:
+                return self._call_tool(cmd, spec, raw_args, common)
+            except _GivenUp:  # raised before the tool started: it did not run here
+                sent = self.unstarted_row(cmd, intent)[3]
+                assert sent is not None
+                try:
+                    self._when_writable(
+                        cmd.event_id, lambda: self.journal.mark_unstarted(cmd.event_id, sent)
+                    )
+                except Exception as exc:  # "started" stays: an unknown outcome, as after a crash
+                    log.warning("journalling %s as not run failed (%s)", cmd.event_id, exc)
+                raise
+
+        return intent, run
+
+    def unstarted_row(self, cmd: ExecuteStep, intent: Record) -> JournalRow:
+        """The journal row of a command given up before its tool ran, its intent sent
+        (maybe on the ledger): :data:`UNSTARTED`, with that intent."""
+        from schemas.codec import encode
+
+        return (cmd.event_id, UNSTARTED, None, encode(intent), _now_ms())
 
     def _call_tool(
         self, cmd: ExecuteStep, spec: ToolSpec, raw_args: bytes, common: dict[str, Any]
@@ -3899,10 +3966,20 @@ class _CommandLoop:
         the owner needs to decide each without running a tool twice: an execution
         whose tool may have run has its intent on the ledger and its "started" mark
         here, so it is reported as an unknown outcome and reconciled (R11); one whose
-        intent never reached the ledger never ran; an outcome already journalled (or
-        on the ledger) is re-sent. A compensation runs again under its key (R8)."""
+        intent never reached the ledger never ran; one given up before its tool
+        started is journalled :data:`UNSTARTED` with the intent it sent (here, or by
+        its tool thread's :class:`_GivenUp`), so it runs when it comes back here; an
+        outcome already journalled (or on the ledger) is re-sent. A compensation runs
+        again under its key (R8)."""
         for key, job in list(self._running.items()):
             if (job.msg.partition() or 0) in partitions:
+                plan, command = job.plan, job.command
+                if job.waiting and plan is not None and plan.intent is not None:
+                    # its intent (maybe on the ledger) or "started" mark not taken
+                    # yet: its tool never ran here, as the journal says from now on
+                    assert isinstance(command, ExecuteStep)
+                    row = self._handler.unstarted_row(command, plan.intent)
+                    self._rows.append((row, job, _acknowledged))
                 job.ended = job.settled = True
                 del self._running[key]
                 self.pending -= 1 + len(self._queues.pop(key, ()))

@@ -547,6 +547,165 @@ def test_the_watchdog_takes_over_only_calls_past_their_deadline_and_forgets_fini
     assert wrongly == []
 
 
+class _Ledger:
+    """A ledger probe over what the rig's broker took (``also``: records another
+    replica wrote there)."""
+
+    def __init__(self, broker: _Broker, also: list[Record] | None = None) -> None:
+        self._broker = broker
+        self._also = also or []
+
+    def caused_by(self, command: Record) -> list[Record]:
+        from schemas.codec import decode
+
+        # as the probe reads them: decoded from the log, not the objects sent
+        return [
+            decode(encode(r))
+            for r in [*self._broker.sent, *self._also]
+            if r.envelope.causation_id == command.event_id
+        ]
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("where", ["intent", "thread"])
+def test_a_command_given_up_before_its_tool_ran_runs_when_it_comes_back(
+    tmp_path: Path, where: str
+) -> None:
+    # R11/R14: a broker down past the session timeout: the partition is lost while
+    # a command's intent waits for its acknowledgement ("intent") or its tool for a
+    # thread ("thread"), so it is given up and its tool never runs. Its intent
+    # reaches the ledger later, and its "started" mark stayed in the journal. When
+    # the command comes back here, it was reported as an unknown outcome ("the
+    # participant restarted ... while the tool was running"): for a tool with no
+    # lookup the coordinator asked a person, and the saga never ended (the broker
+    # kill test's R14). The tool did not run: it runs now, once.
+    from participants.runtime import _appended_by
+    from schemas import derived_event_id
+
+    rig = _Rig(tmp_path, workers=1)
+    command = _execute("saga-a", 0)
+    intent_id = derived_event_id(command.event_id, "intent")
+    held: list[Callable[[DeliveryFailed | None], None]] = []
+    send_then = rig.broker.send_then
+
+    def holding(record: Record, on_delivered: Any, encoded: bytes | None = None) -> None:
+        if record.event_id == intent_id and where == "intent" and not held:
+            rig.broker.sent.append(record)  # on its way: acknowledged after the give-up
+            held.append(on_delivered)
+            return
+        send_then(record, on_delivered, encoded)
+
+    cast(Any, rig.loop._rt).send = holding
+    gate = rig.desk.gates["saga-b/1"] = threading.Event()
+    if where == "thread":
+        rig.submit(_execute("saga-b", 1), partition=1)  # holds the one tool thread
+        rig.run_until(lambda: "saga-b" in rig.desk.running, "the other tool running")
+    rig.submit(command)
+    rig.run_until(
+        lambda: (
+            rig.journal.get(command.event_id) is not None
+            and (bool(held) or rig.loop._tools._busy == 2)
+        ),
+        "the command marked started, its tool not running",
+    )
+    rig.loop.drain({0}, 0.0)  # lost: given up
+    rig.loop.forget({0})
+    for on_delivered in held:
+        on_delivered(None)  # the broker is back: the intent is on the ledger
+    gate.set()
+    rig.run_until(lambda: rig.loop.pending == 0 and rig.loop._tools._busy == 0, "idle")
+    assert rig.desk.ran["saga-a"] == []
+
+    # the partition comes back to this replica, which reads the command again
+    sent = rig.broker.sent
+    rig.handler._ledger = cast(Any, _Ledger(rig.broker))
+    rig.handler._append = rig.handler._publish = sent.append
+    rig.handler._begin_append = _appended_by(sent.append)
+    rt = cast(Any, rig.loop._rt)
+    rt._assigned_end = {0: 1}
+    rt._process = lambda *a: ParticipantRuntime._process(rt, *a)
+    rt._dead_letter_blocking = lambda *a: ParticipantRuntime._dead_letter_blocking(rt, *a)
+    rt._confirm_in_background = lambda *a: None
+    rig.loop.submit(cast(Message, _Msg(command, 0, 0)))
+    rig.run_until(lambda: rig.loop.pending == 0, "the command done")
+    assert rig.broker.of(StepOutcomeUnknown) == []
+    assert [r.saga_id for r in rig.broker.of(StepCommitted, "saga-a")] == ["saga-a"]
+    assert rig.desk.ran["saga-a"] == [0]
+    # the same intent each time: the ledger holds none another replica could have sent
+    intents = rig.broker.of(StepIntentRecorded, "saga-a")
+    assert len(intents) == 2 and intents[0] == intents[1]
+    assert rig.loop.committable()[0] == 1
+    rig.close()
+
+
+def test_a_command_given_up_here_whose_intent_another_replica_wrote_stays_unknown(
+    tmp_path: Path,
+) -> None:
+    # R11: given up here before its tool ran, but the ledger also holds an intent
+    # for it that this replica did not send (another replica owned the partition
+    # meanwhile and may have run the tool): an unknown outcome, not a second run.
+    from participants.runtime import _appended_by
+    from schemas import derived_event_id
+
+    rig = _Rig(tmp_path)
+    command = _execute("saga-a", 0)
+    intent_id = derived_event_id(command.event_id, "intent")
+    held: list[Record] = []
+    send_then = rig.broker.send_then
+
+    def holding(record: Record, on_delivered: Any, encoded: bytes | None = None) -> None:
+        if record.event_id == intent_id and not held:
+            held.append(record)  # never acknowledged here
+            return
+        send_then(record, on_delivered, encoded)
+
+    cast(Any, rig.loop._rt).send = holding
+    rig.submit(command)
+    rig.run_until(
+        lambda: bool(held) and rig.journal.get(command.event_id) is not None,
+        "the intent sent, the command marked started",
+    )
+    rig.loop.drain({0}, 0.0)
+    rig.loop.forget({0})
+    rig.turn()
+    theirs = held[0].model_copy(
+        update={"envelope": held[0].envelope.model_copy(update={"occurred_at": 7})}
+    )
+    sent = rig.broker.sent
+    rig.handler._ledger = cast(Any, _Ledger(rig.broker, also=[held[0], theirs]))
+    rig.handler._append = rig.handler._publish = sent.append
+    rig.handler._begin_append = _appended_by(sent.append)
+    rt = cast(Any, rig.loop._rt)
+    rt._assigned_end = {0: 1}
+    rt._process = lambda *a: ParticipantRuntime._process(rt, *a)
+    rt._dead_letter_blocking = lambda *a: ParticipantRuntime._dead_letter_blocking(rt, *a)
+    rt._confirm_in_background = lambda *a: None
+    rig.loop.submit(cast(Message, _Msg(command, 0, 0)))
+    rig.run_until(lambda: rig.loop.pending == 0, "the command done")
+    assert rig.desk.ran["saga-a"] == []
+    assert [r.saga_id for r in rig.broker.of(StepOutcomeUnknown)] == ["saga-a"]
+    rig.close()
+
+
+def test_the_journal_marks_a_given_up_command_unstarted_only_over_started(
+    tmp_path: Path,
+) -> None:
+    # A tool thread journals its given-up command late: an answer written meanwhile
+    # (the command came back here) stays. Unstarted rows are pruned like done ones.
+    journal = CommandJournal(tmp_path / "j.sqlite")
+    journal.write([("c", "started", b"command", None, 1), ("c", "done", None, b"outcome", 2)])
+    journal.mark_unstarted("c", b"intent")
+    assert journal.get("c") == ("done", b"outcome")
+    journal.write([("d", "started", b"command", None, 3)])
+    journal.mark_unstarted("d", b"intent")
+    assert journal.get("d") == ("unstarted", b"intent")
+    assert journal.prune(2**62)[0] == 2
+    assert journal.get("c") is None and journal.get("d") is None
+    journal.close()
+
+
 class _UnreadableLedger:
     """A ledger probe that cannot read the ledger ``failures`` times (a broker outage
     longer than its timeout), then finds nothing there."""
