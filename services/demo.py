@@ -156,26 +156,32 @@ class RefundAgent:
         results: dict[str, Any] = {}
         try:
             with self.client.saga(WORKFLOW, PRINCIPAL, saga_id=saga_id) as saga:
-                for call in plan.plan:
+                for number, call in enumerate(plan.plan, 1):
                     args = resolve_args(call.args, results)
-                    results[call.tool] = self._call(saga, call.tool, args)
+                    step_id = f"{number:02d}-{call.tool}"  # the id the client would give
+                    results[call.tool] = self._call(saga, step_id, call.tool, args)
         except SagaCallError as exc:
             return AgentOutcome(ticket, saga_id, "abort", f"{type(exc).__name__}: {exc}")
         except Exception as exc:  # a broken agent still ends its saga (abort above)
             return AgentOutcome(ticket, saga_id, "abort", f"{type(exc).__name__}: {exc}")
         return AgentOutcome(ticket, saga_id, "complete")
 
-    def _call(self, saga: Saga, tool: str, args: dict[str, Any]) -> Any:
+    def _call(self, saga: Saga, step_id: str, tool: str, args: dict[str, Any]) -> Any:
         """One call. A step still waiting after the call timeout (its approval not acted
-        on yet, its outcome not reconciled yet: e.g. while the coordinator restarts)
-        gets one more wait. Leaving the block on ``ApprovalPending`` would leave the
-        saga open for good (R7: the client then ends nothing), so a second one aborts."""
+        on yet, its outcome not reconciled yet: e.g. while the coordinator restarts),
+        or whose record the broker has not acknowledged yet (a broker outage: it stays
+        queued and lands once the broker is back), gets one more wait: past the pivot
+        an abort would end the saga with the credit issued and no reply sent (R6).
+        Leaving the block on ``ApprovalPending`` would leave the saga open for good
+        (R7: the client then ends nothing), so a second one aborts."""
         try:
-            return saga.call(tool, timeout_s=self.call_timeout_s, **args)
-        except (ApprovalPending, OutcomeUnknown) as waiting:
+            return saga.call(tool, step_id=step_id, timeout_s=self.call_timeout_s, **args)
+        except (ApprovalPending, OutcomeUnknown, DeliveryFailed) as waiting:
+            if isinstance(waiting, DeliveryFailed) and waiting.too_large:
+                raise  # refused for its size: it never lands
             _say(f"  agent: {saga.saga_id}: {waiting}; waiting once more")
             try:
-                return saga.resume(waiting.step_id, timeout_s=self.call_timeout_s)
+                return saga.resume(step_id, timeout_s=self.call_timeout_s)
             except ApprovalPending as still:
                 raise SagaCallError(
                     f"{still}, still after {2 * self.call_timeout_s:.0f} s: giving up",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import threading
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import pytest
 
@@ -246,3 +246,54 @@ def test_plans_the_gate_refuses_are_not_started() -> None:
         plans, 2, on_start=started.append, gate=lambda _index: False
     )
     assert outcomes == [] and started == []
+
+
+class _OutageSaga:
+    """A saga whose calls are not acknowledged in time (the broker away): the step's
+    record stays queued in the client's producer and lands once the broker is back,
+    when ``resume`` gets its result."""
+
+    saga_id = "refund-T-out"
+
+    def __init__(self, failure: Exception) -> None:
+        self.failure = failure
+        self.called: list[str] = []
+        self.resumed: list[str] = []
+
+    def call(self, tool: str, *, step_id: str, timeout_s: float, **args: Any) -> Any:
+        self.called.append(step_id)
+        raise self.failure
+
+    def resume(self, step_id: str, timeout_s: float | None = None) -> Any:
+        self.resumed.append(step_id)
+        return {"sent": step_id}
+
+
+def test_the_demo_agent_waits_again_for_a_step_the_broker_did_not_acknowledge_R6() -> None:
+    """A broker outage longer than the call timeout: leaving the block aborted the saga,
+    and past the pivot an abort completes it as it stands: the credit issued, no reply
+    sent (CI: "credit ... stands but no reply mentions it"). The agent waits for the
+    step once more, under the id its call scheduled."""
+    from sagaline.kafka import DeliveryFailed
+
+    saga = _OutageSaga(DeliveryFailed("no acknowledgement within 60 s", topic="t", error=None))
+    agent = RefundAgent(cast(SagaClient, None), call_timeout_s=1)
+    got = agent._call(cast(Any, saga), "05-send_reply", "send_reply", {"to": "x"})
+    assert got == {"sent": "05-send_reply"}
+    assert (saga.called, saga.resumed) == (["05-send_reply"], ["05-send_reply"])
+
+
+def test_the_demo_agent_does_not_wait_for_a_step_refused_for_its_size() -> None:
+    from confluent_kafka import KafkaError
+
+    from sagaline.kafka import DeliveryFailed
+
+    too_large = DeliveryFailed(
+        "refused", topic="t", error=KafkaError(KafkaError.MSG_SIZE_TOO_LARGE)
+    )
+    assert too_large.too_large
+    saga = _OutageSaga(too_large)
+    agent = RefundAgent(cast(SagaClient, None), call_timeout_s=1)
+    with pytest.raises(DeliveryFailed):
+        agent._call(cast(Any, saga), "05-send_reply", "send_reply", {"to": "x"})
+    assert saga.resumed == []
