@@ -114,6 +114,7 @@ from schemas.limits import (
 from schemas.redaction import scrub
 from schemas.sealing import Sealer, SealError
 from schemas.settings import Settings
+from schemas.trust import IdentitySigner, Role
 from schemas.wire import from_message
 
 log = logging.getLogger("sagaline.participant")
@@ -2405,6 +2406,12 @@ class ParticipantRuntime:
         self.topics = settings.topics
         self._command_topic = self.topics.commands(self.participant)
         self.signer = settings.signer()
+        if isinstance(self.signer, IdentitySigner):
+            # With another identity's key its tools would run while every reader
+            # refused their intents and outcomes: effects the ledger never learns of.
+            self.signer.require(
+                self.participant, Role.PARTICIPANT, f"participant {self.participant!r}"
+            )
         self.metrics: RuntimeMetrics = metrics or NoMetrics()
         if not 1 <= max_in_flight <= MAX_IN_FLIGHT:
             raise ValueError(

@@ -584,6 +584,29 @@ class IdentitySigner(Signer):
         who = self._first.name if self._first else None
         return f"IdentitySigner(identity={who!r}, key_id={self.key_id!r})"
 
+    def require(self, name: str, role: Role, process: str) -> None:
+        """Raise :class:`TrustFileError` unless this process can sign as ``name``, an
+        identity of ``role``: the name it writes as ``envelope.producer``. Every reader
+        would refuse what it writes otherwise (a key of another identity, no key at all,
+        a key retired with no live replacement). Called once at start by a service
+        (``process`` names it in the message), before it does anything."""
+        if self._first is None:
+            raise TrustFileError(
+                f"{process} writes as {name!r} but holds no signing key: set "
+                f"SAGALINE_SIGNING_KEY to the key file of {name!r} (`sagaline keys new "
+                f"{name} --role {role.value}`, its entry merged into the trust file)"
+            )
+        who = self.identity
+        assert who is not None
+        if who.name != name or who.role is not role:
+            raise TrustFileError(
+                f"{process} writes as {name!r} ({role.value}), but its key {self.key_id!r} "
+                f"belongs to {who.name!r} ({who.role.value}) in the trust file: every "
+                f"reader would refuse its records (forbidden-writer); set "
+                f"SAGALINE_SIGNING_KEY to the key file of {name!r}"
+            )
+        self._signing_key()  # SigningKeyError: retired or gone, with no live replacement
+
     def sign(self, key: bytes | None, value: bytes) -> bytes:
         return self._signing_key()[0].sign(signed_material(key, value))
 

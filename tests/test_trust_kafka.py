@@ -694,3 +694,33 @@ def test_an_agent_takes_a_denial_only_of_its_steps_request_in_its_sagas_tenant(
         assert saga.call("charge", cents=5, timeout_s=120) == "ch-1"
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("key_of", ["mailer", "agent", None])
+def test_a_participant_started_without_its_own_key_refuses_to_start(
+    world: World, tmp_path: Path, key_of: str | None
+) -> None:
+    """Given another identity's key (a copy-paste of the mailer's key file), the
+    payments runtime ran its tools: the charge happened, while the coordinator refused
+    its intent and outcome as forbidden-writer (signed by 'mailer', producer
+    'payments'), so the ledger never learned of the effect. Without a key it started
+    and failed at its catalogue with a traceback. Now it refuses at once, naming the
+    key's owner and the identity it needs, and nothing runs."""
+    from participants.runtime import ParticipantRuntime
+    from schemas.trust import TrustFileError
+
+    settings = world.kit.settings(world.system.settings, key_of)
+    with pytest.raises(TrustFileError) as refused:
+        ParticipantRuntime(
+            wrap(Payments(), name="payments"),
+            settings,
+            world.system.bootstrap,
+            instance_id="payments-wrong-key",
+            state_dir=tmp_path / "wrong-key",
+        )
+    message = str(refused.value)
+    assert "'payments'" in message and "SAGALINE_SIGNING_KEY" in message
+    if key_of is not None:
+        assert f"{key_of!r}" in message
+    assert not (tmp_path / "wrong-key").exists()  # refused before its journal was opened
+
