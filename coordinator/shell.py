@@ -117,7 +117,7 @@ from schemas.errors import CodecError
 from schemas.limits import PARKED_INCIDENT, RETENTION_MARGIN_MS, cut_operator_text
 from schemas.settings import Settings
 from schemas.signing import HeaderList, Headers, header_value
-from schemas.trust import IdentitySigner, SigningKeyError
+from schemas.trust import IdentitySigner, Role, SigningKeyError
 from schemas.wire import (
     DLQ_OMITTED,
     dlq_message,
@@ -340,6 +340,10 @@ class Coordinator:
         self.bootstrap = bootstrap
         self.topics = settings.topics
         self.signer = settings.signer()
+        if isinstance(self.signer, IdentitySigner):
+            # With another identity's key (or none) every participant would refuse its
+            # commands, and it its own records: every saga stalled, nothing said.
+            self.signer.require(COORDINATOR_PRODUCER, Role.COORDINATOR, "the coordinator")
         # Identity keys make envelope.producer the verified writer (schemas.trust).
         # SAGALINE_MAX_STEPS holds for every writer, not only for the saga client.
         self._policy = CorePolicy(

@@ -724,3 +724,26 @@ def test_a_participant_started_without_its_own_key_refuses_to_start(
         assert f"{key_of!r}" in message
     assert not (tmp_path / "wrong-key").exists()  # refused before its journal was opened
 
+
+@pytest.mark.parametrize("key_of", ["coordinator", "payments", None])
+def test_a_coordinator_started_without_the_coordinators_key_refuses_to_start(
+    world: World, key_of: str | None
+) -> None:
+    """A coordinator given a key of an identity named 'coordinator' (not
+    'sagaline-coordinator', the producer it writes as) or a participant's key ran:
+    every participant dead-lettered its commands as forbidden-writer and every saga
+    stalled, with nothing said where the operator looks. Without a key it started and
+    then stopped at its first record with a ValueError traceback. Now it refuses at
+    once, with a line saying which key it needs."""
+    from coordinator.shell import Coordinator
+    from schemas.trust import TrustFileError
+
+    if key_of == "coordinator":
+        world.kit.add("coordinator", Role.COORDINATOR)
+    settings = world.kit.settings(world.system.settings, key_of)
+    with pytest.raises(TrustFileError) as refused:
+        Coordinator(settings, world.system.bootstrap, instance_id="coordinator-wrong-key")
+    message = str(refused.value)
+    assert "'sagaline-coordinator'" in message and "SAGALINE_SIGNING_KEY" in message
+    if key_of is not None:
+        assert f"{key_of!r}" in message
