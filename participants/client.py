@@ -92,7 +92,7 @@ from schemas.models import FailureKind
 from schemas.receipt import Receipt
 from schemas.redaction import scrub
 from schemas.settings import Settings
-from schemas.trust import IdentitySigner, Role
+from schemas.trust import IdentitySigner, Role, TrustFileError
 from schemas.wire import from_message
 
 log = logging.getLogger("sagaline.client")
@@ -628,7 +628,17 @@ class SagaClient:
         self.topics = settings.topics
         self.signer = settings.signer()
         # With an identity key the producer is the key's identity (readers insist).
-        self.producer_name = producer_name or self.signer.signs_as or "agent"
+        signs_as = self.signer.signs_as
+        if producer_name and signs_as is not None and producer_name != signs_as:
+            # Every record it wrote would be refused (forbidden-writer), and its calls
+            # would wait their whole timeout for outcomes that never come.
+            raise TrustFileError(
+                f"producer_name {producer_name!r} is not the identity of this process's "
+                f"key {self.signer.key_id!r}, {signs_as!r}: every reader would refuse its "
+                f"records (forbidden-writer); leave producer_name out (it is then "
+                f"{signs_as!r}) or set SAGALINE_SIGNING_KEY to the key of {producer_name!r}"
+            )
+        self.producer_name = producer_name or signs_as or "agent"
         self.call_timeout_s = _positive(call_timeout_s, "call_timeout_s")
         self._writer = LedgerWriter(bootstrap, self.topics, self.signer, background_poll=True)
         self._ledger = _Ledger(ended_sagas_kept)

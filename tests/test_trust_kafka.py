@@ -747,3 +747,23 @@ def test_a_coordinator_started_without_the_coordinators_key_refuses_to_start(
     assert "'sagaline-coordinator'" in message and "SAGALINE_SIGNING_KEY" in message
     if key_of is not None:
         assert f"{key_of!r}" in message
+
+
+def test_an_agent_named_otherwise_than_its_key_is_refused_at_once(world: World) -> None:
+    """A client given ``producer_name="refund-bot"`` and the key of 'agent' wrote its
+    SagaStarted as 'refund-bot': the coordinator refused it (forbidden-writer) and
+    the call waited its whole timeout, then said OutcomeUnknown ("the step may be
+    slow or waiting its turn"). Now the client refuses at construction, naming
+    both; the key's own name is still taken, as is no name (the key's)."""
+    from participants import SagaClient
+    from schemas.trust import TrustFileError
+
+    settings = world.kit.settings(world.system.settings, "agent")
+    with pytest.raises(TrustFileError) as refused:
+        SagaClient(settings, world.system.bootstrap, producer_name="refund-bot")
+    message = str(refused.value)
+    assert "'refund-bot'" in message and "'agent'" in message
+    for name in ("agent", None):
+        client = SagaClient(settings, world.system.bootstrap, producer_name=name)
+        assert client.producer_name == "agent"
+        client.close()
