@@ -856,3 +856,28 @@ def test_an_approval_wait_is_not_ended_by_another_participants_report(kit: Trust
     saga.client = SimpleNamespace(_ledger=ledger2, signer=client.signer, producer_name="agent")
     ledger2.add([scheduled, _committed("payments", "cmd-1"), request])
     assert saga.approval_request("st-1", 0) is None
+
+
+@pytest.mark.parametrize("who", ["bob", "payments"])
+def test_a_gateway_refusing_an_operator_says_which_acts_for_to_fix(kit: TrustKit, who: str) -> None:
+    """A dashboard key whose acts_for does not cover the logged-in operator (left out,
+    or named there without an operator identity of its own, which the trust file
+    drops from acts_for) refused with CLI advice: "an operator decides only in their
+    own name (drop --operator or use their key)", nothing about acts_for. Now the
+    refusal names the gateway's acts_for and, when so, that the name is no operator
+    identity in the trust file."""
+    from sagaline.ops.actions import NoUsableKey, OperatorChannel
+    from schemas.topics import TopicNames
+
+    kit.add("dashboard", Role.OPERATOR, acts_for=["alice", "payments"])
+    channel = OperatorChannel("127.0.0.1:9", TopicNames(), kit.signer("dashboard"))
+    try:
+        assert channel.producer_for("alice", "dashboard") == "dashboard"
+        with pytest.raises(NoUsableKey) as refused:
+            channel.producer_for(who, "dashboard")
+    finally:
+        channel.close()
+    message = str(refused.value)
+    assert "acts_for" in message and "'alice'" in message and f"{who!r}" in message
+    if who == "payments":
+        assert "not an operator identity" in message

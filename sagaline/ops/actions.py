@@ -430,10 +430,24 @@ class OperatorChannel:
         name = operator_identity(signer, ledger_signed=True)
         assert signer.identity is not None  # operator_identity checked it
         who = operator.strip()
-        if who != name and who not in signer.identity.acts_for:
+        acts_for = signer.identity.acts_for
+        if who != name and who not in acts_for:
+            known = signer.trust.identities.get(who)
+            if known is None or known.role is not Role.OPERATOR:
+                fix = (
+                    f"{who!r} is not an operator identity in the trust file, and acts_for "
+                    f"counts only those: add {who!r} under identities with role operator "
+                    f"(`sagaline keys new {who} --role operator`) and to acts_for"
+                )
+            elif acts_for:
+                fix = f"add {who!r} to the acts_for of {name!r} in the trust file"
+            else:
+                fix = "drop --operator or use their key"
+            gateway = ", ".join(repr(n) for n in sorted(acts_for)) or "none"
             raise NoUsableKey(
                 f"this key signs as {name!r}, not {who!r}: an operator decides only in "
-                "their own name (drop --operator or use their key)"
+                f"their own name, a gateway only for the operators its acts_for names "
+                f"(here: {gateway}); {fix}"
             )
         return name
 
