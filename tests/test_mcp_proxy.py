@@ -495,6 +495,33 @@ def test_a_proxy_whose_command_journal_cannot_be_opened_says_so_in_one_line(
     ), last
 
 
+def test_a_proxy_with_identity_keys_says_in_one_line_why_it_cannot_sign(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    """The proxy writes as the saga's agent and as the participant serving its tools;
+    one identity key signs for one identity of one role. With a participant's key its
+    runtime started and its saga client's records were all refused (each call waited
+    its whole timeout); now it is refused at start, in one line, exit 2."""
+    from schemas.trust import Role
+    from tests.trust_kit import TrustKit
+
+    kit = TrustKit(tmp_path / "trust")
+    kid = kit.add("desk-proxy", Role.PARTICIPANT)
+    env = {
+        "SAGALINE_TRUST_FILE": str(kit.trust_file),
+        "SAGALINE_SIGNING_KEY": str(kit.key_files[kid]),
+    }
+    done = _proxy_start(
+        kafka_bootstrap, unique_prefix, tmp_path, code=f"import os; os.environ.update({env!r})"
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("sagaline mcp proxy: cannot start: SAGALINE_TRUST_FILE is set"), last
+    assert "'desk-proxy'" in last and "two processes" in last, last
+    assert not (tmp_path / "state" / "desk-proxy" / "commands.sqlite").exists()
+
+
 def _free_port() -> int:
     import socket
 

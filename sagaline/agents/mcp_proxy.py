@@ -1956,6 +1956,19 @@ def _forget(call: asyncio.Future[Any]) -> None:
 _START_REFUSALS = (KafkaException, DeliveryFailed, TopicSetupError, TopicMissing, JournalUnusable)
 
 
+# One process, two writers: the saga's agent (its start, steps and end) and the
+# participant serving its tools (intents, outcomes). An identity key signs as one
+# identity of one role, so readers would refuse one writer's records or the other's.
+_IDENTITY_KEYS_REFUSED = (
+    "SAGALINE_TRUST_FILE is set, but the proxy writes as an agent (each saga's start,"
+    " steps and end) and as participant {participant!r} (the tools' intents and"
+    " outcomes), and one identity key signs for one identity of one role: readers would"
+    " refuse the records of one of them. Run the proxy on a ledger signed with the"
+    " shared key (SAGALINE_HMAC_KEY) or unsigned, or run the agent and the participant"
+    " as two processes (a SagaClient and `sagaline participant run`), each with its key"
+)
+
+
 def _start_why(exc: BaseException, bootstrap: str) -> str:
     """One line on why a start failed, with what to check when the broker said no."""
     error = exc.args[0] if exc.args else None
@@ -2038,6 +2051,8 @@ async def _run(
     # Started by an MCP client as a service: like `participant run`, it never starts a
     # broker; with none configured it fails and says what to set.
     settings, bootstrap = configured_broker("sagaline mcp proxy")
+    if settings.trust_file is not None:
+        raise ProxyStartFailed(_IDENTITY_KEYS_REFUSED.format(participant=declaration.participant))
     claim = _claim_state(settings.state_dir / declaration.participant, declaration.participant)
     stack.callback(os.close, claim)
     try:
