@@ -1203,12 +1203,12 @@ class CommandHandler:
                 # durable (R10). A crash between them leaves a started command whose
                 # intent may be missing: reported as an unknown outcome and
                 # reconciled, true (the tool did not run) and safe. An intent the
-                # broker refused un-marks it: the tool did not run.
+                # broker refused marks it unstarted: the tool did not run.
                 self._mark_when_writable(command.event_id, "started", command=plan.started)
                 try:
                     intent_acknowledged()
                 except BaseException:
-                    self.forget_when_writable(command.event_id)
+                    self.unstarted_when_writable(command.event_id, plan.intent)
                     raise
             outcome = plan.run()
         return self._settle(command, outcome, encoded)
@@ -1242,13 +1242,20 @@ class CommandHandler:
             lambda: self.journal.mark(command_id, state, command=command, outcome=outcome),
         )
 
-    def forget_when_writable(self, command_id: str) -> None:
-        """``journal.forget`` (a "started" mark whose intent the broker refused: the
-        tool did not run), waiting out a journal SQLite cannot write for now as
-        :meth:`_mark_when_writable` does. Left in place, the mark would make the
-        command's retry an unknown outcome, reconciled (or an incident) for a tool
-        that never ran."""
-        self._when_writable(command_id, lambda: self.journal.forget(command_id))
+    def unstarted_when_writable(self, command_id: str, intent: Record) -> None:
+        """``journal.mark_unstarted`` with ``intent`` (a "started" mark whose intent
+        the broker refused: the tool did not run), waiting out a journal SQLite cannot
+        write for now as :meth:`_mark_when_writable` does. Left "started", the mark
+        would make the command's retry an unknown outcome, reconciled (or an incident)
+        for a tool that never ran; dropped, so would the refused intent where it
+        reached the log after all (a report "may or may not be in the log": a
+        timeout, a producer that failed for good), read by the ledger probe of a
+        retry as another replica's. :data:`UNSTARTED`, the retry sends that intent
+        again and runs the tool."""
+        from schemas.codec import encode
+
+        sent = encode(intent)
+        self._when_writable(command_id, lambda: self.journal.mark_unstarted(command_id, sent))
 
     def _when_writable(self, command_id: str, write: Callable[[], None]) -> None:
         failing = False
@@ -3687,8 +3694,9 @@ class _CommandLoop:
 
     def _intent_step(self, job: _Job, what: str, failure: BaseException | None = None) -> None:
         """The intent was acknowledged, or the ``started`` mark written: once both
-        are, the tool runs (R10); an intent the broker refused un-marks the command
-        (the tool did not run) and it is tried again."""
+        are, the tool runs (R10); an intent the broker refused marks the command
+        :data:`UNSTARTED` with that intent (the tool did not run; the intent may be on
+        the ledger all the same) and it is tried again."""
         if job.ended:  # given up on a revoke (or dead-lettered): its tool does not run
             return
         job.waiting.discard(what)
@@ -3697,29 +3705,32 @@ class _CommandLoop:
         if job.waiting:
             return
         if job.refused is not None:
-            assert job.command is not None
-            try:
-                self._handler.journal.forget(job.command.event_id)
+            assert job.command is not None and job.plan is not None
+            assert isinstance(job.command, ExecuteStep) and job.plan.intent is not None
+            sent = self._handler.unstarted_row(job.command, job.plan.intent)[3]
+            assert sent is not None
+            try:  # its intent may be on the ledger all the same: kept as this replica's
+                self._handler.journal.mark_unstarted(job.command.event_id, sent)
             except sqlite3.OperationalError:
-                self._unmark_waiting(job, job.command.event_id)
+                self._unmark_waiting(job, job.command.event_id, job.plan.intent)
                 return
             self._after_refusal(job)
             return
         self._run_tool(job)
 
     def _after_refusal(self, job: _Job) -> None:
-        """The refused intent's command, un-marked: tried again (or, refused for its
-        size, dead-lettered)."""
+        """The refused intent's command, marked unstarted: tried again (or, refused
+        for its size, dead-lettered)."""
         if isinstance(job.refused, DeliveryFailed) and job.refused.too_large:
             self._fail(job, job.refused)  # refused every time: as RecordTooLarge
             return
         log.warning("%s; trying the command again", job.refused)
         self._retry(job)
 
-    def _unmark_waiting(self, job: _Job, command_id: str) -> None:
-        """The journal could not drop the "started" mark of a command whose intent
-        was refused (a full disk): on a tool thread it is dropped once the journal
-        writes again (tried every second, :meth:`CommandHandler.forget_when_writable`),
+    def _unmark_waiting(self, job: _Job, command_id: str, intent: Record) -> None:
+        """The journal could not replace the "started" mark of a command whose intent
+        was refused (a full disk): on a tool thread it is replaced once the journal
+        writes again (tried every second, :meth:`CommandHandler.unstarted_when_writable`),
         then the command goes on as refused; its saga's later commands wait behind
         it. Stopping first, it is left undone (its mark stays: at the next start an
         unknown outcome, reconciled, as after a crash)."""
@@ -3728,7 +3739,9 @@ class _CommandLoop:
             then = self._retry if error is not None else self._after_refusal
             self.post(job, lambda: then(job))
 
-        self._tools.submit(job, lambda: self._handler.forget_when_writable(command_id), done)
+        self._tools.submit(
+            job, lambda: self._handler.unstarted_when_writable(command_id, intent), done
+        )
 
     def _run_tool(self, job: _Job) -> None:
         assert job.plan is not None and job.plan.run is not None

@@ -135,7 +135,8 @@ def test_an_intent_the_broker_refused_leaves_the_command_to_run_again(tmp_path: 
     with pytest.raises(DeliveryFailed):
         handler.handle(command)
     assert desk.events == []  # the tool never ran ...
-    assert handler.journal.get(command.event_id) is None  # ... so nothing says it may have
+    seen = handler.journal.get(command.event_id)  # ... so nothing says it may have:
+    assert seen is not None and seen[0] == "unstarted"  # its intent kept as its own
     assert handler.handle(command) == "done"  # the redelivery runs it, once
     assert desk.events == ["ran d7"]
     assert [type(r) for r in sent] == [StepIntentRecorded, StepIntentRecorded]

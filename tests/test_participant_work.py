@@ -393,10 +393,10 @@ def test_a_refused_intent_whose_unmarking_raises_dead_letters_its_command_and_it
     first = _execute("saga-a", 0)
     rig.broker.refuse.add(derived_event_id(first.event_id, "intent"))
 
-    def raising(command_id: str) -> None:
+    def raising(command_id: str, intent: bytes) -> None:
         raise OSError("disk I/O error")
 
-    monkeypatch.setattr(rig.journal, "forget", raising)
+    monkeypatch.setattr(rig.journal, "mark_unstarted", raising)
     rig.submit(first)
     rig.submit(_execute("saga-a", 1))
     rig.run_until(lambda: rig.loop.pending == 0, "both commands done")
@@ -704,6 +704,67 @@ def test_the_journal_marks_a_given_up_command_unstarted_only_over_started(
     assert journal.prune(2**62)[0] == 2
     assert journal.get("c") is None and journal.get("d") is None
     journal.close()
+
+
+@pytest.mark.parametrize("path", ["blocking", "loop"])
+def test_an_intent_refused_yet_on_the_ledger_does_not_make_its_retry_an_unknown_outcome(
+    tmp_path: Path, path: str
+) -> None:
+    # R10/R11/R14: a DeliveryFailed for the intent says it "may or may not be in the
+    # log" (a message timeout; a record in flight on a producer that failed for good,
+    # purged after a wait). The tool did not run, so its "started" mark was dropped.
+    # When the command was tried again with the ledger probed (it was read again after
+    # a rebalance, or it is on the probing path), the intent that did reach the log,
+    # its own, read as another replica's: an unknown outcome, for a tool with no
+    # lookup a person asked about a call that never ran. The tool runs once instead.
+    from participants.runtime import _appended_by
+    from schemas import derived_event_id
+
+    rig = _Rig(tmp_path)
+    command = _execute("saga-a", 0)
+    intent_id = derived_event_id(command.event_id, "intent")
+    sent = rig.broker.sent
+    rt = cast(Any, rig.loop._rt)
+
+    def probing() -> None:  # from now on the ledger is probed for the command
+        rig.handler._ledger = cast(Any, _Ledger(rig.broker))
+        rig.handler._append = rig.handler._publish = sent.append
+        rig.handler._begin_append = _appended_by(sent.append)
+        rt._assigned_end = {0: 1}
+        rt._process = lambda *a: ParticipantRuntime._process(rt, *a)
+        rt._dead_letter_blocking = lambda *a: ParticipantRuntime._dead_letter_blocking(rt, *a)
+        rt._confirm_in_background = lambda *a: None
+
+    if path == "blocking":
+        probing()
+        refused: list[Record] = []
+
+        def refusing(record: Record) -> Callable[[], None]:
+            sent.append(record)  # it reached the log; its report said it may not have
+
+            def acknowledged() -> None:
+                if record.event_id == intent_id and not refused:
+                    refused.append(record)
+                    raise DeliveryFailed("not acknowledged", topic="events", error=None)
+
+            return acknowledged
+
+        rig.handler._begin_append = refusing
+        rig.submit(command)
+    else:
+        rig.broker.refuse.add(intent_id)  # sent (on the log), reported refused
+        rig.submit(command)
+        rig.run_until(lambda: len(rig.loop._retries) == 1, "the command left to try again")
+        assert rig.desk.ran["saga-a"] == []
+        rig.loop.drain({0}, 0.0)  # a rebalance before the retry: read again, probed
+        rig.loop.forget({0})
+        probing()
+        rig.loop.submit(cast(Message, _Msg(command, 0, 0)))
+    rig.run_until(lambda: rig.loop.pending == 0, "the command done")
+    assert rig.broker.of(StepOutcomeUnknown) == []
+    assert rig.desk.ran["saga-a"] == [0]
+    assert [r.saga_id for r in rig.broker.of(StepCommitted)] == ["saga-a"]
+    rig.close()
 
 
 class _UnreadableLedger:

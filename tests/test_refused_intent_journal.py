@@ -1,6 +1,7 @@
 """R10/R16: an intent the broker refuses un-marks its command (the journal's
-"started" row is dropped: the tool did not run) and the command is tried again.
-When the journal cannot drop that row for a while (a full disk), the command must
+"started" row becomes "unstarted", with that intent: the tool did not run) and the
+command is tried again.
+When the journal cannot write that row for a while (a full disk), the command must
 neither go to the DLQ nor come back as an unknown outcome: it waits for the
 journal like any other journal write, then runs once.
 """
@@ -76,17 +77,17 @@ def _execute(saga_id: str, step_id: str = "s1") -> ExecuteStep:
 
 
 class _FullDiskOnForget(CommandJournal):
-    """A journal whose first ``failures`` deletions fail as on a full disk."""
+    """A journal whose first ``failures`` un-markings fail as on a full disk."""
 
     def __init__(self, path: Path, failures: int) -> None:
         super().__init__(path)
         self.failures = failures
 
-    def forget(self, command_id: str) -> None:
+    def mark_unstarted(self, command_id: str, intent: bytes) -> None:
         if self.failures > 0:
             self.failures -= 1
             raise sqlite3.OperationalError("database or disk is full")
-        super().forget(command_id)
+        super().mark_unstarted(command_id, intent)
 
 
 def _refused(error: KafkaError | None = None) -> DeliveryFailed:
@@ -102,7 +103,7 @@ def test_a_refused_intent_whose_mark_the_journal_cannot_drop_yet_runs_once_later
 ) -> None:
     # The way of a command handled whole on a tool thread (after a ledger probe, or
     # with arguments by reference): the broker refuses its intent, and the journal
-    # fails to drop the "started" mark twice. The refusal is what the caller sees
+    # fails to replace the "started" mark twice. The refusal is what the caller sees
     # (it tries the command again), and the retry runs the tool: not an unknown
     # outcome for a tool that never ran.
     monkeypatch.setattr("participants.runtime._JOURNAL_AGAIN_S", 0.01)
@@ -126,7 +127,8 @@ def test_a_refused_intent_whose_mark_the_journal_cannot_drop_yet_runs_once_later
     with pytest.raises(DeliveryFailed):
         handler.handle(command, maybe_taken_elsewhere=False)
     assert shop.runs == 0
-    assert journal.get(command.event_id) is None  # un-marked once the journal wrote
+    seen = journal.get(command.event_id)  # un-marked once the journal wrote
+    assert seen is not None and seen[0] == "unstarted"
     refusing[0] = False
     assert handler.handle(command, maybe_taken_elsewhere=False) == "done"
     handler.close()
@@ -139,7 +141,7 @@ def test_a_refused_intent_whose_mark_the_journal_cannot_drop_yet_waits_not_dead_
     kafka_bootstrap: str, unique_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The loop's way: the broker's delivery report refuses the intent (a timeout),
-    # and the journal fails to drop the "started" mark (a full disk) twice. The
+    # and the journal fails to replace the "started" mark (a full disk) twice. The
     # command waits for the journal, then is tried again and runs once: not
     # dead-lettered (its saga would stall with no outcome), not an unknown outcome.
     settings = Settings(
@@ -150,15 +152,15 @@ def test_a_refused_intent_whose_mark_the_journal_cannot_drop_yet_waits_not_dead_
     runtime = ParticipantRuntime(wrap(shop, name="shop"), settings, kafka_bootstrap)
     journal = runtime.journal
     failures = [2]
-    forget = journal.forget
+    mark_unstarted = journal.mark_unstarted
 
-    def full_disk_twice(command_id: str) -> None:
+    def full_disk_twice(command_id: str, intent: bytes) -> None:
         if failures[0] > 0:
             failures[0] -= 1
             raise sqlite3.OperationalError("database or disk is full")
-        forget(command_id)
+        mark_unstarted(command_id, intent)
 
-    monkeypatch.setattr(journal, "forget", full_disk_twice)
+    monkeypatch.setattr(journal, "mark_unstarted", full_disk_twice)
     send = runtime.send
     refused = [0]
 
