@@ -463,6 +463,25 @@ def test_a_proxy_whose_saga_client_cannot_start_says_why_in_one_line(
     assert f"{unique_prefix}sagaline.events" in last and "authorization" in last, last
 
 
+def test_a_bug_in_the_saga_clients_start_keeps_its_traceback(
+    kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
+) -> None:
+    """Only a start the broker or the topics refuse is one line with exit 2: a
+    RuntimeError of the client's start that is no such refusal (a bug) was said as
+    "cannot start: <its message>", exit 2, its type and traceback gone. It keeps
+    them, for its report."""
+    code = (
+        "from participants.client import SagaClient\n"
+        "def broken(self):\n"
+        "    raise RuntimeError('dictionary changed size during iteration')\n"
+        "SagaClient._end_positions = broken"
+    )
+    done = _proxy_start(kafka_bootstrap, unique_prefix, tmp_path, code=code)
+    assert done.returncode != 2, done.stderr[-3000:]
+    assert "Traceback" in done.stderr and "_end_positions" in done.stderr, done.stderr[-3000:]
+    assert "cannot start" not in done.stderr, done.stderr[-3000:]
+
+
 def test_a_proxy_whose_state_directory_cannot_be_used_says_so_in_one_line(
     kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
 ) -> None:

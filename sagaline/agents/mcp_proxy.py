@@ -2097,8 +2097,13 @@ async def _run(
     try:
         await asyncio.to_thread(client.start)  # a start that fails closes the client
     except (*_START_REFUSALS, RuntimeError) as exc:  # RuntimeError: its listener's failure
+        refusal = exc if isinstance(exc, _START_REFUSALS) else exc.__cause__
+        if not isinstance(refusal, _START_REFUSALS):
+            raise  # no refusal of the broker or the topics: a bug, its traceback kept
         raise ProxyStartFailed(
             f"the saga client did not start: {_start_why(exc, bootstrap)}"
+            if refusal is exc
+            else f"the saga client's listener did not start: {_start_why(refusal, bootstrap)}"
         ) from exc
     stack.callback(client.close)
     proxy = McpProxy(declaration, upstreams, catalogue, client, settings)
