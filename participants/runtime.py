@@ -1187,6 +1187,7 @@ class CommandHandler:
         received it (it arrived after this one was assigned the partition), so a
         journal miss needs no ledger probe. ``encoded``: the command's bytes as read
         (``codec.encode`` of it), journalled as they are instead of encoded again."""
+        _unless_given_up()
         plan = self.plan(
             command, maybe_taken_elsewhere=maybe_taken_elsewhere, encoded=encoded, inline=True
         )
@@ -1197,6 +1198,7 @@ class CommandHandler:
         if outcome is None:
             assert plan.run is not None
             if plan.intent is not None:
+                _unless_given_up()  # given up during the probe: no intent from here
                 intent_acknowledged = self._begin_append(plan.intent)
                 # The journal's "started" (the tool may run from now on) is written
                 # while the intent is on its way; the tool runs only once both are
@@ -3105,6 +3107,17 @@ class _GivenUp(BaseException):
     """Raised on a tool thread instead of starting a tool for a command that a
     partition revoke gave up (:meth:`_CommandLoop.drain`): its partition's next owner
     decides it, so it must not run here too."""
+
+
+def _unless_given_up() -> None:
+    """On a tool thread of the runtime's loop, :class:`_GivenUp` for a command a
+    revoke gave up (before a thread took it, or while its ledger was probed): its
+    partition's next owner decides it, so nothing of it (an intent, a mark) is
+    written here; an intent sent after the give-up would read, to that owner's
+    probe, as another replica's. Elsewhere (a handler driven directly) nothing."""
+    job: _Job | None = getattr(_here, "job", None)
+    if job is not None and job.ended:
+        raise _GivenUp
 
 
 class _TakenOver(BaseException):

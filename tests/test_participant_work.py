@@ -767,6 +767,43 @@ def test_an_intent_refused_yet_on_the_ledger_does_not_make_its_retry_an_unknown_
     rig.close()
 
 
+def test_a_probed_command_given_up_before_a_tool_thread_took_it_sends_nothing(
+    tmp_path: Path,
+) -> None:
+    # R10/R11: a command read again after a rebalance is probed for on a tool thread.
+    # Given up (its partition lost or revoked) while it waited for one, it is its
+    # next owner's: nothing of it may happen here. It used to be handled all the same
+    # once a thread was free: its intent appended after the give-up, where the new
+    # owner's probe reads it as another replica's (an unknown outcome for a tool
+    # that never ran, and for a tool with no lookup a person asked).
+    from participants.runtime import _appended_by
+
+    rig = _Rig(tmp_path, workers=1)
+    sent = rig.broker.sent
+    gate = rig.desk.gates["saga-b/1"] = threading.Event()
+    rig.submit(_execute("saga-b", 1), partition=1)  # holds the one tool thread
+    rig.run_until(lambda: "saga-b" in rig.desk.running, "the other tool running")
+    rig.handler._ledger = cast(Any, _Ledger(rig.broker))
+    rig.handler._append = rig.handler._publish = sent.append
+    rig.handler._begin_append = _appended_by(sent.append)
+    rt = cast(Any, rig.loop._rt)
+    rt._assigned_end = {0: 1}  # on the partition before it was assigned: probed
+    rt._process = lambda *a: ParticipantRuntime._process(rt, *a)
+    rt._dead_letter_blocking = lambda *a: ParticipantRuntime._dead_letter_blocking(rt, *a)
+    rt._confirm_in_background = lambda *a: None
+    command = _execute("saga-a", 0)
+    rig.submit(command)
+    rig.run_until(lambda: rig.loop._tools._busy == 2, "the command waiting for a thread")
+    rig.loop.drain({0}, 0.0)  # lost: given up
+    rig.loop.forget({0})
+    gate.set()
+    rig.run_until(lambda: rig.loop.pending == 0 and rig.loop._tools._busy == 0, "idle")
+    assert rig.desk.ran["saga-a"] == []
+    assert [r.TYPE for r in sent if r.saga_id == "saga-a"] == []
+    assert rig.journal.get(command.event_id) is None
+    rig.close()
+
+
 class _UnreadableLedger:
     """A ledger probe that cannot read the ledger ``failures`` times (a broker outage
     longer than its timeout), then finds nothing there."""
