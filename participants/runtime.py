@@ -361,7 +361,8 @@ class CommandJournal:
     """Durable record of handled commands (SQLite), so a redelivery is recognised.
 
     States: ``started`` (the tool may have run), ``done`` (outcome stored, re-sent on
-    redelivery), ``accepted`` (an async compensation awaiting its completion).
+    redelivery), ``accepted`` (an async compensation awaiting its completion),
+    :data:`UNSTARTED` (given up, or its intent refused, before the tool ran).
     """
 
     def __init__(self, path: Path) -> None:
@@ -2971,7 +2972,8 @@ def journal_keep_ms(bootstrap: str, topic: str, setting: int | None) -> int | No
 
 
 class JournalPruning:
-    """Drops the journal's old ``done`` entries, a small batch per turn.
+    """Drops the journal's old ``done`` (and :data:`UNSTARTED`) entries, a small
+    batch per turn.
 
     Run from the runtime's loop at most every :data:`_PRUNE_EVERY_S` (sooner while
     catching up). An entry goes once it is ``done`` (its outcome journalled), its
