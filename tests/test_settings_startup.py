@@ -512,3 +512,26 @@ def test_a_participants_name_no_topic_can_hold_exits_2_not_a_traceback(
     err = capsys.readouterr().err
     assert f"participant name {name!r} is not usable in a topic name" in err, err
     assert "--participants" in err, err
+
+
+@pytest.mark.kafka
+def test_a_dashboard_on_port_0_prints_the_port_it_listens_on(
+    capsys: pytest.CaptureFixture[str],
+    broker_env: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--port 0`` takes a free port, but the line said ``http://127.0.0.1:0/``: an
+    address nobody listens on, and the only place the operator learns the port."""
+    from services.dashboard import Dashboard
+
+    bound: list[int] = []
+
+    def serve(self: Dashboard, host: str, port: int, sockets: list[socket.socket]) -> None:
+        bound.extend(sock.getsockname()[1] for sock in sockets)
+        for sock in sockets:
+            sock.close()
+
+    monkeypatch.setattr(Dashboard, "serve", serve)
+    assert main(["dashboard", "--port", "0"]) == 0
+    assert bound and bound[0] != 0
+    assert f"sagaline dashboard on http://127.0.0.1:{bound[0]}/" in capsys.readouterr().out

@@ -172,8 +172,12 @@ def _run(args: argparse.Namespace) -> int:
             raise
         print(f"error: {exc}", file=sys.stderr)  # what to fix, not a traceback
         return 2
-    print(f"sagaline dashboard on http://{args.host}:{args.port}/", flush=True)
-    dashboard.serve(args.host, args.port, sockets)
+    # The port bound, not the one asked for: --port 0 takes a free one, which this
+    # line is the only place to learn.
+    bound = sockets[0].getsockname()[1] if sockets else args.port
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"sagaline dashboard on http://{host}:{bound}/", flush=True)
+    dashboard.serve(args.host, bound, sockets)
     return 0
 
 
@@ -193,7 +197,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "docs/security.md; SAGALINE_DASHBOARD_ENDED_SAGAS bounds the ended sagas kept in "
         f"memory, {DEFAULT_ENDED_SAGAS} by default).",
     )
-    parser.add_argument("--port", type=port, default=DEFAULT_PORT, help="HTTP port (8088)")
+    parser.add_argument(
+        "--port",
+        type=port,
+        default=DEFAULT_PORT,
+        help="HTTP port (8088; 0: a free one, printed at start)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1)")
     parser.add_argument(
         "--bootstrap", default=None, help="Kafka bootstrap servers (overrides the environment)"
