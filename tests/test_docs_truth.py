@@ -297,3 +297,57 @@ def test_the_quickstart_says_how_soon_a_saga_without_a_coordinator_fails() -> No
     patience = inspect.signature(require_coordinator).parameters["patience_s"].default
     text = " ".join((ROOT / "docs" / "quickstart.md").read_text().split())
     assert f"the first saga fails within {patience:g} s" in text
+
+
+def _commands_and_flags_the_docs_name() -> list[tuple[str, int, list[str], list[str]]]:
+    """(doc, line, words after `sagaline`, `--flags` after them) of every `sagaline ...`
+    the README and docs/ write (in code blocks and in prose)."""
+    found = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = doc.read_text()
+        for m in re.finditer(
+            r"sagaline((?: [a-z][a-z-]*)+)((?: (?:--[a-z][a-z-]*|[^\s`|]+))*)", text
+        ):
+            flags = re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", m.group(0))
+            line = text[: m.start()].count("\n") + 1
+            found.append((str(doc.relative_to(ROOT)), line, m.group(1).split(), flags))
+    return found
+
+
+def test_every_command_and_flag_the_docs_name_is_the_clis() -> None:
+    """A doc that tells an operator to run `sagaline saga list` or `incidents resolve
+    --comment` sends them to a usage error: each sub-command written after a command
+    that has sub-commands is one of them, and each `--flag` after it is one it takes."""
+    import argparse
+
+    from services.cli import build_parser
+
+    def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return dict(action.choices)
+        return {}
+
+    top = build_parser()
+    wrong: list[str] = []
+    checked = 0
+    for doc, line, words, flags in _commands_and_flags_the_docs_name():
+        parser, path = top, list[str]()
+        for word in words:
+            choices = subcommands(parser)
+            if word in choices:
+                parser, path = choices[word], [*path, word]
+            elif path and choices:
+                wrong.append(f"{doc}:{line}: sagaline {' '.join(path)} has no {word!r}")
+                break
+            else:
+                break  # prose ("sagaline is ...") or a positional argument
+        if not path:
+            continue
+        taken = {option for action in parser._actions for option in action.option_strings}
+        for flag in flags:
+            checked += 1
+            if flag not in taken:
+                wrong.append(f"{doc}:{line}: sagaline {' '.join(path)} takes no {flag}")
+    assert checked >= 40, f"only {checked} documented flags found: is the pattern still right?"
+    assert not wrong, wrong
