@@ -351,3 +351,57 @@ def test_every_command_and_flag_the_docs_name_is_the_clis() -> None:
                 wrong.append(f"{doc}:{line}: sagaline {' '.join(path)} takes no {flag}")
     assert checked >= 40, f"only {checked} documented flags found: is the pattern still right?"
     assert not wrong, wrong
+
+
+def _table_rows(doc: str, heading: str) -> dict[str, str]:
+    """first cell -> second cell of the first table under ``heading`` in ``doc``."""
+    text = (ROOT / doc).read_text()
+    section = text.split(heading, 1)[1].split("\n#", 1)[0]
+    rows: dict[str, str] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and len(cells) >= 3:
+            rows[cells[0]] = cells[1]
+    return rows
+
+
+def test_the_demo_options_table_gives_the_demos_defaults(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """docs/running-the-demo.md's "Options" repeats `sagaline demo`'s defaults; each
+    number there is the parser's (a default changed in one place only was not seen)."""
+    from services.cli import build_parser
+
+    monkeypatch.delenv("SAGALINE_PARTITIONS", raising=False)
+    args = build_parser().parse_args(["demo"])
+    rows = _table_rows("docs/running-the-demo.md", "## Options")
+    numbers = {k: v for k, v in rows.items() if re.fullmatch(r"[0-9.]+", v)}
+    assert len(numbers) >= 7, rows
+    wrong = {}
+    for option, default in numbers.items():
+        dest = option.strip("`").split()[0].removeprefix("--").replace("-", "_")
+        if float(getattr(args, dest)) != float(default):
+            wrong[option] = (default, getattr(args, dest))
+    assert not wrong, wrong
+
+
+def test_the_limits_table_of_operating_gives_the_codes_defaults() -> None:
+    """docs/operating.md's "Limits" table repeats README's defaults in bytes and KiB."""
+    from schemas.limits import DAY_MS
+
+    limits = Limits()
+    rows = _table_rows("docs/operating.md", "## Limits")
+
+    def kib(n: int) -> str:
+        return f"{n} ({n // 1024} KiB)"
+
+    expected = {
+        "`SAGALINE_MAX_ARGS_BYTES`": kib(limits.max_args_bytes),
+        "`SAGALINE_MAX_RESULT_BYTES`": kib(limits.max_result_bytes),
+        "`SAGALINE_MAX_STEPS`": str(limits.max_steps),
+        "`SAGALINE_MAX_RECORD_BYTES`": kib(limits.max_record_bytes),
+        "`SAGALINE_MAX_PARTICIPANTS`": str(limits.max_participants),
+        "`SAGALINE_TERMINAL_MEMORY_MS`": f"{limits.terminal_memory_ms // DAY_MS} days",
+    }
+    wrong = {var: (rows.get(var), want) for var, want in expected.items() if rows.get(var) != want}
+    assert not wrong, wrong
