@@ -410,6 +410,17 @@ def _kafka_error(exc: Exception) -> str:
     return str(text()) if callable(text) else str(exc)
 
 
+_NOT_INHERITED = (
+    "SAGALINE_HMAC_KEY_ID",
+    "SAGALINE_TRUST_FILE",
+    "SAGALINE_SIGNING_KEY",
+    "SAGALINE_SIGNING_KEY_ID",
+    "SAGALINE_SECRET_KEY",
+    "SAGALINE_SECRET_KEY_ID",
+    "SAGALINE_OLD_SECRET_KEYS",
+)
+
+
 def _service_env(run: DemoRun, fault_file: Path) -> dict[str, str]:
     env = {
         "KAFKA_BOOTSTRAP_SERVERS": run.bootstrap,
@@ -418,6 +429,11 @@ def _service_env(run: DemoRun, fault_file: Path) -> dict[str, str]:
         "SAGALINE_STATE_DIR": str(run.state_dir),
         "SAGALINE_FAULTS": f"@{fault_file}",
         "SAGALINE_HMAC_KEY": DEMO_HMAC_KEY,
+        # The run's agent, operator and progress reader sign with the demo key alone
+        # and seal nothing: the shell's other signing and sealing settings (a team's
+        # own key id, a trust file) would make every service refuse their records.
+        # Empty counts as unset.
+        **dict.fromkeys(_NOT_INHERITED, ""),
     }
     if not run.options.keep:  # a demo that dies without stopping them takes them along
         env[PARENT_PID_VAR] = str(os.getpid())
@@ -663,13 +679,15 @@ def _refuse_after_the_run(run: DemoRun, supervisor: Supervisor) -> None:
 
 def _run(run: DemoRun, supervisor: Supervisor) -> int:
     opts = run.options
+    shell = Settings.from_env()
     settings = Settings(
         bootstrap=run.bootstrap,
         topic_prefix=run.prefix,
         partitions=opts.partitions,
         hmac_key=DEMO_HMAC_KEY.encode(),
         state_dir=run.state_dir,
-        replication=Settings.from_env().replication,  # of the topics the run creates
+        replication=shell.replication,  # of the topics the run creates
+        limits=shell.limits,  # as the services it starts read them (SAGALINE_MAX_*)
     )
     plans = [checked_plan(t, declared_catalogues_cached()) for t in run.tickets]
     fixed = plan_fix_message(plans)

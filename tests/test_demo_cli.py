@@ -162,3 +162,43 @@ def test_agent_run_without_a_configured_broker_exits_2_and_starts_none(
     err = capsys.readouterr().err
     assert "sagaline agent run: no Kafka broker configured" in err, err
     assert "--dev-broker" in err, err
+
+
+@pytest.mark.parametrize(
+    "shell",
+    [
+        {"SAGALINE_HMAC_KEY": "the-teams-own", "SAGALINE_HMAC_KEY_ID": "k2"},
+        {"SAGALINE_TRUST_FILE": "/etc/sagaline/trust.json"},
+        {"SAGALINE_TRUST_FILE": "/t.json", "SAGALINE_SIGNING_KEY": "/k.pem"},
+        {"SAGALINE_SECRET_KEY": "s", "SAGALINE_SECRET_KEY_ID": "s2"},
+    ],
+)
+def test_the_demos_services_sign_and_seal_as_its_own_agent_whatever_the_shell_exports(
+    shell: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The demo set its own SAGALINE_HMAC_KEY for the processes it starts, but they
+    inherited the rest of the shell's signing settings, while its agent, operator and
+    progress reader (in the demo's process) sign with the demo key alone. With a key
+    id of the team's own exported (or a trust file) every agent record was refused:
+    "progress: 0/5 terminal" until --timeout, then "demo FAILED"."""
+    from schemas.settings import Settings
+    from services import demo
+
+    for var, value in shell.items():
+        monkeypatch.setenv(var, value)
+    run = demo.DemoRun(
+        options=demo.DemoOptions(),
+        run_id="test",
+        prefix="test.",
+        state_dir=tmp_path,
+        bootstrap="unused:0",
+        tickets=[],
+        scenarios={},
+    )
+    service = Settings.from_env(demo._service_env(run, tmp_path / "faults.json"))
+    agent = Settings(hmac_key=demo.DEMO_HMAC_KEY.encode())
+    assert (service.hmac_key, service.hmac_key_id) == (agent.hmac_key, agent.hmac_key_id)
+    assert (service.trust_file, service.signing_key) == (None, None)
+    assert (service.secret_key, service.secret_key_id) == (agent.secret_key, agent.secret_key_id)
+    record = b'{"saga": 1}'
+    service.signer().verify(b"s-1", record, agent.signer().headers(b"s-1", record))
