@@ -535,3 +535,32 @@ def test_a_dashboard_on_port_0_prints_the_port_it_listens_on(
     assert main(["dashboard", "--port", "0"]) == 0
     assert bound and bound[0] != 0
     assert f"sagaline dashboard on http://127.0.0.1:{bound[0]}/" in capsys.readouterr().out
+
+
+def test_a_dashboard_on_port_0_listens_on_one_port_on_every_address_of_its_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A --host that resolves to several addresses (``localhost``: ``::1`` and
+    ``127.0.0.1`` on most machines) has a socket bound on each; with ``--port 0``
+    each took a free port of its own, so the one port printed at start was served on
+    one address only (``http://127.0.0.1:<printed>/`` refused where it was ``::1``'s)."""
+    from services.dashboard import listen
+
+    real = socket.getaddrinfo
+
+    def two_addresses(host: str, port: int, *args: object, **kwargs: object) -> list[object]:
+        return [
+            info
+            for address in ("127.0.0.1", "127.0.0.2")  # two addresses, as of localhost
+            for info in real(address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        ]
+
+    monkeypatch.setattr(socket, "getaddrinfo", two_addresses)
+    sockets = listen("localhost", 0)
+    try:
+        bound = [sock.getsockname() for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+    assert [host for host, _port in bound] == ["127.0.0.1", "127.0.0.2"]
+    assert bound[0][1] != 0 and bound[1][1] == bound[0][1], bound

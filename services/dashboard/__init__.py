@@ -127,9 +127,10 @@ class DashboardBindError(Exception):
 
 def listen(host: str, port: int) -> list[socket.socket]:
     """Sockets bound to ``host:port`` (every address the name resolves to, as uvicorn
-    binds them), or :class:`DashboardBindError` saying why not: bound here, before
-    uvicorn runs, so a port in use is one line and exit 2 like ``--metrics-port``, not
-    uvicorn's log line and its exit code 3."""
+    binds them; with port 0, all on the free port the first one took, the one port
+    printed at start), or :class:`DashboardBindError` saying why not: bound here,
+    before uvicorn runs, so a port in use is one line and exit 2 like
+    ``--metrics-port``, not uvicorn's log line and its exit code 3."""
     sockets: list[socket.socket] = []
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -141,6 +142,8 @@ def listen(host: str, port: int) -> list[socket.socket]:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:  # as asyncio: each address family on its own
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and len(sockets) > 1:  # the free port the first one took, on all
+                address = (address[0], sockets[0].getsockname()[1], *address[2:])
             sock.bind(address)
     except OSError as exc:  # in use, an address not of this host, a name that does not resolve
         for sock in sockets:
