@@ -396,3 +396,39 @@ def test_a_live_saga_whose_start_was_skipped_unread_is_still_shown(
         consumer.settle(follower)
     assert (follower.rejected, "s-live" in state.sagas) == (1, True)
     assert state.late_records_of_forgotten_sagas == 0
+
+
+class TopicsHolding(TopicsOf):
+    """A broker holding ``names``, each partition with ``high`` records not read yet."""
+
+    high = 5
+
+    def get_watermark_offsets(self, tp: TopicPartition, timeout: float) -> tuple[int, int]:
+        return 0, self.high
+
+
+@pytest.mark.parametrize("present_at_start", [(), (TOPICS.events,)])
+def test_topics_created_after_start_are_read_before_caught_up(
+    present_at_start: tuple[str, ...],
+) -> None:
+    """A dashboard started before the coordinator made the topics (all of them, or all
+    but the ledger) said caught up (/healthz 200) as soon as they appeared, before it
+    had read a record of what they already held: the page showed an empty or partial
+    view as complete. What they hold when first followed is read first."""
+    follower = LedgerFollower("broker:9092", TOPICS, Signer(b"k" * 32), DashboardState())
+    consumer = TopicsHolding(*present_at_start)
+    follower._refresh(consumer)  # type: ignore[arg-type]
+    follower._check_caught_up(consumer)  # type: ignore[arg-type]
+    assert not follower.caught_up.is_set()  # the topics are not all there yet
+
+    consumer.names = [TOPICS.events, TOPICS.terminal, TOPICS.incidents]
+    follower._refresh(consumer)  # type: ignore[arg-type]
+    follower._check_caught_up(consumer)  # type: ignore[arg-type]
+    assert not follower.caught_up.is_set(), "caught up before reading the new topics"
+    assert follower._targets[(TOPICS.terminal, 1)] == 5
+
+    consumer.position = lambda tps: [  # type: ignore[method-assign]
+        TopicPartition(tp.topic, tp.partition, 5) for tp in tps
+    ]
+    follower._check_caught_up(consumer)  # type: ignore[arg-type]
+    assert follower.caught_up.is_set()

@@ -258,7 +258,10 @@ class LedgerFollower:
         if ready:
             consumer.incremental_assign(ready)
             self._assigned.update((tp.topic, tp.partition) for tp in ready)
-        if len(ready) == len(new):  # "caught up" waits for every partition of the start
+        # "Caught up" waits for every partition of the start, and for every topic: one
+        # created later (the dashboard started before the coordinator made them) is
+        # read up to what it held when first followed before the view counts as whole.
+        if not missing and len(ready) == len(new):
             self._targets_fixed = True
         self._report_lag(consumer)
 
