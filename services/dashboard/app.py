@@ -839,6 +839,15 @@ def create_app(
     now_ms = clock or (lambda: int(time.time() * 1000))
     auth = auth or OperatorAuth()
 
+    def _stale() -> str:
+        """A notice atop the live regions while the view is not the topics' live state
+        (refreshed with them, so it goes once the cause does)."""
+        problem = follower.view_problem() if follower is not None else None
+        if problem is None:
+            return ""
+        text, error = problem
+        return f'<div class="notice{" error" if error else ""} stale" role="alert">{_e(text)}</div>'
+
     def _viewer(request: Request) -> tuple[Viewer, str | None]:
         """The caller, and a fresh session token to set (proxy logins)."""
         if not auth.enabled:
@@ -885,7 +894,7 @@ def create_app(
         live = f"/fragment/overview?{_query(flt)}"
         body = (
             f'<div class="card">{_filter_form(state, flt)}</div>'
-            f'<div data-live="{_e(live)}">{_overview_fragment(state, flt, now)}</div>'
+            f'<div data-live="{_e(live)}">{_stale()}{_overview_fragment(state, flt, now)}</div>'
             '<div class="card" id="actions"><h2>Needs a person</h2>'
             f'<div data-live="/fragment/actions">{_actions_html(state, now, None, viewer)}'
             "</div></div>"
@@ -896,7 +905,7 @@ def create_app(
         return _page("Sagas", body, request.query_params.get("notice"), viewer=viewer)
 
     async def overview_fragment(request: Request, viewer: Viewer) -> Response:
-        return HTMLResponse(_overview_fragment(state, _filter_from(request), now_ms()))
+        return HTMLResponse(_stale() + _overview_fragment(state, _filter_from(request), now_ms()))
 
     async def actions_fragment(request: Request, viewer: Viewer) -> Response:
         return HTMLResponse(_actions_html(state, now_ms(), None, viewer))
@@ -939,7 +948,7 @@ def create_app(
                     f'<p>No saga {_e(saga_id)} in the ledger (yet). <a href="/">All sagas</a></p>',
                     viewer=viewer,
                 )
-            fragment = _saga_fragment(saga, now_ms(), viewer)
+            fragment = _stale() + _saga_fragment(saga, now_ms(), viewer)
         body = (
             f"<h2>Saga <code>{_e(saga_id)}</code></h2>"
             f'<div data-live="/fragment/saga/{quote(saga_id)}">{fragment}</div>'
@@ -951,7 +960,7 @@ def create_app(
             saga = _saga_or_404(request.path_params["saga_id"])
             if saga is None:
                 return HTMLResponse("", status_code=404)
-            return HTMLResponse(_saga_fragment(saga, now_ms(), viewer))
+            return HTMLResponse(_stale() + _saga_fragment(saga, now_ms(), viewer))
 
     async def timeline_svg(request: Request, viewer: Viewer) -> Response:
         with state.lock:
@@ -1229,6 +1238,9 @@ def create_app(
         with state.lock:
             payload: dict[str, Any] = {
                 "caught_up": follower.caught_up.is_set() if follower else True,
+                # Why the broker cannot be read now (None: it can): the view is as last read.
+                "kafka": follower.kafka_problem if follower else None,
+                "follower": follower.health() if follower else None,
                 "records_applied": state.records_applied,
                 "ledger_duplicates": state.ledger_duplicates,
                 "refused_records": state.refused_records,
@@ -1290,6 +1302,10 @@ def create_app(
         stopped = follower.health()
         if stopped is not None:
             body["follower"] = stopped
+        # Said, not a 503: a restart cannot bring the broker back (the view catches
+        # up by itself once it answers); the pages say it too.
+        if follower.kafka_problem is not None:
+            body["kafka"] = follower.kafka_problem
         return JSONResponse(body, status_code=200 if ready and stopped is None else 503)
 
     @asynccontextmanager

@@ -58,6 +58,10 @@ class LedgerFollower:
         # fold): logged with their saga and skipped, never a reason to stop (R16).
         self.fold_errors = 0
         self.stopped_by: str | None = None  # why the thread ended, when it did by itself
+        # Why the broker cannot be read right now (the last metadata refresh failed),
+        # and since when (epoch ms): the pages say so rather than show the view as live.
+        self.kafka_problem: str | None = None
+        self.kafka_problem_since: int | None = None
         self._missing: list[str] = []  # the topics last found missing (logged on a change)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -87,6 +91,33 @@ class LedgerFollower:
         if self.stopped_by is not None:
             return f"the ledger follower stopped: {self.stopped_by}"
         return "the ledger follower stopped"
+
+    def view_problem(self) -> tuple[str, bool] | None:
+        """Why the view is not the topics' live state, for the pages (and whether it is
+        an error rather than a wait): the follower stopped, the broker cannot be read,
+        or what existed at start is still being read. None: live."""
+        stopped = self.health()
+        if stopped is not None:
+            return (
+                f"{stopped}. This view no longer follows Kafka: it shows what was read "
+                "until then. Restart the dashboard (it rebuilds the view from the topics).",
+                True,
+            )
+        problem, since = self.kafka_problem, self.kafka_problem_since
+        if problem is not None:
+            when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime((since or 0) / 1000))
+            return (
+                f"{problem} (since {when}). What is shown is the view as last read, not "
+                "live: anything decided since is not in it.",
+                True,
+            )
+        if not self.caught_up.is_set():
+            return (
+                "The dashboard is still reading the topics from their beginning: counts and "
+                "lists are incomplete until it has caught up.",
+                False,
+            )
+        return None
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
@@ -226,7 +257,13 @@ class LedgerFollower:
             metadata = consumer.list_topics(timeout=5)
         except KafkaException as exc:
             log.warning("cannot read topic metadata from %s: %s", self.bootstrap, exc)
+            if self.kafka_problem_since is None:
+                self.kafka_problem_since = int(time.time() * 1000)
+            self.kafka_problem = f"cannot read from Kafka at {self.bootstrap}: {exc}"
             return
+        if self.kafka_problem is not None:
+            log.info("Kafka at %s answers again: following the topics", self.bootstrap)
+            self.kafka_problem = self.kafka_problem_since = None
         new: list[TopicPartition] = []
         missing: list[str] = []
         for name in self.topic_names:

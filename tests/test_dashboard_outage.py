@@ -1,0 +1,79 @@
+"""What the dashboard's pages say while the view does not follow Kafka.
+
+The page refreshes its regions every two seconds whatever happens; while the broker
+cannot be reached, or the follower thread has stopped, it showed the last view it had
+as if it were live (only /healthz, which no operator looks at, said anything).
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from dashboard_scenarios import running
+from starlette.testclient import TestClient
+
+from schemas.settings import Settings
+from schemas.signing import Signer
+from services.dashboard import Dashboard
+from services.dashboard.app import create_app
+from services.dashboard.consumer import LedgerFollower
+from services.dashboard.view import DashboardState
+from tests.system import wait_until
+from tests.test_dashboard_follower import TOPICS, Scripted, _follow, _messages
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_the_pages_say_kafka_cannot_be_reached_rather_than_showing_a_view_as_live() -> None:
+    bootstrap = f"127.0.0.1:{_closed_port()}"  # nothing listens: a broker outage
+    settings = Settings(bootstrap=bootstrap, topic_prefix="outage.", hmac_key=b"k" * 32)
+    dashboard = Dashboard(bootstrap, settings)
+    with TestClient(dashboard.app, base_url="http://localhost") as client:
+        state = wait_until(
+            lambda: (body := client.get("/api/state").json()).get("kafka") and body,
+            60,
+            "the dashboard to notice Kafka cannot be reached",
+        )
+        assert bootstrap in state["kafka"], state["kafka"]
+        assert state["caught_up"] is False
+        for path in ("/", "/fragment/overview"):
+            page = client.get(path).text
+            assert 'class="notice error stale"' in page, path
+            assert "cannot read from Kafka" in page and bootstrap in page, path
+        assert bootstrap in client.get("/healthz").json()["kafka"]
+
+
+def test_the_pages_say_the_view_no_longer_moves_once_the_follower_stopped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    signer = Signer(b"k" * 32)
+    consumer = Scripted(
+        [_messages(signer, running("s-1"))], then=RuntimeError("the consumer is broken")
+    )
+    follower, state = _follow(monkeypatch, consumer, signer)
+    with TestClient(create_app(state, follower=follower)) as client:
+        assert not consumer.settle(follower).is_alive()
+        for path in ("/", "/fragment/overview", "/sagas/s-1", "/fragment/saga/s-1"):
+            page = client.get(path).text
+            assert 'class="notice error stale"' in page, path
+            assert "the consumer is broken" in page, path
+            assert "restart the dashboard" in page.lower(), path
+
+
+def test_while_catching_up_the_pages_say_the_view_is_incomplete(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    state = DashboardState()
+    follower = LedgerFollower("unused:9092", TOPICS, Signer(b"k" * 32), state)
+    monkeypatch.setattr(LedgerFollower, "alive", property(lambda self: True))
+    client = TestClient(create_app(state, follower=follower))  # no lifespan: not started
+    page = client.get("/").text
+    assert 'class="notice stale"' in page and "still reading" in page
+    follower.caught_up.set()
+    page = client.get("/").text
+    assert "still reading" not in page and "stale" not in page
