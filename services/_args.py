@@ -10,6 +10,28 @@ from collections.abc import Callable
 from schemas.settings import Settings
 
 
+class FromEnv(str):
+    """A default read from an environment variable: a bad one is a usage error of the
+    option it stands for, and the message names the variable, since the person never
+    typed the option."""
+
+    variable: str
+
+    def __new__(cls, value: str, variable: str) -> FromEnv:
+        text = super().__new__(cls, value)
+        text.variable = variable
+        return text
+
+
+def got(text: str, shown: object | None = None) -> str:
+    """``got 'x'`` for a usage error, plus where the value came from when it was the
+    environment's (``shown``: the value as parsed, when that reads better)."""
+    said = f"got {text!r}" if shown is None else f"got {shown}"
+    if isinstance(text, FromEnv):
+        said += f" from ${text.variable}"
+    return said
+
+
 def at_least(minimum: int) -> Callable[[str], int]:
     """An argparse type: a whole number of at least ``minimum``; anything else is a
     usage error that says what was given."""
@@ -19,10 +41,12 @@ def at_least(minimum: int) -> Callable[[str], int]:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"expected a whole number >= {minimum}, got {text!r}"
+                f"expected a whole number >= {minimum}, {got(text)}"
             ) from None
         if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {value}")
+            raise argparse.ArgumentTypeError(
+                f"expected a whole number >= {minimum}, {got(text, value)}"
+            )
         return value
 
     return parse
@@ -39,7 +63,7 @@ def between(minimum: int, maximum: int) -> Callable[[str], int]:
             value = None
         if value is None or not minimum <= value <= maximum:
             raise argparse.ArgumentTypeError(
-                f"expected a whole number between {minimum} and {maximum}, got {text!r}"
+                f"expected a whole number between {minimum} and {maximum}, {got(text)}"
             )
         return value
 
@@ -52,18 +76,19 @@ def instance_id(text: str) -> str:
     transactional id or static member, so they fenced each other)."""
     if not text.strip():
         raise argparse.ArgumentTypeError(
-            f"expected a non-empty id, distinct per instance, got {text!r}"
+            f"expected a non-empty id, distinct per instance, {got(text)}"
         )
     return text
 
 
 def env_default(*names: str) -> str | None:
     """The first of these environment variables that is set and not blank, else None:
-    an empty variable (``${VAR:-}`` in compose, ``HOSTNAME=``) counts as unset."""
+    an empty variable (``${VAR:-}`` in compose, ``HOSTNAME=``) counts as unset. The
+    value is a :class:`FromEnv`, so a bad one is blamed on its variable."""
     for name in names:
         value = os.environ.get(name, "")
         if value.strip():
-            return value
+            return FromEnv(value, name)
     return None
 
 

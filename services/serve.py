@@ -33,6 +33,7 @@ from schemas.settings import Settings
 from services._args import (
     between,
     env_default,
+    got,
     instance_id,
     port,
     unusable_participant,
@@ -274,10 +275,10 @@ def _journal_keep(text: str) -> int | None:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected 'auto', -1 or a number of milliseconds >= 1, got {text!r}"
+            f"expected 'auto', -1 or a number of milliseconds >= 1, {got(text)}"
         ) from None
     if value == 0 or value < -1:
         raise argparse.ArgumentTypeError(
-            f"expected 'auto', -1 or a number of milliseconds >= 1, got {value}"
+            f"expected 'auto', -1 or a number of milliseconds >= 1, {got(text, value)}"
         )
     return value

@@ -157,6 +157,25 @@ def test_coordinator_run_takes_the_decoded_state_cache_size_from_a_flag_or_the_e
     with pytest.raises(SystemExit):
         build_parser().parse_args(["coordinator", "run", "--decoded-states", "-1"])
     assert "expected a whole number >= 0, got -1" in capsys.readouterr().err
+    monkeypatch.setenv("SAGALINE_DECODED_STATES", "-5")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["coordinator", "run"])
+    assert "got -5 from $SAGALINE_DECODED_STATES" in capsys.readouterr().err
+
+
+def test_a_bad_journal_keep_ms_in_the_environment_names_the_variable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.cli import build_parser
+
+    monkeypatch.setenv("SAGALINE_JOURNAL_KEEP_MS", "soon")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["participant", "run", "seats"])
+    assert "got 'soon' from $SAGALINE_JOURNAL_KEEP_MS" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["participant", "run", "seats", "--journal-keep-ms", "soon"])
+    err = capsys.readouterr().err
+    assert "got 'soon'" in err and "$SAGALINE_JOURNAL_KEEP_MS" not in err
 
 
 def _broker_answers_the_check(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -201,7 +220,11 @@ def test_a_bad_max_in_flight_is_a_usage_error_of_participant_run_only(
         parser.parse_args(["participant", "run", "seats"])
     assert exited.value.code == 2
     err = capsys.readouterr().err
-    assert "--max-in-flight: expected a whole number between 1 and 1000000, got 'abc'" in err
+    # The value came from the environment, not the flag: the message says where to fix it.
+    assert (
+        "--max-in-flight: expected a whole number between 1 and 1000000, "
+        "got 'abc' from $SAGALINE_MAX_IN_FLIGHT" in err
+    )
     monkeypatch.delenv("SAGALINE_MAX_IN_FLIGHT")
     with pytest.raises(SystemExit) as exited:
         build_parser().parse_args(["participant", "run", "seats", "--max-in-flight", "0"])
