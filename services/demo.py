@@ -35,8 +35,8 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import suppress
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -1053,9 +1053,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         dashboard_port=args.dashboard_port,
     )
-    _interrupt_on(signal.SIGINT, signal.SIGTERM)
     try:
-        return run_demo(options).exit_code
+        with _interrupt_on(signal.SIGINT, signal.SIGTERM):
+            return run_demo(options).exit_code
     except KeyboardInterrupt:
         print(
             "\ninterrupted: "
@@ -1069,21 +1069,27 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return 130
 
 
-def _interrupt_on(*signals: signal.Signals) -> None:
-    """Turn these signals into KeyboardInterrupt, so the ``finally`` blocks that stop
-    the demo's processes run on Ctrl-C and on ``kill`` alike (also when the shell
-    started us with SIGINT ignored, as it does for background jobs)."""
+@contextmanager
+def _interrupt_on(*signals: signal.Signals) -> Iterator[None]:
+    """Turn these signals into KeyboardInterrupt while the block runs, so the
+    ``finally`` blocks that stop the demo's processes run on Ctrl-C and on ``kill``
+    alike (also when the shell started us with SIGINT ignored, as it does for
+    background jobs); the handlers found are put back after it, for a caller that
+    runs the command in its own process (a test, an embedding program)."""
 
     def interrupt(signum: int, _frame: FrameType | None) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
-    for sig in signals:
-        signal.signal(sig, interrupt)
+    found = {sig: signal.signal(sig, interrupt) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in found.items():
+            signal.signal(sig, handler)
 
 
 def _cmd_agent_run(args: argparse.Namespace) -> int:
-    _interrupt_on(signal.SIGINT, signal.SIGTERM)
-    with suppress(KeyboardInterrupt):
+    with suppress(KeyboardInterrupt), _interrupt_on(signal.SIGINT, signal.SIGTERM):
         try:
             return run_agent(
                 args.sagas,

@@ -135,7 +135,6 @@ def test_an_interrupted_demo_with_keep_does_not_claim_it_stopped_everything(
         raise KeyboardInterrupt
 
     monkeypatch.setattr(demo, "run_demo", interrupted)
-    monkeypatch.setattr(demo, "_interrupt_on", lambda *_signals: None)
     args = build_parser().parse_args(["demo", "--keep", "--no-ui"])
     assert args.func(args) == 130
     err = capsys.readouterr().err
@@ -202,3 +201,27 @@ def test_the_demos_services_sign_and_seal_as_its_own_agent_whatever_the_shell_ex
     assert (service.secret_key, service.secret_key_id) == (agent.secret_key, agent.secret_key_id)
     record = b'{"saga": 1}'
     service.signer().verify(b"s-1", record, agent.signer().headers(b"s-1", record))
+
+
+def test_demo_and_agent_run_leave_the_signal_handlers_as_they_found_them(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The commands turn SIGINT/SIGTERM into KeyboardInterrupt while they run (so their
+    ``finally`` blocks stop what they started). Called in-process (a test, an embedding
+    program), they left those handlers installed for the rest of the process's life:
+    a later SIGTERM raised KeyboardInterrupt wherever that process happened to be."""
+    import signal
+
+    import services.broker
+    import services.demo as demo
+    from services.cli import main
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    monkeypatch.setattr(demo, "run_demo", lambda _options: type("R", (), {"exit_code": 0})())
+    assert main(["demo", "--sagas", "1", "--no-ui", "--dashboard-port", "0"]) == 0
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+    monkeypatch.delenv("KAFKA_BOOTSTRAP_SERVERS", raising=False)
+    monkeypatch.setattr(services.broker, "choose_broker", lambda: pytest.fail("no broker"))
+    assert main(["agent", "run", "--sagas", "1"]) == 2
+    capsys.readouterr()
+    assert {sig: signal.getsignal(sig) for sig in before} == before

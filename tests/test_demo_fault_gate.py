@@ -189,7 +189,6 @@ def test_a_kill_due_too_late_to_land_mid_run_is_a_usage_error(
         raise AssertionError("the demo ran with a kill that cannot land mid-run")
 
     monkeypatch.setattr(demo, "run_demo", must_not_run)
-    monkeypatch.setattr(demo, "_interrupt_on", lambda *_signals: None)
     args = build_parser().parse_args(["demo", "--no-ui", *flags])
     assert args.func(args) == 2
     assert "--sagas minus --concurrency" in capsys.readouterr().err
