@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from participants.errors import CatalogueError
     from participants.plan import check_plan
     from participants.readiness import CoordinatorNotRunning
-    from sagaline._session import connect
+    from sagaline._session import StartError, connect
     from schemas.models import SagaOutcome, TerminalStatus
     from schemas.receipt import Disposition, Receipt
     from schemas.settings import Settings
@@ -111,6 +111,7 @@ _EXPORTS: dict[str, str] = {
         "participants.client",
     ),
     "CoordinatorNotRunning": "participants.readiness",
+    "StartError": "sagaline._session",
     "connect": "sagaline._session",
     "SagaOutcome": "schemas.models",
     "TerminalStatus": "schemas.models",
@@ -149,6 +150,7 @@ __all__ = [
     "SagaParked",
     "SagaUnwinding",
     "Settings",
+    "StartError",
     "StepEscalated",
     "StepFailedError",
     "TerminalStatus",

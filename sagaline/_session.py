@@ -24,7 +24,7 @@ from schemas.settings import Settings
 
 log = logging.getLogger("sagaline.connect")
 
-__all__ = ["connect"]
+__all__ = ["StartError", "connect"]
 
 _START_TIMEOUT_S = 120.0
 _PROBE_TIMEOUT_S = 30.0  # as long as ensure_topics waits for the broker's metadata

@@ -41,6 +41,7 @@ PUBLIC: dict[str, list[str]] = {
         "SagaParked",
         "SagaUnwinding",
         "Settings",
+        "StartError",
         "StepEscalated",
         "StepFailedError",
         "TerminalStatus",
@@ -237,3 +238,16 @@ def test_the_error_an_agent_adapter_refuses_a_call_with_is_public() -> None:
     from participants.client import CallRefused
 
     assert sagaline.CallRefused is CallRefused
+
+
+def test_the_error_a_failed_start_raises_is_public() -> None:
+    """``sagaline.connect`` raises ``StartError`` when a runtime or the coordinator it
+    starts does not come up (or is served elsewhere); the docs tell users to catch it,
+    so ``from sagaline import StartError`` must work, not only the private module."""
+    import sagaline
+    from sagaline import StartError
+    from sagaline._session import StartError as private
+
+    assert StartError is private
+    assert sagaline.StartError is private
+    assert issubclass(StartError, RuntimeError)
