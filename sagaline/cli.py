@@ -136,10 +136,7 @@ def _published_participants(bootstrap: str, topic: str) -> set[str]:
 def _cmd_mcp_proxy(args: argparse.Namespace) -> int:
     try:
         from sagaline.agents.mcp_proxy import main as proxy_main
-    except ImportError as exc:
-        print(
-            f"sagaline mcp proxy needs the MCP SDK ({exc}): pip install 'sagaline[mcp]'",
-            file=sys.stderr,
-        )
+    except ImportError as exc:  # the adapter's MissingExtra names the extra to install
+        print(f"sagaline mcp proxy: {exc}", file=sys.stderr)
         return 2
     return proxy_main(args.declaration, check_only=args.check)

@@ -50,9 +50,26 @@ from schemas import TerminalStatus
 # Options of ``saga.call``, never tool arguments (the catalogue refuses such names).
 SAGA_CALL_OPTIONS = frozenset({"step_id", "depends_on", "timeout_s"})
 
-__all__ = ["Interrupted", "SagaTool", "resumed", "saga_tools"]
+__all__ = ["Interrupted", "MissingExtra", "SagaTool", "resumed", "saga_tools"]
 
 T = TypeVar("T")
+
+
+class MissingExtra(ModuleNotFoundError):
+    """An adapter's agent framework is not installed (``pip install sagaline`` brings
+    none); the message names the extra that installs it. A ``ModuleNotFoundError``,
+    so code that catches ``ImportError`` still does."""
+
+
+def missing_extra(
+    adapter: str, framework: str, extra: str, cause: ModuleNotFoundError
+) -> MissingExtra:
+    """The error ``adapter`` raises when importing ``framework`` failed with ``cause``."""
+    return MissingExtra(
+        f"{adapter} needs {framework}, which is not installed here ({cause}):"
+        f" pip install 'sagaline[{extra}]'",
+        name=cause.name,
+    )
 
 
 @dataclass(frozen=True)

@@ -58,12 +58,15 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from typing import Any
 
-from langchain_core.tools import StructuredTool, ToolException
-
 from participants.catalogue import Catalogue, ToolSpec
 from participants.client import AsyncSaga, CallRefused, Saga
 from sagaline.agents import _core
 from sagaline.agents._core import SagaTool, resumed, saga_tools
+
+try:  # an optional extra: without it, say which one instead of "No module named ..."
+    from langchain_core.tools import StructuredTool, ToolException
+except ModuleNotFoundError as missing:
+    raise _core.missing_extra(__name__, "LangChain", "langchain", missing) from missing
 
 __all__ = [
     "Interrupted",

@@ -43,12 +43,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import anyio
-import mcp_types as types
 import pydantic
-from mcp import ClientSession, StdioServerParameters, stdio_client
-from mcp.server.context import ServerRequestContext
-from mcp.server.lowlevel import Server
-from mcp.server.stdio import stdio_server
 
 from participants.catalogue import Catalogue, wrap
 from participants.client import (
@@ -79,7 +74,7 @@ from participants.errors import CatalogueError, InvalidArgumentsError
 from participants.plan import check_plan
 from participants.readiness import CoordinatorNotRunning
 from participants.runtime import JournalUnusable, ParticipantRuntime
-from sagaline.agents._core import SAGA_CALL_OPTIONS, STEP_LIMIT
+from sagaline.agents._core import SAGA_CALL_OPTIONS, STEP_LIMIT, missing_extra
 from sagaline.agents.declaration import (
     Declaration,
     DeclarationError,
@@ -100,6 +95,15 @@ from sagaline.kafka import (
 )
 from schemas.models import Reversibility, SagaOutcome
 from schemas.settings import Settings
+
+try:  # an optional extra: without it, say which one instead of "No module named 'mcp'"
+    import mcp_types as types
+    from mcp import ClientSession, StdioServerParameters, stdio_client
+    from mcp.server.context import ServerRequestContext
+    from mcp.server.lowlevel import Server
+    from mcp.server.stdio import stdio_server
+except ModuleNotFoundError as missing:
+    raise missing_extra(__name__, "the MCP SDK", "mcp", missing) from missing
 
 log = logging.getLogger("sagaline.mcp")
 

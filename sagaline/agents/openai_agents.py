@@ -55,16 +55,21 @@ import json
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
-from agents import Agent, FunctionTool, Runner, RunResult, RunResultStreaming
-from agents.exceptions import AgentsException
-from agents.stream_events import StreamEvent
-from agents.tool import set_function_tool_failure_error_function
-from agents.tool_context import ToolContext
-
 from participants.catalogue import Catalogue, ToolSpec
 from participants.client import ApprovalPending, AsyncSaga, CallRefused, Saga
 from sagaline.agents import _core
 from sagaline.agents._core import SagaTool, refusal_for_model, resumed, saga_tools
+
+try:  # an optional extra: without it, say which one instead of "No module named 'agents'"
+    from agents import Agent, FunctionTool, Runner, RunResult, RunResultStreaming
+    from agents.exceptions import AgentsException
+    from agents.stream_events import StreamEvent
+    from agents.tool import set_function_tool_failure_error_function
+    from agents.tool_context import ToolContext
+except ModuleNotFoundError as missing:
+    raise _core.missing_extra(
+        __name__, "the OpenAI Agents SDK", "openai-agents", missing
+    ) from missing
 
 __all__ = ["Interrupted", "StreamedRun", "resumed", "run", "run_streamed", "run_sync", "tools"]
 

@@ -56,16 +56,27 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, contextmanager
 from typing import Any
 
-from pydantic_ai import Agent, AgentRun, AgentRunResult, DeferredToolRequests, RunContext, Tool
-from pydantic_ai.agent.abstract import AgentRunEvents
-from pydantic_ai.result import StreamedRunResult, StreamedRunResultSync
-from pydantic_ai.toolsets import FunctionToolset
 from pydantic_core import SchemaValidator, core_schema
 
 from participants.catalogue import Catalogue, ToolSpec
 from participants.client import AsyncSaga, CallRefused, Saga
 from sagaline.agents import _core
 from sagaline.agents._core import SagaTool, resumed, saga_tools
+
+try:  # an optional extra: without it, say which one instead of "No module named ..."
+    from pydantic_ai import (
+        Agent,
+        AgentRun,
+        AgentRunResult,
+        DeferredToolRequests,
+        RunContext,
+        Tool,
+    )
+    from pydantic_ai.agent.abstract import AgentRunEvents
+    from pydantic_ai.result import StreamedRunResult, StreamedRunResultSync
+    from pydantic_ai.toolsets import FunctionToolset
+except ModuleNotFoundError as missing:
+    raise _core.missing_extra(__name__, "pydantic-ai", "pydantic-ai", missing) from missing
 
 __all__ = [
     "Interrupted",
