@@ -22,6 +22,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import difflib
 import itertools
 import logging
 import math
@@ -221,6 +222,29 @@ def _ambiguous(tool: str, participants: list[str], verb: str) -> AmbiguousTool:
         f"{verb} (restart that participant without the tool)",
         tool=tool,
         participants=participants,
+    )
+
+
+_KNOWN_NAMED = 20  # the most known tool names an UnknownTool lists
+
+
+def _unknown(tool: str, known: Iterable[str], catalogue_topic: str) -> UnknownTool:
+    """What an agent's call of a tool nobody declares is refused with: the names it
+    may have meant, and the two ways to make a tool known (served here, or elsewhere)."""
+    names = sorted(set(known))
+    close = difflib.get_close_matches(tool, names, n=3)
+    if close:
+        found = f"; did you mean {' or '.join(repr(n) for n in close)}?"
+    elif names:
+        listed = ", ".join(repr(n) for n in names[:_KNOWN_NAMED])
+        more = f" and {len(names) - _KNOWN_NAMED} more" if len(names) > _KNOWN_NAMED else ""
+        found = f" (known tools: {listed}{more})."
+    else:
+        found = f" (none is known: no catalogue is published on {catalogue_topic!r})."
+    return UnknownTool(
+        f"no participant declares a tool named {tool!r}{found} Serve it from this process"
+        f" with sagaline.connect({tool}, ...), or start the participant that declares it"
+        " (sagaline participant run NAME --catalogue MODULE:FACTORY)."
     )
 
 
@@ -1028,11 +1052,8 @@ class SagaClient:
                     f"({self._unreadable[tool]}); restart its participant to publish it "
                     "again"
                 ) from None
-            raise UnknownTool(
-                f"no participant declares a tool named {tool!r}: known tools are "
-                f"{sorted({*self._contracts, *self._published})}; start its participant "
-                "(it publishes its catalogue) or pass local=wrap(...)"
-            ) from None
+            known = {*self._contracts, *self._published}
+            raise _unknown(tool, known, self.topics.catalogue) from None
 
     def _cached_contract(self, tool: str) -> StepContract | None:
         """The contract of ``tool`` without I/O, or None when the published catalogue

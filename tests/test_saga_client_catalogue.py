@@ -234,6 +234,34 @@ def test_a_tool_name_two_participants_publish_is_refused_naming_both(
         assert refused.value.participants == ["mailer", "notifier"]
 
 
+def test_a_misspelled_tool_name_is_refused_with_the_close_name_and_how_to_serve_a_tool(
+    settings: Settings, clients: list[SagaClient]
+) -> None:
+    """An agent's typo (`sned`) says what it probably meant, and, were it a tool of its
+    own, the public way to make one known: pass it to `sagaline.connect(...)`."""
+    publish(settings, MailerV1())
+    with pytest.raises(UnknownTool) as raised:
+        new_client(settings, clients).contract("sned")
+    message = str(raised.value)
+    assert message.startswith("no participant declares a tool named 'sned'")
+    assert "did you mean 'send'?" in message
+    assert "sagaline.connect(sned, ...)" in message
+    assert "sagaline participant run" in message
+    assert "local=" not in message  # a SagaClient argument, not the public way
+
+
+def test_an_unknown_tool_name_with_no_close_one_lists_the_known_tools(
+    settings: Settings, clients: list[SagaClient]
+) -> None:
+    publish(settings, MailerV1())
+    with pytest.raises(UnknownTool) as raised:
+        new_client(settings, clients).contract("teleport")
+    message = str(raised.value)
+    assert "did you mean" not in message
+    assert "known tools: 'send'" in message
+    assert "sagaline.connect(teleport, ...)" in message
+
+
 def test_a_tool_moved_to_another_participant_is_not_ambiguous(
     settings: Settings, clients: list[SagaClient]
 ) -> None:
