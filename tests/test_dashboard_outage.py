@@ -13,6 +13,7 @@ import pytest
 from dashboard_scenarios import running
 from starlette.testclient import TestClient
 
+from sagaline.kafka import ensure_topics
 from schemas.settings import Settings
 from schemas.signing import Signer
 from services.dashboard import Dashboard
@@ -77,3 +78,38 @@ def test_while_catching_up_the_pages_say_the_view_is_incomplete(
     follower.caught_up.set()
     page = client.get("/").text
     assert "still reading" not in page and "stale" not in page
+
+
+@pytest.mark.kafka
+def test_while_its_topics_are_missing_the_pages_name_them(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    # A wrong SAGALINE_TOPIC_PREFIX, or a coordinator that never started: the page only
+    # said it was "still reading", for good; the log alone named the missing topics.
+    settings = Settings(bootstrap=kafka_bootstrap, topic_prefix=unique_prefix, hmac_key=b"k" * 32)
+    topics = settings.topics
+    names = [topics.events, topics.terminal, topics.incidents]
+    dashboard = Dashboard(kafka_bootstrap, settings)
+    with TestClient(dashboard.app, base_url="http://localhost") as client:
+        state = wait_until(
+            lambda: (body := client.get("/api/state").json()).get("missing_topics") and body,
+            60,
+            "the dashboard to find its topics missing",
+        )
+        assert [m.split(" ")[0] for m in state["missing_topics"]] == names, state
+        assert state["caught_up"] is False
+        for path in ("/", "/fragment/overview"):
+            page = client.get(path).text
+            assert 'class="notice error stale"' in page, path
+            assert all(name in page for name in names), path
+            assert "SAGALINE_TOPIC_PREFIX" in page, path
+
+        ensure_topics(kafka_bootstrap, topics, partitions=1)
+        wait_until(
+            lambda: client.get("/api/state").json()["caught_up"],
+            60,
+            "the dashboard to follow the topics once created",
+        )
+        assert client.get("/api/state").json()["missing_topics"] == []
+        page = client.get("/").text
+        assert "stale" not in page and topics.events not in page

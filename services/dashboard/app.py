@@ -1241,6 +1241,8 @@ def create_app(
                 # Why the broker cannot be read now (None: it can): the view is as last read.
                 "kafka": follower.kafka_problem if follower else None,
                 "follower": follower.health() if follower else None,
+                # Topics that do not exist (yet): a wrong prefix, or no coordinator made them.
+                "missing_topics": list(follower.missing_topics) if follower else [],
                 "records_applied": state.records_applied,
                 "ledger_duplicates": state.ledger_duplicates,
                 "refused_records": state.refused_records,

@@ -62,7 +62,10 @@ class LedgerFollower:
         # and since when (epoch ms): the pages say so rather than show the view as live.
         self.kafka_problem: str | None = None
         self.kafka_problem_since: int | None = None
-        self._missing: list[str] = []  # the topics last found missing (logged on a change)
+        # The topics the last metadata refresh found missing (with the broker's error,
+        # if any): logged on a change and named on the pages, as a wrong prefix or a
+        # coordinator never started otherwise looks like an endless catch-up.
+        self.missing_topics: list[str] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._assigned: set[tuple[str, int]] = set()
@@ -95,7 +98,7 @@ class LedgerFollower:
     def view_problem(self) -> tuple[str, bool] | None:
         """Why the view is not the topics' live state, for the pages (and whether it is
         an error rather than a wait): the follower stopped, the broker cannot be read,
-        or what existed at start is still being read. None: live."""
+        its topics are missing, or what existed at start is still being read. None: live."""
         stopped = self.health()
         if stopped is not None:
             return (
@@ -109,6 +112,15 @@ class LedgerFollower:
             return (
                 f"{problem} (since {when}). What is shown is the view as last read, not "
                 "live: anything decided since is not in it.",
+                True,
+            )
+        missing = self.missing_topics
+        if missing:
+            return (
+                f"Topics {', '.join(missing)} do not exist on {self.bootstrap} (or this "
+                "dashboard may not read them): nothing of them is shown until they do. "
+                f"Check SAGALINE_TOPIC_PREFIX ({self.topics.prefix!r}) and "
+                "KAFKA_BOOTSTRAP_SERVERS, or start the coordinator, which creates them.",
                 True,
             )
         if not self.caught_up.is_set():
@@ -305,7 +317,7 @@ class LedgerFollower:
     def _say_missing(self, missing: list[str]) -> None:
         """Name the topics not there (else nothing says why the view stays empty and
         /healthz 503), once per change, and when they have all appeared."""
-        if missing == self._missing:
+        if missing == self.missing_topics:
             return
         if missing:
             log.warning(
@@ -318,7 +330,7 @@ class LedgerFollower:
             )
         else:
             log.info("topics %s exist now: following them", ", ".join(self.topic_names))
-        self._missing = missing
+        self.missing_topics = missing
 
     def _report_lag(self, consumer: Consumer) -> None:
         if not self._assigned:
