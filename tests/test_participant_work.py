@@ -31,6 +31,7 @@ from participants.runtime import (
     CommandHandler,
     CommandJournal,
     ParticipantRuntime,
+    _appended_by,
     _CommandLoop,
     _Watchdog,
 )
@@ -213,6 +214,26 @@ class _Rig:
             return done()
 
         wait_until(turned, what=what)
+
+    def probing(
+        self,
+        ledger: object | None = None,
+        assigned_end: int = 1,
+        appended: list[Record] | None = None,
+    ) -> None:
+        """From now on a command on partition 0 below ``assigned_end`` was there before
+        the assignment: the ledger (``ledger``, else what the broker took) is probed for
+        it and it is handled on the blocking path, which appends to ``appended`` (else
+        the broker's ``sent``)."""
+        sink = self.broker.sent if appended is None else appended
+        self.handler._ledger = cast(Any, _Ledger(self.broker) if ledger is None else ledger)
+        self.handler._append = self.handler._publish = sink.append
+        self.handler._begin_append = _appended_by(sink.append)
+        rt = cast(Any, self.loop._rt)
+        rt._assigned_end = {0: assigned_end}
+        rt._process = lambda *a: ParticipantRuntime._process(rt, *a)
+        rt._dead_letter_blocking = lambda *a: ParticipantRuntime._dead_letter_blocking(rt, *a)
+        rt._confirm_in_background = lambda *a: None
 
     def close(self) -> None:
         self.loop.close()
@@ -581,7 +602,6 @@ def test_a_command_given_up_before_its_tool_ran_runs_when_it_comes_back(
     # participant restarted ... while the tool was running"): for a tool with no
     # lookup the coordinator asked a person, and the saga never ended (the broker
     # kill test's R14). The tool did not run: it runs now, once.
-    from participants.runtime import _appended_by
     from schemas import derived_event_id
 
     rig = _Rig(tmp_path, workers=1)
@@ -619,15 +639,7 @@ def test_a_command_given_up_before_its_tool_ran_runs_when_it_comes_back(
     assert rig.desk.ran["saga-a"] == []
 
     # the partition comes back to this replica, which reads the command again
-    sent = rig.broker.sent
-    rig.handler._ledger = cast(Any, _Ledger(rig.broker))
-    rig.handler._append = rig.handler._publish = sent.append
-    rig.handler._begin_append = _appended_by(sent.append)
-    rt = cast(Any, rig.loop._rt)
-    rt._assigned_end = {0: 1}
-    rt._process = lambda *a: ParticipantRuntime._process(rt, *a)
-    rt._dead_letter_blocking = lambda *a: ParticipantRuntime._dead_letter_blocking(rt, *a)
-    rt._confirm_in_background = lambda *a: None
+    rig.probing()
     rig.loop.submit(cast(Message, _Msg(command, 0, 0)))
     rig.run_until(lambda: rig.loop.pending == 0, "the command done")
     assert rig.broker.of(StepOutcomeUnknown) == []
@@ -646,7 +658,6 @@ def test_a_command_given_up_here_whose_intent_another_replica_wrote_stays_unknow
     # R11: given up here before its tool ran, but the ledger also holds an intent
     # for it that this replica did not send (another replica owned the partition
     # meanwhile and may have run the tool): an unknown outcome, not a second run.
-    from participants.runtime import _appended_by
     from schemas import derived_event_id
 
     rig = _Rig(tmp_path)
@@ -673,15 +684,7 @@ def test_a_command_given_up_here_whose_intent_another_replica_wrote_stays_unknow
     theirs = held[0].model_copy(
         update={"envelope": held[0].envelope.model_copy(update={"occurred_at": 7})}
     )
-    sent = rig.broker.sent
-    rig.handler._ledger = cast(Any, _Ledger(rig.broker, also=[held[0], theirs]))
-    rig.handler._append = rig.handler._publish = sent.append
-    rig.handler._begin_append = _appended_by(sent.append)
-    rt = cast(Any, rig.loop._rt)
-    rt._assigned_end = {0: 1}
-    rt._process = lambda *a: ParticipantRuntime._process(rt, *a)
-    rt._dead_letter_blocking = lambda *a: ParticipantRuntime._dead_letter_blocking(rt, *a)
-    rt._confirm_in_background = lambda *a: None
+    rig.probing(_Ledger(rig.broker, also=[held[0], theirs]))
     rig.loop.submit(cast(Message, _Msg(command, 0, 0)))
     rig.run_until(lambda: rig.loop.pending == 0, "the command done")
     assert rig.desk.ran["saga-a"] == []
@@ -717,26 +720,15 @@ def test_an_intent_refused_yet_on_the_ledger_does_not_make_its_retry_an_unknown_
     # a rebalance, or it is on the probing path), the intent that did reach the log,
     # its own, read as another replica's: an unknown outcome, for a tool with no
     # lookup a person asked about a call that never ran. The tool runs once instead.
-    from participants.runtime import _appended_by
     from schemas import derived_event_id
 
     rig = _Rig(tmp_path)
     command = _execute("saga-a", 0)
     intent_id = derived_event_id(command.event_id, "intent")
     sent = rig.broker.sent
-    rt = cast(Any, rig.loop._rt)
-
-    def probing() -> None:  # from now on the ledger is probed for the command
-        rig.handler._ledger = cast(Any, _Ledger(rig.broker))
-        rig.handler._append = rig.handler._publish = sent.append
-        rig.handler._begin_append = _appended_by(sent.append)
-        rt._assigned_end = {0: 1}
-        rt._process = lambda *a: ParticipantRuntime._process(rt, *a)
-        rt._dead_letter_blocking = lambda *a: ParticipantRuntime._dead_letter_blocking(rt, *a)
-        rt._confirm_in_background = lambda *a: None
 
     if path == "blocking":
-        probing()
+        rig.probing()
         refused: list[Record] = []
 
         def refusing(record: Record) -> Callable[[], None]:
@@ -758,7 +750,7 @@ def test_an_intent_refused_yet_on_the_ledger_does_not_make_its_retry_an_unknown_
         assert rig.desk.ran["saga-a"] == []
         rig.loop.drain({0}, 0.0)  # a rebalance before the retry: read again, probed
         rig.loop.forget({0})
-        probing()
+        rig.probing()
         rig.loop.submit(cast(Message, _Msg(command, 0, 0)))
     rig.run_until(lambda: rig.loop.pending == 0, "the command done")
     assert rig.broker.of(StepOutcomeUnknown) == []
@@ -776,21 +768,13 @@ def test_a_probed_command_given_up_before_a_tool_thread_took_it_sends_nothing(
     # once a thread was free: its intent appended after the give-up, where the new
     # owner's probe reads it as another replica's (an unknown outcome for a tool
     # that never ran, and for a tool with no lookup a person asked).
-    from participants.runtime import _appended_by
 
     rig = _Rig(tmp_path, workers=1)
     sent = rig.broker.sent
     gate = rig.desk.gates["saga-b/1"] = threading.Event()
     rig.submit(_execute("saga-b", 1), partition=1)  # holds the one tool thread
     rig.run_until(lambda: "saga-b" in rig.desk.running, "the other tool running")
-    rig.handler._ledger = cast(Any, _Ledger(rig.broker))
-    rig.handler._append = rig.handler._publish = sent.append
-    rig.handler._begin_append = _appended_by(sent.append)
-    rt = cast(Any, rig.loop._rt)
-    rt._assigned_end = {0: 1}  # on the partition before it was assigned: probed
-    rt._process = lambda *a: ParticipantRuntime._process(rt, *a)
-    rt._dead_letter_blocking = lambda *a: ParticipantRuntime._dead_letter_blocking(rt, *a)
-    rt._confirm_in_background = lambda *a: None
+    rig.probing()  # the command below was on the partition before it was assigned
     command = _execute("saga-a", 0)
     rig.submit(command)
     rig.run_until(lambda: rig.loop._tools._busy == 2, "the command waiting for a thread")
@@ -831,18 +815,11 @@ def test_a_command_whose_ledger_probe_fails_is_tried_again_not_dead_lettered(
     # on the ledger first. The ledger being unreadable for a while (a broker outage)
     # says nothing about the command: it is tried again once the ledger answers, its
     # tool runs once, nothing goes to the DLQ (where its saga would wait for good).
-    from participants.runtime import _appended_by
 
     rig = _Rig(tmp_path)
     appended: list[Record] = []
-    rig.handler._ledger = cast(Any, _UnreadableLedger(failures=1))
-    rig.handler._append = rig.handler._publish = appended.append
-    rig.handler._begin_append = _appended_by(appended.append)
-    rt = cast(Any, rig.loop._rt)
-    rt._assigned_end = {0: 100}  # the command was there before the assignment
-    rt._process = lambda *a: ParticipantRuntime._process(rt, *a)
-    rt._dead_letter_blocking = lambda *a: ParticipantRuntime._dead_letter_blocking(rt, *a)
-    rt._confirm_in_background = lambda *a: None
+    # the commands were there before the assignment
+    rig.probing(_UnreadableLedger(failures=1), assigned_end=100, appended=appended)
     rig.submit(_execute("saga-a", 0))
     rig.submit(_execute("saga-a", 1))
     rig.run_until(lambda: rig.loop.pending == 0, "both commands done")
@@ -898,20 +875,11 @@ def test_a_tool_raising_system_exit_fails_its_step_and_its_saga_goes_on(
     # the saga's next command runs and the offsets move past it. Both the loop's
     # path and the blocking one (a command from before the assignment: the ledger
     # probe first) are checked.
-    from participants.runtime import _appended_by
 
     rig = _Rig(tmp_path)
     rig.desk.errors["saga-a/0"] = SystemExit(2)
-    sent = rig.broker.sent
-    if blocking:
-        rig.handler._ledger = cast(Any, _EmptyLedger())
-        rig.handler._append = rig.handler._publish = sent.append
-        rig.handler._begin_append = _appended_by(sent.append)
-        rt = cast(Any, rig.loop._rt)
-        rt._assigned_end = {0: 100}  # the commands were there before the assignment
-        rt._process = lambda *a: ParticipantRuntime._process(rt, *a)
-        rt._dead_letter_blocking = lambda *a: ParticipantRuntime._dead_letter_blocking(rt, *a)
-        rt._confirm_in_background = lambda *a: None
+    if blocking:  # the commands were there before the assignment
+        rig.probing(_EmptyLedger(), assigned_end=100)
     rig.submit(_execute("saga-a", 0))
     rig.submit(_execute("saga-a", 1))
     rig.run_until(lambda: rig.loop.pending == 0, "both commands done")
