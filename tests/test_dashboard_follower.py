@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
@@ -254,6 +256,22 @@ def _follow(
     return LedgerFollower("unused:9092", TOPICS, signer, state), state
 
 
+@contextmanager
+def stopped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[tuple[TestClient, LedgerFollower, DashboardState]]:
+    """The app over a follower whose consumer broke ("the consumer is broken") once it
+    had read saga s-1 and caught up: its thread has ended when this yields."""
+    signer = Signer(b"k" * 32)
+    consumer = Scripted(
+        [_messages(signer, running("s-1"))], then=RuntimeError("the consumer is broken")
+    )
+    follower, state = _follow(monkeypatch, consumer, signer)
+    with TestClient(create_app(state, follower=follower)) as client:
+        assert not consumer.settle(follower).is_alive()
+        yield client, follower, state
+
+
 def test_a_record_whose_fold_raises_is_counted_and_the_follower_goes_on_R16(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -297,13 +315,7 @@ def test_healthz_answers_503_with_the_reason_once_the_follower_thread_has_stoppe
 ) -> None:
     """Whatever ends the follower (here its consumer breaks after it caught up), the
     page would show a frozen view: /healthz must not keep answering 200."""
-    signer = Signer(b"k" * 32)
-    consumer = Scripted(
-        [_messages(signer, running("s-1"))], then=RuntimeError("the consumer is broken")
-    )
-    follower, state = _follow(monkeypatch, consumer, signer)
-    with TestClient(create_app(state, follower=follower)) as client:
-        assert not consumer.settle(follower).is_alive()
+    with stopped(monkeypatch) as (client, follower, state):
         assert follower.caught_up.is_set() and "s-1" in state.sagas
         health = client.get("/healthz")
         assert health.status_code == 503, health.text

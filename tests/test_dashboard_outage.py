@@ -10,7 +10,6 @@ from __future__ import annotations
 import socket
 
 import pytest
-from dashboard_scenarios import running
 from starlette.testclient import TestClient
 
 from sagaline.kafka import ensure_topics
@@ -21,7 +20,7 @@ from services.dashboard.app import create_app
 from services.dashboard.consumer import LedgerFollower
 from services.dashboard.view import DashboardState
 from tests.system import wait_until
-from tests.test_dashboard_follower import TOPICS, Scripted, _follow, _messages
+from tests.test_dashboard_follower import TOPICS, stopped
 
 
 def _closed_port() -> int:
@@ -52,13 +51,7 @@ def test_the_pages_say_kafka_cannot_be_reached_rather_than_showing_a_view_as_liv
 def test_the_pages_say_the_view_no_longer_moves_once_the_follower_stopped(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    signer = Signer(b"k" * 32)
-    consumer = Scripted(
-        [_messages(signer, running("s-1"))], then=RuntimeError("the consumer is broken")
-    )
-    follower, state = _follow(monkeypatch, consumer, signer)
-    with TestClient(create_app(state, follower=follower)) as client:
-        assert not consumer.settle(follower).is_alive()
+    with stopped(monkeypatch) as (client, _, _):
         for path in ("/", "/fragment/overview", "/sagas/s-1", "/fragment/saga/s-1"):
             page = client.get(path).text
             assert 'class="notice error stale"' in page, path
