@@ -8,6 +8,7 @@ as if it were live (only /healthz, which no operator looks at, said anything).
 from __future__ import annotations
 
 import socket
+from typing import Any
 
 import pytest
 from starlette.testclient import TestClient
@@ -29,16 +30,20 @@ def _closed_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _state_once(client: TestClient, key: str, what: str) -> dict[str, Any]:
+    """/api/state's answer once its ``key`` says something (polled, for up to 60 s)."""
+    state: dict[str, Any] = wait_until(
+        lambda: (body := client.get("/api/state").json()).get(key) and body, 60, what
+    )
+    return state
+
+
 def test_the_pages_say_kafka_cannot_be_reached_rather_than_showing_a_view_as_live() -> None:
     bootstrap = f"127.0.0.1:{_closed_port()}"  # nothing listens: a broker outage
     settings = Settings(bootstrap=bootstrap, topic_prefix="outage.", hmac_key=b"k" * 32)
     dashboard = Dashboard(bootstrap, settings)
     with TestClient(dashboard.app, base_url="http://localhost") as client:
-        state = wait_until(
-            lambda: (body := client.get("/api/state").json()).get("kafka") and body,
-            60,
-            "the dashboard to notice Kafka cannot be reached",
-        )
+        state = _state_once(client, "kafka", "the dashboard to notice Kafka cannot be reached")
         assert bootstrap in state["kafka"], state["kafka"]
         assert state["caught_up"] is False
         for path in ("/", "/fragment/overview"):
@@ -84,11 +89,7 @@ def test_while_its_topics_are_missing_the_pages_name_them(
     names = [topics.events, topics.terminal, topics.incidents]
     dashboard = Dashboard(kafka_bootstrap, settings)
     with TestClient(dashboard.app, base_url="http://localhost") as client:
-        state = wait_until(
-            lambda: (body := client.get("/api/state").json()).get("missing_topics") and body,
-            60,
-            "the dashboard to find its topics missing",
-        )
+        state = _state_once(client, "missing_topics", "the dashboard to find its topics missing")
         assert [m.split(" ")[0] for m in state["missing_topics"]] == names, state
         assert state["caught_up"] is False
         for path in ("/", "/fragment/overview"):
