@@ -13,6 +13,7 @@ import pytest
 
 from schemas.topics import MAX_PARTITIONS
 from services.cli import build_parser
+from tests.test_demo_fault_gate import _demo
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = [sys.executable, "-m", "services.cli", "demo"]
@@ -185,15 +186,7 @@ def test_the_demos_services_sign_and_seal_as_its_own_agent_whatever_the_shell_ex
 
     for var, value in shell.items():
         monkeypatch.setenv(var, value)
-    run = demo.DemoRun(
-        options=demo.DemoOptions(),
-        run_id="test",
-        prefix="test.",
-        state_dir=tmp_path,
-        bootstrap="unused:0",
-        tickets=[],
-        scenarios={},
-    )
+    run = _demo(tmp_path)
     service = Settings.from_env(demo._service_env(run, tmp_path / "faults.json"))
     agent = Settings(hmac_key=demo.DEMO_HMAC_KEY.encode())
     assert (service.hmac_key, service.hmac_key_id) == (agent.hmac_key, agent.hmac_key_id)
