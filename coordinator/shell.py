@@ -94,6 +94,7 @@ from sagaline.kafka import (
     Producer,
     TopicPartition,
     TopicSetupError,
+    closing_tolerated,
     create_consumer,
     create_producer,
     create_uncommitted_reader,
@@ -571,9 +572,9 @@ class Coordinator:
         self._producer.init_transactions(30)
         self._consumer.subscribe(
             [self.topics.events],
-            on_assign=self._on_assign,
-            on_revoke=self._on_revoke,
-            on_lost=self._on_lost,
+            on_assign=closing_tolerated(self._on_assign),
+            on_revoke=closing_tolerated(self._on_revoke),
+            on_lost=closing_tolerated(self._on_lost),
         )
 
     def _unparkable_topics(self) -> dict[str, tuple[str, str]]:

@@ -69,6 +69,7 @@ from sagaline.kafka import (
     Message,
     RecordTooLarge,
     TopicPartition,
+    closing_tolerated,
     consumer_config,
     create_consumer,
     ensure_topics,
@@ -2716,9 +2717,9 @@ class ParticipantRuntime:
         try:
             consumer.subscribe(
                 [self.topics.commands(self.participant)],
-                on_assign=on_assign,
-                on_revoke=on_revoke,
-                on_lost=on_lost,
+                on_assign=closing_tolerated(on_assign),
+                on_revoke=closing_tolerated(on_revoke),
+                on_lost=closing_tolerated(on_lost),
             )
             self.publish_catalogue()
             self.handler.resume_accepted()

@@ -80,6 +80,7 @@ PUBLIC: dict[str, list[str]] = {
         "TopicNotAuthorized",
         "TopicPartition",
         "TopicSetupError",
+        "closing_tolerated",
         "configured_broker",
         "consumer_config",
         "create_admin",

@@ -37,6 +37,7 @@ from sagaline.kafka._claims import InstanceClaimed
 from sagaline.kafka._clients import (
     BrokerNotConfigured,
     BrokerUnreachable,
+    closing_tolerated,
     configured_broker,
     create_admin,
     create_consumer,
@@ -90,6 +91,7 @@ __all__ = [
     "TopicNotAuthorized",
     "TopicPartition",
     "TopicSetupError",
+    "closing_tolerated",
     "configured_broker",
     "consumer_config",
     "create_admin",

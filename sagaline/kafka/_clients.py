@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
@@ -209,6 +210,34 @@ def raise_if_fatal(error: KafkaError) -> None:
     errors of the transactional API carry the flag), so the code counts too."""
     if error.fatal() or error.code() == KafkaError._FATAL:
         raise KafkaException(error)
+
+
+RebalanceCallback = Callable[[Consumer, list[TopicPartition]], None]
+
+
+def closing_tolerated(callback: RebalanceCallback) -> RebalanceCallback:
+    """``callback`` (``subscribe``'s on_assign/on_revoke/on_lost) cut short, quietly,
+    when the consumer's handle is being destroyed: ``close()`` runs the rebalance an
+    assignment that arrived just before it (a join completing as a service stops),
+    and a consumer call in the callback (``committed``) then fails with ``_DESTROY``.
+    confluent-kafka 2.16 hands that error out of ``close()`` as a bare ``KafkaError``,
+    no ``BaseException``: no ``except`` catches it and the process dies (a CI worker
+    did). Nothing is left to serve once the consumer closes, so nothing is lost."""
+
+    def tolerant(consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        try:
+            callback(consumer, partitions)
+        except KafkaException as exc:
+            error = exc.args[0] if exc.args else None
+            if not isinstance(error, KafkaError) or error.code() != KafkaError._DESTROY:
+                raise
+            log.info(
+                "rebalance of %s left undone: the consumer is closing (%s)",
+                [f"{tp.topic}[{tp.partition}]" for tp in partitions],
+                error.str(),
+            )
+
+    return tolerant
 
 
 def watermarks(consumer: Consumer, tp: TopicPartition, timeout_s: float = 60.0) -> tuple[int, int]:
