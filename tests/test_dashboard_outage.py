@@ -107,3 +107,28 @@ def test_while_its_topics_are_missing_the_pages_name_them(
         assert client.get("/api/state").json()["missing_topics"] == []
         page = client.get("/").text
         assert "stale" not in page and topics.events not in page
+
+
+@pytest.mark.kafka
+def test_while_its_topics_are_missing_healthz_names_them(
+    kafka_bootstrap: str, unique_prefix: str
+) -> None:
+    # /healthz answered 503 with no word of why: an orchestrator's probe log showed the
+    # dashboard "not ready", for good, and only the dashboard's own log named the topics.
+    settings = Settings(bootstrap=kafka_bootstrap, topic_prefix=unique_prefix, hmac_key=b"k" * 32)
+    topics = settings.topics
+    dashboard = Dashboard(kafka_bootstrap, settings)
+    with TestClient(dashboard.app, base_url="http://localhost") as client:
+        state = _state_once(client, "missing_topics", "the dashboard to find its topics missing")
+        health = client.get("/healthz")
+        assert health.status_code == 503
+        assert health.json()["missing_topics"] == state["missing_topics"], health.json()
+        assert health.json()["caught_up"] is False
+
+        ensure_topics(kafka_bootstrap, topics, partitions=1)
+        wait_until(
+            lambda: client.get("/healthz").status_code == 200,
+            60,
+            "the dashboard to be healthy once its topics exist",
+        )
+        assert "missing_topics" not in client.get("/healthz").json()

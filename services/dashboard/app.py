@@ -1308,6 +1308,10 @@ def create_app(
         # up by itself once it answers); the pages say it too.
         if follower.kafka_problem is not None:
             body["kafka"] = follower.kafka_problem
+        # Named, not just a 503: a probe's log otherwise shows "not ready" for good when
+        # the prefix is wrong or the coordinator never created them.
+        if follower.missing_topics:
+            body["missing_topics"] = list(follower.missing_topics)
         return JSONResponse(body, status_code=200 if ready and stopped is None else 503)
 
     @asynccontextmanager
