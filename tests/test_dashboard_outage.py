@@ -7,13 +7,16 @@ as if it were live (only /healthz, which no operator looks at, said anything).
 
 from __future__ import annotations
 
+import logging
+import re
 import socket
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from starlette.testclient import TestClient
 
-from sagaline.kafka import ensure_topics
+from sagaline.kafka import Consumer, KafkaError, KafkaException, ensure_topics
 from schemas.settings import Settings
 from schemas.signing import Signer
 from services.dashboard import Dashboard
@@ -132,3 +135,97 @@ def test_while_its_topics_are_missing_healthz_names_them(
             "the dashboard to be healthy once its topics exist",
         )
         assert "missing_topics" not in client.get("/healthz").json()
+
+
+def _refreshes_of_a_follower_of(
+    bootstrap: str, monkeypatch: pytest.MonkeyPatch, count: int
+) -> None:
+    """Runs a follower of ``bootstrap`` until it has refreshed its metadata ``count``
+    times (each of them a failed attempt and librdkafka's retries while none answers)."""
+    done: list[None] = []
+    refresh = LedgerFollower._refresh
+
+    def counted(self: LedgerFollower, consumer: Consumer) -> None:
+        refresh(self, consumer)
+        done.append(None)
+
+    monkeypatch.setattr(LedgerFollower, "_refresh", counted)
+    follower = LedgerFollower(bootstrap, TOPICS, Signer(b"k" * 32), DashboardState())
+    follower.start()
+    try:
+        wait_until(lambda: len(done) >= count, 60, f"{count} metadata refreshes")
+    finally:
+        follower.stop()
+
+
+def _librdkafka_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if "|rdkafka#consumer" in line]
+
+
+def test_a_broker_outage_is_logged_once_not_at_each_of_librdkafkas_retries(
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # librdkafka wrote a "Connect ... failed: Connection refused" line to stderr every
+    # 50 ms or so, and the follower a WARNING each second, for as long as the broker
+    # was down: the operator's log drowned; the pages already say it (kafka_problem).
+    monkeypatch.delenv("SAGALINE_KAFKA_LOG_LEVEL", raising=False)
+    caplog.set_level(logging.INFO, logger="sagaline.dashboard")
+    bootstrap = f"127.0.0.1:{_closed_port()}"
+    _refreshes_of_a_follower_of(bootstrap, monkeypatch, 3)
+    retries = _librdkafka_lines(capfd.readouterr().err)
+    assert len(retries) <= 1, retries[:5]
+    said = [r for r in caplog.records if "cannot reach Kafka" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, caplog.text[:2000]
+    assert bootstrap in said[0].getMessage()
+
+
+def test_a_log_level_the_deployment_sets_still_shows_librdkafkas_retries(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # SAGALINE_KAFKA_LOG_LEVEL is how an operator asks for librdkafka's own log: the
+    # dashboard's quieter default must not override it.
+    monkeypatch.setenv("SAGALINE_KAFKA_LOG_LEVEL", "3")
+    _refreshes_of_a_follower_of(f"127.0.0.1:{_closed_port()}", monkeypatch, 2)
+    assert len(_librdkafka_lines(capfd.readouterr().err)) > 1
+
+
+class DownThenUp:
+    """A broker that cannot be reached for ``down`` metadata requests, then holds the
+    three topics (empty, one partition each)."""
+
+    def __init__(self, down: int) -> None:
+        self.down = down
+
+    def list_topics(self, timeout: float) -> Any:
+        if self.down > 0:
+            self.down -= 1
+            raise KafkaException(KafkaError(KafkaError._TRANSPORT, "Connection refused"))
+        topic = SimpleNamespace(error=None, partitions={0: None})
+        names = (TOPICS.events, TOPICS.terminal, TOPICS.incidents)
+        return SimpleNamespace(topics=dict.fromkeys(names, topic))
+
+    def get_watermark_offsets(self, tp: Any, timeout: float) -> tuple[int, int]:
+        return 0, 0
+
+    def incremental_assign(self, tps: list[Any]) -> None:
+        pass
+
+    def position(self, tps: list[Any]) -> list[Any]:
+        return tps
+
+
+def test_the_end_of_an_outage_is_logged_once_with_how_long_it_lasted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="sagaline.dashboard")
+    follower = LedgerFollower("b:9092", TOPICS, Signer(b"k" * 32), DashboardState())
+    consumer = DownThenUp(down=4)
+    for _ in range(6):
+        follower._refresh(consumer)  # type: ignore[arg-type]
+    messages = [r.getMessage() for r in caplog.records]
+    assert len([m for m in messages if "cannot reach Kafka" in m]) == 1, messages
+    back = [m for m in messages if "answers again" in m]
+    assert len(back) == 1 and re.search(r"after \d+ s", back[0]), messages
+    assert follower.kafka_problem is None

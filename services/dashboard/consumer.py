@@ -15,6 +15,7 @@ import uuid
 
 from sagaline.kafka import (
     OFFSET_BEGINNING,
+    ClientConfig,
     Consumer,
     KafkaException,
     TopicPartition,
@@ -140,10 +141,19 @@ class LedgerFollower:
 
     def _run(self) -> None:
         group = f"{self.topics.prefix}sagaline-dashboard-{uuid.uuid4().hex[:12]}"
+        config = ClientConfig.from_env(self.bootstrap)
+        # While the broker is down librdkafka logs each reconnect (every ~50 ms, per
+        # broker thread) at level 3; the follower says it once (_refresh) and the pages
+        # say it. Critical lines still show; SAGALINE_KAFKA_LOG_LEVEL, when set, wins.
+        quiet = {} if "log_level" in config.settings else {"log_level": 2}
         consumer = create_consumer(
-            self.bootstrap,
+            config,
             group,
-            **{"topic.metadata.refresh.interval.ms": 5000, "allow.auto.create.topics": False},
+            **{
+                "topic.metadata.refresh.interval.ms": 5000,
+                "allow.auto.create.topics": False,
+                **quiet,
+            },
         )
         next_refresh = 0.0
         try:
@@ -268,13 +278,25 @@ class LedgerFollower:
         try:
             metadata = consumer.list_topics(timeout=5)
         except KafkaException as exc:
-            log.warning("cannot read topic metadata from %s: %s", self.bootstrap, exc)
+            # Once when the outage begins, not at each refresh (one a second): the
+            # pages and /healthz keep saying it, with the latest error, meanwhile.
             if self.kafka_problem_since is None:
                 self.kafka_problem_since = int(time.time() * 1000)
+                log.warning(
+                    "cannot reach Kafka at %s (%s): the pages show the view as last read "
+                    "until it answers, which is logged too",
+                    self.bootstrap,
+                    exc,
+                )
             self.kafka_problem = f"cannot read from Kafka at {self.bootstrap}: {exc}"
             return
-        if self.kafka_problem is not None:
-            log.info("Kafka at %s answers again: following the topics", self.bootstrap)
+        if self.kafka_problem_since is not None:
+            lasted_s = time.time() - self.kafka_problem_since / 1000
+            log.info(
+                "Kafka at %s answers again after %.0f s: following the topics",
+                self.bootstrap,
+                lasted_s,
+            )
             self.kafka_problem = self.kafka_problem_since = None
         new: list[TopicPartition] = []
         missing: list[str] = []
