@@ -722,8 +722,9 @@ DESK = [
 ]
 
 
-def _decl(tools: dict[str, Any], **extra: Any) -> Any:
-    return parse_declaration({"upstreams": {"desk": {"command": "x"}}, "tools": tools, **extra})
+def _decl(tools: dict[str, Any], source: str = "declaration", **extra: Any) -> Any:
+    data = {"upstreams": {"desk": {"command": "x"}}, "tools": tools, **extra}
+    return parse_declaration(data, source)
 
 
 def test_a_write_tool_without_mapping_is_refused() -> None:
@@ -1016,6 +1017,7 @@ def _fake_proxy(
     client: FakeClient,
     approval_wait_s: float = 600.0,
     settings: Settings | None = None,
+    source: str = "declaration",
 ) -> Any:
     from sagaline.agents.mcp_proxy import McpProxy, Upstreams, build_catalogue
 
@@ -1026,6 +1028,7 @@ def _fake_proxy(
             },
             "send_email": {"reversibility": "IRREVERSIBLE"},
         },
+        source,
         participant="fake-desk",
     )
     upstreams = Upstreams(decl)
@@ -1355,6 +1358,46 @@ def test_reading_an_unknown_resource_is_a_clear_invalid_params_error_not_a_crash
     assert raised.value.error.code == types.INVALID_PARAMS, raised.value.error
     message = raised.value.error.message
     assert "sagaline://saga/reciept" in message and RECEIPT in message, message
+
+
+def test_a_misspelt_tool_is_a_tool_error_naming_the_tool_it_may_have_meant(
+    tmp_path: Path,
+) -> None:
+    """A tool name the proxy does not serve was answered "unknown tool 'x'" and
+    nothing else. Like the saga client's UnknownTool, the answer names the close
+    names, and says where the proxy's tools come from: its declaration's tools:."""
+    proxy = _fake_proxy(tmp_path, FakeClient(), source="/etc/sagaline/desk.yaml")
+    result = _call(proxy, "create_tikcet", {})
+    assert result.is_error, result
+    said = _text(result)
+    assert "did you mean 'create_ticket'?" in said, said
+    assert "tools:" in said and "/etc/sagaline/desk.yaml" in said, said
+
+
+def test_a_tool_nothing_like_a_served_one_is_answered_with_the_tools_served(
+    tmp_path: Path,
+) -> None:
+    """No close name: the answer lists what the proxy serves (its declared tools and
+    the saga tools), so the agent need not list the tools again to know."""
+    proxy = _fake_proxy(tmp_path, FakeClient())
+    result = _call(proxy, "weather", {})
+    assert result.is_error, result
+    said = _text(result)
+    for served in ("'create_ticket'", "'send_email'", "'saga_commit'", "'saga_abort'"):
+        assert served in said, said
+    assert "'delete_ticket'" not in said, said  # a compensation, not served to the agent
+    assert "tools:" in said, said
+
+
+def test_a_call_of_a_tool_only_the_proxy_calls_says_it_is_not_served(tmp_path: Path) -> None:
+    """A compensation tool called by name is no typo of a served one: the answer says
+    the proxy calls it itself, not a close served name (create_ticket for delete_ticket)."""
+    proxy = _fake_proxy(tmp_path, FakeClient())
+    result = _call(proxy, "delete_ticket", {})
+    assert result.is_error, result
+    said = _text(result)
+    assert "not served to the agent" in said and "compensation" in said, said
+    assert "create_ticket" not in said, said
 
 
 def test_a_timed_out_step_is_reported_as_an_unknown_outcome_not_as_a_failure_R11(

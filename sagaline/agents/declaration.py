@@ -120,6 +120,11 @@ class Declaration:
     tools: Mapping[str, ToolMapping]
     internal: frozenset[str] = field(default_factory=frozenset)
 
+    @property
+    def file(self) -> str | None:
+        """The file it was read from; None when parsed from data (no file to name)."""
+        return None if self.source == UNNAMED_SOURCE else self.source
+
     def upstream_of(self, tool: str) -> str:
         mapping = self.tools.get(tool)
         if mapping is not None and mapping.upstream:
@@ -208,7 +213,11 @@ def _parse(source: str, suffix: str, text: str) -> Any:
         raise DeclarationError(source, [f"not valid YAML: {exc}"]) from exc
 
 
-def parse_declaration(data: Any, source: str = "declaration") -> Declaration:
+# The source of a declaration parsed from data rather than read from a file.
+UNNAMED_SOURCE = "declaration"
+
+
+def parse_declaration(data: Any, source: str = UNNAMED_SOURCE) -> Declaration:
     problems: list[str] = []
     if not isinstance(data, Mapping):
         raise DeclarationError(source, ["the top level must be a mapping (tools:, upstreams:)"])

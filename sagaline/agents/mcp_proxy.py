@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import inspect
 import json
 import keyword
@@ -1035,7 +1036,7 @@ class McpProxy:
         if params.name not in ("saga_commit", "saga_abort") and (
             mapping is None or params.name in self.declaration.internal_tools()
         ):
-            return _text(f"unknown tool {params.name!r}", error=True)
+            return _text(_unknown_tool(self.declaration, params.name), error=True)
         if mapping is not None and mapping.read_only:
             # Not a step, so not under the step lock: served while a write waits (for
             # its approval, its outcome); the session's saga plays no part in it.
@@ -1737,6 +1738,36 @@ def _no_saga_open(
         f" {status}); {what}. Read {RECEIPT_URI} (or `sagaline saga show {saga_id}`). The"
         " next write starts a new saga.",
         error=not met,
+    )
+
+
+_SERVED_NAMED = 20  # the most served tool names an unknown tool's answer lists
+
+
+def _unknown_tool(declaration: Declaration, name: str) -> str:
+    """What a call of a tool the proxy does not serve is answered with: the names it
+    may have meant (as the saga client's UnknownTool says), and where served tools
+    come from, so the fix is in the declaration, not in retrying."""
+    internal = declaration.internal_tools()
+    served = sorted(n for n in declaration.tools if n not in internal)
+    served += [tool.name for tool in _saga_tools()]
+    where = f" {declaration.file}" if declaration.file else ""
+    if name in internal:  # declaring it under tools: too would not serve it
+        return (
+            f"tool {name!r} is not served to the agent: the proxy calls it itself (a"
+            f" compensation, a lookup, or listed under internal: in its declaration{where})."
+        )
+    close = difflib.get_close_matches(name, served, n=3)
+    if close:
+        found = f"; did you mean {' or '.join(repr(n) for n in close)}?"
+    else:
+        listed = ", ".join(repr(n) for n in served[:_SERVED_NAMED])
+        more = f" and {len(served) - _SERVED_NAMED} more" if len(served) > _SERVED_NAMED else ""
+        found = f" (served: {listed}{more})."
+    return (
+        f"unknown tool {name!r}{found} The proxy serves the tools its declaration{where}"
+        " lists under tools: (and the saga_* tools); to serve another tool of its"
+        " upstream servers, add it there and restart the proxy."
     )
 
 
