@@ -440,6 +440,55 @@ def test_a_proxy_whose_participant_runtime_cannot_start_says_why_in_one_line(
     assert "SAGALINE_PARTITIONS=1" in last, done.stderr[-3000:]
 
 
+class _RuntimeThatDoesNotStart:
+    """A participant runtime whose start hangs (a broker that accepts connections and
+    never answers) until it is stopped."""
+
+    def __init__(self, released: threading.Event) -> None:
+        self.released = released
+
+    def run(self, *, ready: threading.Event) -> None:
+        self.released.wait()  # never sets ready: its start has not ended
+
+    def stop(self) -> None:
+        self.released.set()
+
+
+def test_a_participant_runtime_that_does_not_start_in_time_is_said_in_one_line(
+    kafka_bootstrap: str,
+    unique_prefix: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A runtime not serving after the start wait was a RuntimeError's traceback,
+    exit 1, where the proxy's other start failures are one line with exit 2. Now one
+    line too, exit 2, naming what did not start and what to check."""
+    from sagaline.agents import mcp_proxy
+
+    released = threading.Event()
+    monkeypatch.setattr(
+        mcp_proxy, "ParticipantRuntime", lambda *a: _RuntimeThatDoesNotStart(released)
+    )
+    monkeypatch.setattr(mcp_proxy, "RUNTIME_START_WAIT_S", 0.05)  # its start never ends
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
+    monkeypatch.setenv("SAGALINE_TOPIC_PREFIX", unique_prefix)
+    monkeypatch.setenv("SAGALINE_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("DESK_STATE", str(tmp_path / "desk.json"))
+    try:
+        code = mcp_proxy.main(_declaration(tmp_path))
+    finally:
+        released.set()  # the fake's start ends, whatever happened
+    err = capsys.readouterr().err
+    assert code == 2, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(
+        "sagaline mcp proxy: cannot start: the participant runtime of desk-proxy did not start"
+    ), last
+    assert kafka_bootstrap in last and f"{unique_prefix}sagaline.commands.desk-proxy" in last, last
+
+
 def test_a_proxy_whose_saga_client_cannot_start_says_why_in_one_line(
     kafka_bootstrap: str, unique_prefix: str, tmp_path: Path
 ) -> None:

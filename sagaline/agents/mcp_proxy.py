@@ -1986,6 +1986,9 @@ def _forget(call: asyncio.Future[Any]) -> None:
 # ------------------------------------------------------------------------ main
 
 
+# How long the participant runtime may take to start serving before the proxy gives up.
+RUNTIME_START_WAIT_S = 120.0
+
 # A start refused by the broker or by the topics' settings: said in one line (no
 # traceback), as `participant run` says it; anything else is a bug, its traceback kept.
 _START_REFUSALS = (KafkaException, DeliveryFailed, TopicSetupError, TopicMissing, JournalUnusable)
@@ -2114,8 +2117,17 @@ async def _run(
     thread.start()
     stack.callback(thread.join, 30)
     stack.callback(runtime.stop)
-    if not await asyncio.to_thread(ready.wait, 120):
-        raise RuntimeError(f"the participant runtime of {declaration.participant} did not start")
+    if not await asyncio.to_thread(ready.wait, RUNTIME_START_WAIT_S):
+        # Known, not a bug: its start waits on the broker (topics made, described,
+        # the catalogue read and written), which can hang without refusing.
+        raise ProxyStartFailed(
+            f"the participant runtime of {declaration.participant} did not start within"
+            f" {RUNTIME_START_WAIT_S:g} s: check that Kafka at {bootstrap} answers"
+            " (KAFKA_BOOTSTRAP_SERVERS, SAGALINE_KAFKA_*), and that the command topic"
+            f" {settings.topics.commands(declaration.participant)!r} and the catalogue"
+            f" topic {settings.topics.catalogue!r} exist or can be made, and this"
+            " principal may read and write them; then start it again"
+        )
     if failed:
         if isinstance(failed[0], InstanceClaimed):
             raise failed[0]  # a twin serves this participant: its pid, what to do
