@@ -69,26 +69,33 @@ def require_broker_answers(bootstrap: str, who: str, timeout_s: float | None = N
     try:
         admin.list_topics(timeout=wait_s)
     except KafkaException as exc:
-        error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
-        if error is None or error.code() not in (KafkaError._TRANSPORT, KafkaError._TIMED_OUT):
-            raise
+        failed = exc
         admin.poll(0)  # serves the errors met meanwhile to error_cb
-        # Each failed attempt is followed by "N/N brokers are down", which says nothing.
-        causes = [e for e in errors if e.code() != KafkaError._ALL_BROKERS_DOWN] or errors
-        why = causes[-1].str() if causes else error.str()
-        refusal = next((e for e in reversed(errors) if e.code() in _REFUSALS), None)
-        if refusal is not None:  # it answered, and refused this client's credentials
-            raise BrokerUnreachable(
-                f"{who}: the Kafka broker at {bootstrap} refused this client"
-                f" ({refusal.str()}): check the security settings {ENV_PREFIX}*"
-                " (security.protocol, sasl.*, ssl.*; docs/deploying.md) against its listener"
-            ) from None
+    else:
+        return
+    finally:
+        # Destroyed here, its threads stopped: with a log level the deployment set,
+        # librdkafka's lines otherwise went on after the refusal the caller prints.
+        del admin
+    error = failed.args[0] if failed.args and isinstance(failed.args[0], KafkaError) else None
+    if error is None or error.code() not in (KafkaError._TRANSPORT, KafkaError._TIMED_OUT):
+        raise failed
+    # Each failed attempt is followed by "N/N brokers are down", which says nothing.
+    causes = [e for e in errors if e.code() != KafkaError._ALL_BROKERS_DOWN] or errors
+    why = causes[-1].str() if causes else error.str()
+    refusal = next((e for e in reversed(errors) if e.code() in _REFUSALS), None)
+    if refusal is not None:  # it answered, and refused this client's credentials
         raise BrokerUnreachable(
-            f"{who}: no Kafka broker answered at {bootstrap} within {wait_s:.0f} s ({why}):"
-            " start one (`sagaline kafka up` prints its address) or set"
-            f" {BOOTSTRAP_VAR} (and the {ENV_PREFIX}* client settings, docs/deploying.md)"
-            " to a broker that runs"
+            f"{who}: the Kafka broker at {bootstrap} refused this client"
+            f" ({refusal.str()}): check the security settings {ENV_PREFIX}*"
+            " (security.protocol, sasl.*, ssl.*; docs/deploying.md) against its listener"
         ) from None
+    raise BrokerUnreachable(
+        f"{who}: no Kafka broker answered at {bootstrap} within {wait_s:.0f} s ({why}):"
+        " start one (`sagaline kafka up` prints its address) or set"
+        f" {BOOTSTRAP_VAR} (and the {ENV_PREFIX}* client settings, docs/deploying.md)"
+        " to a broker that runs"
+    ) from None
 
 
 def _quiet(config: ClientConfig) -> dict[str, Any]:
