@@ -2874,6 +2874,12 @@ def test_a_write_queued_behind_the_asking_write_does_not_run_after_the_abort_tha
     async def run() -> tuple[types.CallToolResult, types.CallToolResult, types.CallToolResult]:
         lock = _SeenQueued()
         proxy._lock = lock
+        # The session lets go of the aborted saga when the end's thread is done, in a
+        # callback the loop may run after the queued write has taken the step lock
+        # (CI saw it run in the aborted saga): held back here until it has.
+        let_go: list[tuple[Any, ...]] = []
+        session_ended = proxy._ended
+        proxy._ended = lambda *args: let_go.append(args)  # type: ignore[method-assign]
         write = asyncio.ensure_future(
             proxy._call_tool(ctx, _params("send_email", {"to": "a", "body": "b"}))
         )
@@ -2886,9 +2892,12 @@ def test_a_write_queued_behind_the_asking_write_does_not_run_after_the_abort_tha
             proxy._call_tool(ctx, _params("saga_abort", {"reason": "no"})), 120
         )
         await asyncio.wait_for(write, 120)
+        queued_result = await asyncio.wait_for(queued, 120)
+        for args in let_go:
+            session_ended(*args)
         return (
             aborted,
-            await asyncio.wait_for(queued, 120),
+            queued_result,
             await asyncio.wait_for(proxy._call_tool(ctx, _params("saga_commit", {})), 120),
         )
 

@@ -1053,10 +1053,13 @@ class McpProxy:
             return await self._end_while_asking(asking, params.name, args)
         queued_in = self.session.saga
         async with self._lock:  # one saga, one step at a time (steps are ordered)
+            # Refused also while the session still holds that saga: the abort's thread
+            # may be done with the session not yet told (its callback comes later). Only
+            # an end the broker did not acknowledge (ending) goes on, to be retried.
             if (
                 queued_in is not None
                 and queued_in is self._aborted_ahead
-                and self.session.saga is not queued_in
+                and not (self.session.saga is queued_in and self.session.ending is not None)
             ):
                 return _aborted_ahead(queued_in, params.name)
             try:
