@@ -72,11 +72,19 @@ class AclBroker:
 
 @pytest.fixture(scope="module")
 def acl_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AclBroker]:
-    state = tmp_path_factory.mktemp("acl-broker")
-    try:
-        up = kafka_local.ensure_running(state, sasl=True, acls=True)
-    except kafka_local.ToolMissingError as missing:
-        pytest.skip(f"no Java/Maven for a second local broker: {missing}")
+    # Its ports are picked free and bound by the JVM seconds later: on a busy machine
+    # another process can take one meanwhile (PortInUseError, seen in a CI run beside
+    # two CPU hogs). A fresh state dir picks other ports.
+    for attempt in range(3):
+        state = tmp_path_factory.mktemp("acl-broker")
+        try:
+            up = kafka_local.ensure_running(state, sasl=True, acls=True)
+            break
+        except kafka_local.ToolMissingError as missing:
+            pytest.skip(f"no Java/Maven for a second local broker: {missing}")
+        except kafka_local.PortInUseError:
+            if attempt == 2:
+                raise
     listener = kafka_local.sasl_listener(state)
     assert listener is not None
     try:
